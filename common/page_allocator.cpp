@@ -1,0 +1,57 @@
+#include "common/page_allocator.h"
+
+#include "common/error.h"
+
+namespace spade {
+
+PageAllocator::PageAllocator(int num_pages, int page_size) : num_pages_(num_pages), page_size_(page_size) {
+  SPADE_CHECK(num_pages > 0, "PageAllocator: num_pages must be positive, got {}", num_pages);
+  SPADE_CHECK(page_size > 0, "PageAllocator: page_size must be positive, got {}", page_size);
+  free_.reserve(num_pages);
+  for (int p = num_pages - 1; p >= 0; --p) free_.push_back(p);
+}
+
+void PageAllocator::admit(uint64_t seq) {
+  SPADE_CHECK(!seqs_.count(seq), "PageAllocator: sequence {} is already admitted", seq);
+  seqs_.emplace(seq, Seq{});
+}
+
+const PageAllocator::Seq& PageAllocator::get(uint64_t seq) const {
+  auto it = seqs_.find(seq);
+  SPADE_CHECK(it != seqs_.end(), "PageAllocator: unknown sequence {}", seq);
+  return it->second;
+}
+
+bool PageAllocator::append(uint64_t seq, int n) {
+  auto it = seqs_.find(seq);
+  SPADE_CHECK(it != seqs_.end(), "PageAllocator: unknown sequence {}", seq);
+  SPADE_CHECK(n >= 0, "PageAllocator: cannot append {} tokens", n);
+  Seq& s = it->second;
+  const int need = pages_for(s.len + n) - static_cast<int>(s.pages.size());
+  if (need > static_cast<int>(free_.size())) return false;
+  for (int i = 0; i < need; ++i) {
+    s.pages.push_back(free_.back());
+    free_.pop_back();
+  }
+  s.len += n;
+  return true;
+}
+
+void PageAllocator::release(uint64_t seq) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return;
+  for (auto p = it->second.pages.rbegin(); p != it->second.pages.rend(); ++p) free_.push_back(*p);
+  seqs_.erase(it);
+}
+
+const std::vector<int32_t>& PageAllocator::block_table(uint64_t seq) const { return get(seq).pages; }
+
+int PageAllocator::seq_len(uint64_t seq) const { return get(seq).len; }
+
+std::pair<int32_t, int> PageAllocator::locate(uint64_t seq, int pos) const {
+  const Seq& s = get(seq);
+  SPADE_CHECK(pos >= 0 && pos < s.len, "PageAllocator: position {} outside sequence {} of length {}", pos, seq, s.len);
+  return {s.pages[pos / page_size_], pos % page_size_};
+}
+
+}  // namespace spade

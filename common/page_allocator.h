@@ -1,0 +1,57 @@
+// Paged KV-cache bookkeeping: a fixed pool of pages, a free list, and one block table per sequence.
+//
+// The same design serves the CPU KV store, the GPU KV pool and the cache rank's store; only the storage differs.
+// A page holds `page_size` consecutive token slots of one sequence (for every layer and KV head: storage is
+// [num_layers][num_pages, page_size, num_kv_heads, head_dim], see kernels/paged_attention_ref.h).
+// Not thread-safe: owned by one scheduler thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace spade {
+
+class PageAllocator {
+ public:
+  /// Throws spade::Error when num_pages or page_size is not positive.
+  PageAllocator(int num_pages, int page_size);
+
+  int page_size() const { return page_size_; }
+  int num_pages() const { return num_pages_; }
+  int num_free_pages() const { return static_cast<int>(free_.size()); }
+  /// Fraction of pages in use, 0..1 (vLLM's kv_cache_usage_perc / 100).
+  double usage() const { return 1.0 - static_cast<double>(free_.size()) / num_pages_; }
+  /// Pages needed to hold `tokens` tokens.
+  int pages_for(int tokens) const { return (tokens + page_size_ - 1) / page_size_; }
+
+  /// Registers a new sequence with no tokens. Throws spade::Error if `seq` already exists.
+  void admit(uint64_t seq);
+  bool contains(uint64_t seq) const { return seqs_.count(seq) != 0; }
+  /// Grows `seq` by `n` tokens, taking pages from the free list as needed. Returns false and changes nothing when
+  /// the pool has too few free pages. Throws spade::Error for an unknown sequence.
+  bool append(uint64_t seq, int n);
+  /// Returns every page of `seq` to the free list and forgets it. Unknown sequences are ignored (idempotent).
+  void release(uint64_t seq);
+
+  /// Page ids of `seq` in token order. Throws spade::Error for an unknown sequence.
+  const std::vector<int32_t>& block_table(uint64_t seq) const;
+  /// Tokens currently held by `seq`. Throws spade::Error for an unknown sequence.
+  int seq_len(uint64_t seq) const;
+  /// (page id, slot) of token `pos` of `seq`.
+  std::pair<int32_t, int> locate(uint64_t seq, int pos) const;
+
+ private:
+  struct Seq {
+    std::vector<int32_t> pages;
+    int len = 0;
+  };
+  const Seq& get(uint64_t seq) const;
+  int num_pages_;
+  int page_size_;
+  std::vector<int32_t> free_;  // stack: last freed page is reused first (warm in cache)
+  std::unordered_map<uint64_t, Seq> seqs_;
+};
+
+}  // namespace spade

@@ -1,0 +1,215 @@
+#include "inference_rank/engine.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+
+namespace spade {
+namespace {
+
+EngineOptions normalise(EngineOptions o, const ModelConfig& cfg) {
+  SPADE_CHECK(o.page_size > 0, "engine: page_size must be positive, got {}", o.page_size);
+  SPADE_CHECK(o.max_num_seqs > 0, "engine: max_num_seqs must be positive, got {}", o.max_num_seqs);
+  SPADE_CHECK(o.max_num_batched_tokens > 0, "engine: max_num_batched_tokens must be positive, got {}",
+              o.max_num_batched_tokens);
+  if (o.max_model_len <= 0) o.max_model_len = cfg.max_position_embeddings;
+  SPADE_CHECK(o.max_model_len <= cfg.max_position_embeddings,
+              "engine: max_model_len {} exceeds the model's max_position_embeddings {}", o.max_model_len,
+              cfg.max_position_embeddings);
+  if (o.num_pages <= 0) {
+    const int64_t full = static_cast<int64_t>(o.max_num_seqs) * ((o.max_model_len + o.page_size - 1) / o.page_size);
+    const int64_t budget = static_cast<int64_t>(o.kv_cache_bytes / KvCache::page_bytes(cfg, o.page_size));
+    o.num_pages = static_cast<int>(std::max<int64_t>(1, std::min(full, budget)));
+  }
+  return o;
+}
+
+}  // namespace
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::None: return "none";
+    case FinishReason::Stop: return "stop";
+    case FinishReason::Length: return "length";
+    case FinishReason::Abort: return "abort";
+    case FinishReason::Error: return "error";
+  }
+  return "?";
+}
+
+Engine::Engine(const Model& model, EngineOptions opt, std::unique_ptr<AttentionBackend> attention)
+    : model_(model),
+      opt_(normalise(opt, model.config())),
+      cache_(std::make_unique<KvCache>(model.config(), opt_.num_pages, opt_.page_size)),
+      attention_(attention ? std::move(attention) : std::make_unique<DensePagedAttention>(model.config(), *cache_)),
+      alloc_(opt_.num_pages, opt_.page_size) {}
+
+uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
+  const ModelConfig& cfg = model_.config();
+  SPADE_CHECK(!req.prompt_ids.empty(), "request has an empty prompt");
+  for (int32_t id : req.prompt_ids)
+    SPADE_CHECK(id >= 0 && id < cfg.vocab_size, "prompt token id {} is outside the vocabulary [0, {})", id,
+                cfg.vocab_size);
+  SPADE_CHECK(req.max_tokens > 0, "max_tokens must be positive, got {}", req.max_tokens);
+  validate(req.sampling);
+  const int64_t total = static_cast<int64_t>(req.prompt_ids.size()) + req.max_tokens;
+  if (total > opt_.max_model_len)
+    fail("This model's maximum context length is {} tokens and your request has {} tokens ({} in the prompt, {} to "
+         "generate)",
+         opt_.max_model_len, total, req.prompt_ids.size(), req.max_tokens);
+  const int pages = alloc_.pages_for(static_cast<int>(total));
+  SPADE_CHECK(pages <= alloc_.num_pages(), "request needs {} KV pages but the pool has {} in all", pages,
+              alloc_.num_pages());
+  auto s = std::make_unique<Seq>();
+  s->id = next_id_++;
+  s->tokens = req.prompt_ids;
+  s->rng.seed(req.sampling.seed);
+  s->req = std::move(req);
+  s->cb = std::move(cb);
+  const uint64_t id = s->id;
+  waiting_.push_back(std::move(s));
+  return id;
+}
+
+void Engine::abort(uint64_t request_id) {
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+    if ((*it)->id == request_id) {
+      auto s = std::move(*it);
+      waiting_.erase(it);
+      if (s->cb) s->cb(TokenEvent{request_id, -1, true, FinishReason::Abort, ""});
+      return;
+    }
+  }
+  auto it = running_.find(request_id);
+  if (it != running_.end()) {
+    finish(*it->second, FinishReason::Abort);
+    running_.erase(it);
+  }
+}
+
+void Engine::finish(Seq& s, FinishReason r, const std::string& error) {
+  reserved_pages_ -= s.reserved_pages - static_cast<int>(alloc_.block_table(s.id).size());
+  alloc_.release(s.id);
+  attention_->on_release(s.id);
+  if (r == FinishReason::Abort || r == FinishReason::Error) {
+    if (s.cb) s.cb(TokenEvent{s.id, -1, true, r, error});
+  }
+}
+
+bool Engine::admit_waiting() {
+  bool any = false;
+  while (!waiting_.empty() && static_cast<int>(running_.size()) < opt_.max_num_seqs) {
+    Seq& s = *waiting_.front();
+    const int need = alloc_.pages_for(static_cast<int>(s.req.prompt_ids.size()) + s.req.max_tokens);
+    if (alloc_.num_free_pages() - reserved_pages_ < need) break;  // FIFO: wait for memory
+    alloc_.admit(s.id);
+    s.reserved_pages = need;
+    reserved_pages_ += need;
+    running_.emplace(s.id, std::move(waiting_.front()));
+    waiting_.pop_front();
+    any = true;
+  }
+  return any;
+}
+
+bool Engine::step() {
+  admit_waiting();
+  if (running_.empty()) return false;
+
+  ForwardBatch batch;
+  std::vector<Seq*> in_batch;     // sequences in the batch, in batch order
+  std::vector<int> logit_owner;   // for each logit row: index into in_batch
+  int budget = opt_.max_num_batched_tokens;
+  batch.cu_q_lens.push_back(0);
+  // Decode tokens first (one each), then prefill chunks, so running requests are never starved by long prompts.
+  std::vector<Seq*> order;
+  for (auto& [id, s] : running_)
+    if (s->num_computed >= static_cast<int>(s->req.prompt_ids.size())) order.push_back(s.get());
+  for (auto& [id, s] : running_)
+    if (s->num_computed < static_cast<int>(s->req.prompt_ids.size())) order.push_back(s.get());
+  for (Seq* s : order) {
+    if (budget <= 0) break;
+    const int pending = static_cast<int>(s->tokens.size()) - s->num_computed;  // >= 1
+    const int n = std::min(pending, budget);
+    const int old_pages = static_cast<int>(alloc_.block_table(s->id).size());
+    SPADE_CHECK(alloc_.append(s->id, n), "engine: KV pool exhausted despite reservation (sequence {})", s->id);
+    reserved_pages_ -= static_cast<int>(alloc_.block_table(s->id).size()) - old_pages;
+    budget -= n;
+    for (int i = 0; i < n; ++i) {
+      batch.tokens.push_back(s->tokens[s->num_computed + i]);
+      batch.positions.push_back(s->num_computed + i);
+    }
+    batch.cu_q_lens.push_back(batch.cu_q_lens.back() + n);
+    batch.seq_lens.push_back(s->num_computed + n);
+    batch.seq_ids.push_back(s->id);
+    s->num_computed += n;
+    if (s->num_computed == static_cast<int>(s->tokens.size())) {  // last token known: sample the next one
+      batch.logit_rows.push_back(batch.cu_q_lens.back() - 1);
+      logit_owner.push_back(static_cast<int>(in_batch.size()));
+    }
+    in_batch.push_back(s);
+  }
+  int max_pages = 0;
+  for (Seq* s : in_batch) max_pages = std::max(max_pages, static_cast<int>(alloc_.block_table(s->id).size()));
+  batch.max_pages = max_pages;
+  batch.block_table.assign(static_cast<size_t>(in_batch.size()) * max_pages, -1);
+  for (size_t b = 0; b < in_batch.size(); ++b) {
+    const auto& bt = alloc_.block_table(in_batch[b]->id);
+    std::copy(bt.begin(), bt.end(), batch.block_table.begin() + static_cast<long>(b) * max_pages);
+  }
+
+  std::vector<float> logits;
+  try {
+    model_.forward(batch, *attention_, logits);
+  } catch (const Error& e) {  // fail every request of the batch, keep serving
+    for (Seq* s : in_batch) {
+      const uint64_t id = s->id;
+      finish(*s, FinishReason::Error, e.what());
+      running_.erase(id);
+    }
+    return true;
+  }
+  ++stats_.steps;
+  const int vocab = model_.config().vocab_size;
+  for (size_t r = 0; r < logit_owner.size(); ++r) {
+    Seq& s = *in_batch[logit_owner[r]];
+    const bool was_prefill = s.generated == 0;
+    if (was_prefill) stats_.prompt_tokens += s.req.prompt_ids.size();
+    const int tok = sample_token(&logits[r * static_cast<size_t>(vocab)], vocab, s.req.sampling, s.rng);
+    s.tokens.push_back(tok);
+    ++s.generated;
+    ++stats_.generated_tokens;
+    FinishReason reason = FinishReason::None;
+    const auto& stops = s.req.stop_token_ids;
+    if (!s.req.ignore_eos && std::find(stops.begin(), stops.end(), tok) != stops.end()) {
+      reason = FinishReason::Stop;
+    } else if (s.generated >= s.req.max_tokens) {
+      reason = FinishReason::Length;
+    }
+    TokenEvent ev{s.id, tok, reason != FinishReason::None, reason, ""};
+    if (ev.finished) {
+      const uint64_t id = s.id;
+      TokenCallback cb = std::move(s.cb);
+      finish(s, reason);
+      running_.erase(id);
+      if (cb) cb(ev);
+    } else if (s.cb) {
+      s.cb(ev);
+    }
+  }
+  return true;
+}
+
+void Engine::run_until_idle() {
+  while (!idle()) step();
+}
+
+EngineStats Engine::stats() const {
+  EngineStats s = stats_;
+  s.num_running = static_cast<int>(running_.size());
+  s.num_waiting = static_cast<int>(waiting_.size());
+  s.kv_cache_usage = alloc_.usage();
+  return s;
+}
+
+}  // namespace spade

@@ -1,0 +1,116 @@
+// Continuous-batching scheduler of the inference rank (CPU path).
+//
+// Every step() builds one ragged batch: one decode token for each running sequence, plus prefill chunks of
+// admitted sequences up to max_num_batched_tokens (vLLM-style mixed prefill/decode batching). Requests join
+// between steps (submit) and leave when they finish (EOS, max_tokens, abort), freeing their pages at once.
+// Admission reserves the pages a request can ever need (prompt + max_tokens), so a running request never waits
+// for memory and nothing is preempted; a request that cannot fit yet waits in FIFO order.
+// Single-threaded: submit/abort/step are called from one thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/page_allocator.h"
+#include "common/sampling.h"
+#include "inference_rank/model.h"
+
+namespace spade {
+
+enum class FinishReason { None, Stop, Length, Abort, Error };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "abort", "error" (OpenAI spelling)
+
+struct GenerateRequest {
+  std::vector<int32_t> prompt_ids;   // non-empty, ids < vocab
+  int max_tokens = 16;               // > 0: tokens to generate at most
+  SamplingParams sampling;
+  std::vector<int> stop_token_ids;   // generation stops after sampling one of these (e.g. EOS)
+  bool ignore_eos = false;           // keep generating through stop_token_ids (benchmarks, parity fixtures)
+};
+
+/// One event per generated token; the last event of a request has finished == true.
+struct TokenEvent {
+  uint64_t request_id = 0;
+  int32_t token = -1;        // -1 when the request ends without a new token (abort, error)
+  bool finished = false;
+  FinishReason reason = FinishReason::None;
+  std::string error;         // set when reason == Error
+};
+
+using TokenCallback = std::function<void(const TokenEvent&)>;
+
+struct EngineOptions {
+  int page_size = 16;                 // tokens per KV page
+  int num_pages = 0;                  // 0: min(max_num_seqs full-length sequences, kv_cache_bytes)
+  size_t kv_cache_bytes = size_t{1} << 30;  // KV budget when num_pages == 0 (host memory, fp32)
+  int max_num_seqs = 64;              // running sequences at most
+  int max_num_batched_tokens = 2048;  // tokens per forward at most (prefill chunking)
+  int max_model_len = 0;              // 0: max_position_embeddings
+};
+
+struct EngineStats {
+  int num_running = 0;
+  int num_waiting = 0;
+  double kv_cache_usage = 0;          // 0..1
+  uint64_t steps = 0;
+  uint64_t prompt_tokens = 0;         // processed by prefill
+  uint64_t generated_tokens = 0;
+};
+
+class Engine {
+ public:
+  /// `attention`: nullptr = dense paged attention over the engine's own KvCache.
+  Engine(const Model& model, EngineOptions opt, std::unique_ptr<AttentionBackend> attention = nullptr);
+
+  /// Validates and queues a request; returns its id. Throws spade::Error (nothing queued) for an empty prompt,
+  /// an id outside the vocabulary, max_tokens <= 0, invalid sampling parameters, or a request longer than the
+  /// context: "This model's maximum context length is N tokens and your request has M tokens (P in the prompt,
+  /// K to generate)".
+  uint64_t submit(GenerateRequest req, TokenCallback cb);
+  /// Ends a queued or running request with FinishReason::Abort and frees its pages. Unknown ids are ignored.
+  void abort(uint64_t request_id);
+  /// Runs one scheduling step + forward. Returns false when there was nothing to do.
+  bool step();
+  /// Steps until no request is queued or running.
+  void run_until_idle();
+  bool idle() const { return running_.empty() && waiting_.empty(); }
+
+  EngineStats stats() const;
+  const EngineOptions& options() const { return opt_; }
+  const KvCache& kv_cache() const { return *cache_; }
+  const PageAllocator& pages() const { return alloc_; }
+
+ private:
+  struct Seq {
+    uint64_t id;
+    GenerateRequest req;
+    TokenCallback cb;
+    std::mt19937_64 rng;
+    std::vector<int32_t> tokens;  // prompt + generated
+    int num_computed = 0;         // tokens whose KV is in the cache
+    int generated = 0;
+    int reserved_pages = 0;
+  };
+  void finish(Seq& s, FinishReason r, const std::string& error = "");
+  bool admit_waiting();
+
+  const Model& model_;
+  EngineOptions opt_;
+  std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<AttentionBackend> attention_;
+  PageAllocator alloc_;
+  uint64_t next_id_ = 1;
+  int reserved_pages_ = 0;  // pages promised to running sequences but not yet allocated
+  std::deque<std::unique_ptr<Seq>> waiting_;
+  std::map<uint64_t, std::unique_ptr<Seq>> running_;  // ordered by id = arrival order
+  EngineStats stats_;
+};
+
+}  // namespace spade

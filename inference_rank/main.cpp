@@ -1,0 +1,165 @@
+// inference_rank: loads a Hugging Face checkpoint and generates text (standalone, dense, CPU).
+//
+//   inference_rank --model DIR --prompt TEXT --max-tokens N [--temperature T --top-p P --top-k K --seed S]
+//
+// The generated text streams to stdout; TTFT, TPOT and tokens/s go to stderr at the end. `--prompt ""` means the BOS
+// token alone. Several --prompt flags run as one continuously batched workload (outputs printed in order).
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <map>
+
+#include "common/chat_template.h"
+#include "common/config.h"
+#include "common/error.h"
+#include "common/logging.h"
+#include "common/tokenizer.h"
+#include "inference_rank/engine.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+struct Output {
+  std::vector<spade::TokenEvent> events;
+  std::vector<Clock::time_point> times;
+  std::string text;
+  spade::FinishReason reason = spade::FinishReason::None;
+  std::string error;
+  size_t prompt_tokens = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Spade inference rank: dense generation from a Hugging Face checkpoint (CPU)"};
+  std::string model_dir, log_level = "warn";
+  std::vector<std::string> prompts;
+  int max_tokens = 128;
+  spade::SamplingParams sp;
+  sp.temperature = -1;  // unset: generation_config.json decides (greedy unless do_sample)
+  bool chat = false, ignore_eos = false;
+  spade::EngineOptions eo;
+  app.add_option("--model", model_dir, "Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)")
+      ->required();
+  app.add_option("--prompt", prompts, "prompt text; \"\" = the BOS token alone; repeat for a batch")->required();
+  app.add_option("--max-tokens", max_tokens, "tokens to generate at most")->check(CLI::PositiveNumber);
+  app.add_option("--temperature", sp.temperature, "sampling temperature; 0 = greedy (default: generation_config)");
+  app.add_option("--top-p", sp.top_p, "nucleus sampling mass in (0, 1]");
+  app.add_option("--top-k", sp.top_k, "sample among the k most likely tokens; 0 = off");
+  app.add_option("--seed", sp.seed, "random seed of the sampler");
+  app.add_flag("--chat", chat, "wrap each prompt as a user message with the checkpoint's chat template");
+  app.add_flag("--ignore-eos", ignore_eos, "do not stop at EOS");
+  app.add_option("--page-size", eo.page_size, "KV-cache page size in tokens")->check(CLI::PositiveNumber);
+  app.add_option("--max-num-seqs", eo.max_num_seqs, "sequences decoded together at most")->check(CLI::PositiveNumber);
+  app.add_option("--max-num-batched-tokens", eo.max_num_batched_tokens, "tokens per forward (prefill chunk) at most")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    spade::init_logging("inference_rank", log_level);
+    auto t_load = Clock::now();
+    auto model = spade::Model::load(model_dir);
+    auto tok = spade::Tokenizer::from_dir(model_dir);
+    auto gen = spade::load_generation_config(model_dir, model->config());
+    spdlog::info("loaded {} ({} params) in {:.1f} ms", model_dir, model->num_params(), ms(Clock::now() - t_load));
+    if (sp.temperature < 0) sp.temperature = gen.do_sample ? gen.temperature : 0.f;
+    spade::validate(sp);
+
+    spade::Engine engine(*model, eo);
+    std::vector<Output> outs(prompts.size());
+    std::map<uint64_t, size_t> slot;
+    const bool stream = prompts.size() == 1;
+    spade::StreamingDecoder streamer(tok, /*skip_special_tokens=*/true);
+    const auto t0 = Clock::now();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      std::vector<int32_t> ids;
+      if (prompts[i].empty() && !chat) {
+        auto bos = tok.bos_id();
+        if (!bos && gen.bos_token_id >= 0) bos = gen.bos_token_id;
+        if (!bos) spade::fail("--prompt \"\" needs a BOS token, but {} defines none", model_dir);
+        ids = {*bos};
+      } else if (chat) {
+        const auto tmpl = spade::ChatTemplate::from_tokenizer(tok);
+        ids = tok.encode(tmpl.render({{"user", prompts[i]}}, /*add_generation_prompt=*/true),
+                         /*add_special_tokens=*/false);
+      } else {
+        ids = tok.encode(prompts[i], /*add_special_tokens=*/true);
+      }
+      spade::GenerateRequest r;
+      r.prompt_ids = ids;
+      r.max_tokens = max_tokens;
+      r.sampling = sp;
+      r.sampling.seed = sp.seed + i;
+      r.stop_token_ids = gen.eos_token_ids;
+      r.ignore_eos = ignore_eos;
+      outs[i].prompt_tokens = ids.size();
+      const uint64_t id = engine.submit(r, [&, i](const spade::TokenEvent& ev) {
+        Output& o = outs[i];
+        o.times.push_back(Clock::now());
+        o.events.push_back(ev);
+        if (ev.finished) {
+          o.reason = ev.reason;
+          o.error = ev.error;
+        }
+        const bool is_eos = ev.reason == spade::FinishReason::Stop;
+        if (ev.token >= 0 && !is_eos) {
+          if (stream) {
+            std::string piece = streamer.push(ev.token);
+            std::fwrite(piece.data(), 1, piece.size(), stdout);
+            std::fflush(stdout);
+          } else {
+            o.text += tok.decode(std::vector<int32_t>{ev.token}, true);
+          }
+        }
+      });
+      slot[id] = i;
+    }
+    engine.run_until_idle();
+    const auto t_end = Clock::now();
+    if (stream) {
+      std::string rest = streamer.finish();
+      std::fwrite(rest.data(), 1, rest.size(), stdout);
+      std::fputc('\n', stdout);
+    }
+
+    int failed = 0;
+    size_t generated = 0;
+    double ttft_sum = 0, tpot_sum = 0;
+    size_t tpot_n = 0;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      Output& o = outs[i];
+      if (!stream) {
+        // Batched: decode each whole sequence at once (byte-fallback and multi-byte tokens join correctly).
+        std::vector<int32_t> ids;
+        for (auto& ev : o.events)
+          if (ev.token >= 0 && ev.reason != spade::FinishReason::Stop) ids.push_back(ev.token);
+        std::printf("=== prompt %zu ===\n%s\n", i, tok.decode(ids, true).c_str());
+      }
+      if (o.reason == spade::FinishReason::Error) {
+        std::fprintf(stderr, "request %zu failed: %s\n", i, o.error.c_str());
+        ++failed;
+        continue;
+      }
+      generated += o.events.size();
+      if (!o.times.empty()) ttft_sum += ms(o.times.front() - t0);
+      for (size_t k = 1; k < o.times.size(); ++k, ++tpot_n) tpot_sum += ms(o.times[k] - o.times[k - 1]);
+    }
+    const double total_s = std::chrono::duration<double>(t_end - t0).count();
+    const size_t ok = outs.size() - failed;
+    std::fprintf(stderr,
+                 "[spade] requests=%zu prompt_tokens=%zu generated_tokens=%zu ttft_ms=%.3f tpot_ms=%.3f "
+                 "tokens_per_s=%.1f finish_reason=%s\n",
+                 outs.size(), outs[0].prompt_tokens, generated, ok ? ttft_sum / ok : 0.0,
+                 tpot_n ? tpot_sum / tpot_n : 0.0, total_s > 0 ? generated / total_s : 0.0,
+                 spade::finish_reason_name(outs[0].reason));
+    return failed ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "inference_rank: error: %s\n", e.what());
+    return 2;
+  }
+}
