@@ -1,7 +1,7 @@
 # Warning and sanitizer flags shared by every Spade target (C++ only; CUDA gets its own in SpadeCuda.cmake).
 add_library(spade_warnings INTERFACE)
 target_compile_options(spade_warnings INTERFACE
-  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wcast-align -Wnull-dereference
+  $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wcast-align
                             -Wformat=2 -Wimplicit-fallthrough>)
 if(SPADE_WERROR)
   target_compile_options(spade_warnings INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Werror>

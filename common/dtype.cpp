@@ -65,6 +65,7 @@ uint16_t f32_to_f16(float f) {
 }
 
 void convert_to_f32(const void* src, DType src_type, float* dst, size_t n) {
+  if (n == 0) return;
   switch (src_type) {
     case DType::F32:
       std::memcpy(dst, src, n * 4);

@@ -84,9 +84,9 @@ int main(int argc, char** argv) {
         if (!bos) spade::fail("--prompt \"\" needs a BOS token, but {} defines none", model_dir);
         ids = {*bos};
       } else if (chat) {
-        const auto tmpl = spade::ChatTemplate::from_tokenizer(tok);
-        ids = tok.encode(tmpl.render({{"user", prompts[i]}}, /*add_generation_prompt=*/true),
-                         /*add_special_tokens=*/false);
+        const auto tmpl = spade::ChatTemplate::for_tokenizer(tok);
+        const std::vector<spade::ChatMessage> msgs = {{"user", prompts[i]}};
+        ids = tok.encode(tmpl.render(msgs), /*add_special_tokens=*/false);
       } else {
         ids = tok.encode(prompts[i], /*add_special_tokens=*/true);
       }

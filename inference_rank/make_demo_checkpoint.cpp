@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
                       {"rms_norm_eps", 1e-6},
                       {"rope_theta", 1000000.0},
                       {"hidden_act", "silu"},
-                      {"tie_word_embeddings", true},
+                      {"tie_word_embeddings", false},
                       {"attention_bias", false},
                       {"bos_token_id", 256},
                       {"eos_token_id", 258},

@@ -1,0 +1,2835 @@
+// Hugging Face tokenizer.json (BPE) — see tokenizer.h for what is supported and the references.
+#include "common/tokenizer.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <queue>
+#include <sstream>
+#include <unordered_map>
+#include <utility>
+
+#include "common/error.h"
+#include "common/logging.h"
+
+namespace spade {
+
+using json = nlohmann::json;
+
+namespace {
+
+// ================================================================================================
+// UTF-8 helpers
+// ================================================================================================
+
+constexpr std::string_view kReplacementChar = "\xEF\xBF\xBD";  // U+FFFD
+
+// The UTF-8 sequence starting at p[0] (n >= 1 bytes available), per the Unicode Standard's table of
+// well-formed byte sequences (§3.9, Table 3-7).
+//   valid:      p[0..len) is one well-formed character.
+//   truncated:  p[0..n) is a proper prefix of a well-formed character (more bytes could complete it);
+//               len == n.
+//   otherwise:  p[0..len) is a maximal ill-formed subpart (len >= 1): it becomes one U+FFFD.
+struct Utf8Scan {
+  size_t len;
+  bool valid;
+  bool truncated;
+};
+
+Utf8Scan scan_utf8(const unsigned char* p, size_t n) {
+  const unsigned char b = p[0];
+  if (b < 0x80) return {1, true, false};
+  size_t need;
+  unsigned char lo = 0x80, hi = 0xBF;
+  if (b >= 0xC2 && b <= 0xDF) {
+    need = 1;
+  } else if (b == 0xE0) {
+    need = 2;
+    lo = 0xA0;
+  } else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) {
+    need = 2;
+  } else if (b == 0xED) {
+    need = 2;
+    hi = 0x9F;
+  } else if (b == 0xF0) {
+    need = 3;
+    lo = 0x90;
+  } else if (b >= 0xF1 && b <= 0xF3) {
+    need = 3;
+  } else if (b == 0xF4) {
+    need = 3;
+    hi = 0x8F;
+  } else {
+    return {1, false, false};  // 80..C1, F5..FF never start a character
+  }
+  for (size_t i = 1; i <= need; ++i) {
+    if (i >= n) return {i, false, true};
+    const unsigned char c = p[i];
+    const bool ok = (i == 1) ? (c >= lo && c <= hi) : (c >= 0x80 && c <= 0xBF);
+    if (!ok) return {i, false, false};
+  }
+  return {need + 1, true, false};
+}
+
+// Offset of the first byte that is not part of well-formed UTF-8, or npos.
+size_t first_invalid_utf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  size_t i = 0;
+  while (i < s.size()) {
+    if (p[i] < 0x80) {
+      ++i;
+      continue;
+    }
+    const Utf8Scan r = scan_utf8(p + i, s.size() - i);
+    if (!r.valid) return i;
+    i += r.len;
+  }
+  return std::string_view::npos;
+}
+
+// Appends lossy text for bytes[0..n) and returns how many bytes were consumed. With `hold_truncated`, a
+// proper prefix of a character at the very end is left unconsumed (streaming); otherwise it becomes U+FFFD.
+size_t append_lossy(std::string& out, std::string_view bytes, bool hold_truncated) {
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  size_t i = 0;
+  while (i < bytes.size()) {
+    if (p[i] < 0x80) {
+      out.push_back(static_cast<char>(p[i]));
+      ++i;
+      continue;
+    }
+    const Utf8Scan r = scan_utf8(p + i, bytes.size() - i);
+    if (r.valid) {
+      out.append(bytes.substr(i, r.len));
+    } else if (r.truncated && hold_truncated) {
+      return i;
+    } else {
+      out.append(kReplacementChar);
+    }
+    i += r.len;
+  }
+  return i;
+}
+
+// Length of the UTF-8 character whose lead byte is `b` (valid text).
+inline size_t utf8_char_len(unsigned char b) {
+  if (b < 0x80) return 1;
+  if (b < 0xE0) return 2;
+  if (b < 0xF0) return 3;
+  return 4;
+}
+
+// Decodes the character at s[i] of valid UTF-8.
+inline char32_t decode_at(std::string_view s, size_t i) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data()) + i;
+  if (p[0] < 0x80) return p[0];
+  if (p[0] < 0xE0) return (char32_t(p[0] & 0x1F) << 6) | (p[1] & 0x3F);
+  if (p[0] < 0xF0) return (char32_t(p[0] & 0x0F) << 12) | (char32_t(p[1] & 0x3F) << 6) | (p[2] & 0x3F);
+  return (char32_t(p[0] & 0x07) << 18) | (char32_t(p[1] & 0x3F) << 12) | (char32_t(p[2] & 0x3F) << 6) |
+         (p[3] & 0x3F);
+}
+
+// Start of the character that ends at s[i-1] (i > 0, valid UTF-8).
+inline size_t prev_char_start(std::string_view s, size_t i) {
+  do {
+    --i;
+  } while (i > 0 && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80);
+  return i;
+}
+
+inline void append_utf8(std::string& out, char32_t cp) {
+  if (cp < 0x80) {
+    out.push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+// Number of characters in valid UTF-8.
+inline size_t utf8_count(std::string_view s) {
+  size_t n = 0;
+  for (char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return n;
+}
+
+// Rust's char::is_whitespace / regex \s: the Unicode White_Space property.
+inline bool is_white_space(char32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
+         c == 0x3000;
+}
+
+std::string quote_for_message(std::string_view s) {
+  constexpr size_t kMax = 80;
+  std::string out(s.substr(0, kMax));
+  if (s.size() > kMax) out += "...";
+  return out;
+}
+
+// ================================================================================================
+// PCRE2 regex (UTF + UCP, JIT when available)
+// ================================================================================================
+
+class Regex {
+ public:
+  Regex(const std::string& pattern, const std::string& where) : pattern_(pattern) {
+    int err = 0;
+    PCRE2_SIZE off = 0;
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP,
+                          &err, &off, nullptr);
+    if (code_ == nullptr) {
+      PCRE2_UCHAR buf[256];
+      pcre2_get_error_message(err, buf, sizeof(buf));
+      fail("{}: regex '{}' does not compile (PCRE2, offset {}): {}", where, pattern, off,
+           reinterpret_cast<const char*>(buf));
+    }
+    jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
+  }
+  ~Regex() { pcre2_code_free(code_); }
+  Regex(const Regex&) = delete;
+  Regex& operator=(const Regex&) = delete;
+
+  const std::string& pattern() const { return pattern_; }
+
+  // Calls f(start, end) for every match in `s` (valid UTF-8), left to right, non-overlapping. Empty matches
+  // are reported; after one, the next attempt at the same position must be non-empty (Perl's iteration rule).
+  template <typename F>
+  void for_each_match(std::string_view s, F&& f) const {
+    Scratch scratch(code_, jit_);
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
+    size_t start = 0;
+    uint32_t opts = 0;
+    while (start <= s.size()) {
+      const int rc =
+          pcre2_match(code_, subject, s.size(), start, opts | PCRE2_NO_UTF_CHECK, scratch.md, scratch.mctx);
+      if (rc == PCRE2_ERROR_NOMATCH) {
+        if (opts == 0 || start >= s.size()) break;
+        start += utf8_char_len(static_cast<unsigned char>(s[start]));
+        opts = 0;
+        continue;
+      }
+      if (rc < 0) {
+        PCRE2_UCHAR buf[256];
+        pcre2_get_error_message(rc, buf, sizeof(buf));
+        fail("regex '{}': match failed on a {}-byte text: {}", pattern_, s.size(),
+             reinterpret_cast<const char*>(buf));
+      }
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(scratch.md);
+      f(static_cast<size_t>(ov[0]), static_cast<size_t>(ov[1]));
+      start = ov[1];
+      opts = (ov[0] == ov[1]) ? (PCRE2_NOTEMPTY_ATSTART | PCRE2_ANCHORED) : 0;
+    }
+  }
+
+  // Whether the pattern matches at exactly s[pos] (anchored).
+  bool matches_at(std::string_view s, size_t pos) const {
+    Scratch scratch(code_, false);
+    const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
+                               PCRE2_ANCHORED | PCRE2_NO_UTF_CHECK, scratch.md, scratch.mctx);
+    return rc >= 0;
+  }
+
+ private:
+  // Per-call match state (match data and JIT stack are not shareable between threads).
+  struct Scratch {
+    pcre2_match_data* md = nullptr;
+    pcre2_match_context* mctx = nullptr;
+    pcre2_jit_stack* stack = nullptr;
+    Scratch(const pcre2_code* code, bool jit) {
+      md = pcre2_match_data_create_from_pattern(code, nullptr);
+      if (jit) {
+        mctx = pcre2_match_context_create(nullptr);
+        stack = pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr);
+        if (mctx != nullptr && stack != nullptr) pcre2_jit_stack_assign(mctx, nullptr, stack);
+      }
+      if (md == nullptr) throw Error("PCRE2: out of memory creating match data");
+    }
+    ~Scratch() {
+      pcre2_match_data_free(md);
+      pcre2_match_context_free(mctx);
+      pcre2_jit_stack_free(stack);
+    }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+  };
+
+  std::string pattern_;
+  pcre2_code* code_ = nullptr;
+  bool jit_ = false;
+};
+
+// GPT-2's pre-tokenization pattern (ByteLevel with use_regex=true).
+constexpr const char* kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+// A String or Regex pattern of Split / Replace.
+struct Pattern {
+  std::string literal;                 // when regex == nullptr
+  std::shared_ptr<const Regex> regex;  // else
+
+  // (start, end, is_match) pieces covering s, as the library's Pattern::find_matches.
+  void find_matches(std::string_view s, std::vector<std::tuple<size_t, size_t, bool>>& out) const {
+    out.clear();
+    if (s.empty()) {
+      out.emplace_back(0, 0, false);
+      return;
+    }
+    size_t prev = 0;
+    auto on_match = [&](size_t b, size_t e) {
+      if (prev != b) out.emplace_back(prev, b, false);
+      out.emplace_back(b, e, true);
+      prev = e;
+    };
+    if (regex) {
+      regex->for_each_match(s, on_match);
+    } else {
+      size_t pos = 0;
+      while ((pos = s.find(literal, pos)) != std::string_view::npos) {
+        on_match(pos, pos + literal.size());
+        pos += literal.size();
+      }
+    }
+    if (prev != s.size()) out.emplace_back(prev, s.size(), false);
+  }
+
+  std::string replace_all(std::string_view s, std::string_view content) const {
+    std::string out;
+    out.reserve(s.size());
+    std::vector<std::tuple<size_t, size_t, bool>> pieces;
+    find_matches(s, pieces);
+    for (const auto& [b, e, m] : pieces) {
+      if (m) {
+        out.append(content);
+      } else {
+        out.append(s.substr(b, e - b));
+      }
+    }
+    return out;
+  }
+};
+
+// ================================================================================================
+// tokenizer.json reading: a SAX handler that builds a DOM for everything except model.vocab and model.merges,
+// which are captured directly (the DOM of a 151k-entry object costs more than the rest of loading together).
+// ================================================================================================
+
+struct CapturedModel {
+  bool has_vocab = false;
+  bool has_merges = false;
+  std::vector<std::pair<std::string, int64_t>> vocab;  // file order
+  std::vector<std::pair<std::string, std::string>> merges;
+};
+
+class TokenizerJsonSax : public nlohmann::json_sax<json> {
+ public:
+  json root;
+  CapturedModel model;
+  std::string error;  // set when a handler stops the parse
+
+  bool null() override { return value(json(nullptr)); }
+  bool boolean(bool v) override { return value(json(v)); }
+  bool number_integer(number_integer_t v) override {
+    if (mode_ == Mode::kVocab) return vocab_id(v);
+    return value(json(v));
+  }
+  bool number_unsigned(number_unsigned_t v) override {
+    if (mode_ == Mode::kVocab) {
+      return vocab_id(v > static_cast<number_unsigned_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(v));
+    }
+    return value(json(v));
+  }
+  bool number_float(number_float_t v, const string_t&) override { return value(json(v)); }
+  bool string(string_t& v) override {
+    if (mode_ == Mode::kMerges) {
+      const size_t sp = v.find(' ');
+      if (sp == std::string::npos || v.find(' ', sp + 1) != std::string::npos) {
+        return stop(fmt::format("model.merges[{}] '{}' is not of the form 'a b'", model.merges.size(),
+                                quote_for_message(v)));
+      }
+      model.merges.emplace_back(v.substr(0, sp), v.substr(sp + 1));
+      return true;
+    }
+    if (mode_ == Mode::kMergePair) {
+      if (pair_.size() >= 2) return stop(pair_error());
+      pair_.push_back(std::move(v));
+      return true;
+    }
+    return value(json(std::move(v)));
+  }
+  bool binary(binary_t&) override { return stop("binary values are not JSON"); }
+  bool key(string_t& k) override {
+    if (mode_ == Mode::kVocab) {
+      vocab_key_ = std::move(k);
+      return true;
+    }
+    keys_.back() = std::move(k);
+    return true;
+  }
+  bool start_object(std::size_t) override {
+    if (mode_ == Mode::kVocab)
+      return stop(fmt::format("model.vocab['{}'] must be an integer id", vocab_key_));
+    if (mode_ == Mode::kMerges || mode_ == Mode::kMergePair) {
+      return stop(
+          fmt::format("model.merges[{}] must be a string 'a b' or a pair [a, b]", model.merges.size()));
+    }
+    if (at_model_field("vocab")) {
+      mode_ = Mode::kVocab;
+      model.has_vocab = true;
+      return true;
+    }
+    return open(json::object());
+  }
+  bool end_object() override {
+    if (mode_ == Mode::kVocab) {
+      mode_ = Mode::kNone;
+      return true;
+    }
+    return close();
+  }
+  bool start_array(std::size_t) override {
+    if (mode_ == Mode::kVocab)
+      return stop(fmt::format("model.vocab['{}'] must be an integer id", vocab_key_));
+    if (mode_ == Mode::kMergePair) return stop(pair_error());
+    if (mode_ == Mode::kMerges) {
+      mode_ = Mode::kMergePair;
+      pair_.clear();
+      return true;
+    }
+    if (at_model_field("merges")) {
+      mode_ = Mode::kMerges;
+      model.has_merges = true;
+      return true;
+    }
+    return open(json::array());
+  }
+  bool end_array() override {
+    if (mode_ == Mode::kMergePair) {
+      if (pair_.size() != 2) return stop(pair_error());
+      model.merges.emplace_back(std::move(pair_[0]), std::move(pair_[1]));
+      mode_ = Mode::kMerges;
+      return true;
+    }
+    if (mode_ == Mode::kMerges) {
+      mode_ = Mode::kNone;
+      return true;
+    }
+    return close();
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override {
+    if (error.empty()) error = fmt::format("not valid JSON: {}", ex.what());
+    return false;
+  }
+
+ private:
+  enum class Mode { kNone, kVocab, kMerges, kMergePair };
+
+  bool stop(std::string msg) {
+    if (error.empty()) error = std::move(msg);
+    return false;
+  }
+  std::string pair_error() const {
+    return fmt::format("model.merges[{}] must be a pair of two strings [a, b]", model.merges.size());
+  }
+  bool vocab_id(int64_t v) {
+    model.vocab.emplace_back(std::move(vocab_key_), v);
+    vocab_key_.clear();
+    return true;
+  }
+  bool value_in_capture() {
+    if (mode_ == Mode::kVocab)
+      return stop(fmt::format("model.vocab['{}'] must be an integer id", vocab_key_));
+    if (mode_ == Mode::kMergePair) return stop(pair_error());
+    return stop(fmt::format("model.merges[{}] must be a string 'a b' or a pair [a, b]", model.merges.size()));
+  }
+  // The next container opened is root["model"][field].
+  bool at_model_field(const char* field) const {
+    return stack_.size() == 2 && names_[1] == "model" && stack_[0] == &root && stack_[1]->is_object() &&
+           keys_.back() == field;
+  }
+  json* slot_for_new() {
+    if (stack_.empty()) return &root;
+    json* top = stack_.back();
+    if (top->is_array()) {
+      top->push_back(json());
+      return &top->back();
+    }
+    return &(*top)[keys_.back()];
+  }
+  bool value(json v) {
+    if (mode_ != Mode::kNone) return value_in_capture();
+    *slot_for_new() = std::move(v);
+    return true;
+  }
+  bool open(json container) {
+    const std::string name = (stack_.empty() || stack_.back()->is_array()) ? std::string() : keys_.back();
+    json* slot = slot_for_new();
+    *slot = std::move(container);
+    stack_.push_back(slot);
+    keys_.emplace_back();
+    names_.push_back(name);
+    return true;
+  }
+  bool close() {
+    stack_.pop_back();
+    keys_.pop_back();
+    names_.pop_back();
+    return true;
+  }
+
+  Mode mode_ = Mode::kNone;
+  std::vector<json*> stack_;
+  std::vector<std::string> keys_;   // current key of each open object
+  std::vector<std::string> names_;  // key under which each open container sits in its parent
+  std::string vocab_key_;
+  std::vector<std::string> pair_;
+};
+
+std::string read_text_file(const std::string& path, const char* what) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail("{}: cannot open {} ({})", path, what, std::strerror(errno));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) fail("{}: read error", path);
+  return ss.str();
+}
+
+// Field access with errors naming the file and the JSON path.
+struct Ctx {
+  const std::string& source;
+  static std::string join(const std::string& path, const char* key) {
+    return path.empty() ? std::string(key) : path + "." + key;
+  }
+  [[noreturn]] void error(const std::string& field, const std::string& msg) const {
+    fail("{}: {} {}", source, field, msg);
+  }
+  const json& get(const json& obj, const std::string& path, const char* key) const {
+    if (!obj.is_object()) error(path, "must be an object");
+    auto it = obj.find(key);
+    if (it == obj.end()) error(join(path, key), "is missing");
+    return *it;
+  }
+  const json* find(const json& obj, const char* key) const {
+    auto it = obj.find(key);
+    return it == obj.end() ? nullptr : &*it;
+  }
+  std::string str(const json& v, const std::string& path) const {
+    if (!v.is_string()) error(path, fmt::format("must be a string (got {})", v.type_name()));
+    return v.get<std::string>();
+  }
+  bool boolean(const json& obj, const std::string& path, const char* key, bool def) const {
+    const json* v = find(obj, key);
+    if (v == nullptr || v->is_null()) return def;
+    if (!v->is_boolean()) error(join(path, key), fmt::format("must be a boolean (got {})", v->type_name()));
+    return v->get<bool>();
+  }
+  int64_t integer(const json& v, const std::string& path) const {
+    if (!v.is_number_integer()) error(path, fmt::format("must be an integer (got {})", v.type_name()));
+    return v.get<int64_t>();
+  }
+  std::string type_of(const json& obj, const std::string& path) const {
+    return str(get(obj, path, "type"), join(path, "type"));
+  }
+};
+
+// Heterogeneous string hashing for unordered_map<std::string, ...> lookups by string_view. Deliberately not
+// noexcept: libstdc++ then stores each node's hash code, instead of rehashing keys while walking buckets
+// (which made lookups in the 151k-entry vocabulary several times slower).
+struct StrHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+template <typename V>
+using StrMap = std::unordered_map<std::string, V, StrHash, std::equal_to<>>;
+
+constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
+
+// ================================================================================================
+// Pipeline components
+// ================================================================================================
+
+struct NormStep {
+  enum class Kind { kNfc, kNfd, kPrepend, kReplace } kind;
+  std::string text;  // Prepend: the prefix; Replace: the replacement
+  Pattern pattern;   // Replace
+};
+
+enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
+
+struct PreTokStep {
+  enum class Kind { kSplit, kByteLevel } kind;
+  Pattern pattern;  // Split; ByteLevel with use_regex: the GPT-2 pattern
+  SplitBehavior behavior = SplitBehavior::kIsolated;
+  bool invert = false;
+  bool add_prefix_space = false;  // ByteLevel
+  bool use_regex = false;         // ByteLevel
+};
+
+struct DecStep {
+  enum class Kind { kByteLevel, kReplace, kByteFallback, kFuse, kStrip } kind;
+  Pattern pattern;   // Replace
+  std::string text;  // Replace: content
+  char32_t strip_char = U' ';
+  size_t start = 0, stop = 0;  // Strip
+  bool fused_input = false;    // whether the tokens reaching this step were already fused into one string
+};
+
+// Byte-level trie over added-token contents: leftmost-longest, non-overlapping matching (as aho-corasick's
+// MatchKind::LeftmostLongest in the library).
+class Trie {
+ public:
+  void insert(std::string_view s, int32_t value) {
+    int32_t node = 0;
+    for (unsigned char c : s) {
+      int32_t next = child(node, c);
+      if (next < 0) {
+        next = static_cast<int32_t>(nodes_.size());
+        nodes_[node].next.emplace_back(c, next);
+        nodes_.emplace_back();
+      }
+      node = next;
+    }
+    nodes_[node].value = value;
+    first_[static_cast<unsigned char>(s[0])] = true;
+    empty_ = false;
+  }
+  bool empty() const { return empty_; }
+  struct Match {
+    size_t start, end;
+    int32_t value;
+  };
+  void find_all(std::string_view text, std::vector<Match>& out) const {
+    out.clear();
+    if (empty_) return;
+    size_t pos = 0;
+    while (pos < text.size()) {
+      if (!first_[static_cast<unsigned char>(text[pos])]) {
+        ++pos;
+        continue;
+      }
+      int32_t node = 0;
+      size_t best_end = 0;
+      int32_t best = -1;
+      for (size_t i = pos; i < text.size(); ++i) {
+        node = child(node, static_cast<unsigned char>(text[i]));
+        if (node < 0) break;
+        if (nodes_[node].value >= 0) {
+          best = nodes_[node].value;
+          best_end = i + 1;
+        }
+      }
+      if (best >= 0) {
+        out.push_back({pos, best_end, best});
+        pos = best_end;
+      } else {
+        ++pos;
+      }
+    }
+  }
+
+ private:
+  struct Node {
+    std::vector<std::pair<unsigned char, int32_t>> next;
+    int32_t value = -1;
+  };
+  int32_t child(int32_t node, unsigned char c) const {
+    for (const auto& [k, v] : nodes_[node].next) {
+      if (k == c) return v;
+    }
+    return -1;
+  }
+  std::vector<Node> nodes_ = std::vector<Node>(1);
+  std::array<bool, 256> first_{};
+  bool empty_ = true;
+};
+
+// The ByteLevel decoder's reverse table: code point (< 0x144) -> byte, or -1.
+const std::array<int16_t, 0x144>& byte_level_reverse() {
+  static const std::array<int16_t, 0x144> table = [] {
+    std::array<int16_t, 0x144> t;
+    t.fill(-1);
+    const auto& fwd = gpt2_byte_to_unicode();
+    for (int b = 0; b < 256; ++b) t[decode_at(fwd[b], 0)] = static_cast<int16_t>(b);
+    return t;
+  }();
+  return table;
+}
+
+// The ByteLevel decoder on one token: its bytes through the reverse table, or its raw UTF-8 when any
+// character is outside the table (the library's behaviour, which lets added tokens through unchanged).
+void byte_level_token_bytes(std::string_view token, std::string& out) {
+  const auto& rev = byte_level_reverse();
+  const size_t mark = out.size();
+  for (size_t i = 0; i < token.size();) {
+    const char32_t c = decode_at(token, i);
+    if (c >= rev.size() || rev[c] < 0) {
+      out.resize(mark);
+      out.append(token);
+      return;
+    }
+    out.push_back(static_cast<char>(rev[c]));
+    i += utf8_char_len(static_cast<unsigned char>(token[i]));
+  }
+}
+
+// "<0xNN>" -> NN (the ByteFallback decoder's test).
+bool parse_byte_token(std::string_view t, unsigned char* b) {
+  if (t.size() != 6 || t.substr(0, 3) != "<0x" || t[5] != '>') return false;
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  const int hi = hex(t[3]), lo = hex(t[4]);
+  if (hi < 0 || lo < 0) return false;
+  *b = static_cast<unsigned char>(hi * 16 + lo);
+  return true;
+}
+
+// The Strip decoder on one string: up to `start` leading and `stop` trailing `c` characters removed.
+std::string strip_chars(std::string_view s, char32_t c, size_t start, size_t stop) {
+  size_t b = 0, n_lead = 0;
+  while (n_lead < start && b < s.size() && decode_at(s, b) == c) {
+    b += utf8_char_len(static_cast<unsigned char>(s[b]));
+    ++n_lead;
+  }
+  size_t e = s.size(), n_trail = 0;
+  while (n_trail < stop && e > 0) {
+    const size_t p = prev_char_start(s, e);
+    if (decode_at(s, p) != c) break;
+    e = p;
+    ++n_trail;
+  }
+  if (e <= b) return std::string();  // the library panics here (start_cut > stop_cut); nothing remains
+  return std::string(s.substr(b, e - b));
+}
+
+struct MergeInfo {
+  uint32_t rank;
+  int32_t new_id;
+};
+
+}  // namespace
+
+// ================================================================================================
+// Tokenizer::Impl
+// ================================================================================================
+
+struct Tokenizer::Impl {
+  std::string source;
+
+  // Model (BPE)
+  StrMap<int32_t> vocab;
+  std::vector<std::string> id_to_tok;  // vocab_size entries; model tokens and added tokens
+  std::vector<uint8_t> id_kind;        // 0 unused, 1 model vocab, 2 added only, 3 added + model vocab
+  std::unordered_map<uint64_t, MergeInfo> merges;
+  std::optional<int32_t> unk_id;
+  bool fuse_unk = false;
+  bool byte_fallback = false;
+  bool ignore_merges = false;
+  std::optional<std::string> cont_prefix;  // continuing_subword_prefix
+  std::optional<std::string> eow_suffix;   // end_of_word_suffix
+  std::array<int32_t, 256> byte_ids{};     // <0xNN> ids for byte_fallback, -1 when absent
+
+  std::vector<NormStep> normalizers;
+  std::vector<PreTokStep> pretokenizers;
+
+  std::vector<AddedToken> added;
+  StrMap<int32_t> added_by_content;
+  std::vector<uint8_t> special_ids;  // by id
+  Trie raw_trie;                     // normalized=false tokens, values index `added`
+  Trie norm_trie;                    // normalized=true tokens (normalized content)
+  bool any_single_word = false;
+  std::unique_ptr<Regex> word_char;  // Rust regex \w approximation, for single_word
+
+  std::vector<int32_t> prefix_ids, suffix_ids;
+
+  bool has_decoder = false;
+  std::vector<DecStep> decoders;
+
+  std::optional<int32_t> bos, eos;
+  std::optional<bool> add_bos, add_eos;
+  std::string chat_template;
+  std::string chat_template_source;
+
+  static constexpr size_t kCacheCapacity = 100000;
+  static constexpr size_t kCacheMaxWordBytes = 256;
+  mutable std::mutex cache_mu;
+  mutable StrMap<std::vector<int32_t>> cache;
+
+  // ---- encoding ----
+  std::string normalize(std::string_view s) const;
+  void pre_tokenize(std::string_view s, std::vector<std::string>& words) const;
+  void bpe_word(const std::string& word, std::vector<int32_t>& out) const;
+  void bpe_merge(const std::string& word, std::vector<int32_t>& out) const;
+  void encode_model_segment(std::string_view s, std::vector<int32_t>& ids) const;
+  // Splits `s` on the tokens of `trie` (the library's AddedVocabulary::find_matches): (start, end, added
+  // index|-1).
+  void split_added(std::string_view s, const Trie& trie,
+                   std::vector<std::tuple<size_t, size_t, int32_t>>& out) const;
+
+  // ---- decoding ----
+  const std::string& token_of(int32_t id) const {
+    if (id < 0 || static_cast<size_t>(id) >= id_kind.size() || id_kind[id] == 0) {
+      fail("{}: token id {} is not in the vocabulary (vocab_size {})", source, id, id_kind.size());
+    }
+    return id_to_tok[id];
+  }
+  bool is_special(int32_t id) const {
+    return id >= 0 && static_cast<size_t>(id) < special_ids.size() && special_ids[id] != 0;
+  }
+};
+
+// ---- normalizer ----
+
+std::string Tokenizer::Impl::normalize(std::string_view s) const {
+  std::string cur(s);
+  for (const NormStep& n : normalizers) {
+    switch (n.kind) {
+      case NormStep::Kind::kNfc:
+        cur = nfc_normalize(cur);
+        break;
+      case NormStep::Kind::kNfd:
+        cur = nfd_normalize(cur);
+        break;
+      case NormStep::Kind::kPrepend:
+        if (!cur.empty()) cur.insert(0, n.text);
+        break;
+      case NormStep::Kind::kReplace:
+        cur = n.pattern.replace_all(cur, n.text);
+        break;
+    }
+  }
+  return cur;
+}
+
+// ---- pre-tokenizer ----
+
+namespace {
+
+// The library's NormalizedString::split for one string: the kept pieces, in order, non-empty.
+void split_with_behavior(std::string_view s, const Pattern& pattern, SplitBehavior behavior, bool invert,
+                         std::vector<std::string>& out) {
+  std::vector<std::tuple<size_t, size_t, bool>> m;
+  pattern.find_matches(s, m);
+  if (invert) {
+    for (auto& t : m) std::get<2>(t) = !std::get<2>(t);
+  }
+  // (start, end, remove)
+  std::vector<std::tuple<size_t, size_t, bool>> pieces;
+  switch (behavior) {
+    case SplitBehavior::kIsolated:
+      for (const auto& [b, e, is_match] : m) pieces.emplace_back(b, e, false);
+      break;
+    case SplitBehavior::kRemoved:
+      pieces = m;
+      break;
+    case SplitBehavior::kContiguous: {
+      bool prev_match = false;
+      for (const auto& [b, e, is_match] : m) {
+        if (is_match == prev_match && !pieces.empty()) {
+          std::get<1>(pieces.back()) = e;
+        } else {
+          pieces.emplace_back(b, e, false);
+        }
+        prev_match = is_match;
+      }
+      break;
+    }
+    case SplitBehavior::kMergedWithPrevious: {
+      bool prev_match = false;
+      for (const auto& [b, e, is_match] : m) {
+        if (is_match && !prev_match && !pieces.empty()) {
+          std::get<1>(pieces.back()) = e;
+        } else {
+          pieces.emplace_back(b, e, false);
+        }
+        prev_match = is_match;
+      }
+      break;
+    }
+    case SplitBehavior::kMergedWithNext: {
+      bool prev_match = false;
+      for (auto it = m.rbegin(); it != m.rend(); ++it) {
+        const auto& [b, e, is_match] = *it;
+        if (is_match && !prev_match && !pieces.empty()) {
+          std::get<0>(pieces.back()) = b;
+        } else {
+          pieces.emplace_back(b, e, false);
+        }
+        prev_match = is_match;
+      }
+      std::reverse(pieces.begin(), pieces.end());
+      break;
+    }
+  }
+  for (const auto& [b, e, remove] : pieces) {
+    if (!remove && e > b) out.emplace_back(s.substr(b, e - b));
+  }
+}
+
+}  // namespace
+
+void Tokenizer::Impl::pre_tokenize(std::string_view s, std::vector<std::string>& words) const {
+  words.clear();
+  if (s.empty()) return;
+  words.emplace_back(s);
+  std::vector<std::string> next;
+  const auto& b2u = gpt2_byte_to_unicode();
+  for (const PreTokStep& step : pretokenizers) {
+    next.clear();
+    for (std::string& w : words) {
+      if (step.kind == PreTokStep::Kind::kSplit) {
+        split_with_behavior(w, step.pattern, step.behavior, step.invert, next);
+        continue;
+      }
+      // ByteLevel: optional prefix space, optional GPT-2 split, then bytes -> printable characters.
+      if (step.add_prefix_space && w[0] != ' ') w.insert(0, " ");
+      std::vector<std::string> parts;
+      if (step.use_regex) {
+        split_with_behavior(w, step.pattern, SplitBehavior::kIsolated, false, parts);
+      } else {
+        parts.push_back(std::move(w));
+      }
+      for (const std::string& p : parts) {
+        std::string mapped;
+        mapped.reserve(p.size() * 2);
+        for (unsigned char c : p) mapped += b2u[c];
+        next.push_back(std::move(mapped));
+      }
+    }
+    words.swap(next);
+  }
+}
+
+// ---- BPE ----
+
+void Tokenizer::Impl::bpe_word(const std::string& word, std::vector<int32_t>& out) const {
+  if (ignore_merges) {
+    auto it = vocab.find(word);
+    if (it != vocab.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
+  const bool cacheable = word.size() <= kCacheMaxWordBytes;
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto it = cache.find(word);
+    if (it != cache.end()) {
+      out.insert(out.end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  const size_t mark = out.size();
+  bpe_merge(word, out);
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    if (cache.size() < kCacheCapacity)
+      cache.emplace(word, std::vector<int32_t>(out.begin() + mark, out.end()));
+  }
+}
+
+void Tokenizer::Impl::bpe_merge(const std::string& word, std::vector<int32_t>& out) const {
+  struct Symbol {
+    int32_t id;
+    int32_t prev, next;
+    bool alive;
+  };
+  std::vector<Symbol> sym;
+  sym.reserve(word.size());
+  auto add = [&](int32_t id) {
+    const int32_t i = static_cast<int32_t>(sym.size());
+    sym.push_back({id, i - 1, i + 1, true});
+  };
+
+  // Initial symbols: one per character (with the subword prefix / word suffix if configured); unknown
+  // characters go to byte fallback, else to unk (fused if fuse_unk), else are dropped (the library's
+  // merge_word).
+  int32_t pending_unk = -1;  // an unk symbol not yet added (fuse_unk extends it)
+  std::string buf;
+  for (size_t i = 0; i < word.size();) {
+    const size_t len = utf8_char_len(static_cast<unsigned char>(word[i]));
+    const bool first = i == 0, last = i + len >= word.size();
+    std::string_view ch(word.data() + i, len);
+    std::string_view key = ch;
+    if ((!first && cont_prefix) || (last && eow_suffix)) {
+      buf.clear();
+      if (!first && cont_prefix) buf += *cont_prefix;
+      buf += ch;
+      if (last && eow_suffix) buf += *eow_suffix;
+      key = buf;
+    }
+    auto it = vocab.find(key);
+    if (it != vocab.end()) {
+      if (pending_unk >= 0) {
+        add(pending_unk);
+        pending_unk = -1;
+      }
+      add(it->second);
+    } else {
+      bool done = false;
+      if (byte_fallback) {
+        bool all = true;
+        for (unsigned char c : key) all = all && byte_ids[c] >= 0;
+        if (all) {
+          if (pending_unk >= 0) {
+            add(pending_unk);
+            pending_unk = -1;
+          }
+          for (unsigned char c : key) add(byte_ids[c]);
+          done = true;
+        }
+      }
+      if (!done && unk_id) {
+        if (pending_unk >= 0 && !fuse_unk) add(pending_unk);
+        pending_unk = *unk_id;
+      }
+    }
+    i += len;
+  }
+  if (pending_unk >= 0) add(pending_unk);
+  if (sym.empty()) return;
+  sym.back().next = -1;
+
+  if (sym.size() > 1 && !merges.empty()) {
+    struct Cand {
+      uint32_t rank;
+      int32_t pos;
+      int32_t new_id;
+      bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+    };
+    auto lookup = [&](int32_t a, int32_t b) -> const MergeInfo* {
+      auto it =
+          merges.find((static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b));
+      return it == merges.end() ? nullptr : &it->second;
+    };
+    std::vector<Cand> heap_storage;
+    heap_storage.reserve(sym.size());
+    std::priority_queue<Cand, std::vector<Cand>, std::greater<Cand>> queue(std::greater<Cand>(),
+                                                                           std::move(heap_storage));
+    for (size_t i = 0; i + 1 < sym.size(); ++i) {
+      if (const MergeInfo* m = lookup(sym[i].id, sym[i + 1].id)) {
+        queue.push({m->rank, static_cast<int32_t>(i), m->new_id});
+      }
+    }
+    while (!queue.empty()) {
+      const Cand top = queue.top();
+      queue.pop();
+      Symbol& s = sym[top.pos];
+      if (!s.alive || s.next < 0) continue;
+      Symbol& right = sym[s.next];
+      const MergeInfo* m = lookup(s.id, right.id);
+      if (m == nullptr || m->new_id != top.new_id) continue;  // stale entry
+      s.id = top.new_id;
+      right.alive = false;
+      s.next = right.next;
+      if (s.next >= 0) sym[s.next].prev = top.pos;
+      if (s.prev >= 0) {
+        if (const MergeInfo* mp = lookup(sym[s.prev].id, s.id)) queue.push({mp->rank, s.prev, mp->new_id});
+      }
+      if (s.next >= 0) {
+        if (const MergeInfo* mn = lookup(s.id, sym[s.next].id)) queue.push({mn->rank, top.pos, mn->new_id});
+      }
+    }
+  }
+  for (const Symbol& s : sym) {
+    if (s.alive) out.push_back(s.id);
+  }
+}
+
+void Tokenizer::Impl::encode_model_segment(std::string_view s, std::vector<int32_t>& ids) const {
+  std::vector<std::string> words;
+  pre_tokenize(s, words);
+  for (const std::string& w : words) bpe_word(w, ids);
+}
+
+// ---- added tokens ----
+
+void Tokenizer::Impl::split_added(std::string_view s, const Trie& trie,
+                                  std::vector<std::tuple<size_t, size_t, int32_t>>& out) const {
+  out.clear();
+  std::vector<Trie::Match> matches;
+  trie.find_all(s, matches);
+  size_t start_offset = 0;
+  for (const Trie::Match& mt : matches) {
+    const AddedToken& tok = added[mt.value];
+    size_t start = mt.start, stop = mt.end;
+    if (tok.single_word) {
+      const bool start_ok = start == 0 || !word_char->matches_at(s, prev_char_start(s, start));
+      const bool stop_ok = stop == s.size() || !word_char->matches_at(s, stop);
+      if (!start_ok || !stop_ok) continue;
+    }
+    if (tok.lstrip) {
+      size_t b = start;
+      while (b > 0) {
+        const size_t p = prev_char_start(s, b);
+        if (!is_white_space(decode_at(s, p))) break;
+        b = p;
+      }
+      start = std::max(b, start_offset);
+    }
+    if (tok.rstrip) {
+      while (stop < s.size() && is_white_space(decode_at(s, stop))) {
+        stop += utf8_char_len(static_cast<unsigned char>(s[stop]));
+      }
+    }
+    start = std::max(start, start_offset);  // an earlier rstrip may have swallowed part of this match
+    if (start_offset < start) out.emplace_back(start_offset, start, -1);
+    out.emplace_back(start, stop, mt.value);
+    start_offset = stop;
+  }
+  if (start_offset < s.size()) out.emplace_back(start_offset, s.size(), -1);
+}
+
+// ================================================================================================
+// Loading
+// ================================================================================================
+
+namespace {
+
+Pattern parse_pattern(const Ctx& c, const json& v, const std::string& path) {
+  if (!v.is_object() || v.size() != 1) c.error(path, "must be {\"String\": ...} or {\"Regex\": ...}");
+  Pattern p;
+  if (const json* s = c.find(v, "String")) {
+    p.literal = c.str(*s, path + ".String");
+    if (p.literal.empty()) c.error(path + ".String", "must not be empty");
+  } else if (const json* r = c.find(v, "Regex")) {
+    p.regex = std::make_shared<Regex>(c.str(*r, path + ".Regex"), c.source + ": " + path + ".Regex");
+  } else {
+    c.error(path, "must be {\"String\": ...} or {\"Regex\": ...}");
+  }
+  return p;
+}
+
+void parse_normalizer(const Ctx& c, const json& n, const std::string& path, std::vector<NormStep>& out) {
+  if (n.is_null()) return;
+  const std::string type = c.type_of(n, path);
+  if (type == "Sequence") {
+    const json& list = c.get(n, path, "normalizers");
+    if (!list.is_array()) c.error(path + ".normalizers", "must be an array");
+    for (size_t i = 0; i < list.size(); ++i) {
+      parse_normalizer(c, list[i], fmt::format("{}.normalizers[{}]", path, i), out);
+    }
+  } else if (type == "NFC") {
+    out.push_back({NormStep::Kind::kNfc, {}, {}});
+  } else if (type == "NFD") {
+    out.push_back({NormStep::Kind::kNfd, {}, {}});
+  } else if (type == "Prepend") {
+    out.push_back({NormStep::Kind::kPrepend, c.str(c.get(n, path, "prepend"), path + ".prepend"), {}});
+  } else if (type == "Replace") {
+    out.push_back({NormStep::Kind::kReplace, c.str(c.get(n, path, "content"), path + ".content"),
+                   parse_pattern(c, c.get(n, path, "pattern"), path + ".pattern")});
+  } else {
+    c.error(path + ".type",
+            fmt::format("'{}' is not supported (supported: NFC, NFD, Prepend, Replace, Sequence)", type));
+  }
+}
+
+void parse_pre_tokenizer(const Ctx& c, const json& p, const std::string& path, std::vector<PreTokStep>& out) {
+  if (p.is_null()) return;
+  const std::string type = c.type_of(p, path);
+  if (type == "Sequence") {
+    const json& list = c.get(p, path, "pretokenizers");
+    if (!list.is_array()) c.error(path + ".pretokenizers", "must be an array");
+    for (size_t i = 0; i < list.size(); ++i) {
+      parse_pre_tokenizer(c, list[i], fmt::format("{}.pretokenizers[{}]", path, i), out);
+    }
+  } else if (type == "Split") {
+    PreTokStep s;
+    s.kind = PreTokStep::Kind::kSplit;
+    s.pattern = parse_pattern(c, c.get(p, path, "pattern"), path + ".pattern");
+    const std::string b = c.str(c.get(p, path, "behavior"), path + ".behavior");
+    static const std::pair<const char*, SplitBehavior> kBehaviors[] = {
+        {"Removed", SplitBehavior::kRemoved},
+        {"Isolated", SplitBehavior::kIsolated},
+        {"MergedWithPrevious", SplitBehavior::kMergedWithPrevious},
+        {"MergedWithNext", SplitBehavior::kMergedWithNext},
+        {"Contiguous", SplitBehavior::kContiguous}};
+    bool found = false;
+    for (const auto& [name, v] : kBehaviors) {
+      if (b == name) {
+        s.behavior = v;
+        found = true;
+      }
+    }
+    if (!found) {
+      c.error(path + ".behavior", fmt::format("'{}' is not one of Removed, Isolated, MergedWithPrevious, "
+                                              "MergedWithNext, Contiguous",
+                                              b));
+    }
+    s.invert = c.boolean(p, path, "invert", false);
+    out.push_back(std::move(s));
+  } else if (type == "ByteLevel") {
+    PreTokStep s;
+    s.kind = PreTokStep::Kind::kByteLevel;
+    s.add_prefix_space = c.boolean(p, path, "add_prefix_space", true);
+    s.use_regex = c.boolean(p, path, "use_regex", true);
+    if (s.use_regex) s.pattern.regex = std::make_shared<Regex>(kGpt2Pattern, c.source + ": " + path);
+    out.push_back(std::move(s));
+  } else {
+    c.error(path + ".type",
+            fmt::format("'{}' is not supported (supported: Split, ByteLevel, Sequence)", type));
+  }
+}
+
+void parse_decoder(const Ctx& c, const json& d, const std::string& path, std::vector<DecStep>& out,
+                   bool& fused) {
+  const std::string type = c.type_of(d, path);
+  auto unsupported_after_fuse = [&](const char* what) {
+    c.error(path, fmt::format("{} after a Fuse or ByteLevel decoder is not supported (it cannot be streamed)",
+                              what));
+  };
+  if (type == "Sequence") {
+    const json& list = c.get(d, path, "decoders");
+    if (!list.is_array()) c.error(path + ".decoders", "must be an array");
+    for (size_t i = 0; i < list.size(); ++i) {
+      parse_decoder(c, list[i], fmt::format("{}.decoders[{}]", path, i), out, fused);
+    }
+    return;
+  }
+  DecStep s;
+  s.fused_input = fused;
+  if (type == "ByteLevel") {
+    if (fused) unsupported_after_fuse("ByteLevel");
+    s.kind = DecStep::Kind::kByteLevel;
+    fused = true;
+  } else if (type == "Replace") {
+    s.kind = DecStep::Kind::kReplace;
+    s.pattern = parse_pattern(c, c.get(d, path, "pattern"), path + ".pattern");
+    s.text = c.str(c.get(d, path, "content"), path + ".content");
+    if (fused && (s.pattern.regex || utf8_count(s.pattern.literal) != 1)) {
+      unsupported_after_fuse("Replace with a regex or multi-character pattern");
+    }
+  } else if (type == "ByteFallback") {
+    if (fused) unsupported_after_fuse("ByteFallback");
+    s.kind = DecStep::Kind::kByteFallback;
+  } else if (type == "Fuse") {
+    s.kind = DecStep::Kind::kFuse;
+    fused = true;
+  } else if (type == "Strip") {
+    s.kind = DecStep::Kind::kStrip;
+    const std::string content = c.str(c.get(d, path, "content"), path + ".content");
+    if (utf8_count(content) != 1) c.error(path + ".content", "must be exactly one character");
+    s.strip_char = decode_at(content, 0);
+    const int64_t start = c.integer(c.get(d, path, "start"), path + ".start");
+    const int64_t stop = c.integer(c.get(d, path, "stop"), path + ".stop");
+    if (start < 0 || stop < 0) c.error(path, "start and stop must be >= 0");
+    s.start = static_cast<size_t>(start);
+    s.stop = static_cast<size_t>(stop);
+  } else {
+    c.error(path + ".type",
+            fmt::format("'{}' is not supported (supported: ByteLevel, Replace, ByteFallback, Fuse, "
+                        "Strip, Sequence)",
+                        type));
+  }
+  out.push_back(std::move(s));
+}
+
+// Resolves a post-processor special token (name, id) pair.
+int32_t known_id(const Ctx& c, const Tokenizer::Impl& t, int64_t id, const std::string& path) {
+  if (id < 0 || static_cast<size_t>(id) >= t.id_kind.size() || t.id_kind[id] == 0) {
+    c.error(path, fmt::format("refers to id {}, which is not a known token id", id));
+  }
+  return static_cast<int32_t>(id);
+}
+
+void parse_post_processor(const Ctx& c, const json& p, const std::string& path, const Tokenizer::Impl& t,
+                          std::vector<int32_t>& prefix, std::vector<int32_t>& suffix) {
+  if (p.is_null()) return;
+  const std::string type = c.type_of(p, path);
+  if (type == "Sequence") {
+    const json& list = c.get(p, path, "processors");
+    if (!list.is_array()) c.error(path + ".processors", "must be an array");
+    for (size_t i = 0; i < list.size(); ++i) {
+      parse_post_processor(c, list[i], fmt::format("{}.processors[{}]", path, i), t, prefix, suffix);
+    }
+  } else if (type == "ByteLevel") {
+    // Offsets only; ids unchanged.
+  } else if (type == "TemplateProcessing") {
+    const json& single = c.get(p, path, "single");
+    const json& specials = c.get(p, path, "special_tokens");
+    if (!single.is_array()) c.error(path + ".single", "must be an array");
+    std::vector<int32_t> pre, post;
+    bool seen_a = false;
+    for (size_t i = 0; i < single.size(); ++i) {
+      const std::string ip = fmt::format("{}.single[{}]", path, i);
+      const json& item = single[i];
+      if (const json* seq = item.is_object() ? c.find(item, "Sequence") : nullptr) {
+        const std::string id = c.str(c.get(*seq, ip + ".Sequence", "id"), ip + ".Sequence.id");
+        if (id != "A")
+          c.error(ip + ".Sequence.id", fmt::format("'{}' in the single template must be 'A'", id));
+        if (seen_a) c.error(ip, "the single template has $A twice");
+        seen_a = true;
+      } else if (const json* sp = item.is_object() ? c.find(item, "SpecialToken") : nullptr) {
+        const std::string name = c.str(c.get(*sp, ip + ".SpecialToken", "id"), ip + ".SpecialToken.id");
+        if (!specials.is_object() || !specials.contains(name)) {
+          c.error(ip + ".SpecialToken.id", fmt::format("'{}' is not in {}.special_tokens", name, path));
+        }
+        const std::string sp_path = fmt::format("{}.special_tokens['{}']", path, name);
+        const json& ids = c.get(specials[name], sp_path, "ids");
+        if (!ids.is_array()) c.error(sp_path + ".ids", "must be an array");
+        for (size_t k = 0; k < ids.size(); ++k) {
+          const std::string kp = fmt::format("{}.ids[{}]", sp_path, k);
+          (seen_a ? post : pre).push_back(known_id(c, t, c.integer(ids[k], kp), kp));
+        }
+      } else {
+        c.error(ip, "must be {\"Sequence\": ...} or {\"SpecialToken\": ...}");
+      }
+    }
+    if (!seen_a) c.error(path + ".single", "has no {\"Sequence\": {\"id\": \"A\"}}");
+    prefix.insert(prefix.begin(), pre.begin(), pre.end());
+    suffix.insert(suffix.end(), post.begin(), post.end());
+  } else if (type == "BertProcessing" || type == "RobertaProcessing") {
+    auto pair_id = [&](const char* key) {
+      const json& v = c.get(p, path, key);
+      const std::string kp = path + "." + key;
+      if (!v.is_array() || v.size() != 2) c.error(kp, "must be [token, id]");
+      return known_id(c, t, c.integer(v[1], kp + "[1]"), kp);
+    };
+    prefix.insert(prefix.begin(), pair_id("cls"));
+    suffix.push_back(pair_id("sep"));
+  } else {
+    c.error(path + ".type", fmt::format("'{}' is not supported (supported: TemplateProcessing, ByteLevel, "
+                                        "BertProcessing, RobertaProcessing, Sequence)",
+                                        type));
+  }
+}
+
+void parse_model(const Ctx& c, const json& root, CapturedModel& cap, Tokenizer::Impl& t) {
+  const json& model = c.get(root, "", "model");
+  if (!model.is_object()) c.error("model", "must be an object");
+  if (const json* type = c.find(model, "type")) {
+    const std::string ty = c.str(*type, "model.type");
+    if (ty != "BPE") c.error("model.type", fmt::format("'{}' is not supported (BPE only)", ty));
+  } else if (!cap.has_merges) {
+    c.error("model.type", "is missing (and the model has no merges, so it is not BPE)");
+  }
+  if (!cap.has_vocab) c.error("model.vocab", "is missing");
+  if (!cap.has_merges) c.error("model.merges", "is missing");
+  if (const json* d = c.find(model, "dropout"); d != nullptr && !d->is_null()) {
+    if (!d->is_number() || d->get<double>() != 0.0) {
+      c.error("model.dropout", fmt::format("{} is not supported (deterministic BPE only)", d->dump()));
+    }
+  }
+  t.fuse_unk = c.boolean(model, "model", "fuse_unk", false);
+  t.byte_fallback = c.boolean(model, "model", "byte_fallback", false);
+  t.ignore_merges = c.boolean(model, "model", "ignore_merges", false);
+  if (const json* v = c.find(model, "continuing_subword_prefix"); v != nullptr && !v->is_null()) {
+    t.cont_prefix = c.str(*v, "model.continuing_subword_prefix");
+  }
+  if (const json* v = c.find(model, "end_of_word_suffix"); v != nullptr && !v->is_null()) {
+    t.eow_suffix = c.str(*v, "model.end_of_word_suffix");
+  }
+
+  // Vocabulary.
+  int64_t max_id = -1;
+  t.vocab.reserve(cap.vocab.size() * 2);
+  for (auto& [tok, id] : cap.vocab) {
+    if (id < 0 || id > kMaxTokenId) {
+      c.error(fmt::format("model.vocab['{}']", quote_for_message(tok)),
+              fmt::format("has id {} (must be in [0, {}])", id, kMaxTokenId));
+    }
+    max_id = std::max(max_id, id);
+  }
+  t.id_to_tok.assign(static_cast<size_t>(max_id + 1), std::string());
+  t.id_kind.assign(static_cast<size_t>(max_id + 1), 0);
+  for (auto& [tok, id] : cap.vocab) {
+    if (t.id_kind[id] != 0) {
+      c.error("model.vocab", fmt::format("id {} is used by both '{}' and '{}'", id,
+                                         quote_for_message(t.id_to_tok[id]), quote_for_message(tok)));
+    }
+    if (!t.vocab.emplace(tok, static_cast<int32_t>(id)).second) {
+      c.error("model.vocab", fmt::format("token '{}' appears twice", quote_for_message(tok)));
+    }
+    t.id_kind[id] = 1;
+    t.id_to_tok[id] = std::move(tok);
+  }
+  cap.vocab.clear();
+  cap.vocab.shrink_to_fit();
+
+  if (const json* u = c.find(model, "unk_token"); u != nullptr && !u->is_null()) {
+    const std::string unk = c.str(*u, "model.unk_token");
+    auto it = t.vocab.find(unk);
+    if (it == t.vocab.end()) c.error("model.unk_token", fmt::format("'{}' is not in model.vocab", unk));
+    t.unk_id = it->second;
+  }
+  t.byte_ids.fill(-1);
+  if (t.byte_fallback) {
+    for (int b = 0; b < 256; ++b) {
+      auto it = t.vocab.find(fmt::format("<0x{:02X}>", b));
+      if (it != t.vocab.end()) t.byte_ids[b] = it->second;
+    }
+  }
+
+  // Merges: (a, b) -> (rank, id of a + b without the continuing-subword prefix). A repeated pair keeps its
+  // last rank, as the library's HashMap collection does.
+  const size_t prefix_len = t.cont_prefix ? t.cont_prefix->size() : 0;
+  t.merges.reserve(cap.merges.size() * 2);
+  std::string merged;
+  for (size_t i = 0; i < cap.merges.size(); ++i) {
+    const auto& [a, b] = cap.merges[i];
+    auto ia = t.vocab.find(a);
+    if (ia == t.vocab.end()) {
+      c.error(fmt::format("model.merges[{}]", i),
+              fmt::format("refers to unknown token '{}'", quote_for_message(a)));
+    }
+    auto ib = t.vocab.find(b);
+    if (ib == t.vocab.end()) {
+      c.error(fmt::format("model.merges[{}]", i),
+              fmt::format("refers to unknown token '{}'", quote_for_message(b)));
+    }
+    merged.assign(a);
+    merged.append(b.size() >= prefix_len ? std::string_view(b).substr(prefix_len) : std::string_view(b));
+    auto im = t.vocab.find(merged);
+    if (im == t.vocab.end()) {
+      c.error(fmt::format("model.merges[{}]", i),
+              fmt::format("('{}', '{}') produces '{}', which is not in model.vocab", quote_for_message(a),
+                          quote_for_message(b), quote_for_message(merged)));
+    }
+    const uint64_t key =
+        (static_cast<uint64_t>(static_cast<uint32_t>(ia->second)) << 32) | static_cast<uint32_t>(ib->second);
+    t.merges[key] = MergeInfo{static_cast<uint32_t>(i), im->second};
+  }
+  cap.merges.clear();
+  cap.merges.shrink_to_fit();
+}
+
+void parse_added_tokens(const Ctx& c, const json& root, Tokenizer::Impl& t) {
+  const json* list = c.find(root, "added_tokens");
+  if (list == nullptr || list->is_null()) return;
+  if (!list->is_array()) c.error("added_tokens", "must be an array");
+  std::unordered_map<int32_t, size_t> by_id;
+  for (size_t i = 0; i < list->size(); ++i) {
+    const std::string path = fmt::format("added_tokens[{}]", i);
+    const json& e = (*list)[i];
+    if (!e.is_object()) c.error(path, "must be an object");
+    AddedToken a;
+    const int64_t id = c.integer(c.get(e, path, "id"), path + ".id");
+    if (id < 0 || id > kMaxTokenId)
+      c.error(path + ".id", fmt::format("{} is out of range [0, {}]", id, kMaxTokenId));
+    a.id = static_cast<int32_t>(id);
+    a.content = c.str(c.get(e, path, "content"), path + ".content");
+    if (a.content.empty()) c.error(path + ".content", "must not be empty");
+    // Serde defaults of the library's AddedToken.
+    a.single_word = c.boolean(e, path, "single_word", false);
+    a.lstrip = c.boolean(e, path, "lstrip", false);
+    a.rstrip = c.boolean(e, path, "rstrip", false);
+    a.normalized = c.boolean(e, path, "normalized", true);
+    a.special = c.boolean(e, path, "special", false);
+
+    if (auto it = by_id.find(a.id); it != by_id.end()) {
+      c.error(path, fmt::format("'{}' has id {}, already used by added_tokens[{}] '{}'", a.content, a.id,
+                                it->second, t.added[it->second].content));
+    }
+    if (auto it = t.added_by_content.find(a.content); it != t.added_by_content.end()) {
+      c.error(path, fmt::format("'{}' is already added_tokens[{}]", a.content, by_id[it->second]));
+    }
+    if (auto it = t.vocab.find(a.content); it != t.vocab.end() && it->second != a.id) {
+      c.error(path,
+              fmt::format("'{}' has id {} but model.vocab has it as id {}", a.content, a.id, it->second));
+    }
+    if (static_cast<size_t>(a.id) < t.id_kind.size() && t.id_kind[a.id] == 1 &&
+        t.id_to_tok[a.id] != a.content) {
+      c.error(path, fmt::format("'{}' has id {}, which is model.vocab token '{}'", a.content, a.id,
+                                quote_for_message(t.id_to_tok[a.id])));
+    }
+    if (static_cast<size_t>(a.id) >= t.id_kind.size()) {
+      t.id_kind.resize(a.id + 1, 0);
+      t.id_to_tok.resize(a.id + 1);
+    }
+    t.id_kind[a.id] = t.id_kind[a.id] == 1 ? 3 : 2;
+    t.id_to_tok[a.id] = a.content;
+    by_id[a.id] = i;
+    t.added_by_content[a.content] = a.id;
+    t.any_single_word = t.any_single_word || a.single_word;
+    t.added.push_back(std::move(a));
+  }
+}
+
+void finish_added_tokens(Tokenizer::Impl& t) {
+  t.special_ids.assign(t.id_kind.size(), 0);
+  for (size_t i = 0; i < t.added.size(); ++i) {
+    const AddedToken& a = t.added[i];
+    if (a.special) t.special_ids[a.id] = 1;
+    if (a.normalized) {
+      const std::string n = t.normalize(a.content);
+      if (!n.empty()) t.norm_trie.insert(n, static_cast<int32_t>(i));
+    } else {
+      t.raw_trie.insert(a.content, static_cast<int32_t>(i));
+    }
+  }
+  if (t.any_single_word) {
+    // Rust regex \w is Alphabetic + Mark + Decimal_Number + Connector_Punctuation + Join_Control.
+    t.word_char = std::make_unique<Regex>(R"([\p{L}\p{Nl}\p{M}\p{Nd}\p{Pc}\x{200C}\x{200D}])", t.source);
+  }
+}
+
+std::shared_ptr<Tokenizer::Impl> load_tokenizer_json(std::string_view text, const std::string& source) {
+  auto t = std::make_shared<Tokenizer::Impl>();
+  t->source = source;
+  const Ctx c{t->source};
+
+  TokenizerJsonSax sax;
+  const bool ok = json::sax_parse(text.begin(), text.end(), &sax);
+  if (!ok || !sax.error.empty()) fail("{}: {}", source, sax.error.empty() ? "not valid JSON" : sax.error);
+  const json& root = sax.root;
+  if (!root.is_object()) fail("{}: the top level must be a JSON object", source);
+
+  parse_model(c, root, sax.model, *t);
+  parse_added_tokens(c, root, *t);
+  if (const json* n = c.find(root, "normalizer")) parse_normalizer(c, *n, "normalizer", t->normalizers);
+  if (const json* p = c.find(root, "pre_tokenizer"))
+    parse_pre_tokenizer(c, *p, "pre_tokenizer", t->pretokenizers);
+  if (const json* p = c.find(root, "post_processor")) {
+    parse_post_processor(c, *p, "post_processor", *t, t->prefix_ids, t->suffix_ids);
+  }
+  if (const json* d = c.find(root, "decoder"); d != nullptr && !d->is_null()) {
+    bool fused = false;
+    t->has_decoder = true;
+    parse_decoder(c, *d, "decoder", t->decoders, fused);
+  }
+  finish_added_tokens(*t);
+  return t;
+}
+
+// tokenizer_config.json token fields: "<s>", null, or {"content": "<s>", ...}.
+std::optional<std::string> config_token(const Ctx& c, const json& cfg, const char* key) {
+  const json* v = c.find(cfg, key);
+  if (v == nullptr || v->is_null()) return std::nullopt;
+  if (v->is_string()) return v->get<std::string>();
+  if (v->is_object() && v->contains("content") && (*v)["content"].is_string()) {
+    return (*v)["content"].get<std::string>();
+  }
+  c.error(key, "must be a string, null or an object with a string 'content'");
+}
+
+}  // namespace
+
+// ================================================================================================
+// Tokenizer
+// ================================================================================================
+
+Tokenizer Tokenizer::from_json_text(std::string_view json_text, const std::string& source) {
+  return Tokenizer(load_tokenizer_json(json_text, source));
+}
+
+Tokenizer Tokenizer::from_file(const std::string& path) {
+  const std::string text = read_text_file(path, "tokenizer.json");
+  return from_json_text(text, path);
+}
+
+Tokenizer Tokenizer::from_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const std::string tj = (fs::path(dir) / "tokenizer.json").string();
+  if (!fs::exists(tj)) fail("{}: tokenizer.json is required but missing ({})", dir, tj);
+  Tokenizer tok = from_file(tj);
+  Impl& t = *tok.impl_;
+  const std::string cfg_path = (fs::path(dir) / "tokenizer_config.json").string();
+  if (fs::exists(cfg_path)) {
+    const std::string text = read_text_file(cfg_path, "tokenizer_config.json");
+    json cfg;
+    try {
+      cfg = json::parse(text);
+    } catch (const json::exception& e) {
+      fail("{}: not valid JSON: {}", cfg_path, e.what());
+    }
+    const Ctx c{cfg_path};
+    if (!cfg.is_object()) fail("{}: the top level must be a JSON object", cfg_path);
+    auto resolve = [&](const char* key) -> std::optional<int32_t> {
+      const std::optional<std::string> s = config_token(c, cfg, key);
+      if (!s) return std::nullopt;
+      const std::optional<int32_t> id = tok.token_to_id(*s);
+      if (!id) c.error(key, fmt::format("'{}' is not in the vocabulary of {}", *s, tj));
+      return id;
+    };
+    t.bos = resolve("bos_token");
+    t.eos = resolve("eos_token");
+    if (const json* v = c.find(cfg, "add_bos_token"); v != nullptr && !v->is_null()) {
+      t.add_bos = c.boolean(cfg, "", "add_bos_token", false);
+    }
+    if (const json* v = c.find(cfg, "add_eos_token"); v != nullptr && !v->is_null()) {
+      t.add_eos = c.boolean(cfg, "", "add_eos_token", false);
+    }
+    if (const json* ct = c.find(cfg, "chat_template"); ct != nullptr && !ct->is_null()) {
+      if (ct->is_string()) {
+        t.chat_template = ct->get<std::string>();
+        t.chat_template_source = cfg_path;
+      } else if (ct->is_array()) {
+        bool found = false;
+        for (size_t i = 0; i < ct->size(); ++i) {
+          const json& e = (*ct)[i];
+          const std::string p = fmt::format("chat_template[{}]", i);
+          if (c.str(c.get(e, p, "name"), p + ".name") == "default") {
+            t.chat_template = c.str(c.get(e, p, "template"), p + ".template");
+            t.chat_template_source = cfg_path;
+            found = true;
+          }
+        }
+        if (!found) c.error("chat_template", "is a list without a 'default' entry");
+      } else {
+        c.error("chat_template", "must be a string or a list of {name, template}");
+      }
+    }
+    if (t.add_bos || t.add_eos) {
+      // As transformers' LlamaTokenizerFast.update_post_processor: single = [bos] $A [eos].
+      std::vector<int32_t> pre, post;
+      if (t.add_bos.value_or(false)) {
+        if (!t.bos) c.error("add_bos_token", "is true but bos_token is not set");
+        pre.push_back(*t.bos);
+      }
+      if (t.add_eos.value_or(false)) {
+        if (!t.eos) c.error("add_eos_token", "is true but eos_token is not set");
+        post.push_back(*t.eos);
+      }
+      if (pre != t.prefix_ids || post != t.suffix_ids) {
+        spdlog::warn("{}: add_bos_token/add_eos_token override the post_processor of {} ({} + text + {} ids)",
+                     cfg_path, tj, pre.size(), post.size());
+      }
+      t.prefix_ids = std::move(pre);
+      t.suffix_ids = std::move(post);
+    }
+  }
+  if (t.chat_template.empty()) {
+    const std::string jinja = (fs::path(dir) / "chat_template.jinja").string();
+    if (fs::exists(jinja)) {
+      t.chat_template = read_text_file(jinja, "chat_template.jinja");
+      t.chat_template_source = jinja;
+    }
+  }
+  t.source = tj;
+  return tok;
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
+  const Impl& t = *impl_;
+  if (const size_t bad = first_invalid_utf8(text); bad != std::string_view::npos) {
+    fail("{}: encode: the text is not valid UTF-8 (byte {} of {})", t.source, bad, text.size());
+  }
+  std::vector<int32_t> ids;
+  ids.reserve(text.size() / 3 + 4);
+  if (add_special_tokens) ids = t.prefix_ids;
+
+  std::vector<std::tuple<size_t, size_t, int32_t>> raw_pieces, norm_pieces;
+  t.split_added(text, t.raw_trie, raw_pieces);
+  for (const auto& [b, e, added] : raw_pieces) {
+    if (added >= 0) {
+      ids.push_back(t.added[added].id);
+      continue;
+    }
+    const std::string normalized = t.normalize(text.substr(b, e - b));
+    if (t.norm_trie.empty()) {
+      t.encode_model_segment(normalized, ids);
+      continue;
+    }
+    t.split_added(normalized, t.norm_trie, norm_pieces);
+    for (const auto& [nb, ne, nadded] : norm_pieces) {
+      if (nadded >= 0) {
+        ids.push_back(t.added[nadded].id);
+      } else {
+        t.encode_model_segment(std::string_view(normalized).substr(nb, ne - nb), ids);
+      }
+    }
+  }
+  if (add_special_tokens) ids.insert(ids.end(), t.suffix_ids.begin(), t.suffix_ids.end());
+  return ids;
+}
+
+std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
+  const Impl& t = *impl_;
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (int32_t id : ids) {
+    const std::string& tok = t.token_of(id);
+    if (skip_special_tokens && t.is_special(id)) continue;
+    tokens.push_back(tok);
+  }
+  if (!t.has_decoder) {
+    std::string out;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (i) out += ' ';
+      out += tokens[i];
+    }
+    return out;
+  }
+  // The library's decode_chain, step by step.
+  for (const DecStep& s : t.decoders) {
+    switch (s.kind) {
+      case DecStep::Kind::kByteLevel: {
+        std::string bytes;
+        for (const std::string& tok : tokens) byte_level_token_bytes(tok, bytes);
+        std::string text;
+        text.reserve(bytes.size());
+        append_lossy(text, bytes, false);
+        tokens.assign(1, std::move(text));
+        break;
+      }
+      case DecStep::Kind::kReplace:
+        for (std::string& tok : tokens) tok = s.pattern.replace_all(tok, s.text);
+        break;
+      case DecStep::Kind::kByteFallback: {
+        std::vector<std::string> out;
+        out.reserve(tokens.size());
+        std::string run;
+        size_t run_tokens = 0;
+        auto flush = [&]() {
+          if (run_tokens == 0) return;
+          if (first_invalid_utf8(run) == std::string_view::npos) {
+            out.push_back(run);
+          } else {
+            for (size_t k = 0; k < run_tokens; ++k) out.emplace_back(kReplacementChar);
+          }
+          run.clear();
+          run_tokens = 0;
+        };
+        for (std::string& tok : tokens) {
+          unsigned char b;
+          if (parse_byte_token(tok, &b)) {
+            run.push_back(static_cast<char>(b));
+            ++run_tokens;
+          } else {
+            flush();
+            out.push_back(std::move(tok));
+          }
+        }
+        flush();
+        tokens.swap(out);
+        break;
+      }
+      case DecStep::Kind::kFuse: {
+        std::string all;
+        for (const std::string& tok : tokens) all += tok;
+        tokens.assign(1, std::move(all));
+        break;
+      }
+      case DecStep::Kind::kStrip:
+        for (std::string& tok : tokens) tok = strip_chars(tok, s.strip_char, s.start, s.stop);
+        break;
+    }
+  }
+  std::string out;
+  for (const std::string& tok : tokens) out += tok;
+  return out;
+}
+
+std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {
+  if (auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end()) return it->second;
+  if (auto it = impl_->vocab.find(token); it != impl_->vocab.end()) return it->second;
+  return std::nullopt;
+}
+
+std::optional<std::string_view> Tokenizer::id_to_token(int32_t id) const {
+  if (id < 0 || static_cast<size_t>(id) >= impl_->id_kind.size() || impl_->id_kind[id] == 0)
+    return std::nullopt;
+  return std::string_view(impl_->id_to_tok[id]);
+}
+
+int32_t Tokenizer::vocab_size() const {
+  return static_cast<int32_t>(impl_->id_kind.size());
+}
+bool Tokenizer::is_special(int32_t id) const {
+  return impl_->is_special(id);
+}
+const std::vector<AddedToken>& Tokenizer::added_tokens() const {
+  return impl_->added;
+}
+std::optional<int32_t> Tokenizer::bos_id() const {
+  return impl_->bos;
+}
+std::optional<int32_t> Tokenizer::eos_id() const {
+  return impl_->eos;
+}
+std::optional<bool> Tokenizer::add_bos_token() const {
+  return impl_->add_bos;
+}
+std::optional<bool> Tokenizer::add_eos_token() const {
+  return impl_->add_eos;
+}
+const std::string& Tokenizer::chat_template() const {
+  return impl_->chat_template;
+}
+const std::string& Tokenizer::chat_template_source() const {
+  return impl_->chat_template_source;
+}
+const std::vector<int32_t>& Tokenizer::special_prefix_ids() const {
+  return impl_->prefix_ids;
+}
+const std::vector<int32_t>& Tokenizer::special_suffix_ids() const {
+  return impl_->suffix_ids;
+}
+const std::string& Tokenizer::source() const {
+  return impl_->source;
+}
+
+const std::array<std::string, 256>& gpt2_byte_to_unicode() {
+  static const std::array<std::string, 256> table = [] {
+    std::array<std::string, 256> t;
+    std::array<bool, 256> printable{};
+    for (int b = '!'; b <= '~'; ++b) printable[b] = true;
+    for (int b = 0xA1; b <= 0xAC; ++b) printable[b] = true;
+    for (int b = 0xAE; b <= 0xFF; ++b) printable[b] = true;
+    char32_t next = 256;
+    for (int b = 0; b < 256; ++b) append_utf8(t[b], printable[b] ? static_cast<char32_t>(b) : next++);
+    return t;
+  }();
+  return table;
+}
+
+bool is_valid_utf8(std::string_view text) {
+  return first_invalid_utf8(text) == std::string_view::npos;
+}
+
+std::string utf8_lossy(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  append_lossy(out, bytes, false);
+  return out;
+}
+
+// ================================================================================================
+// StreamingDecoder: the decoder chain as a chain of stream stages (see tokenizer.h for what each holds back).
+// ================================================================================================
+
+namespace {
+
+using Emit = std::function<void(std::string)>;
+
+class Stage {
+ public:
+  virtual ~Stage() = default;
+  virtual void push(std::string tok, const Emit& emit) = 0;
+  virtual void finish(const Emit& /*emit*/) {}
+};
+
+class ByteLevelStage : public Stage {
+ public:
+  void push(std::string tok, const Emit& emit) override {
+    byte_level_token_bytes(tok, pending_);
+    std::string out;
+    const size_t used = append_lossy(out, pending_, /*hold_truncated=*/true);
+    pending_.erase(0, used);
+    if (!out.empty()) emit(std::move(out));
+  }
+  void finish(const Emit& emit) override {
+    std::string out;
+    append_lossy(out, pending_, false);
+    pending_.clear();
+    if (!out.empty()) emit(std::move(out));
+  }
+
+ private:
+  std::string pending_;
+};
+
+class ReplaceStage : public Stage {
+ public:
+  explicit ReplaceStage(const DecStep& s) : s_(s) {}
+  void push(std::string tok, const Emit& emit) override { emit(s_.pattern.replace_all(tok, s_.text)); }
+
+ private:
+  const DecStep& s_;
+};
+
+class ByteFallbackStage : public Stage {
+ public:
+  void push(std::string tok, const Emit& emit) override {
+    unsigned char b;
+    if (parse_byte_token(tok, &b)) {
+      run_.push_back(static_cast<char>(b));
+      return;
+    }
+    flush(emit);
+    emit(std::move(tok));
+  }
+  void finish(const Emit& emit) override { flush(emit); }
+
+ private:
+  void flush(const Emit& emit) {
+    if (run_.empty()) return;
+    if (first_invalid_utf8(run_) == std::string_view::npos) {
+      emit(run_);
+    } else {
+      for (size_t k = 0; k < run_.size(); ++k) emit(std::string(kReplacementChar));
+    }
+    run_.clear();
+  }
+  std::string run_;
+};
+
+class PassStage : public Stage {  // Fuse: token boundaries stop mattering
+ public:
+  void push(std::string tok, const Emit& emit) override { emit(std::move(tok)); }
+};
+
+class StripTokenStage : public Stage {  // Strip on separate tokens
+ public:
+  explicit StripTokenStage(const DecStep& s) : s_(s) {}
+  void push(std::string tok, const Emit& emit) override {
+    emit(strip_chars(tok, s_.strip_char, s_.start, s_.stop));
+  }
+
+ private:
+  const DecStep& s_;
+};
+
+class StripStreamStage : public Stage {  // Strip on the fused text, which arrives in pieces
+ public:
+  explicit StripStreamStage(const DecStep& s) : s_(s), lead_left_(s.start) {}
+  void push(std::string piece, const Emit& emit) override {
+    std::string_view v(piece);
+    while (lead_left_ > 0 && !v.empty()) {
+      if (decode_at(v, 0) != s_.strip_char) {
+        lead_left_ = 0;
+        break;
+      }
+      v.remove_prefix(utf8_char_len(static_cast<unsigned char>(v[0])));
+      --lead_left_;
+    }
+    if (v.empty()) return;
+    lead_left_ = 0;
+    if (s_.stop == 0) {
+      emit(std::string(v));
+      return;
+    }
+    // Hold the trailing strip characters (at most `stop`) until non-strip text follows.
+    std::string all = held_ + std::string(v);
+    size_t e = all.size(), n = 0;
+    while (n < s_.stop && e > 0) {
+      const size_t p = prev_char_start(all, e);
+      if (decode_at(all, p) != s_.strip_char) break;
+      e = p;
+      ++n;
+    }
+    held_ = all.substr(e);
+    if (e > 0) emit(all.substr(0, e));
+  }
+  void finish(const Emit&) override { held_.clear(); }  // the held characters are the stripped tail
+
+ private:
+  const DecStep& s_;
+  size_t lead_left_;
+  std::string held_;
+};
+
+class JoinSpaceStage : public Stage {  // no decoder: tokens joined with " "
+ public:
+  void push(std::string tok, const Emit& emit) override {
+    if (!first_) tok.insert(0, " ");
+    first_ = false;
+    emit(std::move(tok));
+  }
+
+ private:
+  bool first_ = true;
+};
+
+}  // namespace
+
+struct StreamingDecoder::State {
+  std::vector<std::unique_ptr<Stage>> stages;
+  std::string out;
+
+  explicit State(const Tokenizer::Impl& t) {
+    if (!t.has_decoder) {
+      stages.push_back(std::make_unique<JoinSpaceStage>());
+      return;
+    }
+    for (const DecStep& s : t.decoders) {
+      switch (s.kind) {
+        case DecStep::Kind::kByteLevel:
+          stages.push_back(std::make_unique<ByteLevelStage>());
+          break;
+        case DecStep::Kind::kReplace:
+          stages.push_back(std::make_unique<ReplaceStage>(s));  // per token or per single character: same
+          break;
+        case DecStep::Kind::kByteFallback:
+          stages.push_back(std::make_unique<ByteFallbackStage>());
+          break;
+        case DecStep::Kind::kFuse:
+          stages.push_back(std::make_unique<PassStage>());
+          break;
+        case DecStep::Kind::kStrip:
+          if (s.fused_input) {
+            stages.push_back(std::make_unique<StripStreamStage>(s));
+          } else {
+            stages.push_back(std::make_unique<StripTokenStage>(s));
+          }
+          break;
+      }
+    }
+  }
+
+  void feed(size_t stage, std::string tok) {
+    if (stage == stages.size()) {
+      out += tok;
+      return;
+    }
+    stages[stage]->push(std::move(tok), [this, stage](std::string t) { feed(stage + 1, std::move(t)); });
+  }
+  void finish_all() {
+    for (size_t i = 0; i < stages.size(); ++i) {
+      stages[i]->finish([this, i](std::string t) { feed(i + 1, std::move(t)); });
+    }
+  }
+};
+
+StreamingDecoder::StreamingDecoder(const Tokenizer& tokenizer, bool skip_special_tokens)
+    : impl_(tokenizer.impl_), skip_special_(skip_special_tokens), state_(std::make_unique<State>(*impl_)) {}
+StreamingDecoder::~StreamingDecoder() = default;
+StreamingDecoder::StreamingDecoder(StreamingDecoder&&) noexcept = default;
+StreamingDecoder& StreamingDecoder::operator=(StreamingDecoder&&) noexcept = default;
+
+std::string StreamingDecoder::push(int32_t id) {
+  const std::string& tok = impl_->token_of(id);
+  if (skip_special_ && impl_->is_special(id)) return std::string();
+  state_->feed(0, tok);
+  std::string out;
+  out.swap(state_->out);
+  return out;
+}
+
+std::string StreamingDecoder::finish() {
+  state_->finish_all();
+  std::string out;
+  out.swap(state_->out);
+  reset();
+  return out;
+}
+
+void StreamingDecoder::reset() {
+  state_ = std::make_unique<State>(*impl_);
+}
+
+// ================================================================================================
+// Unicode canonical normalization (UAX #15)
+// ================================================================================================
+
+namespace {
+
+struct Decomposition {
+  uint32_t cp, first, second;  // second == 0: singleton
+};
+struct CccRange {
+  uint32_t first, last;
+  uint8_t ccc;
+};
+
+// Tables generated with Python's unicodedata (Unicode 14.0.0), by:
+//   dec = [(cp, *parts, 0)[:3] for cp in range(0x110000) if not 0xD800 <= cp < 0xE000
+//          for d in [unicodedata.decomposition(chr(cp))] if d and not d.startswith('<')
+//          for parts in [[int(x, 16) for x in d.split()]]]                     # canonical, one step, sorted
+//   ccc = ranges of equal non-zero unicodedata.combining(chr(cp))
+//   exclusions = [cp for cp, a, b in dec if b and combining(cp) == 0 and combining(a) == 0
+//                 and unicodedata.normalize('NFC', chr(a) + chr(b)) != chr(cp)]
+//     (Composition_Exclusions.txt: script-specific and post-composition-version exclusions; singletons and
+//      non-starter decompositions are excluded by rule in composition_table()).
+// clang-format off
+constexpr Decomposition kDecompositions[] = {
+    {0xC0, 0x41, 0x300}, {0xC1, 0x41, 0x301}, {0xC2, 0x41, 0x302}, {0xC3, 0x41, 0x303}, {0xC4, 0x41, 0x308},
+    {0xC5, 0x41, 0x30A}, {0xC7, 0x43, 0x327}, {0xC8, 0x45, 0x300}, {0xC9, 0x45, 0x301}, {0xCA, 0x45, 0x302},
+    {0xCB, 0x45, 0x308}, {0xCC, 0x49, 0x300}, {0xCD, 0x49, 0x301}, {0xCE, 0x49, 0x302}, {0xCF, 0x49, 0x308},
+    {0xD1, 0x4E, 0x303}, {0xD2, 0x4F, 0x300}, {0xD3, 0x4F, 0x301}, {0xD4, 0x4F, 0x302}, {0xD5, 0x4F, 0x303},
+    {0xD6, 0x4F, 0x308}, {0xD9, 0x55, 0x300}, {0xDA, 0x55, 0x301}, {0xDB, 0x55, 0x302}, {0xDC, 0x55, 0x308},
+    {0xDD, 0x59, 0x301}, {0xE0, 0x61, 0x300}, {0xE1, 0x61, 0x301}, {0xE2, 0x61, 0x302}, {0xE3, 0x61, 0x303},
+    {0xE4, 0x61, 0x308}, {0xE5, 0x61, 0x30A}, {0xE7, 0x63, 0x327}, {0xE8, 0x65, 0x300}, {0xE9, 0x65, 0x301},
+    {0xEA, 0x65, 0x302}, {0xEB, 0x65, 0x308}, {0xEC, 0x69, 0x300}, {0xED, 0x69, 0x301}, {0xEE, 0x69, 0x302},
+    {0xEF, 0x69, 0x308}, {0xF1, 0x6E, 0x303}, {0xF2, 0x6F, 0x300}, {0xF3, 0x6F, 0x301}, {0xF4, 0x6F, 0x302},
+    {0xF5, 0x6F, 0x303}, {0xF6, 0x6F, 0x308}, {0xF9, 0x75, 0x300}, {0xFA, 0x75, 0x301}, {0xFB, 0x75, 0x302},
+    {0xFC, 0x75, 0x308}, {0xFD, 0x79, 0x301}, {0xFF, 0x79, 0x308}, {0x100, 0x41, 0x304},
+    {0x101, 0x61, 0x304}, {0x102, 0x41, 0x306}, {0x103, 0x61, 0x306}, {0x104, 0x41, 0x328},
+    {0x105, 0x61, 0x328}, {0x106, 0x43, 0x301}, {0x107, 0x63, 0x301}, {0x108, 0x43, 0x302},
+    {0x109, 0x63, 0x302}, {0x10A, 0x43, 0x307}, {0x10B, 0x63, 0x307}, {0x10C, 0x43, 0x30C},
+    {0x10D, 0x63, 0x30C}, {0x10E, 0x44, 0x30C}, {0x10F, 0x64, 0x30C}, {0x112, 0x45, 0x304},
+    {0x113, 0x65, 0x304}, {0x114, 0x45, 0x306}, {0x115, 0x65, 0x306}, {0x116, 0x45, 0x307},
+    {0x117, 0x65, 0x307}, {0x118, 0x45, 0x328}, {0x119, 0x65, 0x328}, {0x11A, 0x45, 0x30C},
+    {0x11B, 0x65, 0x30C}, {0x11C, 0x47, 0x302}, {0x11D, 0x67, 0x302}, {0x11E, 0x47, 0x306},
+    {0x11F, 0x67, 0x306}, {0x120, 0x47, 0x307}, {0x121, 0x67, 0x307}, {0x122, 0x47, 0x327},
+    {0x123, 0x67, 0x327}, {0x124, 0x48, 0x302}, {0x125, 0x68, 0x302}, {0x128, 0x49, 0x303},
+    {0x129, 0x69, 0x303}, {0x12A, 0x49, 0x304}, {0x12B, 0x69, 0x304}, {0x12C, 0x49, 0x306},
+    {0x12D, 0x69, 0x306}, {0x12E, 0x49, 0x328}, {0x12F, 0x69, 0x328}, {0x130, 0x49, 0x307},
+    {0x134, 0x4A, 0x302}, {0x135, 0x6A, 0x302}, {0x136, 0x4B, 0x327}, {0x137, 0x6B, 0x327},
+    {0x139, 0x4C, 0x301}, {0x13A, 0x6C, 0x301}, {0x13B, 0x4C, 0x327}, {0x13C, 0x6C, 0x327},
+    {0x13D, 0x4C, 0x30C}, {0x13E, 0x6C, 0x30C}, {0x143, 0x4E, 0x301}, {0x144, 0x6E, 0x301},
+    {0x145, 0x4E, 0x327}, {0x146, 0x6E, 0x327}, {0x147, 0x4E, 0x30C}, {0x148, 0x6E, 0x30C},
+    {0x14C, 0x4F, 0x304}, {0x14D, 0x6F, 0x304}, {0x14E, 0x4F, 0x306}, {0x14F, 0x6F, 0x306},
+    {0x150, 0x4F, 0x30B}, {0x151, 0x6F, 0x30B}, {0x154, 0x52, 0x301}, {0x155, 0x72, 0x301},
+    {0x156, 0x52, 0x327}, {0x157, 0x72, 0x327}, {0x158, 0x52, 0x30C}, {0x159, 0x72, 0x30C},
+    {0x15A, 0x53, 0x301}, {0x15B, 0x73, 0x301}, {0x15C, 0x53, 0x302}, {0x15D, 0x73, 0x302},
+    {0x15E, 0x53, 0x327}, {0x15F, 0x73, 0x327}, {0x160, 0x53, 0x30C}, {0x161, 0x73, 0x30C},
+    {0x162, 0x54, 0x327}, {0x163, 0x74, 0x327}, {0x164, 0x54, 0x30C}, {0x165, 0x74, 0x30C},
+    {0x168, 0x55, 0x303}, {0x169, 0x75, 0x303}, {0x16A, 0x55, 0x304}, {0x16B, 0x75, 0x304},
+    {0x16C, 0x55, 0x306}, {0x16D, 0x75, 0x306}, {0x16E, 0x55, 0x30A}, {0x16F, 0x75, 0x30A},
+    {0x170, 0x55, 0x30B}, {0x171, 0x75, 0x30B}, {0x172, 0x55, 0x328}, {0x173, 0x75, 0x328},
+    {0x174, 0x57, 0x302}, {0x175, 0x77, 0x302}, {0x176, 0x59, 0x302}, {0x177, 0x79, 0x302},
+    {0x178, 0x59, 0x308}, {0x179, 0x5A, 0x301}, {0x17A, 0x7A, 0x301}, {0x17B, 0x5A, 0x307},
+    {0x17C, 0x7A, 0x307}, {0x17D, 0x5A, 0x30C}, {0x17E, 0x7A, 0x30C}, {0x1A0, 0x4F, 0x31B},
+    {0x1A1, 0x6F, 0x31B}, {0x1AF, 0x55, 0x31B}, {0x1B0, 0x75, 0x31B}, {0x1CD, 0x41, 0x30C},
+    {0x1CE, 0x61, 0x30C}, {0x1CF, 0x49, 0x30C}, {0x1D0, 0x69, 0x30C}, {0x1D1, 0x4F, 0x30C},
+    {0x1D2, 0x6F, 0x30C}, {0x1D3, 0x55, 0x30C}, {0x1D4, 0x75, 0x30C}, {0x1D5, 0xDC, 0x304},
+    {0x1D6, 0xFC, 0x304}, {0x1D7, 0xDC, 0x301}, {0x1D8, 0xFC, 0x301}, {0x1D9, 0xDC, 0x30C},
+    {0x1DA, 0xFC, 0x30C}, {0x1DB, 0xDC, 0x300}, {0x1DC, 0xFC, 0x300}, {0x1DE, 0xC4, 0x304},
+    {0x1DF, 0xE4, 0x304}, {0x1E0, 0x226, 0x304}, {0x1E1, 0x227, 0x304}, {0x1E2, 0xC6, 0x304},
+    {0x1E3, 0xE6, 0x304}, {0x1E6, 0x47, 0x30C}, {0x1E7, 0x67, 0x30C}, {0x1E8, 0x4B, 0x30C},
+    {0x1E9, 0x6B, 0x30C}, {0x1EA, 0x4F, 0x328}, {0x1EB, 0x6F, 0x328}, {0x1EC, 0x1EA, 0x304},
+    {0x1ED, 0x1EB, 0x304}, {0x1EE, 0x1B7, 0x30C}, {0x1EF, 0x292, 0x30C}, {0x1F0, 0x6A, 0x30C},
+    {0x1F4, 0x47, 0x301}, {0x1F5, 0x67, 0x301}, {0x1F8, 0x4E, 0x300}, {0x1F9, 0x6E, 0x300},
+    {0x1FA, 0xC5, 0x301}, {0x1FB, 0xE5, 0x301}, {0x1FC, 0xC6, 0x301}, {0x1FD, 0xE6, 0x301},
+    {0x1FE, 0xD8, 0x301}, {0x1FF, 0xF8, 0x301}, {0x200, 0x41, 0x30F}, {0x201, 0x61, 0x30F},
+    {0x202, 0x41, 0x311}, {0x203, 0x61, 0x311}, {0x204, 0x45, 0x30F}, {0x205, 0x65, 0x30F},
+    {0x206, 0x45, 0x311}, {0x207, 0x65, 0x311}, {0x208, 0x49, 0x30F}, {0x209, 0x69, 0x30F},
+    {0x20A, 0x49, 0x311}, {0x20B, 0x69, 0x311}, {0x20C, 0x4F, 0x30F}, {0x20D, 0x6F, 0x30F},
+    {0x20E, 0x4F, 0x311}, {0x20F, 0x6F, 0x311}, {0x210, 0x52, 0x30F}, {0x211, 0x72, 0x30F},
+    {0x212, 0x52, 0x311}, {0x213, 0x72, 0x311}, {0x214, 0x55, 0x30F}, {0x215, 0x75, 0x30F},
+    {0x216, 0x55, 0x311}, {0x217, 0x75, 0x311}, {0x218, 0x53, 0x326}, {0x219, 0x73, 0x326},
+    {0x21A, 0x54, 0x326}, {0x21B, 0x74, 0x326}, {0x21E, 0x48, 0x30C}, {0x21F, 0x68, 0x30C},
+    {0x226, 0x41, 0x307}, {0x227, 0x61, 0x307}, {0x228, 0x45, 0x327}, {0x229, 0x65, 0x327},
+    {0x22A, 0xD6, 0x304}, {0x22B, 0xF6, 0x304}, {0x22C, 0xD5, 0x304}, {0x22D, 0xF5, 0x304},
+    {0x22E, 0x4F, 0x307}, {0x22F, 0x6F, 0x307}, {0x230, 0x22E, 0x304}, {0x231, 0x22F, 0x304},
+    {0x232, 0x59, 0x304}, {0x233, 0x79, 0x304}, {0x340, 0x300, 0x0}, {0x341, 0x301, 0x0},
+    {0x343, 0x313, 0x0}, {0x344, 0x308, 0x301}, {0x374, 0x2B9, 0x0}, {0x37E, 0x3B, 0x0},
+    {0x385, 0xA8, 0x301}, {0x386, 0x391, 0x301}, {0x387, 0xB7, 0x0}, {0x388, 0x395, 0x301},
+    {0x389, 0x397, 0x301}, {0x38A, 0x399, 0x301}, {0x38C, 0x39F, 0x301}, {0x38E, 0x3A5, 0x301},
+    {0x38F, 0x3A9, 0x301}, {0x390, 0x3CA, 0x301}, {0x3AA, 0x399, 0x308}, {0x3AB, 0x3A5, 0x308},
+    {0x3AC, 0x3B1, 0x301}, {0x3AD, 0x3B5, 0x301}, {0x3AE, 0x3B7, 0x301}, {0x3AF, 0x3B9, 0x301},
+    {0x3B0, 0x3CB, 0x301}, {0x3CA, 0x3B9, 0x308}, {0x3CB, 0x3C5, 0x308}, {0x3CC, 0x3BF, 0x301},
+    {0x3CD, 0x3C5, 0x301}, {0x3CE, 0x3C9, 0x301}, {0x3D3, 0x3D2, 0x301}, {0x3D4, 0x3D2, 0x308},
+    {0x400, 0x415, 0x300}, {0x401, 0x415, 0x308}, {0x403, 0x413, 0x301}, {0x407, 0x406, 0x308},
+    {0x40C, 0x41A, 0x301}, {0x40D, 0x418, 0x300}, {0x40E, 0x423, 0x306}, {0x419, 0x418, 0x306},
+    {0x439, 0x438, 0x306}, {0x450, 0x435, 0x300}, {0x451, 0x435, 0x308}, {0x453, 0x433, 0x301},
+    {0x457, 0x456, 0x308}, {0x45C, 0x43A, 0x301}, {0x45D, 0x438, 0x300}, {0x45E, 0x443, 0x306},
+    {0x476, 0x474, 0x30F}, {0x477, 0x475, 0x30F}, {0x4C1, 0x416, 0x306}, {0x4C2, 0x436, 0x306},
+    {0x4D0, 0x410, 0x306}, {0x4D1, 0x430, 0x306}, {0x4D2, 0x410, 0x308}, {0x4D3, 0x430, 0x308},
+    {0x4D6, 0x415, 0x306}, {0x4D7, 0x435, 0x306}, {0x4DA, 0x4D8, 0x308}, {0x4DB, 0x4D9, 0x308},
+    {0x4DC, 0x416, 0x308}, {0x4DD, 0x436, 0x308}, {0x4DE, 0x417, 0x308}, {0x4DF, 0x437, 0x308},
+    {0x4E2, 0x418, 0x304}, {0x4E3, 0x438, 0x304}, {0x4E4, 0x418, 0x308}, {0x4E5, 0x438, 0x308},
+    {0x4E6, 0x41E, 0x308}, {0x4E7, 0x43E, 0x308}, {0x4EA, 0x4E8, 0x308}, {0x4EB, 0x4E9, 0x308},
+    {0x4EC, 0x42D, 0x308}, {0x4ED, 0x44D, 0x308}, {0x4EE, 0x423, 0x304}, {0x4EF, 0x443, 0x304},
+    {0x4F0, 0x423, 0x308}, {0x4F1, 0x443, 0x308}, {0x4F2, 0x423, 0x30B}, {0x4F3, 0x443, 0x30B},
+    {0x4F4, 0x427, 0x308}, {0x4F5, 0x447, 0x308}, {0x4F8, 0x42B, 0x308}, {0x4F9, 0x44B, 0x308},
+    {0x622, 0x627, 0x653}, {0x623, 0x627, 0x654}, {0x624, 0x648, 0x654}, {0x625, 0x627, 0x655},
+    {0x626, 0x64A, 0x654}, {0x6C0, 0x6D5, 0x654}, {0x6C2, 0x6C1, 0x654}, {0x6D3, 0x6D2, 0x654},
+    {0x929, 0x928, 0x93C}, {0x931, 0x930, 0x93C}, {0x934, 0x933, 0x93C}, {0x958, 0x915, 0x93C},
+    {0x959, 0x916, 0x93C}, {0x95A, 0x917, 0x93C}, {0x95B, 0x91C, 0x93C}, {0x95C, 0x921, 0x93C},
+    {0x95D, 0x922, 0x93C}, {0x95E, 0x92B, 0x93C}, {0x95F, 0x92F, 0x93C}, {0x9CB, 0x9C7, 0x9BE},
+    {0x9CC, 0x9C7, 0x9D7}, {0x9DC, 0x9A1, 0x9BC}, {0x9DD, 0x9A2, 0x9BC}, {0x9DF, 0x9AF, 0x9BC},
+    {0xA33, 0xA32, 0xA3C}, {0xA36, 0xA38, 0xA3C}, {0xA59, 0xA16, 0xA3C}, {0xA5A, 0xA17, 0xA3C},
+    {0xA5B, 0xA1C, 0xA3C}, {0xA5E, 0xA2B, 0xA3C}, {0xB48, 0xB47, 0xB56}, {0xB4B, 0xB47, 0xB3E},
+    {0xB4C, 0xB47, 0xB57}, {0xB5C, 0xB21, 0xB3C}, {0xB5D, 0xB22, 0xB3C}, {0xB94, 0xB92, 0xBD7},
+    {0xBCA, 0xBC6, 0xBBE}, {0xBCB, 0xBC7, 0xBBE}, {0xBCC, 0xBC6, 0xBD7}, {0xC48, 0xC46, 0xC56},
+    {0xCC0, 0xCBF, 0xCD5}, {0xCC7, 0xCC6, 0xCD5}, {0xCC8, 0xCC6, 0xCD6}, {0xCCA, 0xCC6, 0xCC2},
+    {0xCCB, 0xCCA, 0xCD5}, {0xD4A, 0xD46, 0xD3E}, {0xD4B, 0xD47, 0xD3E}, {0xD4C, 0xD46, 0xD57},
+    {0xDDA, 0xDD9, 0xDCA}, {0xDDC, 0xDD9, 0xDCF}, {0xDDD, 0xDDC, 0xDCA}, {0xDDE, 0xDD9, 0xDDF},
+    {0xF43, 0xF42, 0xFB7}, {0xF4D, 0xF4C, 0xFB7}, {0xF52, 0xF51, 0xFB7}, {0xF57, 0xF56, 0xFB7},
+    {0xF5C, 0xF5B, 0xFB7}, {0xF69, 0xF40, 0xFB5}, {0xF73, 0xF71, 0xF72}, {0xF75, 0xF71, 0xF74},
+    {0xF76, 0xFB2, 0xF80}, {0xF78, 0xFB3, 0xF80}, {0xF81, 0xF71, 0xF80}, {0xF93, 0xF92, 0xFB7},
+    {0xF9D, 0xF9C, 0xFB7}, {0xFA2, 0xFA1, 0xFB7}, {0xFA7, 0xFA6, 0xFB7}, {0xFAC, 0xFAB, 0xFB7},
+    {0xFB9, 0xF90, 0xFB5}, {0x1026, 0x1025, 0x102E}, {0x1B06, 0x1B05, 0x1B35}, {0x1B08, 0x1B07, 0x1B35},
+    {0x1B0A, 0x1B09, 0x1B35}, {0x1B0C, 0x1B0B, 0x1B35}, {0x1B0E, 0x1B0D, 0x1B35}, {0x1B12, 0x1B11, 0x1B35},
+    {0x1B3B, 0x1B3A, 0x1B35}, {0x1B3D, 0x1B3C, 0x1B35}, {0x1B40, 0x1B3E, 0x1B35}, {0x1B41, 0x1B3F, 0x1B35},
+    {0x1B43, 0x1B42, 0x1B35}, {0x1E00, 0x41, 0x325}, {0x1E01, 0x61, 0x325}, {0x1E02, 0x42, 0x307},
+    {0x1E03, 0x62, 0x307}, {0x1E04, 0x42, 0x323}, {0x1E05, 0x62, 0x323}, {0x1E06, 0x42, 0x331},
+    {0x1E07, 0x62, 0x331}, {0x1E08, 0xC7, 0x301}, {0x1E09, 0xE7, 0x301}, {0x1E0A, 0x44, 0x307},
+    {0x1E0B, 0x64, 0x307}, {0x1E0C, 0x44, 0x323}, {0x1E0D, 0x64, 0x323}, {0x1E0E, 0x44, 0x331},
+    {0x1E0F, 0x64, 0x331}, {0x1E10, 0x44, 0x327}, {0x1E11, 0x64, 0x327}, {0x1E12, 0x44, 0x32D},
+    {0x1E13, 0x64, 0x32D}, {0x1E14, 0x112, 0x300}, {0x1E15, 0x113, 0x300}, {0x1E16, 0x112, 0x301},
+    {0x1E17, 0x113, 0x301}, {0x1E18, 0x45, 0x32D}, {0x1E19, 0x65, 0x32D}, {0x1E1A, 0x45, 0x330},
+    {0x1E1B, 0x65, 0x330}, {0x1E1C, 0x228, 0x306}, {0x1E1D, 0x229, 0x306}, {0x1E1E, 0x46, 0x307},
+    {0x1E1F, 0x66, 0x307}, {0x1E20, 0x47, 0x304}, {0x1E21, 0x67, 0x304}, {0x1E22, 0x48, 0x307},
+    {0x1E23, 0x68, 0x307}, {0x1E24, 0x48, 0x323}, {0x1E25, 0x68, 0x323}, {0x1E26, 0x48, 0x308},
+    {0x1E27, 0x68, 0x308}, {0x1E28, 0x48, 0x327}, {0x1E29, 0x68, 0x327}, {0x1E2A, 0x48, 0x32E},
+    {0x1E2B, 0x68, 0x32E}, {0x1E2C, 0x49, 0x330}, {0x1E2D, 0x69, 0x330}, {0x1E2E, 0xCF, 0x301},
+    {0x1E2F, 0xEF, 0x301}, {0x1E30, 0x4B, 0x301}, {0x1E31, 0x6B, 0x301}, {0x1E32, 0x4B, 0x323},
+    {0x1E33, 0x6B, 0x323}, {0x1E34, 0x4B, 0x331}, {0x1E35, 0x6B, 0x331}, {0x1E36, 0x4C, 0x323},
+    {0x1E37, 0x6C, 0x323}, {0x1E38, 0x1E36, 0x304}, {0x1E39, 0x1E37, 0x304}, {0x1E3A, 0x4C, 0x331},
+    {0x1E3B, 0x6C, 0x331}, {0x1E3C, 0x4C, 0x32D}, {0x1E3D, 0x6C, 0x32D}, {0x1E3E, 0x4D, 0x301},
+    {0x1E3F, 0x6D, 0x301}, {0x1E40, 0x4D, 0x307}, {0x1E41, 0x6D, 0x307}, {0x1E42, 0x4D, 0x323},
+    {0x1E43, 0x6D, 0x323}, {0x1E44, 0x4E, 0x307}, {0x1E45, 0x6E, 0x307}, {0x1E46, 0x4E, 0x323},
+    {0x1E47, 0x6E, 0x323}, {0x1E48, 0x4E, 0x331}, {0x1E49, 0x6E, 0x331}, {0x1E4A, 0x4E, 0x32D},
+    {0x1E4B, 0x6E, 0x32D}, {0x1E4C, 0xD5, 0x301}, {0x1E4D, 0xF5, 0x301}, {0x1E4E, 0xD5, 0x308},
+    {0x1E4F, 0xF5, 0x308}, {0x1E50, 0x14C, 0x300}, {0x1E51, 0x14D, 0x300}, {0x1E52, 0x14C, 0x301},
+    {0x1E53, 0x14D, 0x301}, {0x1E54, 0x50, 0x301}, {0x1E55, 0x70, 0x301}, {0x1E56, 0x50, 0x307},
+    {0x1E57, 0x70, 0x307}, {0x1E58, 0x52, 0x307}, {0x1E59, 0x72, 0x307}, {0x1E5A, 0x52, 0x323},
+    {0x1E5B, 0x72, 0x323}, {0x1E5C, 0x1E5A, 0x304}, {0x1E5D, 0x1E5B, 0x304}, {0x1E5E, 0x52, 0x331},
+    {0x1E5F, 0x72, 0x331}, {0x1E60, 0x53, 0x307}, {0x1E61, 0x73, 0x307}, {0x1E62, 0x53, 0x323},
+    {0x1E63, 0x73, 0x323}, {0x1E64, 0x15A, 0x307}, {0x1E65, 0x15B, 0x307}, {0x1E66, 0x160, 0x307},
+    {0x1E67, 0x161, 0x307}, {0x1E68, 0x1E62, 0x307}, {0x1E69, 0x1E63, 0x307}, {0x1E6A, 0x54, 0x307},
+    {0x1E6B, 0x74, 0x307}, {0x1E6C, 0x54, 0x323}, {0x1E6D, 0x74, 0x323}, {0x1E6E, 0x54, 0x331},
+    {0x1E6F, 0x74, 0x331}, {0x1E70, 0x54, 0x32D}, {0x1E71, 0x74, 0x32D}, {0x1E72, 0x55, 0x324},
+    {0x1E73, 0x75, 0x324}, {0x1E74, 0x55, 0x330}, {0x1E75, 0x75, 0x330}, {0x1E76, 0x55, 0x32D},
+    {0x1E77, 0x75, 0x32D}, {0x1E78, 0x168, 0x301}, {0x1E79, 0x169, 0x301}, {0x1E7A, 0x16A, 0x308},
+    {0x1E7B, 0x16B, 0x308}, {0x1E7C, 0x56, 0x303}, {0x1E7D, 0x76, 0x303}, {0x1E7E, 0x56, 0x323},
+    {0x1E7F, 0x76, 0x323}, {0x1E80, 0x57, 0x300}, {0x1E81, 0x77, 0x300}, {0x1E82, 0x57, 0x301},
+    {0x1E83, 0x77, 0x301}, {0x1E84, 0x57, 0x308}, {0x1E85, 0x77, 0x308}, {0x1E86, 0x57, 0x307},
+    {0x1E87, 0x77, 0x307}, {0x1E88, 0x57, 0x323}, {0x1E89, 0x77, 0x323}, {0x1E8A, 0x58, 0x307},
+    {0x1E8B, 0x78, 0x307}, {0x1E8C, 0x58, 0x308}, {0x1E8D, 0x78, 0x308}, {0x1E8E, 0x59, 0x307},
+    {0x1E8F, 0x79, 0x307}, {0x1E90, 0x5A, 0x302}, {0x1E91, 0x7A, 0x302}, {0x1E92, 0x5A, 0x323},
+    {0x1E93, 0x7A, 0x323}, {0x1E94, 0x5A, 0x331}, {0x1E95, 0x7A, 0x331}, {0x1E96, 0x68, 0x331},
+    {0x1E97, 0x74, 0x308}, {0x1E98, 0x77, 0x30A}, {0x1E99, 0x79, 0x30A}, {0x1E9B, 0x17F, 0x307},
+    {0x1EA0, 0x41, 0x323}, {0x1EA1, 0x61, 0x323}, {0x1EA2, 0x41, 0x309}, {0x1EA3, 0x61, 0x309},
+    {0x1EA4, 0xC2, 0x301}, {0x1EA5, 0xE2, 0x301}, {0x1EA6, 0xC2, 0x300}, {0x1EA7, 0xE2, 0x300},
+    {0x1EA8, 0xC2, 0x309}, {0x1EA9, 0xE2, 0x309}, {0x1EAA, 0xC2, 0x303}, {0x1EAB, 0xE2, 0x303},
+    {0x1EAC, 0x1EA0, 0x302}, {0x1EAD, 0x1EA1, 0x302}, {0x1EAE, 0x102, 0x301}, {0x1EAF, 0x103, 0x301},
+    {0x1EB0, 0x102, 0x300}, {0x1EB1, 0x103, 0x300}, {0x1EB2, 0x102, 0x309}, {0x1EB3, 0x103, 0x309},
+    {0x1EB4, 0x102, 0x303}, {0x1EB5, 0x103, 0x303}, {0x1EB6, 0x1EA0, 0x306}, {0x1EB7, 0x1EA1, 0x306},
+    {0x1EB8, 0x45, 0x323}, {0x1EB9, 0x65, 0x323}, {0x1EBA, 0x45, 0x309}, {0x1EBB, 0x65, 0x309},
+    {0x1EBC, 0x45, 0x303}, {0x1EBD, 0x65, 0x303}, {0x1EBE, 0xCA, 0x301}, {0x1EBF, 0xEA, 0x301},
+    {0x1EC0, 0xCA, 0x300}, {0x1EC1, 0xEA, 0x300}, {0x1EC2, 0xCA, 0x309}, {0x1EC3, 0xEA, 0x309},
+    {0x1EC4, 0xCA, 0x303}, {0x1EC5, 0xEA, 0x303}, {0x1EC6, 0x1EB8, 0x302}, {0x1EC7, 0x1EB9, 0x302},
+    {0x1EC8, 0x49, 0x309}, {0x1EC9, 0x69, 0x309}, {0x1ECA, 0x49, 0x323}, {0x1ECB, 0x69, 0x323},
+    {0x1ECC, 0x4F, 0x323}, {0x1ECD, 0x6F, 0x323}, {0x1ECE, 0x4F, 0x309}, {0x1ECF, 0x6F, 0x309},
+    {0x1ED0, 0xD4, 0x301}, {0x1ED1, 0xF4, 0x301}, {0x1ED2, 0xD4, 0x300}, {0x1ED3, 0xF4, 0x300},
+    {0x1ED4, 0xD4, 0x309}, {0x1ED5, 0xF4, 0x309}, {0x1ED6, 0xD4, 0x303}, {0x1ED7, 0xF4, 0x303},
+    {0x1ED8, 0x1ECC, 0x302}, {0x1ED9, 0x1ECD, 0x302}, {0x1EDA, 0x1A0, 0x301}, {0x1EDB, 0x1A1, 0x301},
+    {0x1EDC, 0x1A0, 0x300}, {0x1EDD, 0x1A1, 0x300}, {0x1EDE, 0x1A0, 0x309}, {0x1EDF, 0x1A1, 0x309},
+    {0x1EE0, 0x1A0, 0x303}, {0x1EE1, 0x1A1, 0x303}, {0x1EE2, 0x1A0, 0x323}, {0x1EE3, 0x1A1, 0x323},
+    {0x1EE4, 0x55, 0x323}, {0x1EE5, 0x75, 0x323}, {0x1EE6, 0x55, 0x309}, {0x1EE7, 0x75, 0x309},
+    {0x1EE8, 0x1AF, 0x301}, {0x1EE9, 0x1B0, 0x301}, {0x1EEA, 0x1AF, 0x300}, {0x1EEB, 0x1B0, 0x300},
+    {0x1EEC, 0x1AF, 0x309}, {0x1EED, 0x1B0, 0x309}, {0x1EEE, 0x1AF, 0x303}, {0x1EEF, 0x1B0, 0x303},
+    {0x1EF0, 0x1AF, 0x323}, {0x1EF1, 0x1B0, 0x323}, {0x1EF2, 0x59, 0x300}, {0x1EF3, 0x79, 0x300},
+    {0x1EF4, 0x59, 0x323}, {0x1EF5, 0x79, 0x323}, {0x1EF6, 0x59, 0x309}, {0x1EF7, 0x79, 0x309},
+    {0x1EF8, 0x59, 0x303}, {0x1EF9, 0x79, 0x303}, {0x1F00, 0x3B1, 0x313}, {0x1F01, 0x3B1, 0x314},
+    {0x1F02, 0x1F00, 0x300}, {0x1F03, 0x1F01, 0x300}, {0x1F04, 0x1F00, 0x301}, {0x1F05, 0x1F01, 0x301},
+    {0x1F06, 0x1F00, 0x342}, {0x1F07, 0x1F01, 0x342}, {0x1F08, 0x391, 0x313}, {0x1F09, 0x391, 0x314},
+    {0x1F0A, 0x1F08, 0x300}, {0x1F0B, 0x1F09, 0x300}, {0x1F0C, 0x1F08, 0x301}, {0x1F0D, 0x1F09, 0x301},
+    {0x1F0E, 0x1F08, 0x342}, {0x1F0F, 0x1F09, 0x342}, {0x1F10, 0x3B5, 0x313}, {0x1F11, 0x3B5, 0x314},
+    {0x1F12, 0x1F10, 0x300}, {0x1F13, 0x1F11, 0x300}, {0x1F14, 0x1F10, 0x301}, {0x1F15, 0x1F11, 0x301},
+    {0x1F18, 0x395, 0x313}, {0x1F19, 0x395, 0x314}, {0x1F1A, 0x1F18, 0x300}, {0x1F1B, 0x1F19, 0x300},
+    {0x1F1C, 0x1F18, 0x301}, {0x1F1D, 0x1F19, 0x301}, {0x1F20, 0x3B7, 0x313}, {0x1F21, 0x3B7, 0x314},
+    {0x1F22, 0x1F20, 0x300}, {0x1F23, 0x1F21, 0x300}, {0x1F24, 0x1F20, 0x301}, {0x1F25, 0x1F21, 0x301},
+    {0x1F26, 0x1F20, 0x342}, {0x1F27, 0x1F21, 0x342}, {0x1F28, 0x397, 0x313}, {0x1F29, 0x397, 0x314},
+    {0x1F2A, 0x1F28, 0x300}, {0x1F2B, 0x1F29, 0x300}, {0x1F2C, 0x1F28, 0x301}, {0x1F2D, 0x1F29, 0x301},
+    {0x1F2E, 0x1F28, 0x342}, {0x1F2F, 0x1F29, 0x342}, {0x1F30, 0x3B9, 0x313}, {0x1F31, 0x3B9, 0x314},
+    {0x1F32, 0x1F30, 0x300}, {0x1F33, 0x1F31, 0x300}, {0x1F34, 0x1F30, 0x301}, {0x1F35, 0x1F31, 0x301},
+    {0x1F36, 0x1F30, 0x342}, {0x1F37, 0x1F31, 0x342}, {0x1F38, 0x399, 0x313}, {0x1F39, 0x399, 0x314},
+    {0x1F3A, 0x1F38, 0x300}, {0x1F3B, 0x1F39, 0x300}, {0x1F3C, 0x1F38, 0x301}, {0x1F3D, 0x1F39, 0x301},
+    {0x1F3E, 0x1F38, 0x342}, {0x1F3F, 0x1F39, 0x342}, {0x1F40, 0x3BF, 0x313}, {0x1F41, 0x3BF, 0x314},
+    {0x1F42, 0x1F40, 0x300}, {0x1F43, 0x1F41, 0x300}, {0x1F44, 0x1F40, 0x301}, {0x1F45, 0x1F41, 0x301},
+    {0x1F48, 0x39F, 0x313}, {0x1F49, 0x39F, 0x314}, {0x1F4A, 0x1F48, 0x300}, {0x1F4B, 0x1F49, 0x300},
+    {0x1F4C, 0x1F48, 0x301}, {0x1F4D, 0x1F49, 0x301}, {0x1F50, 0x3C5, 0x313}, {0x1F51, 0x3C5, 0x314},
+    {0x1F52, 0x1F50, 0x300}, {0x1F53, 0x1F51, 0x300}, {0x1F54, 0x1F50, 0x301}, {0x1F55, 0x1F51, 0x301},
+    {0x1F56, 0x1F50, 0x342}, {0x1F57, 0x1F51, 0x342}, {0x1F59, 0x3A5, 0x314}, {0x1F5B, 0x1F59, 0x300},
+    {0x1F5D, 0x1F59, 0x301}, {0x1F5F, 0x1F59, 0x342}, {0x1F60, 0x3C9, 0x313}, {0x1F61, 0x3C9, 0x314},
+    {0x1F62, 0x1F60, 0x300}, {0x1F63, 0x1F61, 0x300}, {0x1F64, 0x1F60, 0x301}, {0x1F65, 0x1F61, 0x301},
+    {0x1F66, 0x1F60, 0x342}, {0x1F67, 0x1F61, 0x342}, {0x1F68, 0x3A9, 0x313}, {0x1F69, 0x3A9, 0x314},
+    {0x1F6A, 0x1F68, 0x300}, {0x1F6B, 0x1F69, 0x300}, {0x1F6C, 0x1F68, 0x301}, {0x1F6D, 0x1F69, 0x301},
+    {0x1F6E, 0x1F68, 0x342}, {0x1F6F, 0x1F69, 0x342}, {0x1F70, 0x3B1, 0x300}, {0x1F71, 0x3AC, 0x0},
+    {0x1F72, 0x3B5, 0x300}, {0x1F73, 0x3AD, 0x0}, {0x1F74, 0x3B7, 0x300}, {0x1F75, 0x3AE, 0x0},
+    {0x1F76, 0x3B9, 0x300}, {0x1F77, 0x3AF, 0x0}, {0x1F78, 0x3BF, 0x300}, {0x1F79, 0x3CC, 0x0},
+    {0x1F7A, 0x3C5, 0x300}, {0x1F7B, 0x3CD, 0x0}, {0x1F7C, 0x3C9, 0x300}, {0x1F7D, 0x3CE, 0x0},
+    {0x1F80, 0x1F00, 0x345}, {0x1F81, 0x1F01, 0x345}, {0x1F82, 0x1F02, 0x345}, {0x1F83, 0x1F03, 0x345},
+    {0x1F84, 0x1F04, 0x345}, {0x1F85, 0x1F05, 0x345}, {0x1F86, 0x1F06, 0x345}, {0x1F87, 0x1F07, 0x345},
+    {0x1F88, 0x1F08, 0x345}, {0x1F89, 0x1F09, 0x345}, {0x1F8A, 0x1F0A, 0x345}, {0x1F8B, 0x1F0B, 0x345},
+    {0x1F8C, 0x1F0C, 0x345}, {0x1F8D, 0x1F0D, 0x345}, {0x1F8E, 0x1F0E, 0x345}, {0x1F8F, 0x1F0F, 0x345},
+    {0x1F90, 0x1F20, 0x345}, {0x1F91, 0x1F21, 0x345}, {0x1F92, 0x1F22, 0x345}, {0x1F93, 0x1F23, 0x345},
+    {0x1F94, 0x1F24, 0x345}, {0x1F95, 0x1F25, 0x345}, {0x1F96, 0x1F26, 0x345}, {0x1F97, 0x1F27, 0x345},
+    {0x1F98, 0x1F28, 0x345}, {0x1F99, 0x1F29, 0x345}, {0x1F9A, 0x1F2A, 0x345}, {0x1F9B, 0x1F2B, 0x345},
+    {0x1F9C, 0x1F2C, 0x345}, {0x1F9D, 0x1F2D, 0x345}, {0x1F9E, 0x1F2E, 0x345}, {0x1F9F, 0x1F2F, 0x345},
+    {0x1FA0, 0x1F60, 0x345}, {0x1FA1, 0x1F61, 0x345}, {0x1FA2, 0x1F62, 0x345}, {0x1FA3, 0x1F63, 0x345},
+    {0x1FA4, 0x1F64, 0x345}, {0x1FA5, 0x1F65, 0x345}, {0x1FA6, 0x1F66, 0x345}, {0x1FA7, 0x1F67, 0x345},
+    {0x1FA8, 0x1F68, 0x345}, {0x1FA9, 0x1F69, 0x345}, {0x1FAA, 0x1F6A, 0x345}, {0x1FAB, 0x1F6B, 0x345},
+    {0x1FAC, 0x1F6C, 0x345}, {0x1FAD, 0x1F6D, 0x345}, {0x1FAE, 0x1F6E, 0x345}, {0x1FAF, 0x1F6F, 0x345},
+    {0x1FB0, 0x3B1, 0x306}, {0x1FB1, 0x3B1, 0x304}, {0x1FB2, 0x1F70, 0x345}, {0x1FB3, 0x3B1, 0x345},
+    {0x1FB4, 0x3AC, 0x345}, {0x1FB6, 0x3B1, 0x342}, {0x1FB7, 0x1FB6, 0x345}, {0x1FB8, 0x391, 0x306},
+    {0x1FB9, 0x391, 0x304}, {0x1FBA, 0x391, 0x300}, {0x1FBB, 0x386, 0x0}, {0x1FBC, 0x391, 0x345},
+    {0x1FBE, 0x3B9, 0x0}, {0x1FC1, 0xA8, 0x342}, {0x1FC2, 0x1F74, 0x345}, {0x1FC3, 0x3B7, 0x345},
+    {0x1FC4, 0x3AE, 0x345}, {0x1FC6, 0x3B7, 0x342}, {0x1FC7, 0x1FC6, 0x345}, {0x1FC8, 0x395, 0x300},
+    {0x1FC9, 0x388, 0x0}, {0x1FCA, 0x397, 0x300}, {0x1FCB, 0x389, 0x0}, {0x1FCC, 0x397, 0x345},
+    {0x1FCD, 0x1FBF, 0x300}, {0x1FCE, 0x1FBF, 0x301}, {0x1FCF, 0x1FBF, 0x342}, {0x1FD0, 0x3B9, 0x306},
+    {0x1FD1, 0x3B9, 0x304}, {0x1FD2, 0x3CA, 0x300}, {0x1FD3, 0x390, 0x0}, {0x1FD6, 0x3B9, 0x342},
+    {0x1FD7, 0x3CA, 0x342}, {0x1FD8, 0x399, 0x306}, {0x1FD9, 0x399, 0x304}, {0x1FDA, 0x399, 0x300},
+    {0x1FDB, 0x38A, 0x0}, {0x1FDD, 0x1FFE, 0x300}, {0x1FDE, 0x1FFE, 0x301}, {0x1FDF, 0x1FFE, 0x342},
+    {0x1FE0, 0x3C5, 0x306}, {0x1FE1, 0x3C5, 0x304}, {0x1FE2, 0x3CB, 0x300}, {0x1FE3, 0x3B0, 0x0},
+    {0x1FE4, 0x3C1, 0x313}, {0x1FE5, 0x3C1, 0x314}, {0x1FE6, 0x3C5, 0x342}, {0x1FE7, 0x3CB, 0x342},
+    {0x1FE8, 0x3A5, 0x306}, {0x1FE9, 0x3A5, 0x304}, {0x1FEA, 0x3A5, 0x300}, {0x1FEB, 0x38E, 0x0},
+    {0x1FEC, 0x3A1, 0x314}, {0x1FED, 0xA8, 0x300}, {0x1FEE, 0x385, 0x0}, {0x1FEF, 0x60, 0x0},
+    {0x1FF2, 0x1F7C, 0x345}, {0x1FF3, 0x3C9, 0x345}, {0x1FF4, 0x3CE, 0x345}, {0x1FF6, 0x3C9, 0x342},
+    {0x1FF7, 0x1FF6, 0x345}, {0x1FF8, 0x39F, 0x300}, {0x1FF9, 0x38C, 0x0}, {0x1FFA, 0x3A9, 0x300},
+    {0x1FFB, 0x38F, 0x0}, {0x1FFC, 0x3A9, 0x345}, {0x1FFD, 0xB4, 0x0}, {0x2000, 0x2002, 0x0},
+    {0x2001, 0x2003, 0x0}, {0x2126, 0x3A9, 0x0}, {0x212A, 0x4B, 0x0}, {0x212B, 0xC5, 0x0},
+    {0x219A, 0x2190, 0x338}, {0x219B, 0x2192, 0x338}, {0x21AE, 0x2194, 0x338}, {0x21CD, 0x21D0, 0x338},
+    {0x21CE, 0x21D4, 0x338}, {0x21CF, 0x21D2, 0x338}, {0x2204, 0x2203, 0x338}, {0x2209, 0x2208, 0x338},
+    {0x220C, 0x220B, 0x338}, {0x2224, 0x2223, 0x338}, {0x2226, 0x2225, 0x338}, {0x2241, 0x223C, 0x338},
+    {0x2244, 0x2243, 0x338}, {0x2247, 0x2245, 0x338}, {0x2249, 0x2248, 0x338}, {0x2260, 0x3D, 0x338},
+    {0x2262, 0x2261, 0x338}, {0x226D, 0x224D, 0x338}, {0x226E, 0x3C, 0x338}, {0x226F, 0x3E, 0x338},
+    {0x2270, 0x2264, 0x338}, {0x2271, 0x2265, 0x338}, {0x2274, 0x2272, 0x338}, {0x2275, 0x2273, 0x338},
+    {0x2278, 0x2276, 0x338}, {0x2279, 0x2277, 0x338}, {0x2280, 0x227A, 0x338}, {0x2281, 0x227B, 0x338},
+    {0x2284, 0x2282, 0x338}, {0x2285, 0x2283, 0x338}, {0x2288, 0x2286, 0x338}, {0x2289, 0x2287, 0x338},
+    {0x22AC, 0x22A2, 0x338}, {0x22AD, 0x22A8, 0x338}, {0x22AE, 0x22A9, 0x338}, {0x22AF, 0x22AB, 0x338},
+    {0x22E0, 0x227C, 0x338}, {0x22E1, 0x227D, 0x338}, {0x22E2, 0x2291, 0x338}, {0x22E3, 0x2292, 0x338},
+    {0x22EA, 0x22B2, 0x338}, {0x22EB, 0x22B3, 0x338}, {0x22EC, 0x22B4, 0x338}, {0x22ED, 0x22B5, 0x338},
+    {0x2329, 0x3008, 0x0}, {0x232A, 0x3009, 0x0}, {0x2ADC, 0x2ADD, 0x338}, {0x304C, 0x304B, 0x3099},
+    {0x304E, 0x304D, 0x3099}, {0x3050, 0x304F, 0x3099}, {0x3052, 0x3051, 0x3099}, {0x3054, 0x3053, 0x3099},
+    {0x3056, 0x3055, 0x3099}, {0x3058, 0x3057, 0x3099}, {0x305A, 0x3059, 0x3099}, {0x305C, 0x305B, 0x3099},
+    {0x305E, 0x305D, 0x3099}, {0x3060, 0x305F, 0x3099}, {0x3062, 0x3061, 0x3099}, {0x3065, 0x3064, 0x3099},
+    {0x3067, 0x3066, 0x3099}, {0x3069, 0x3068, 0x3099}, {0x3070, 0x306F, 0x3099}, {0x3071, 0x306F, 0x309A},
+    {0x3073, 0x3072, 0x3099}, {0x3074, 0x3072, 0x309A}, {0x3076, 0x3075, 0x3099}, {0x3077, 0x3075, 0x309A},
+    {0x3079, 0x3078, 0x3099}, {0x307A, 0x3078, 0x309A}, {0x307C, 0x307B, 0x3099}, {0x307D, 0x307B, 0x309A},
+    {0x3094, 0x3046, 0x3099}, {0x309E, 0x309D, 0x3099}, {0x30AC, 0x30AB, 0x3099}, {0x30AE, 0x30AD, 0x3099},
+    {0x30B0, 0x30AF, 0x3099}, {0x30B2, 0x30B1, 0x3099}, {0x30B4, 0x30B3, 0x3099}, {0x30B6, 0x30B5, 0x3099},
+    {0x30B8, 0x30B7, 0x3099}, {0x30BA, 0x30B9, 0x3099}, {0x30BC, 0x30BB, 0x3099}, {0x30BE, 0x30BD, 0x3099},
+    {0x30C0, 0x30BF, 0x3099}, {0x30C2, 0x30C1, 0x3099}, {0x30C5, 0x30C4, 0x3099}, {0x30C7, 0x30C6, 0x3099},
+    {0x30C9, 0x30C8, 0x3099}, {0x30D0, 0x30CF, 0x3099}, {0x30D1, 0x30CF, 0x309A}, {0x30D3, 0x30D2, 0x3099},
+    {0x30D4, 0x30D2, 0x309A}, {0x30D6, 0x30D5, 0x3099}, {0x30D7, 0x30D5, 0x309A}, {0x30D9, 0x30D8, 0x3099},
+    {0x30DA, 0x30D8, 0x309A}, {0x30DC, 0x30DB, 0x3099}, {0x30DD, 0x30DB, 0x309A}, {0x30F4, 0x30A6, 0x3099},
+    {0x30F7, 0x30EF, 0x3099}, {0x30F8, 0x30F0, 0x3099}, {0x30F9, 0x30F1, 0x3099}, {0x30FA, 0x30F2, 0x3099},
+    {0x30FE, 0x30FD, 0x3099}, {0xF900, 0x8C48, 0x0}, {0xF901, 0x66F4, 0x0}, {0xF902, 0x8ECA, 0x0},
+    {0xF903, 0x8CC8, 0x0}, {0xF904, 0x6ED1, 0x0}, {0xF905, 0x4E32, 0x0}, {0xF906, 0x53E5, 0x0},
+    {0xF907, 0x9F9C, 0x0}, {0xF908, 0x9F9C, 0x0}, {0xF909, 0x5951, 0x0}, {0xF90A, 0x91D1, 0x0},
+    {0xF90B, 0x5587, 0x0}, {0xF90C, 0x5948, 0x0}, {0xF90D, 0x61F6, 0x0}, {0xF90E, 0x7669, 0x0},
+    {0xF90F, 0x7F85, 0x0}, {0xF910, 0x863F, 0x0}, {0xF911, 0x87BA, 0x0}, {0xF912, 0x88F8, 0x0},
+    {0xF913, 0x908F, 0x0}, {0xF914, 0x6A02, 0x0}, {0xF915, 0x6D1B, 0x0}, {0xF916, 0x70D9, 0x0},
+    {0xF917, 0x73DE, 0x0}, {0xF918, 0x843D, 0x0}, {0xF919, 0x916A, 0x0}, {0xF91A, 0x99F1, 0x0},
+    {0xF91B, 0x4E82, 0x0}, {0xF91C, 0x5375, 0x0}, {0xF91D, 0x6B04, 0x0}, {0xF91E, 0x721B, 0x0},
+    {0xF91F, 0x862D, 0x0}, {0xF920, 0x9E1E, 0x0}, {0xF921, 0x5D50, 0x0}, {0xF922, 0x6FEB, 0x0},
+    {0xF923, 0x85CD, 0x0}, {0xF924, 0x8964, 0x0}, {0xF925, 0x62C9, 0x0}, {0xF926, 0x81D8, 0x0},
+    {0xF927, 0x881F, 0x0}, {0xF928, 0x5ECA, 0x0}, {0xF929, 0x6717, 0x0}, {0xF92A, 0x6D6A, 0x0},
+    {0xF92B, 0x72FC, 0x0}, {0xF92C, 0x90CE, 0x0}, {0xF92D, 0x4F86, 0x0}, {0xF92E, 0x51B7, 0x0},
+    {0xF92F, 0x52DE, 0x0}, {0xF930, 0x64C4, 0x0}, {0xF931, 0x6AD3, 0x0}, {0xF932, 0x7210, 0x0},
+    {0xF933, 0x76E7, 0x0}, {0xF934, 0x8001, 0x0}, {0xF935, 0x8606, 0x0}, {0xF936, 0x865C, 0x0},
+    {0xF937, 0x8DEF, 0x0}, {0xF938, 0x9732, 0x0}, {0xF939, 0x9B6F, 0x0}, {0xF93A, 0x9DFA, 0x0},
+    {0xF93B, 0x788C, 0x0}, {0xF93C, 0x797F, 0x0}, {0xF93D, 0x7DA0, 0x0}, {0xF93E, 0x83C9, 0x0},
+    {0xF93F, 0x9304, 0x0}, {0xF940, 0x9E7F, 0x0}, {0xF941, 0x8AD6, 0x0}, {0xF942, 0x58DF, 0x0},
+    {0xF943, 0x5F04, 0x0}, {0xF944, 0x7C60, 0x0}, {0xF945, 0x807E, 0x0}, {0xF946, 0x7262, 0x0},
+    {0xF947, 0x78CA, 0x0}, {0xF948, 0x8CC2, 0x0}, {0xF949, 0x96F7, 0x0}, {0xF94A, 0x58D8, 0x0},
+    {0xF94B, 0x5C62, 0x0}, {0xF94C, 0x6A13, 0x0}, {0xF94D, 0x6DDA, 0x0}, {0xF94E, 0x6F0F, 0x0},
+    {0xF94F, 0x7D2F, 0x0}, {0xF950, 0x7E37, 0x0}, {0xF951, 0x964B, 0x0}, {0xF952, 0x52D2, 0x0},
+    {0xF953, 0x808B, 0x0}, {0xF954, 0x51DC, 0x0}, {0xF955, 0x51CC, 0x0}, {0xF956, 0x7A1C, 0x0},
+    {0xF957, 0x7DBE, 0x0}, {0xF958, 0x83F1, 0x0}, {0xF959, 0x9675, 0x0}, {0xF95A, 0x8B80, 0x0},
+    {0xF95B, 0x62CF, 0x0}, {0xF95C, 0x6A02, 0x0}, {0xF95D, 0x8AFE, 0x0}, {0xF95E, 0x4E39, 0x0},
+    {0xF95F, 0x5BE7, 0x0}, {0xF960, 0x6012, 0x0}, {0xF961, 0x7387, 0x0}, {0xF962, 0x7570, 0x0},
+    {0xF963, 0x5317, 0x0}, {0xF964, 0x78FB, 0x0}, {0xF965, 0x4FBF, 0x0}, {0xF966, 0x5FA9, 0x0},
+    {0xF967, 0x4E0D, 0x0}, {0xF968, 0x6CCC, 0x0}, {0xF969, 0x6578, 0x0}, {0xF96A, 0x7D22, 0x0},
+    {0xF96B, 0x53C3, 0x0}, {0xF96C, 0x585E, 0x0}, {0xF96D, 0x7701, 0x0}, {0xF96E, 0x8449, 0x0},
+    {0xF96F, 0x8AAA, 0x0}, {0xF970, 0x6BBA, 0x0}, {0xF971, 0x8FB0, 0x0}, {0xF972, 0x6C88, 0x0},
+    {0xF973, 0x62FE, 0x0}, {0xF974, 0x82E5, 0x0}, {0xF975, 0x63A0, 0x0}, {0xF976, 0x7565, 0x0},
+    {0xF977, 0x4EAE, 0x0}, {0xF978, 0x5169, 0x0}, {0xF979, 0x51C9, 0x0}, {0xF97A, 0x6881, 0x0},
+    {0xF97B, 0x7CE7, 0x0}, {0xF97C, 0x826F, 0x0}, {0xF97D, 0x8AD2, 0x0}, {0xF97E, 0x91CF, 0x0},
+    {0xF97F, 0x52F5, 0x0}, {0xF980, 0x5442, 0x0}, {0xF981, 0x5973, 0x0}, {0xF982, 0x5EEC, 0x0},
+    {0xF983, 0x65C5, 0x0}, {0xF984, 0x6FFE, 0x0}, {0xF985, 0x792A, 0x0}, {0xF986, 0x95AD, 0x0},
+    {0xF987, 0x9A6A, 0x0}, {0xF988, 0x9E97, 0x0}, {0xF989, 0x9ECE, 0x0}, {0xF98A, 0x529B, 0x0},
+    {0xF98B, 0x66C6, 0x0}, {0xF98C, 0x6B77, 0x0}, {0xF98D, 0x8F62, 0x0}, {0xF98E, 0x5E74, 0x0},
+    {0xF98F, 0x6190, 0x0}, {0xF990, 0x6200, 0x0}, {0xF991, 0x649A, 0x0}, {0xF992, 0x6F23, 0x0},
+    {0xF993, 0x7149, 0x0}, {0xF994, 0x7489, 0x0}, {0xF995, 0x79CA, 0x0}, {0xF996, 0x7DF4, 0x0},
+    {0xF997, 0x806F, 0x0}, {0xF998, 0x8F26, 0x0}, {0xF999, 0x84EE, 0x0}, {0xF99A, 0x9023, 0x0},
+    {0xF99B, 0x934A, 0x0}, {0xF99C, 0x5217, 0x0}, {0xF99D, 0x52A3, 0x0}, {0xF99E, 0x54BD, 0x0},
+    {0xF99F, 0x70C8, 0x0}, {0xF9A0, 0x88C2, 0x0}, {0xF9A1, 0x8AAA, 0x0}, {0xF9A2, 0x5EC9, 0x0},
+    {0xF9A3, 0x5FF5, 0x0}, {0xF9A4, 0x637B, 0x0}, {0xF9A5, 0x6BAE, 0x0}, {0xF9A6, 0x7C3E, 0x0},
+    {0xF9A7, 0x7375, 0x0}, {0xF9A8, 0x4EE4, 0x0}, {0xF9A9, 0x56F9, 0x0}, {0xF9AA, 0x5BE7, 0x0},
+    {0xF9AB, 0x5DBA, 0x0}, {0xF9AC, 0x601C, 0x0}, {0xF9AD, 0x73B2, 0x0}, {0xF9AE, 0x7469, 0x0},
+    {0xF9AF, 0x7F9A, 0x0}, {0xF9B0, 0x8046, 0x0}, {0xF9B1, 0x9234, 0x0}, {0xF9B2, 0x96F6, 0x0},
+    {0xF9B3, 0x9748, 0x0}, {0xF9B4, 0x9818, 0x0}, {0xF9B5, 0x4F8B, 0x0}, {0xF9B6, 0x79AE, 0x0},
+    {0xF9B7, 0x91B4, 0x0}, {0xF9B8, 0x96B8, 0x0}, {0xF9B9, 0x60E1, 0x0}, {0xF9BA, 0x4E86, 0x0},
+    {0xF9BB, 0x50DA, 0x0}, {0xF9BC, 0x5BEE, 0x0}, {0xF9BD, 0x5C3F, 0x0}, {0xF9BE, 0x6599, 0x0},
+    {0xF9BF, 0x6A02, 0x0}, {0xF9C0, 0x71CE, 0x0}, {0xF9C1, 0x7642, 0x0}, {0xF9C2, 0x84FC, 0x0},
+    {0xF9C3, 0x907C, 0x0}, {0xF9C4, 0x9F8D, 0x0}, {0xF9C5, 0x6688, 0x0}, {0xF9C6, 0x962E, 0x0},
+    {0xF9C7, 0x5289, 0x0}, {0xF9C8, 0x677B, 0x0}, {0xF9C9, 0x67F3, 0x0}, {0xF9CA, 0x6D41, 0x0},
+    {0xF9CB, 0x6E9C, 0x0}, {0xF9CC, 0x7409, 0x0}, {0xF9CD, 0x7559, 0x0}, {0xF9CE, 0x786B, 0x0},
+    {0xF9CF, 0x7D10, 0x0}, {0xF9D0, 0x985E, 0x0}, {0xF9D1, 0x516D, 0x0}, {0xF9D2, 0x622E, 0x0},
+    {0xF9D3, 0x9678, 0x0}, {0xF9D4, 0x502B, 0x0}, {0xF9D5, 0x5D19, 0x0}, {0xF9D6, 0x6DEA, 0x0},
+    {0xF9D7, 0x8F2A, 0x0}, {0xF9D8, 0x5F8B, 0x0}, {0xF9D9, 0x6144, 0x0}, {0xF9DA, 0x6817, 0x0},
+    {0xF9DB, 0x7387, 0x0}, {0xF9DC, 0x9686, 0x0}, {0xF9DD, 0x5229, 0x0}, {0xF9DE, 0x540F, 0x0},
+    {0xF9DF, 0x5C65, 0x0}, {0xF9E0, 0x6613, 0x0}, {0xF9E1, 0x674E, 0x0}, {0xF9E2, 0x68A8, 0x0},
+    {0xF9E3, 0x6CE5, 0x0}, {0xF9E4, 0x7406, 0x0}, {0xF9E5, 0x75E2, 0x0}, {0xF9E6, 0x7F79, 0x0},
+    {0xF9E7, 0x88CF, 0x0}, {0xF9E8, 0x88E1, 0x0}, {0xF9E9, 0x91CC, 0x0}, {0xF9EA, 0x96E2, 0x0},
+    {0xF9EB, 0x533F, 0x0}, {0xF9EC, 0x6EBA, 0x0}, {0xF9ED, 0x541D, 0x0}, {0xF9EE, 0x71D0, 0x0},
+    {0xF9EF, 0x7498, 0x0}, {0xF9F0, 0x85FA, 0x0}, {0xF9F1, 0x96A3, 0x0}, {0xF9F2, 0x9C57, 0x0},
+    {0xF9F3, 0x9E9F, 0x0}, {0xF9F4, 0x6797, 0x0}, {0xF9F5, 0x6DCB, 0x0}, {0xF9F6, 0x81E8, 0x0},
+    {0xF9F7, 0x7ACB, 0x0}, {0xF9F8, 0x7B20, 0x0}, {0xF9F9, 0x7C92, 0x0}, {0xF9FA, 0x72C0, 0x0},
+    {0xF9FB, 0x7099, 0x0}, {0xF9FC, 0x8B58, 0x0}, {0xF9FD, 0x4EC0, 0x0}, {0xF9FE, 0x8336, 0x0},
+    {0xF9FF, 0x523A, 0x0}, {0xFA00, 0x5207, 0x0}, {0xFA01, 0x5EA6, 0x0}, {0xFA02, 0x62D3, 0x0},
+    {0xFA03, 0x7CD6, 0x0}, {0xFA04, 0x5B85, 0x0}, {0xFA05, 0x6D1E, 0x0}, {0xFA06, 0x66B4, 0x0},
+    {0xFA07, 0x8F3B, 0x0}, {0xFA08, 0x884C, 0x0}, {0xFA09, 0x964D, 0x0}, {0xFA0A, 0x898B, 0x0},
+    {0xFA0B, 0x5ED3, 0x0}, {0xFA0C, 0x5140, 0x0}, {0xFA0D, 0x55C0, 0x0}, {0xFA10, 0x585A, 0x0},
+    {0xFA12, 0x6674, 0x0}, {0xFA15, 0x51DE, 0x0}, {0xFA16, 0x732A, 0x0}, {0xFA17, 0x76CA, 0x0},
+    {0xFA18, 0x793C, 0x0}, {0xFA19, 0x795E, 0x0}, {0xFA1A, 0x7965, 0x0}, {0xFA1B, 0x798F, 0x0},
+    {0xFA1C, 0x9756, 0x0}, {0xFA1D, 0x7CBE, 0x0}, {0xFA1E, 0x7FBD, 0x0}, {0xFA20, 0x8612, 0x0},
+    {0xFA22, 0x8AF8, 0x0}, {0xFA25, 0x9038, 0x0}, {0xFA26, 0x90FD, 0x0}, {0xFA2A, 0x98EF, 0x0},
+    {0xFA2B, 0x98FC, 0x0}, {0xFA2C, 0x9928, 0x0}, {0xFA2D, 0x9DB4, 0x0}, {0xFA2E, 0x90DE, 0x0},
+    {0xFA2F, 0x96B7, 0x0}, {0xFA30, 0x4FAE, 0x0}, {0xFA31, 0x50E7, 0x0}, {0xFA32, 0x514D, 0x0},
+    {0xFA33, 0x52C9, 0x0}, {0xFA34, 0x52E4, 0x0}, {0xFA35, 0x5351, 0x0}, {0xFA36, 0x559D, 0x0},
+    {0xFA37, 0x5606, 0x0}, {0xFA38, 0x5668, 0x0}, {0xFA39, 0x5840, 0x0}, {0xFA3A, 0x58A8, 0x0},
+    {0xFA3B, 0x5C64, 0x0}, {0xFA3C, 0x5C6E, 0x0}, {0xFA3D, 0x6094, 0x0}, {0xFA3E, 0x6168, 0x0},
+    {0xFA3F, 0x618E, 0x0}, {0xFA40, 0x61F2, 0x0}, {0xFA41, 0x654F, 0x0}, {0xFA42, 0x65E2, 0x0},
+    {0xFA43, 0x6691, 0x0}, {0xFA44, 0x6885, 0x0}, {0xFA45, 0x6D77, 0x0}, {0xFA46, 0x6E1A, 0x0},
+    {0xFA47, 0x6F22, 0x0}, {0xFA48, 0x716E, 0x0}, {0xFA49, 0x722B, 0x0}, {0xFA4A, 0x7422, 0x0},
+    {0xFA4B, 0x7891, 0x0}, {0xFA4C, 0x793E, 0x0}, {0xFA4D, 0x7949, 0x0}, {0xFA4E, 0x7948, 0x0},
+    {0xFA4F, 0x7950, 0x0}, {0xFA50, 0x7956, 0x0}, {0xFA51, 0x795D, 0x0}, {0xFA52, 0x798D, 0x0},
+    {0xFA53, 0x798E, 0x0}, {0xFA54, 0x7A40, 0x0}, {0xFA55, 0x7A81, 0x0}, {0xFA56, 0x7BC0, 0x0},
+    {0xFA57, 0x7DF4, 0x0}, {0xFA58, 0x7E09, 0x0}, {0xFA59, 0x7E41, 0x0}, {0xFA5A, 0x7F72, 0x0},
+    {0xFA5B, 0x8005, 0x0}, {0xFA5C, 0x81ED, 0x0}, {0xFA5D, 0x8279, 0x0}, {0xFA5E, 0x8279, 0x0},
+    {0xFA5F, 0x8457, 0x0}, {0xFA60, 0x8910, 0x0}, {0xFA61, 0x8996, 0x0}, {0xFA62, 0x8B01, 0x0},
+    {0xFA63, 0x8B39, 0x0}, {0xFA64, 0x8CD3, 0x0}, {0xFA65, 0x8D08, 0x0}, {0xFA66, 0x8FB6, 0x0},
+    {0xFA67, 0x9038, 0x0}, {0xFA68, 0x96E3, 0x0}, {0xFA69, 0x97FF, 0x0}, {0xFA6A, 0x983B, 0x0},
+    {0xFA6B, 0x6075, 0x0}, {0xFA6C, 0x242EE, 0x0}, {0xFA6D, 0x8218, 0x0}, {0xFA70, 0x4E26, 0x0},
+    {0xFA71, 0x51B5, 0x0}, {0xFA72, 0x5168, 0x0}, {0xFA73, 0x4F80, 0x0}, {0xFA74, 0x5145, 0x0},
+    {0xFA75, 0x5180, 0x0}, {0xFA76, 0x52C7, 0x0}, {0xFA77, 0x52FA, 0x0}, {0xFA78, 0x559D, 0x0},
+    {0xFA79, 0x5555, 0x0}, {0xFA7A, 0x5599, 0x0}, {0xFA7B, 0x55E2, 0x0}, {0xFA7C, 0x585A, 0x0},
+    {0xFA7D, 0x58B3, 0x0}, {0xFA7E, 0x5944, 0x0}, {0xFA7F, 0x5954, 0x0}, {0xFA80, 0x5A62, 0x0},
+    {0xFA81, 0x5B28, 0x0}, {0xFA82, 0x5ED2, 0x0}, {0xFA83, 0x5ED9, 0x0}, {0xFA84, 0x5F69, 0x0},
+    {0xFA85, 0x5FAD, 0x0}, {0xFA86, 0x60D8, 0x0}, {0xFA87, 0x614E, 0x0}, {0xFA88, 0x6108, 0x0},
+    {0xFA89, 0x618E, 0x0}, {0xFA8A, 0x6160, 0x0}, {0xFA8B, 0x61F2, 0x0}, {0xFA8C, 0x6234, 0x0},
+    {0xFA8D, 0x63C4, 0x0}, {0xFA8E, 0x641C, 0x0}, {0xFA8F, 0x6452, 0x0}, {0xFA90, 0x6556, 0x0},
+    {0xFA91, 0x6674, 0x0}, {0xFA92, 0x6717, 0x0}, {0xFA93, 0x671B, 0x0}, {0xFA94, 0x6756, 0x0},
+    {0xFA95, 0x6B79, 0x0}, {0xFA96, 0x6BBA, 0x0}, {0xFA97, 0x6D41, 0x0}, {0xFA98, 0x6EDB, 0x0},
+    {0xFA99, 0x6ECB, 0x0}, {0xFA9A, 0x6F22, 0x0}, {0xFA9B, 0x701E, 0x0}, {0xFA9C, 0x716E, 0x0},
+    {0xFA9D, 0x77A7, 0x0}, {0xFA9E, 0x7235, 0x0}, {0xFA9F, 0x72AF, 0x0}, {0xFAA0, 0x732A, 0x0},
+    {0xFAA1, 0x7471, 0x0}, {0xFAA2, 0x7506, 0x0}, {0xFAA3, 0x753B, 0x0}, {0xFAA4, 0x761D, 0x0},
+    {0xFAA5, 0x761F, 0x0}, {0xFAA6, 0x76CA, 0x0}, {0xFAA7, 0x76DB, 0x0}, {0xFAA8, 0x76F4, 0x0},
+    {0xFAA9, 0x774A, 0x0}, {0xFAAA, 0x7740, 0x0}, {0xFAAB, 0x78CC, 0x0}, {0xFAAC, 0x7AB1, 0x0},
+    {0xFAAD, 0x7BC0, 0x0}, {0xFAAE, 0x7C7B, 0x0}, {0xFAAF, 0x7D5B, 0x0}, {0xFAB0, 0x7DF4, 0x0},
+    {0xFAB1, 0x7F3E, 0x0}, {0xFAB2, 0x8005, 0x0}, {0xFAB3, 0x8352, 0x0}, {0xFAB4, 0x83EF, 0x0},
+    {0xFAB5, 0x8779, 0x0}, {0xFAB6, 0x8941, 0x0}, {0xFAB7, 0x8986, 0x0}, {0xFAB8, 0x8996, 0x0},
+    {0xFAB9, 0x8ABF, 0x0}, {0xFABA, 0x8AF8, 0x0}, {0xFABB, 0x8ACB, 0x0}, {0xFABC, 0x8B01, 0x0},
+    {0xFABD, 0x8AFE, 0x0}, {0xFABE, 0x8AED, 0x0}, {0xFABF, 0x8B39, 0x0}, {0xFAC0, 0x8B8A, 0x0},
+    {0xFAC1, 0x8D08, 0x0}, {0xFAC2, 0x8F38, 0x0}, {0xFAC3, 0x9072, 0x0}, {0xFAC4, 0x9199, 0x0},
+    {0xFAC5, 0x9276, 0x0}, {0xFAC6, 0x967C, 0x0}, {0xFAC7, 0x96E3, 0x0}, {0xFAC8, 0x9756, 0x0},
+    {0xFAC9, 0x97DB, 0x0}, {0xFACA, 0x97FF, 0x0}, {0xFACB, 0x980B, 0x0}, {0xFACC, 0x983B, 0x0},
+    {0xFACD, 0x9B12, 0x0}, {0xFACE, 0x9F9C, 0x0}, {0xFACF, 0x2284A, 0x0}, {0xFAD0, 0x22844, 0x0},
+    {0xFAD1, 0x233D5, 0x0}, {0xFAD2, 0x3B9D, 0x0}, {0xFAD3, 0x4018, 0x0}, {0xFAD4, 0x4039, 0x0},
+    {0xFAD5, 0x25249, 0x0}, {0xFAD6, 0x25CD0, 0x0}, {0xFAD7, 0x27ED3, 0x0}, {0xFAD8, 0x9F43, 0x0},
+    {0xFAD9, 0x9F8E, 0x0}, {0xFB1D, 0x5D9, 0x5B4}, {0xFB1F, 0x5F2, 0x5B7}, {0xFB2A, 0x5E9, 0x5C1},
+    {0xFB2B, 0x5E9, 0x5C2}, {0xFB2C, 0xFB49, 0x5C1}, {0xFB2D, 0xFB49, 0x5C2}, {0xFB2E, 0x5D0, 0x5B7},
+    {0xFB2F, 0x5D0, 0x5B8}, {0xFB30, 0x5D0, 0x5BC}, {0xFB31, 0x5D1, 0x5BC}, {0xFB32, 0x5D2, 0x5BC},
+    {0xFB33, 0x5D3, 0x5BC}, {0xFB34, 0x5D4, 0x5BC}, {0xFB35, 0x5D5, 0x5BC}, {0xFB36, 0x5D6, 0x5BC},
+    {0xFB38, 0x5D8, 0x5BC}, {0xFB39, 0x5D9, 0x5BC}, {0xFB3A, 0x5DA, 0x5BC}, {0xFB3B, 0x5DB, 0x5BC},
+    {0xFB3C, 0x5DC, 0x5BC}, {0xFB3E, 0x5DE, 0x5BC}, {0xFB40, 0x5E0, 0x5BC}, {0xFB41, 0x5E1, 0x5BC},
+    {0xFB43, 0x5E3, 0x5BC}, {0xFB44, 0x5E4, 0x5BC}, {0xFB46, 0x5E6, 0x5BC}, {0xFB47, 0x5E7, 0x5BC},
+    {0xFB48, 0x5E8, 0x5BC}, {0xFB49, 0x5E9, 0x5BC}, {0xFB4A, 0x5EA, 0x5BC}, {0xFB4B, 0x5D5, 0x5B9},
+    {0xFB4C, 0x5D1, 0x5BF}, {0xFB4D, 0x5DB, 0x5BF}, {0xFB4E, 0x5E4, 0x5BF}, {0x1109A, 0x11099, 0x110BA},
+    {0x1109C, 0x1109B, 0x110BA}, {0x110AB, 0x110A5, 0x110BA}, {0x1112E, 0x11131, 0x11127},
+    {0x1112F, 0x11132, 0x11127}, {0x1134B, 0x11347, 0x1133E}, {0x1134C, 0x11347, 0x11357},
+    {0x114BB, 0x114B9, 0x114BA}, {0x114BC, 0x114B9, 0x114B0}, {0x114BE, 0x114B9, 0x114BD},
+    {0x115BA, 0x115B8, 0x115AF}, {0x115BB, 0x115B9, 0x115AF}, {0x11938, 0x11935, 0x11930},
+    {0x1D15E, 0x1D157, 0x1D165}, {0x1D15F, 0x1D158, 0x1D165}, {0x1D160, 0x1D15F, 0x1D16E},
+    {0x1D161, 0x1D15F, 0x1D16F}, {0x1D162, 0x1D15F, 0x1D170}, {0x1D163, 0x1D15F, 0x1D171},
+    {0x1D164, 0x1D15F, 0x1D172}, {0x1D1BB, 0x1D1B9, 0x1D165}, {0x1D1BC, 0x1D1BA, 0x1D165},
+    {0x1D1BD, 0x1D1BB, 0x1D16E}, {0x1D1BE, 0x1D1BC, 0x1D16E}, {0x1D1BF, 0x1D1BB, 0x1D16F},
+    {0x1D1C0, 0x1D1BC, 0x1D16F}, {0x2F800, 0x4E3D, 0x0}, {0x2F801, 0x4E38, 0x0}, {0x2F802, 0x4E41, 0x0},
+    {0x2F803, 0x20122, 0x0}, {0x2F804, 0x4F60, 0x0}, {0x2F805, 0x4FAE, 0x0}, {0x2F806, 0x4FBB, 0x0},
+    {0x2F807, 0x5002, 0x0}, {0x2F808, 0x507A, 0x0}, {0x2F809, 0x5099, 0x0}, {0x2F80A, 0x50E7, 0x0},
+    {0x2F80B, 0x50CF, 0x0}, {0x2F80C, 0x349E, 0x0}, {0x2F80D, 0x2063A, 0x0}, {0x2F80E, 0x514D, 0x0},
+    {0x2F80F, 0x5154, 0x0}, {0x2F810, 0x5164, 0x0}, {0x2F811, 0x5177, 0x0}, {0x2F812, 0x2051C, 0x0},
+    {0x2F813, 0x34B9, 0x0}, {0x2F814, 0x5167, 0x0}, {0x2F815, 0x518D, 0x0}, {0x2F816, 0x2054B, 0x0},
+    {0x2F817, 0x5197, 0x0}, {0x2F818, 0x51A4, 0x0}, {0x2F819, 0x4ECC, 0x0}, {0x2F81A, 0x51AC, 0x0},
+    {0x2F81B, 0x51B5, 0x0}, {0x2F81C, 0x291DF, 0x0}, {0x2F81D, 0x51F5, 0x0}, {0x2F81E, 0x5203, 0x0},
+    {0x2F81F, 0x34DF, 0x0}, {0x2F820, 0x523B, 0x0}, {0x2F821, 0x5246, 0x0}, {0x2F822, 0x5272, 0x0},
+    {0x2F823, 0x5277, 0x0}, {0x2F824, 0x3515, 0x0}, {0x2F825, 0x52C7, 0x0}, {0x2F826, 0x52C9, 0x0},
+    {0x2F827, 0x52E4, 0x0}, {0x2F828, 0x52FA, 0x0}, {0x2F829, 0x5305, 0x0}, {0x2F82A, 0x5306, 0x0},
+    {0x2F82B, 0x5317, 0x0}, {0x2F82C, 0x5349, 0x0}, {0x2F82D, 0x5351, 0x0}, {0x2F82E, 0x535A, 0x0},
+    {0x2F82F, 0x5373, 0x0}, {0x2F830, 0x537D, 0x0}, {0x2F831, 0x537F, 0x0}, {0x2F832, 0x537F, 0x0},
+    {0x2F833, 0x537F, 0x0}, {0x2F834, 0x20A2C, 0x0}, {0x2F835, 0x7070, 0x0}, {0x2F836, 0x53CA, 0x0},
+    {0x2F837, 0x53DF, 0x0}, {0x2F838, 0x20B63, 0x0}, {0x2F839, 0x53EB, 0x0}, {0x2F83A, 0x53F1, 0x0},
+    {0x2F83B, 0x5406, 0x0}, {0x2F83C, 0x549E, 0x0}, {0x2F83D, 0x5438, 0x0}, {0x2F83E, 0x5448, 0x0},
+    {0x2F83F, 0x5468, 0x0}, {0x2F840, 0x54A2, 0x0}, {0x2F841, 0x54F6, 0x0}, {0x2F842, 0x5510, 0x0},
+    {0x2F843, 0x5553, 0x0}, {0x2F844, 0x5563, 0x0}, {0x2F845, 0x5584, 0x0}, {0x2F846, 0x5584, 0x0},
+    {0x2F847, 0x5599, 0x0}, {0x2F848, 0x55AB, 0x0}, {0x2F849, 0x55B3, 0x0}, {0x2F84A, 0x55C2, 0x0},
+    {0x2F84B, 0x5716, 0x0}, {0x2F84C, 0x5606, 0x0}, {0x2F84D, 0x5717, 0x0}, {0x2F84E, 0x5651, 0x0},
+    {0x2F84F, 0x5674, 0x0}, {0x2F850, 0x5207, 0x0}, {0x2F851, 0x58EE, 0x0}, {0x2F852, 0x57CE, 0x0},
+    {0x2F853, 0x57F4, 0x0}, {0x2F854, 0x580D, 0x0}, {0x2F855, 0x578B, 0x0}, {0x2F856, 0x5832, 0x0},
+    {0x2F857, 0x5831, 0x0}, {0x2F858, 0x58AC, 0x0}, {0x2F859, 0x214E4, 0x0}, {0x2F85A, 0x58F2, 0x0},
+    {0x2F85B, 0x58F7, 0x0}, {0x2F85C, 0x5906, 0x0}, {0x2F85D, 0x591A, 0x0}, {0x2F85E, 0x5922, 0x0},
+    {0x2F85F, 0x5962, 0x0}, {0x2F860, 0x216A8, 0x0}, {0x2F861, 0x216EA, 0x0}, {0x2F862, 0x59EC, 0x0},
+    {0x2F863, 0x5A1B, 0x0}, {0x2F864, 0x5A27, 0x0}, {0x2F865, 0x59D8, 0x0}, {0x2F866, 0x5A66, 0x0},
+    {0x2F867, 0x36EE, 0x0}, {0x2F868, 0x36FC, 0x0}, {0x2F869, 0x5B08, 0x0}, {0x2F86A, 0x5B3E, 0x0},
+    {0x2F86B, 0x5B3E, 0x0}, {0x2F86C, 0x219C8, 0x0}, {0x2F86D, 0x5BC3, 0x0}, {0x2F86E, 0x5BD8, 0x0},
+    {0x2F86F, 0x5BE7, 0x0}, {0x2F870, 0x5BF3, 0x0}, {0x2F871, 0x21B18, 0x0}, {0x2F872, 0x5BFF, 0x0},
+    {0x2F873, 0x5C06, 0x0}, {0x2F874, 0x5F53, 0x0}, {0x2F875, 0x5C22, 0x0}, {0x2F876, 0x3781, 0x0},
+    {0x2F877, 0x5C60, 0x0}, {0x2F878, 0x5C6E, 0x0}, {0x2F879, 0x5CC0, 0x0}, {0x2F87A, 0x5C8D, 0x0},
+    {0x2F87B, 0x21DE4, 0x0}, {0x2F87C, 0x5D43, 0x0}, {0x2F87D, 0x21DE6, 0x0}, {0x2F87E, 0x5D6E, 0x0},
+    {0x2F87F, 0x5D6B, 0x0}, {0x2F880, 0x5D7C, 0x0}, {0x2F881, 0x5DE1, 0x0}, {0x2F882, 0x5DE2, 0x0},
+    {0x2F883, 0x382F, 0x0}, {0x2F884, 0x5DFD, 0x0}, {0x2F885, 0x5E28, 0x0}, {0x2F886, 0x5E3D, 0x0},
+    {0x2F887, 0x5E69, 0x0}, {0x2F888, 0x3862, 0x0}, {0x2F889, 0x22183, 0x0}, {0x2F88A, 0x387C, 0x0},
+    {0x2F88B, 0x5EB0, 0x0}, {0x2F88C, 0x5EB3, 0x0}, {0x2F88D, 0x5EB6, 0x0}, {0x2F88E, 0x5ECA, 0x0},
+    {0x2F88F, 0x2A392, 0x0}, {0x2F890, 0x5EFE, 0x0}, {0x2F891, 0x22331, 0x0}, {0x2F892, 0x22331, 0x0},
+    {0x2F893, 0x8201, 0x0}, {0x2F894, 0x5F22, 0x0}, {0x2F895, 0x5F22, 0x0}, {0x2F896, 0x38C7, 0x0},
+    {0x2F897, 0x232B8, 0x0}, {0x2F898, 0x261DA, 0x0}, {0x2F899, 0x5F62, 0x0}, {0x2F89A, 0x5F6B, 0x0},
+    {0x2F89B, 0x38E3, 0x0}, {0x2F89C, 0x5F9A, 0x0}, {0x2F89D, 0x5FCD, 0x0}, {0x2F89E, 0x5FD7, 0x0},
+    {0x2F89F, 0x5FF9, 0x0}, {0x2F8A0, 0x6081, 0x0}, {0x2F8A1, 0x393A, 0x0}, {0x2F8A2, 0x391C, 0x0},
+    {0x2F8A3, 0x6094, 0x0}, {0x2F8A4, 0x226D4, 0x0}, {0x2F8A5, 0x60C7, 0x0}, {0x2F8A6, 0x6148, 0x0},
+    {0x2F8A7, 0x614C, 0x0}, {0x2F8A8, 0x614E, 0x0}, {0x2F8A9, 0x614C, 0x0}, {0x2F8AA, 0x617A, 0x0},
+    {0x2F8AB, 0x618E, 0x0}, {0x2F8AC, 0x61B2, 0x0}, {0x2F8AD, 0x61A4, 0x0}, {0x2F8AE, 0x61AF, 0x0},
+    {0x2F8AF, 0x61DE, 0x0}, {0x2F8B0, 0x61F2, 0x0}, {0x2F8B1, 0x61F6, 0x0}, {0x2F8B2, 0x6210, 0x0},
+    {0x2F8B3, 0x621B, 0x0}, {0x2F8B4, 0x625D, 0x0}, {0x2F8B5, 0x62B1, 0x0}, {0x2F8B6, 0x62D4, 0x0},
+    {0x2F8B7, 0x6350, 0x0}, {0x2F8B8, 0x22B0C, 0x0}, {0x2F8B9, 0x633D, 0x0}, {0x2F8BA, 0x62FC, 0x0},
+    {0x2F8BB, 0x6368, 0x0}, {0x2F8BC, 0x6383, 0x0}, {0x2F8BD, 0x63E4, 0x0}, {0x2F8BE, 0x22BF1, 0x0},
+    {0x2F8BF, 0x6422, 0x0}, {0x2F8C0, 0x63C5, 0x0}, {0x2F8C1, 0x63A9, 0x0}, {0x2F8C2, 0x3A2E, 0x0},
+    {0x2F8C3, 0x6469, 0x0}, {0x2F8C4, 0x647E, 0x0}, {0x2F8C5, 0x649D, 0x0}, {0x2F8C6, 0x6477, 0x0},
+    {0x2F8C7, 0x3A6C, 0x0}, {0x2F8C8, 0x654F, 0x0}, {0x2F8C9, 0x656C, 0x0}, {0x2F8CA, 0x2300A, 0x0},
+    {0x2F8CB, 0x65E3, 0x0}, {0x2F8CC, 0x66F8, 0x0}, {0x2F8CD, 0x6649, 0x0}, {0x2F8CE, 0x3B19, 0x0},
+    {0x2F8CF, 0x6691, 0x0}, {0x2F8D0, 0x3B08, 0x0}, {0x2F8D1, 0x3AE4, 0x0}, {0x2F8D2, 0x5192, 0x0},
+    {0x2F8D3, 0x5195, 0x0}, {0x2F8D4, 0x6700, 0x0}, {0x2F8D5, 0x669C, 0x0}, {0x2F8D6, 0x80AD, 0x0},
+    {0x2F8D7, 0x43D9, 0x0}, {0x2F8D8, 0x6717, 0x0}, {0x2F8D9, 0x671B, 0x0}, {0x2F8DA, 0x6721, 0x0},
+    {0x2F8DB, 0x675E, 0x0}, {0x2F8DC, 0x6753, 0x0}, {0x2F8DD, 0x233C3, 0x0}, {0x2F8DE, 0x3B49, 0x0},
+    {0x2F8DF, 0x67FA, 0x0}, {0x2F8E0, 0x6785, 0x0}, {0x2F8E1, 0x6852, 0x0}, {0x2F8E2, 0x6885, 0x0},
+    {0x2F8E3, 0x2346D, 0x0}, {0x2F8E4, 0x688E, 0x0}, {0x2F8E5, 0x681F, 0x0}, {0x2F8E6, 0x6914, 0x0},
+    {0x2F8E7, 0x3B9D, 0x0}, {0x2F8E8, 0x6942, 0x0}, {0x2F8E9, 0x69A3, 0x0}, {0x2F8EA, 0x69EA, 0x0},
+    {0x2F8EB, 0x6AA8, 0x0}, {0x2F8EC, 0x236A3, 0x0}, {0x2F8ED, 0x6ADB, 0x0}, {0x2F8EE, 0x3C18, 0x0},
+    {0x2F8EF, 0x6B21, 0x0}, {0x2F8F0, 0x238A7, 0x0}, {0x2F8F1, 0x6B54, 0x0}, {0x2F8F2, 0x3C4E, 0x0},
+    {0x2F8F3, 0x6B72, 0x0}, {0x2F8F4, 0x6B9F, 0x0}, {0x2F8F5, 0x6BBA, 0x0}, {0x2F8F6, 0x6BBB, 0x0},
+    {0x2F8F7, 0x23A8D, 0x0}, {0x2F8F8, 0x21D0B, 0x0}, {0x2F8F9, 0x23AFA, 0x0}, {0x2F8FA, 0x6C4E, 0x0},
+    {0x2F8FB, 0x23CBC, 0x0}, {0x2F8FC, 0x6CBF, 0x0}, {0x2F8FD, 0x6CCD, 0x0}, {0x2F8FE, 0x6C67, 0x0},
+    {0x2F8FF, 0x6D16, 0x0}, {0x2F900, 0x6D3E, 0x0}, {0x2F901, 0x6D77, 0x0}, {0x2F902, 0x6D41, 0x0},
+    {0x2F903, 0x6D69, 0x0}, {0x2F904, 0x6D78, 0x0}, {0x2F905, 0x6D85, 0x0}, {0x2F906, 0x23D1E, 0x0},
+    {0x2F907, 0x6D34, 0x0}, {0x2F908, 0x6E2F, 0x0}, {0x2F909, 0x6E6E, 0x0}, {0x2F90A, 0x3D33, 0x0},
+    {0x2F90B, 0x6ECB, 0x0}, {0x2F90C, 0x6EC7, 0x0}, {0x2F90D, 0x23ED1, 0x0}, {0x2F90E, 0x6DF9, 0x0},
+    {0x2F90F, 0x6F6E, 0x0}, {0x2F910, 0x23F5E, 0x0}, {0x2F911, 0x23F8E, 0x0}, {0x2F912, 0x6FC6, 0x0},
+    {0x2F913, 0x7039, 0x0}, {0x2F914, 0x701E, 0x0}, {0x2F915, 0x701B, 0x0}, {0x2F916, 0x3D96, 0x0},
+    {0x2F917, 0x704A, 0x0}, {0x2F918, 0x707D, 0x0}, {0x2F919, 0x7077, 0x0}, {0x2F91A, 0x70AD, 0x0},
+    {0x2F91B, 0x20525, 0x0}, {0x2F91C, 0x7145, 0x0}, {0x2F91D, 0x24263, 0x0}, {0x2F91E, 0x719C, 0x0},
+    {0x2F91F, 0x243AB, 0x0}, {0x2F920, 0x7228, 0x0}, {0x2F921, 0x7235, 0x0}, {0x2F922, 0x7250, 0x0},
+    {0x2F923, 0x24608, 0x0}, {0x2F924, 0x7280, 0x0}, {0x2F925, 0x7295, 0x0}, {0x2F926, 0x24735, 0x0},
+    {0x2F927, 0x24814, 0x0}, {0x2F928, 0x737A, 0x0}, {0x2F929, 0x738B, 0x0}, {0x2F92A, 0x3EAC, 0x0},
+    {0x2F92B, 0x73A5, 0x0}, {0x2F92C, 0x3EB8, 0x0}, {0x2F92D, 0x3EB8, 0x0}, {0x2F92E, 0x7447, 0x0},
+    {0x2F92F, 0x745C, 0x0}, {0x2F930, 0x7471, 0x0}, {0x2F931, 0x7485, 0x0}, {0x2F932, 0x74CA, 0x0},
+    {0x2F933, 0x3F1B, 0x0}, {0x2F934, 0x7524, 0x0}, {0x2F935, 0x24C36, 0x0}, {0x2F936, 0x753E, 0x0},
+    {0x2F937, 0x24C92, 0x0}, {0x2F938, 0x7570, 0x0}, {0x2F939, 0x2219F, 0x0}, {0x2F93A, 0x7610, 0x0},
+    {0x2F93B, 0x24FA1, 0x0}, {0x2F93C, 0x24FB8, 0x0}, {0x2F93D, 0x25044, 0x0}, {0x2F93E, 0x3FFC, 0x0},
+    {0x2F93F, 0x4008, 0x0}, {0x2F940, 0x76F4, 0x0}, {0x2F941, 0x250F3, 0x0}, {0x2F942, 0x250F2, 0x0},
+    {0x2F943, 0x25119, 0x0}, {0x2F944, 0x25133, 0x0}, {0x2F945, 0x771E, 0x0}, {0x2F946, 0x771F, 0x0},
+    {0x2F947, 0x771F, 0x0}, {0x2F948, 0x774A, 0x0}, {0x2F949, 0x4039, 0x0}, {0x2F94A, 0x778B, 0x0},
+    {0x2F94B, 0x4046, 0x0}, {0x2F94C, 0x4096, 0x0}, {0x2F94D, 0x2541D, 0x0}, {0x2F94E, 0x784E, 0x0},
+    {0x2F94F, 0x788C, 0x0}, {0x2F950, 0x78CC, 0x0}, {0x2F951, 0x40E3, 0x0}, {0x2F952, 0x25626, 0x0},
+    {0x2F953, 0x7956, 0x0}, {0x2F954, 0x2569A, 0x0}, {0x2F955, 0x256C5, 0x0}, {0x2F956, 0x798F, 0x0},
+    {0x2F957, 0x79EB, 0x0}, {0x2F958, 0x412F, 0x0}, {0x2F959, 0x7A40, 0x0}, {0x2F95A, 0x7A4A, 0x0},
+    {0x2F95B, 0x7A4F, 0x0}, {0x2F95C, 0x2597C, 0x0}, {0x2F95D, 0x25AA7, 0x0}, {0x2F95E, 0x25AA7, 0x0},
+    {0x2F95F, 0x7AEE, 0x0}, {0x2F960, 0x4202, 0x0}, {0x2F961, 0x25BAB, 0x0}, {0x2F962, 0x7BC6, 0x0},
+    {0x2F963, 0x7BC9, 0x0}, {0x2F964, 0x4227, 0x0}, {0x2F965, 0x25C80, 0x0}, {0x2F966, 0x7CD2, 0x0},
+    {0x2F967, 0x42A0, 0x0}, {0x2F968, 0x7CE8, 0x0}, {0x2F969, 0x7CE3, 0x0}, {0x2F96A, 0x7D00, 0x0},
+    {0x2F96B, 0x25F86, 0x0}, {0x2F96C, 0x7D63, 0x0}, {0x2F96D, 0x4301, 0x0}, {0x2F96E, 0x7DC7, 0x0},
+    {0x2F96F, 0x7E02, 0x0}, {0x2F970, 0x7E45, 0x0}, {0x2F971, 0x4334, 0x0}, {0x2F972, 0x26228, 0x0},
+    {0x2F973, 0x26247, 0x0}, {0x2F974, 0x4359, 0x0}, {0x2F975, 0x262D9, 0x0}, {0x2F976, 0x7F7A, 0x0},
+    {0x2F977, 0x2633E, 0x0}, {0x2F978, 0x7F95, 0x0}, {0x2F979, 0x7FFA, 0x0}, {0x2F97A, 0x8005, 0x0},
+    {0x2F97B, 0x264DA, 0x0}, {0x2F97C, 0x26523, 0x0}, {0x2F97D, 0x8060, 0x0}, {0x2F97E, 0x265A8, 0x0},
+    {0x2F97F, 0x8070, 0x0}, {0x2F980, 0x2335F, 0x0}, {0x2F981, 0x43D5, 0x0}, {0x2F982, 0x80B2, 0x0},
+    {0x2F983, 0x8103, 0x0}, {0x2F984, 0x440B, 0x0}, {0x2F985, 0x813E, 0x0}, {0x2F986, 0x5AB5, 0x0},
+    {0x2F987, 0x267A7, 0x0}, {0x2F988, 0x267B5, 0x0}, {0x2F989, 0x23393, 0x0}, {0x2F98A, 0x2339C, 0x0},
+    {0x2F98B, 0x8201, 0x0}, {0x2F98C, 0x8204, 0x0}, {0x2F98D, 0x8F9E, 0x0}, {0x2F98E, 0x446B, 0x0},
+    {0x2F98F, 0x8291, 0x0}, {0x2F990, 0x828B, 0x0}, {0x2F991, 0x829D, 0x0}, {0x2F992, 0x52B3, 0x0},
+    {0x2F993, 0x82B1, 0x0}, {0x2F994, 0x82B3, 0x0}, {0x2F995, 0x82BD, 0x0}, {0x2F996, 0x82E6, 0x0},
+    {0x2F997, 0x26B3C, 0x0}, {0x2F998, 0x82E5, 0x0}, {0x2F999, 0x831D, 0x0}, {0x2F99A, 0x8363, 0x0},
+    {0x2F99B, 0x83AD, 0x0}, {0x2F99C, 0x8323, 0x0}, {0x2F99D, 0x83BD, 0x0}, {0x2F99E, 0x83E7, 0x0},
+    {0x2F99F, 0x8457, 0x0}, {0x2F9A0, 0x8353, 0x0}, {0x2F9A1, 0x83CA, 0x0}, {0x2F9A2, 0x83CC, 0x0},
+    {0x2F9A3, 0x83DC, 0x0}, {0x2F9A4, 0x26C36, 0x0}, {0x2F9A5, 0x26D6B, 0x0}, {0x2F9A6, 0x26CD5, 0x0},
+    {0x2F9A7, 0x452B, 0x0}, {0x2F9A8, 0x84F1, 0x0}, {0x2F9A9, 0x84F3, 0x0}, {0x2F9AA, 0x8516, 0x0},
+    {0x2F9AB, 0x273CA, 0x0}, {0x2F9AC, 0x8564, 0x0}, {0x2F9AD, 0x26F2C, 0x0}, {0x2F9AE, 0x455D, 0x0},
+    {0x2F9AF, 0x4561, 0x0}, {0x2F9B0, 0x26FB1, 0x0}, {0x2F9B1, 0x270D2, 0x0}, {0x2F9B2, 0x456B, 0x0},
+    {0x2F9B3, 0x8650, 0x0}, {0x2F9B4, 0x865C, 0x0}, {0x2F9B5, 0x8667, 0x0}, {0x2F9B6, 0x8669, 0x0},
+    {0x2F9B7, 0x86A9, 0x0}, {0x2F9B8, 0x8688, 0x0}, {0x2F9B9, 0x870E, 0x0}, {0x2F9BA, 0x86E2, 0x0},
+    {0x2F9BB, 0x8779, 0x0}, {0x2F9BC, 0x8728, 0x0}, {0x2F9BD, 0x876B, 0x0}, {0x2F9BE, 0x8786, 0x0},
+    {0x2F9BF, 0x45D7, 0x0}, {0x2F9C0, 0x87E1, 0x0}, {0x2F9C1, 0x8801, 0x0}, {0x2F9C2, 0x45F9, 0x0},
+    {0x2F9C3, 0x8860, 0x0}, {0x2F9C4, 0x8863, 0x0}, {0x2F9C5, 0x27667, 0x0}, {0x2F9C6, 0x88D7, 0x0},
+    {0x2F9C7, 0x88DE, 0x0}, {0x2F9C8, 0x4635, 0x0}, {0x2F9C9, 0x88FA, 0x0}, {0x2F9CA, 0x34BB, 0x0},
+    {0x2F9CB, 0x278AE, 0x0}, {0x2F9CC, 0x27966, 0x0}, {0x2F9CD, 0x46BE, 0x0}, {0x2F9CE, 0x46C7, 0x0},
+    {0x2F9CF, 0x8AA0, 0x0}, {0x2F9D0, 0x8AED, 0x0}, {0x2F9D1, 0x8B8A, 0x0}, {0x2F9D2, 0x8C55, 0x0},
+    {0x2F9D3, 0x27CA8, 0x0}, {0x2F9D4, 0x8CAB, 0x0}, {0x2F9D5, 0x8CC1, 0x0}, {0x2F9D6, 0x8D1B, 0x0},
+    {0x2F9D7, 0x8D77, 0x0}, {0x2F9D8, 0x27F2F, 0x0}, {0x2F9D9, 0x20804, 0x0}, {0x2F9DA, 0x8DCB, 0x0},
+    {0x2F9DB, 0x8DBC, 0x0}, {0x2F9DC, 0x8DF0, 0x0}, {0x2F9DD, 0x208DE, 0x0}, {0x2F9DE, 0x8ED4, 0x0},
+    {0x2F9DF, 0x8F38, 0x0}, {0x2F9E0, 0x285D2, 0x0}, {0x2F9E1, 0x285ED, 0x0}, {0x2F9E2, 0x9094, 0x0},
+    {0x2F9E3, 0x90F1, 0x0}, {0x2F9E4, 0x9111, 0x0}, {0x2F9E5, 0x2872E, 0x0}, {0x2F9E6, 0x911B, 0x0},
+    {0x2F9E7, 0x9238, 0x0}, {0x2F9E8, 0x92D7, 0x0}, {0x2F9E9, 0x92D8, 0x0}, {0x2F9EA, 0x927C, 0x0},
+    {0x2F9EB, 0x93F9, 0x0}, {0x2F9EC, 0x9415, 0x0}, {0x2F9ED, 0x28BFA, 0x0}, {0x2F9EE, 0x958B, 0x0},
+    {0x2F9EF, 0x4995, 0x0}, {0x2F9F0, 0x95B7, 0x0}, {0x2F9F1, 0x28D77, 0x0}, {0x2F9F2, 0x49E6, 0x0},
+    {0x2F9F3, 0x96C3, 0x0}, {0x2F9F4, 0x5DB2, 0x0}, {0x2F9F5, 0x9723, 0x0}, {0x2F9F6, 0x29145, 0x0},
+    {0x2F9F7, 0x2921A, 0x0}, {0x2F9F8, 0x4A6E, 0x0}, {0x2F9F9, 0x4A76, 0x0}, {0x2F9FA, 0x97E0, 0x0},
+    {0x2F9FB, 0x2940A, 0x0}, {0x2F9FC, 0x4AB2, 0x0}, {0x2F9FD, 0x29496, 0x0}, {0x2F9FE, 0x980B, 0x0},
+    {0x2F9FF, 0x980B, 0x0}, {0x2FA00, 0x9829, 0x0}, {0x2FA01, 0x295B6, 0x0}, {0x2FA02, 0x98E2, 0x0},
+    {0x2FA03, 0x4B33, 0x0}, {0x2FA04, 0x9929, 0x0}, {0x2FA05, 0x99A7, 0x0}, {0x2FA06, 0x99C2, 0x0},
+    {0x2FA07, 0x99FE, 0x0}, {0x2FA08, 0x4BCE, 0x0}, {0x2FA09, 0x29B30, 0x0}, {0x2FA0A, 0x9B12, 0x0},
+    {0x2FA0B, 0x9C40, 0x0}, {0x2FA0C, 0x9CFD, 0x0}, {0x2FA0D, 0x4CCE, 0x0}, {0x2FA0E, 0x4CED, 0x0},
+    {0x2FA0F, 0x9D67, 0x0}, {0x2FA10, 0x2A0CE, 0x0}, {0x2FA11, 0x4CF8, 0x0}, {0x2FA12, 0x2A105, 0x0},
+    {0x2FA13, 0x2A20E, 0x0}, {0x2FA14, 0x2A291, 0x0}, {0x2FA15, 0x9EBB, 0x0}, {0x2FA16, 0x4D56, 0x0},
+    {0x2FA17, 0x9EF9, 0x0}, {0x2FA18, 0x9EFE, 0x0}, {0x2FA19, 0x9F05, 0x0}, {0x2FA1A, 0x9F0F, 0x0},
+    {0x2FA1B, 0x9F16, 0x0}, {0x2FA1C, 0x9F3B, 0x0}, {0x2FA1D, 0x2A600, 0x0},
+};
+constexpr CccRange kCccRanges[] = {
+    {0x300, 0x314, 230}, {0x315, 0x315, 232}, {0x316, 0x319, 220}, {0x31A, 0x31A, 232}, {0x31B, 0x31B, 216},
+    {0x31C, 0x320, 220}, {0x321, 0x322, 202}, {0x323, 0x326, 220}, {0x327, 0x328, 202}, {0x329, 0x333, 220},
+    {0x334, 0x338, 1}, {0x339, 0x33C, 220}, {0x33D, 0x344, 230}, {0x345, 0x345, 240}, {0x346, 0x346, 230},
+    {0x347, 0x349, 220}, {0x34A, 0x34C, 230}, {0x34D, 0x34E, 220}, {0x350, 0x352, 230}, {0x353, 0x356, 220},
+    {0x357, 0x357, 230}, {0x358, 0x358, 232}, {0x359, 0x35A, 220}, {0x35B, 0x35B, 230}, {0x35C, 0x35C, 233},
+    {0x35D, 0x35E, 234}, {0x35F, 0x35F, 233}, {0x360, 0x361, 234}, {0x362, 0x362, 233}, {0x363, 0x36F, 230},
+    {0x483, 0x487, 230}, {0x591, 0x591, 220}, {0x592, 0x595, 230}, {0x596, 0x596, 220}, {0x597, 0x599, 230},
+    {0x59A, 0x59A, 222}, {0x59B, 0x59B, 220}, {0x59C, 0x5A1, 230}, {0x5A2, 0x5A7, 220}, {0x5A8, 0x5A9, 230},
+    {0x5AA, 0x5AA, 220}, {0x5AB, 0x5AC, 230}, {0x5AD, 0x5AD, 222}, {0x5AE, 0x5AE, 228}, {0x5AF, 0x5AF, 230},
+    {0x5B0, 0x5B0, 10}, {0x5B1, 0x5B1, 11}, {0x5B2, 0x5B2, 12}, {0x5B3, 0x5B3, 13}, {0x5B4, 0x5B4, 14},
+    {0x5B5, 0x5B5, 15}, {0x5B6, 0x5B6, 16}, {0x5B7, 0x5B7, 17}, {0x5B8, 0x5B8, 18}, {0x5B9, 0x5BA, 19},
+    {0x5BB, 0x5BB, 20}, {0x5BC, 0x5BC, 21}, {0x5BD, 0x5BD, 22}, {0x5BF, 0x5BF, 23}, {0x5C1, 0x5C1, 24},
+    {0x5C2, 0x5C2, 25}, {0x5C4, 0x5C4, 230}, {0x5C5, 0x5C5, 220}, {0x5C7, 0x5C7, 18}, {0x610, 0x617, 230},
+    {0x618, 0x618, 30}, {0x619, 0x619, 31}, {0x61A, 0x61A, 32}, {0x64B, 0x64B, 27}, {0x64C, 0x64C, 28},
+    {0x64D, 0x64D, 29}, {0x64E, 0x64E, 30}, {0x64F, 0x64F, 31}, {0x650, 0x650, 32}, {0x651, 0x651, 33},
+    {0x652, 0x652, 34}, {0x653, 0x654, 230}, {0x655, 0x656, 220}, {0x657, 0x65B, 230}, {0x65C, 0x65C, 220},
+    {0x65D, 0x65E, 230}, {0x65F, 0x65F, 220}, {0x670, 0x670, 35}, {0x6D6, 0x6DC, 230}, {0x6DF, 0x6E2, 230},
+    {0x6E3, 0x6E3, 220}, {0x6E4, 0x6E4, 230}, {0x6E7, 0x6E8, 230}, {0x6EA, 0x6EA, 220}, {0x6EB, 0x6EC, 230},
+    {0x6ED, 0x6ED, 220}, {0x711, 0x711, 36}, {0x730, 0x730, 230}, {0x731, 0x731, 220}, {0x732, 0x733, 230},
+    {0x734, 0x734, 220}, {0x735, 0x736, 230}, {0x737, 0x739, 220}, {0x73A, 0x73A, 230}, {0x73B, 0x73C, 220},
+    {0x73D, 0x73D, 230}, {0x73E, 0x73E, 220}, {0x73F, 0x741, 230}, {0x742, 0x742, 220}, {0x743, 0x743, 230},
+    {0x744, 0x744, 220}, {0x745, 0x745, 230}, {0x746, 0x746, 220}, {0x747, 0x747, 230}, {0x748, 0x748, 220},
+    {0x749, 0x74A, 230}, {0x7EB, 0x7F1, 230}, {0x7F2, 0x7F2, 220}, {0x7F3, 0x7F3, 230}, {0x7FD, 0x7FD, 220},
+    {0x816, 0x819, 230}, {0x81B, 0x823, 230}, {0x825, 0x827, 230}, {0x829, 0x82D, 230}, {0x859, 0x85B, 220},
+    {0x898, 0x898, 230}, {0x899, 0x89B, 220}, {0x89C, 0x89F, 230}, {0x8CA, 0x8CE, 230}, {0x8CF, 0x8D3, 220},
+    {0x8D4, 0x8E1, 230}, {0x8E3, 0x8E3, 220}, {0x8E4, 0x8E5, 230}, {0x8E6, 0x8E6, 220}, {0x8E7, 0x8E8, 230},
+    {0x8E9, 0x8E9, 220}, {0x8EA, 0x8EC, 230}, {0x8ED, 0x8EF, 220}, {0x8F0, 0x8F0, 27}, {0x8F1, 0x8F1, 28},
+    {0x8F2, 0x8F2, 29}, {0x8F3, 0x8F5, 230}, {0x8F6, 0x8F6, 220}, {0x8F7, 0x8F8, 230}, {0x8F9, 0x8FA, 220},
+    {0x8FB, 0x8FF, 230}, {0x93C, 0x93C, 7}, {0x94D, 0x94D, 9}, {0x951, 0x951, 230}, {0x952, 0x952, 220},
+    {0x953, 0x954, 230}, {0x9BC, 0x9BC, 7}, {0x9CD, 0x9CD, 9}, {0x9FE, 0x9FE, 230}, {0xA3C, 0xA3C, 7},
+    {0xA4D, 0xA4D, 9}, {0xABC, 0xABC, 7}, {0xACD, 0xACD, 9}, {0xB3C, 0xB3C, 7}, {0xB4D, 0xB4D, 9},
+    {0xBCD, 0xBCD, 9}, {0xC3C, 0xC3C, 7}, {0xC4D, 0xC4D, 9}, {0xC55, 0xC55, 84}, {0xC56, 0xC56, 91},
+    {0xCBC, 0xCBC, 7}, {0xCCD, 0xCCD, 9}, {0xD3B, 0xD3C, 9}, {0xD4D, 0xD4D, 9}, {0xDCA, 0xDCA, 9},
+    {0xE38, 0xE39, 103}, {0xE3A, 0xE3A, 9}, {0xE48, 0xE4B, 107}, {0xEB8, 0xEB9, 118}, {0xEBA, 0xEBA, 9},
+    {0xEC8, 0xECB, 122}, {0xF18, 0xF19, 220}, {0xF35, 0xF35, 220}, {0xF37, 0xF37, 220}, {0xF39, 0xF39, 216},
+    {0xF71, 0xF71, 129}, {0xF72, 0xF72, 130}, {0xF74, 0xF74, 132}, {0xF7A, 0xF7D, 130}, {0xF80, 0xF80, 130},
+    {0xF82, 0xF83, 230}, {0xF84, 0xF84, 9}, {0xF86, 0xF87, 230}, {0xFC6, 0xFC6, 220}, {0x1037, 0x1037, 7},
+    {0x1039, 0x103A, 9}, {0x108D, 0x108D, 220}, {0x135D, 0x135F, 230}, {0x1714, 0x1715, 9},
+    {0x1734, 0x1734, 9}, {0x17D2, 0x17D2, 9}, {0x17DD, 0x17DD, 230}, {0x18A9, 0x18A9, 228},
+    {0x1939, 0x1939, 222}, {0x193A, 0x193A, 230}, {0x193B, 0x193B, 220}, {0x1A17, 0x1A17, 230},
+    {0x1A18, 0x1A18, 220}, {0x1A60, 0x1A60, 9}, {0x1A75, 0x1A7C, 230}, {0x1A7F, 0x1A7F, 220},
+    {0x1AB0, 0x1AB4, 230}, {0x1AB5, 0x1ABA, 220}, {0x1ABB, 0x1ABC, 230}, {0x1ABD, 0x1ABD, 220},
+    {0x1ABF, 0x1AC0, 220}, {0x1AC1, 0x1AC2, 230}, {0x1AC3, 0x1AC4, 220}, {0x1AC5, 0x1AC9, 230},
+    {0x1ACA, 0x1ACA, 220}, {0x1ACB, 0x1ACE, 230}, {0x1B34, 0x1B34, 7}, {0x1B44, 0x1B44, 9},
+    {0x1B6B, 0x1B6B, 230}, {0x1B6C, 0x1B6C, 220}, {0x1B6D, 0x1B73, 230}, {0x1BAA, 0x1BAB, 9},
+    {0x1BE6, 0x1BE6, 7}, {0x1BF2, 0x1BF3, 9}, {0x1C37, 0x1C37, 7}, {0x1CD0, 0x1CD2, 230},
+    {0x1CD4, 0x1CD4, 1}, {0x1CD5, 0x1CD9, 220}, {0x1CDA, 0x1CDB, 230}, {0x1CDC, 0x1CDF, 220},
+    {0x1CE0, 0x1CE0, 230}, {0x1CE2, 0x1CE8, 1}, {0x1CED, 0x1CED, 220}, {0x1CF4, 0x1CF4, 230},
+    {0x1CF8, 0x1CF9, 230}, {0x1DC0, 0x1DC1, 230}, {0x1DC2, 0x1DC2, 220}, {0x1DC3, 0x1DC9, 230},
+    {0x1DCA, 0x1DCA, 220}, {0x1DCB, 0x1DCC, 230}, {0x1DCD, 0x1DCD, 234}, {0x1DCE, 0x1DCE, 214},
+    {0x1DCF, 0x1DCF, 220}, {0x1DD0, 0x1DD0, 202}, {0x1DD1, 0x1DF5, 230}, {0x1DF6, 0x1DF6, 232},
+    {0x1DF7, 0x1DF8, 228}, {0x1DF9, 0x1DF9, 220}, {0x1DFA, 0x1DFA, 218}, {0x1DFB, 0x1DFB, 230},
+    {0x1DFC, 0x1DFC, 233}, {0x1DFD, 0x1DFD, 220}, {0x1DFE, 0x1DFE, 230}, {0x1DFF, 0x1DFF, 220},
+    {0x20D0, 0x20D1, 230}, {0x20D2, 0x20D3, 1}, {0x20D4, 0x20D7, 230}, {0x20D8, 0x20DA, 1},
+    {0x20DB, 0x20DC, 230}, {0x20E1, 0x20E1, 230}, {0x20E5, 0x20E6, 1}, {0x20E7, 0x20E7, 230},
+    {0x20E8, 0x20E8, 220}, {0x20E9, 0x20E9, 230}, {0x20EA, 0x20EB, 1}, {0x20EC, 0x20EF, 220},
+    {0x20F0, 0x20F0, 230}, {0x2CEF, 0x2CF1, 230}, {0x2D7F, 0x2D7F, 9}, {0x2DE0, 0x2DFF, 230},
+    {0x302A, 0x302A, 218}, {0x302B, 0x302B, 228}, {0x302C, 0x302C, 232}, {0x302D, 0x302D, 222},
+    {0x302E, 0x302F, 224}, {0x3099, 0x309A, 8}, {0xA66F, 0xA66F, 230}, {0xA674, 0xA67D, 230},
+    {0xA69E, 0xA69F, 230}, {0xA6F0, 0xA6F1, 230}, {0xA806, 0xA806, 9}, {0xA82C, 0xA82C, 9},
+    {0xA8C4, 0xA8C4, 9}, {0xA8E0, 0xA8F1, 230}, {0xA92B, 0xA92D, 220}, {0xA953, 0xA953, 9},
+    {0xA9B3, 0xA9B3, 7}, {0xA9C0, 0xA9C0, 9}, {0xAAB0, 0xAAB0, 230}, {0xAAB2, 0xAAB3, 230},
+    {0xAAB4, 0xAAB4, 220}, {0xAAB7, 0xAAB8, 230}, {0xAABE, 0xAABF, 230}, {0xAAC1, 0xAAC1, 230},
+    {0xAAF6, 0xAAF6, 9}, {0xABED, 0xABED, 9}, {0xFB1E, 0xFB1E, 26}, {0xFE20, 0xFE26, 230},
+    {0xFE27, 0xFE2D, 220}, {0xFE2E, 0xFE2F, 230}, {0x101FD, 0x101FD, 220}, {0x102E0, 0x102E0, 220},
+    {0x10376, 0x1037A, 230}, {0x10A0D, 0x10A0D, 220}, {0x10A0F, 0x10A0F, 230}, {0x10A38, 0x10A38, 230},
+    {0x10A39, 0x10A39, 1}, {0x10A3A, 0x10A3A, 220}, {0x10A3F, 0x10A3F, 9}, {0x10AE5, 0x10AE5, 230},
+    {0x10AE6, 0x10AE6, 220}, {0x10D24, 0x10D27, 230}, {0x10EAB, 0x10EAC, 230}, {0x10F46, 0x10F47, 220},
+    {0x10F48, 0x10F4A, 230}, {0x10F4B, 0x10F4B, 220}, {0x10F4C, 0x10F4C, 230}, {0x10F4D, 0x10F50, 220},
+    {0x10F82, 0x10F82, 230}, {0x10F83, 0x10F83, 220}, {0x10F84, 0x10F84, 230}, {0x10F85, 0x10F85, 220},
+    {0x11046, 0x11046, 9}, {0x11070, 0x11070, 9}, {0x1107F, 0x1107F, 9}, {0x110B9, 0x110B9, 9},
+    {0x110BA, 0x110BA, 7}, {0x11100, 0x11102, 230}, {0x11133, 0x11134, 9}, {0x11173, 0x11173, 7},
+    {0x111C0, 0x111C0, 9}, {0x111CA, 0x111CA, 7}, {0x11235, 0x11235, 9}, {0x11236, 0x11236, 7},
+    {0x112E9, 0x112E9, 7}, {0x112EA, 0x112EA, 9}, {0x1133B, 0x1133C, 7}, {0x1134D, 0x1134D, 9},
+    {0x11366, 0x1136C, 230}, {0x11370, 0x11374, 230}, {0x11442, 0x11442, 9}, {0x11446, 0x11446, 7},
+    {0x1145E, 0x1145E, 230}, {0x114C2, 0x114C2, 9}, {0x114C3, 0x114C3, 7}, {0x115BF, 0x115BF, 9},
+    {0x115C0, 0x115C0, 7}, {0x1163F, 0x1163F, 9}, {0x116B6, 0x116B6, 9}, {0x116B7, 0x116B7, 7},
+    {0x1172B, 0x1172B, 9}, {0x11839, 0x11839, 9}, {0x1183A, 0x1183A, 7}, {0x1193D, 0x1193E, 9},
+    {0x11943, 0x11943, 7}, {0x119E0, 0x119E0, 9}, {0x11A34, 0x11A34, 9}, {0x11A47, 0x11A47, 9},
+    {0x11A99, 0x11A99, 9}, {0x11C3F, 0x11C3F, 9}, {0x11D42, 0x11D42, 7}, {0x11D44, 0x11D45, 9},
+    {0x11D97, 0x11D97, 9}, {0x16AF0, 0x16AF4, 1}, {0x16B30, 0x16B36, 230}, {0x16FF0, 0x16FF1, 6},
+    {0x1BC9E, 0x1BC9E, 1}, {0x1D165, 0x1D166, 216}, {0x1D167, 0x1D169, 1}, {0x1D16D, 0x1D16D, 226},
+    {0x1D16E, 0x1D172, 216}, {0x1D17B, 0x1D182, 220}, {0x1D185, 0x1D189, 230}, {0x1D18A, 0x1D18B, 220},
+    {0x1D1AA, 0x1D1AD, 230}, {0x1D242, 0x1D244, 230}, {0x1E000, 0x1E006, 230}, {0x1E008, 0x1E018, 230},
+    {0x1E01B, 0x1E021, 230}, {0x1E023, 0x1E024, 230}, {0x1E026, 0x1E02A, 230}, {0x1E130, 0x1E136, 230},
+    {0x1E2AE, 0x1E2AE, 230}, {0x1E2EC, 0x1E2EF, 230}, {0x1E8D0, 0x1E8D6, 220}, {0x1E944, 0x1E949, 230},
+    {0x1E94A, 0x1E94A, 7},
+};
+constexpr uint32_t kCompositionExclusions[] = {
+    0x958, 0x959, 0x95A, 0x95B, 0x95C, 0x95D, 0x95E, 0x95F, 0x9DC, 0x9DD, 0x9DF, 0xA33, 0xA36, 0xA59, 0xA5A,
+    0xA5B, 0xA5E, 0xB5C, 0xB5D, 0xF43, 0xF4D, 0xF52, 0xF57, 0xF5C, 0xF69, 0xF76, 0xF78, 0xF93, 0xF9D, 0xFA2,
+    0xFA7, 0xFAC, 0xFB9, 0x2ADC, 0xFB1D, 0xFB1F, 0xFB2A, 0xFB2B, 0xFB2C, 0xFB2D, 0xFB2E, 0xFB2F, 0xFB30,
+    0xFB31, 0xFB32, 0xFB33, 0xFB34, 0xFB35, 0xFB36, 0xFB38, 0xFB39, 0xFB3A, 0xFB3B, 0xFB3C, 0xFB3E, 0xFB40,
+    0xFB41, 0xFB43, 0xFB44, 0xFB46, 0xFB47, 0xFB48, 0xFB49, 0xFB4A, 0xFB4B, 0xFB4C, 0xFB4D, 0xFB4E, 0x1D15E,
+    0x1D15F, 0x1D160, 0x1D161, 0x1D162, 0x1D163, 0x1D164, 0x1D1BB, 0x1D1BC, 0x1D1BD, 0x1D1BE, 0x1D1BF,
+    0x1D1C0,
+};
+// clang-format on
+
+constexpr char32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
+constexpr char32_t kLCount = 19, kVCount = 21, kTCount = 28, kNCount = kVCount * kTCount,
+                   kSCount = kLCount * kNCount;
+
+uint8_t ccc_of(char32_t c) {
+  if (c < 0x300) return 0;
+  const auto* end = std::end(kCccRanges);
+  const auto* it = std::upper_bound(std::begin(kCccRanges), end, c,
+                                    [](char32_t v, const CccRange& r) { return v < r.first; });
+  if (it == std::begin(kCccRanges)) return 0;
+  --it;
+  return c <= it->last ? it->ccc : 0;
+}
+
+const Decomposition* decomposition_of(char32_t c) {
+  if (c < 0xC0) return nullptr;
+  const auto* end = std::end(kDecompositions);
+  const auto* it = std::lower_bound(std::begin(kDecompositions), end, c,
+                                    [](const Decomposition& d, char32_t v) { return d.cp < v; });
+  return (it != end && it->cp == c) ? it : nullptr;
+}
+
+struct CompositionData {
+  std::unordered_map<uint64_t, char32_t> pairs;  // (first << 32 | second) -> primary composite
+  std::unordered_map<char32_t, bool> seconds;    // characters that can combine with a preceding one
+};
+
+// Primary composites: two-character canonical decompositions minus the full composition exclusions
+// (Composition_Exclusions.txt entries, and by rule singletons and non-starter decompositions).
+const CompositionData& composition_table() {
+  static const CompositionData data = [] {
+    CompositionData d;
+    for (const Decomposition& e : kDecompositions) {
+      if (e.second == 0 || ccc_of(e.cp) != 0 || ccc_of(e.first) != 0) continue;
+      if (std::find(std::begin(kCompositionExclusions), std::end(kCompositionExclusions), e.cp) !=
+          std::end(kCompositionExclusions)) {
+        continue;
+      }
+      d.pairs.emplace((static_cast<uint64_t>(e.first) << 32) | e.second, e.cp);
+      d.seconds.emplace(e.second, true);
+    }
+    return d;
+  }();
+  return data;
+}
+
+bool is_hangul_v_or_t(char32_t c) {
+  return (c >= kVBase && c < kVBase + kVCount) || (c > kTBase && c < kTBase + kTCount);
+}
+
+char32_t compose_pair(char32_t a, char32_t b) {
+  if (a >= kLBase && a < kLBase + kLCount && b >= kVBase && b < kVBase + kVCount) {
+    return kSBase + ((a - kLBase) * kVCount + (b - kVBase)) * kTCount;
+  }
+  if (a >= kSBase && a < kSBase + kSCount && (a - kSBase) % kTCount == 0 && b > kTBase &&
+      b < kTBase + kTCount) {
+    return a + (b - kTBase);
+  }
+  const auto& pairs = composition_table().pairs;
+  auto it = pairs.find((static_cast<uint64_t>(a) << 32) | b);
+  return it == pairs.end() ? 0 : it->second;
+}
+
+void decompose_into(char32_t c, std::vector<char32_t>& out) {
+  if (c >= kSBase && c < kSBase + kSCount) {
+    const char32_t s = c - kSBase;
+    out.push_back(kLBase + s / kNCount);
+    out.push_back(kVBase + (s % kNCount) / kTCount);
+    if (s % kTCount != 0) out.push_back(kTBase + s % kTCount);
+    return;
+  }
+  if (const Decomposition* d = decomposition_of(c)) {
+    decompose_into(d->first, out);
+    if (d->second != 0) decompose_into(d->second, out);
+    return;
+  }
+  out.push_back(c);
+}
+
+// Full canonical decomposition followed by the canonical ordering algorithm (stable sort of each run of
+// non-starters by combining class).
+std::vector<char32_t> canonical_decompose(std::string_view text) {
+  std::vector<char32_t> cps;
+  cps.reserve(text.size());
+  for (size_t i = 0; i < text.size(); i += utf8_char_len(static_cast<unsigned char>(text[i]))) {
+    decompose_into(decode_at(text, i), cps);
+  }
+  for (size_t i = 1; i < cps.size(); ++i) {
+    const uint8_t cc = ccc_of(cps[i]);
+    if (cc == 0) continue;
+    size_t j = i;
+    while (j > 0 && ccc_of(cps[j - 1]) > cc) {
+      std::swap(cps[j], cps[j - 1]);
+      --j;
+    }
+  }
+  return cps;
+}
+
+// Canonical composition: each character combines with the last starter unless blocked.
+void canonical_compose(std::vector<char32_t>& s) {
+  constexpr size_t kNone = static_cast<size_t>(-1);
+  size_t starter = kNone;
+  int last_cc = -1;  // combining class of the last uncombined character after the starter; -1: adjacent
+  size_t w = 0;
+  for (size_t r = 0; r < s.size(); ++r) {
+    const char32_t c = s[r];
+    const int cc = ccc_of(c);
+    if (starter != kNone && (last_cc == -1 || (last_cc != 0 && last_cc < cc))) {
+      if (const char32_t comp = compose_pair(s[starter], c)) {
+        s[starter] = comp;
+        continue;
+      }
+    }
+    if (cc == 0) {
+      starter = w;
+      last_cc = -1;
+    } else {
+      last_cc = cc;
+    }
+    s[w++] = c;
+  }
+  s.resize(w);
+}
+
+// True when `text` may change under NFC: it has a character with a decomposition, a non-zero combining class,
+// or one that can combine with its predecessor. (Hangul syllables decompose but recompose to themselves.)
+bool may_change_under_nfc(std::string_view text) {
+  const auto& seconds = composition_table().seconds;
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char b = static_cast<unsigned char>(text[i]);
+    if (b < 0xCC) {  // below U+0300
+      i += utf8_char_len(b);
+      continue;
+    }
+    const char32_t c = decode_at(text, i);
+    i += utf8_char_len(b);
+    if (c < 0x300) continue;
+    if (ccc_of(c) != 0 || decomposition_of(c) != nullptr || is_hangul_v_or_t(c) || seconds.count(c) != 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string encode_utf8(const std::vector<char32_t>& cps) {
+  std::string out;
+  out.reserve(cps.size() * 2);
+  for (char32_t c : cps) append_utf8(out, c);
+  return out;
+}
+
+void check_utf8(std::string_view text, const char* what) {
+  if (const size_t bad = first_invalid_utf8(text); bad != std::string_view::npos) {
+    fail("{}: the text is not valid UTF-8 (byte {} of {})", what, bad, text.size());
+  }
+}
+
+}  // namespace
+
+std::string nfc_normalize(std::string_view text) {
+  check_utf8(text, "nfc_normalize");
+  if (!may_change_under_nfc(text)) return std::string(text);
+  std::vector<char32_t> cps = canonical_decompose(text);
+  canonical_compose(cps);
+  return encode_utf8(cps);
+}
+
+std::string nfd_normalize(std::string_view text) {
+  check_utf8(text, "nfd_normalize");
+  return encode_utf8(canonical_decompose(text));
+}
+
+}  // namespace spade
