@@ -37,11 +37,12 @@ const char* finish_reason_name(FinishReason r) {
   return "?";
 }
 
-Engine::Engine(const Model& model, EngineOptions opt, std::unique_ptr<AttentionBackend> attention)
+Engine::Engine(const Model& model, EngineOptions opt, const BackendFactory& make_attention)
     : model_(model),
       opt_(normalise(opt, model.config())),
       cache_(std::make_unique<KvCache>(model.config(), opt_.num_pages, opt_.page_size)),
-      attention_(attention ? std::move(attention) : std::make_unique<DensePagedAttention>(model.config(), *cache_)),
+      attention_(make_attention ? make_attention(model.config(), *cache_)
+                                : std::make_unique<DensePagedAttention>(model.config(), *cache_)),
       alloc_(opt_.num_pages, opt_.page_size) {}
 
 uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
@@ -170,9 +171,16 @@ bool Engine::step() {
     return true;
   }
   ++stats_.steps;
+  const auto failures = attention_->take_failures();
+  auto failed = [&](uint64_t id) {
+    for (const auto& f : failures)
+      if (f.first == id) return true;
+    return false;
+  };
   const int vocab = model_.config().vocab_size;
   for (size_t r = 0; r < logit_owner.size(); ++r) {
     Seq& s = *in_batch[logit_owner[r]];
+    if (failed(s.id)) continue;
     const bool was_prefill = s.generated == 0;
     if (was_prefill) stats_.prompt_tokens += s.req.prompt_ids.size();
     const int tok = sample_token(&logits[r * static_cast<size_t>(vocab)], vocab, s.req.sampling, s.rng);
@@ -196,6 +204,12 @@ bool Engine::step() {
     } else if (s.cb) {
       s.cb(ev);
     }
+  }
+  for (const auto& [id, why] : failures) {
+    auto it = running_.find(id);
+    if (it == running_.end()) continue;
+    finish(*it->second, FinishReason::Error, why);
+    running_.erase(it);
   }
   return true;
 }

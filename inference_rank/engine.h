@@ -64,10 +64,13 @@ struct EngineStats {
   uint64_t generated_tokens = 0;
 };
 
+/// Builds the attention backend once the engine has sized its KV cache.
+using BackendFactory = std::function<std::unique_ptr<AttentionBackend>(const ModelConfig&, KvCache&)>;
+
 class Engine {
  public:
-  /// `attention`: nullptr = dense paged attention over the engine's own KvCache.
-  Engine(const Model& model, EngineOptions opt, std::unique_ptr<AttentionBackend> attention = nullptr);
+  /// `make_attention`: nullptr = dense paged attention over the engine's own KvCache.
+  Engine(const Model& model, EngineOptions opt, const BackendFactory& make_attention = nullptr);
 
   /// Validates and queues a request; returns its id. Throws spade::Error (nothing queued) for an empty prompt,
   /// an id outside the vocabulary, max_tokens <= 0, invalid sampling parameters, or a request longer than the
@@ -86,6 +89,7 @@ class Engine {
   const EngineOptions& options() const { return opt_; }
   const KvCache& kv_cache() const { return *cache_; }
   const PageAllocator& pages() const { return alloc_; }
+  AttentionBackend& attention() { return *attention_; }
 
  private:
   struct Seq {

@@ -65,6 +65,9 @@ class AttentionBackend {
                       float* out) = 0;
   /// Called when a sequence leaves the batch (finished, aborted or failed), so per-sequence state can be freed.
   virtual void on_release(uint64_t /*seq_id*/) {}
+  /// Sequences the backend could not serve in the last forward (e.g. their cache rank died), with the reason. The
+  /// engine ends them with FinishReason::Error and discards their logits.
+  virtual std::vector<std::pair<uint64_t, std::string>> take_failures() { return {}; }
 };
 
 /// Dense attention: appends k/v into the paged KvCache, then kernels::paged_attention_ref over the full context.

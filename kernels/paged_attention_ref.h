@@ -43,6 +43,14 @@ struct PagedAttentionParams {
   float scale = 0.f;
 };
 
+/// Attention of one query over an explicit list of K/V rows, in list order: two passes (max, then exp-sum and
+/// weighted V sum) in fp32 — the arithmetic paged_attention_ref uses, so dense and sparse paths that visit the same
+/// rows in the same order give bit-identical results.
+/// q: [head_dim]; k_rows[i], v_rows[i]: [head_dim] fp32 rows; scores: scratch of n floats; out: [head_dim].
+/// Returns the natural log-sum-exp of the scaled scores (-inf when n == 0, out = 0).
+float attention_over_rows_ref(const float* q, const float* const* k_rows, const float* const* v_rows, int n,
+                              int head_dim, float scale, float* scores, float* out);
+
 /// Causal attention: query i of sequence b (absolute position seq_lens[b] - q_len_b + i) attends to tokens
 /// 0..its position. Accumulates in fp32 with a running max (online softmax). Throws spade::Error on inconsistent
 /// parameters (num_q_heads not a multiple of num_kv_heads, q_len > seq_len, a page id < 0 inside the context).

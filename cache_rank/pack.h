@@ -1,0 +1,79 @@
+// Layer-pack messages between an inference rank and its cache rank, and the cache rank's processing of them.
+//
+// Per decode step the inference rank sends one PackUpdate per layer pack (P consecutive layers) holding, for each
+// sequence in sparse mode, either the step's q/k/v of the pack's layers (APPEND) or, on the step a sequence switches
+// to sparse mode, all its existing KV and its recent queries (INIT, the bulk ship). The cache rank answers each
+// update with one PackSelection: for each sequence and layer, the token-level top-k selected for the NEXT step
+// (context length + 1), computed from the predicted next query (Algorithm 1).
+//
+// Wire format (encode/decode): little-endian, host fp32, a fixed header then the entries. Framing over a transport
+// is two messages with one tag: a 16-byte prefix {magic "SPK1", kind, payload bytes} and the payload. decode()
+// checks every length against the buffer and throws spade::Error naming `peer` on malformed input.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cache_rank/selector.h"
+
+namespace spade::cache {
+
+struct SeqUpdate {
+  uint64_t seq_id = 0;
+  int32_t context_len = 0;   // tokens of the sequence after this step (the current token included)
+  bool init = false;         // INIT: k/v hold all context_len tokens; APPEND: only the current token
+  int32_t num_queries = 0;   // queries per layer in q (INIT: up to W+1 most recent; APPEND: 1)
+  std::vector<float> q;      // [num_layers, num_queries, q_dim]
+  std::vector<float> k;      // [num_layers, init ? context_len : 1, kv_dim]
+  std::vector<float> v;      // same as k
+};
+
+struct PackUpdate {
+  int64_t step = 0;
+  int32_t pack = 0;
+  int32_t first_layer = 0;
+  int32_t num_layers = 0;
+  std::vector<uint64_t> released;  // sequences that left the batch since the last update (their KV is freed)
+  std::vector<SeqUpdate> seqs;
+};
+
+struct SeqSelection {
+  uint64_t seq_id = 0;
+  int32_t context_len = 0;           // context length of the step that uses this selection
+  std::vector<LayerSelection> layers;  // [num_layers]
+};
+
+struct PackSelection {
+  int64_t step = 0;   // the step whose update produced this selection (it is used at step + 1)
+  int32_t pack = 0;
+  double select_ms = 0;  // cache-rank time spent on this pack (append + predict + score + top-k + gather)
+  std::string error;     // non-empty: the cache rank could not process the update (e.g. pool exhausted)
+  std::vector<SeqSelection> seqs;
+};
+
+/// Shapes shared by both ends, from the model config and the selection config.
+struct PackShape {
+  int q_dim = 0, kv_dim = 0, num_kv_heads = 0, head_dim = 0, token_budget = 0;
+};
+PackShape pack_shape(const ModelConfig& cfg, const SelectionConfig& sc);
+
+std::vector<uint8_t> encode(const PackUpdate& u, const PackShape& s);
+PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, const std::string& peer);
+std::vector<uint8_t> encode(const PackSelection& p, const PackShape& s);
+PackSelection decode_selection(const uint8_t* data, size_t len, const PackShape& s, const std::string& peer);
+
+/// Applies an update to the selector (release, INIT, APPEND) and selects for the next step of every sequence in it.
+/// Errors (pool exhausted, inconsistent lengths) are returned in PackSelection::error, never thrown.
+PackSelection process_pack(Selector& sel, const PackUpdate& u);
+
+/// The 16-byte frame prefix sent before each payload.
+struct FramePrefix {
+  static constexpr uint32_t kMagic = 0x314b5053;  // "SPK1"
+  uint32_t magic = kMagic;
+  uint32_t kind = 0;  // 1 = PackUpdate, 2 = PackSelection, 3 = shutdown
+  uint64_t payload_bytes = 0;
+};
+static_assert(sizeof(FramePrefix) == 16);
+
+}  // namespace spade::cache

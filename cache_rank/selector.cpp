@@ -1,0 +1,184 @@
+#include "cache_rank/selector.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "common/error.h"
+
+namespace spade::cache {
+
+void validate(const SelectionConfig& c) {
+  SPADE_CHECK(c.token_budget > 0, "token budget must be positive, got {}", c.token_budget);
+  SPADE_CHECK(c.local_window >= 1, "local window must be >= 1 (the current token), got {}", c.local_window);
+  SPADE_CHECK(c.sink_tokens >= 0, "sink tokens must be >= 0, got {}", c.sink_tokens);
+  SPADE_CHECK(c.query_window >= 1 && c.query_window <= kernels::kMaxPredictorWindow,
+              "query window must be in 1..{}, got {}", kernels::kMaxPredictorWindow, c.query_window);
+  SPADE_CHECK(c.ridge_eps > 0, "ridge epsilon must be positive, got {}", c.ridge_eps);
+}
+
+Selector::Selector(const ModelConfig& cfg, SelectionConfig sc, int num_pages, int page_size)
+    : cfg_(cfg), sc_(sc), window_cap_(sc.query_window + 1), alloc_(num_pages, page_size) {
+  validate(sc_);
+  const size_t n = static_cast<size_t>(num_pages) * page_size * cfg.kv_dim();
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    k_.emplace_back(new float[n]);
+    v_.emplace_back(new float[n]);
+  }
+}
+
+Selector::SeqState& Selector::state(uint64_t seq) {
+  auto it = seqs_.find(seq);
+  SPADE_CHECK(it != seqs_.end(), "cache rank: unknown sequence {}", seq);
+  return it->second;
+}
+
+int Selector::seq_len(uint64_t seq) const { return alloc_.seq_len(seq); }
+
+void Selector::push_query(SeqState& s, int layer, const float* q) {
+  const int H = cfg_.num_q_heads, D = cfg_.head_dim, cap = window_cap_;
+  float* w = s.window[layer].data();
+  int& n = s.window_len[layer];
+  if (n == cap) {  // drop the oldest: shift every head's slots left by one
+    for (int h = 0; h < H; ++h) std::memmove(w + (h * cap) * D, w + (h * cap + 1) * D, (cap - 1) * D * sizeof(float));
+    --n;
+  }
+  for (int h = 0; h < H; ++h) std::memcpy(w + (h * cap + n) * D, q + h * D, D * sizeof(float));
+  ++n;
+}
+
+void Selector::write_token(uint64_t seq, int layer, int pos, const float* k, const float* v) {
+  const auto [page, slot] = alloc_.locate(seq, pos);
+  const size_t off = (static_cast<size_t>(page) * alloc_.page_size() + slot) * cfg_.kv_dim();
+  std::memcpy(k_[layer].get() + off, k, cfg_.kv_dim() * sizeof(float));
+  std::memcpy(v_[layer].get() + off, v, cfg_.kv_dim() * sizeof(float));
+}
+
+void Selector::init_layer(uint64_t seq, int layer, int len, const float* k, const float* v, int num_queries,
+                          const float* queries) {
+  SPADE_CHECK(layer >= 0 && layer < cfg_.num_layers, "cache rank: layer {} outside 0..{}", layer, cfg_.num_layers - 1);
+  SPADE_CHECK(len > 0, "cache rank: sequence {} initialised with {} tokens", seq, len);
+  if (!seqs_.count(seq)) {
+    alloc_.admit(seq);
+    if (!alloc_.append(seq, len)) {
+      alloc_.release(seq);
+      fail("cache rank KV pool exhausted: sequence {} needs {} pages, {} of {} free", seq, alloc_.pages_for(len),
+           alloc_.num_free_pages(), alloc_.num_pages());
+    }
+    SeqState s;
+    s.window.assign(cfg_.num_layers, std::vector<float>(static_cast<size_t>(cfg_.num_q_heads) * window_cap_ * cfg_.head_dim));
+    s.window_len.assign(cfg_.num_layers, 0);
+    seqs_.emplace(seq, std::move(s));
+  }
+  SPADE_CHECK(alloc_.seq_len(seq) == len, "cache rank: sequence {} layer {} initialised with {} tokens, other layers {}",
+              seq, layer, len, alloc_.seq_len(seq));
+  for (int t = 0; t < len; ++t)
+    write_token(seq, layer, t, k + static_cast<size_t>(t) * cfg_.kv_dim(), v + static_cast<size_t>(t) * cfg_.kv_dim());
+  SeqState& s = state(seq);
+  s.window_len[layer] = 0;
+  const int first = std::max(0, num_queries - window_cap_);
+  for (int i = first; i < num_queries; ++i) push_query(s, layer, queries + static_cast<size_t>(i) * cfg_.q_dim());
+}
+
+void Selector::append_layer(uint64_t seq, int layer, int pos, const float* q, const float* k, const float* v) {
+  SeqState& s = state(seq);
+  const int len = alloc_.seq_len(seq);
+  if (pos == len) {
+    if (!alloc_.append(seq, 1))
+      fail("cache rank KV pool exhausted while appending to sequence {} ({} pages in all)", seq, alloc_.num_pages());
+  } else {
+    SPADE_CHECK(pos == len - 1, "cache rank: sequence {} layer {} appends position {} but holds {} tokens", seq, layer,
+                pos, len);
+  }
+  write_token(seq, layer, pos, k, v);
+  push_query(s, layer, q);
+}
+
+void Selector::predict(uint64_t seq, int layer, float* q_hat) {
+  SeqState& s = state(seq);
+  kernels::PredictQueryRefParams p;
+  p.window = s.window[layer].data();
+  p.window_len = &s.window_len[layer];
+  p.q_hat = q_hat;
+  p.batch = 1;
+  p.num_heads = cfg_.num_q_heads;
+  p.window_capacity = window_cap_;
+  p.head_dim = cfg_.head_dim;
+  p.max_regressors = sc_.query_window;
+  p.eps = sc_.ridge_eps;
+  kernels::predict_next_query_ref(p);
+}
+
+void Selector::select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out) {
+  const int Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, K = sc_.token_budget;
+  const int len = alloc_.seq_len(seq);
+  std::vector<float> q_hat;
+  if (!query) {
+    q_hat.resize(cfg_.q_dim());
+    predict(seq, layer, q_hat.data());
+    query = q_hat.data();
+  }
+  const int end = std::min(len, context_len - sc_.local_window);  // candidates [S, end)
+  out.positions.assign(static_cast<size_t>(Hkv) * K, -1);
+  out.k.assign(static_cast<size_t>(Hkv) * K * D, 0.f);
+  out.v.assign(static_cast<size_t>(Hkv) * K * D, 0.f);
+  out.count = 0;
+  if (end <= sc_.sink_tokens) return;
+  const auto& bt = alloc_.block_table(seq);
+  const int max_pages = static_cast<int>(bt.size());
+  scores_.assign(static_cast<size_t>(Hkv) * end, 0.f);
+  kernels::ScoreTokensRefParams sp;
+  sp.q_hat = query;
+  sp.k_cache = k_[layer].get();
+  sp.block_table = bt.data();
+  sp.num_tokens = &end;
+  sp.scores = scores_.data();
+  sp.batch = 1;
+  sp.num_q_heads = cfg_.num_q_heads;
+  sp.num_kv_heads = Hkv;
+  sp.head_dim = D;
+  sp.page_size = alloc_.page_size();
+  sp.max_pages_per_seq = max_pages;
+  sp.score_stride = end;
+  sp.rule = sc_.gqa_rule;
+  kernels::score_tokens_ref(sp);
+  // Scores of the candidates [S, end) only: shift the rows so the sinks are not candidates at all.
+  const int n = end - sc_.sink_tokens;
+  for (int h = 0; h < Hkv; ++h)
+    std::memmove(&scores_[static_cast<size_t>(h) * n], &scores_[static_cast<size_t>(h) * end + sc_.sink_tokens],
+                 n * sizeof(float));
+  idx_.assign(static_cast<size_t>(Hkv) * K, -1);
+  kernels::TopkRefParams tp;
+  tp.scores = scores_.data();
+  tp.row_lens = &n;
+  tp.indices = idx_.data();
+  tp.batch = 1;
+  tp.rows_per_batch = Hkv;
+  tp.score_stride = n;
+  tp.k = K;
+  kernels::topk_ref(tp);
+  out.count = std::min(K, n);
+  for (size_t i = 0; i < idx_.size(); ++i)
+    if (idx_[i] >= 0) out.positions[i] = idx_[i] + sc_.sink_tokens;
+  kernels::GatherKvRefParams gp;
+  gp.k_cache = k_[layer].get();
+  gp.v_cache = v_[layer].get();
+  gp.block_table = bt.data();
+  gp.indices = out.positions.data();
+  gp.packed_k = out.k.data();
+  gp.packed_v = out.v.data();
+  gp.batch = 1;
+  gp.num_kv_heads = Hkv;
+  gp.head_dim = D;
+  gp.page_size = alloc_.page_size();
+  gp.max_pages_per_seq = max_pages;
+  gp.k = K;
+  kernels::gather_kv_ref(gp);
+}
+
+void Selector::release(uint64_t seq) {
+  alloc_.release(seq);
+  seqs_.erase(seq);
+}
+
+}  // namespace spade::cache

@@ -1,0 +1,97 @@
+// The cache rank's per-sequence state and token selection (AsyncSpade Sec. 4.1-4.2, Algorithm 1).
+//
+// For every tracked sequence the Selector holds the full KV of every layer in a paged store
+// ([num_layers][num_pages, page_size, num_kv_heads, head_dim] fp32, common/page_allocator.h), and per layer a window of
+// the last W+1 query states of every query head. select() predicts the next query with the assembled ridge
+// regression (kernels::predict_next_query_ref) — or takes a given query (the oracle baseline) — scores the candidate
+// tokens per KV head (GQA rule: SelectionConfig::gqa_rule, default max over the group: a token is kept if any query
+// head of the group attends to it strongly; a mean would let one head's sharp peak be averaged away), takes the
+// token-level top-k (the token budget) and gathers their K/V.
+//
+// Candidates: positions [sink_tokens, context_len - local_window) of the step that will use the selection; the sink
+// tokens and the local window are attended by the inference rank from its own KV, so they are never sent.
+// Not thread-safe; one owner thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/config.h"
+#include "common/page_allocator.h"
+#include "kernels/selection_ref.h"
+
+namespace spade::cache {
+
+struct SelectionConfig {
+  int token_budget = 256;  // k: tokens selected per (sequence, layer, KV head)
+  int local_window = 32;   // R: most recent tokens the inference rank attends from its own KV
+  int sink_tokens = 4;     // S: first tokens the inference rank attends from its own KV
+  int query_window = 8;    // W: predictor regressors (window sizes 1..W), 1..kernels::kMaxPredictorWindow
+  float ridge_eps = 1e-3f; // ε added to the Gram diagonal
+  kernels::GqaScoreRule gqa_rule = kernels::GqaScoreRule::kMax;
+};
+
+/// Throws spade::Error naming the field when a value is out of range.
+void validate(const SelectionConfig& c);
+
+/// The selection of one (sequence, layer): `count` positions per KV head (ascending; the same count for every head),
+/// padded to the budget with -1 / zero rows.
+struct LayerSelection {
+  int count = 0;
+  std::vector<int32_t> positions;  // [num_kv_heads, token_budget]
+  std::vector<float> k;            // [num_kv_heads, token_budget, head_dim]
+  std::vector<float> v;            // [num_kv_heads, token_budget, head_dim]
+};
+
+class Selector {
+ public:
+  /// `num_pages` × `page_size` bounds the tokens held over all sequences.
+  Selector(const ModelConfig& cfg, SelectionConfig sc, int num_pages, int page_size);
+
+  const SelectionConfig& config() const { return sc_; }
+  bool tracks(uint64_t seq) const { return seqs_.count(seq) != 0; }
+  /// Tokens held for `seq` (throws for an unknown sequence).
+  int seq_len(uint64_t seq) const;
+
+  /// Starts (or continues) tracking `seq` with its existing KV of one layer: k, v [len, kv_dim]; queries
+  /// [num_queries, q_dim], oldest first (at most W+1 are kept). All layers of a sequence must be given the same len.
+  /// Throws spade::Error when the pool is full ("cache rank KV pool exhausted ...") or lengths disagree.
+  void init_layer(uint64_t seq, int layer, int len, const float* k, const float* v, int num_queries,
+                  const float* queries);
+  /// Appends one token of one layer at position `pos` (== current length, or == length - 1 when another layer of
+  /// the same step already appended): q [q_dim] joins the query window, k, v [kv_dim] the KV store.
+  void append_layer(uint64_t seq, int layer, int pos, const float* q, const float* k, const float* v);
+  /// Selects for the step whose context length is `context_len`. `query`: [q_dim] true query (oracle) or nullptr
+  /// (predict the next query from the window, Algorithm 1).
+  void select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out);
+  /// The predicted next query of (seq, layer): [q_dim] (for fidelity reports).
+  void predict(uint64_t seq, int layer, float* q_hat);
+  /// Forgets `seq` and frees its pages; unknown sequences are ignored.
+  void release(uint64_t seq);
+
+  int num_free_pages() const { return alloc_.num_free_pages(); }
+  int num_pages() const { return alloc_.num_pages(); }
+
+ private:
+  struct SeqState {
+    std::vector<std::vector<float>> window;  // per layer [num_q_heads, W+1, head_dim], oldest first
+    std::vector<int> window_len;             // per layer
+  };
+  SeqState& state(uint64_t seq);
+  void push_query(SeqState& s, int layer, const float* q);
+  void write_token(uint64_t seq, int layer, int pos, const float* k, const float* v);
+
+  ModelConfig cfg_;
+  SelectionConfig sc_;
+  int window_cap_;
+  PageAllocator alloc_;
+  std::vector<std::unique_ptr<float[]>> k_, v_;  // per layer [num_pages, page_size, kv_dim]
+  std::unordered_map<uint64_t, SeqState> seqs_;
+  std::vector<float> scores_;                    // scratch
+  std::vector<int32_t> idx_;                     // scratch
+};
+
+}  // namespace spade::cache

@@ -1,0 +1,295 @@
+#include "inference_rank/sparse_attention.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "common/error.h"
+#include "kernels/paged_attention_ref.h"
+
+namespace spade {
+
+SelectionMode parse_selection_mode(const std::string& s) {
+  if (s == "dense") return SelectionMode::Dense;
+  if (s == "oracle") return SelectionMode::Oracle;
+  if (s == "predicted") return SelectionMode::Predicted;
+  fail("unknown selection mode '{}' (dense | oracle | predicted)", s);
+}
+
+const char* selection_mode_name(SelectionMode m) {
+  switch (m) {
+    case SelectionMode::Dense: return "dense";
+    case SelectionMode::Oracle: return "oracle";
+    case SelectionMode::Predicted: return "predicted";
+  }
+  return "?";
+}
+
+SparseAttention::SparseAttention(const ModelConfig& cfg, KvCache& cache, SparseOptions opt,
+                                 std::unique_ptr<cache::CacheRankLink> link)
+    : cfg_(cfg), cache_(cache), opt_(opt), link_(std::move(link)) {
+  cache::validate(opt_.selection);
+  SPADE_CHECK(opt_.layers_per_pack >= 1, "layers per pack must be >= 1, got {}", opt_.layers_per_pack);
+  SPADE_CHECK(opt_.sparse_threshold >= 1, "sparse threshold must be >= 1, got {}", opt_.sparse_threshold);
+  num_packs_ = (cfg.num_layers + opt_.layers_per_pack - 1) / opt_.layers_per_pack;
+  expect_reply_.assign(num_packs_, false);
+  expect_now_.assign(num_packs_, false);
+  if (opt_.mode == SelectionMode::Predicted && !link_)
+    fail("selection mode 'predicted' needs a cache rank link");
+  if (opt_.mode == SelectionMode::Oracle)
+    oracle_ = std::make_unique<cache::InProcessLink>(cfg, opt_.selection, cache.num_pages(), cache.page_size());
+}
+
+void SparseAttention::fail_link(const std::string& why) {
+  if (!link_error_.empty()) return;
+  link_error_ = why;
+  for (auto& [id, s] : seqs_) {
+    if (s.phase == Phase::Sparse || s.phase == Phase::Switching) {
+      s.phase = Phase::Failed;
+      failures_.emplace_back(id, why);
+      ++stats_.failed_seqs;
+    }
+  }
+  std::fill(expect_reply_.begin(), expect_reply_.end(), false);
+  std::fill(expect_now_.begin(), expect_now_.end(), false);
+}
+
+void SparseAttention::begin_step(const ForwardBatch& batch) {
+  ++step_;
+  ++stats_.steps;
+  stats_.stalls_per_step.push_back(0);
+  expect_reply_ = expect_now_;
+  std::fill(expect_now_.begin(), expect_now_.end(), false);
+  phase_.assign(batch.batch(), Phase::Dense);
+  const bool can_go_sparse = opt_.mode != SelectionMode::Dense && link_error_.empty();
+  for (int b = 0; b < batch.batch(); ++b) {
+    const uint64_t id = batch.seq_ids[b];
+    SeqState& s = seqs_[id];
+    if (s.queries.empty()) s.queries.assign(cfg_.num_layers, {});
+    const int q_len = batch.cu_q_lens[b + 1] - batch.cu_q_lens[b];
+    const int L = batch.seq_lens[b];
+    if (s.phase == Phase::Switching) s.phase = Phase::Sparse;  // INIT went out last step
+    if (s.phase == Phase::Dense && q_len == 1 && L >= opt_.sparse_threshold) {
+      if (can_go_sparse) {
+        s.phase = Phase::Switching;
+        ++stats_.switches;
+      } else if (opt_.mode != SelectionMode::Dense) {
+        ++stats_.dense_fallbacks;
+        s.phase = Phase::Failed;  // never retried: decoded densely until it ends
+      }
+    }
+    if (s.phase == Phase::Sparse) {
+      SPADE_CHECK(q_len == 1, "sparse sequence {} got {} tokens in one step", id, q_len);
+      ++stats_.sparse_seq_steps;
+    }
+    phase_[b] = s.phase;
+  }
+  // Sequences that left the batch are released on the cache rank with the next update.
+  if (opt_.mode == SelectionMode::Predicted && link_error_.empty() && !released_.empty()) {
+    bool any = false;
+    for (Phase p : phase_) any = any || p == Phase::Sparse || p == Phase::Switching;
+    if (!any) {  // no update would carry them this step: send a release-only update for pack 0
+      cache::PackUpdate u;
+      u.step = step_;
+      u.pack = 0;
+      u.first_layer = 0;
+      u.num_layers = 0;
+      u.released.swap(released_);
+      try {
+        link_->send(std::move(u));
+        expect_now_[0] = true;
+      } catch (const Error& e) {
+        fail_link(e.what());
+      }
+    }
+  }
+}
+
+void SparseAttention::receive_pack(int pack) {
+  if (!expect_reply_[pack] || !link_error_.empty()) return;
+  expect_reply_[pack] = false;
+  try {
+    bool waited = false;
+    const auto t0 = std::chrono::steady_clock::now();
+    cache::PackSelection p = link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
+    if (waited) {
+      ++stats_.stalls;
+      ++stats_.stalls_per_step.back();
+      stats_.stall_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+    SPADE_CHECK(p.pack == pack, "cache rank {}: answer for pack {} arrived where pack {} was expected", link_->peer(),
+                p.pack, pack);
+    for (cache::SeqSelection& e : p.seqs) {
+      auto it = seqs_.find(e.seq_id);
+      if (it == seqs_.end()) continue;  // finished meanwhile
+      SeqState& s = it->second;
+      if (s.sel.empty()) s.sel.resize(cfg_.num_layers);
+      const int first = pack * opt_.layers_per_pack;
+      for (size_t i = 0; i < e.layers.size(); ++i) s.sel[first + i] = std::move(e.layers[i]);
+      s.sel_context_len = e.context_len;
+    }
+  } catch (const Error& e) {
+    fail_link(e.what());
+  }
+}
+
+void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* q, const float* k, const float* v,
+                             float* out) {
+  if (layer == 0) begin_step(batch);
+  const int Hq = cfg_.num_q_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, G = cfg_.gqa_group();
+  const int Q = cfg_.q_dim(), KV = cfg_.kv_dim(), P = opt_.layers_per_pack;
+  const int pack = layer / P, first = pack * P, last = std::min(cfg_.num_layers, first + P) - 1;
+  const int page = cache_.page_size();
+  const size_t page_stride = static_cast<size_t>(page) * KV;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const auto& sc = opt_.selection;
+
+  write_kv_pages(batch, k, v, cache_.k(layer), cache_.v(layer), page, KV);
+  if (opt_.mode == SelectionMode::Predicted && layer == first) receive_pack(pack);
+  if (layer == first) {
+    pending_ = cache::PackUpdate{};
+    pending_.step = step_;
+    pending_.pack = pack;
+    pending_.first_layer = first;
+    pending_.num_layers = last - first + 1;
+    if (pack == 0) pending_.released.swap(released_);
+  }
+
+  const int W1 = sc.query_window + 1;
+  for (int b = 0; b < batch.batch(); ++b) {
+    const uint64_t id = batch.seq_ids[b];
+    SeqState& s = seqs_[id];
+    const int q0 = batch.cu_q_lens[b], q_len = batch.cu_q_lens[b + 1] - q0, L = batch.seq_lens[b];
+    const int32_t* pages = batch.block_table.data() + static_cast<size_t>(b) * batch.max_pages;
+    auto row = [&](const float* base, int pos, int kvh) {
+      return base + pages[pos / page] * page_stride + static_cast<size_t>(pos % page) * KV + static_cast<size_t>(kvh) * D;
+    };
+    // Remember the last W+1 queries of this layer (the INIT ship needs them).
+    auto& qw = s.queries[layer];
+    for (int i = std::max(0, q_len - W1); i < q_len; ++i)
+      qw.insert(qw.end(), q + static_cast<size_t>(q0 + i) * Q, q + static_cast<size_t>(q0 + i + 1) * Q);
+    if (qw.size() > static_cast<size_t>(W1) * Q) qw.erase(qw.begin(), qw.end() - static_cast<long>(W1) * Q);
+
+    Phase ph = phase_[b];
+    // A sequence failed by the link (its output is discarded) or past the threshold without a cache rank (dense
+    // fallback) is attended densely: its local KV is complete.
+    if (s.phase == Phase::Failed) ph = Phase::Dense;
+
+    // Oracle: inline selection with the true query; the selector holds its own copy of the KV.
+    const cache::LayerSelection* sel = nullptr;
+    cache::LayerSelection oracle_sel;
+    if (opt_.mode == SelectionMode::Oracle && (ph == Phase::Switching || ph == Phase::Sparse)) {
+      cache::Selector& os = oracle_->selector();
+      const float* qr = q + static_cast<size_t>(q0) * Q;
+      if (ph == Phase::Switching) {
+        std::vector<float> kk(static_cast<size_t>(L) * KV), vv(kk.size());
+        for (int t = 0; t < L; ++t) {
+          std::memcpy(&kk[static_cast<size_t>(t) * KV], row(cache_.k(layer), t, 0), KV * sizeof(float));
+          std::memcpy(&vv[static_cast<size_t>(t) * KV], row(cache_.v(layer), t, 0), KV * sizeof(float));
+        }
+        os.init_layer(id, layer, L, kk.data(), vv.data(), static_cast<int>(qw.size() / Q), qw.data());
+      } else {
+        os.append_layer(id, layer, L - 1, qr, k + static_cast<size_t>(q0) * KV, v + static_cast<size_t>(q0) * KV);
+        os.select(id, layer, L, qr, oracle_sel);
+        sel = &oracle_sel;
+      }
+    } else if (ph == Phase::Sparse) {
+      SPADE_CHECK(!s.sel.empty() && s.sel_context_len == L,
+                  "sparse sequence {}: no selection for context length {} (have {})", id, L, s.sel_context_len);
+      sel = &s.sel[layer];
+    }
+
+    // Predicted: queue this layer's part of the pack update.
+    if (opt_.mode == SelectionMode::Predicted && (ph == Phase::Switching || ph == Phase::Sparse)) {
+      if (layer == first) {
+        cache::SeqUpdate u;
+        u.seq_id = id;
+        u.context_len = L;
+        u.init = ph == Phase::Switching;
+        u.num_queries = u.init ? static_cast<int>(qw.size() / Q) : 1;
+        pending_.seqs.push_back(std::move(u));
+      }
+      cache::SeqUpdate* u = nullptr;
+      for (auto& e : pending_.seqs)
+        if (e.seq_id == id) u = &e;
+      if (u->init) {
+        u->q.insert(u->q.end(), qw.end() - static_cast<long>(u->num_queries) * Q, qw.end());
+        for (int t = 0; t < L; ++t) {
+          u->k.insert(u->k.end(), row(cache_.k(layer), t, 0), row(cache_.k(layer), t, 0) + KV);
+          u->v.insert(u->v.end(), row(cache_.v(layer), t, 0), row(cache_.v(layer), t, 0) + KV);
+        }
+      } else {
+        u->q.insert(u->q.end(), q + static_cast<size_t>(q0) * Q, q + static_cast<size_t>(q0 + 1) * Q);
+        u->k.insert(u->k.end(), k + static_cast<size_t>(q0) * KV, k + static_cast<size_t>(q0 + 1) * KV);
+        u->v.insert(u->v.end(), v + static_cast<size_t>(q0) * KV, v + static_cast<size_t>(q0 + 1) * KV);
+      }
+    }
+
+    // Attention, per KV head: rows in ascending position order.
+    for (int kvh = 0; kvh < Hkv; ++kvh) {
+      for (int i = 0; i < q_len; ++i) {
+        const int pos = L - q_len + i;
+        k_rows_.clear();
+        v_rows_.clear();
+        if (sel) {
+          const int win_begin = std::max(0, L - sc.local_window);
+          const int sink_end = std::min(sc.sink_tokens, win_begin);
+          for (int t = 0; t < sink_end; ++t) {
+            k_rows_.push_back(row(cache_.k(layer), t, kvh));
+            v_rows_.push_back(row(cache_.v(layer), t, kvh));
+          }
+          const size_t base = static_cast<size_t>(kvh) * sc.token_budget;
+          for (int j = 0; j < sel->count; ++j) {
+            k_rows_.push_back(sel->k.data() + (base + j) * D);
+            v_rows_.push_back(sel->v.data() + (base + j) * D);
+          }
+          for (int t = std::max(win_begin, sink_end); t <= pos; ++t) {
+            k_rows_.push_back(row(cache_.k(layer), t, kvh));
+            v_rows_.push_back(row(cache_.v(layer), t, kvh));
+          }
+        } else {
+          for (int t = 0; t <= pos; ++t) {
+            k_rows_.push_back(row(cache_.k(layer), t, kvh));
+            v_rows_.push_back(row(cache_.v(layer), t, kvh));
+          }
+        }
+        scores_.resize(k_rows_.size());
+        for (int h = kvh * G; h < (kvh + 1) * G; ++h) {
+          const size_t r = static_cast<size_t>(q0 + i) * Hq + h;
+          kernels::attention_over_rows_ref(q + r * D, k_rows_.data(), v_rows_.data(), static_cast<int>(k_rows_.size()),
+                                           D, scale, scores_.data(), out + r * D);
+        }
+      }
+    }
+  }
+
+  if (opt_.mode == SelectionMode::Predicted && layer == last && link_error_.empty() &&
+      (!pending_.seqs.empty() || !pending_.released.empty())) {
+    try {
+      link_->send(std::move(pending_));
+      expect_now_[pack] = true;
+    } catch (const Error& e) {
+      fail_link(e.what());
+    }
+  }
+}
+
+void SparseAttention::on_release(uint64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
+  const Phase ph = it->second.phase;
+  seqs_.erase(it);
+  if (ph == Phase::Sparse || ph == Phase::Switching) {
+    if (opt_.mode == SelectionMode::Predicted) released_.push_back(seq_id);
+    if (opt_.mode == SelectionMode::Oracle) oracle_->selector().release(seq_id);
+  }
+}
+
+std::vector<std::pair<uint64_t, std::string>> SparseAttention::take_failures() {
+  std::vector<std::pair<uint64_t, std::string>> f;
+  f.swap(failures_);
+  return f;
+}
+
+}  // namespace spade

@@ -1,0 +1,105 @@
+// Sparse decoding on the inference rank (AsyncSpade Sec. 4.1): an AttentionBackend that, for every sequence whose
+// context reached the sparse threshold, attends over
+//     sink tokens ∪ (KV selected for this step) ∪ local window
+// (in ascending position order, de-duplicated: the selection never contains sinks or window tokens), and ships the
+// step's q/k/v to the cache rank once per layer pack.
+//
+// Modes (--selection):
+//   dense      full attention for everyone (the baseline; the backend only counts).
+//   oracle     synchronous token-level top-k with the TRUE current query, computed inline by an in-process
+//              selector (TOVA/Quest-style at token level): the accuracy ceiling of token selection, no overlap.
+//   predicted  AsyncSpade: the cache rank predicts q̂(t+1) from its query window (Algorithm 1) and sends the
+//              selection for step t+1 while the inference rank is still computing step t. If the answer for a pack
+//              is not there when that pack starts, the rank waits up to the selection deadline and counts a stall.
+//
+// Per-sequence life cycle: dense while context < sparse_threshold (prefill is always dense); on the first decode step
+// at or past the threshold the step is still dense and each pack's update carries the sequence's whole KV and last
+// W+1 queries (INIT, the bulk ship); from the next step on it is sparse and each update carries the step's q/k/v
+// (APPEND). If the cache rank fails, every sequence in sparse mode fails with an error naming it (take_failures),
+// and every other sequence, new ones included, continues densely (a dense fallback).
+// Requires every running decode sequence in every step (max_num_batched_tokens >= max_num_seqs).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cache_rank/link.h"
+#include "inference_rank/model.h"
+
+namespace spade {
+
+enum class SelectionMode { Dense, Oracle, Predicted };
+/// "dense" | "oracle" | "predicted"; throws spade::Error listing them otherwise.
+SelectionMode parse_selection_mode(const std::string& s);
+const char* selection_mode_name(SelectionMode m);
+
+struct SparseOptions {
+  SelectionMode mode = SelectionMode::Predicted;
+  int sparse_threshold = 256;  // context length (tokens) at which a sequence switches to sparse decoding
+  int layers_per_pack = 4;     // P: layers per pack message
+  cache::SelectionConfig selection;
+  std::chrono::milliseconds selection_deadline{10000};  // longest wait for a late selection before failing
+};
+
+struct SparseStats {
+  uint64_t steps = 0;             // forward passes
+  uint64_t sparse_seq_steps = 0;  // (sequence, step) pairs decoded sparsely
+  uint64_t switches = 0;          // sequences that entered sparse mode (bulk ships)
+  uint64_t stalls = 0;            // pack selections that were not there when the pack started
+  double stall_ms = 0;            // time spent waiting for them
+  uint64_t failed_seqs = 0;       // sequences failed because the cache rank failed
+  uint64_t dense_fallbacks = 0;   // sequences past the threshold decoded densely because no cache rank was usable
+  std::vector<uint64_t> stalls_per_step;  // stalls of each forward pass (predicted mode)
+};
+
+class SparseAttention : public AttentionBackend {
+ public:
+  /// `link`: the cache rank (predicted mode); ignored (may be null) for dense and oracle.
+  SparseAttention(const ModelConfig& cfg, KvCache& cache, SparseOptions opt,
+                  std::unique_ptr<cache::CacheRankLink> link);
+  void attend(int layer, const ForwardBatch& batch, const float* q, const float* k, const float* v,
+              float* out) override;
+  void on_release(uint64_t seq_id) override;
+  std::vector<std::pair<uint64_t, std::string>> take_failures() override;
+
+  const SparseStats& stats() const { return stats_; }
+  const SparseOptions& options() const { return opt_; }
+  cache::CacheRankLink* link() { return link_.get(); }
+  bool link_failed() const { return !link_error_.empty(); }
+
+ private:
+  enum class Phase { Dense, Switching, Sparse, Failed };
+  struct SeqState {
+    Phase phase = Phase::Dense;
+    std::vector<std::vector<float>> queries;  // per layer: last W+1 query rows [n, q_dim], oldest first
+    std::vector<cache::LayerSelection> sel;   // per layer: selection for the current step (sparse phase)
+    int sel_context_len = 0;
+  };
+  void begin_step(const ForwardBatch& batch);
+  void fail_link(const std::string& why);
+  void receive_pack(int pack);
+
+  const ModelConfig& cfg_;
+  KvCache& cache_;
+  SparseOptions opt_;
+  std::unique_ptr<cache::CacheRankLink> link_;
+  std::unique_ptr<cache::InProcessLink> oracle_;  // oracle mode's inline selector
+  std::string link_error_;
+  int num_packs_;
+  int64_t step_ = 0;
+  std::unordered_map<uint64_t, SeqState> seqs_;
+  std::vector<Phase> phase_;                  // per batch row, this step
+  std::vector<bool> expect_reply_;            // per pack: an update of the previous step awaits its selection
+  std::vector<bool> expect_now_;              // per pack: sent during this step
+  std::vector<uint64_t> released_;
+  cache::PackUpdate pending_;                 // update being assembled for the current pack
+  std::vector<std::pair<uint64_t, std::string>> failures_;
+  SparseStats stats_;
+  std::vector<float> scores_;
+  std::vector<const float*> k_rows_, v_rows_;
+};
+
+}  // namespace spade

@@ -1,0 +1,196 @@
+// The cache rank's selector and the layer-pack wire format.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+#include "cache_rank/pack.h"
+#include "common/error.h"
+
+namespace spade::cache {
+namespace {
+
+using ::testing::HasSubstr;
+
+ModelConfig small_cfg() {
+  ModelConfig c;
+  c.num_layers = 2;
+  c.num_q_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.hidden_size = 32;
+  return c;
+}
+
+std::vector<float> randn(size_t n, std::mt19937& g) {
+  std::normal_distribution<float> d;
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+TEST(Selector, OracleSelectsHighestScoringCandidatesOnly) {
+  const ModelConfig c = small_cfg();
+  SelectionConfig sc;
+  sc.token_budget = 5;
+  sc.sink_tokens = 2;
+  sc.local_window = 4;
+  Selector sel(c, sc, 16, 4);
+  std::mt19937 g(1);
+  const int L = 30;
+  auto k = randn(static_cast<size_t>(L) * c.kv_dim(), g), v = randn(k.size(), g), q = randn(c.q_dim(), g);
+  sel.init_layer(7, 0, L, k.data(), v.data(), 1, q.data());
+  LayerSelection out;
+  sel.select(7, 0, L, q.data(), out);
+  ASSERT_EQ(out.count, 5);
+  for (int h = 0; h < c.num_kv_heads; ++h) {
+    // Brute force: max over the group's heads of q·k, candidates [S, L - R).
+    std::vector<std::pair<float, int>> s;
+    for (int t = sc.sink_tokens; t < L - sc.local_window; ++t) {
+      float best = -1e30f;
+      for (int qh = h * 2; qh < h * 2 + 2; ++qh) {
+        float d = 0;
+        for (int e = 0; e < c.head_dim; ++e) d += q[qh * c.head_dim + e] * k[(t * c.num_kv_heads + h) * c.head_dim + e];
+        best = std::max(best, d);
+      }
+      s.push_back({-best, t});
+    }
+    std::sort(s.begin(), s.end());
+    std::set<int> want;
+    for (int i = 0; i < 5; ++i) want.insert(s[i].second);
+    std::set<int> got(out.positions.begin() + h * 5, out.positions.begin() + h * 5 + 5);
+    EXPECT_EQ(got, want) << "head " << h;
+    for (int i = 0; i < 5; ++i) {
+      const int t = out.positions[h * 5 + i];
+      EXPECT_EQ(out.k[(h * 5 + i) * c.head_dim], k[(t * c.num_kv_heads + h) * c.head_dim]) << "gathered K row";
+      EXPECT_EQ(out.v[(h * 5 + i) * c.head_dim + 3], v[(t * c.num_kv_heads + h) * c.head_dim + 3]);
+    }
+  }
+}
+
+TEST(Selector, FullBudgetReturnsEveryCandidateAndAppendGrows) {
+  const ModelConfig c = small_cfg();
+  SelectionConfig sc;
+  sc.token_budget = 100;
+  sc.sink_tokens = 1;
+  sc.local_window = 2;
+  sc.query_window = 3;
+  Selector sel(c, sc, 8, 8);
+  std::mt19937 g(2);
+  auto k = randn(10 * c.kv_dim(), g), v = randn(k.size(), g), qs = randn(5 * c.q_dim(), g);
+  for (int l = 0; l < 2; ++l) sel.init_layer(3, l, 10, k.data(), v.data(), 5, qs.data());
+  EXPECT_EQ(sel.seq_len(3), 10);
+  LayerSelection out;
+  sel.select(3, 1, 11, nullptr, out);  // predicted query, next step's context 11: candidates [1, 9)
+  EXPECT_EQ(out.count, 8);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(out.positions[i], i + 1);
+  auto q1 = randn(c.q_dim(), g), k1 = randn(c.kv_dim(), g), v1 = randn(c.kv_dim(), g);
+  sel.append_layer(3, 0, 10, q1.data(), k1.data(), v1.data());
+  sel.append_layer(3, 1, 10, q1.data(), k1.data(), v1.data());
+  EXPECT_EQ(sel.seq_len(3), 11);
+  EXPECT_THROW(sel.append_layer(3, 0, 5, q1.data(), k1.data(), v1.data()), Error);
+  sel.release(3);
+  EXPECT_FALSE(sel.tracks(3));
+  EXPECT_EQ(sel.num_free_pages(), sel.num_pages());
+  EXPECT_THROW(Selector(c, SelectionConfig{.token_budget = 0}, 4, 4), Error);
+}
+
+TEST(Selector, PoolExhaustionIsAClearError) {
+  const ModelConfig c = small_cfg();
+  Selector sel(c, {}, 2, 4);
+  std::vector<float> k(20 * c.kv_dim()), q(c.q_dim());
+  try {
+    sel.init_layer(1, 0, 20, k.data(), k.data(), 1, q.data());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cache rank KV pool exhausted: sequence 1 needs 5 pages, 2 of 2 free"));
+  }
+  EXPECT_FALSE(sel.tracks(1));
+}
+
+TEST(Pack, RoundTripAndProcessing) {
+  const ModelConfig c = small_cfg();
+  SelectionConfig sc;
+  sc.token_budget = 4;
+  sc.sink_tokens = 1;
+  sc.local_window = 2;
+  const PackShape s = pack_shape(c, sc);
+  std::mt19937 g(3);
+  PackUpdate u;
+  u.step = 12;
+  u.pack = 0;
+  u.first_layer = 0;
+  u.num_layers = 2;
+  u.released = {99};
+  SeqUpdate e;
+  e.seq_id = 5;
+  e.context_len = 9;
+  e.init = true;
+  e.num_queries = 3;
+  e.q = randn(2 * 3 * c.q_dim(), g);
+  e.k = randn(2 * 9 * c.kv_dim(), g);
+  e.v = randn(e.k.size(), g);
+  u.seqs.push_back(e);
+  const auto bytes = encode(u, s);
+  const PackUpdate d = decode_update(bytes.data(), bytes.size(), s, "peer X");
+  EXPECT_EQ(d.step, 12);
+  EXPECT_EQ(d.released, std::vector<uint64_t>{99});
+  ASSERT_EQ(d.seqs.size(), 1u);
+  EXPECT_EQ(d.seqs[0].k, e.k);
+  EXPECT_EQ(d.seqs[0].q, e.q);
+  EXPECT_TRUE(d.seqs[0].init);
+
+  Selector sel(c, sc, 16, 4);
+  const PackSelection p = process_pack(sel, d);
+  ASSERT_TRUE(p.error.empty()) << p.error;
+  ASSERT_EQ(p.seqs.size(), 1u);
+  EXPECT_EQ(p.seqs[0].context_len, 10);
+  ASSERT_EQ(p.seqs[0].layers.size(), 2u);
+  EXPECT_EQ(p.seqs[0].layers[0].count, 4);  // candidates [1, 8): 7 > budget 4
+  const auto sb = encode(p, s);
+  const PackSelection q = decode_selection(sb.data(), sb.size(), s, "peer X");
+  EXPECT_EQ(q.seqs[0].layers[1].positions, p.seqs[0].layers[1].positions);
+  EXPECT_EQ(q.seqs[0].layers[1].k, p.seqs[0].layers[1].k);
+
+  // An APPEND for an unknown sequence is reported in the selection, not thrown.
+  PackUpdate bad = u;
+  bad.seqs[0].seq_id = 77;
+  bad.seqs[0].init = false;
+  bad.seqs[0].num_queries = 1;
+  bad.seqs[0].q.resize(2 * c.q_dim());
+  bad.seqs[0].k.resize(2 * c.kv_dim());
+  bad.seqs[0].v.resize(2 * c.kv_dim());
+  EXPECT_THAT(process_pack(sel, bad).error, HasSubstr("unknown sequence 77"));
+}
+
+TEST(Pack, MalformedMessagesNameThePeer) {
+  const ModelConfig c = small_cfg();
+  const PackShape s = pack_shape(c, {});
+  PackUpdate u;
+  u.num_layers = 1;
+  SeqUpdate e;
+  e.seq_id = 1;
+  e.context_len = 1;
+  e.num_queries = 1;
+  e.q.resize(c.q_dim());
+  e.k.resize(c.kv_dim());
+  e.v.resize(c.kv_dim());
+  u.seqs.push_back(e);
+  auto bytes = encode(u, s);
+  for (size_t cut : {size_t{0}, size_t{3}, bytes.size() / 2, bytes.size() - 1}) {
+    try {
+      decode_update(bytes.data(), cut, s, "inference rank 0 (#1)");
+      ADD_FAILURE() << "accepted a truncated message of " << cut << " bytes";
+    } catch (const Error& err) {
+      EXPECT_THAT(err.what(), HasSubstr("inference rank 0 (#1): malformed pack update"));
+    }
+  }
+  bytes.push_back(0);
+  EXPECT_THROW(decode_update(bytes.data(), bytes.size(), s, "p"), Error);
+  std::vector<uint8_t> garbage(64, 0xAB);
+  EXPECT_THROW(decode_selection(garbage.data(), garbage.size(), s, "p"), Error);
+}
+
+}  // namespace
+}  // namespace spade::cache
