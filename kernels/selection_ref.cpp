@@ -1,0 +1,239 @@
+#include "kernels/selection_ref.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common/error.h"
+
+namespace spade::kernels {
+namespace {
+
+// Cholesky solve of (A + 0) x = rhs for a k x k SPD matrix A (row-major, fp64, A already holds eps on its
+// diagonal). Returns false on a non-positive or non-finite pivot.
+bool cholesky_solve(std::vector<double>& a, int k, std::vector<double>& rhs) {
+  for (int j = 0; j < k; ++j) {
+    double piv = a[j * k + j];
+    for (int t = 0; t < j; ++t) piv -= a[j * k + t] * a[j * k + t];
+    if (!(piv > 0.0) || !std::isfinite(piv)) return false;
+    const double ljj = std::sqrt(piv);
+    a[j * k + j] = ljj;
+    for (int i = j + 1; i < k; ++i) {
+      double s = a[i * k + j];
+      for (int t = 0; t < j; ++t) s -= a[i * k + t] * a[j * k + t];
+      a[i * k + j] = s / ljj;
+    }
+  }
+  for (int i = 0; i < k; ++i) {  // L y = rhs
+    double s = rhs[i];
+    for (int t = 0; t < i; ++t) s -= a[i * k + t] * rhs[t];
+    rhs[i] = s / a[i * k + i];
+  }
+  for (int i = k - 1; i >= 0; --i) {  // L^T x = y
+    double s = rhs[i];
+    for (int t = i + 1; t < k; ++t) s -= a[t * k + i] * rhs[t];
+    rhs[i] = s / a[i * k + i];
+  }
+  return true;
+}
+
+double dot_f64(const float* x, const float* y, int n) {
+  double s = 0.0;
+  for (int i = 0; i < n; ++i) s += static_cast<double>(x[i]) * static_cast<double>(y[i]);
+  return s;
+}
+
+const float* paged_row(const float* cache, const int32_t* block_table, int b, int pos, int kvh, int page_size,
+                       int max_pages, int num_kv_heads, int head_dim, const char* what) {
+  const int32_t page = block_table[static_cast<size_t>(b) * max_pages + pos / page_size];
+  SPADE_CHECK(page >= 0, "{}: block_table[{}][{}] = {} is not a page id (position {})", what, b, pos / page_size,
+              page, pos);
+  return cache + ((static_cast<size_t>(page) * page_size + pos % page_size) * num_kv_heads + kvh) * head_dim;
+}
+
+}  // namespace
+
+uint32_t topk_key(float x) {
+  if (std::isnan(x)) return 0u;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+
+void predict_next_query_ref(const PredictQueryRefParams& p) {
+  SPADE_CHECK(p.window != nullptr && p.window_len != nullptr && p.q_hat != nullptr,
+              "predict_next_query_ref: window, window_len and q_hat must be set");
+  SPADE_CHECK(p.batch >= 0 && p.num_heads > 0 && p.head_dim > 0,
+              "predict_next_query_ref: batch {} / num_heads {} / head_dim {} invalid", p.batch, p.num_heads,
+              p.head_dim);
+  SPADE_CHECK(p.window_capacity >= 1 && p.window_capacity <= kMaxPredictorWindow + 1,
+              "predict_next_query_ref: window_capacity {} outside 1..{}", p.window_capacity,
+              kMaxPredictorWindow + 1);
+  SPADE_CHECK(p.max_regressors >= 1 && p.max_regressors <= kMaxPredictorWindow,
+              "predict_next_query_ref: max_regressors {} outside 1..{}", p.max_regressors, kMaxPredictorWindow);
+  SPADE_CHECK(p.eps > 0.f && std::isfinite(p.eps), "predict_next_query_ref: eps {} must be > 0", p.eps);
+  const int D = p.head_dim;
+  std::vector<double> gram;
+  std::vector<double> omega;
+  std::vector<double> acc(D);
+  for (int b = 0; b < p.batch; ++b) {
+    const int n = p.window_len[b];
+    SPADE_CHECK(n >= 0 && n <= p.window_capacity, "predict_next_query_ref: window_len[{}] = {} outside 0..{}", b, n,
+                p.window_capacity);
+    for (int h = 0; h < p.num_heads; ++h) {
+      const size_t row = static_cast<size_t>(b) * p.num_heads + h;
+      const float* win = p.window + row * p.window_capacity * D;
+      float* out = p.q_hat + row * D;
+      if (n == 0) {
+        std::fill(out, out + D, 0.f);
+        continue;
+      }
+      const float* qt = win + static_cast<size_t>(n - 1) * D;  // Q_t
+      const int m = std::min(n - 1, p.max_regressors);
+      std::fill(acc.begin(), acc.end(), 0.0);
+      int used = 0;
+      for (int k = 1; k <= m; ++k) {
+        // Regressors Q_{t-i}, i = 1..k, live in slot n-1-i.
+        gram.assign(static_cast<size_t>(k) * k, 0.0);
+        omega.assign(k, 0.0);
+        for (int i = 0; i < k; ++i) {
+          const float* ri = win + static_cast<size_t>(n - 2 - i) * D;
+          for (int j = 0; j <= i; ++j) {
+            const double v = dot_f64(ri, win + static_cast<size_t>(n - 2 - j) * D, D);
+            gram[i * k + j] = v;
+            gram[j * k + i] = v;
+          }
+          gram[i * k + i] += static_cast<double>(p.eps);
+          omega[i] = dot_f64(ri, qt, D);
+        }
+        if (!cholesky_solve(gram, k, omega)) break;  // larger windows contain this one: drop them too
+        const double mx = *std::max_element(omega.begin(), omega.end());
+        double sum = 0.0;
+        for (double& w : omega) {
+          w = std::exp(w - mx);
+          sum += w;
+        }
+        // Shifted application: weight of Q_{t-i} (i = 1..k) multiplies Q_{t+1-i} (slot n-i).
+        for (int i = 0; i < k; ++i) {
+          const double w = omega[i] / sum;
+          const float* succ = win + static_cast<size_t>(n - 1 - i) * D;
+          for (int d = 0; d < D; ++d) acc[d] += w * succ[d];
+        }
+        ++used;
+      }
+      if (used == 0) {
+        std::copy(qt, qt + D, out);
+      } else {
+        for (int d = 0; d < D; ++d) out[d] = static_cast<float>(acc[d] / used);
+      }
+    }
+  }
+}
+
+void score_tokens_ref(const ScoreTokensRefParams& p) {
+  SPADE_CHECK(p.q_hat != nullptr && p.k_cache != nullptr && p.block_table != nullptr && p.num_tokens != nullptr &&
+                  p.scores != nullptr,
+              "score_tokens_ref: q_hat, k_cache, block_table, num_tokens and scores must be set");
+  SPADE_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0,
+              "score_tokens_ref: num_q_heads {} is not a multiple of num_kv_heads {}", p.num_q_heads,
+              p.num_kv_heads);
+  SPADE_CHECK(p.head_dim > 0 && p.page_size > 0 && p.max_pages_per_seq > 0,
+              "score_tokens_ref: head_dim {} / page_size {} / max_pages_per_seq {} must be > 0", p.head_dim,
+              p.page_size, p.max_pages_per_seq);
+  const int G = p.num_q_heads / p.num_kv_heads;
+  const int D = p.head_dim;
+  for (int b = 0; b < p.batch; ++b) {
+    const int n = p.num_tokens[b];
+    SPADE_CHECK(n >= 0 && n <= p.score_stride && n <= p.max_pages_per_seq * p.page_size,
+                "score_tokens_ref: num_tokens[{}] = {} outside 0..min(score_stride {}, max_pages_per_seq*page_size)",
+                b, n, p.score_stride);
+    for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      float* out = p.scores + (static_cast<size_t>(b) * p.num_kv_heads + kvh) * p.score_stride;
+      const float* qg = p.q_hat + (static_cast<size_t>(b) * p.num_q_heads + kvh * G) * D;
+      for (int t = 0; t < n; ++t) {
+        const float* k = paged_row(p.k_cache, p.block_table, b, t, kvh, p.page_size, p.max_pages_per_seq,
+                                   p.num_kv_heads, D, "score_tokens_ref");
+        float best = -std::numeric_limits<float>::infinity();
+        float sum = 0.f;
+        for (int g = 0; g < G; ++g) {
+          const float* q = qg + static_cast<size_t>(g) * D;
+          float s = 0.f;
+          for (int d = 0; d < D; ++d) s += q[d] * k[d];
+          best = std::max(best, s);
+          sum += s;
+        }
+        out[t] = p.rule == GqaScoreRule::kMax ? best : sum / static_cast<float>(G);
+      }
+    }
+  }
+}
+
+void topk_ref(const TopkRefParams& p) {
+  SPADE_CHECK(p.scores != nullptr && p.row_lens != nullptr && p.indices != nullptr,
+              "topk_ref: scores, row_lens and indices must be set");
+  SPADE_CHECK(p.k >= 1, "topk_ref: k {} must be >= 1", p.k);
+  SPADE_CHECK(p.rows_per_batch > 0 && p.score_stride > 0, "topk_ref: rows_per_batch {} / score_stride {} invalid",
+              p.rows_per_batch, p.score_stride);
+  std::vector<int32_t> order;
+  for (int b = 0; b < p.batch; ++b) {
+    const int n = p.row_lens[b];
+    SPADE_CHECK(n >= 0 && n <= p.score_stride, "topk_ref: row_lens[{}] = {} outside 0..{}", b, n, p.score_stride);
+    for (int rr = 0; rr < p.rows_per_batch; ++rr) {
+      const size_t row = static_cast<size_t>(b) * p.rows_per_batch + rr;
+      const float* s = p.scores + row * p.score_stride;
+      int32_t* out = p.indices + row * p.k;
+      const int take = std::min(n, p.k);
+      order.resize(n);
+      for (int i = 0; i < n; ++i) order[i] = i;
+      if (n > p.k) {
+        auto better = [s](int32_t x, int32_t y) {
+          const uint32_t kx = topk_key(s[x]);
+          const uint32_t ky = topk_key(s[y]);
+          return kx != ky ? kx > ky : x < y;
+        };
+        std::nth_element(order.begin(), order.begin() + (p.k - 1), order.end(), better);
+        order.resize(p.k);
+        std::sort(order.begin(), order.end());
+      }
+      for (int i = 0; i < p.k; ++i) out[i] = i < take ? order[i] : -1;
+      if (p.counts != nullptr) p.counts[row] = take;
+    }
+  }
+}
+
+void gather_kv_ref(const GatherKvRefParams& p) {
+  SPADE_CHECK(p.k_cache != nullptr && p.v_cache != nullptr && p.block_table != nullptr && p.indices != nullptr &&
+                  p.packed_k != nullptr && p.packed_v != nullptr,
+              "gather_kv_ref: all pointers must be set");
+  SPADE_CHECK(p.num_kv_heads > 0 && p.head_dim > 0 && p.page_size > 0 && p.k >= 0,
+              "gather_kv_ref: num_kv_heads {} / head_dim {} / page_size {} / k {} invalid", p.num_kv_heads,
+              p.head_dim, p.page_size, p.k);
+  const int D = p.head_dim;
+  for (int b = 0; b < p.batch; ++b) {
+    for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      const size_t row = static_cast<size_t>(b) * p.num_kv_heads + kvh;
+      for (int i = 0; i < p.k; ++i) {
+        const int pos = p.indices[row * p.k + i];
+        float* dk = p.packed_k + (row * p.k + i) * D;
+        float* dv = p.packed_v + (row * p.k + i) * D;
+        if (pos < 0) {
+          std::fill(dk, dk + D, 0.f);
+          std::fill(dv, dv + D, 0.f);
+          continue;
+        }
+        SPADE_CHECK(pos < p.max_pages_per_seq * p.page_size,
+                    "gather_kv_ref: indices[{}][{}][{}] = {} beyond max_pages_per_seq * page_size", b, kvh, i, pos);
+        const float* sk = paged_row(p.k_cache, p.block_table, b, pos, kvh, p.page_size, p.max_pages_per_seq,
+                                    p.num_kv_heads, D, "gather_kv_ref");
+        const float* sv = paged_row(p.v_cache, p.block_table, b, pos, kvh, p.page_size, p.max_pages_per_seq,
+                                    p.num_kv_heads, D, "gather_kv_ref");
+        std::copy(sk, sk + D, dk);
+        std::copy(sv, sv + D, dv);
+      }
+    }
+  }
+}
+
+}  // namespace spade::kernels

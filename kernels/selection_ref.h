@@ -1,0 +1,131 @@
+// CPU reference of the cache rank's token selection (AsyncSpade, ../shared/papers/asyncspade-async-sparse-decoding.txt
+// Sec. 4.2-4.3 and Appendix C Algorithm 1): next-query prediction, token scoring, exact top-k, gather.
+//
+// These functions are the oracle of the CUDA kernels in kernels/selection.cuh AND the CPU cache rank's
+// implementation in the CPU build: batched, fp32 in/out (fp64 inside the predictor's solve), no framework types.
+// All pointers are host pointers. Invalid parameters throw spade::Error naming the field.
+//
+// ---- Next-query predictor (predict_next_query_ref) ----
+// Per (sequence, head) the window holds the n most recent query states, oldest first: slot n-1 is the current
+// query Q_t, slot n-1-i is Q_{t-i}. With m = min(n - 1, W) regressors, for every window size k = 1..m:
+//   1. regressors Q_{t-1}, ..., Q_{t-k} (the k queries before Q_t), target Q_t;
+//   2. ridge regression in closed form: omega = (H H^T + eps I)^{-1} H Q_t, H = [Q_{t-1}; ...; Q_{t-k}] (k x D)
+//      (Algorithm 1 lines 14-16; Gram and solve in fp64, Cholesky);
+//   3. softmax normalisation: w = softmax(omega) (Eq. 3);
+//   4. single-token shift (Eq. 4): the weight of regressor Q_{t-i} is applied to its successor Q_{t+1-i}:
+//      Qhat^(k)_{t+1} = sum_{i=1..k} w_{t-i} Q_{t+1-i};
+// then average pooling over the m candidates (Eq. 5): Qhat_{t+1} = (1/m) sum_k Qhat^(k)_{t+1}.
+// Edge cases: n == 1 -> Qhat = Q_t (no regression possible); n == 0 -> zeros. If the Cholesky factorisation of
+// window size k fails (non-positive pivot, only possible for eps ~ 0), window sizes >= k are dropped (m = k - 1).
+// Reading of the paper (ambiguities resolved as stated):
+//   * Eq. 2 places the softmax inside the least-squares objective (no closed form); Algorithm 1 solves the plain
+//     ridge problem in closed form and applies the softmax afterwards. We implement Algorithm 1's closed form.
+//   * Algorithm 1 line 16 writes softmax(-G^{-1} b); the minus sign would give the LARGEST weight to the regressor
+//     with the most negative ridge coefficient, contradicting Eq. 3 and Sec. 4.2 (omega "reflects its
+//     contribution"). We use softmax(+omega).
+//   * Algorithm 1 solves one ridge problem on the W-1 oldest window entries, then builds each window size's weights
+//     by masking that single solution (multiplying by a 0/1 mask before a softmax, which would leak weight to masked
+//     entries), and indexes Q_cache[-1-j:-1] (which leaves the current query out of the "shifted" window). Sec. 4.2
+//     states instead one ridge regression per window size on the k most recent predecessors of Q_t, with the
+//     weights applied to the one-token-shifted window that ends at Q_t. We implement Sec. 4.2 (one solve per k);
+//     the CUDA kernel shares one Cholesky factor across k (the Gram matrices are nested leading blocks when the
+//     regressors are ordered newest first), which is the same math.
+//   * eps is absolute (added to the Gram diagonal as in Algorithm 1 line 14), not scaled by the query norms.
+//
+// ---- Scoring (score_tokens_ref) ----
+// score[b][kvh][t] = combine_{h in GQA group of kvh} ( qhat[b][h] . K[b][t][kvh] ) for t < num_tokens[b], raw dot
+// products (no 1/sqrt(D): ranking only). GQA rule (the paper's Fig. 8 computes the group's logits as one GEMM but
+// does not say how a KV head's selection combines them): kMax = max over the group's query heads (a token is kept if
+// any head of the group wants it), kMean = mean over the group (equivalent to scoring with the mean query).
+// To keep the local window out of the selection, pass num_tokens = seq_len - local_window.
+//
+// ---- Top-k (topk_ref) ----
+// For each row r (sequence b = r / rows_per_batch) over its first n = row_lens[b] scores: the k best by
+// (topk_key(score) descending, position ascending), i.e. ties at the threshold go to the EARLIER positions; output
+// sorted by position ascending; if n <= k all n positions are returned and the rest of the row is -1.
+// topk_key maps fp32 to an order-preserving uint32 (-0.0 < +0.0; every NaN ranks lowest, as key 0).
+//
+// ---- Gather (gather_kv_ref) ----
+// packed_k[b][kvh][i] = K[b][indices[b][kvh][i]][kvh] (likewise V) for i < k; index -1 gives a zero row.
+#pragma once
+
+#include <cstdint>
+
+namespace spade::kernels {
+
+/// Most regressors (window sizes) of the predictor; the window buffer holds up to kMaxPredictorWindow + 1 queries.
+inline constexpr int kMaxPredictorWindow = 32;
+
+/// How a KV head combines the scores of its GQA group's query heads (see the header comment).
+enum class GqaScoreRule : uint8_t { kMax = 0, kMean = 1 };
+
+struct PredictQueryRefParams {
+  const float* window = nullptr;         // [batch, num_heads, window_capacity, head_dim] fp32, oldest first.
+  const int32_t* window_len = nullptr;   // [batch] valid slots (0..window_capacity); slot window_len-1 is Q_t.
+  float* q_hat = nullptr;                // [batch, num_heads, head_dim] fp32 output.
+  int batch = 0;
+  int num_heads = 0;
+  int window_capacity = 0;               // 1..kMaxPredictorWindow + 1.
+  int head_dim = 0;
+  int max_regressors = kMaxPredictorWindow;  // W in 1..kMaxPredictorWindow.
+  float eps = 0.f;                       // ridge epsilon, > 0.
+};
+
+/// AsyncSpade next-query prediction (see the header comment for the exact math).
+void predict_next_query_ref(const PredictQueryRefParams& p);
+
+struct ScoreTokensRefParams {
+  const float* q_hat = nullptr;          // [batch, num_q_heads, head_dim] fp32.
+  const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
+  const int32_t* num_tokens = nullptr;   // [batch] positions scored, 0..score_stride.
+  float* scores = nullptr;               // [batch, num_kv_heads, score_stride] fp32; entries >= num_tokens untouched.
+  int batch = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int score_stride = 0;
+  GqaScoreRule rule = GqaScoreRule::kMax;
+};
+
+/// Scores every candidate token of every (sequence, KV head) with the group's predicted queries.
+void score_tokens_ref(const ScoreTokensRefParams& p);
+
+struct TopkRefParams {
+  const float* scores = nullptr;      // [batch * rows_per_batch, score_stride] fp32.
+  const int32_t* row_lens = nullptr;  // [batch] valid entries per row of that sequence (0..score_stride).
+  int32_t* indices = nullptr;         // [batch * rows_per_batch, k] int32 output, ascending positions, -1 padding.
+  int32_t* counts = nullptr;          // optional [batch * rows_per_batch] int32 output: min(k, row_len).
+  int batch = 0;
+  int rows_per_batch = 0;
+  int score_stride = 0;
+  int k = 0;                          // >= 1.
+};
+
+/// Exact top-k per row with the documented tie rule.
+void topk_ref(const TopkRefParams& p);
+
+struct GatherKvRefParams {
+  const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
+  const float* v_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
+  const int32_t* indices = nullptr;      // [batch, num_kv_heads, k] int32 positions, -1 = padding.
+  float* packed_k = nullptr;             // [batch, num_kv_heads, k, head_dim] fp32 output.
+  float* packed_v = nullptr;             // [batch, num_kv_heads, k, head_dim] fp32 output.
+  int batch = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int k = 0;
+};
+
+/// Copies the selected K/V rows into the packed layout the sparse decode reads.
+void gather_kv_ref(const GatherKvRefParams& p);
+
+/// Order-preserving map fp32 -> uint32 used by the top-k (larger float -> larger key; NaN -> 0).
+uint32_t topk_key(float x);
+
+}  // namespace spade::kernels
