@@ -1,9 +1,12 @@
-// inference_rank: loads a Hugging Face checkpoint and generates text (standalone, dense, CPU).
+// inference_rank: loads a Hugging Face checkpoint and generates text on the CPU.
 //
 //   inference_rank --model DIR --prompt TEXT --max-tokens N [--temperature T --top-p P --top-k K --seed S]
+//                  [--selection dense|oracle|predicted --sparse-threshold N --token-budget K ...]
+//   inference_rank --serve --model DIR [launch flags / RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT / OMPI_*] [...]
 //
-// The generated text streams to stdout; TTFT, TPOT and tokens/s go to stderr at the end. `--prompt ""` means the BOS
-// token alone. Several --prompt flags run as one continuously batched workload (outputs printed in order).
+// Standalone (--prompt): the generated text streams to stdout; TTFT, TPOT and tokens/s go to stderr at the end.
+// `--prompt ""` means the BOS token alone. Several --prompt flags run as one continuously batched workload. With
+// --selection predicted the cache rank runs in-process. --serve: the rank of a cluster (inference_rank/serve.h).
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -17,6 +20,8 @@
 #include "common/logging.h"
 #include "common/tokenizer.h"
 #include "inference_rank/engine.h"
+#include "inference_rank/serve.h"
+#include "inference_rank/sparse_attention.h"
 
 namespace {
 
@@ -45,7 +50,38 @@ int main(int argc, char** argv) {
   spade::EngineOptions eo;
   app.add_option("--model", model_dir, "Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)")
       ->required();
-  app.add_option("--prompt", prompts, "prompt text; \"\" = the BOS token alone; repeat for a batch")->required();
+  auto* prompt_opt = app.add_option("--prompt", prompts, "prompt text; \"\" = the BOS token alone; repeat for a batch");
+  bool serve = false;
+  auto* serve_opt = app.add_flag("--serve", serve, "run as an inference rank of a cluster (see docs/ARCHITECTURE.md)");
+  prompt_opt->excludes(serve_opt);
+  // Sparse decoding (AsyncSpade).
+  std::string selection = "dense", gqa_rule = "max";
+  spade::SparseOptions so;
+  app.add_option("--selection", selection, "dense | oracle | predicted (AsyncSpade)");
+  app.add_option("--sparse-threshold", so.sparse_threshold, "context length at which decoding turns sparse")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--token-budget", so.selection.token_budget, "selected tokens per layer and KV head")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--local-window", so.selection.local_window, "most recent tokens always attended")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--sink-tokens", so.selection.sink_tokens, "first tokens always attended")->check(CLI::NonNegativeNumber);
+  app.add_option("--query-window", so.selection.query_window, "W: queries the predictor regresses on (1..32)");
+  app.add_option("--ridge-eps", so.selection.ridge_eps, "ridge regularisation epsilon of the predictor");
+  app.add_option("--gqa-rule", gqa_rule, "how a KV head combines its query heads' scores: max | mean");
+  app.add_option("--layers-per-pack", so.layers_per_pack, "layers per pack message")->check(CLI::PositiveNumber);
+  int deadline_ms = 10000;
+  app.add_option("--selection-deadline-ms", deadline_ms, "longest wait for a late selection")->check(CLI::PositiveNumber);
+  // Cluster (--serve).
+  spade::coord::LaunchFlags lf;
+  app.add_option("--master-addr", lf.master_addr, "coordinator host (else MASTER_ADDR)");
+  app.add_option("--master-port", lf.master_port, "coordinator port (else MASTER_PORT)");
+  app.add_option("--rank", lf.rank, "global rank (else RANK / OMPI_COMM_WORLD_RANK)");
+  app.add_option("--world-size", lf.world_size, "world size (else WORLD_SIZE / OMPI_COMM_WORLD_SIZE)");
+  app.add_option("--num-inference", lf.num_inference, "inference ranks in the world");
+  app.add_option("--num-cache", lf.num_cache, "cache ranks in the world");
+  app.add_option("--role-map", lf.role_map, "explicit role per rank, e.g. c,i,k");
+  int rendezvous_ms = 30000;
+  app.add_option("--rendezvous-timeout-ms", rendezvous_ms, "deadline for the whole world to register");
   app.add_option("--max-tokens", max_tokens, "tokens to generate at most")->check(CLI::PositiveNumber);
   app.add_option("--temperature", sp.temperature, "sampling temperature; 0 = greedy (default: generation_config)");
   app.add_option("--top-p", sp.top_p, "nucleus sampling mass in (0, 1]");
@@ -62,6 +98,29 @@ int main(int argc, char** argv) {
 
   try {
     spade::init_logging("inference_rank", log_level);
+    so.mode = spade::parse_selection_mode(selection);
+    so.selection_deadline = std::chrono::milliseconds(deadline_ms);
+    if (gqa_rule == "max") {
+      so.selection.gqa_rule = spade::kernels::GqaScoreRule::kMax;
+    } else if (gqa_rule == "mean") {
+      so.selection.gqa_rule = spade::kernels::GqaScoreRule::kMean;
+    } else {
+      spade::fail("--gqa-rule must be max or mean, got '{}'", gqa_rule);
+    }
+    spade::cache::validate(so.selection);
+    if (so.mode != spade::SelectionMode::Dense && eo.max_num_batched_tokens < eo.max_num_seqs)
+      spade::fail("sparse decoding needs --max-num-batched-tokens ({}) >= --max-num-seqs ({})",
+                  eo.max_num_batched_tokens, eo.max_num_seqs);
+    if (serve) {
+      spade::ServeOptions sv;
+      sv.model_dir = model_dir;
+      sv.launch = lf;
+      sv.engine = eo;
+      sv.sparse = so;
+      sv.rendezvous_timeout = std::chrono::milliseconds(rendezvous_ms);
+      return spade::run_serve(sv);
+    }
+    if (prompts.empty()) spade::fail("give --prompt TEXT (standalone) or --serve (cluster)");
     auto t_load = Clock::now();
     auto model = spade::Model::load(model_dir);
     auto tok = spade::Tokenizer::from_dir(model_dir);
@@ -70,7 +129,15 @@ int main(int argc, char** argv) {
     if (sp.temperature < 0) sp.temperature = gen.do_sample ? gen.temperature : 0.f;
     spade::validate(sp);
 
-    spade::Engine engine(*model, eo);
+    spade::SparseAttention* backend = nullptr;
+    spade::Engine engine(*model, eo, [&](const spade::ModelConfig& cfg, spade::KvCache& kv) {
+      std::unique_ptr<spade::cache::CacheRankLink> link;
+      if (so.mode == spade::SelectionMode::Predicted)
+        link = std::make_unique<spade::cache::InProcessLink>(cfg, so.selection, kv.num_pages(), kv.page_size());
+      auto b = std::make_unique<spade::SparseAttention>(cfg, kv, so, std::move(link));
+      backend = b.get();
+      return std::unique_ptr<spade::AttentionBackend>(std::move(b));
+    });
     std::vector<Output> outs(prompts.size());
     std::map<uint64_t, size_t> slot;
     const bool stream = prompts.size() == 1;
@@ -157,6 +224,14 @@ int main(int argc, char** argv) {
                  outs.size(), outs[0].prompt_tokens, generated, ok ? ttft_sum / ok : 0.0,
                  tpot_n ? tpot_sum / tpot_n : 0.0, total_s > 0 ? generated / total_s : 0.0,
                  spade::finish_reason_name(outs[0].reason));
+    if (so.mode != spade::SelectionMode::Dense) {
+      const auto& st = backend->stats();
+      std::fprintf(stderr,
+                   "[spade] selection=%s sparse_seq_steps=%llu switches=%llu stalls=%llu dense_fallbacks=%llu\n",
+                   spade::selection_mode_name(so.mode), static_cast<unsigned long long>(st.sparse_seq_steps),
+                   static_cast<unsigned long long>(st.switches), static_cast<unsigned long long>(st.stalls),
+                   static_cast<unsigned long long>(st.dense_fallbacks));
+    }
     return failed ? 1 : 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "inference_rank: error: %s\n", e.what());

@@ -63,3 +63,94 @@ std::vector<float> read_f32(const std::string& path) {
 std::string binary_dir() { return SPADE_BINARY_DIR; }
 
 }  // namespace spade::test
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
+namespace spade::test {
+
+ChildProcess::ChildProcess(const std::string& exe, const std::vector<std::string>& args,
+                           const std::map<std::string, std::string>& env, const std::string& name)
+    : name_(name.empty() ? exe : name) {
+  if (!fs::exists(exe)) throw std::runtime_error("executable not built: " + exe);
+  log_file_ = make_temp_dir("spade_child_") + "/output.log";
+  std::vector<std::string> argv_s = {exe};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  pid_ = ::fork();
+  if (pid_ < 0) throw std::runtime_error("fork failed");
+  if (pid_ == 0) {
+    int fd = ::open(log_file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(exe.c_str(), argv.data());
+    ::_exit(127);
+  }
+}
+
+ChildProcess::~ChildProcess() {
+  if (pid_ > 0 && !exited_) {
+    ::kill(pid_, SIGKILL);
+    int st;
+    ::waitpid(pid_, &st, 0);
+  }
+}
+
+bool ChildProcess::running() {
+  if (exited_) return false;
+  int st = 0;
+  if (::waitpid(pid_, &st, WNOHANG) == pid_) {
+    exited_ = true;
+    code_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  }
+  return !exited_;
+}
+
+int ChildProcess::wait_exit(std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < until) {
+    if (!running()) return code_;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return running() ? -1 : code_;
+}
+
+void ChildProcess::signal(int sig) {
+  if (!exited_) ::kill(pid_, sig);
+}
+
+std::string ChildProcess::log() const {
+  std::ifstream f(log_file_);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+int free_port() {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  if (s < 0 || ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0)
+    throw std::runtime_error("free_port: cannot bind a socket");
+  const int port = ntohs(a.sin_port);
+  ::close(s);
+  return port;
+}
+
+}  // namespace spade::test

@@ -27,3 +27,38 @@ std::vector<float> read_f32(const std::string& path);
 std::string binary_dir();
 
 }  // namespace spade::test
+
+#include <chrono>
+#include <map>
+#include <sys/types.h>
+
+namespace spade::test {
+
+/// A child process (fork/exec) with stdout+stderr captured in a log file; killed (SIGKILL) on destruction if still
+/// running. Every wait has a timeout.
+class ChildProcess {
+ public:
+  ChildProcess(const std::string& exe, const std::vector<std::string>& args,
+               const std::map<std::string, std::string>& env = {}, const std::string& name = "");
+  ~ChildProcess();
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+  /// Exit code once exited (128 + signal for a signal), or -1 when still running after `timeout`.
+  int wait_exit(std::chrono::milliseconds timeout);
+  bool running();
+  void signal(int sig);
+  std::string log() const;
+  pid_t pid() const { return pid_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  std::string name_, log_file_;
+  pid_t pid_ = -1;
+  bool exited_ = false;
+  int code_ = -1;
+};
+
+/// A free TCP port on 127.0.0.1 (bound and released; racy but fine for tests).
+int free_port();
+
+}  // namespace spade::test

@@ -22,7 +22,7 @@ struct Pending {
   uint64_t ep_id;
 };
 
-struct Channel {  // messages from node `src` to node `dst`
+struct Channel {              // messages from node `src` to node `dst`
   std::deque<Pending> sends;  // posted by src's endpoint to dst, not yet matched
   std::deque<Pending> recvs;  // posted by dst's endpoint to src, not yet matched
 };
@@ -84,8 +84,8 @@ class FabricImpl : public LoopbackFabric, public std::enable_shared_from_this<Fa
     if (std::sscanf(address.c_str(), "loopback:%llu:%llu%c", &fab, &node, &tail) != 2) {
       fail("loopback transport: malformed address '{}' (expected loopback:<fabric>:<node>)", address);
     }
-    SPADE_CHECK(fab == id_, "loopback transport: address '{}' belongs to another fabric (this is fabric {})", address,
-                id_);
+    SPADE_CHECK(fab == id_, "loopback transport: address '{}' belongs to another fabric (this is fabric {})",
+                address, id_);
     SPADE_CHECK(nodes_.count(node), "loopback transport: unknown node in address '{}'", address);
     return node;
   }
@@ -108,14 +108,15 @@ class FabricImpl : public LoopbackFabric, public std::enable_shared_from_this<Fa
     std::lock_guard lk(mu_);
     uint64_t peer = parse_address(peer_address);
     const auto& me = nodes_.at(self);
-    SPADE_CHECK(me.alive, "loopback transport {}: cannot connect to {}: this transport is closed ({})", me.name,
-                peer_name, me.death);
+    SPADE_CHECK(me.alive, "loopback transport {}: cannot connect to {}: this transport is closed ({})",
+                me.name, peer_name, me.death);
     const auto& pn = nodes_.at(peer);
-    SPADE_CHECK(pn.alive, "loopback transport {}: cannot connect to peer {} ({}): it died: {}", me.name, peer_name,
-                peer_address, pn.death);
+    SPADE_CHECK(pn.alive, "loopback transport {}: cannot connect to peer {} ({}): it died: {}", me.name,
+                peer_name, peer_address, pn.death);
     for (const auto& [id, ep] : eps_) {
       SPADE_CHECK(!(ep.owner == self && ep.peer == peer && !ep.failed),
-                  "loopback transport {}: already connected to peer {} ({})", me.name, peer_name, peer_address);
+                  "loopback transport {}: already connected to peer {} ({})", me.name, peer_name,
+                  peer_address);
     }
     uint64_t id = next_ep_++;
     eps_[id] = EpRecord{self, peer, peer_name, false, ""};
@@ -125,8 +126,8 @@ class FabricImpl : public LoopbackFabric, public std::enable_shared_from_this<Fa
     return id;
   }
 
-  std::shared_ptr<detail::Op> post(uint64_t ep_id, detail::Op::Kind kind, uint64_t tag, void* buf, size_t size,
-                                   const std::shared_ptr<detail::OpOwner>& owner) {
+  std::shared_ptr<detail::Op> post(uint64_t ep_id, detail::Op::Kind kind, uint64_t tag, void* buf,
+                                   size_t size, const std::shared_ptr<detail::OpOwner>& owner) {
     auto op = std::make_shared<detail::Op>(kind, tag, buf, size, owner);
     std::lock_guard lk(mu_);
     auto& ep = eps_.at(ep_id);
@@ -163,14 +164,16 @@ class FabricImpl : public LoopbackFabric, public std::enable_shared_from_this<Fa
   void cancel(uint64_t ep_id, const std::shared_ptr<detail::Op>& op) {
     std::lock_guard lk(mu_);
     auto& ep = eps_.at(ep_id);
-    auto& ch = op->kind == detail::Op::Kind::kSend ? channels_[{ep.owner, ep.peer}] : channels_[{ep.peer, ep.owner}];
+    auto& ch =
+        op->kind == detail::Op::Kind::kSend ? channels_[{ep.owner, ep.peer}] : channels_[{ep.peer, ep.owner}];
     auto& q = op->kind == detail::Op::Kind::kSend ? ch.sends : ch.recvs;
     for (auto it = q.begin(); it != q.end(); ++it) {
       if (it->op == op) {
         q.erase(it);
-        op->complete(Status::CANCELLED, 0,
-                     fmt::format("{} with tag {:#x} to/from {} cancelled",
-                                 op->kind == detail::Op::Kind::kSend ? "send" : "receive", op->tag, ep.peer_name));
+        op->complete(
+            Status::CANCELLED, 0,
+            fmt::format("{} with tag {:#x} to/from {} cancelled",
+                        op->kind == detail::Op::Kind::kSend ? "send" : "receive", op->tag, ep.peer_name));
         return;
       }
     }
@@ -215,9 +218,10 @@ class FabricImpl : public LoopbackFabric, public std::enable_shared_from_this<Fa
   static void deliver(const std::shared_ptr<detail::Op>& send, const std::shared_ptr<detail::Op>& recv,
                       const std::string& sender_name) {
     if (send->size > recv->size) {
-      recv->complete(Status::FAILED, 0,
-                     fmt::format("message with tag {:#x} from {} is {} bytes, larger than the posted buffer of {} bytes",
-                                 recv->tag, sender_name, send->size, recv->size));
+      recv->complete(
+          Status::FAILED, 0,
+          fmt::format("message with tag {:#x} from {} is {} bytes, larger than the posted buffer of {} bytes",
+                      recv->tag, sender_name, send->size, recv->size));
       send->complete(Status::OK, send->size, "");
       return;
     }
@@ -256,7 +260,9 @@ class FabricImpl : public LoopbackFabric, public std::enable_shared_from_this<Fa
   std::map<std::pair<uint64_t, uint64_t>, std::string> broken_;  // (owner, peer) -> failure for new endpoints
 };
 
-void EpOwner::cancel_op(const std::shared_ptr<detail::Op>& op) { fabric->cancel(ep_id, op); }
+void EpOwner::cancel_op(const std::shared_ptr<detail::Op>& op) {
+  fabric->cancel(ep_id, op);
+}
 
 class LoopbackEndpoint : public Endpoint {
  public:
@@ -266,16 +272,18 @@ class LoopbackEndpoint : public Endpoint {
 
   SendHandle post_send(uint64_t tag, const void* buf, size_t len) override {
     check_user_tag(tag, "loopback send to " + peer_name_);
-    SPADE_CHECK(buf != nullptr || len == 0, "loopback send to {}: null buffer with length {}", peer_name_, len);
-    return SendHandle(owner_->fabric->post(owner_->ep_id, detail::Op::Kind::kSend, tag, const_cast<void*>(buf), len,
-                                           owner_));
+    SPADE_CHECK(buf != nullptr || len == 0, "loopback send to {}: null buffer with length {}", peer_name_,
+                len);
+    return SendHandle(owner_->fabric->post(owner_->ep_id, detail::Op::Kind::kSend, tag,
+                                           const_cast<void*>(buf), len, owner_));
   }
 
   RecvHandle post_recv(uint64_t tag, void* buf, size_t capacity) override {
     check_user_tag(tag, "loopback receive from " + peer_name_);
-    SPADE_CHECK(buf != nullptr || capacity == 0, "loopback receive from {}: null buffer with capacity {}", peer_name_,
-                capacity);
-    return RecvHandle(owner_->fabric->post(owner_->ep_id, detail::Op::Kind::kRecv, tag, buf, capacity, owner_));
+    SPADE_CHECK(buf != nullptr || capacity == 0, "loopback receive from {}: null buffer with capacity {}",
+                peer_name_, capacity);
+    return RecvHandle(
+        owner_->fabric->post(owner_->ep_id, detail::Op::Kind::kRecv, tag, buf, capacity, owner_));
   }
 
   void abort(const std::string& reason) override { owner_->fabric->abort(owner_->ep_id, reason); }
@@ -315,6 +323,8 @@ std::unique_ptr<Transport> FabricImpl::make_transport(const std::string& name) {
 
 }  // namespace
 
-std::shared_ptr<LoopbackFabric> LoopbackFabric::create() { return std::make_shared<FabricImpl>(); }
+std::shared_ptr<LoopbackFabric> LoopbackFabric::create() {
+  return std::make_shared<FabricImpl>();
+}
 
 }  // namespace spade::transport

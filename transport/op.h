@@ -14,8 +14,8 @@ namespace spade::transport::detail {
 
 struct Op;
 
-/// Implemented by endpoints: cancels a pending op (asynchronously is fine; must eventually complete() it unless it
-/// completes otherwise).
+/// Implemented by endpoints: cancels a pending op (asynchronously is fine; must eventually complete() it
+/// unless it completes otherwise).
 class OpOwner {
  public:
   virtual ~OpOwner() = default;
@@ -51,7 +51,8 @@ struct Op {
 
   Status wait(Deadline deadline) const {
     std::unique_lock lk(mu_);
-    bool done = cv_.wait_until(lk, deadline, [&] { return status_.load(std::memory_order_relaxed) != Status::PENDING; });
+    bool done = cv_.wait_until(lk, deadline,
+                               [&] { return status_.load(std::memory_order_relaxed) != Status::PENDING; });
     return done ? status_.load(std::memory_order_relaxed) : Status::TIMEOUT;
   }
 

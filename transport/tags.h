@@ -5,7 +5,8 @@
 //
 //   kind : what the message is (MsgKind). 0xFF is reserved for the transport's own control messages (the UCX
 //          connect handshake); make_tag refuses it.
-//   step : decode step the message belongs to, modulo 2^24. Reuse after wraparound is safe as long as fewer than
+//   step : decode step the message belongs to, modulo 2^24. Reuse after wraparound is safe as long as fewer
+//   than
 //          2^24 steps of the same kind and pack are outstanding (in practice: 1-2).
 //   pack : layer-pack index (P consecutive layers form one pack, AsyncSpade Sec. 4.3).
 // Implementations may add bits above 48 (UCX: [sender id 16][tag 48]).
@@ -42,9 +43,15 @@ inline uint64_t make_tag(MsgKind kind, uint64_t step, uint16_t pack) {
          ((step & kTagStepMask) << kTagPackBits) | pack;
 }
 
-inline MsgKind tag_kind(uint64_t tag) { return static_cast<MsgKind>((tag >> (kTagStepBits + kTagPackBits)) & 0xFF); }
-inline uint32_t tag_step(uint64_t tag) { return static_cast<uint32_t>((tag >> kTagPackBits) & kTagStepMask); }
-inline uint16_t tag_pack(uint64_t tag) { return static_cast<uint16_t>(tag & 0xFFFF); }
+inline MsgKind tag_kind(uint64_t tag) {
+  return static_cast<MsgKind>((tag >> (kTagStepBits + kTagPackBits)) & 0xFF);
+}
+inline uint32_t tag_step(uint64_t tag) {
+  return static_cast<uint32_t>((tag >> kTagPackBits) & kTagStepMask);
+}
+inline uint16_t tag_pack(uint64_t tag) {
+  return static_cast<uint16_t>(tag & 0xFFFF);
+}
 
 /// Tag used by implementations for their own control traffic (kind 0xFF); never produced by make_tag.
 inline constexpr uint64_t transport_control_tag(uint32_t low) {

@@ -7,11 +7,16 @@ namespace spade::transport {
 
 const char* status_name(Status s) {
   switch (s) {
-    case Status::PENDING: return "PENDING";
-    case Status::OK: return "OK";
-    case Status::TIMEOUT: return "TIMEOUT";
-    case Status::FAILED: return "FAILED";
-    case Status::CANCELLED: return "CANCELLED";
+    case Status::PENDING:
+      return "PENDING";
+    case Status::OK:
+      return "OK";
+    case Status::TIMEOUT:
+      return "TIMEOUT";
+    case Status::FAILED:
+      return "FAILED";
+    case Status::CANCELLED:
+      return "CANCELLED";
   }
   return "?";
 }
@@ -28,11 +33,21 @@ const detail::Op& checked(const std::shared_ptr<detail::Op>& op) {
 }
 }  // namespace
 
-Status OpHandle::poll() const { return checked(op_).poll(); }
-Status OpHandle::wait(Deadline deadline) const { return checked(op_).wait(deadline); }
-size_t OpHandle::length() const { return checked(op_).length(); }
-std::string OpHandle::error() const { return checked(op_).error(); }
-uint64_t OpHandle::tag() const { return checked(op_).tag; }
+Status OpHandle::poll() const {
+  return checked(op_).poll();
+}
+Status OpHandle::wait(Deadline deadline) const {
+  return checked(op_).wait(deadline);
+}
+size_t OpHandle::length() const {
+  return checked(op_).length();
+}
+std::string OpHandle::error() const {
+  return checked(op_).error();
+}
+uint64_t OpHandle::tag() const {
+  return checked(op_).tag;
+}
 
 void OpHandle::cancel() const {
   checked(op_);

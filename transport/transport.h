@@ -1,28 +1,37 @@
-// Data-plane transport: asynchronous tagged point-to-point messages between an inference rank and its cache rank.
+// Data-plane transport: asynchronous tagged point-to-point messages between an inference rank and its cache
+// rank.
 //
-// Per decode step and per layer pack the inference rank sends one message (the step's q/k/v of the pack's layers) and
-// receives one (the KV selected for the next step); see AsyncSpade Sec. 4.1 / 4.3. Both are posted ahead of time
-// and completed asynchronously, overlapped with compute. This interface is framework-free (bytes + 64-bit tags) so
-// that the loopback, UCX and (later) NCCL implementations are interchangeable.
+// Per decode step and per layer pack the inference rank sends one message (the step's q/k/v of the pack's
+// layers) and receives one (the KV selected for the next step); see AsyncSpade Sec. 4.1 / 4.3. Both are
+// posted ahead of time and completed asynchronously, overlapped with compute. This interface is
+// framework-free (bytes + 64-bit tags) so that the loopback, UCX and (later) NCCL implementations are
+// interchangeable.
 //
 // Semantics, common to all implementations:
-//   * Matching: a message sent on endpoint A->B with tag t completes the oldest receive posted on B's endpoint for A
-//     with the same tag t (per-tag FIFO, like MPI's non-overtaking rule). Messages from different peers never match
-//     each other. Tags must be < 2^48 (kMaxTag) and must not use kind 0xFF in bits 40..47 (reserved for the
-//     transport's own control messages); see transport/tags.h for the layout Spade uses.
-//   * Buffers: the caller owns `buf` and must keep it alive and unmodified until the handle is no longer PENDING.
-//     A send may stay PENDING until the receiver has posted a matching receive (rendezvous for large messages).
-//   * Completion: poll() never blocks. wait(deadline) blocks until the operation completes or the deadline passes;
+//   * Matching: a message sent on endpoint A->B with tag t completes the oldest receive posted on B's
+//   endpoint for A
+//     with the same tag t (per-tag FIFO, like MPI's non-overtaking rule). Messages from different peers never
+//     match each other. Tags must be < 2^48 (kMaxTag) and must not use kind 0xFF in bits 40..47 (reserved for
+//     the transport's own control messages); see transport/tags.h for the layout Spade uses.
+//   * Buffers: the caller owns `buf` and must keep it alive and unmodified until the handle is no longer
+//   PENDING.
+//     A send may stay PENDING until the receiver has posted a matching receive (rendezvous for large
+//     messages).
+//   * Completion: poll() never blocks. wait(deadline) blocks until the operation completes or the deadline
+//   passes;
 //     TIMEOUT leaves the operation pending (wait again, or cancel()).
-//   * Failures: a message larger than the posted receive buffer fails that receive (FAILED, "... larger than the
-//     posted buffer ..."). When the peer dies or the connection breaks, every pending and future operation on that
-//     endpoint completes FAILED with a message naming the peer, within a bounded time (UCX: transport error or
-//     keepalive, see transport/ucx.h; the caller may also call Endpoint::abort() when the coordinator reports
-//     PeerDown).
-//   * cancel(): requests cancellation and returns without blocking; the final status (CANCELLED, or OK/FAILED if it
-//     completed first) is visible through poll()/wait(). Receives can always be cancelled until matched. UCX cannot
-//     withdraw a send once handed to the library; such a send completes normally (OK/FAILED).
-//   * Threading: Transport, Endpoint and handles are thread-safe. Progress is made by the implementation itself
+//   * Failures: a message larger than the posted receive buffer fails that receive (FAILED, "... larger than
+//   the
+//     posted buffer ..."). When the peer dies or the connection breaks, every pending and future operation on
+//     that endpoint completes FAILED with a message naming the peer, within a bounded time (UCX: transport
+//     error or keepalive, see transport/ucx.h; the caller may also call Endpoint::abort() when the
+//     coordinator reports PeerDown).
+//   * cancel(): requests cancellation and returns without blocking; the final status (CANCELLED, or OK/FAILED
+//   if it
+//     completed first) is visible through poll()/wait(). Receives can always be cancelled until matched. UCX
+//     cannot withdraw a send once handed to the library; such a send completes normally (OK/FAILED).
+//   * Threading: Transport, Endpoint and handles are thread-safe. Progress is made by the implementation
+//   itself
 //     (loopback: inline; UCX: a progress thread owned by the Transport), so Transport::progress() is a no-op
 //     kept for implementations that need explicit progress.
 #pragma once
@@ -54,8 +63,8 @@ namespace detail {
 struct Op;
 }
 
-/// Handle of one posted operation. Copyable (copies refer to the same operation); a default-constructed handle is
-/// invalid (every method throws spade::Error).
+/// Handle of one posted operation. Copyable (copies refer to the same operation); a default-constructed
+/// handle is invalid (every method throws spade::Error).
 class OpHandle {
  public:
   OpHandle() = default;
@@ -63,8 +72,8 @@ class OpHandle {
 
   /// Current status; never blocks and never returns TIMEOUT.
   Status poll() const;
-  /// Blocks until the operation is no longer PENDING or until `deadline`; returns TIMEOUT in the latter case (the
-  /// operation stays pending).
+  /// Blocks until the operation is no longer PENDING or until `deadline`; returns TIMEOUT in the latter case
+  /// (the operation stays pending).
   Status wait(Deadline deadline) const;
   /// wait(Clock::now() + timeout).
   Status wait_for(std::chrono::nanoseconds timeout) const { return wait(Clock::now() + timeout); }
@@ -97,15 +106,16 @@ class Endpoint {
  public:
   virtual ~Endpoint() = default;
 
-  /// Posts a send of `len` bytes at `buf` with `tag` (< 2^48). Throws spade::Error only for invalid arguments; a
-  /// failed endpoint yields a handle that is already FAILED.
+  /// Posts a send of `len` bytes at `buf` with `tag` (< 2^48). Throws spade::Error only for invalid
+  /// arguments; a failed endpoint yields a handle that is already FAILED.
   virtual SendHandle post_send(uint64_t tag, const void* buf, size_t len) = 0;
 
-  /// Posts a receive of at most `capacity` bytes into `buf` for a message with `tag` from this endpoint's peer.
+  /// Posts a receive of at most `capacity` bytes into `buf` for a message with `tag` from this endpoint's
+  /// peer.
   virtual RecvHandle post_recv(uint64_t tag, void* buf, size_t capacity) = 0;
 
-  /// Fails every pending operation on this endpoint (FAILED with `reason`) and all future ones, and closes the
-  /// connection. Use when the coordinator reports the peer dead (PeerDown). Idempotent.
+  /// Fails every pending operation on this endpoint (FAILED with `reason`) and all future ones, and closes
+  /// the connection. Use when the coordinator reports the peer dead (PeerDown). Idempotent.
   virtual void abort(const std::string& reason) = 0;
 
   /// True once the endpoint has failed (peer died, connection broken, abort()).
@@ -122,12 +132,14 @@ class Transport {
  public:
   virtual ~Transport() = default;
 
-  /// Opaque bytes that let a peer connect to us; published to the coordinator (RegisterRequest.self.transport).
+  /// Opaque bytes that let a peer connect to us; published to the coordinator
+  /// (RegisterRequest.self.transport).
   virtual std::string local_address() const = 0;
 
-  /// Connects to the peer whose local_address() is `peer_address`. `peer_name` is used in every error about this
-  /// peer. Implementations may require the peer to call connect() towards us concurrently (UCX does: a handshake
-  /// confirms both directions) and throw spade::Error naming the peer if that does not happen by `deadline`.
+  /// Connects to the peer whose local_address() is `peer_address`. `peer_name` is used in every error about
+  /// this peer. Implementations may require the peer to call connect() towards us concurrently (UCX does: a
+  /// handshake confirms both directions) and throw spade::Error naming the peer if that does not happen by
+  /// `deadline`.
   virtual std::unique_ptr<Endpoint> connect(const std::string& peer_address, const std::string& peer_name,
                                             Deadline deadline) = 0;
 

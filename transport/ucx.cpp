@@ -15,8 +15,8 @@
 #include <functional>
 #include <future>
 #include <map>
-#include <string_view>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 
@@ -31,8 +31,8 @@ constexpr int kSenderShift = 48;
 constexpr uint64_t kFullMask = ~uint64_t{0};
 constexpr uint64_t kHelloTag = transport_control_tag(0x48454C);  // "HEL"
 constexpr char kHelloMagic[8] = {'S', 'P', 'A', 'D', 'E', 'U', 'C', 'X'};
-// Published address = kAddressPrefix + raw UCP worker address, so that a non-UCX address (wrong transport kind in
-// the ClusterView) is refused with a clear error instead of being handed to ucp_ep_create.
+// Published address = kAddressPrefix + raw UCP worker address, so that a non-UCX address (wrong transport
+// kind in the ClusterView) is refused with a clear error instead of being handed to ucp_ep_create.
 constexpr std::string_view kAddressPrefix = "spade-ucx1:";
 
 uint64_t fnv1a64(const std::string& s) {
@@ -55,15 +55,18 @@ struct EpState;
 struct ReqCtx {
   std::shared_ptr<EpState> ep;
   std::shared_ptr<detail::Op> op;
-  void* req = nullptr;          // UCX request handle (null until the posting call returned)
-  bool posting = true;          // inside ucp_tag_*_nbx: a completion callback must not free this ctx
-  bool done_in_post = false;    // the callback already ran inside the posting call
+  void* req = nullptr;        // UCX request handle (null until the posting call returned)
+  bool posting = true;        // inside ucp_tag_*_nbx: a completion callback must not free this ctx
+  bool done_in_post = false;  // the callback already ran inside the posting call
 };
 
 // State of one endpoint. Fields marked [pt] are touched only on the progress thread.
 struct EpState : detail::OpOwner, std::enable_shared_from_this<EpState> {
   EpState(std::weak_ptr<UcxCore> c, uint64_t i, std::string addr, std::string name)
-      : core(std::move(c)), id(i), peer_address(std::move(addr)), peer_name(std::move(name)),
+      : core(std::move(c)),
+        id(i),
+        peer_address(std::move(addr)),
+        peer_name(std::move(name)),
         peer_sender(ucx_sender_id(peer_address)) {}
 
   void cancel_op(const std::shared_ptr<detail::Op>& op) override;
@@ -88,10 +91,10 @@ struct EpState : detail::OpOwner, std::enable_shared_from_this<EpState> {
   mutable std::mutex mu;
   std::string failure;
 
-  UcxCore* raw_core = nullptr;                              // [pt] set by create_ep; valid while the core runs
-  ucp_ep_h ep = nullptr;                                    // [pt]
-  std::unordered_map<detail::Op*, ReqCtx*> inflight;       // [pt]
-  bool closing = false;                                     // [pt]
+  UcxCore* raw_core = nullptr;                        // [pt] set by create_ep; valid while the core runs
+  ucp_ep_h ep = nullptr;                              // [pt]
+  std::unordered_map<detail::Op*, ReqCtx*> inflight;  // [pt]
+  bool closing = false;                               // [pt]
 };
 
 class UcxCore : public std::enable_shared_from_this<UcxCore> {
@@ -185,10 +188,11 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
       if (other->failed.load()) continue;
       SPADE_CHECK(other->peer_address != st->peer_address, "UCX transport {}: already connected to peer {}",
                   opts_.name, st->peer_name);
-      SPADE_CHECK(other->peer_sender != st->peer_sender,
-                  "UCX transport {}: sender id {:#06x} of peer {} collides with that of peer {} (hash collision of "
-                  "their worker addresses); restart one of them to get a new address",
-                  opts_.name, st->peer_sender, st->peer_name, other->peer_name);
+      SPADE_CHECK(
+          other->peer_sender != st->peer_sender,
+          "UCX transport {}: sender id {:#06x} of peer {} collides with that of peer {} (hash collision of "
+          "their worker addresses); restart one of them to get a new address",
+          opts_.name, st->peer_sender, st->peer_name, other->peer_name);
     }
     ucp_ep_params_t p{};
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -205,14 +209,16 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
       fail("UCX transport {}: cannot create an endpoint to peer {}: {}{}", opts_.name, st->peer_name,
            ucs_status_string(s),
            s == UCS_ERR_UNREACHABLE && opts_.peer_failure_detection
-               ? " (with peer failure detection UCX 1.13 cannot use shared-memory transports: include tcp or an "
+               ? " (with peer failure detection UCX 1.13 cannot use shared-memory transports: include tcp or "
+                 "an "
                  "RDMA transport in UCX_TLS, or turn UcxOptions::peer_failure_detection off)"
                : "");
     }
     eps_[st->id] = st;
   }
 
-  // Posts the UCP operation of `op` (tag already validated by the caller; the handshake uses the reserved kind).
+  // Posts the UCP operation of `op` (tag already validated by the caller; the handshake uses the reserved
+  // kind).
   void start_op(const std::shared_ptr<EpState>& st, const std::shared_ptr<detail::Op>& op) {
     if (st->failed.load() || st->closing || st->ep == nullptr) {
       op->complete(Status::FAILED, 0, st->failure_text().empty() ? "endpoint closed" : st->failure_text());
@@ -229,8 +235,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
       uint64_t tag = (uint64_t{sender_id_} << kSenderShift) | op->tag;
       r = ucp_tag_send_nbx(st->ep, op->buf, op->size, tag, &prm);
     } else {
-      // UCX 1.13 does not fill recv_info on immediate completion, so force the callback (which has the length);
-      // it then runs inside ucp_tag_recv_nbx.
+      // UCX 1.13 does not fill recv_info on immediate completion, so force the callback (which has the
+      // length); it then runs inside ucp_tag_recv_nbx.
       prm.cb.recv = &UcxCore::on_recv_done;
       prm.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
       uint64_t tag = (uint64_t{st->peer_sender} << kSenderShift) | op->tag;
@@ -289,7 +295,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
       if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
         if (wait) {
           auto until = Clock::now() + opts_.close_timeout;
-          while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) ucp_worker_progress(worker_);
+          while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until)
+            ucp_worker_progress(worker_);
           if (ucp_request_check_status(r) == UCS_INPROGRESS) {
             spdlog::warn("UCX transport {}: closing the endpoint to {} did not finish within {}", opts_.name,
                          st->peer_name, ms_str(opts_.close_timeout));
@@ -302,8 +309,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
         }
       }
     }
-    // Any op still in flight (a send being flushed) is failed now from the user's point of view only after UCX
-    // releases its buffer, i.e. in its completion callback.
+    // Any op still in flight (a send being flushed) is failed now from the user's point of view only after
+    // UCX releases its buffer, i.e. in its completion callback.
   }
 
   void forget_ep(uint64_t id) { eps_.erase(id); }
@@ -331,14 +338,16 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     if (opts_.keepalive_interval.count() > 0 && !(ka_env && *ka_env)) {
       std::string v = fmt::format("{}ms", opts_.keepalive_interval.count());
       s = ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", v.c_str());
-      if (s != UCS_OK) spdlog::warn("UCX transport {}: cannot set KEEPALIVE_INTERVAL: {}", opts_.name, ucs_status_string(s));
+      if (s != UCS_OK)
+        spdlog::warn("UCX transport {}: cannot set KEEPALIVE_INTERVAL: {}", opts_.name, ucs_status_string(s));
     }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
     params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
     s = ucp_init(&params, cfg, &ctx_);
     ucp_config_release(cfg);
-    if (s != UCS_OK) fail("UCX transport {}: ucp_init failed (UCX_TLS={}): {}", opts_.name, tls, ucs_status_string(s));
+    if (s != UCS_OK)
+      fail("UCX transport {}: ucp_init failed (UCX_TLS={}): {}", opts_.name, tls, ucs_status_string(s));
 
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -361,7 +370,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     sender_id_ = ucx_sender_id(address_);
 
     epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
-    SPADE_CHECK(epoll_fd_ >= 0, "UCX transport {}: epoll_create1 failed: {}", opts_.name, std::strerror(errno));
+    SPADE_CHECK(epoll_fd_ >= 0, "UCX transport {}: epoll_create1 failed: {}", opts_.name,
+                std::strerror(errno));
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = event_fd_;
@@ -482,7 +492,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
 
   // ---- UCX callbacks (progress thread) ----
 
-  // Completes the op of `ctx`; `request` (may be null) is released. Frees ctx unless still inside its posting call.
+  // Completes the op of `ctx`; `request` (may be null) is released. Frees ctx unless still inside its posting
+  // call.
   static void finish(ReqCtx* ctx, void* request, ucs_status_t status, size_t length) {
     auto& st = *ctx->ep;
     st.inflight.erase(ctx->op.get());
@@ -490,18 +501,20 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     if (status == UCS_OK) {
       ctx->op->complete(Status::OK, length, "");
     } else if (status == UCS_ERR_CANCELED && !st.failed.load()) {
-      ctx->op->complete(Status::CANCELLED, 0,
-                        fmt::format("{} with tag {:#x} to/from {} cancelled", what, ctx->op->tag, st.peer_name));
+      ctx->op->complete(
+          Status::CANCELLED, 0,
+          fmt::format("{} with tag {:#x} to/from {} cancelled", what, ctx->op->tag, st.peer_name));
     } else if (status == UCS_ERR_MESSAGE_TRUNCATED) {
-      ctx->op->complete(Status::FAILED, 0,
-                        fmt::format("message with tag {:#x} from {} is larger than the posted buffer of {} bytes",
-                                    ctx->op->tag, st.peer_name, ctx->op->size));
+      ctx->op->complete(
+          Status::FAILED, 0,
+          fmt::format("message with tag {:#x} from {} is larger than the posted buffer of {} bytes",
+                      ctx->op->tag, st.peer_name, ctx->op->size));
     } else if (st.failed.load()) {
       ctx->op->complete(Status::FAILED, 0, st.failure_text());
     } else {
       ctx->op->complete(Status::FAILED, 0,
-                        fmt::format("{} with tag {:#x} to/from {} failed: {}", what, ctx->op->tag, st.peer_name,
-                                    ucs_status_string(status)));
+                        fmt::format("{} with tag {:#x} to/from {} failed: {}", what, ctx->op->tag,
+                                    st.peer_name, ucs_status_string(status)));
     }
     if (request != nullptr) ucp_request_free(request);
     if (ctx->posting) {
@@ -516,7 +529,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     finish(ctx, request, status, status == UCS_OK ? ctx->op->size : 0);
   }
 
-  static void on_recv_done(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
+  static void on_recv_done(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                           void* user_data) {
     auto* ctx = static_cast<ReqCtx*>(user_data);
     finish(ctx, request, status, (status == UCS_OK && info != nullptr) ? info->length : 0);
   }
@@ -527,7 +541,8 @@ class UcxCore : public std::enable_shared_from_this<UcxCore> {
     if (core == nullptr) return;
     auto it = core->eps_.find(raw->id);
     if (it == core->eps_.end()) return;
-    std::string why = fmt::format("peer {} failed: connection error ({})", raw->peer_name, ucs_status_string(status));
+    std::string why =
+        fmt::format("peer {} failed: connection error ({})", raw->peer_name, ucs_status_string(status));
     spdlog::warn("UCX transport {}: {}", core->opts_.name, why);
     raw->set_failed(why);
     core->failed_eps_.emplace_back(it->second, why);  // closed outside the callback
@@ -565,7 +580,8 @@ void EpState::cancel_op(const std::shared_ptr<detail::Op>& op) {
 
 class UcxEndpoint : public Endpoint {
  public:
-  UcxEndpoint(std::shared_ptr<UcxCore> core, std::shared_ptr<EpState> st) : core_(std::move(core)), st_(std::move(st)) {}
+  UcxEndpoint(std::shared_ptr<UcxCore> core, std::shared_ptr<EpState> st)
+      : core_(std::move(core)), st_(std::move(st)) {}
 
   ~UcxEndpoint() override {
     try {
@@ -633,11 +649,12 @@ class UcxTransport : public Transport {
   std::unique_ptr<Endpoint> connect(const std::string& peer_address, const std::string& peer_name,
                                     Deadline deadline) override {
     const auto& name = core_->options().name;
-    SPADE_CHECK(peer_address.size() > kAddressPrefix.size() &&
-                    std::string_view(peer_address).substr(0, kAddressPrefix.size()) == kAddressPrefix,
-                "UCX transport {}: the address of peer {} is not a Spade UCX address ({} bytes, expected prefix "
-                "'{}'); does the peer use another transport kind?",
-                name, peer_name, peer_address.size(), kAddressPrefix);
+    SPADE_CHECK(
+        peer_address.size() > kAddressPrefix.size() &&
+            std::string_view(peer_address).substr(0, kAddressPrefix.size()) == kAddressPrefix,
+        "UCX transport {}: the address of peer {} is not a Spade UCX address ({} bytes, expected prefix "
+        "'{}'); does the peer use another transport kind?",
+        name, peer_name, peer_address.size(), kAddressPrefix);
     std::string worker_address = peer_address.substr(kAddressPrefix.size());
     auto start = Clock::now();
     auto st = std::make_shared<EpState>(core_, next_id_++, worker_address, peer_name);
@@ -656,10 +673,11 @@ class UcxTransport : public Transport {
     Status rs = recv->wait(deadline);
     Status ss = send->wait(deadline);
     if (rs != Status::OK || ss != Status::OK) {
-      std::string detail = rs == Status::TIMEOUT || ss == Status::TIMEOUT
-                               ? fmt::format("no hello within {} (did the peer call connect() with our address?)",
-                                             ms_str(deadline - start))
-                               : (rs != Status::OK ? recv->error() : send->error());
+      std::string detail =
+          rs == Status::TIMEOUT || ss == Status::TIMEOUT
+              ? fmt::format("no hello within {} (did the peer call connect() with our address?)",
+                            ms_str(deadline - start))
+              : (rs != Status::OK ? recv->error() : send->error());
       ep.reset();  // closes; the ops above complete before their buffers go away
       fail("UCX transport {}: handshake with peer {} failed: {}", name, peer_name, detail);
     }
@@ -668,9 +686,11 @@ class UcxTransport : public Transport {
     if (recv->length() != out.size() || std::memcmp(in.data(), kHelloMagic, 8) != 0 ||
         peer_hash != fnv1a64(worker_address)) {
       ep.reset();
-      fail("UCX transport {}: handshake with peer {} failed: the hello ({} bytes, hash {:#x}) came from a different "
-           "worker than the address we were given (hash {:#x}): stale address, or sender-id collision",
-           name, peer_name, recv->length(), peer_hash, fnv1a64(worker_address));
+      fail(
+          "UCX transport {}: handshake with peer {} failed: the hello ({} bytes, hash {:#x}) came from a "
+          "different "
+          "worker than the address we were given (hash {:#x}): stale address, or sender-id collision",
+          name, peer_name, recv->length(), peer_hash, fnv1a64(worker_address));
     }
     return ep;
   }

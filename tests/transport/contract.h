@@ -1,5 +1,5 @@
-// The transport contract (transport/transport.h), checked against every implementation. Included by one test file
-// per implementation, which instantiates TransportContract with its factory.
+// The transport contract (transport/transport.h), checked against every implementation. Included by one test
+// file per implementation, which instantiates TransportContract with its factory.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -26,14 +26,17 @@ struct TransportFactory {
   std::function<std::unique_ptr<Transport>(const std::string& label)> make;
 };
 
-inline std::ostream& operator<<(std::ostream& os, const TransportFactory& f) { return os << f.name; }
+inline std::ostream& operator<<(std::ostream& os, const TransportFactory& f) {
+  return os << f.name;
+}
 
-inline Deadline in(std::chrono::milliseconds d) { return Clock::now() + d; }
+inline Deadline in(std::chrono::milliseconds d) {
+  return Clock::now() + d;
+}
 
 // Connects a <-> b from two threads (UCX's handshake needs both sides at once).
-inline std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>> connect_pair(Transport& a, const std::string& a_name,
-                                                                                    Transport& b,
-                                                                                    const std::string& b_name) {
+inline std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>> connect_pair(
+    Transport& a, const std::string& a_name, Transport& b, const std::string& b_name) {
   auto fb = std::async(std::launch::async, [&] { return b.connect(a.local_address(), a_name, in(10000ms)); });
   auto ea = a.connect(b.local_address(), b_name, in(10000ms));
   return {std::move(ea), fb.get()};
@@ -73,7 +76,8 @@ class TransportContract : public ::testing::TestWithParam<TransportFactory> {
 
 TEST_P(TransportContract, ManyTaggedMessagesBothDirections) {
   constexpr int kSteps = 40, kPacks = 6;
-  // Per step/pack: inference -> cache a "qkv" message, cache -> inference a "selected kv" message, sizes varying.
+  // Per step/pack: inference -> cache a "qkv" message, cache -> inference a "selected kv" message, sizes
+  // varying.
   std::vector<std::vector<uint8_t>> qkv, sel;
   std::vector<std::vector<uint8_t>> qkv_rx, sel_rx;
   std::vector<RecvHandle> rq, rs;
@@ -93,7 +97,8 @@ TEST_P(TransportContract, ManyTaggedMessagesBothDirections) {
     for (int i = from; i < to; ++i) {
       int t = i / kPacks, p = i % kPacks;
       rq.push_back(ba_->post_recv(make_tag(MsgKind::kQkvPack, t, p), qkv_rx[i].data(), qkv_rx[i].size()));
-      rs.push_back(ab_->post_recv(make_tag(MsgKind::kSelectedKv, t + 1, p), sel_rx[i].data(), sel_rx[i].size()));
+      rs.push_back(
+          ab_->post_recv(make_tag(MsgKind::kSelectedKv, t + 1, p), sel_rx[i].data(), sel_rx[i].size()));
     }
   };
   const int total = kSteps * kPacks;

@@ -12,8 +12,9 @@ std::shared_ptr<LoopbackFabric> fabric() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Loopback, TransportContract,
-                         ::testing::Values(TransportFactory{
-                             "loopback", [](const std::string& label) { return fabric()->make_transport(label); }}));
+                         ::testing::Values(TransportFactory{"loopback", [](const std::string& label) {
+                                                              return fabric()->make_transport(label);
+                                                            }}));
 
 TEST(LoopbackTransport, KilledPeerFailsPendingAndFutureOperationsNamingIt) {
   auto f = LoopbackFabric::create();

@@ -18,8 +18,8 @@
 namespace spade::transport::test {
 namespace {
 
-// Default: peer failure detection on (UCX selects tcp between two workers). "shm": detection off, shared memory only
-// (posix/sysv/cma eager and rendezvous paths).
+// Default: peer failure detection on (UCX selects tcp between two workers). "shm": detection off, shared
+// memory only (posix/sysv/cma eager and rendezvous paths).
 INSTANTIATE_TEST_SUITE_P(Ucx, TransportContract,
                          ::testing::Values(TransportFactory{"ucx",
                                                             [](const std::string& label) {
@@ -27,7 +27,8 @@ INSTANTIATE_TEST_SUITE_P(Ucx, TransportContract,
                                                               o.name = label;
                                                               return make_ucx_transport(o);
                                                             }},
-                                           TransportFactory{"ucx_shm", [](const std::string& label) {
+                                           TransportFactory{"ucx_shm",
+                                                            [](const std::string& label) {
                                                               UcxOptions o;
                                                               o.name = label;
                                                               o.tls = "sm,self";
@@ -48,7 +49,8 @@ std::string to_hex(const std::string& s) {
 
 std::string from_hex(const std::string& h) {
   std::string out;
-  for (size_t i = 0; i + 1 < h.size(); i += 2) out.push_back(static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < h.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -114,7 +116,8 @@ class PeerProcess {
 
   void write_line(const std::string& s) {
     std::string l = s + "\n";
-    if (::write(to_child_, l.data(), l.size()) != static_cast<ssize_t>(l.size())) throw std::runtime_error("write");
+    if (::write(to_child_, l.data(), l.size()) != static_cast<ssize_t>(l.size()))
+      throw std::runtime_error("write");
   }
 
   void close_stdin() {
@@ -186,7 +189,8 @@ TEST(UcxCrossProcess, KilledPeerFailsPendingOperationsNamingThePeer) {
   auto ep = connect_child(*t, child, peer_name);
   std::vector<uint8_t> small(4096), big(size_t{8} << 20, 1);
   auto r = ep->post_recv(make_tag(MsgKind::kSelectedKv, 1, 0), small.data(), small.size());
-  auto s = ep->post_send(make_tag(MsgKind::kQkvPack, 1, 0), big.data(), big.size());  // rendezvous, never matched
+  auto s =
+      ep->post_send(make_tag(MsgKind::kQkvPack, 1, 0), big.data(), big.size());  // rendezvous, never matched
   std::this_thread::sleep_for(100ms);
   EXPECT_EQ(r.poll(), Status::PENDING);
   auto t0 = Clock::now();
@@ -250,6 +254,8 @@ TEST(UcxTransport, GarbageAddressIsRejected) {
 
 #else
 
-TEST(UcxTransport, NotBuilt) { GTEST_SKIP() << "built without UCX (SPADE_HAVE_UCX=OFF): UCX transport not tested"; }
+TEST(UcxTransport, NotBuilt) {
+  GTEST_SKIP() << "built without UCX (SPADE_HAVE_UCX=OFF): UCX transport not tested";
+}
 
 #endif

@@ -1,10 +1,12 @@
 // transport_ucx_peer: the other process of the UCX cross-process tests (tests/transport/test_ucx.cpp).
 //
 //   transport_ucx_peer <name> sleep        connect, print CONNECTED, then wait (the test SIGKILLs us)
-//   transport_ucx_peer <name> echo <N>     connect, echo N messages: recv (kQkvPack, i, 0) -> send (kSelectedKv, i, 0)
+//   transport_ucx_peer <name> echo <N>     connect, echo N messages: recv (kQkvPack, i, 0) -> send
+//   (kSelectedKv, i, 0)
 //
-// Protocol on stdio: we print our UCX address as hex on one line, read the parent's address (hex line) from stdin,
-// connect, print CONNECTED. Every wait has a deadline; on any error we print "ERROR <message>" and exit 1.
+// Protocol on stdio: we print our UCX address as hex on one line, read the parent's address (hex line) from
+// stdin, connect, print CONNECTED. Every wait has a deadline; on any error we print "ERROR <message>" and
+// exit 1.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -33,7 +35,8 @@ std::string to_hex(const std::string& s) {
 
 std::string from_hex(const std::string& h) {
   std::string out;
-  for (size_t i = 0; i + 1 < h.size(); i += 2) out.push_back(static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < h.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -64,9 +67,11 @@ int main(int argc, char** argv) {
       std::vector<char> buf(size_t{1} << 20);
       for (int i = 0; i < n; ++i) {
         auto r = ep->post_recv(make_tag(MsgKind::kQkvPack, i, 0), buf.data(), buf.size());
-        if (r.wait(Clock::now() + 10s) != Status::OK) throw std::runtime_error("recv " + std::to_string(i) + ": " + r.error());
+        if (r.wait(Clock::now() + 10s) != Status::OK)
+          throw std::runtime_error("recv " + std::to_string(i) + ": " + r.error());
         auto s = ep->post_send(make_tag(MsgKind::kSelectedKv, i, 0), buf.data(), r.length());
-        if (s.wait(Clock::now() + 10s) != Status::OK) throw std::runtime_error("send " + std::to_string(i) + ": " + s.error());
+        if (s.wait(Clock::now() + 10s) != Status::OK)
+          throw std::runtime_error("send " + std::to_string(i) + ": " + s.error());
       }
       std::cout << "DONE" << std::endl;
       // Wait for the parent to close its side (EOF on stdin) so our last send is not cut off.

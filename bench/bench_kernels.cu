@@ -1,0 +1,662 @@
+// Spade kernel benchmarks on one GPU (bench/run_gpu.sh runs this; docs/KERNELS.md reports the numbers).
+//
+// Every case: inputs filled with random (never zero) data on the device, several input sets rotated when one set
+// is small enough to live in L2, warm-up launches, then >= 50 launches each timed with its own pair of CUDA events;
+// we report the median (and p10 / p90 / min) in microseconds, the bytes the kernel must move (each input read once,
+// each output written once), GB/s = bytes / median, and the ratio to the device-to-device copy bandwidth measured
+// in the same run ((read + write bytes) / time of a 1 GiB cudaMemcpyAsync).
+//
+// Usage: bench_kernels --out results.json [--iters N] [--warmup N] [--quick] [--sweep] [--only g1,g2]
+// The JSON also carries device, date, commit ($SPADE_COMMIT, else "unknown").
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kernels/attention.cuh"
+#include "kernels/selection.cuh"
+
+namespace {
+
+using nlohmann::json;
+using namespace spade::kernels;
+using spade::DType;
+
+#define CK(expr)                                                                                               \
+  do {                                                                                                         \
+    const cudaError_t e_ = (expr);                                                                             \
+    if (e_ != cudaSuccess) {                                                                                   \
+      std::fprintf(stderr, "%s:%d %s failed: %s (%s)\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_),    \
+                   launch_error_detail());                                                                     \
+      std::exit(1);                                                                                            \
+    }                                                                                                          \
+  } while (0)
+
+struct Options {
+  std::string out = "bench_kernels.json";
+  int iters = 100;
+  int warmup = 10;
+  bool quick = false;
+  bool sweep = false;
+  std::string only;  // comma-separated groups to run: decode, sparse, selection, prefill (empty: all)
+  bool run(const char* group) const {
+    return only.empty() || ("," + only + ",").find("," + std::string(group) + ",") != std::string::npos;
+  }
+};
+
+// Deterministic pseudo-random fill (values in [-1, 1), never all zero) for 16-bit float and fp32 buffers.
+__device__ __forceinline__ float hash_unit(uint64_t i, uint64_t seed) {
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<float>(static_cast<int64_t>(x >> 40) - (1ll << 23)) / static_cast<float>(1ll << 23);
+}
+__global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    p[i] = __float2bfloat16(hash_unit(i, seed));
+  }
+}
+__global__ void fill_f32(float* p, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    p[i] = scale * hash_unit(i, seed);
+  }
+}
+
+void* dmalloc(size_t bytes) {
+  void* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
+  return p;
+}
+void fill16(void* p, size_t n, uint64_t seed) {
+  fill_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed);
+  CK(cudaGetLastError());
+}
+template <typename T>
+T* upload(const std::vector<T>& h) {
+  T* d = static_cast<T*>(dmalloc(h.size() * sizeof(T)));
+  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+struct Timing {
+  double median_us = 0, p10_us = 0, p90_us = 0, min_us = 0;
+  int iters = 0;
+};
+
+// Times fn(set) for `iters` launches (set = i % sets) after `warmup` launches; one event pair per launch.
+Timing time_it(const Options& o, int sets, const std::function<void(int)>& fn) {
+  for (int i = 0; i < o.warmup; ++i) fn(i % sets);
+  CK(cudaDeviceSynchronize());
+  std::vector<cudaEvent_t> ev(2 * o.iters);
+  for (auto& e : ev) CK(cudaEventCreate(&e));
+  for (int i = 0; i < o.iters; ++i) {
+    CK(cudaEventRecord(ev[2 * i]));
+    fn(i % sets);
+    CK(cudaEventRecord(ev[2 * i + 1]));
+  }
+  CK(cudaDeviceSynchronize());
+  std::vector<double> us(o.iters);
+  for (int i = 0; i < o.iters; ++i) {
+    float ms = 0.f;
+    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    us[i] = 1000.0 * ms;
+  }
+  for (auto& e : ev) CK(cudaEventDestroy(e));
+  std::sort(us.begin(), us.end());
+  Timing t;
+  t.iters = o.iters;
+  t.median_us = us[us.size() / 2];
+  t.p10_us = us[us.size() / 10];
+  t.p90_us = us[(us.size() * 9) / 10];
+  t.min_us = us.front();
+  return t;
+}
+
+// Input sets to rotate so that the total working set is >= 4x L2 (inputs do not stay cache-resident).
+int rotation_sets(size_t bytes_per_set, size_t l2_bytes) {
+  const size_t want = 4 * l2_bytes;
+  return static_cast<int>(std::clamp<size_t>((want + bytes_per_set - 1) / std::max<size_t>(bytes_per_set, 1), 1, 8));
+}
+
+struct Ctx {
+  Options opt;
+  cudaDeviceProp prop{};
+  double copy_gbps = 0;
+  json results = json::array();
+};
+
+json timing_json(const Timing& t, double bytes, double copy_gbps) {
+  json j;
+  j["median_us"] = t.median_us;
+  j["p10_us"] = t.p10_us;
+  j["p90_us"] = t.p90_us;
+  j["min_us"] = t.min_us;
+  j["iters"] = t.iters;
+  j["bytes"] = bytes;
+  j["gb_per_s"] = bytes / (t.median_us * 1e3);
+  j["ratio_to_copy"] = (bytes / (t.median_us * 1e3)) / copy_gbps;
+  return j;
+}
+
+void log_line(const json& r) {
+  std::printf("%-44s %10.1f us  %8.1f GB/s  %5.1f%% of copy\n", r["name"].get<std::string>().c_str(),
+              r["median_us"].get<double>(), r["gb_per_s"].get<double>(), 100.0 * r["ratio_to_copy"].get<double>());
+  std::fflush(stdout);
+}
+
+double measure_copy(Ctx& c) {
+  const size_t bytes = size_t{1} << 30;
+  void* a = dmalloc(bytes);
+  void* b = dmalloc(bytes);
+  fill16(a, bytes / 2, 1);
+  const Timing t = time_it(c.opt, 1, [&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  const double moved = 2.0 * bytes;
+  const double gbps = moved / (t.median_us * 1e3);
+  json r = timing_json(t, moved, gbps);
+  r["name"] = "copy_d2d_1GiB";
+  r["kind"] = "copy";
+  r["note"] = "cudaMemcpyAsync device-to-device of 1 GiB; bytes = read + write";
+  c.results.push_back(r);
+  log_line(r);
+  return gbps;
+}
+
+// A paged KV cache of `batch` sequences of `len` tokens: random page permutation over the pool (page_size < len),
+// or one page per sequence (page_size == len: the contiguous [batch, len, hkv, D] layout).
+struct KvSet {
+  void* k = nullptr;
+  void* v = nullptr;
+  int32_t* bt = nullptr;
+  int max_pages = 0;
+};
+
+KvSet make_kv(int batch, int len, int ps, int hkv, int D, uint64_t seed) {
+  KvSet s;
+  s.max_pages = (len + ps - 1) / ps;
+  const int num_pages = batch * s.max_pages;
+  const size_t n = static_cast<size_t>(num_pages) * ps * hkv * D;
+  s.k = dmalloc(n * 2);
+  s.v = dmalloc(n * 2);
+  fill16(s.k, n, seed);
+  fill16(s.v, n, seed + 1);
+  std::vector<int32_t> perm(num_pages);
+  std::iota(perm.begin(), perm.end(), 0);
+  if (s.max_pages > 1) {
+    std::mt19937_64 rng(seed);
+    std::shuffle(perm.begin(), perm.end(), rng);
+  }
+  s.bt = upload(perm);  // row b = perm[b * max_pages ...]
+  return s;
+}
+void free_kv(KvSet& s) {
+  CK(cudaFree(s.k));
+  CK(cudaFree(s.v));
+  CK(cudaFree(s.bt));
+}
+
+constexpr int kHq = 32, kHkv = 8, kD = 128;  // Qwen3-8B attention
+
+void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const char* layout, int splits = 0) {
+  const double kv_bytes = 2.0 * batch * len * kHkv * kD * 2;
+  const double bytes = kv_bytes + 2.0 * batch * kHq * kD * 2 + batch * ((len + ps - 1) / ps) * 4.0;
+  const int sets = rotation_sets(static_cast<size_t>(kv_bytes), c.prop.l2CacheSize);
+  std::vector<KvSet> kv;
+  for (int s = 0; s < sets; ++s) kv.push_back(make_kv(batch, len, ps, kHkv, kD, 100 + 7 * s));
+  void* q = dmalloc(size_t{2} * batch * kHq * kD);
+  fill16(q, static_cast<size_t>(batch) * kHq * kD, 5);
+  void* out = dmalloc(size_t{2} * batch * kHq * kD);
+  int32_t* lens = upload(std::vector<int32_t>(batch, len));
+  const size_t ws_bytes = decode_workspace_bytes(batch, kHq, kHkv, kD);
+  void* ws = dmalloc(ws_bytes);
+  CK(decode_workspace_init({ws, ws_bytes}, nullptr));
+  PagedDecodeParams p;
+  p.dtype = dtype;
+  p.q = q;
+  p.out = out;
+  p.seq_lens = lens;
+  p.batch = batch;
+  p.num_q_heads = kHq;
+  p.num_kv_heads = kHkv;
+  p.head_dim = kD;
+  p.page_size = ps;
+  p.max_pages_per_seq = kv[0].max_pages;
+  p.max_seq_len = len;
+  p.scale = 1.f / std::sqrt(static_cast<float>(kD));
+  p.workspace = {ws, ws_bytes};
+  p.num_splits = splits;
+  const Timing t = time_it(c.opt, sets, [&](int s) {
+    p.k_cache = kv[s].k;
+    p.v_cache = kv[s].v;
+    p.block_table = kv[s].bt;
+    CK(paged_decode_attention(p, nullptr));
+  });
+  json r = timing_json(t, bytes, c.copy_gbps);
+  r["name"] = std::string("paged_decode_") + (dtype == DType::BF16 ? "bf16" : "fp16") + "_B" +
+              std::to_string(batch) + "_T" + std::to_string(len) + "_" + layout +
+              (splits > 0 ? "_splits" + std::to_string(splits) : std::string());
+  r["kind"] = splits > 0 ? "paged_decode_split_sweep" : "paged_decode";
+  r["num_splits"] = splits;
+  r["dtype"] = dtype == DType::BF16 ? "bf16" : "fp16";
+  r["layout"] = layout;
+  r["shape"] = {{"batch", batch}, {"seq_len", len}, {"num_q_heads", kHq}, {"num_kv_heads", kHkv},
+                {"head_dim", kD}, {"page_size", ps}};
+  r["input_sets"] = sets;
+  c.results.push_back(r);
+  log_line(r);
+  for (auto& s : kv) free_kv(s);
+  CK(cudaFree(q));
+  CK(cudaFree(out));
+  CK(cudaFree(lens));
+  CK(cudaFree(ws));
+}
+
+// Sorted random token positions in [0, limit) per (sequence, KV head): what the top-k emits.
+std::vector<int32_t> random_indices(int rows, int k, int limit, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> all(limit), out;
+  std::iota(all.begin(), all.end(), 0);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < k; ++i) std::swap(all[i], all[i + rng() % (limit - i)]);
+    std::vector<int32_t> sel(all.begin(), all.begin() + k);
+    std::sort(sel.begin(), sel.end());
+    out.insert(out.end(), sel.begin(), sel.end());
+  }
+  return out;
+}
+
+void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
+  const double sel_bytes = 2.0 * batch * kHkv * k * kD * 2;
+  const int sets = rotation_sets(static_cast<size_t>(sel_bytes), c.prop.l2CacheSize);
+  std::vector<KvSet> kv;
+  std::vector<int32_t*> idx;
+  std::vector<void*> pk, pv;
+  for (int s = 0; s < sets; ++s) {
+    kv.push_back(make_kv(batch, len, ps, kHkv, kD, 300 + 11 * s));
+    idx.push_back(upload(random_indices(batch * kHkv, k, len - window, 40 + s)));
+    pk.push_back(dmalloc(static_cast<size_t>(sel_bytes / 2)));
+    pv.push_back(dmalloc(static_cast<size_t>(sel_bytes / 2)));
+    fill16(pk.back(), static_cast<size_t>(sel_bytes / 4), 50 + s);
+    fill16(pv.back(), static_cast<size_t>(sel_bytes / 4), 60 + s);
+  }
+  void* q = dmalloc(size_t{2} * batch * kHq * kD);
+  fill16(q, static_cast<size_t>(batch) * kHq * kD, 6);
+  void* out = dmalloc(size_t{2} * batch * kHq * kD);
+  int32_t* counts = upload(std::vector<int32_t>(batch, k));
+  int32_t* lens = upload(std::vector<int32_t>(batch, len));
+  const size_t ws_bytes = decode_workspace_bytes(batch, kHq, kHkv, kD);
+  void* ws = dmalloc(ws_bytes);
+  CK(decode_workspace_init({ws, ws_bytes}, nullptr));
+  const json shape = {{"batch", batch},       {"seq_len", len},  {"selected", k}, {"num_q_heads", kHq},
+                      {"num_kv_heads", kHkv}, {"head_dim", kD},  {"page_size", ps}};
+  {
+    SparseIndexDecodeParams p;
+    p.dtype = DType::BF16;
+    p.q = q;
+    p.out = out;
+    p.num_indices = counts;
+    p.batch = batch;
+    p.num_q_heads = kHq;
+    p.num_kv_heads = kHkv;
+    p.head_dim = kD;
+    p.page_size = ps;
+    p.max_pages_per_seq = kv[0].max_pages;
+    p.index_stride = k;
+    p.scale = 1.f / std::sqrt(static_cast<float>(kD));
+    p.workspace = {ws, ws_bytes};
+    const Timing t = time_it(c.opt, sets, [&](int s) {
+      p.k_cache = kv[s].k;
+      p.v_cache = kv[s].v;
+      p.block_table = kv[s].bt;
+      p.indices = idx[s];
+      CK(sparse_decode_attention_indexed(p, nullptr));
+    });
+    const double bytes = sel_bytes + batch * kHkv * k * 4.0 + 2.0 * batch * kHq * kD * 2;
+    json r = timing_json(t, bytes, c.copy_gbps);
+    r["name"] = "sparse_decode_indexed_bf16_B" + std::to_string(batch) + "_k" + std::to_string(k) + "_ps" +
+                std::to_string(ps);
+    r["kind"] = "sparse_decode_indexed";
+    r["dtype"] = "bf16";
+    r["shape"] = shape;
+    r["input_sets"] = sets;
+    c.results.push_back(r);
+    log_line(r);
+  }
+  {
+    SparsePackedDecodeParams p;
+    p.dtype = DType::BF16;
+    p.q = q;
+    p.out = out;
+    p.num_packed = counts;
+    p.seq_lens = lens;
+    p.batch = batch;
+    p.num_q_heads = kHq;
+    p.num_kv_heads = kHkv;
+    p.head_dim = kD;
+    p.page_size = ps;
+    p.max_pages_per_seq = kv[0].max_pages;
+    p.packed_capacity = k;
+    p.local_window = window;
+    p.scale = 1.f / std::sqrt(static_cast<float>(kD));
+    p.workspace = {ws, ws_bytes};
+    const Timing t = time_it(c.opt, sets, [&](int s) {
+      p.k_cache = kv[s].k;
+      p.v_cache = kv[s].v;
+      p.block_table = kv[s].bt;
+      p.packed_k = pk[s];
+      p.packed_v = pv[s];
+      CK(sparse_decode_attention_packed(p, nullptr));
+    });
+    const double bytes = 2.0 * batch * kHkv * (k + window) * kD * 2 + 2.0 * batch * kHq * kD * 2;
+    json r = timing_json(t, bytes, c.copy_gbps);
+    r["name"] = "sparse_decode_packed_bf16_B" + std::to_string(batch) + "_k" + std::to_string(k) + "_w" +
+                std::to_string(window);
+    r["kind"] = "sparse_decode_packed";
+    r["dtype"] = "bf16";
+    json sh = shape;
+    sh["local_window"] = window;
+    r["shape"] = sh;
+    r["input_sets"] = sets;
+    c.results.push_back(r);
+    log_line(r);
+  }
+  for (int s = 0; s < sets; ++s) {
+    free_kv(kv[s]);
+    CK(cudaFree(idx[s]));
+    CK(cudaFree(pk[s]));
+    CK(cudaFree(pv[s]));
+  }
+  CK(cudaFree(q));
+  CK(cudaFree(out));
+  CK(cudaFree(counts));
+  CK(cudaFree(lens));
+  CK(cudaFree(ws));
+}
+
+// One layer of cache-rank selection: predict + score + top-k + gather (AsyncSpade Table 2 setting).
+void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) {
+  KvSet kv = make_kv(batch, len, ps, kHkv, kD, 500);
+  float* win = static_cast<float*>(dmalloc(sizeof(float) * batch * kHq * window_cap * kD));
+  fill_f32<<<1024, 256>>>(win, static_cast<size_t>(batch) * kHq * window_cap * kD, 7, 3.f);
+  CK(cudaGetLastError());
+  int32_t* wlen = upload(std::vector<int32_t>(batch, window_cap));
+  float* qhat = static_cast<float*>(dmalloc(sizeof(float) * batch * kHq * kD));
+  int32_t* lens = upload(std::vector<int32_t>(batch, len));
+  float* scores = static_cast<float*>(dmalloc(sizeof(float) * batch * kHkv * len));
+  int32_t* idx = static_cast<int32_t*>(dmalloc(sizeof(int32_t) * batch * kHkv * k));
+  int32_t* cnt = static_cast<int32_t*>(dmalloc(sizeof(int32_t) * batch * kHkv));
+  void* pk = dmalloc(size_t{2} * batch * kHkv * k * kD);
+  void* pv = dmalloc(size_t{2} * batch * kHkv * k * kD);
+
+  PredictQueryParams pp;
+  pp.window_dtype = DType::F32;
+  pp.window = win;
+  pp.window_len = wlen;
+  pp.q_hat = qhat;
+  pp.batch = batch;
+  pp.num_heads = kHq;
+  pp.window_capacity = window_cap;
+  pp.head_dim = kD;
+  pp.max_regressors = window_cap - 1;
+  pp.eps = 1e-3f;
+  ScoreTokensParams sp;
+  sp.dtype = DType::BF16;
+  sp.q_hat = qhat;
+  sp.k_cache = kv.k;
+  sp.block_table = kv.bt;
+  sp.num_tokens = lens;
+  sp.scores = scores;
+  sp.batch = batch;
+  sp.num_q_heads = kHq;
+  sp.num_kv_heads = kHkv;
+  sp.head_dim = kD;
+  sp.page_size = ps;
+  sp.max_pages_per_seq = kv.max_pages;
+  sp.score_stride = len;
+  TopkParams tp;
+  tp.scores = scores;
+  tp.row_lens = lens;
+  tp.indices = idx;
+  tp.counts = cnt;
+  tp.batch = batch;
+  tp.rows_per_batch = kHkv;
+  tp.score_stride = len;
+  tp.k = k;
+  GatherKvParams gp;
+  gp.dtype = DType::BF16;
+  gp.k_cache = kv.k;
+  gp.v_cache = kv.v;
+  gp.block_table = kv.bt;
+  gp.indices = idx;
+  gp.packed_k = pk;
+  gp.packed_v = pv;
+  gp.batch = batch;
+  gp.num_kv_heads = kHkv;
+  gp.head_dim = kD;
+  gp.page_size = ps;
+  gp.max_pages_per_seq = kv.max_pages;
+  gp.k = k;
+  CK(predict_next_query(pp, nullptr));
+  CK(score_tokens(sp, nullptr));
+  CK(topk_select(tp, nullptr));
+  CK(gather_kv(gp, nullptr));
+  CK(cudaDeviceSynchronize());
+
+  const json shape = {{"batch", batch},        {"seq_len", len}, {"selected", k},   {"num_q_heads", kHq},
+                      {"num_kv_heads", kHkv}, {"head_dim", kD}, {"page_size", ps}, {"window", window_cap}};
+  const double win_bytes = 4.0 * batch * kHq * window_cap * kD + 4.0 * batch * kHq * kD;
+  const double key_bytes = 2.0 * batch * kHkv * len * kD;
+  const double score_bytes = 4.0 * batch * kHkv * len;
+  const double gather_bytes = 2.0 * (2.0 * batch * kHkv * k * kD * 2) + 4.0 * batch * kHkv * k;
+  struct Part {
+    const char* name;
+    double bytes;
+    std::function<void()> fn;
+  };
+  const std::vector<Part> parts = {
+      {"predict", win_bytes, [&] { CK(predict_next_query(pp, nullptr)); }},
+      {"score", key_bytes + score_bytes + 4.0 * batch * kHq * kD, [&] { CK(score_tokens(sp, nullptr)); }},
+      {"topk", score_bytes + 4.0 * batch * kHkv * k, [&] { CK(topk_select(tp, nullptr)); }},
+      {"gather", gather_bytes, [&] { CK(gather_kv(gp, nullptr)); }},
+      {"layer_total", win_bytes + key_bytes + 2 * score_bytes + gather_bytes, [&] {
+         CK(predict_next_query(pp, nullptr));
+         CK(score_tokens(sp, nullptr));
+         CK(topk_select(tp, nullptr));
+         CK(gather_kv(gp, nullptr));
+       }}};
+  for (const Part& part : parts) {
+    const Timing t = time_it(c.opt, 1, [&](int) { part.fn(); });
+    json r = timing_json(t, part.bytes, c.copy_gbps);
+    r["name"] = std::string("selection_") + part.name + "_B" + std::to_string(batch) + "_T" + std::to_string(len) +
+                "_k" + std::to_string(k);
+    r["kind"] = std::string("selection_") + part.name;
+    r["dtype"] = "bf16";
+    r["shape"] = shape;
+    r["floor_us_at_copy_bw"] = part.bytes / (c.copy_gbps * 1e3);
+    c.results.push_back(r);
+    log_line(r);
+  }
+  free_kv(kv);
+  for (void* p : std::vector<void*>{win, wlen, qhat, lens, scores, idx, cnt, pk, pv}) CK(cudaFree(p));
+}
+
+// The predictor is latency-bound (one fp64 solve per (sequence, head) on one warp): a layer pack of `layers` layers
+// in ONE launch (rows = layers x batch x heads) costs about as much as one layer.
+void bench_predict_pack(Ctx& c, int batch, int layers, int window_cap) {
+  const int rows_batch = layers * batch;
+  float* win = static_cast<float*>(dmalloc(sizeof(float) * rows_batch * kHq * window_cap * kD));
+  fill_f32<<<1024, 256>>>(win, static_cast<size_t>(rows_batch) * kHq * window_cap * kD, 9, 3.f);
+  CK(cudaGetLastError());
+  int32_t* wlen = upload(std::vector<int32_t>(rows_batch, window_cap));
+  float* qhat = static_cast<float*>(dmalloc(sizeof(float) * rows_batch * kHq * kD));
+  PredictQueryParams pp;
+  pp.window_dtype = DType::F32;
+  pp.window = win;
+  pp.window_len = wlen;
+  pp.q_hat = qhat;
+  pp.batch = rows_batch;
+  pp.num_heads = kHq;
+  pp.window_capacity = window_cap;
+  pp.head_dim = kD;
+  pp.max_regressors = window_cap - 1;
+  pp.eps = 1e-3f;
+  const Timing t = time_it(c.opt, 1, [&](int) { CK(predict_next_query(pp, nullptr)); });
+  const double bytes = 4.0 * rows_batch * kHq * window_cap * kD + 4.0 * rows_batch * kHq * kD;
+  json r = timing_json(t, bytes, c.copy_gbps);
+  r["name"] = "selection_predict_pack" + std::to_string(layers) + "_B" + std::to_string(batch);
+  r["kind"] = "selection_predict_pack";
+  r["shape"] = {{"batch", batch}, {"layers", layers}, {"num_heads", kHq}, {"head_dim", kD}, {"window", window_cap}};
+  r["per_layer_us"] = t.median_us / layers;
+  r["floor_us_at_copy_bw"] = bytes / (c.copy_gbps * 1e3);
+  c.results.push_back(r);
+  log_line(r);
+  for (void* p : std::vector<void*>{win, wlen, qhat}) CK(cudaFree(p));
+}
+
+void bench_prefill(Ctx& c, int len, int ps) {
+  KvSet kv = make_kv(1, len, ps, kHkv, kD, 700);
+  void* q = dmalloc(size_t{2} * len * kHq * kD);
+  fill16(q, static_cast<size_t>(len) * kHq * kD, 8);
+  void* out = dmalloc(size_t{2} * len * kHq * kD);
+  int32_t* cu = upload(std::vector<int32_t>{0, len});
+  int32_t* lens = upload(std::vector<int32_t>{len});
+  PagedPrefillParams p;
+  p.dtype = DType::BF16;
+  p.q = q;
+  p.k_cache = kv.k;
+  p.v_cache = kv.v;
+  p.block_table = kv.bt;
+  p.cu_q_lens = cu;
+  p.seq_lens = lens;
+  p.out = out;
+  p.batch = 1;
+  p.num_q_heads = kHq;
+  p.num_kv_heads = kHkv;
+  p.head_dim = kD;
+  p.page_size = ps;
+  p.max_pages_per_seq = kv.max_pages;
+  p.max_q_len = len;
+  p.scale = 1.f / std::sqrt(static_cast<float>(kD));
+  const Timing t = time_it(c.opt, 1, [&](int) { CK(paged_prefill_attention(p, nullptr)); });
+  const double bytes = 2.0 * len * kHkv * kD * 2 + 2.0 * 2 * len * kHq * kD;
+  json r = timing_json(t, bytes, c.copy_gbps);
+  const double flops = 4.0 * kHq * kD * (static_cast<double>(len) * (len + 1) / 2.0);  // causal QK^T + PV
+  r["name"] = "prefill_bf16_B1_T" + std::to_string(len) + "_ps" + std::to_string(ps);
+  r["kind"] = "prefill";
+  r["dtype"] = "bf16";
+  r["shape"] = {{"batch", 1}, {"q_len", len}, {"seq_len", len}, {"num_q_heads", kHq}, {"num_kv_heads", kHkv},
+                {"head_dim", kD}, {"page_size", ps}};
+  r["flops"] = flops;
+  r["tflop_per_s"] = flops / (t.median_us * 1e6);
+  c.results.push_back(r);
+  std::printf("%-44s %10.1f us  %8.1f TFLOP/s\n", r["name"].get<std::string>().c_str(), t.median_us,
+              r["tflop_per_s"].get<double>());
+  free_kv(kv);
+  for (void* ptr : std::vector<void*>{q, out, cu, lens}) CK(cudaFree(ptr));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Ctx c;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) {
+      c.opt.out = argv[++i];
+    } else if (a == "--iters" && i + 1 < argc) {
+      c.opt.iters = std::max(50, std::atoi(argv[++i]));
+    } else if (a == "--warmup" && i + 1 < argc) {
+      c.opt.warmup = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--quick") {
+      c.opt.quick = true;
+    } else if (a == "--sweep") {
+      c.opt.sweep = true;
+    } else if (a == "--only" && i + 1 < argc) {
+      c.opt.only = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--out file.json] [--iters N>=50] [--warmup N] [--quick] [--sweep] [--only g1,g2]\n", argv[0]);
+      return 2;
+    }
+  }
+  int dev = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaGetDeviceProperties(&c.prop, dev));
+  int driver = 0, runtime = 0;
+  CK(cudaDriverGetVersion(&driver));
+  CK(cudaRuntimeGetVersion(&runtime));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", c.prop.name, c.prop.multiProcessorCount, c.prop.l2CacheSize >> 20);
+
+  c.copy_gbps = measure_copy(c);
+  // Paged decode, Qwen3-8B head shape, bf16: the issue's targets (B=8, T=2k/32k; paged vs contiguous).
+  if (c.opt.run("decode")) {
+    for (int len : {2048, 8192, 32768}) {
+      bench_paged_decode(c, DType::BF16, 8, len, 16, "paged16");
+      bench_paged_decode(c, DType::BF16, 8, len, len, "contiguous");
+    }
+    if (!c.opt.quick) {
+      bench_paged_decode(c, DType::BF16, 8, 32768, 32, "paged32");
+      bench_paged_decode(c, DType::BF16, 8, 32768, 64, "paged64");
+      bench_paged_decode(c, DType::F16, 8, 32768, 16, "paged16");
+      bench_paged_decode(c, DType::BF16, 1, 32768, 16, "paged16");
+      bench_paged_decode(c, DType::BF16, 32, 4096, 16, "paged16");
+      bench_paged_decode(c, DType::BF16, 8, 131072, 16, "paged16");
+    }
+  }
+  if (c.opt.sweep) {  // forced split counts (the heuristic's evidence; docs/KERNELS.md)
+    for (auto [b, len] : std::vector<std::pair<int, int>>{{8, 2048}, {8, 32768}, {1, 32768}, {8, 131072}}) {
+      for (int s : {2, 4, 8, 16, 24, 33, 48, 64}) bench_paged_decode(c, DType::BF16, b, len, 16, "paged16", s);
+    }
+  }
+  if (c.opt.run("sparse")) bench_sparse(c, 8, 32768, 16, 2048, 64);
+  if (c.opt.run("selection")) {
+    bench_selection(c, 8, 32768, 16, 2048, 33);
+    bench_predict_pack(c, 8, 6, 33);
+  }
+  if (c.opt.run("prefill")) {
+    bench_prefill(c, 2048, 16);
+    if (!c.opt.quick) bench_prefill(c, 8192, 16);
+  }
+
+  json doc;
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  const char* commit = std::getenv("SPADE_COMMIT");
+  doc["device"] = c.prop.name;
+  doc["sm_count"] = c.prop.multiProcessorCount;
+  doc["l2_bytes"] = c.prop.l2CacheSize;
+  doc["cuda_driver"] = driver;
+  doc["cuda_runtime"] = runtime;
+  doc["date"] = date;
+  doc["commit"] = commit != nullptr && *commit != '\0' ? commit : "unknown";
+  doc["copy_gb_per_s"] = c.copy_gbps;
+  doc["iters"] = c.opt.iters;
+  doc["warmup"] = c.opt.warmup;
+  doc["timing"] = "median of per-launch CUDA event pairs after warm-up; inputs rotated over sets >= 4x L2";
+  doc["results"] = c.results;
+  std::ofstream f(c.opt.out);
+  f << doc.dump(2) << "\n";
+  if (!f) {
+    std::fprintf(stderr, "cannot write %s\n", c.opt.out.c_str());
+    return 1;
+  }
+  std::printf("wrote %s\n", c.opt.out.c_str());
+  return 0;
+}

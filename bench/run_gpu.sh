@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# THE GPU script: configures and builds Spade on a GPU machine, runs the gpu-labelled tests (ctest -L gpu),
+# compute-sanitizer memcheck on the kernel test binaries, the kernel benchmarks and the PyTorch SDPA peer, and writes
+# JSON + logs to $OUT (default bench/results/run-<UTC date>) and copies the JSON to bench/results/.
+#
+# Usage (repo root):  bench/run_gpu.sh [all|build|test|memcheck|racecheck|bench|profile]...   (default: all =
+#                     build test memcheck racecheck bench; "profile" (Nsight Compute on the main kernels) is opt-in)
+# Environment:
+#   OUT                   output folder (the device tool's $OUT when run there)
+#   SPADE_GPU_BUILD_DIR   build folder (default build-gpu)
+#   SPADE_COMMIT          commit id recorded in the JSON (default: git rev-parse HEAD, else a hash of the sources)
+#   SPADE_BENCH_QUICK=1   fewer benchmark shapes
+#   SPADE_BENCH_SWEEP=1   also time the paged decode at forced split counts
+#   SPADE_PREBUILT_DIR    folder with prebuilt kernels_test_*_gpu and bench_kernels binaries (e.g. built on the
+#                         development machine and carried): test / memcheck / bench use them, the build step is
+#                         skipped unless "bgbuild" is asked for (a low-priority build in the background, checked at
+#                         the end, so the device build is still verified while the prebuilt binaries run)
+#   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
+#                         the same code paths at 128k tokens and take minutes under the sanitizer)
+# Dependencies: on a machine without Spade's Debian packages (the lent GPU machines), carry build-device-deps/
+# (made by bench/pack_device_deps.sh); it is unpacked into a private prefix, never into /.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-${ROOT}/bench/results/run-$(date -u +%Y%m%dT%H%M%SZ)}"
+BUILD="${SPADE_GPU_BUILD_DIR:-${ROOT}/build-gpu}"
+mkdir -p "${OUT}" "${ROOT}/bench/results"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(all)
+want() {
+  for s in "${STEPS[@]}"; do
+    if [ "$s" = "$1" ] || { [ "$s" = all ] && [ "$1" != profile ]; }; then return 0; fi
+  done
+  return 1
+}
+log() { echo "[run_gpu $(date -u +%H:%M:%S)] $*"; }
+STATUS=0
+
+if [ -z "${SPADE_COMMIT:-}" ]; then
+  SPADE_COMMIT="$(git -C "${ROOT}" rev-parse --verify -q HEAD 2>/dev/null || true)"
+  if [ -n "${SPADE_COMMIT}" ] && [ -n "$(git -C "${ROOT}" status --porcelain -- kernels bench tests/kernels 2>/dev/null)" ]; then
+    SPADE_COMMIT="${SPADE_COMMIT}+uncommitted-kernels-changes"
+  fi
+  if [ -z "${SPADE_COMMIT}" ]; then
+    SPADE_COMMIT="uncommitted-src-sha256:$(cd "${ROOT}" && find kernels bench tests/kernels -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.cpp' -o -name '*.py' -o -name '*.sh' -o -name '*.cmake' -o -name 'CMakeLists.txt' \) | sort | xargs cat | sha256sum | cut -c1-16)"
+  fi
+fi
+export SPADE_COMMIT
+log "commit ${SPADE_COMMIT}; out ${OUT}"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw \
+  --format=csv 2>&1 || true
+
+# ---- private dependency prefix (lent GPU machines lack Spade's -dev packages) ----
+DEPLIB=""
+if [ -f "${ROOT}/build-device-deps/deps.tar.gz" ] && ! pkg-config --exists libpcre2-8 2>/dev/null; then
+  DEPS=/tmp/spade-deps
+  if [ ! -d "${DEPS}/usr" ]; then
+    mkdir -p "${DEPS}" && tar -xzf "${ROOT}/build-device-deps/deps.tar.gz" -C "${DEPS}"
+    sed -i "s|^prefix=/usr|prefix=${DEPS}/usr|" "${DEPS}"/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc 2>/dev/null || true
+  fi
+  export CMAKE_PREFIX_PATH="${DEPS}/usr${CMAKE_PREFIX_PATH:+:${CMAKE_PREFIX_PATH}}"
+  export PKG_CONFIG_PATH="${DEPS}/usr/lib/x86_64-linux-gnu/pkgconfig:${DEPS}/usr/share/pkgconfig"
+  export PATH="${PATH}:${DEPS}/usr/bin"
+  DEPLIB="${DEPS}/usr/lib/x86_64-linux-gnu"
+  log "using carried dependency prefix ${DEPS}"
+fi
+with_deps() { if [ -n "${DEPLIB}" ]; then LD_LIBRARY_PATH="${DEPLIB}${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}" "$@"; else "$@"; fi; }
+
+# ---- configure + build ----
+do_build() {
+  log "configure"
+  with_deps cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPADE_ENABLE_CUDA=ON \
+    -DSPADE_ENABLE_UCX=OFF -DCMAKE_CUDA_ARCHITECTURES=90a >"${OUT}/build.log" 2>&1 || { tail -40 "${OUT}/build.log"; exit 1; }
+  GPU_TESTS=$(cd "${BUILD}" && ctest -N -L gpu | sed -n 's/^ *Test *#[0-9]*: *//p')
+  log "build: bench_kernels ${GPU_TESTS//$'\n'/ }"
+  # shellcheck disable=SC2086
+  with_deps cmake --build "${BUILD}" -j "$(nproc)" --target bench_kernels ${GPU_TESTS} >>"${OUT}/build.log" 2>&1 \
+    || { grep -E "error|FAILED" "${OUT}/build.log" | head -40; return 1; }
+  log "build done"
+}
+PREBUILT="${SPADE_PREBUILT_DIR:-}"
+BG_BUILD_PID=""
+if [ -n "${PREBUILT}" ]; then
+  log "using prebuilt binaries from ${PREBUILT}"
+  TEST_BINS=("${PREBUILT}"/kernels_test_*_gpu)
+  BENCH_BIN="${PREBUILT}/bench_kernels"
+  if want bgbuild; then
+    (nice -n 19 bash -c "$(declare -f log with_deps do_build); OUT='${OUT}' BUILD='${BUILD}' ROOT='${ROOT}' DEPLIB='${DEPLIB}' do_build" \
+      >/dev/null 2>&1) &
+    BG_BUILD_PID=$!
+  fi
+else
+  if want build; then do_build || exit 1; fi
+  TEST_BINS=("${BUILD}"/tests/kernels/kernels_test_*_gpu)
+  BENCH_BIN="${BUILD}/bench/bench_kernels"
+fi
+
+# ---- gpu tests ----
+if want test; then
+  if [ -z "${PREBUILT}" ]; then
+    log "ctest -L gpu"
+    (cd "${BUILD}" && with_deps ctest -L gpu --output-on-failure --timeout 1800) >"${OUT}/tests.log" 2>&1 || STATUS=1
+    grep -E "tests passed|Passed|Failed|\*\*\*|Total Test" "${OUT}/tests.log" | tail -30
+  else
+    : >"${OUT}/tests.log"
+    for t in "${TEST_BINS[@]}"; do
+      log "test $(basename "$t")"
+      with_deps "$t" >>"${OUT}/tests.log" 2>&1
+      rc=$?
+      echo "== $(basename "$t") rc=${rc}" | tee -a "${OUT}/tests.log"
+      [ $rc -eq 0 ] || STATUS=1
+    done
+    grep -E "^\[  (PASSED|FAILED) |^\[       OK|FAILED  \]" "${OUT}/tests.log" | tail -60
+  fi
+fi
+
+# ---- compute-sanitizer memcheck on the kernel test binaries ----
+if want memcheck; then
+  FILTER="${SPADE_MEMCHECK_FILTER:--*Long*}"
+  : >"${OUT}/memcheck.log"
+  for t in "${TEST_BINS[@]}"; do
+    [ -x "$t" ] || continue
+    log "memcheck $(basename "$t") --gtest_filter=${FILTER}"
+    with_deps compute-sanitizer --tool memcheck --error-exitcode 97 --leak-check full "$t" \
+      --gtest_filter="${FILTER}" >>"${OUT}/memcheck.log" 2>&1
+    rc=$?
+    echo "== $(basename "$t") memcheck rc=${rc}" | tee -a "${OUT}/memcheck.log"
+    [ $rc -eq 0 ] || STATUS=1
+  done
+  grep -E "ERROR SUMMARY|memcheck rc" "${OUT}/memcheck.log"
+fi
+
+# ---- compute-sanitizer racecheck (shared-memory hazards) on a subset of the kernel tests ----
+if want racecheck; then
+  RFILTER="${SPADE_RACECHECK_FILTER:-PagedDecodeGpu.ForcedMaxSplits:PagedDecodeGpu.Fp16D128Page32Group8:SparsePackedDecodeGpu.*:PagedPrefillGpu.Bf16D256*:PredictGpu.*:TopkGpu.HeavyTies*:ScoreGpu.Fp16D64*}"
+  : >"${OUT}/racecheck.log"
+  for t in "${TEST_BINS[@]}"; do
+    [ -x "$t" ] || continue
+    log "racecheck $(basename "$t")"
+    with_deps compute-sanitizer --tool racecheck --error-exitcode 97 "$t" --gtest_filter="${RFILTER}" \
+      >>"${OUT}/racecheck.log" 2>&1
+    rc=$?
+    echo "== $(basename "$t") racecheck rc=${rc}" | tee -a "${OUT}/racecheck.log"
+    [ $rc -eq 0 ] || STATUS=1
+  done
+  grep -E "RACECHECK SUMMARY|ERROR SUMMARY|racecheck rc" "${OUT}/racecheck.log"
+fi
+
+# ---- the background device build must finish before timing (CPU contention delays launches) ----
+if [ -n "${BG_BUILD_PID}" ]; then
+  log "waiting for the background device build"
+  wait "${BG_BUILD_PID}" && log "background device build OK" || { log "background device build FAILED"; STATUS=1; }
+  tail -3 "${OUT}/build.log"
+fi
+
+# ---- benchmarks + SDPA peer ----
+if want bench; then
+  QUICK=()
+  [ "${SPADE_BENCH_QUICK:-0}" = 1 ] && QUICK=(--quick)
+  SWEEP=()
+  [ "${SPADE_BENCH_SWEEP:-0}" = 1 ] && SWEEP=(--sweep)
+  log "bench_kernels"
+  with_deps "${BENCH_BIN}" --out "${OUT}/bench_kernels.json" "${QUICK[@]}" "${SWEEP[@]}" || STATUS=1
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active \
+    --format=csv 2>&1 || true
+  log "sdpa peer"
+  PYTHONUNBUFFERED=1 python3 "${ROOT}/bench/sdpa_peer.py" --out "${OUT}/sdpa_peer.json" "${QUICK[@]}" || STATUS=1
+  if [ -f "${OUT}/bench_kernels.json" ]; then
+    python3 "${ROOT}/bench/report.py" "${OUT}/bench_kernels.json" "${OUT}/sdpa_peer.json" \
+      --json "${OUT}/summary.json" >"${OUT}/summary.md" && cat "${OUT}/summary.md"
+    stamp="$(date -u +%Y%m%dT%H%M%SZ)"
+    for f in bench_kernels sdpa_peer summary; do
+      [ -f "${OUT}/${f}.json" ] && cp "${OUT}/${f}.json" "${ROOT}/bench/results/${f}-${stamp}.json"
+    done
+  fi
+fi
+# ---- Nsight Compute on the main kernels (first launch of each; opt-in) ----
+if want profile; then
+  : >"${OUT}/ncu.txt"
+  for k in decode_kernel score_kernel predict_kernel topk_kernel gather_kernel prefill_kernel; do
+    log "ncu ${k}"
+    with_deps ncu --kernel-name "regex:${k}" --launch-count 1 --section SpeedOfLight --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+      "${BENCH_BIN}" --out /tmp/ncu_bench.json --iters 50 --warmup 1 --quick --only selection,prefill,decode \
+      >>"${OUT}/ncu.txt" 2>&1 || STATUS=1
+  done
+fi
+log "done, status ${STATUS}"
+exit ${STATUS}

@@ -1,0 +1,106 @@
+// Coordinator: the control plane of a Spade world (one coordinator, N inference ranks, N cache ranks).
+//
+// What it does (paper: AsyncSpade Sec. 4.1, "Inference Rank and Cache Rank"):
+//   * Rendezvous: every rank connects over TCP and sends RegisterRequest (role, global rank, role index,
+//   host, device,
+//     data-plane transport address). Registrations are checked against the role map (LaunchEnv); duplicates
+//     and inconsistent ones get a RegisterReply with an error and the connection is closed.
+//   * Pairing: when the whole world has registered, inference #i is paired with cache #i (requires N == M)
+//   and each
+//     rank gets a ClusterView holding its peer's transport address.
+//   * Liveness: ranks send Heartbeat every heartbeat_interval; a rank silent for longer than
+//   heartbeat_timeout, or
+//     whose connection drops, is declared dead: logged, PeerDown sent to its paired peer, reported by
+//     status(). (A rank lost *before* the world is complete just frees its slot; it may register again.)
+//   * Rendezvous deadline: if the world is not complete within rendezvous_timeout, every connection gets
+//     Shutdown{is_error, "rank X (role #i) never registered within N ms"} and run() returns that message,
+//     code 1.
+//   * Shutdown: a Shutdown frame from any connection, request_shutdown(), or SIGINT/SIGTERM (handle_signals)
+//   is
+//     broadcast; run() returns code 0 once every connection has been flushed and closed (or after
+//     shutdown_flush_timeout).
+//   * Request routing: a GenerateRequest from any connection is forwarded to an inference rank
+//   (target_inference, or
+//     round robin over live inference ranks) with a coordinator-unique request_id; its GenerateChunks are
+//     forwarded back to the submitter with the submitter's request_id. If the inference rank dies, the
+//     submitter gets a final chunk with FINISH_ERROR naming it.
+//   * Bad input: garbage, truncated or oversized frames are logged with the remote endpoint and that
+//   connection is
+//     closed; the server keeps serving everyone else.
+//
+// Threading: all protocol state lives on one io_context thread (the one calling run(), or the thread start()
+// spawns). port(), request_shutdown() and status() are safe from any thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/proto/coordinator.pb.h"
+#include "common/proto/framing.h"
+
+namespace spade::coord {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+struct ServerOptions {
+  std::string bind_host = "0.0.0.0";
+  uint16_t port = 29500;  // 0 = pick an ephemeral port (read it back with port())
+  std::vector<proto::Role>
+      role_map;  // role of every global rank (LaunchEnv::role_map); exactly one coordinator
+  std::chrono::milliseconds heartbeat_interval{1000};
+  std::chrono::milliseconds heartbeat_timeout{5000};
+  std::chrono::milliseconds rendezvous_timeout{60000};
+  std::chrono::milliseconds shutdown_flush_timeout{2000};
+  size_t max_frame_bytes = proto::kMaxFrameBytes;
+  bool handle_signals = false;  // install SIGINT/SIGTERM handlers (the executable does; tests do not)
+};
+
+/// How the coordinator ended: code 0 = clean shutdown, 1 = rendezvous deadline or other fatal condition.
+struct ExitStatus {
+  int code = 0;
+  std::string message;
+};
+
+class CoordinatorServer {
+ public:
+  /// Validates options (throws spade::Error: bad role map, N != M, bad timeouts) and binds the listening
+  /// socket (throws spade::Error naming host:port when it cannot). The rendezvous clock starts here.
+  explicit CoordinatorServer(ServerOptions options);
+  ~CoordinatorServer();  // stops the server if still running (broadcasting Shutdown) and joins its thread
+
+  CoordinatorServer(const CoordinatorServer&) = delete;
+  CoordinatorServer& operator=(const CoordinatorServer&) = delete;
+
+  /// The bound TCP port.
+  uint16_t port() const;
+
+  /// Serves on the calling thread until the world shuts down.
+  ExitStatus run();
+
+  /// Serves on a background thread; pair with wait()/wait_until().
+  void start();
+  /// Waits for the background thread (started by start()) to finish.
+  ExitStatus wait();
+  /// Like wait() but gives up at `deadline`; returns false then.
+  bool wait_until(Deadline deadline, ExitStatus* out);
+
+  /// Broadcasts Shutdown{reason} and stops (exit code 0). Thread-safe; no-op when already shutting down.
+  void request_shutdown(const std::string& reason);
+
+  /// Snapshot of the world (thread-safe; waits for the io thread until `deadline`, throws spade::Error on
+  /// timeout or when the server is not running).
+  proto::StatusReply status(Deadline deadline) const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// "inference #i <-> cache #i": the pairing rule, also sent in ClusterView.pairing_rule.
+inline constexpr const char* kPairingRule = "inference #i <-> cache #i";
+
+}  // namespace spade::coord

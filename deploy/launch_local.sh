@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Starts a whole Spade cluster on this host — coordinator, N inference ranks, M cache ranks — submits one prompt,
+# prints the generated text on stdout, and tears every process down on exit, Ctrl-C or any rank's death.
+#
+#   deploy/launch_local.sh --model DIR --prompt TEXT [--max-tokens N --temperature T --top-p P --top-k K --seed S]
+#                          [--selection dense|oracle|predicted --sparse-threshold N --token-budget K
+#                           --layers-per-pack P --local-window R --sink-tokens S --query-window W]
+#                          [--num-inference 1 --num-cache 1]
+# Env: SPADE_BUILD_DIR (binaries, default build/), SPADE_LOG_DIR (rank logs, default a fresh temp dir),
+#      MASTER_PORT (default: a free port).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${SPADE_BUILD_DIR:-$root/build}"
+logs="${SPADE_LOG_DIR:-$(mktemp -d /tmp/spade-cluster.XXXXXX)}"
+mkdir -p "$logs"
+
+model="" ; prompt="" ; have_prompt=0 ; n_inf=1 ; n_cache=1
+gen_flags=() ; rank_flags=() ; cache_flags=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) model="$2"; shift 2 ;;
+    --prompt) prompt="$2"; have_prompt=1; shift 2 ;;
+    --num-inference) n_inf="$2"; shift 2 ;;
+    --num-cache) n_cache="$2"; shift 2 ;;
+    --max-tokens|--temperature|--top-p|--top-k|--seed) gen_flags+=("$1" "$2"); shift 2 ;;
+    --token-budget|--local-window|--sink-tokens|--query-window|--ridge-eps|--gqa-rule)
+      rank_flags+=("$1" "$2"); cache_flags+=("$1" "$2"); shift 2 ;;
+    --selection|--sparse-threshold|--layers-per-pack|--selection-deadline-ms|--page-size|--max-num-seqs)
+      rank_flags+=("$1" "$2"); shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "launch_local: unknown flag $1" >&2; exit 2 ;;
+  esac
+done
+[ -n "$model" ] || { echo "launch_local: --model DIR is required" >&2; exit 2; }
+[ $have_prompt -eq 1 ] || { echo "launch_local: --prompt TEXT is required" >&2; exit 2; }
+for b in coordinator/coordinator inference_rank/inference_rank cache_rank/cache_rank coordinator/spade_submit; do
+  [ -x "$build/$b" ] || { echo "launch_local: $build/$b not built (cmake --build $build)" >&2; exit 2; }
+done
+[ "$n_cache" -eq 0 ] || [ "$n_cache" -eq "$n_inf" ] || { echo "launch_local: --num-cache must be 0 or equal --num-inference" >&2; exit 2; }
+
+port="${MASTER_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+world=$((1 + n_inf + n_cache))
+export MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" WORLD_SIZE="$world"
+pids=()
+cleanup() {
+  trap - EXIT INT TERM
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  sleep 0.2
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'echo "launch_local: interrupted" >&2; exit 130' INT TERM
+
+RANK=0 "$build/coordinator/coordinator" --port "$port" --num-inference "$n_inf" --num-cache "$n_cache" \
+  --rendezvous-timeout-ms 60000 >"$logs/coordinator.log" 2>&1 &
+pids+=($!)
+for ((i = 0; i < n_inf; i++)); do
+  RANK=$((1 + i)) "$build/inference_rank/inference_rank" --serve --model "$model" --num-inference "$n_inf" \
+    --num-cache "$n_cache" --log-level info "${rank_flags[@]}" >"$logs/inference_$i.log" 2>&1 &
+  pids+=($!)
+done
+for ((i = 0; i < n_cache; i++)); do
+  RANK=$((1 + n_inf + i)) "$build/cache_rank/cache_rank" --model "$model" --num-inference "$n_inf" \
+    --num-cache "$n_cache" "${cache_flags[@]}" >"$logs/cache_$i.log" 2>&1 &
+  pids+=($!)
+done
+
+# Watchdog: any rank that dies takes the cluster (and this script) down.
+self=$$
+( while sleep 0.5; do
+    for p in "${pids[@]}"; do
+      if ! kill -0 "$p" 2>/dev/null; then
+        echo "launch_local: a cluster process (pid $p) exited; tearing down (logs in $logs)" >&2
+        kill -TERM "$self" 2>/dev/null; exit 0
+      fi
+    done
+  done ) &
+watchdog=$!
+
+set +e
+"$build/coordinator/spade_submit" --master-addr 127.0.0.1 --master-port "$port" --prompt "$prompt" \
+  --shutdown-after "${gen_flags[@]}"
+rc=$?
+set -e
+kill "$watchdog" 2>/dev/null || true
+# Let the ranks finish their clean shutdown and log their summaries.
+for p in "${pids[@]}"; do
+  for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+done
+grep -h "sparse sequence-steps\|updates," "$logs"/*.log >&2 || true
+[ $rc -eq 0 ] || echo "launch_local: request failed; rank logs in $logs" >&2
+exit $rc

@@ -1,0 +1,179 @@
+#include "inference_rank/serve.h"
+
+#include <spdlog/spdlog.h>
+
+#include <map>
+#include <unistd.h>
+
+#include "common/config.h"
+#include "common/error.h"
+#include "common/tokenizer.h"
+#include "coordinator/client.h"
+#include "transport/transport.h"
+#if SPADE_HAVE_UCX
+#include "transport/ucx.h"
+#endif
+
+namespace spade {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+proto::FinishReason to_proto(FinishReason r) {
+  switch (r) {
+    case FinishReason::Stop: return proto::FINISH_STOP;
+    case FinishReason::Length: return proto::FINISH_LENGTH;
+    case FinishReason::Abort: return proto::FINISH_CANCELLED;
+    case FinishReason::Error: return proto::FINISH_ERROR;
+    case FinishReason::None: break;
+  }
+  return proto::FINISH_NONE;
+}
+
+struct Active {
+  uint64_t request_id = 0;  // the coordinator's id
+  StreamingDecoder decoder;
+};
+
+}  // namespace
+
+int run_serve(const ServeOptions& opt) {
+  const coord::LaunchEnv env = coord::LaunchEnv::resolve(opt.launch);
+  SPADE_CHECK(env.role == proto::INFERENCE, "inference_rank --serve: {} is not an inference rank (role map {})",
+              env.describe_rank(env.rank), env.role_map_string());
+  const std::string self = fmt::format("inference rank {} (#{})", env.rank, env.role_index);
+  auto model = Model::load(opt.model_dir);
+  auto tok = Tokenizer::from_dir(opt.model_dir);
+  const GenerationConfig gen = load_generation_config(opt.model_dir, model->config());
+
+  std::unique_ptr<transport::Transport> net;
+  coord::ClientOptions co = coord::client_options_for(env);
+  co.device = "cpu";
+  if (env.num_cache > 0) {
+#if SPADE_HAVE_UCX
+    transport::UcxOptions uo;
+    uo.name = self;
+    net = transport::make_ucx_transport(uo);
+    co.transport_kind = proto::TRANSPORT_UCX;
+    co.transport_address = net->local_address();
+#else
+    fail("{}: the world has cache ranks but this build has no UCX transport", self);
+#endif
+  }
+  coord::CoordinatorClient cc(co);
+  const auto deadline = Clock::now() + opt.rendezvous_timeout;
+  const proto::ClusterView view = cc.rendezvous(deadline);
+  spdlog::info("{}: world of {} ({})", self, view.world_size(), view.pairing_rule());
+
+  transport::Endpoint* endpoint = nullptr;
+  std::unique_ptr<cache::CacheRankLink> link;
+  std::string cache_name;
+  uint32_t cache_rank = 0;
+  SparseOptions sparse = opt.sparse;
+  if (net && view.peers_size() > 0) {
+    const proto::RankInfo& peer = view.peers(0);
+    cache_rank = peer.rank();
+    cache_name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
+    auto ep = net->connect(peer.transport().address(), cache_name, deadline);
+    endpoint = ep.get();
+    link = std::make_unique<cache::TransportLink>(std::move(ep), cache::pack_shape(model->config(), sparse.selection));
+    spdlog::info("{}: data plane to {} over {}", self, cache_name, net->kind());
+  } else if (sparse.mode == SelectionMode::Predicted) {
+    spdlog::warn("{}: no cache rank in the world: predicted selection unavailable, decoding densely", self);
+    sparse.mode = SelectionMode::Dense;
+  }
+  SparseAttention* backend = nullptr;
+  Engine engine(*model, opt.engine, [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
+    auto b = std::make_unique<SparseAttention>(cfg, kv, sparse, std::move(link));
+    backend = b.get();
+    return b;
+  });
+
+  std::map<uint64_t, Active> active;  // engine id -> request
+  int exit_code = 0;
+  bool running = true;
+  while (running) {
+    // Control plane events.
+    while (auto ev = cc.next_event(Clock::now())) {
+      if (ev->kind == coord::ClientEvent::Kind::kPeerDown) {
+        spdlog::error("{}: {}", self, ev->message);
+        if (endpoint && ev->peer_down.rank() == cache_rank)
+          endpoint->abort(fmt::format("{} is down: {}", cache_name, ev->peer_down.reason()));
+      } else {
+        spdlog::info("{}: {}", self, ev->message);
+        exit_code = ev->kind == coord::ClientEvent::Kind::kShutdown && !ev->shutdown.is_error() ? 0 : 1;
+        running = false;
+      }
+    }
+    if (!running) break;
+    // New requests: wait briefly only when idle.
+    const auto wait_until = engine.idle() ? Clock::now() + std::chrono::milliseconds(50) : Clock::now();
+    while (auto req = cc.next_request(wait_until)) {
+      const uint64_t rid = req->request_id();
+      auto reject = [&](const std::string& why) {
+        proto::GenerateChunk c;
+        c.set_request_id(rid);
+        c.set_finished(true);
+        c.set_finish_reason(proto::FINISH_ERROR);
+        c.set_error(fmt::format("{}: {}", self, why));
+        c.set_served_by_rank(env.rank);
+        cc.send_chunk(c);
+      };
+      try {
+        GenerateRequest g;
+        if (req->has_prompt_ids()) {
+          for (uint32_t id : req->prompt_ids().ids()) g.prompt_ids.push_back(static_cast<int32_t>(id));
+        } else if (req->text().empty()) {
+          SPADE_CHECK(gen.bos_token_id >= 0 || tok.bos_id(), "empty prompt and the model defines no BOS token");
+          g.prompt_ids = {tok.bos_id() ? *tok.bos_id() : gen.bos_token_id};
+        } else {
+          g.prompt_ids = tok.encode(req->text(), true);
+        }
+        g.max_tokens = static_cast<int>(req->max_tokens());
+        g.sampling.temperature = req->sampling().temperature();
+        g.sampling.top_p = req->sampling().top_p() > 0 ? req->sampling().top_p() : 1.f;
+        g.sampling.top_k = static_cast<int>(req->sampling().top_k());
+        g.sampling.seed = req->sampling().seed();
+        g.stop_token_ids = gen.eos_token_ids;
+        for (uint32_t s : req->sampling().stop_token_ids()) g.stop_token_ids.push_back(static_cast<int>(s));
+        const uint64_t eid = engine.submit(g, [&, rid](const TokenEvent& ev) {
+          proto::GenerateChunk c;
+          c.set_request_id(rid);
+          c.set_served_by_rank(env.rank);
+          auto it = active.find(ev.request_id);
+          if (ev.token >= 0 && ev.reason != FinishReason::Stop) {
+            c.add_token_ids(static_cast<uint32_t>(ev.token));
+            if (it != active.end()) c.set_text(it->second.decoder.push(ev.token));
+          }
+          if (ev.finished) {
+            if (it != active.end()) c.set_text(c.text() + it->second.decoder.finish());
+            c.set_finished(true);
+            c.set_finish_reason(to_proto(ev.reason));
+            if (!ev.error.empty()) c.set_error(fmt::format("{}: {}", self, ev.error));
+          }
+          cc.send_chunk(c);
+          if (ev.finished && it != active.end()) active.erase(it);
+        });
+        active.emplace(eid, Active{rid, StreamingDecoder(tok, true)});
+      } catch (const Error& e) {
+        reject(e.what());
+      }
+    }
+    if (!engine.idle()) engine.step();
+    if (backend) {
+      const SparseStats& s = backend->stats();
+      cc.set_stat("sparse_seq_steps", static_cast<double>(s.sparse_seq_steps));
+      cc.set_stat("selection_stalls", static_cast<double>(s.stalls));
+      cc.set_stat("dense_fallbacks", static_cast<double>(s.dense_fallbacks));
+    }
+  }
+  if (backend) {
+    const SparseStats& s = backend->stats();
+    spdlog::info("{}: {} steps, {} sparse sequence-steps, {} stalls ({:.1f} ms), {} failed, {} dense fallbacks", self,
+                 s.steps, s.sparse_seq_steps, s.stalls, s.stall_ms, s.failed_seqs, s.dense_fallbacks);
+    if (auto* l = dynamic_cast<cache::TransportLink*>(backend->link())) l->shutdown();
+  }
+  return exit_code;
+}
+
+}  // namespace spade

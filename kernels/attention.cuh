@@ -1,0 +1,159 @@
+// CUDA attention kernels over the paged KV cache: split-K flash-decoding (dense and token-sparse) and causal prefill.
+//
+// Sources: Flash-Decoding with paged KV (../shared/papers/flash-decoding-paged-kv.txt, Algorithm 1: split the KV
+// sequence across CTAs, online softmax per split, merge the partials by log-sum-exp); AsyncSpade Sec. 4.1/4.3
+// (token-sparse decode over the K/V selected by the cache rank plus the local window); FlashAttention-2 (prefill).
+// Design notes and measured numbers: docs/KERNELS.md.
+//
+// Layout contract: kernels/paged_attention_ref.h (k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim],
+// block_table [batch, max_pages_per_seq] int32, GQA query head h reads KV head h / (num_q_heads / num_kv_heads)).
+// All pointers are device pointers unless a field says otherwise. Element type of q / caches / out: bf16 or fp16
+// (`dtype`), accumulation in fp32. head_dim: one of kSupportedHeadDims (head_dims.cuh). GQA group
+// num_q_heads / num_kv_heads: 1..8. page_size: a power of two.
+//
+// Every launcher is asynchronous on `stream` and returns cudaSuccess, cudaErrorInvalidValue when the parameters are
+// inconsistent (launch_error_detail() then names the offending field), or the launch's CUDA error. Device-side
+// contents (page ids, lengths, indices) are the caller's contract and are not checked by the kernels.
+// Plain C++ header: includable from host code compiled by g++ (needs the CUDA runtime headers only).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "kernels/head_dims.cuh"
+
+namespace spade::kernels {
+
+/// Largest KV split count of the split-K decode kernels (sizes the workspace).
+inline constexpr int kMaxDecodeSplits = 64;
+/// Largest GQA group (num_q_heads / num_kv_heads) the kernels support.
+inline constexpr int kMaxGqaGroup = 8;
+
+/// Scratch memory of the split-K decode kernels: per-split partial outputs, their log-sum-exp, and one arrival
+/// counter per (sequence, KV head). Allocate decode_workspace_bytes() bytes of device memory (256-byte aligned, e.g.
+/// cudaMalloc) and run decode_workspace_init() once; every decode launch leaves the counters at zero again, so the
+/// workspace is reusable by later launches on the same stream (not by concurrent launches).
+struct DecodeWorkspace {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+
+/// Workspace bytes for decode launches with at most this batch / head configuration.
+size_t decode_workspace_bytes(int batch, int num_q_heads, int num_kv_heads, int head_dim);
+
+/// Zeroes the arrival counters (cudaMemsetAsync of the whole workspace).
+cudaError_t decode_workspace_init(DecodeWorkspace ws, cudaStream_t stream);
+
+/// Dense paged decode: one query token per sequence attends to all seq_lens[b] tokens of its paged context.
+struct PagedDecodeParams {
+  DType dtype = DType::BF16;            // BF16 or F16: element type of q, k_cache, v_cache, out.
+  const void* q = nullptr;              // [batch, num_q_heads, head_dim] dtype (RoPE applied).
+  const void* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const void* v_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const int32_t* block_table = nullptr; // [batch, max_pages_per_seq] int32 page ids.
+  const int32_t* seq_lens = nullptr;    // [batch] int32 context length (>= 1, including this step's token).
+  void* out = nullptr;                  // [batch, num_q_heads, head_dim] dtype, written completely.
+  float* lse = nullptr;                 // optional [batch, num_q_heads] fp32 natural-log LSE of scale * q.k.
+  int batch = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int max_seq_len = 0;  // host-side upper bound of seq_lens (sizes the split-K grid); >= 1.
+  float scale = 0.f;    // softmax scale, normally 1/sqrt(head_dim).
+  int num_splits = 0;   // 0: chosen from SM count, occupancy and max_seq_len; else forced (1..kMaxDecodeSplits).
+  DecodeWorkspace workspace;
+};
+
+cudaError_t paged_decode_attention(const PagedDecodeParams& p, cudaStream_t stream);
+
+/// Token-sparse decode over an explicit per-(sequence, KV head) list of token positions into the paged cache.
+/// Equivalent to dense attention restricted to the listed tokens (kernels/sparse_attention_ref.h).
+struct SparseIndexDecodeParams {
+  DType dtype = DType::BF16;
+  const void* q = nullptr;              // [batch, num_q_heads, head_dim] dtype.
+  const void* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const void* v_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const int32_t* block_table = nullptr; // [batch, max_pages_per_seq] int32.
+  const int32_t* indices = nullptr;     // [batch, num_kv_heads, index_stride] int32 token positions (< seq_len).
+  const int32_t* num_indices = nullptr; // [batch] int32 valid entries per (sequence, KV head), 0..index_stride.
+  void* out = nullptr;                  // [batch, num_q_heads, head_dim] dtype (zeros where num_indices is 0).
+  float* lse = nullptr;                 // optional [batch, num_q_heads] fp32 (-inf where num_indices is 0).
+  int batch = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int index_stride = 0;  // capacity of each index row; also the host-side bound of num_indices.
+  float scale = 0.f;
+  int num_splits = 0;
+  DecodeWorkspace workspace;
+};
+
+cudaError_t sparse_decode_attention_indexed(const SparseIndexDecodeParams& p, cudaStream_t stream);
+
+/// Token-sparse decode over a packed buffer of gathered K/V (what the cache rank sends, selection.cuh gather_kv)
+/// followed by the local window: the last min(local_window, seq_lens[b]) tokens of the paged cache. The packed
+/// tokens must not overlap the window (select among positions < seq_len - local_window).
+struct SparsePackedDecodeParams {
+  DType dtype = DType::BF16;
+  const void* q = nullptr;              // [batch, num_q_heads, head_dim] dtype.
+  const void* packed_k = nullptr;       // [batch, num_kv_heads, packed_capacity, head_dim] dtype.
+  const void* packed_v = nullptr;       // [batch, num_kv_heads, packed_capacity, head_dim] dtype.
+  const int32_t* num_packed = nullptr;  // [batch] int32 valid packed tokens per (sequence, KV head).
+  const void* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype (local window).
+  const void* v_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const int32_t* block_table = nullptr; // [batch, max_pages_per_seq] int32.
+  const int32_t* seq_lens = nullptr;    // [batch] int32 context length.
+  void* out = nullptr;                  // [batch, num_q_heads, head_dim] dtype.
+  float* lse = nullptr;                 // optional [batch, num_q_heads] fp32.
+  int batch = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int packed_capacity = 0;  // row capacity of packed_k / packed_v; host-side bound of num_packed.
+  int local_window = 0;     // >= 0 tokens.
+  float scale = 0.f;
+  int num_splits = 0;
+  DecodeWorkspace workspace;
+};
+
+cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cudaStream_t stream);
+
+/// Causal prefill (or chunked prefill) over the paged cache, FlashAttention-2 style. Query i of sequence b sits at
+/// position seq_lens[b] - q_len_b + i and attends to positions 0..itself; the cache already holds the new tokens.
+/// Same semantics as paged_attention_ref (kernels/paged_attention_ref.h).
+struct PagedPrefillParams {
+  DType dtype = DType::BF16;
+  const void* q = nullptr;              // [total_q_tokens, num_q_heads, head_dim] dtype.
+  const void* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const void* v_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const int32_t* block_table = nullptr; // [batch, max_pages_per_seq] int32.
+  const int32_t* cu_q_lens = nullptr;   // [batch + 1] int32 prefix sums of query tokens per sequence.
+  const int32_t* seq_lens = nullptr;    // [batch] int32 context length after this chunk (>= its q_len).
+  void* out = nullptr;                  // [total_q_tokens, num_q_heads, head_dim] dtype.
+  float* lse = nullptr;                 // optional [total_q_tokens, num_q_heads] fp32.
+  int batch = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int max_q_len = 0;  // host-side upper bound of the per-sequence query lengths (sizes the grid).
+  float scale = 0.f;
+};
+
+cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t stream);
+
+/// Human-readable reason of the last cudaErrorInvalidValue returned by a launcher of this file or selection.cuh on
+/// the calling thread ("" if none).
+const char* launch_error_detail();
+
+}  // namespace spade::kernels

@@ -1,0 +1,24 @@
+# spade_kernels_cuda: the CUDA kernels of kernels/ (included by kernels/CMakeLists.txt when CUDA is enabled).
+# One translation unit per kernel family; each instantiates its templates for the head dims of head_dims.cuh
+# (SPADE_FOR_EACH_HEAD_DIM) and for bf16 / fp16. Public headers: attention.cuh, selection.cuh (plain C++).
+# CMake < 3.26 (Debian 12's 3.25) has no C++20 flag for nvcc and fails at generate time with CMAKE_CUDA_STANDARD 20
+# ("requires the language dialect CUDA20"). The CUDA sources need only C++17: fall back to it, here and for the
+# directories added after kernels/ (tests/, bench/). Belongs in cmake/SpadeCuda.cmake (lead's file) eventually.
+if(NOT DEFINED CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD 17 PARENT_SCOPE)
+endif()
+
+add_library(spade_kernels_cuda STATIC
+  ${CMAKE_CURRENT_SOURCE_DIR}/decode_attention.cu    # paged + token-sparse split-K flash-decoding
+  ${CMAKE_CURRENT_SOURCE_DIR}/prefill_attention.cu   # causal FlashAttention-2-style prefill
+  ${CMAKE_CURRENT_SOURCE_DIR}/selection.cu)          # predictor, scoring, top-k, gather
+# Headers only from common/ (dtype.h): no link dependency on spade_common.
+target_link_libraries(spade_kernels_cuda PUBLIC CUDA::cudart PRIVATE spade_warnings)
+target_compile_options(spade_kernels_cuda PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall,-Wextra>)
+# SPADE_PTXAS_VERBOSE=ON prints registers / spills / shared memory per kernel (no device needed).
+option(SPADE_PTXAS_VERBOSE "Print ptxas resource usage for spade_kernels_cuda" OFF)
+if(SPADE_PTXAS_VERBOSE)
+  target_compile_options(spade_kernels_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=-v>)
+endif()

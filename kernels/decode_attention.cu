@@ -1,0 +1,614 @@
+// Split-K flash-decoding over the paged KV cache: dense paged decode and the two token-sparse variants
+// (index list into the paged cache; packed gathered buffer + local window). One kernel template serves all three;
+// only the "where is virtual token v" rule differs (KvSource).
+//
+// Work decomposition (docs/KERNELS.md has the measurements):
+//   grid (split, kv_head, sequence), 4 warps per CTA. A CTA owns the token range [split*chunk, (split+1)*chunk) of
+//   one (sequence, KV head) and serves the whole GQA group (<= 8 query heads) from one read of each K/V row.
+//   Each warp streams its own 16-token tiles (warp w takes tiles w, w+4, ...) through a private cp.async pipeline
+//   of kStages shared-memory stages; there is no CTA barrier in the main loop.
+//   Per tile: S^T[16 tokens x 8 heads] = K_tile . Q^T on tensor cores (mma.m16n8k16, K via ldmatrix, Q^T held in
+//   registers as the B operand); online softmax in the exp2 domain; P^T turned into the B operand with movmatrix;
+//   O^T[D x 8 heads] += V_tile^T . P^T (V via ldmatrix.trans).
+//   Block-table entries (paged) or per-token cache rows (sparse) of the CTA's range are prefetched into shared
+//   memory before the loop, so no K/V load waits on a dependent global load (the paged-KV paper's 1.8x stall).
+//   Warps merge in shared memory; with several splits, each CTA writes its normalised partial and log-sum-exp to
+//   the workspace, and the last CTA of the (sequence, KV head) to arrive (atomic counter) merges them.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
+#include "kernels/attention.cuh"
+#include "kernels/kernel_common.cuh"
+#include "kernels/launch_util.cuh"
+
+namespace spade::kernels {
+namespace detail {
+namespace {
+
+enum class KvSource : int { kPaged = 0, kIndexed = 1, kPacked = 2 };
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = kDecodeWarps * 32;
+constexpr int kTile = 16;            // tokens per tile (the M of one mma)
+constexpr int kTableEntries = 2048;  // int32 block-table entries / token rows prefetched per CTA
+constexpr int kMinTokensPerSplit = 128;
+
+template <int D>
+struct DecodeConfig {
+  static constexpr int kStages = D == 64 ? 4 : 3;
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
+  static constexpr int kChunksPerLane = kTile * kChunks / 32;
+  static constexpr int kTileElems = kTile * D;
+  static constexpr size_t kStageBytes = size_t{kDecodeWarps} * kStages * 2 * kTileElems * 2;
+  static constexpr size_t kMergeBytes =
+      (size_t{kDecodeWarps} * kMaxGqaGroup * D + 2 * kDecodeWarps * kMaxGqaGroup +
+       size_t{kMaxGqaGroup} * kMaxDecodeSplits + kMaxGqaGroup + 4) *
+      4;
+  static_assert(kMergeBytes <= kStageBytes, "merge area must fit in the stage buffers");
+  static constexpr size_t kSmemBytes = kTableEntries * 4 + kStageBytes;
+};
+
+struct DecodeArgs {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const int32_t* indices;
+  const int32_t* num_indices;
+  const void* packed_k;
+  const void* packed_v;
+  const int32_t* num_packed;
+  void* out;
+  float* lse;
+  float* ws_o;
+  float* ws_lse;
+  int* counters;
+  int index_stride;
+  int packed_capacity;
+  int local_window;
+  int hq;
+  int hkv;
+  int group;
+  int page_size;
+  int log2_ps;
+  int max_pages;
+  int chunk;
+  float scale_log2;
+};
+
+template <typename T, int D, KvSource SRC>
+__global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs a) {
+  using Tr = ElemTraits<T>;
+  using Cfg = DecodeConfig<D>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
+  T* stage_base = reinterpret_cast<T*>(smem_raw + kTableEntries * 4);
+
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int G = a.group;
+  const int head0 = kvh * G;
+
+  // Virtual sequence of this (sequence, KV head).
+  int L = 0;
+  int n_sel = 0;
+  int wstart = 0;
+  if constexpr (SRC == KvSource::kPaged) {
+    L = a.seq_lens[b];
+  } else if constexpr (SRC == KvSource::kIndexed) {
+    L = a.num_indices[b];
+  } else {
+    const int seq_len = a.seq_lens[b];
+    n_sel = a.num_packed[b];
+    const int wl = min(a.local_window, seq_len);
+    wstart = seq_len - wl;
+    L = n_sel + wl;
+  }
+  T* out = static_cast<T*>(a.out);
+  if (L <= 0) {  // nothing to attend to: zeros, lse = -inf
+    if (split == 0) {
+      for (int idx = tid; idx < G * D; idx += kDecodeThreads) {
+        out[(static_cast<size_t>(b) * a.hq + head0 + idx / D) * D + idx % D] = Tr::from_float(0.f);
+      }
+      if (a.lse != nullptr && tid < G) a.lse[b * a.hq + head0 + tid] = -INFINITY;
+    }
+    return;
+  }
+  const int n_splits = (L + a.chunk - 1) / a.chunk;
+  if (split >= n_splits) return;
+  const int begin = split * a.chunk;
+  const int end = min(L, begin + a.chunk);
+
+  // ---- prefetch the CTA's block-table entries / token rows into shared memory ----
+  const int32_t* bt = a.block_table + static_cast<size_t>(b) * a.max_pages;
+  const int ps_mask = a.page_size - 1;
+  int p0 = 0;
+  if constexpr (SRC == KvSource::kPaged) {
+    p0 = begin >> a.log2_ps;
+    const int np = ((end - 1) >> a.log2_ps) - p0 + 1;
+    for (int i = tid; i < np; i += kDecodeThreads) tab[i] = bt[p0 + i];
+  } else if constexpr (SRC == KvSource::kIndexed) {
+    const int32_t* idx = a.indices + (static_cast<size_t>(b) * a.hkv + kvh) * a.index_stride + begin;
+    for (int i = tid; i < end - begin; i += kDecodeThreads) {
+      const int pos = idx[i];
+      tab[i] = bt[pos >> a.log2_ps] * a.page_size + (pos & ps_mask);
+    }
+  } else {
+    for (int i = tid; i < end - begin; i += kDecodeThreads) {
+      const int v = begin + i;
+      if (v < n_sel) {
+        tab[i] = -(v + 1);
+      } else {
+        const int pos = wstart + (v - n_sel);
+        tab[i] = bt[pos >> a.log2_ps] * a.page_size + (pos & ps_mask);
+      }
+    }
+  }
+  __syncthreads();
+
+  const size_t row_stride = static_cast<size_t>(a.hkv) * D;
+  const T* kc = static_cast<const T*>(a.k_cache) + static_cast<size_t>(kvh) * D;
+  const T* vc = static_cast<const T*>(a.v_cache) + static_cast<size_t>(kvh) * D;
+  const T* pk = nullptr;
+  const T* pv = nullptr;
+  if constexpr (SRC == KvSource::kPacked) {
+    const size_t base = (static_cast<size_t>(b) * a.hkv + kvh) * a.packed_capacity * D;
+    pk = static_cast<const T*>(a.packed_k) + base;
+    pv = static_cast<const T*>(a.packed_v) + base;
+  }
+
+  // ---- per-warp cp.async pipeline ----
+  T* my_stages = stage_base + static_cast<size_t>(warp) * Cfg::kStages * 2 * Cfg::kTileElems;
+  auto issue = [&](int tile_start, int stage) {
+    T* sk = my_stages + stage * 2 * Cfg::kTileElems;
+    T* sv = sk + Cfg::kTileElems;
+#pragma unroll
+    for (int i = 0; i < Cfg::kChunksPerLane; ++i) {
+      const int c = lane + 32 * i;
+      const int tok = c / Cfg::kChunks;
+      const int col = c % Cfg::kChunks;
+      const int v = tile_start + tok;
+      const bool valid = v < end;
+      const T* gk = kc;
+      const T* gv = vc;
+      if (valid) {
+        if constexpr (SRC == KvSource::kPaged) {
+          const size_t row = static_cast<size_t>(tab[(v >> a.log2_ps) - p0]) * a.page_size + (v & ps_mask);
+          gk = kc + row * row_stride;
+          gv = vc + row * row_stride;
+        } else {
+          const int r = tab[v - begin];
+          if (SRC == KvSource::kPacked && r < 0) {
+            gk = pk + static_cast<size_t>(-r - 1) * D;
+            gv = pv + static_cast<size_t>(-r - 1) * D;
+          } else {
+            gk = kc + static_cast<size_t>(r) * row_stride;
+            gv = vc + static_cast<size_t>(r) * row_stride;
+          }
+        }
+      }
+      const int so = swz(tok, col, Cfg::kChunks);
+      cp_async_16(sk + so, gk + col * 8, valid);
+      cp_async_16(sv + so, gv + col * 8, valid);
+    }
+  };
+
+  // Q^T as the B operand: b0b1 = Q[head g][16ks + 2c ..], b2b3 = Q[head g][16ks + 2c + 8 ..]; heads >= G are zero.
+  const int g = lane >> 2;
+  const int c4 = lane & 3;
+  uint32_t qf[D / 16][2];
+  {
+    const T* qp = static_cast<const T*>(a.q) + (static_cast<size_t>(b) * a.hq + head0 + g) * D;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      if (g < G) {
+        qf[ks][0] = *reinterpret_cast<const uint32_t*>(qp + ks * 16 + 2 * c4);
+        qf[ks][1] = *reinterpret_cast<const uint32_t*>(qp + ks * 16 + 2 * c4 + 8);
+      } else {
+        qf[ks][0] = 0u;
+        qf[ks][1] = 0u;
+      }
+    }
+  }
+
+  const int n_tiles = (end - begin + kTile - 1) / kTile;
+  const int nj = warp < n_tiles ? (n_tiles - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
+  auto tile_begin = [&](int j) { return begin + (warp + kDecodeWarps * j) * kTile; };
+
+  float o[D / 16][4];
+#pragma unroll
+  for (int mt = 0; mt < D / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads 2c and 2c+1 of this lane
+
+#pragma unroll
+  for (int s = 0; s < Cfg::kStages - 1; ++s) {
+    if (s < nj) issue(tile_begin(s), s);
+    cp_async_commit();
+  }
+  for (int j = 0; j < nj; ++j) {
+    cp_async_wait<Cfg::kStages - 2>();
+    __syncwarp();
+    {
+      const int jn = j + Cfg::kStages - 1;
+      if (jn < nj) issue(tile_begin(jn), jn % Cfg::kStages);
+      cp_async_commit();
+    }
+    const T* sk = my_stages + (j % Cfg::kStages) * 2 * Cfg::kTileElems;
+    const T* sv = sk + Cfg::kTileElems;
+    const int t0 = tile_begin(j);
+
+    // S^T = K_tile . Q^T  (16 tokens x 8 heads)
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t af[4];
+      const int i = lane >> 3;
+      const int tok = (lane & 7) + ((i & 1) << 3);
+      ldmatrix_x4(af, sk + swz(tok, 2 * ks + (i >> 1), Cfg::kChunks));
+      Tr::mma(s, af, qf[ks], s);
+    }
+    // Online softmax (exp2 domain); token g holds s0,s1, token g+8 holds s2,s3.
+    const bool ok0 = t0 + g < end;
+    const bool ok1 = t0 + g + 8 < end;
+    const float x0 = ok0 ? s[0] * a.scale_log2 : -INFINITY;
+    const float x1 = ok0 ? s[1] * a.scale_log2 : -INFINITY;
+    const float x2 = ok1 ? s[2] * a.scale_log2 : -INFINITY;
+    const float x3 = ok1 ? s[3] * a.scale_log2 : -INFINITY;
+    const float mn0 = fmaxf(m0, warp_max_xor(fmaxf(x0, x2), 4, 16));
+    const float mn1 = fmaxf(m1, warp_max_xor(fmaxf(x1, x3), 4, 16));
+    const float al0 = exp2_approx(m0 - mn0);
+    const float al1 = exp2_approx(m1 - mn1);
+    m0 = mn0;
+    m1 = mn1;
+    const float p0 = exp2_approx(x0 - mn0);
+    const float p1 = exp2_approx(x1 - mn1);
+    const float p2 = exp2_approx(x2 - mn0);
+    const float p3 = exp2_approx(x3 - mn1);
+    l0 = l0 * al0 + p0 + p2;
+    l1 = l1 * al1 + p1 + p3;
+    uint32_t pb[2];
+    pb[0] = movmatrix_trans(Tr::pack2(p0, p1));
+    pb[1] = movmatrix_trans(Tr::pack2(p2, p3));
+    // O^T += V_tile^T . P^T
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt) {
+      o[mt][0] *= al0;
+      o[mt][1] *= al1;
+      o[mt][2] *= al0;
+      o[mt][3] *= al1;
+      uint32_t vf[4];
+      const int i = lane >> 3;
+      const int tok = (lane & 7) + ((i >> 1) << 3);
+      ldmatrix_x4_trans(vf, sv + swz(tok, 2 * mt + (i & 1), Cfg::kChunks));
+      Tr::mma(o[mt], vf, pb, o[mt]);
+    }
+  }
+  cp_async_wait<0>();
+  l0 = warp_sum_xor(l0, 4, 16);
+  l1 = warp_sum_xor(l1, 4, 16);
+
+  // ---- merge the 4 warps in shared memory (reusing the stage buffers) ----
+  __syncthreads();
+  float* wo = reinterpret_cast<float*>(stage_base);            // [warps][8][D]
+  float* wm = wo + kDecodeWarps * kMaxGqaGroup * D;             // [warps][8]
+  float* wl = wm + kDecodeWarps * kMaxGqaGroup;                 // [warps][8]
+  float* sw = wl + kDecodeWarps * kMaxGqaGroup;                 // [8][kMaxDecodeSplits]
+  float* slse = sw + kMaxGqaGroup * kMaxDecodeSplits;           // [8]
+  int* s_last = reinterpret_cast<int*>(slse + kMaxGqaGroup);    // [1]
+  if (g == 0) {
+    wm[warp * kMaxGqaGroup + 2 * c4] = m0;
+    wm[warp * kMaxGqaGroup + 2 * c4 + 1] = m1;
+    wl[warp * kMaxGqaGroup + 2 * c4] = l0;
+    wl[warp * kMaxGqaGroup + 2 * c4 + 1] = l1;
+  }
+#pragma unroll
+  for (int mt = 0; mt < D / 16; ++mt) {
+    const int d0 = 16 * mt + g;
+    float* r0 = wo + (warp * kMaxGqaGroup + 2 * c4) * D;
+    float* r1 = r0 + D;
+    r0[d0] = o[mt][0];
+    r1[d0] = o[mt][1];
+    r0[d0 + 8] = o[mt][2];
+    r1[d0 + 8] = o[mt][3];
+  }
+  __syncthreads();
+
+  T* outp = out + (static_cast<size_t>(b) * a.hq + head0) * D;
+  for (int idx = tid; idx < G * D; idx += kDecodeThreads) {
+    const int h = idx / D;
+    const int d = idx % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) M = fmaxf(M, wm[w * kMaxGqaGroup + h]);
+    float lsum = 0.f;
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float sc = exp2_approx(wm[w * kMaxGqaGroup + h] - M);
+      lsum += sc * wl[w * kMaxGqaGroup + h];
+      acc += sc * wo[(w * kMaxGqaGroup + h) * D + d];
+    }
+    const float val = acc / lsum;
+    const float lse2 = M + log2f(lsum);
+    if (n_splits == 1) {
+      outp[idx] = Tr::from_float(val);
+      if (a.lse != nullptr && d == 0) a.lse[b * a.hq + head0 + h] = lse2 * kLn2;
+    } else {
+      const size_t row = (static_cast<size_t>(b) * a.hq + head0 + h) * kMaxDecodeSplits + split;
+      a.ws_o[row * D + d] = val;
+      if (d == 0) a.ws_lse[row] = lse2;
+    }
+  }
+  if (n_splits == 1) return;
+
+  // ---- split-K merge by the last CTA of this (sequence, KV head) ----
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* ctr = a.counters + b * a.hkv + kvh;
+    const int prev = atomicAdd(ctr, 1);
+    const int last = prev == n_splits - 1;
+    if (last) atomicExch(ctr, 0);
+    *s_last = last;
+  }
+  __syncthreads();
+  if (*s_last == 0) return;
+  __threadfence();
+  // Split weights: warp w reduces heads w, w + 4 (G <= 8): the n_splits (<= 64) log-sum-exps, two per lane.
+  for (int h = warp; h < G; h += kDecodeWarps) {
+    const float* lp = a.ws_lse + (static_cast<size_t>(b) * a.hq + head0 + h) * kMaxDecodeSplits;
+    const float l0s = lane < n_splits ? __ldcg(lp + lane) : -INFINITY;
+    const float l1s = lane + 32 < n_splits ? __ldcg(lp + lane + 32) : -INFINITY;
+    const float M = warp_max_xor(fmaxf(l0s, l1s), 1, 16);
+    const float w0 = exp2_approx(l0s - M);
+    const float w1 = exp2_approx(l1s - M);
+    const float sum = warp_sum_xor(w0 + w1, 1, 16);
+    const float inv = 1.f / sum;
+    if (lane < n_splits) sw[h * kMaxDecodeSplits + lane] = w0 * inv;
+    if (lane + 32 < n_splits) sw[h * kMaxDecodeSplits + lane + 32] = w1 * inv;
+    if (lane == 0) slse[h] = M + log2f(sum);
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += kDecodeThreads) {
+    const int h = idx / D;
+    const int d = idx % D;
+    const float* op = a.ws_o + (static_cast<size_t>(b) * a.hq + head0 + h) * kMaxDecodeSplits * D + d;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < n_splits; ++s) acc += sw[h * kMaxDecodeSplits + s] * __ldcg(op + static_cast<size_t>(s) * D);
+    outp[idx] = Tr::from_float(acc);
+    if (a.lse != nullptr && d == 0) a.lse[b * a.hq + head0 + h] = slse[h] * kLn2;
+  }
+}
+
+// ---- host side ----
+
+struct WorkspaceLayout {
+  size_t counters = 0, lse = 0, o = 0, total = 0;
+};
+
+constexpr size_t align256(size_t x) { return (x + 255) & ~size_t{255}; }
+
+WorkspaceLayout workspace_layout(int batch, int num_q_heads, int num_kv_heads, int head_dim) {
+  WorkspaceLayout w;
+  w.counters = 0;
+  w.lse = align256(sizeof(int) * static_cast<size_t>(batch) * num_kv_heads);
+  w.o = w.lse + align256(sizeof(float) * static_cast<size_t>(batch) * num_q_heads * kMaxDecodeSplits);
+  w.total = w.o + sizeof(float) * static_cast<size_t>(batch) * num_q_heads * kMaxDecodeSplits * head_dim;
+  return w;
+}
+
+struct DecodeShape {
+  int batch, hq, hkv, head_dim, page_size, max_len, forced_splits;
+};
+
+template <typename T, int D, KvSource SRC>
+cudaError_t launch_decode_typed(DecodeArgs args, const DecodeShape& sh, const DecodeWorkspace& ws,
+                                cudaStream_t stream) {
+  using Cfg = DecodeConfig<D>;
+  auto kernel = decode_kernel<T, D, SRC>;
+  static std::atomic<uint64_t> smem_done{0};
+  cudaError_t e = ensure_smem_attribute(kernel, Cfg::kSmemBytes, smem_done);
+  if (e != cudaSuccess) return e;
+
+  // Tokens one CTA may cover: its block-table slice / token rows must fit the prefetch table.
+  const long long cap = SRC == KvSource::kPaged ? static_cast<long long>(kTableEntries - 2) * sh.page_size
+                                                : static_cast<long long>(kTableEntries);
+  const int min_splits = ceil_div(sh.max_len, cap);
+  int splits = sh.forced_splits;
+  if (splits <= 0) {
+    int occ = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kDecodeThreads, Cfg::kSmemBytes);
+    if (e != cudaSuccess) return e;
+    const long long slots = static_cast<long long>(std::max(1, current_sm_count())) * std::max(1, occ);
+    splits = choose_splits(static_cast<long long>(sh.batch) * sh.hkv, slots, sh.max_len, kMinTokensPerSplit,
+                           min_splits, kMaxDecodeSplits);
+  }
+  splits = std::max(splits, min_splits);
+  if (splits > kMaxDecodeSplits) {
+    return invalid_argument("decode attention", "max length ", sh.max_len, " needs ", splits,
+                            " splits, more than kMaxDecodeSplits = ", kMaxDecodeSplits);
+  }
+  int chunk = ceil_div(ceil_div(sh.max_len, splits), kTile) * kTile;
+  if (chunk > cap) chunk = static_cast<int>(cap / kTile) * kTile;
+  const int grid_x = ceil_div(sh.max_len, chunk);
+  args.chunk = chunk;
+  if (grid_x > 1) {
+    const WorkspaceLayout w = workspace_layout(sh.batch, sh.hq, sh.hkv, D);
+    if (ws.ptr == nullptr || ws.bytes < w.total) {
+      return invalid_argument("decode attention", "workspace has ", ws.bytes, " bytes, ", w.total,
+                              " needed (decode_workspace_bytes)");
+    }
+    char* base = static_cast<char*>(ws.ptr);
+    args.counters = reinterpret_cast<int*>(base + w.counters);
+    args.ws_lse = reinterpret_cast<float*>(base + w.lse);
+    args.ws_o = reinterpret_cast<float*>(base + w.o);
+  }
+  const dim3 grid(grid_x, sh.hkv, sh.batch);
+  kernel<<<grid, kDecodeThreads, Cfg::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <KvSource SRC>
+cudaError_t launch_decode(DType dtype, DecodeArgs args, const DecodeShape& sh, const DecodeWorkspace& ws,
+                          cudaStream_t stream) {
+  if (dtype == DType::BF16) {
+    switch (sh.head_dim) {
+#define SPADE_DECODE_CASE(D) \
+  case D:                    \
+    return launch_decode_typed<__nv_bfloat16, D, SRC>(args, sh, ws, stream);
+      SPADE_FOR_EACH_HEAD_DIM(SPADE_DECODE_CASE)
+#undef SPADE_DECODE_CASE
+      default:
+        break;
+    }
+  } else {
+    switch (sh.head_dim) {
+#define SPADE_DECODE_CASE(D) \
+  case D:                    \
+    return launch_decode_typed<__half, D, SRC>(args, sh, ws, stream);
+      SPADE_FOR_EACH_HEAD_DIM(SPADE_DECODE_CASE)
+#undef SPADE_DECODE_CASE
+      default:
+        break;
+    }
+  }
+  return invalid_argument("decode attention", "head_dim ", sh.head_dim, " is not compiled (head_dims.cuh)");
+}
+
+// Shared validation of the fields every decode variant has. Returns cudaSuccess or the invalid-value error.
+cudaError_t check_common(const char* what, DType dtype, const void* q, const void* out, int batch, int hq, int hkv,
+                         int head_dim, int page_size, int max_pages, float scale, int forced_splits) {
+  if (dtype != DType::BF16 && dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
+  if (q == nullptr || out == nullptr) return invalid_argument(what, "q and out must be set");
+  if (batch <= 0) return invalid_argument(what, "batch ", batch, " must be > 0");
+  if (hkv <= 0 || hq <= 0 || hq % hkv != 0) {
+    return invalid_argument(what, "num_q_heads ", hq, " is not a positive multiple of num_kv_heads ", hkv);
+  }
+  if (hq / hkv > kMaxGqaGroup) {
+    return invalid_argument(what, "GQA group ", hq / hkv, " exceeds kMaxGqaGroup = ", kMaxGqaGroup);
+  }
+  if (!is_supported_head_dim(head_dim)) return invalid_argument(what, "head_dim ", head_dim, " is not supported");
+  if (!is_pow2(page_size)) return invalid_argument(what, "page_size ", page_size, " must be a power of two");
+  if (max_pages <= 0) return invalid_argument(what, "max_pages_per_seq ", max_pages, " must be > 0");
+  if (!(scale > 0.f) || !std::isfinite(scale)) return invalid_argument(what, "scale ", scale, " must be > 0");
+  if (forced_splits < 0 || forced_splits > kMaxDecodeSplits) {
+    return invalid_argument(what, "num_splits ", forced_splits, " outside 0..", kMaxDecodeSplits);
+  }
+  return cudaSuccess;
+}
+
+DecodeArgs base_args(const void* q, const void* k_cache, const void* v_cache, const int32_t* block_table, void* out,
+                     float* lse, int hq, int hkv, int page_size, int max_pages, float scale) {
+  DecodeArgs a{};
+  a.q = q;
+  a.k_cache = k_cache;
+  a.v_cache = v_cache;
+  a.block_table = block_table;
+  a.out = out;
+  a.lse = lse;
+  a.hq = hq;
+  a.hkv = hkv;
+  a.group = hq / hkv;
+  a.page_size = page_size;
+  a.log2_ps = log2_int(page_size);
+  a.max_pages = max_pages;
+  a.scale_log2 = scale * kLog2e;
+  return a;
+}
+
+}  // namespace
+}  // namespace detail
+
+size_t decode_workspace_bytes(int batch, int num_q_heads, int num_kv_heads, int head_dim) {
+  return detail::workspace_layout(batch, num_q_heads, num_kv_heads, head_dim).total;
+}
+
+cudaError_t decode_workspace_init(DecodeWorkspace ws, cudaStream_t stream) {
+  if (ws.ptr == nullptr || ws.bytes == 0) return cudaSuccess;
+  return cudaMemsetAsync(ws.ptr, 0, ws.bytes, stream);
+}
+
+const char* launch_error_detail() { return detail::launch_error_slot().c_str(); }
+
+cudaError_t paged_decode_attention(const PagedDecodeParams& p, cudaStream_t stream) {
+  using namespace detail;
+  const char* what = "paged_decode_attention";
+  cudaError_t e = check_common(what, p.dtype, p.q, p.out, p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim,
+                               p.page_size, p.max_pages_per_seq, p.scale, p.num_splits);
+  if (e != cudaSuccess) return e;
+  if (p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr || p.seq_lens == nullptr) {
+    return invalid_argument(what, "k_cache, v_cache, block_table and seq_lens must be set");
+  }
+  if (p.max_seq_len <= 0) return invalid_argument(what, "max_seq_len ", p.max_seq_len, " must be > 0");
+  if (static_cast<long long>(p.max_pages_per_seq) * p.page_size < p.max_seq_len) {
+    return invalid_argument(what, "max_seq_len ", p.max_seq_len, " exceeds max_pages_per_seq * page_size");
+  }
+  DecodeArgs a = base_args(p.q, p.k_cache, p.v_cache, p.block_table, p.out, p.lse, p.num_q_heads, p.num_kv_heads,
+                           p.page_size, p.max_pages_per_seq, p.scale);
+  a.seq_lens = p.seq_lens;
+  const DecodeShape sh{p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size, p.max_seq_len, p.num_splits};
+  return launch_decode<KvSource::kPaged>(p.dtype, a, sh, p.workspace, stream);
+}
+
+cudaError_t sparse_decode_attention_indexed(const SparseIndexDecodeParams& p, cudaStream_t stream) {
+  using namespace detail;
+  const char* what = "sparse_decode_attention_indexed";
+  cudaError_t e = check_common(what, p.dtype, p.q, p.out, p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim,
+                               p.page_size, p.max_pages_per_seq, p.scale, p.num_splits);
+  if (e != cudaSuccess) return e;
+  if (p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr || p.indices == nullptr ||
+      p.num_indices == nullptr) {
+    return invalid_argument(what, "k_cache, v_cache, block_table, indices and num_indices must be set");
+  }
+  if (p.index_stride <= 0) return invalid_argument(what, "index_stride ", p.index_stride, " must be > 0");
+  DecodeArgs a = base_args(p.q, p.k_cache, p.v_cache, p.block_table, p.out, p.lse, p.num_q_heads, p.num_kv_heads,
+                           p.page_size, p.max_pages_per_seq, p.scale);
+  a.indices = p.indices;
+  a.num_indices = p.num_indices;
+  a.index_stride = p.index_stride;
+  const DecodeShape sh{p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size, p.index_stride,
+                       p.num_splits};
+  return launch_decode<KvSource::kIndexed>(p.dtype, a, sh, p.workspace, stream);
+}
+
+cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cudaStream_t stream) {
+  using namespace detail;
+  const char* what = "sparse_decode_attention_packed";
+  cudaError_t e = check_common(what, p.dtype, p.q, p.out, p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim,
+                               p.page_size, p.max_pages_per_seq, p.scale, p.num_splits);
+  if (e != cudaSuccess) return e;
+  if (p.packed_k == nullptr || p.packed_v == nullptr || p.num_packed == nullptr || p.seq_lens == nullptr) {
+    return invalid_argument(what, "packed_k, packed_v, num_packed and seq_lens must be set");
+  }
+  if (p.local_window < 0 || p.packed_capacity < 0 || p.packed_capacity + p.local_window <= 0) {
+    return invalid_argument(what, "packed_capacity ", p.packed_capacity, " / local_window ", p.local_window,
+                            " must be >= 0 with a positive sum");
+  }
+  if (p.local_window > 0 && (p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr)) {
+    return invalid_argument(what, "k_cache, v_cache and block_table must be set when local_window > 0");
+  }
+  DecodeArgs a = base_args(p.q, p.k_cache != nullptr ? p.k_cache : p.packed_k,
+                           p.v_cache != nullptr ? p.v_cache : p.packed_v, p.block_table, p.out, p.lse, p.num_q_heads,
+                           p.num_kv_heads, p.page_size, p.max_pages_per_seq, p.scale);
+  a.seq_lens = p.seq_lens;
+  a.packed_k = p.packed_k;
+  a.packed_v = p.packed_v;
+  a.num_packed = p.num_packed;
+  a.packed_capacity = p.packed_capacity;
+  a.local_window = p.local_window;
+  const DecodeShape sh{p.batch,     p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size,
+                       p.packed_capacity + p.local_window, p.num_splits};
+  return launch_decode<KvSource::kPacked>(p.dtype, a, sh, p.workspace, stream);
+}
+
+}  // namespace spade::kernels

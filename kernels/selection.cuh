@@ -1,0 +1,97 @@
+// CUDA selection kernels of the cache rank (AsyncSpade Sec. 4.2-4.3, Appendix C Algorithm 1): next-query
+// prediction, GQA-batched token scoring over the paged cache, exact top-k per (sequence, KV head), and the gather of
+// the selected K/V into the packed buffer that the inference rank's sparse decode reads
+// (attention.cuh sparse_decode_attention_packed).
+//
+// Each kernel computes exactly what its CPU reference in kernels/selection_ref.h computes (that header documents the
+// math, the GQA rule, the tie rule and the reading of the paper's Algorithm 1); the GPU tests compare them.
+// Launchers are asynchronous on `stream` and return cudaSuccess, cudaErrorInvalidValue (launch_error_detail() in
+// attention.cuh names the field), or the launch's CUDA error. Pointers are device pointers.
+// Plain C++ header: includable from host code compiled by g++.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "kernels/attention.cuh"
+#include "kernels/selection_ref.h"
+
+namespace spade::kernels {
+
+/// Next-query prediction for a batch of (sequence, head) query windows (predict_next_query_ref's math, fp64 solve).
+/// Rows = batch * num_heads. The solve is a latency-bound fp64 chain per row; for many rows several share a CTA, so
+/// launching a whole layer pack at once (batch = layers x sequences, window_len repeated per layer) is cheaper per
+/// layer than one launch per layer (docs/KERNELS.md: 51 us for one layer of 8 x 32 rows, 183 us for six).
+struct PredictQueryParams {
+  DType window_dtype = DType::F32;       // F32, BF16 or F16.
+  const void* window = nullptr;          // [batch, num_heads, window_capacity, head_dim] window_dtype, oldest first.
+  const int32_t* window_len = nullptr;   // [batch] int32 valid slots 0..window_len-1 (the last is Q_t).
+  float* q_hat = nullptr;                // [batch, num_heads, head_dim] fp32 predicted Q_{t+1}.
+  int batch = 0;
+  int num_heads = 0;
+  int window_capacity = 0;   // 1..kMaxPredictorWindow + 1 slots.
+  int head_dim = 0;          // any of kSupportedHeadDims.
+  int max_regressors = kMaxPredictorWindow;  // W: regression window sizes 1..W (1..kMaxPredictorWindow).
+  float eps = 0.f;           // ridge epsilon (> 0), absolute (added to the Gram diagonal).
+};
+
+cudaError_t predict_next_query(const PredictQueryParams& p, cudaStream_t stream);
+
+/// Token scores of predicted queries against the paged keys (score_tokens_ref's math), GQA-batched on tensor
+/// cores: each CTA reads a KV head's keys once for the whole group; q_hat is split into hi + lo halves of the
+/// cache dtype so the scores keep ~fp32 accuracy.
+struct ScoreTokensParams {
+  DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache.
+  const float* q_hat = nullptr;          // [batch, num_q_heads, head_dim] fp32.
+  const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
+  const int32_t* num_tokens = nullptr;   // [batch] int32 positions scored: 0..num_tokens-1.
+  float* scores = nullptr;  // [batch, num_kv_heads, score_stride] fp32; entries >= num_tokens[b] not written.
+  int batch = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int score_stride = 0;  // row stride of scores; host-side bound of num_tokens.
+  GqaScoreRule rule = GqaScoreRule::kMax;
+};
+
+cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream);
+
+/// Exact top-k per score row with topk_ref's order and tie rule (radix select, one CTA per row).
+struct TopkParams {
+  const float* scores = nullptr;        // [rows, score_stride] fp32, rows = batch * rows_per_batch.
+  const int32_t* row_lens = nullptr;    // [batch] int32 valid entries of each row of that sequence.
+  int32_t* indices = nullptr;           // [rows, k] int32 positions ascending; -1 past the row's count.
+  int32_t* counts = nullptr;            // optional [rows] int32 min(k, row_len).
+  int batch = 0;
+  int rows_per_batch = 0;  // e.g. num_kv_heads.
+  int score_stride = 0;
+  int k = 0;               // >= 1 (any size; rows longer than 44k keys are re-read from L2 on each pass).
+};
+
+cudaError_t topk_select(const TopkParams& p, cudaStream_t stream);
+
+/// Gather of selected K/V rows from the paged cache into the packed send buffer (gather_kv_ref's layout).
+struct GatherKvParams {
+  DType dtype = DType::BF16;             // BF16 or F16.
+  const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const void* v_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
+  const int32_t* indices = nullptr;      // [batch, num_kv_heads, k] int32 positions; -1 = padding (zero row).
+  void* packed_k = nullptr;              // [batch, num_kv_heads, k, head_dim] dtype.
+  void* packed_v = nullptr;              // [batch, num_kv_heads, k, head_dim] dtype.
+  int batch = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int k = 0;
+};
+
+cudaError_t gather_kv(const GatherKvParams& p, cudaStream_t stream);
+
+}  // namespace spade::kernels

@@ -1,0 +1,175 @@
+// LaunchEnv: flags > torchrun env > Open MPI env, role map rule, inconsistent values.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "common/error.h"
+#include "coordinator/client.h"
+#include "coordinator/launch_env.h"
+
+namespace spade::coord {
+namespace {
+
+EnvLookup env_of(std::map<std::string, std::string> vars) {
+  return [vars](const std::string& k) -> std::optional<std::string> {
+    auto it = vars.find(k);
+    if (it == vars.end() || it->second.empty()) return std::nullopt;
+    return it->second;
+  };
+}
+
+std::string error_of(const LaunchFlags& f, std::map<std::string, std::string> env) {
+  try {
+    LaunchEnv::resolve(f, env_of(std::move(env)));
+  } catch (const spade::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(LaunchEnv, TorchrunVariables) {
+  auto le = LaunchEnv::resolve({}, env_of({{"RANK", "3"},
+                                           {"WORLD_SIZE", "5"},
+                                           {"LOCAL_RANK", "1"},
+                                           {"MASTER_ADDR", "10.0.0.7"},
+                                           {"MASTER_PORT", "29555"}}));
+  EXPECT_EQ(le.rank, 3u);
+  EXPECT_EQ(le.world_size, 5u);
+  EXPECT_EQ(le.local_rank, 1u);
+  EXPECT_EQ(le.master_addr, "10.0.0.7");
+  EXPECT_EQ(le.master_port, 29555);
+  EXPECT_EQ(le.num_inference, 2u);
+  EXPECT_EQ(le.num_cache, 2u);
+  EXPECT_EQ(le.role_map_string(), "c,i,i,k,k");
+  EXPECT_EQ(le.role, proto::CACHE);
+  EXPECT_EQ(le.role_index, 0u);
+  EXPECT_EQ(le.sources.at("rank"), "env RANK");
+  EXPECT_EQ(le.describe_rank(3), "rank 3 (cache #0)");
+  EXPECT_EQ(le.rank_of(proto::CACHE, 1), 4u);
+  EXPECT_EQ(le.rank_of(proto::INFERENCE, 0), 1u);
+}
+
+TEST(LaunchEnv, OpenMpiVariables) {
+  auto le = LaunchEnv::resolve({}, env_of({{"OMPI_COMM_WORLD_RANK", "2"},
+                                           {"OMPI_COMM_WORLD_SIZE", "3"},
+                                           {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}}));
+  EXPECT_EQ(le.rank, 2u);
+  EXPECT_EQ(le.world_size, 3u);
+  EXPECT_EQ(le.local_rank, 2u);
+  EXPECT_EQ(le.role, proto::CACHE);
+  EXPECT_EQ(le.sources.at("rank"), "env OMPI_COMM_WORLD_RANK");
+  EXPECT_EQ(le.sources.at("master_addr"), "default");
+  EXPECT_EQ(le.master_port, 29500);
+}
+
+TEST(LaunchEnv, PrecedenceFlagsOverTorchrunOverOmpi) {
+  std::map<std::string, std::string> env = {
+      {"RANK", "1"}, {"OMPI_COMM_WORLD_RANK", "2"}, {"WORLD_SIZE", "3"}, {"OMPI_COMM_WORLD_SIZE", "3"}};
+  auto le = LaunchEnv::resolve({}, env_of(env));
+  EXPECT_EQ(le.rank, 1u);  // torchrun beats Open MPI
+  EXPECT_EQ(le.role, proto::INFERENCE);
+  ASSERT_EQ(le.notes.size(), 1u);  // the overridden OMPI value is noted
+  EXPECT_NE(le.notes[0].find("OMPI_COMM_WORLD_RANK"), std::string::npos) << le.notes[0];
+
+  LaunchFlags f;
+  f.rank = 2;
+  f.master_port = 31000;
+  env["MASTER_PORT"] = "29501";
+  auto le2 = LaunchEnv::resolve(f, env_of(env));
+  EXPECT_EQ(le2.rank, 2u);  // flag beats both
+  EXPECT_EQ(le2.sources.at("rank"), "flag --rank");
+  EXPECT_EQ(le2.master_port, 31000);
+  EXPECT_EQ(le2.role, proto::CACHE);
+}
+
+TEST(LaunchEnv, ExplicitRoleMap) {
+  LaunchFlags f;
+  f.role_map = "i, k, c, I, cache";
+  f.rank = 3;
+  auto le = LaunchEnv::resolve(f, env_of({}));
+  EXPECT_EQ(le.world_size, 5u);
+  EXPECT_EQ(le.num_inference, 2u);
+  EXPECT_EQ(le.num_cache, 2u);
+  EXPECT_EQ(le.role, proto::INFERENCE);
+  EXPECT_EQ(le.role_index, 1u);
+  EXPECT_EQ(le.role_map_string(), "i,k,c,i,k");
+  EXPECT_EQ(le.rank_of(proto::COORDINATOR, 0), 2u);
+  // Role map from the environment when no flag is given.
+  auto le2 = LaunchEnv::resolve({}, env_of({{"SPADE_ROLE_MAP", "c,i,k"}, {"RANK", "2"}}));
+  EXPECT_EQ(le2.role, proto::CACHE);
+}
+
+TEST(LaunchEnv, CountsFromFlags) {
+  LaunchFlags f;
+  f.num_inference = 3;
+  f.num_cache = 3;
+  auto le = LaunchEnv::resolve(f, env_of({}));
+  EXPECT_EQ(le.world_size, 7u);
+  EXPECT_EQ(le.rank, 0u);
+  EXPECT_EQ(le.role, proto::COORDINATOR);
+  EXPECT_EQ(le.role_map_string(), "c,i,i,i,k,k,k");
+}
+
+TEST(LaunchEnv, InconsistentValuesAreClearErrors) {
+  LaunchFlags counts;
+  counts.num_inference = 1;
+  counts.num_cache = 1;
+  auto e = error_of(counts, {{"WORLD_SIZE", "5"}});
+  EXPECT_NE(e.find("world size 5 (env WORLD_SIZE) contradicts --num-inference 1 + --num-cache 1"),
+            std::string::npos)
+      << e;
+
+  e = error_of({}, {{"RANK", "5"}, {"WORLD_SIZE", "3"}});
+  EXPECT_NE(e.find("rank 5 (env RANK) is out of range for world size 3 (env WORLD_SIZE)"), std::string::npos)
+      << e;
+
+  e = error_of({}, {{"RANK", "abc"}, {"WORLD_SIZE", "3"}});
+  EXPECT_NE(e.find("env RANK='abc' is not a non-negative 32-bit integer"), std::string::npos) << e;
+
+  e = error_of({}, {{"RANK", "0"}, {"WORLD_SIZE", "4"}});
+  EXPECT_NE(e.find("cannot be split"), std::string::npos) << e;
+
+  e = error_of({}, {{"RANK", "0"}});
+  EXPECT_NE(e.find("world size unknown"), std::string::npos) << e;
+
+  LaunchFlags map;
+  map.role_map = "c,i,k";
+  e = error_of(map, {{"WORLD_SIZE", "5"}});
+  EXPECT_NE(e.find("contradicts role map"), std::string::npos) << e;
+
+  map.num_inference = 2;
+  e = error_of(map, {});
+  EXPECT_NE(e.find("--num-inference 2 contradicts role map"), std::string::npos) << e;
+
+  LaunchFlags bad_map;
+  bad_map.role_map = "c,i,x";
+  e = error_of(bad_map, {});
+  EXPECT_NE(e.find("entry 2 is 'x'"), std::string::npos) << e;
+  bad_map.role_map = "c,i,c,k";
+  e = error_of(bad_map, {});
+  EXPECT_NE(e.find("2 coordinators"), std::string::npos) << e;
+
+  e = error_of({}, {{"WORLD_SIZE", "3"}, {"MASTER_PORT", "70000"}});
+  EXPECT_NE(e.find("master port 70000 (env MASTER_PORT) is out of range"), std::string::npos) << e;
+
+  e = error_of({}, {{"WORLD_SIZE", "3"}, {"LOCAL_RANK", "9"}});
+  EXPECT_NE(e.find("local rank 9 (env LOCAL_RANK)"), std::string::npos) << e;
+}
+
+TEST(LaunchEnv, ClientOptionsFollowTheLaunchEnv) {
+  auto le = LaunchEnv::resolve({}, env_of({{"RANK", "4"},
+                                           {"WORLD_SIZE", "5"},
+                                           {"LOCAL_RANK", "0"},
+                                           {"MASTER_ADDR", "node-0"},
+                                           {"MASTER_PORT", "29600"}}));
+  auto o = client_options_for(le);
+  EXPECT_EQ(o.coordinator_host, "node-0");
+  EXPECT_EQ(o.coordinator_port, 29600);
+  EXPECT_EQ(o.role, proto::CACHE);
+  EXPECT_EQ(o.rank, 4u);
+  EXPECT_EQ(o.role_index, 1u);
+  EXPECT_EQ(o.world_size, 5u);
+}
+
+}  // namespace
+}  // namespace spade::coord

@@ -1,0 +1,167 @@
+// Multi-process tests of the disaggregated path: real coordinator, inference rank and cache rank processes talking
+// protobuf over TCP (control) and UCX over loopback (data), on the real stories260K model.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <thread>
+
+#include "coordinator/client.h"
+#include "tests/test_util.h"
+
+namespace spade {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+using test::ChildProcess;
+using Clock = std::chrono::steady_clock;
+
+std::string bin(const std::string& rel) { return test::binary_dir() + "/" + rel; }
+
+struct Cluster {
+  int port = test::free_port();
+  std::string model = test::data_path("models/stories260K");
+  std::unique_ptr<ChildProcess> coord, inf, cache;
+
+  std::map<std::string, std::string> env(int rank) {
+    return {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}, {"RANK", std::to_string(rank)},
+            {"WORLD_SIZE", "3"}};
+  }
+  void start(const std::vector<std::string>& sparse_flags, int rendezvous_ms = 20000, bool with_cache = true) {
+    coord = std::make_unique<ChildProcess>(
+        bin("coordinator/coordinator"),
+        std::vector<std::string>{"--port", std::to_string(port), "--num-inference", "1", "--num-cache", "1",
+                                 "--rendezvous-timeout-ms", std::to_string(rendezvous_ms), "--heartbeat-interval-ms",
+                                 "200", "--heartbeat-timeout-ms", "1000"},
+        env(0), "coordinator");
+    std::vector<std::string> a = {"--serve", "--model", model, "--num-inference", "1", "--num-cache", "1",
+                                  "--rendezvous-timeout-ms", std::to_string(rendezvous_ms), "--log-level", "info"};
+    a.insert(a.end(), sparse_flags.begin(), sparse_flags.end());
+    inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), a, env(1), "inference rank");
+    if (with_cache) {
+      std::vector<std::string> c = {"--model", model, "--num-inference", "1", "--num-cache", "1",
+                                    "--rendezvous-timeout-ms", std::to_string(rendezvous_ms)};
+      for (size_t i = 0; i + 1 < sparse_flags.size(); i += 2)
+        if (sparse_flags[i] == "--token-budget" || sparse_flags[i] == "--local-window" ||
+            sparse_flags[i] == "--sink-tokens" || sparse_flags[i] == "--query-window") {
+          c.push_back(sparse_flags[i]);
+          c.push_back(sparse_flags[i + 1]);
+        }
+      cache = std::make_unique<ChildProcess>(bin("cache_rank/cache_rank"), c, env(2), "cache rank");
+    }
+  }
+  std::string logs() const {
+    std::string s;
+    for (auto* p : {coord.get(), inf.get(), cache.get()})
+      if (p) s += "---- " + p->name() + " ----\n" + p->log();
+    return s;
+  }
+};
+
+std::unique_ptr<coord::CoordinatorClient> client(int port) {
+  coord::ClientOptions o;
+  o.coordinator_port = static_cast<uint16_t>(port);
+  o.role = proto::CLIENT;
+  auto c = std::make_unique<coord::CoordinatorClient>(o);
+  c->rendezvous(Clock::now() + 20s);
+  for (auto until = Clock::now() + 30s; Clock::now() < until; std::this_thread::sleep_for(50ms))
+    if (c->query_status(Clock::now() + 5s).world_complete()) return c;
+  throw std::runtime_error("world never complete");
+}
+
+struct Outcome {
+  std::vector<uint32_t> ids;
+  std::string text;
+  proto::FinishReason reason = proto::FINISH_NONE;
+  std::string error;
+};
+
+Outcome generate(coord::CoordinatorClient& c, const std::string& prompt, int max_tokens,
+                 const std::function<void(size_t)>& on_tokens = nullptr) {
+  proto::GenerateRequest r;
+  r.set_text(prompt);
+  r.set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_temperature(0);
+  const uint64_t id = c.submit(r);
+  Outcome o;
+  for (auto until = Clock::now() + 60s; Clock::now() < until;) {
+    auto ch = c.next_chunk(until);
+    if (!ch) break;
+    if (ch->request_id() != id) continue;
+    for (auto t : ch->token_ids()) o.ids.push_back(t);
+    o.text += ch->text();
+    if (on_tokens) on_tokens(o.ids.size());
+    if (ch->finished()) {
+      o.reason = ch->finish_reason();
+      o.error = ch->error();
+      return o;
+    }
+  }
+  o.error = "no final chunk within 60 s";
+  return o;
+}
+
+const std::vector<std::string> kFullBudget = {"--selection", "predicted", "--sparse-threshold", "32", "--token-budget",
+                                              "512", "--layers-per-pack", "2", "--local-window", "16"};
+
+TEST(Cluster, SparseDecodingOverUcxReproducesDenseGreedyExactly) {
+  Cluster cl;
+  cl.start(kFullBudget);
+  auto c = client(cl.port);
+  const Outcome o = generate(*c, "", 200);
+  EXPECT_EQ(o.reason, proto::FINISH_LENGTH) << o.error << cl.logs();
+  EXPECT_EQ(o.text, test::read_file(test::data_path("models/stories260K/expected_greedy_200tok.txt")));
+  c->request_shutdown("test done");
+  EXPECT_EQ(cl.inf->wait_exit(10s), 0) << cl.logs();
+  EXPECT_EQ(cl.cache->wait_exit(10s), 0) << cl.logs();
+  EXPECT_EQ(cl.coord->wait_exit(10s), 0) << cl.logs();
+  EXPECT_THAT(cl.inf->log(), HasSubstr("sparse sequence-steps")) << "the inference rank logs its sparse summary";
+}
+
+TEST(Cluster, KilledCacheRankFailsInFlightRequestAndServiceContinuesDensely) {
+  Cluster cl;
+  cl.start({"--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "16", "--layers-per-pack", "2",
+            "--selection-deadline-ms", "3000"});
+  auto c = client(cl.port);
+  const auto t0 = Clock::now();
+  bool killed = false;
+  const Outcome o = generate(*c, "Once upon a time", 400, [&](size_t n) {
+    if (!killed && n >= 60) {  // well past the threshold: the request is sparse now
+      cl.cache->signal(SIGKILL);
+      killed = true;
+    }
+  });
+  ASSERT_TRUE(killed) << o.error << cl.logs();
+  EXPECT_EQ(o.reason, proto::FINISH_ERROR) << cl.logs();
+  EXPECT_THAT(o.error, HasSubstr("cache rank 2")) << "the error names the dead rank";
+  EXPECT_LT(Clock::now() - t0, 20s) << "bounded failure time";
+  EXPECT_LT(o.ids.size(), 400u);
+  // The inference rank stays up and serves a new request densely.
+  const Outcome d = generate(*c, "", 120);
+  EXPECT_EQ(d.reason, proto::FINISH_LENGTH) << d.error << cl.logs();
+  EXPECT_EQ(d.ids.size(), 120u);
+  EXPECT_TRUE(cl.inf->running());
+  // The coordinator reports the cache rank dead.
+  bool dead = false;
+  for (auto until = Clock::now() + 10s; Clock::now() < until && !dead; std::this_thread::sleep_for(100ms)) {
+    const proto::StatusReply st = c->query_status(Clock::now() + 5s);
+    for (const auto& r : st.ranks())
+      if (r.info().rank() == 2 && r.state() == proto::DEAD) dead = true;
+  }
+  EXPECT_TRUE(dead) << cl.logs();
+  c->request_shutdown("test done");
+  EXPECT_EQ(cl.inf->wait_exit(10s), 0) << cl.logs();
+}
+
+TEST(Cluster, RankThatNeverRegistersStopsEveryoneWithItsName) {
+  Cluster cl;
+  cl.start(kFullBudget, /*rendezvous_ms=*/1500, /*with_cache=*/false);
+  EXPECT_NE(cl.coord->wait_exit(15s), 0);
+  EXPECT_NE(cl.inf->wait_exit(15s), 0);
+  EXPECT_THAT(cl.coord->log(), HasSubstr("rank 2 (cache #0) never registered")) << cl.logs();
+  EXPECT_THAT(cl.inf->log(), HasSubstr("rank 2 (cache #0) never registered")) << cl.logs();
+}
+
+}  // namespace
+}  // namespace spade

@@ -1,0 +1,371 @@
+// GPU tests: paged split-K decode attention and the two token-sparse decode variants against their CPU references
+// (kernels/paged_attention_ref.h, kernels/sparse_attention_ref.h), on fresh random bf16/fp16 inputs with poisoned
+// outputs, over lengths 1..128k, page sizes 16/32/64, GQA groups 1/4/8, head dims 64/128/256 and ragged batches.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/attention.cuh"
+#include "kernels/paged_attention_ref.h"
+#include "kernels/sparse_attention_ref.h"
+#include "tests/kernels/test_gpu_common.cuh"
+
+namespace spade::kernels {
+namespace {
+
+using spade::test::DevBuf;
+using spade::test::PagedCache;
+
+struct DecodeCase {
+  DType dtype;
+  int head_dim;
+  int page_size;
+  int num_q_heads;
+  int num_kv_heads;
+  std::vector<int> lens;
+  int num_splits;  // 0 = heuristic
+};
+
+std::string describe(const DecodeCase& c) {
+  std::string s = std::string(spade::test::dtype_str(c.dtype)) + " D=" + std::to_string(c.head_dim) +
+                  " ps=" + std::to_string(c.page_size) + " hq=" + std::to_string(c.num_q_heads) +
+                  " hkv=" + std::to_string(c.num_kv_heads) + " splits=" + std::to_string(c.num_splits) + " lens=";
+  for (int l : c.lens) s += std::to_string(l) + ",";
+  return s;
+}
+
+class Workspace {
+ public:
+  Workspace(int batch, int hq, int hkv, int d) {
+    bytes_ = decode_workspace_bytes(batch, hq, hkv, d);
+    buf_.alloc(bytes_);
+    EXPECT_EQ(decode_workspace_init({buf_.get(), bytes_}, nullptr), cudaSuccess);
+  }
+  DecodeWorkspace get() const { return {buf_.get(), bytes_}; }
+
+ private:
+  DevBuf<unsigned char> buf_;
+  size_t bytes_ = 0;
+};
+
+void run_paged_decode(const DecodeCase& c, uint64_t seed) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 rng(seed);
+  const int batch = static_cast<int>(c.lens.size());
+  const int D = c.head_dim;
+  PagedCache cache;
+  cache.build(c.dtype, c.lens, c.page_size, c.num_kv_heads, D, rng);
+  std::vector<float> q32;
+  DevBuf<uint16_t> q;
+  q.upload(spade::test::random_half(c.dtype, static_cast<size_t>(batch) * c.num_q_heads * D, 1.f, rng, &q32));
+  DevBuf<int32_t> seq_lens;
+  seq_lens.upload(std::vector<int32_t>(c.lens.begin(), c.lens.end()));
+  DevBuf<uint16_t> out(static_cast<size_t>(batch) * c.num_q_heads * D);
+  DevBuf<float> lse(static_cast<size_t>(batch) * c.num_q_heads);
+  Workspace ws(batch, c.num_q_heads, c.num_kv_heads, D);
+
+  // CPU reference on the exact fp32 images.
+  std::vector<int32_t> cu(batch + 1);
+  for (int b = 0; b <= batch; ++b) cu[b] = b;
+  std::vector<float> ref(out.size()), ref_lse(lse.size());
+  PagedAttentionParams rp;
+  rp.q = q32.data();
+  rp.k_cache = cache.k32.data();
+  rp.v_cache = cache.v32.data();
+  rp.block_table = cache.block_table.data();
+  rp.cu_q_lens = cu.data();
+  rp.seq_lens = c.lens.data();
+  rp.out = ref.data();
+  rp.lse = ref_lse.data();
+  rp.batch = batch;
+  rp.num_q_heads = c.num_q_heads;
+  rp.num_kv_heads = c.num_kv_heads;
+  rp.head_dim = D;
+  rp.page_size = c.page_size;
+  rp.max_pages_per_seq = cache.max_pages;
+  rp.scale = 1.f / std::sqrt(static_cast<float>(D));
+  paged_attention_ref(rp);
+
+  PagedDecodeParams p;
+  p.dtype = c.dtype;
+  p.q = q.get();
+  p.k_cache = cache.k.get();
+  p.v_cache = cache.v.get();
+  p.block_table = cache.bt.get();
+  p.seq_lens = seq_lens.get();
+  p.out = out.get();
+  p.lse = lse.get();
+  p.batch = batch;
+  p.num_q_heads = c.num_q_heads;
+  p.num_kv_heads = c.num_kv_heads;
+  p.head_dim = D;
+  p.page_size = c.page_size;
+  p.max_pages_per_seq = cache.max_pages;
+  p.max_seq_len = *std::max_element(c.lens.begin(), c.lens.end());
+  p.scale = rp.scale;
+  p.num_splits = c.num_splits;
+  p.workspace = ws.get();
+  for (int rep = 0; rep < 2; ++rep) {  // twice: the workspace counters must be left at zero
+    out.poison();
+    lse.poison();
+    SPADE_CUDA_OK(paged_decode_attention(p, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> got = spade::test::to_f32(c.dtype, out.download());
+    const double err = spade::test::max_row_rel_err(got, ref, D);
+    EXPECT_LE(err, spade::test::attention_tolerance(c.dtype)) << "rep " << rep;
+    const std::vector<float> got_lse = lse.download();
+    for (size_t i = 0; i < got_lse.size(); ++i) {
+      ASSERT_NEAR(got_lse[i], ref_lse[i], 1e-3 + 1e-4 * std::fabs(ref_lse[i])) << "lse row " << i;
+    }
+  }
+}
+
+TEST(PagedDecodeGpu, RaggedBf16D128Page16Group4) {
+  run_paged_decode({DType::BF16, 128, 16, 32, 8, {1, 17, 300, 2500, 4096}, 0}, 1);
+}
+TEST(PagedDecodeGpu, Fp16D128Page32Group8) { run_paged_decode({DType::F16, 128, 32, 16, 2, {33, 1000, 7777}, 0}, 2); }
+TEST(PagedDecodeGpu, Bf16D64Page64Group1) { run_paged_decode({DType::BF16, 64, 64, 4, 4, {5, 64, 65, 3000}, 0}, 3); }
+TEST(PagedDecodeGpu, Bf16D256Page16Group4) { run_paged_decode({DType::BF16, 256, 16, 8, 2, {129, 2049}, 0}, 4); }
+TEST(PagedDecodeGpu, Fp16D256Page64Group1) { run_paged_decode({DType::F16, 256, 64, 2, 2, {1, 50, 515}, 0}, 5); }
+TEST(PagedDecodeGpu, Bf16D64Page32Group8) { run_paged_decode({DType::BF16, 64, 32, 8, 1, {10000, 3}, 0}, 6); }
+TEST(PagedDecodeGpu, Fp16D64Page16Group4) { run_paged_decode({DType::F16, 64, 16, 8, 2, {32768}, 0}, 7); }
+TEST(PagedDecodeGpu, ForcedSingleSplit) { run_paged_decode({DType::BF16, 128, 16, 32, 8, {1, 700, 3000}, 1}, 8); }
+TEST(PagedDecodeGpu, ForcedMaxSplits) {
+  run_paged_decode({DType::BF16, 128, 16, 32, 8, {1, 700, 3000}, kMaxDecodeSplits}, 9);
+}
+TEST(PagedDecodeGpu, LongBf16D128Page16Group4) { run_paged_decode({DType::BF16, 128, 16, 8, 2, {131072, 70001}, 0}, 10); }
+TEST(PagedDecodeGpu, LongFp16D256Page32Group8) { run_paged_decode({DType::F16, 256, 32, 8, 1, {65536}, 0}, 11); }
+
+TEST(PagedDecodeGpu, RejectsBadParameters) {
+  PagedDecodeParams p;
+  p.dtype = DType::BF16;
+  int dummy = 0;
+  p.q = p.k_cache = p.v_cache = p.out = &dummy;
+  p.block_table = p.seq_lens = &dummy;
+  p.batch = 1;
+  p.num_q_heads = 8;
+  p.num_kv_heads = 8;
+  p.head_dim = 96;
+  p.page_size = 16;
+  p.max_pages_per_seq = 1;
+  p.max_seq_len = 16;
+  p.scale = 0.1f;
+  EXPECT_EQ(paged_decode_attention(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("head_dim"), std::string::npos) << launch_error_detail();
+  p.head_dim = 128;
+  p.page_size = 24;
+  EXPECT_EQ(paged_decode_attention(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("page_size"), std::string::npos) << launch_error_detail();
+  p.page_size = 16;
+  p.num_kv_heads = 1;  // group 8 ok, then 16 too large
+  p.num_q_heads = 16;
+  EXPECT_EQ(paged_decode_attention(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("GQA group"), std::string::npos) << launch_error_detail();
+}
+
+// ---- token-sparse: index list into the paged cache ----
+
+void run_sparse_indexed(DType dtype, int D, int ps, int hq, int hkv, const std::vector<int>& lens,
+                        const std::vector<int>& counts, int stride, uint64_t seed) {
+  SCOPED_TRACE(std::string(spade::test::dtype_str(dtype)) + " D=" + std::to_string(D) + " ps=" + std::to_string(ps) +
+               " stride=" + std::to_string(stride));
+  std::mt19937_64 rng(seed);
+  const int batch = static_cast<int>(lens.size());
+  PagedCache cache;
+  cache.build(dtype, lens, ps, hkv, D, rng);
+  std::vector<float> q32;
+  DevBuf<uint16_t> q;
+  q.upload(spade::test::random_half(dtype, static_cast<size_t>(batch) * hq * D, 1.f, rng, &q32));
+  // Distinct random positions per (sequence, KV head), in random order.
+  std::vector<int32_t> idx(static_cast<size_t>(batch) * hkv * stride, -7);
+  for (int b = 0; b < batch; ++b) {
+    std::vector<int32_t> all(lens[b]);
+    std::iota(all.begin(), all.end(), 0);
+    for (int h = 0; h < hkv; ++h) {
+      std::shuffle(all.begin(), all.end(), rng);
+      std::copy(all.begin(), all.begin() + counts[b], idx.begin() + (static_cast<size_t>(b) * hkv + h) * stride);
+    }
+  }
+  DevBuf<int32_t> d_idx, d_cnt;
+  d_idx.upload(idx);
+  d_cnt.upload(std::vector<int32_t>(counts.begin(), counts.end()));
+  DevBuf<uint16_t> out(static_cast<size_t>(batch) * hq * D);
+  DevBuf<float> lse(static_cast<size_t>(batch) * hq);
+  Workspace ws(batch, hq, hkv, D);
+
+  std::vector<float> ref(out.size()), ref_lse(lse.size());
+  SparseIndexAttentionRefParams rp;
+  rp.q = q32.data();
+  rp.k_cache = cache.k32.data();
+  rp.v_cache = cache.v32.data();
+  rp.block_table = cache.block_table.data();
+  rp.indices = idx.data();
+  rp.num_indices = counts.data();
+  rp.out = ref.data();
+  rp.lse = ref_lse.data();
+  rp.batch = batch;
+  rp.num_q_heads = hq;
+  rp.num_kv_heads = hkv;
+  rp.head_dim = D;
+  rp.page_size = ps;
+  rp.max_pages_per_seq = cache.max_pages;
+  rp.index_stride = stride;
+  rp.scale = 1.f / std::sqrt(static_cast<float>(D));
+  sparse_index_attention_ref(rp);
+
+  SparseIndexDecodeParams p;
+  p.dtype = dtype;
+  p.q = q.get();
+  p.k_cache = cache.k.get();
+  p.v_cache = cache.v.get();
+  p.block_table = cache.bt.get();
+  p.indices = d_idx.get();
+  p.num_indices = d_cnt.get();
+  p.out = out.get();
+  p.lse = lse.get();
+  p.batch = batch;
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = D;
+  p.page_size = ps;
+  p.max_pages_per_seq = cache.max_pages;
+  p.index_stride = stride;
+  p.scale = rp.scale;
+  p.workspace = ws.get();
+  out.poison();
+  lse.poison();
+  SPADE_CUDA_OK(sparse_decode_attention_indexed(p, nullptr));
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = spade::test::to_f32(dtype, out.download());
+  // Rows of empty sequences are exact zeros (the relative metric would divide by zero).
+  for (int b = 0; b < batch; ++b) {
+    if (counts[b] != 0) continue;
+    for (int i = 0; i < hq * D; ++i) ASSERT_EQ(got[static_cast<size_t>(b) * hq * D + i], 0.f);
+    for (int i = 0; i < hq * D; ++i) ref[static_cast<size_t>(b) * hq * D + i] = 0.f;
+  }
+  std::vector<float> got_nz, ref_nz;
+  for (int b = 0; b < batch; ++b) {
+    if (counts[b] == 0) continue;
+    got_nz.insert(got_nz.end(), got.begin() + static_cast<size_t>(b) * hq * D, got.begin() + static_cast<size_t>(b + 1) * hq * D);
+    ref_nz.insert(ref_nz.end(), ref.begin() + static_cast<size_t>(b) * hq * D, ref.begin() + static_cast<size_t>(b + 1) * hq * D);
+  }
+  EXPECT_LE(spade::test::max_row_rel_err(got_nz, ref_nz, D), spade::test::attention_tolerance(dtype));
+  const std::vector<float> got_lse = lse.download();
+  for (size_t i = 0; i < got_lse.size(); ++i) {
+    if (std::isinf(ref_lse[i])) {
+      EXPECT_TRUE(std::isinf(got_lse[i]) && got_lse[i] < 0) << "lse row " << i;
+    } else {
+      ASSERT_NEAR(got_lse[i], ref_lse[i], 1e-3 + 1e-4 * std::fabs(ref_lse[i])) << "lse row " << i;
+    }
+  }
+}
+
+TEST(SparseIndexedDecodeGpu, Bf16D128Page16Group4) {
+  run_sparse_indexed(DType::BF16, 128, 16, 32, 8, {5000, 3000, 40}, {2048, 1000, 40}, 2048, 21);
+}
+TEST(SparseIndexedDecodeGpu, Fp16D64Page32Group8WithEmptyRow) {
+  run_sparse_indexed(DType::F16, 64, 32, 16, 2, {900, 77, 3000}, {600, 0, 1}, 700, 22);
+}
+TEST(SparseIndexedDecodeGpu, Bf16D256Page64Group1) {
+  run_sparse_indexed(DType::BF16, 256, 64, 4, 4, {3000, 4100}, {1500, 4095}, 4096, 23);
+}
+TEST(SparseIndexedDecodeGpu, LongBf16D128Page16Group4) {
+  run_sparse_indexed(DType::BF16, 128, 16, 8, 2, {131072}, {4096}, 4096, 24);
+}
+
+// ---- token-sparse: packed gathered buffer + local window ----
+
+void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::vector<int>& lens,
+                       const std::vector<int>& counts, int capacity, int window, uint64_t seed) {
+  SCOPED_TRACE(std::string(spade::test::dtype_str(dtype)) + " D=" + std::to_string(D) + " ps=" + std::to_string(ps) +
+               " cap=" + std::to_string(capacity) + " window=" + std::to_string(window));
+  std::mt19937_64 rng(seed);
+  const int batch = static_cast<int>(lens.size());
+  PagedCache cache;
+  cache.build(dtype, lens, ps, hkv, D, rng);
+  std::vector<float> q32, pk32, pv32;
+  DevBuf<uint16_t> q, pk, pv;
+  q.upload(spade::test::random_half(dtype, static_cast<size_t>(batch) * hq * D, 1.f, rng, &q32));
+  const size_t packed_n = static_cast<size_t>(batch) * hkv * capacity * D;
+  pk.upload(spade::test::random_half(dtype, packed_n, 1.f, rng, &pk32));
+  pv.upload(spade::test::random_half(dtype, packed_n, 1.f, rng, &pv32));
+  DevBuf<int32_t> d_cnt, d_lens;
+  d_cnt.upload(std::vector<int32_t>(counts.begin(), counts.end()));
+  d_lens.upload(std::vector<int32_t>(lens.begin(), lens.end()));
+  DevBuf<uint16_t> out(static_cast<size_t>(batch) * hq * D);
+  DevBuf<float> lse(static_cast<size_t>(batch) * hq);
+  Workspace ws(batch, hq, hkv, D);
+
+  std::vector<float> ref(out.size()), ref_lse(lse.size());
+  SparsePackedAttentionRefParams rp;
+  rp.q = q32.data();
+  rp.packed_k = pk32.data();
+  rp.packed_v = pv32.data();
+  rp.num_packed = counts.data();
+  rp.k_cache = cache.k32.data();
+  rp.v_cache = cache.v32.data();
+  rp.block_table = cache.block_table.data();
+  rp.seq_lens = lens.data();
+  rp.out = ref.data();
+  rp.lse = ref_lse.data();
+  rp.batch = batch;
+  rp.num_q_heads = hq;
+  rp.num_kv_heads = hkv;
+  rp.head_dim = D;
+  rp.page_size = ps;
+  rp.max_pages_per_seq = cache.max_pages;
+  rp.packed_capacity = capacity;
+  rp.local_window = window;
+  rp.scale = 1.f / std::sqrt(static_cast<float>(D));
+  sparse_packed_attention_ref(rp);
+
+  SparsePackedDecodeParams p;
+  p.dtype = dtype;
+  p.q = q.get();
+  p.packed_k = pk.get();
+  p.packed_v = pv.get();
+  p.num_packed = d_cnt.get();
+  p.k_cache = cache.k.get();
+  p.v_cache = cache.v.get();
+  p.block_table = cache.bt.get();
+  p.seq_lens = d_lens.get();
+  p.out = out.get();
+  p.lse = lse.get();
+  p.batch = batch;
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = D;
+  p.page_size = ps;
+  p.max_pages_per_seq = cache.max_pages;
+  p.packed_capacity = capacity;
+  p.local_window = window;
+  p.scale = rp.scale;
+  p.workspace = ws.get();
+  out.poison();
+  lse.poison();
+  SPADE_CUDA_OK(sparse_decode_attention_packed(p, nullptr));
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = spade::test::to_f32(dtype, out.download());
+  EXPECT_LE(spade::test::max_row_rel_err(got, ref, D), spade::test::attention_tolerance(dtype));
+  const std::vector<float> got_lse = lse.download();
+  for (size_t i = 0; i < got_lse.size(); ++i) {
+    ASSERT_NEAR(got_lse[i], ref_lse[i], 1e-3 + 1e-4 * std::fabs(ref_lse[i])) << "lse row " << i;
+  }
+}
+
+TEST(SparsePackedDecodeGpu, Bf16D128Page16Group4Window64) {
+  run_sparse_packed(DType::BF16, 128, 16, 32, 8, {5000, 100, 30}, {2048, 36, 0}, 2048, 64, 31);
+}
+TEST(SparsePackedDecodeGpu, Fp16D64Page32Group8Window17) {
+  run_sparse_packed(DType::F16, 64, 32, 16, 2, {700, 3}, {300, 1}, 512, 17, 32);
+}
+TEST(SparsePackedDecodeGpu, Bf16D256Page64Group1NoWindow) {
+  run_sparse_packed(DType::BF16, 256, 64, 2, 2, {64, 64}, {1000, 999}, 1000, 0, 33);
+}
+
+}  // namespace
+}  // namespace spade::kernels

@@ -1,0 +1,259 @@
+// CPU tests of kernels/selection_ref.h (the selection oracle and the CPU cache rank's implementation).
+#include "kernels/selection_ref.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "common/error.h"
+
+namespace spade::kernels {
+namespace {
+
+std::vector<float> predict(const std::vector<float>& window, int n, int cap, int D, int W, float eps) {
+  std::vector<float> out(D, std::nanf(""));
+  const int32_t len = n;
+  PredictQueryRefParams p;
+  p.window = window.data();
+  p.window_len = &len;
+  p.q_hat = out.data();
+  p.batch = 1;
+  p.num_heads = 1;
+  p.window_capacity = cap;
+  p.head_dim = D;
+  p.max_regressors = W;
+  p.eps = eps;
+  predict_next_query_ref(p);
+  return out;
+}
+
+TEST(PredictRef, SingleQueryAndEmptyWindow) {
+  const std::vector<float> w = {1.f, -2.f, 3.f, 9.f, 9.f, 9.f};
+  EXPECT_EQ(predict(w, 1, 2, 3, 32, 1e-3f), (std::vector<float>{1.f, -2.f, 3.f}));
+  EXPECT_EQ(predict(w, 0, 2, 3, 32, 1e-3f), (std::vector<float>{0.f, 0.f, 0.f}));
+}
+
+TEST(PredictRef, OneRegressorPredictsCurrentQuery) {
+  // k = 1: softmax of a single weight is 1, applied to the shifted window {Q_t}.
+  const std::vector<float> w = {0.5f, 1.f, -1.f, 2.f, 0.f, 4.f};
+  EXPECT_EQ(predict(w, 2, 2, 3, 32, 1e-3f), (std::vector<float>{2.f, 0.f, 4.f}));
+  // W = 1 limits every window to one regressor.
+  const std::vector<float> w3 = {7.f, 7.f, 0.5f, 1.f, -1.f, 2.f};
+  EXPECT_EQ(predict(w3, 3, 3, 2, 1, 1e-3f), (std::vector<float>{-1.f, 2.f}));
+}
+
+TEST(PredictRef, TwoRegressorsMatchHandSolution) {
+  // Slots: Q_{t-2} = a, Q_{t-1} = c, Q_t = y (D = 3). Independent closed form via Cramer's rule.
+  const double a[3] = {1.0, 0.5, -0.25}, c[3] = {0.75, -1.0, 2.0}, y[3] = {0.5, 1.5, -1.0};
+  const double eps = 0.1;
+  std::vector<float> w;
+  for (const double* v : {a, c, y}) w.insert(w.end(), {static_cast<float>(v[0]), static_cast<float>(v[1]), static_cast<float>(v[2])});
+  auto dot = [](const double* x, const double* z) { return x[0] * z[0] + x[1] * z[1] + x[2] * z[2]; };
+  // Regressors newest first: r1 = c (Q_{t-1}), r2 = a (Q_{t-2}).
+  const double g11 = dot(c, c) + eps, g12 = dot(c, a), g22 = dot(a, a) + eps;
+  const double b1 = dot(c, y), b2 = dot(a, y);
+  const double det = g11 * g22 - g12 * g12;
+  const double w1 = (b1 * g22 - g12 * b2) / det, w2 = (g11 * b2 - g12 * b1) / det;
+  const double e1 = std::exp(w1), e2 = std::exp(w2);
+  const double s1 = e1 / (e1 + e2), s2 = e2 / (e1 + e2);
+  // k = 1 candidate: Q_t. k = 2 candidate: s1 * Q_t (successor of Q_{t-1}) + s2 * Q_{t-1} (successor of Q_{t-2}).
+  const std::vector<float> got = predict(w, 3, 3, 3, 32, static_cast<float>(eps));
+  for (int d = 0; d < 3; ++d) {
+    const double expect = 0.5 * (y[d] + (s1 * y[d] + s2 * c[d]));
+    EXPECT_NEAR(got[d], expect, 1e-6) << d;
+  }
+}
+
+TEST(PredictRef, ConstantWindowAndConvexHull) {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd(0.f, 2.f);
+  const int D = 16, cap = 33;
+  std::vector<float> q(D);
+  for (float& x : q) x = nd(rng);
+  std::vector<float> w;
+  for (int s = 0; s < cap; ++s) w.insert(w.end(), q.begin(), q.end());
+  const std::vector<float> got = predict(w, cap, cap, D, 32, 1e-4f);
+  for (int d = 0; d < D; ++d) EXPECT_NEAR(got[d], q[d], 1e-5f * (1.f + std::fabs(q[d])));
+  // Random window: every prediction is a convex combination of the shifted window (slots 1..n-1).
+  for (float& x : w) x = nd(rng);
+  const std::vector<float> r = predict(w, cap, cap, D, 32, 1e-3f);
+  for (int d = 0; d < D; ++d) {
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    for (int s = 1; s < cap; ++s) {
+      lo = std::min(lo, w[s * D + d]);
+      hi = std::max(hi, w[s * D + d]);
+    }
+    EXPECT_GE(r[d], lo - 1e-5f);
+    EXPECT_LE(r[d], hi + 1e-5f);
+  }
+}
+
+TEST(PredictRef, RejectsBadParameters) {
+  const std::vector<float> w(40 * 4, 1.f);
+  EXPECT_THROW(predict(w, 2, 2, 4, 32, 0.f), spade::Error);
+  EXPECT_THROW(predict(w, 2, 40, 4, 32, 1e-3f), spade::Error);
+  EXPECT_THROW(predict(w, 3, 2, 4, 32, 1e-3f), spade::Error);
+  EXPECT_THROW(predict(w, 2, 2, 4, 33, 1e-3f), spade::Error);
+}
+
+// ---- scoring ----
+
+TEST(ScoreRef, MatchesDirectDotsAndIgnoresPagePlacement) {
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int hq = 4, hkv = 2, D = 8, ps = 4, len = 10, G = hq / hkv;
+  const int max_pages = 3, num_pages = 6;
+  std::vector<float> logical(static_cast<size_t>(len) * hkv * D);  // [t][kvh][d]
+  for (float& x : logical) x = nd(rng);
+  std::vector<float> qh(static_cast<size_t>(hq) * D);
+  for (float& x : qh) x = nd(rng);
+  auto place = [&](const std::vector<int32_t>& bt) {
+    std::vector<float> cache(static_cast<size_t>(num_pages) * ps * hkv * D, std::nanf(""));
+    for (int t = 0; t < len; ++t) {
+      for (int i = 0; i < hkv * D; ++i) cache[(static_cast<size_t>(bt[t / ps]) * ps + t % ps) * hkv * D + i] =
+          logical[static_cast<size_t>(t) * hkv * D + i];
+    }
+    return cache;
+  };
+  for (GqaScoreRule rule : {GqaScoreRule::kMax, GqaScoreRule::kMean}) {
+    std::vector<std::vector<float>> results;
+    for (const std::vector<int32_t>& bt : {std::vector<int32_t>{0, 1, 2}, std::vector<int32_t>{5, 2, 3}}) {
+      const std::vector<float> cache = place(bt);
+      const int32_t n = len;
+      std::vector<float> scores(static_cast<size_t>(hkv) * 12, 123.f);
+      ScoreTokensRefParams p;
+      p.q_hat = qh.data();
+      p.k_cache = cache.data();
+      p.block_table = bt.data();
+      p.num_tokens = &n;
+      p.scores = scores.data();
+      p.batch = 1;
+      p.num_q_heads = hq;
+      p.num_kv_heads = hkv;
+      p.head_dim = D;
+      p.page_size = ps;
+      p.max_pages_per_seq = max_pages;
+      p.score_stride = 12;
+      p.rule = rule;
+      score_tokens_ref(p);
+      for (int h = 0; h < hkv; ++h) {
+        for (int t = 0; t < len; ++t) {
+          double best = -1e300, sum = 0.0;
+          for (int g = 0; g < G; ++g) {
+            double s = 0.0;
+            for (int d = 0; d < D; ++d) s += static_cast<double>(qh[(h * G + g) * D + d]) * logical[(t * hkv + h) * D + d];
+            best = std::max(best, s);
+            sum += s;
+          }
+          EXPECT_NEAR(scores[h * 12 + t], rule == GqaScoreRule::kMax ? best : sum / G, 1e-4);
+        }
+        EXPECT_EQ(scores[h * 12 + len], 123.f);  // past num_tokens: untouched
+      }
+      results.push_back(scores);
+    }
+    EXPECT_EQ(results[0], results[1]);
+  }
+}
+
+// ---- top-k ----
+
+std::vector<int32_t> brute_topk(const std::vector<float>& s, int n, int k) {
+  std::vector<int32_t> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return topk_key(s[a]) > topk_key(s[b]); });
+  idx.resize(std::min(n, k));
+  std::sort(idx.begin(), idx.end());
+  idx.resize(k, -1);
+  return idx;
+}
+
+TEST(TopkRef, MatchesBruteForceWithTiesAndSpecials) {
+  std::mt19937_64 rng(9);
+  std::uniform_int_distribution<int> lvl(0, 7);
+  const int stride = 500;
+  const std::vector<int32_t> lens = {500, 3};
+  std::vector<float> s(static_cast<size_t>(2) * 2 * stride);
+  for (float& x : s) x = static_cast<float>(lvl(rng));
+  s[3] = std::numeric_limits<float>::quiet_NaN();
+  s[4] = std::numeric_limits<float>::infinity();
+  s[5] = -std::numeric_limits<float>::infinity();
+  s[6] = -0.f;
+  const int k = 37;
+  std::vector<int32_t> idx(4 * k, 99), cnt(4, 99);
+  TopkRefParams p;
+  p.scores = s.data();
+  p.row_lens = lens.data();
+  p.indices = idx.data();
+  p.counts = cnt.data();
+  p.batch = 2;
+  p.rows_per_batch = 2;
+  p.score_stride = stride;
+  p.k = k;
+  topk_ref(p);
+  for (int r = 0; r < 4; ++r) {
+    const int n = lens[r / 2];
+    std::vector<float> row(s.begin() + r * stride, s.begin() + (r + 1) * stride);
+    const std::vector<int32_t> expect = brute_topk(row, n, k);
+    EXPECT_EQ(std::vector<int32_t>(idx.begin() + r * k, idx.begin() + (r + 1) * k), expect) << "row " << r;
+    EXPECT_EQ(cnt[r], std::min(n, k));
+  }
+  // Row 0 must hold +inf at 4, not NaN at 3.
+  EXPECT_NE(std::find(idx.begin(), idx.begin() + k, 4), idx.begin() + k);
+  EXPECT_EQ(std::find(idx.begin(), idx.begin() + k, 3), idx.begin() + k);
+}
+
+TEST(TopkRef, KeyOrder) {
+  EXPECT_LT(topk_key(-std::numeric_limits<float>::infinity()), topk_key(-1.f));
+  EXPECT_LT(topk_key(-1.f), topk_key(-0.f));
+  EXPECT_LT(topk_key(-0.f), topk_key(0.f));
+  EXPECT_LT(topk_key(0.f), topk_key(1e-30f));
+  EXPECT_LT(topk_key(2.f), topk_key(std::numeric_limits<float>::infinity()));
+  EXPECT_EQ(topk_key(std::nanf("")), 0u);
+}
+
+// ---- gather ----
+
+TEST(GatherRef, CopiesRowsAndZeroPads) {
+  const int hkv = 2, D = 4, ps = 2, k = 3;
+  const std::vector<int32_t> bt = {1, 0};  // positions 0,1 in page 1; 2,3 in page 0
+  std::vector<float> kc(static_cast<size_t>(2) * ps * hkv * D), vc(kc.size());
+  for (size_t i = 0; i < kc.size(); ++i) {
+    kc[i] = static_cast<float>(i);
+    vc[i] = -static_cast<float>(i);
+  }
+  const std::vector<int32_t> idx = {3, 0, -1, 1, 1, 2};
+  std::vector<float> pk(static_cast<size_t>(hkv) * k * D, 7.f), pv(pk.size(), 7.f);
+  GatherKvRefParams p;
+  p.k_cache = kc.data();
+  p.v_cache = vc.data();
+  p.block_table = bt.data();
+  p.indices = idx.data();
+  p.packed_k = pk.data();
+  p.packed_v = pv.data();
+  p.batch = 1;
+  p.num_kv_heads = hkv;
+  p.head_dim = D;
+  p.page_size = ps;
+  p.max_pages_per_seq = 2;
+  p.k = k;
+  gather_kv_ref(p);
+  for (int h = 0; h < hkv; ++h) {
+    for (int i = 0; i < k; ++i) {
+      const int pos = idx[h * k + i];
+      for (int d = 0; d < D; ++d) {
+        const float expect = pos < 0 ? 0.f
+                                     : kc[((static_cast<size_t>(bt[pos / ps]) * ps + pos % ps) * hkv + h) * D + d];
+        EXPECT_EQ(pk[(h * k + i) * D + d], expect);
+        EXPECT_EQ(pv[(h * k + i) * D + d], pos < 0 ? 0.f : -expect);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace spade::kernels
