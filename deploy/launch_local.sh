@@ -41,6 +41,7 @@ done
 port="${MASTER_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 world=$((1 + n_inf + n_cache))
 export MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" WORLD_SIZE="$world"
+export UCX_LOG_LEVEL="${UCX_LOG_LEVEL:-error}"
 pids=()
 cleanup() {
   trap - EXIT INT TERM

@@ -12,6 +12,7 @@ PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libpcre2-dev                              # tokenizer pre-tokenization regex
   libucx-dev                                # UCX host-memory transport
+  openmpi-bin                               # mpirun launch form (deploy/spade_rank.sh)
 )
 
 missing=()
