@@ -2,9 +2,9 @@
 // the text to stdout (the launchers' front end until the HTTP API lands). TTFT, TPOT and tokens/s go to
 // stderr.
 //
-//   spade_submit --master-addr H --master-port P --prompt TEXT [--max-tokens N --temperature T --top-p P
-//   --top-k K
-//                --seed S] [--shutdown-after] [--timeout-ms 600000]
+//   spade_submit --master-addr H --master-port P --prompt TEXT
+//                [--max-tokens N --temperature T --top-p P --top-k K --seed S] [--shutdown-after]
+//                [--timeout-ms 600000]
 // Exit status: 0 when the request finished (stop or length), 1 when it failed (the error names the failing
 // rank), 2 on a usage or connection error.
 #include <CLI/CLI.hpp>
