@@ -21,7 +21,7 @@ inline float dot(const float* __restrict a, const float* __restrict b, int k) {
 void linear_ref(const float* x, const float* w, const float* bias, float* y, int m, int n, int k) {
   // Tile rows of x so a block of W rows stays in cache while it meets every x row of the tile.
   constexpr int kRowTile = 8;
-#pragma omp parallel for schedule(static) if (static_cast<long>(m) * n * k > 262144)
+#pragma omp parallel for schedule(static) if (static_cast<long>(m) * n * k > (1L << 22))
   for (int j = 0; j < n; ++j) {
     const float* wj = w + static_cast<size_t>(j) * k;
     const float b = bias ? bias[j] : 0.f;
