@@ -1,5 +1,7 @@
 #include "common/page_allocator.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace spade {
@@ -40,8 +42,31 @@ bool PageAllocator::append(uint64_t seq, int n) {
 void PageAllocator::release(uint64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
-  for (auto p = it->second.pages.rbegin(); p != it->second.pages.rend(); ++p) free_.push_back(*p);
+  for (auto p = it->second.pages.rbegin(); p != it->second.pages.rend(); ++p)
+    if (*p >= 0) free_.push_back(*p);
   seqs_.erase(it);
+}
+
+int PageAllocator::drop_range(uint64_t seq, int begin, int end) {
+  auto it = seqs_.find(seq);
+  SPADE_CHECK(it != seqs_.end(), "PageAllocator: unknown sequence {}", seq);
+  Seq& s = it->second;
+  int freed = 0;
+  const int first = (std::max(begin, 0) + page_size_ - 1) / page_size_;  // first page starting at or after begin
+  const int last = std::min(end, s.len) / page_size_;                     // pages ending at or before end
+  for (int p = first; p < last && p < static_cast<int>(s.pages.size()); ++p) {
+    if (s.pages[p] < 0) continue;
+    free_.push_back(s.pages[p]);
+    s.pages[p] = -1;
+    ++freed;
+  }
+  return freed;
+}
+
+int PageAllocator::held_pages(uint64_t seq) const {
+  int n = 0;
+  for (int32_t p : get(seq).pages) n += p >= 0;
+  return n;
 }
 
 const std::vector<int32_t>& PageAllocator::block_table(uint64_t seq) const { return get(seq).pages; }
@@ -51,6 +76,8 @@ int PageAllocator::seq_len(uint64_t seq) const { return get(seq).len; }
 std::pair<int32_t, int> PageAllocator::locate(uint64_t seq, int pos) const {
   const Seq& s = get(seq);
   SPADE_CHECK(pos >= 0 && pos < s.len, "PageAllocator: position {} outside sequence {} of length {}", pos, seq, s.len);
+  SPADE_CHECK(s.pages[pos / page_size_] >= 0, "PageAllocator: position {} of sequence {} is on a dropped page", pos,
+              seq);
   return {s.pages[pos / page_size_], pos % page_size_};
 }
 

@@ -34,12 +34,18 @@ class PageAllocator {
   bool append(uint64_t seq, int n);
   /// Returns every page of `seq` to the free list and forgets it. Unknown sequences are ignored (idempotent).
   void release(uint64_t seq);
+  /// Frees the pages of `seq` that lie entirely inside token range [begin, end) (a sparse sequence no longer needs
+  /// them locally: its cache rank holds them). Their block-table entries become -1; the table keeps its length and
+  /// later appends continue after it. Returns the number of pages freed.
+  int drop_range(uint64_t seq, int begin, int end);
+  /// Pages of `seq` currently held (block-table entries that are not -1).
+  int held_pages(uint64_t seq) const;
 
   /// Page ids of `seq` in token order. Throws spade::Error for an unknown sequence.
   const std::vector<int32_t>& block_table(uint64_t seq) const;
   /// Tokens currently held by `seq`. Throws spade::Error for an unknown sequence.
   int seq_len(uint64_t seq) const;
-  /// (page id, slot) of token `pos` of `seq`.
+  /// (page id, slot) of token `pos` of `seq`. Throws for a position outside the sequence or on a dropped page.
   std::pair<int32_t, int> locate(uint64_t seq, int pos) const;
 
  private:

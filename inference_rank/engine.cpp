@@ -211,6 +211,11 @@ bool Engine::step() {
     finish(*it->second, FinishReason::Error, why);
     running_.erase(it);
   }
+  // Sparse sequences keep only sink tokens + local window locally: free the pages in between.
+  for (auto& [id, s] : running_) {
+    const auto [begin, end] = attention_->droppable_range(id, alloc_.seq_len(id));
+    if (end > begin) alloc_.drop_range(id, begin, end);
+  }
   return true;
 }
 

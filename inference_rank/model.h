@@ -68,6 +68,10 @@ class AttentionBackend {
   /// Sequences the backend could not serve in the last forward (e.g. their cache rank died), with the reason. The
   /// engine ends them with FinishReason::Error and discards their logits.
   virtual std::vector<std::pair<uint64_t, std::string>> take_failures() { return {}; }
+  /// Token range [begin, end) of `seq_id` that this backend will never read locally again, for a context that has
+  /// reached `seq_len` (sparse sequences: everything between the sink tokens and the next step's local window).
+  /// The engine frees the pages inside it. Default: nothing.
+  virtual std::pair<int, int> droppable_range(uint64_t /*seq_id*/, int /*seq_len*/) { return {0, 0}; }
 };
 
 /// Dense attention: appends k/v into the paged KvCache, then kernels::paged_attention_ref over the full context.

@@ -172,9 +172,15 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
     if (qw.size() > static_cast<size_t>(W1) * Q) qw.erase(qw.begin(), qw.end() - static_cast<long>(W1) * Q);
 
     Phase ph = phase_[b];
-    // A sequence failed by the link (its output is discarded) or past the threshold without a cache rank (dense
-    // fallback) is attended densely: its local KV is complete.
-    if (s.phase == Phase::Failed) ph = Phase::Dense;
+    // A sequence past the threshold without a cache rank (dense fallback) is attended densely: its local KV is
+    // complete. A sequence failed by the link has lost the middle of its KV: its output is discarded by the engine.
+    if (s.phase == Phase::Failed) {
+      if (s.dropped) {
+        std::fill(out + static_cast<size_t>(q0) * Q, out + static_cast<size_t>(q0 + q_len) * Q, 0.f);
+        continue;
+      }
+      ph = Phase::Dense;
+    }
 
     // Oracle: inline selection with the true query; the selector holds its own copy of the KV.
     const cache::LayerSelection* sel = nullptr;
@@ -284,6 +290,17 @@ void SparseAttention::on_release(uint64_t seq_id) {
     if (opt_.mode == SelectionMode::Predicted) released_.push_back(seq_id);
     if (opt_.mode == SelectionMode::Oracle) oracle_->selector().release(seq_id);
   }
+}
+
+std::pair<int, int> SparseAttention::droppable_range(uint64_t seq_id, int seq_len) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return {0, 0};
+  SeqState& s = it->second;
+  // Switching: the INIT ship of this step carried the whole KV; from the next step on only sinks + window are read.
+  if (s.phase != Phase::Sparse && s.phase != Phase::Switching) return {0, 0};
+  if (opt_.mode == SelectionMode::Oracle) return {0, 0};  // the inline selector reads its own copy; keep it simple
+  s.dropped = true;
+  return {opt_.selection.sink_tokens, seq_len + 1 - opt_.selection.local_window};
 }
 
 std::vector<std::pair<uint64_t, std::string>> SparseAttention::take_failures() {

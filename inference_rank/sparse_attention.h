@@ -64,6 +64,9 @@ class SparseAttention : public AttentionBackend {
               float* out) override;
   void on_release(uint64_t seq_id) override;
   std::vector<std::pair<uint64_t, std::string>> take_failures() override;
+  /// Sparse (and switched) sequences: [sink_tokens, seq_len + 1 - local_window) — their cache rank holds those
+  /// tokens; the local KV keeps only the sinks and the local window.
+  std::pair<int, int> droppable_range(uint64_t seq_id, int seq_len) override;
 
   const SparseStats& stats() const { return stats_; }
   const SparseOptions& options() const { return opt_; }
@@ -77,6 +80,7 @@ class SparseAttention : public AttentionBackend {
     std::vector<std::vector<float>> queries;  // per layer: last W+1 query rows [n, q_dim], oldest first
     std::vector<cache::LayerSelection> sel;   // per layer: selection for the current step (sparse phase)
     int sel_context_len = 0;
+    bool dropped = false;  // local pages of the middle were freed: dense attention is no longer possible
   };
   void begin_step(const ForwardBatch& batch);
   void fail_link(const std::string& why);

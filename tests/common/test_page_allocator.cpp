@@ -41,6 +41,25 @@ TEST(PageAllocator, AdmitAppendRelease) {
   EXPECT_EQ(a.num_free_pages(), 10);
 }
 
+TEST(PageAllocator, DropRangeFreesWholePagesOnly) {
+  PageAllocator a(10, 4);
+  a.admit(1);
+  ASSERT_TRUE(a.append(1, 22));  // 6 pages: [0,4) [4,8) ... [20,22)
+  EXPECT_EQ(a.drop_range(1, 2, 17), 3) << "pages [4,8) [8,12) [12,16) lie inside [2, 17)";
+  EXPECT_EQ(a.held_pages(1), 3);
+  EXPECT_EQ(a.num_free_pages(), 7);
+  EXPECT_EQ(a.block_table(1).size(), 6u);
+  EXPECT_EQ(a.block_table(1)[1], -1);
+  EXPECT_EQ(a.drop_range(1, 2, 17), 0) << "idempotent";
+  EXPECT_NO_THROW(a.locate(1, 1));
+  EXPECT_NO_THROW(a.locate(1, 16));
+  EXPECT_THROW(a.locate(1, 5), Error);
+  EXPECT_TRUE(a.append(1, 3));  // grows after the table's end
+  EXPECT_EQ(a.seq_len(1), 25);
+  a.release(1);
+  EXPECT_EQ(a.num_free_pages(), 10) << "dropped pages are not freed twice";
+}
+
 TEST(PageAllocator, Errors) {
   EXPECT_THROW(PageAllocator(0, 4), Error);
   EXPECT_THROW(PageAllocator(4, 0), Error);

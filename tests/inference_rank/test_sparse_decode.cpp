@@ -163,7 +163,17 @@ TEST_F(Stories, FullBudgetOverTransportReproducesDenseGreedyExactly) {
 
 TEST_F(Stories, SmallBudgetDecodesSparselyWithoutStalls) {
   After be;
-  auto r = run(*model, {{1}, {1, 403, 407, 261}}, 150, in_process(opts(SelectionMode::Predicted, 16)), &be);
+  size_t max_held_tokens = 0, max_len = 0;  // held: pages of request 1 once past 3 pages of context
+  auto r = run(*model, {{1}, {1, 403, 407, 261}}, 150, in_process(opts(SelectionMode::Predicted, 16)), &be,
+               [&](Engine& e, int) {
+                 if (!e.pages().contains(1)) return;
+                 // The inference rank keeps only sink tokens + local window (+ partial pages at the edges).
+                 if (e.pages().seq_len(1) > 48) max_held_tokens = std::max<size_t>(max_held_tokens, e.pages().held_pages(1));
+                 max_len = std::max<size_t>(max_len, e.pages().seq_len(1));
+               });
+  EXPECT_GE(max_len, 140u);
+  EXPECT_LE(max_held_tokens, 3u) << "pages held: the sink page + at most two pages of the 8-token window";
+  EXPECT_GE(max_held_tokens, 1u);
   for (auto& x : r) {
     EXPECT_EQ(x.ids.size(), 150u);
     EXPECT_EQ(x.reason, FinishReason::Length);
