@@ -2,7 +2,11 @@
 // protobuf over TCP (control) and UCX over loopback (data), on the real stories260K model.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <thread>
 
@@ -152,6 +156,37 @@ TEST(Cluster, KilledCacheRankFailsInFlightRequestAndServiceContinuesDensely) {
   EXPECT_TRUE(dead) << cl.logs();
   c->request_shutdown("test done");
   EXPECT_EQ(cl.inf->wait_exit(10s), 0) << cl.logs();
+}
+
+// Raw bytes to the coordinator process's port: garbage, a truncated frame, an absurd length prefix.
+void send_raw(int port, const std::string& bytes) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
+  std::this_thread::sleep_for(100ms);
+  ::close(fd);
+}
+
+TEST(Cluster, GarbageFramesOnTheCoordinatorPortAreRejectedAndServiceContinues) {
+  Cluster cl;
+  cl.start(kFullBudget);
+  auto c = client(cl.port);  // the world is up
+  send_raw(cl.port, "GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+  send_raw(cl.port, std::string("\x10\x0a\x05hel", 6));                  // truncated frame
+  send_raw(cl.port, std::string("\xff\xff\xff\xff\xff\xff\x01", 7));  // length prefix past any limit
+  const Outcome o = generate(*c, "", 40);
+  EXPECT_EQ(o.reason, proto::FINISH_LENGTH) << o.error << cl.logs();
+  EXPECT_EQ(o.ids.size(), 40u);
+  EXPECT_TRUE(cl.coord->running());
+  c->request_shutdown("test done");
+  EXPECT_EQ(cl.coord->wait_exit(10s), 0) << cl.logs();
+  const std::string log = cl.coord->log();
+  EXPECT_THAT(log, HasSubstr("127.0.0.1")) << "rejections are logged with the remote endpoint:\n" << log;
 }
 
 TEST(Cluster, RankThatNeverRegistersStopsEveryoneWithItsName) {
