@@ -6,7 +6,8 @@
 // each output written once), GB/s = bytes / median, and the ratio to the device-to-device copy bandwidth measured
 // in the same run ((read + write bytes) / time of a 1 GiB cudaMemcpyAsync).
 //
-// Usage: bench_kernels --out results.json [--iters N] [--warmup N] [--quick] [--sweep] [--only g1,g2]
+// Usage: bench_kernels --out results.json [--iters N] [--warmup N] [--quick] [--sweep] [--sweep-hpc] [--only g1,g2]
+// --sweep times the paged decode at forced split counts, --sweep-hpc at forced (KV heads per CTA, split count).
 // The JSON also carries device, date, commit ($SPADE_COMMIT, else "unknown").
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -53,6 +54,7 @@ struct Options {
   int warmup = 10;
   bool quick = false;
   bool sweep = false;
+  bool sweep_hpc = false;
   std::string only;  // comma-separated groups to run: decode, sparse, selection, prefill (empty: all)
   bool run(const char* group) const {
     return only.empty() || ("," + only + ",").find("," + std::string(group) + ",") != std::string::npos;
@@ -180,7 +182,9 @@ double measure_copy(Ctx& c) {
 }
 
 // A paged KV cache of `batch` sequences of `len` tokens: random page permutation over the pool (page_size < len),
-// or one page per sequence (page_size == len: the contiguous [batch, len, hkv, D] layout).
+// or one page per sequence (page_size == len: the contiguous [batch, len, hkv, D] layout). `ascending`: each
+// sequence still owns a random subset of the pool's pages, but its block-table row lists them in ascending order
+// (what a free-list allocator that hands out low pages first tends to produce).
 struct KvSet {
   void* k = nullptr;
   void* v = nullptr;
@@ -188,7 +192,7 @@ struct KvSet {
   int max_pages = 0;
 };
 
-KvSet make_kv(int batch, int len, int ps, int hkv, int D, uint64_t seed) {
+KvSet make_kv(int batch, int len, int ps, int hkv, int D, uint64_t seed, bool ascending = false) {
   KvSet s;
   s.max_pages = (len + ps - 1) / ps;
   const int num_pages = batch * s.max_pages;
@@ -202,6 +206,12 @@ KvSet make_kv(int batch, int len, int ps, int hkv, int D, uint64_t seed) {
   if (s.max_pages > 1) {
     std::mt19937_64 rng(seed);
     std::shuffle(perm.begin(), perm.end(), rng);
+    if (ascending) {
+      for (int b = 0; b < batch; ++b) {
+        std::sort(perm.begin() + static_cast<size_t>(b) * s.max_pages,
+                  perm.begin() + static_cast<size_t>(b + 1) * s.max_pages);
+      }
+    }
   }
   s.bt = upload(perm);  // row b = perm[b * max_pages ...]
   return s;
@@ -214,12 +224,14 @@ void free_kv(KvSet& s) {
 
 constexpr int kHq = 32, kHkv = 8, kD = 128;  // Qwen3-8B attention
 
-void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const char* layout, int splits = 0) {
+void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const char* layout, int splits = 0,
+                        int heads_per_cta = 0) {
   const double kv_bytes = 2.0 * batch * len * kHkv * kD * 2;
   const double bytes = kv_bytes + 2.0 * batch * kHq * kD * 2 + batch * ((len + ps - 1) / ps) * 4.0;
   const int sets = rotation_sets(static_cast<size_t>(kv_bytes), c.prop.l2CacheSize);
   std::vector<KvSet> kv;
-  for (int s = 0; s < sets; ++s) kv.push_back(make_kv(batch, len, ps, kHkv, kD, 100 + 7 * s));
+  const bool ascending = std::string(layout).find("ascending") != std::string::npos;
+  for (int s = 0; s < sets; ++s) kv.push_back(make_kv(batch, len, ps, kHkv, kD, 100 + 7 * s, ascending));
   void* q = dmalloc(size_t{2} * batch * kHq * kD);
   fill16(q, static_cast<size_t>(batch) * kHq * kD, 5);
   void* out = dmalloc(size_t{2} * batch * kHq * kD);
@@ -242,6 +254,7 @@ void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const c
   p.scale = 1.f / std::sqrt(static_cast<float>(kD));
   p.workspace = {ws, ws_bytes};
   p.num_splits = splits;
+  p.kv_heads_per_cta = heads_per_cta;
   const Timing t = time_it(c.opt, sets, [&](int s) {
     p.k_cache = kv[s].k;
     p.v_cache = kv[s].v;
@@ -251,9 +264,12 @@ void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const c
   json r = timing_json(t, bytes, c.copy_gbps);
   r["name"] = std::string("paged_decode_") + (dtype == DType::BF16 ? "bf16" : "fp16") + "_B" +
               std::to_string(batch) + "_T" + std::to_string(len) + "_" + layout +
-              (splits > 0 ? "_splits" + std::to_string(splits) : std::string());
-  r["kind"] = splits > 0 ? "paged_decode_split_sweep" : "paged_decode";
+              (splits > 0 ? "_splits" + std::to_string(splits) : std::string()) +
+              (heads_per_cta > 0 ? "_hpc" + std::to_string(heads_per_cta) : std::string());
+  r["kind"] = heads_per_cta > 0 ? "paged_decode_hpc_sweep"
+                                : (splits > 0 ? "paged_decode_split_sweep" : "paged_decode");
   r["num_splits"] = splits;
+  r["kv_heads_per_cta"] = heads_per_cta;
   r["dtype"] = dtype == DType::BF16 ? "bf16" : "fp16";
   r["layout"] = layout;
   r["shape"] = {{"batch", batch}, {"seq_len", len}, {"num_q_heads", kHq}, {"num_kv_heads", kHkv},
@@ -588,10 +604,15 @@ int main(int argc, char** argv) {
       c.opt.quick = true;
     } else if (a == "--sweep") {
       c.opt.sweep = true;
+    } else if (a == "--sweep-hpc") {
+      c.opt.sweep_hpc = true;
     } else if (a == "--only" && i + 1 < argc) {
       c.opt.only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--out file.json] [--iters N>=50] [--warmup N] [--quick] [--sweep] [--only g1,g2]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--out file.json] [--iters N>=50] [--warmup N] [--quick] [--sweep] [--sweep-hpc]"
+                   " [--only g1,g2]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -617,11 +638,27 @@ int main(int argc, char** argv) {
       bench_paged_decode(c, DType::BF16, 1, 32768, 16, "paged16");
       bench_paged_decode(c, DType::BF16, 32, 4096, 16, "paged16");
       bench_paged_decode(c, DType::BF16, 8, 131072, 16, "paged16");
+      bench_paged_decode(c, DType::BF16, 8, 32768, 16, "paged16ascending");
+      bench_paged_decode(c, DType::BF16, 8, 131072, 16, "paged16ascending");
     }
   }
   if (c.opt.sweep) {  // forced split counts (the heuristic's evidence; docs/KERNELS.md)
     for (auto [b, len] : std::vector<std::pair<int, int>>{{8, 2048}, {8, 32768}, {1, 32768}, {8, 131072}}) {
       for (int s : {2, 4, 8, 16, 24, 33, 48, 64}) bench_paged_decode(c, DType::BF16, b, len, 16, "paged16", s);
+    }
+  }
+  if (c.opt.sweep_hpc) {  // forced KV heads per CTA x split counts whose grid is 0.4..4 waves of one CTA per SM
+    const int sms = c.prop.multiProcessorCount;
+    for (auto [b, len] : std::vector<std::pair<int, int>>{
+             {8, 2048}, {8, 8192}, {8, 32768}, {1, 32768}, {32, 4096}, {8, 131072}}) {
+      for (int hpc : {1, 2, 4, 8}) {
+        const int rows = b * kHkv / hpc;
+        for (int s : {1, 2, 3, 4, 6, 8, 12, 14, 16, 24, 32, 33, 48, 64}) {
+          const long long ctas = static_cast<long long>(rows) * s;
+          if (ctas < (2 * sms) / 5 || ctas > 4 * sms || s * 128 > len || (len + s - 1) / s > 4094 * 16) continue;
+          bench_paged_decode(c, DType::BF16, b, len, 16, "paged16", s, hpc);
+        }
+      }
     }
   }
   if (c.opt.run("sparse")) bench_sparse(c, 8, 32768, 16, 2048, 64);

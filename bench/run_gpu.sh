@@ -11,6 +11,7 @@
 #   SPADE_COMMIT          commit id recorded in the JSON (default: git rev-parse HEAD, else a hash of the sources)
 #   SPADE_BENCH_QUICK=1   fewer benchmark shapes
 #   SPADE_BENCH_SWEEP=1   also time the paged decode at forced split counts
+#   SPADE_BENCH_SWEEP_HPC=1  also time the paged decode at forced (KV heads per CTA, split count) pairs
 #   SPADE_PREBUILT_DIR    folder with prebuilt kernels_test_*_gpu and bench_kernels binaries (e.g. built on the
 #                         development machine and carried): test / memcheck / bench use them, the build step is
 #                         skipped unless "bgbuild" is asked for (a low-priority build in the background, checked at
@@ -159,6 +160,7 @@ if want bench; then
   [ "${SPADE_BENCH_QUICK:-0}" = 1 ] && QUICK=(--quick)
   SWEEP=()
   [ "${SPADE_BENCH_SWEEP:-0}" = 1 ] && SWEEP=(--sweep)
+  [ "${SPADE_BENCH_SWEEP_HPC:-0}" = 1 ] && SWEEP+=(--sweep-hpc)
   log "bench_kernels"
   with_deps "${BENCH_BIN}" --out "${OUT}/bench_kernels.json" "${QUICK[@]}" "${SWEEP[@]}" || STATUS=1
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active \

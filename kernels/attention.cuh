@@ -66,6 +66,10 @@ struct PagedDecodeParams {
   int max_seq_len = 0;  // host-side upper bound of seq_lens (sizes the split-K grid); >= 1.
   float scale = 0.f;    // softmax scale, normally 1/sqrt(head_dim).
   int num_splits = 0;   // 0: chosen from SM count, occupancy and max_seq_len; else forced (1..kMaxDecodeSplits).
+  // KV heads served by one CTA (their tiles of one token range are then read by one SM): 0 = chosen together with
+  // num_splits; else forced, a power of two dividing num_kv_heads, <= 8 (<= 4 for head_dim 256), otherwise
+  // cudaErrorInvalidValue naming kv_heads_per_cta. Tuning / benchmark knob (docs/KERNELS.md section 7 sweep).
+  int kv_heads_per_cta = 0;
   DecodeWorkspace workspace;
 };
 

@@ -3,17 +3,23 @@
 // only the "where is virtual token v" rule differs (KvSource).
 //
 // Work decomposition (docs/KERNELS.md has the measurements):
-//   grid (split, kv_head, sequence), 4 warps per CTA. A CTA owns the token range [split*chunk, (split+1)*chunk) of
-//   one (sequence, KV head) and serves the whole GQA group (<= 8 query heads) from one read of each K/V row.
-//   Each warp streams its own 16-token tiles (warp w takes tiles w, w+4, ...) through a private cp.async pipeline
-//   of kStages shared-memory stages; there is no CTA barrier in the main loop.
+//   grid (split, KV-head group, sequence). Dense paged decode with head_dim <= 128 runs 8-warp CTAs, the sparse
+//   variants and head_dim 256 4-warp CTAs. A CTA owns the token range [split*chunk, (split+1)*chunk) of one
+//   sequence for `heads_per_cta` KV heads (1, 2, 4 or 8; always 1 for the sparse variants) and serves each head's
+//   whole GQA group (<= 8 query heads) from one read of each K/V row. The warps of one KV head stream its 16-token
+//   tiles round robin (warp w takes tiles w, w + warps_per_head, ...) through private cp.async pipelines of kStages
+//   shared-memory stages (L2 evict-first, 128-byte L2 fetches); there is no CTA barrier in the main loop.
+//   The launcher picks the fewest KV heads per CTA whose grid fits one wave (one CTA per SM for the 8-warp
+//   kernel), then the most splits that still fit it: the measured optimum of the split sweep.
 //   Per tile: S^T[16 tokens x 8 heads] = K_tile . Q^T on tensor cores (mma.m16n8k16, K via ldmatrix, Q^T held in
 //   registers as the B operand); online softmax in the exp2 domain; P^T turned into the B operand with movmatrix;
 //   O^T[D x 8 heads] += V_tile^T . P^T (V via ldmatrix.trans).
-//   Block-table entries (paged) or per-token cache rows (sparse) of the CTA's range are prefetched into shared
-//   memory before the loop, so no K/V load waits on a dependent global load (the paged-KV paper's 1.8x stall).
-//   Warps merge in shared memory; with several splits, each CTA writes its normalised partial and log-sum-exp to
-//   the workspace, and the last CTA of the (sequence, KV head) to arrive (atomic counter) merges them.
+//   Block-table entries (paged; loaded while seq_lens[b] is still in flight) or per-token cache rows (sparse) of
+//   the CTA's range are prefetched into shared memory before the loop, so no K/V load waits on a dependent global
+//   load (the paged-KV paper's 1.8x stall).
+//   Warps merge in shared memory; with several splits, each CTA writes its normalised partials and log-sum-exps
+//   to the workspace, and the last CTA of the (sequence, KV-head group) to arrive (atomic counter) merges them
+//   (float4 loads of the partials).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -31,22 +37,28 @@ namespace {
 
 enum class KvSource : int { kPaged = 0, kIndexed = 1, kPacked = 2 };
 
-constexpr int kDecodeWarps = 4;
-constexpr int kDecodeThreads = kDecodeWarps * 32;
 constexpr int kTile = 16;            // tokens per tile (the M of one mma)
-constexpr int kTableEntries = 2048;  // int32 block-table entries / token rows prefetched per CTA
 constexpr int kMinTokensPerSplit = 128;
 
-template <int D>
+// Dense paged decode with D <= 128 runs 8-warp CTAs that can serve up to 8 KV heads of one token range (a page of
+// 16 tokens is then read as one contiguous block by one SM); the sparse variants and D = 256 run 4-warp CTAs of
+// one KV head.
+template <int D, KvSource SRC>
 struct DecodeConfig {
+  // int32 block-table entries (paged) / token rows (sparse) prefetched per CTA.
+  static constexpr int kTableEntries = SRC == KvSource::kPaged ? 4096 : 2048;
+  static constexpr int kWarps = (SRC == KvSource::kPaged && D <= 128) ? 8 : 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMaxHeadsPerCta = SRC == KvSource::kPaged ? kWarps : 1;  // KV heads per CTA
+  static constexpr int kMaxCtaHeads = kMaxHeadsPerCta * kMaxGqaGroup;            // query heads per CTA
   static constexpr int kStages = D == 64 ? 4 : 3;
   static constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
   static constexpr int kChunksPerLane = kTile * kChunks / 32;
   static constexpr int kTileElems = kTile * D;
-  static constexpr size_t kStageBytes = size_t{kDecodeWarps} * kStages * 2 * kTileElems * 2;
+  static constexpr size_t kStageBytes = size_t{kWarps} * kStages * 2 * kTileElems * 2;
   static constexpr size_t kMergeBytes =
-      (size_t{kDecodeWarps} * kMaxGqaGroup * D + 2 * kDecodeWarps * kMaxGqaGroup +
-       size_t{kMaxGqaGroup} * kMaxDecodeSplits + kMaxGqaGroup + 4) *
+      (size_t{kWarps} * kMaxGqaGroup * D + 2 * kWarps * kMaxGqaGroup + size_t{kMaxCtaHeads} * kMaxDecodeSplits +
+       kMaxCtaHeads + 4) *
       4;
   static_assert(kMergeBytes <= kStageBytes, "merge area must fit in the stage buffers");
   static constexpr size_t kSmemBytes = kTableEntries * 4 + kStageBytes;
@@ -78,26 +90,48 @@ struct DecodeArgs {
   int log2_ps;
   int max_pages;
   int chunk;
+  int heads_per_cta;  // KV heads served by one CTA (blockIdx.y covers heads [y * heads_per_cta, ...))
   float scale_log2;
 };
 
 template <typename T, int D, KvSource SRC>
-__global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(const DecodeArgs a) {
   using Tr = ElemTraits<T>;
-  using Cfg = DecodeConfig<D>;
+  using Cfg = DecodeConfig<D, SRC>;
+  constexpr int kTableEntries = Cfg::kTableEntries;
+  constexpr int kWarps = Cfg::kWarps;
+  constexpr int kThreads = Cfg::kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
   T* stage_base = reinterpret_cast<T*>(smem_raw + kTableEntries * 4);
 
   const int split = blockIdx.x;
-  const int kvh = blockIdx.y;
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int G = a.group;
+  // The CTA serves KV heads [kvh0, kvh0 + hpc) = query heads [cta_head0, cta_head0 + n_heads); warp w works for KV
+  // head kvh0 + w / wph and streams that head's tiles wt, wt + wph, ... of the CTA's token range.
+  const int hpc = SRC == KvSource::kPaged ? a.heads_per_cta : 1;
+  const int wph = kWarps / hpc;
+  const int hl = warp / wph;
+  const int wt = warp - hl * wph;
+  const int kvh0 = blockIdx.y * hpc;
+  const int kvh = kvh0 + hl;
+  const int cta_head0 = kvh0 * G;
+  const int n_heads = hpc * G;
   const int head0 = kvh * G;
 
+  // Paged: the block-table slice of the CTA's whole token range is loaded before seq_lens[b] arrives (the row has
+  // max_pages entries; entries past the sequence are never used).
+  const int32_t* bt = a.block_table + static_cast<size_t>(b) * a.max_pages;
+  int p0 = 0;
+  if constexpr (SRC == KvSource::kPaged) {
+    p0 = (split * a.chunk) >> a.log2_ps;
+    const int np = min(((split * a.chunk + a.chunk - 1) >> a.log2_ps) - p0 + 1, a.max_pages - p0);
+    for (int i = tid; i < np; i += kThreads) tab[i] = bt[p0 + i];
+  }
   // Virtual sequence of this (sequence, KV head).
   int L = 0;
   int n_sel = 0;
@@ -114,12 +148,11 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
     L = n_sel + wl;
   }
   T* out = static_cast<T*>(a.out);
+  T* outp = out + (static_cast<size_t>(b) * a.hq + cta_head0) * D;
   if (L <= 0) {  // nothing to attend to: zeros, lse = -inf
     if (split == 0) {
-      for (int idx = tid; idx < G * D; idx += kDecodeThreads) {
-        out[(static_cast<size_t>(b) * a.hq + head0 + idx / D) * D + idx % D] = Tr::from_float(0.f);
-      }
-      if (a.lse != nullptr && tid < G) a.lse[b * a.hq + head0 + tid] = -INFINITY;
+      for (int idx = tid; idx < n_heads * D; idx += kThreads) outp[idx] = Tr::from_float(0.f);
+      if (a.lse != nullptr && tid < n_heads) a.lse[b * a.hq + cta_head0 + tid] = -INFINITY;
     }
     return;
   }
@@ -129,21 +162,15 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   const int end = min(L, begin + a.chunk);
 
   // ---- prefetch the CTA's block-table entries / token rows into shared memory ----
-  const int32_t* bt = a.block_table + static_cast<size_t>(b) * a.max_pages;
   const int ps_mask = a.page_size - 1;
-  int p0 = 0;
-  if constexpr (SRC == KvSource::kPaged) {
-    p0 = begin >> a.log2_ps;
-    const int np = ((end - 1) >> a.log2_ps) - p0 + 1;
-    for (int i = tid; i < np; i += kDecodeThreads) tab[i] = bt[p0 + i];
-  } else if constexpr (SRC == KvSource::kIndexed) {
+  if constexpr (SRC == KvSource::kIndexed) {
     const int32_t* idx = a.indices + (static_cast<size_t>(b) * a.hkv + kvh) * a.index_stride + begin;
-    for (int i = tid; i < end - begin; i += kDecodeThreads) {
+    for (int i = tid; i < end - begin; i += kThreads) {
       const int pos = idx[i];
       tab[i] = bt[pos >> a.log2_ps] * a.page_size + (pos & ps_mask);
     }
-  } else {
-    for (int i = tid; i < end - begin; i += kDecodeThreads) {
+  } else if constexpr (SRC == KvSource::kPacked) {
+    for (int i = tid; i < end - begin; i += kThreads) {
       const int v = begin + i;
       if (v < n_sel) {
         tab[i] = -(v + 1);
@@ -167,6 +194,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   }
 
   // ---- per-warp cp.async pipeline ----
+  // K/V are streamed once: L2 evict-first policy and 128-byte L2 fetches (measured: docs/KERNELS.md).
+  const uint64_t l2_policy = l2_evict_first_policy();
   T* my_stages = stage_base + static_cast<size_t>(warp) * Cfg::kStages * 2 * Cfg::kTileElems;
   auto issue = [&](int tile_start, int stage) {
     T* sk = my_stages + stage * 2 * Cfg::kTileElems;
@@ -197,8 +226,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
         }
       }
       const int so = swz(tok, col, Cfg::kChunks);
-      cp_async_16(sk + so, gk + col * 8, valid);
-      cp_async_16(sv + so, gv + col * 8, valid);
+      cp_async_16_stream(sk + so, gk + col * 8, valid, l2_policy);
+      cp_async_16_stream(sv + so, gv + col * 8, valid, l2_policy);
     }
   };
 
@@ -221,8 +250,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   }
 
   const int n_tiles = (end - begin + kTile - 1) / kTile;
-  const int nj = warp < n_tiles ? (n_tiles - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
-  auto tile_begin = [&](int j) { return begin + (warp + kDecodeWarps * j) * kTile; };
+  const int nj = wt < n_tiles ? (n_tiles - wt + wph - 1) / wph : 0;
+  auto tile_begin = [&](int j) { return begin + (wt + wph * j) * kTile; };
 
   float o[D / 16][4];
 #pragma unroll
@@ -296,14 +325,14 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   l0 = warp_sum_xor(l0, 4, 16);
   l1 = warp_sum_xor(l1, 4, 16);
 
-  // ---- merge the 4 warps in shared memory (reusing the stage buffers) ----
+  // ---- merge the warps of each KV head in shared memory (reusing the stage buffers) ----
   __syncthreads();
-  float* wo = reinterpret_cast<float*>(stage_base);            // [warps][8][D]
-  float* wm = wo + kDecodeWarps * kMaxGqaGroup * D;             // [warps][8]
-  float* wl = wm + kDecodeWarps * kMaxGqaGroup;                 // [warps][8]
-  float* sw = wl + kDecodeWarps * kMaxGqaGroup;                 // [8][kMaxDecodeSplits]
-  float* slse = sw + kMaxGqaGroup * kMaxDecodeSplits;           // [8]
-  int* s_last = reinterpret_cast<int*>(slse + kMaxGqaGroup);    // [1]
+  float* wo = reinterpret_cast<float*>(stage_base);           // [warps][8][D]
+  float* wm = wo + kWarps * kMaxGqaGroup * D;                  // [warps][8]
+  float* wl = wm + kWarps * kMaxGqaGroup;                      // [warps][8]
+  float* sw = wl + kWarps * kMaxGqaGroup;                      // [kMaxCtaHeads][kMaxDecodeSplits]
+  float* slse = sw + Cfg::kMaxCtaHeads * kMaxDecodeSplits;     // [kMaxCtaHeads]
+  int* s_last = reinterpret_cast<int*>(slse + Cfg::kMaxCtaHeads);  // [1]
   if (g == 0) {
     wm[warp * kMaxGqaGroup + 2 * c4] = m0;
     wm[warp * kMaxGqaGroup + 2 * c4 + 1] = m1;
@@ -322,17 +351,17 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   }
   __syncthreads();
 
-  T* outp = out + (static_cast<size_t>(b) * a.hq + head0) * D;
-  for (int idx = tid; idx < G * D; idx += kDecodeThreads) {
-    const int h = idx / D;
-    const int d = idx % D;
+  for (int idx = tid; idx < n_heads * D; idx += kThreads) {
+    const int hh = idx / D;  // query head of the CTA
+    const int d = idx - hh * D;
+    const int w0 = (hh / G) * wph;  // first warp of its KV head
+    const int h = hh % G;
     float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) M = fmaxf(M, wm[w * kMaxGqaGroup + h]);
+    for (int t = 0; t < wph; ++t) M = fmaxf(M, wm[(w0 + t) * kMaxGqaGroup + h]);
     float lsum = 0.f;
     float acc = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) {
+    for (int t = 0; t < wph; ++t) {
+      const int w = w0 + t;
       const float sc = exp2_approx(wm[w * kMaxGqaGroup + h] - M);
       lsum += sc * wl[w * kMaxGqaGroup + h];
       acc += sc * wo[(w * kMaxGqaGroup + h) * D + d];
@@ -341,20 +370,20 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
     const float lse2 = M + log2f(lsum);
     if (n_splits == 1) {
       outp[idx] = Tr::from_float(val);
-      if (a.lse != nullptr && d == 0) a.lse[b * a.hq + head0 + h] = lse2 * kLn2;
+      if (a.lse != nullptr && d == 0) a.lse[b * a.hq + cta_head0 + hh] = lse2 * kLn2;
     } else {
-      const size_t row = (static_cast<size_t>(b) * a.hq + head0 + h) * kMaxDecodeSplits + split;
+      const size_t row = (static_cast<size_t>(b) * a.hq + cta_head0 + hh) * kMaxDecodeSplits + split;
       a.ws_o[row * D + d] = val;
       if (d == 0) a.ws_lse[row] = lse2;
     }
   }
   if (n_splits == 1) return;
 
-  // ---- split-K merge by the last CTA of this (sequence, KV head) ----
+  // ---- split-K merge by the last CTA of this (sequence, KV-head group) ----
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    int* ctr = a.counters + b * a.hkv + kvh;
+    int* ctr = a.counters + b * a.hkv + kvh0;
     const int prev = atomicAdd(ctr, 1);
     const int last = prev == n_splits - 1;
     if (last) atomicExch(ctr, 0);
@@ -363,9 +392,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   __syncthreads();
   if (*s_last == 0) return;
   __threadfence();
-  // Split weights: warp w reduces heads w, w + 4 (G <= 8): the n_splits (<= 64) log-sum-exps, two per lane.
-  for (int h = warp; h < G; h += kDecodeWarps) {
-    const float* lp = a.ws_lse + (static_cast<size_t>(b) * a.hq + head0 + h) * kMaxDecodeSplits;
+  // Split weights: warp w reduces query heads w, w + kWarps, ...: the n_splits (<= 64) log-sum-exps, two per lane.
+  for (int hh = warp; hh < n_heads; hh += kWarps) {
+    const float* lp = a.ws_lse + (static_cast<size_t>(b) * a.hq + cta_head0 + hh) * kMaxDecodeSplits;
     const float l0s = lane < n_splits ? __ldcg(lp + lane) : -INFINITY;
     const float l1s = lane + 32 < n_splits ? __ldcg(lp + lane + 32) : -INFINITY;
     const float M = warp_max_xor(fmaxf(l0s, l1s), 1, 16);
@@ -373,20 +402,34 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
     const float w1 = exp2_approx(l1s - M);
     const float sum = warp_sum_xor(w0 + w1, 1, 16);
     const float inv = 1.f / sum;
-    if (lane < n_splits) sw[h * kMaxDecodeSplits + lane] = w0 * inv;
-    if (lane + 32 < n_splits) sw[h * kMaxDecodeSplits + lane + 32] = w1 * inv;
-    if (lane == 0) slse[h] = M + log2f(sum);
+    if (lane < n_splits) sw[hh * kMaxDecodeSplits + lane] = w0 * inv;
+    if (lane + 32 < n_splits) sw[hh * kMaxDecodeSplits + lane + 32] = w1 * inv;
+    if (lane == 0) slse[hh] = M + log2f(sum);
   }
   __syncthreads();
-  for (int idx = tid; idx < G * D; idx += kDecodeThreads) {
-    const int h = idx / D;
-    const int d = idx % D;
-    const float* op = a.ws_o + (static_cast<size_t>(b) * a.hq + head0 + h) * kMaxDecodeSplits * D + d;
-    float acc = 0.f;
+  // Weighted sum of the partials, 4 consecutive dims (one float4 per split) per thread and step.
+  constexpr int kD4 = D / 4;
+  for (int it = tid; it < n_heads * kD4; it += kThreads) {
+    const int hh = it / kD4;
+    const int d = 4 * (it - hh * kD4);
+    const float4* op = reinterpret_cast<const float4*>(
+        a.ws_o + (static_cast<size_t>(b) * a.hq + cta_head0 + hh) * kMaxDecodeSplits * D + d);
+    const float* wsp = sw + hh * kMaxDecodeSplits;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
-    for (int s = 0; s < n_splits; ++s) acc += sw[h * kMaxDecodeSplits + s] * __ldcg(op + static_cast<size_t>(s) * D);
-    outp[idx] = Tr::from_float(acc);
-    if (a.lse != nullptr && d == 0) a.lse[b * a.hq + head0 + h] = slse[h] * kLn2;
+    for (int s = 0; s < n_splits; ++s) {
+      const float4 v = __ldcg(op + static_cast<size_t>(s) * kD4);
+      const float w = wsp[s];
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+    uint2 packed;
+    packed.x = Tr::pack2(acc.x, acc.y);
+    packed.y = Tr::pack2(acc.z, acc.w);
+    *reinterpret_cast<uint2*>(outp + hh * D + d) = packed;
+    if (a.lse != nullptr && d == 0) a.lse[b * a.hq + cta_head0 + hh] = slse[hh] * kLn2;
   }
 }
 
@@ -408,30 +451,52 @@ WorkspaceLayout workspace_layout(int batch, int num_q_heads, int num_kv_heads, i
 }
 
 struct DecodeShape {
-  int batch, hq, hkv, head_dim, page_size, max_len, forced_splits;
+  int batch, hq, hkv, head_dim, page_size, max_len, forced_splits, forced_heads_per_cta;
 };
 
 template <typename T, int D, KvSource SRC>
 cudaError_t launch_decode_typed(DecodeArgs args, const DecodeShape& sh, const DecodeWorkspace& ws,
                                 cudaStream_t stream) {
-  using Cfg = DecodeConfig<D>;
+  using Cfg = DecodeConfig<D, SRC>;
+  constexpr int kTableEntries = Cfg::kTableEntries;
   auto kernel = decode_kernel<T, D, SRC>;
   static std::atomic<uint64_t> smem_done{0};
   cudaError_t e = ensure_smem_attribute(kernel, Cfg::kSmemBytes, smem_done);
   if (e != cudaSuccess) return e;
 
+  int hpc_forced = sh.forced_heads_per_cta;
+  if (hpc_forced > 0 && (!is_pow2(hpc_forced) || hpc_forced > Cfg::kMaxHeadsPerCta || sh.hkv % hpc_forced != 0)) {
+    return invalid_argument("decode attention", "kv_heads_per_cta ", hpc_forced,
+                            " must be a power of two dividing num_kv_heads ", sh.hkv, " and <= ",
+                            Cfg::kMaxHeadsPerCta, " for head_dim ", D);
+  }
   // Tokens one CTA may cover: its block-table slice / token rows must fit the prefetch table.
   const long long cap = SRC == KvSource::kPaged ? static_cast<long long>(kTableEntries - 2) * sh.page_size
                                                 : static_cast<long long>(kTableEntries);
   const int min_splits = ceil_div(sh.max_len, cap);
+  int occ = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, Cfg::kThreads, Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const long long slots = static_cast<long long>(std::max(1, current_sm_count())) * std::max(1, occ);
+  // KV heads per CTA and split count: the smallest heads-per-CTA whose grid fits one wave at the minimum split
+  // count, then the most splits that still fit one wave (one CTA per SM streams; see docs/KERNELS.md sweep).
+  int hpc = 1;
   int splits = sh.forced_splits;
-  if (splits <= 0) {
-    int occ = 0;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kDecodeThreads, Cfg::kSmemBytes);
-    if (e != cudaSuccess) return e;
-    const long long slots = static_cast<long long>(std::max(1, current_sm_count())) * std::max(1, occ);
-    splits = choose_splits(static_cast<long long>(sh.batch) * sh.hkv, slots, sh.max_len, kMinTokensPerSplit,
-                           min_splits, kMaxDecodeSplits);
+  {
+    int best_h = 0;
+    for (int h = 1; h <= Cfg::kMaxHeadsPerCta; h *= 2) {
+      if (sh.hkv % h != 0 || (hpc_forced > 0 && h != hpc_forced)) continue;
+      best_h = h;
+      const long long rows = static_cast<long long>(sh.batch) * (sh.hkv / h);
+      const int s0 = sh.forced_splits > 0 ? std::max(sh.forced_splits, min_splits) : min_splits;
+      if (rows * s0 <= slots) break;
+    }
+    hpc = best_h;
+    if (splits <= 0) {
+      const long long rows = static_cast<long long>(sh.batch) * (sh.hkv / hpc);
+      const int s_cap = std::min<long long>(kMaxDecodeSplits, std::max(1, ceil_div(sh.max_len, kMinTokensPerSplit)));
+      splits = static_cast<int>(std::max<long long>(1, std::min<long long>(s_cap, slots / rows)));
+    }
   }
   splits = std::max(splits, min_splits);
   if (splits > kMaxDecodeSplits) {
@@ -442,6 +507,7 @@ cudaError_t launch_decode_typed(DecodeArgs args, const DecodeShape& sh, const De
   if (chunk > cap) chunk = static_cast<int>(cap / kTile) * kTile;
   const int grid_x = ceil_div(sh.max_len, chunk);
   args.chunk = chunk;
+  args.heads_per_cta = hpc;
   if (grid_x > 1) {
     const WorkspaceLayout w = workspace_layout(sh.batch, sh.hq, sh.hkv, D);
     if (ws.ptr == nullptr || ws.bytes < w.total) {
@@ -453,8 +519,8 @@ cudaError_t launch_decode_typed(DecodeArgs args, const DecodeShape& sh, const De
     args.ws_lse = reinterpret_cast<float*>(base + w.lse);
     args.ws_o = reinterpret_cast<float*>(base + w.o);
   }
-  const dim3 grid(grid_x, sh.hkv, sh.batch);
-  kernel<<<grid, kDecodeThreads, Cfg::kSmemBytes, stream>>>(args);
+  const dim3 grid(grid_x, sh.hkv / hpc, sh.batch);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
@@ -556,7 +622,11 @@ cudaError_t paged_decode_attention(const PagedDecodeParams& p, cudaStream_t stre
   DecodeArgs a = base_args(p.q, p.k_cache, p.v_cache, p.block_table, p.out, p.lse, p.num_q_heads, p.num_kv_heads,
                            p.page_size, p.max_pages_per_seq, p.scale);
   a.seq_lens = p.seq_lens;
-  const DecodeShape sh{p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size, p.max_seq_len, p.num_splits};
+  if (p.kv_heads_per_cta < 0) {
+    return invalid_argument(what, "kv_heads_per_cta ", p.kv_heads_per_cta, " must be >= 0");
+  }
+  const DecodeShape sh{p.batch,       p.num_q_heads, p.num_kv_heads, p.head_dim,
+                       p.page_size,   p.max_seq_len, p.num_splits,   p.kv_heads_per_cta};
   return launch_decode<KvSource::kPaged>(p.dtype, a, sh, p.workspace, stream);
 }
 
@@ -576,8 +646,8 @@ cudaError_t sparse_decode_attention_indexed(const SparseIndexDecodeParams& p, cu
   a.indices = p.indices;
   a.num_indices = p.num_indices;
   a.index_stride = p.index_stride;
-  const DecodeShape sh{p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size, p.index_stride,
-                       p.num_splits};
+  const DecodeShape sh{p.batch,     p.num_q_heads,  p.num_kv_heads, p.head_dim,
+                       p.page_size, p.index_stride, p.num_splits,   1};
   return launch_decode<KvSource::kIndexed>(p.dtype, a, sh, p.workspace, stream);
 }
 
@@ -607,7 +677,7 @@ cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cu
   a.packed_capacity = p.packed_capacity;
   a.local_window = p.local_window;
   const DecodeShape sh{p.batch,     p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size,
-                       p.packed_capacity + p.local_window, p.num_splits};
+                       p.packed_capacity + p.local_window, p.num_splits, 1};
   return launch_decode<KvSource::kPacked>(p.dtype, a, sh, p.workspace, stream);
 }
 

@@ -70,6 +70,18 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(src_bytes));
 }
+/// L2 cache policy for data read exactly once (evict first), for the `cp_async_16_stream` cache hint.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+/// cp_async_16 for streamed data: L2 cache policy `pol` (l2_evict_first_policy) and 128-byte L2 fetches.
+__device__ __forceinline__ void cp_async_16_stream(void* smem, const void* gmem, bool valid, uint64_t pol) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(src_bytes), "l"(pol));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
