@@ -1,6 +1,7 @@
 #include "common/page_allocator.h"
 
 #include <algorithm>
+#include <functional>
 
 #include "common/error.h"
 
@@ -10,7 +11,19 @@ PageAllocator::PageAllocator(int num_pages, int page_size) : num_pages_(num_page
   SPADE_CHECK(num_pages > 0, "PageAllocator: num_pages must be positive, got {}", num_pages);
   SPADE_CHECK(page_size > 0, "PageAllocator: page_size must be positive, got {}", page_size);
   free_.reserve(num_pages);
-  for (int p = num_pages - 1; p >= 0; --p) free_.push_back(p);
+  for (int p = 0; p < num_pages; ++p) free_.push_back(p);  // ascending ids: already a valid min-heap
+}
+
+void PageAllocator::push_free(int32_t page) {
+  free_.push_back(page);
+  std::push_heap(free_.begin(), free_.end(), std::greater<>{});
+}
+
+int32_t PageAllocator::pop_free() {
+  std::pop_heap(free_.begin(), free_.end(), std::greater<>{});
+  const int32_t page = free_.back();
+  free_.pop_back();
+  return page;
 }
 
 void PageAllocator::admit(uint64_t seq) {
@@ -31,10 +44,7 @@ bool PageAllocator::append(uint64_t seq, int n) {
   Seq& s = it->second;
   const int need = pages_for(s.len + n) - static_cast<int>(s.pages.size());
   if (need > static_cast<int>(free_.size())) return false;
-  for (int i = 0; i < need; ++i) {
-    s.pages.push_back(free_.back());
-    free_.pop_back();
-  }
+  for (int i = 0; i < need; ++i) s.pages.push_back(pop_free());
   s.len += n;
   return true;
 }
@@ -42,8 +52,8 @@ bool PageAllocator::append(uint64_t seq, int n) {
 void PageAllocator::release(uint64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
-  for (auto p = it->second.pages.rbegin(); p != it->second.pages.rend(); ++p)
-    if (*p >= 0) free_.push_back(*p);
+  for (int32_t p : it->second.pages)
+    if (p >= 0) push_free(p);
   seqs_.erase(it);
 }
 
@@ -56,7 +66,7 @@ int PageAllocator::drop_range(uint64_t seq, int begin, int end) {
   const int last = std::min(end, s.len) / page_size_;                     // pages ending at or before end
   for (int p = first; p < last && p < static_cast<int>(s.pages.size()); ++p) {
     if (s.pages[p] < 0) continue;
-    free_.push_back(s.pages[p]);
+    push_free(s.pages[p]);
     s.pages[p] = -1;
     ++freed;
   }
