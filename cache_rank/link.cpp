@@ -118,7 +118,8 @@ void TransportLink::shutdown() {
 // ---- the cache rank's side ----
 
 std::string serve_cache_rank(transport::Endpoint& ep, Selector& sel, const PackShape& shape,
-                             const std::atomic<bool>& stop, LinkStats* stats, std::chrono::milliseconds poll) {
+                             const std::atomic<bool>& stop, LinkStats* stats, std::chrono::milliseconds poll,
+                             const ServeHooks& hooks) {
   std::deque<std::pair<std::unique_ptr<std::pair<FramePrefix, std::vector<uint8_t>>>,
                        std::pair<transport::SendHandle, transport::SendHandle>>>
       out;
@@ -137,6 +138,7 @@ std::string serve_cache_rank(transport::Endpoint& ep, Selector& sel, const PackS
     auto h = ep.post_recv(link_up_prefix_tag(), &f, sizeof(f));
     Status s;
     while ((s = h.wait_for(poll)) == Status::TIMEOUT) {
+      if (hooks.on_poll) hooks.on_poll();
       if (stop.load()) {
         h.cancel();
         return "";
@@ -154,14 +156,18 @@ std::string serve_cache_rank(transport::Endpoint& ep, Selector& sel, const PackS
       if (stop.load()) return "";
     if (s != Status::OK) return hp.error();
     PackSelection sel_out;
+    PackUpdate u;
     try {
-      const PackUpdate u = decode_update(payload.data(), payload.size(), shape, ep.peer_name());
-      sel_out = process_pack(sel, u);
+      u = decode_update(payload.data(), payload.size(), shape, ep.peer_name());
+      sel_out = process_pack(sel, u, hooks.sampler);
     } catch (const Error& e) {
       sel_out.error = e.what();
     }
     auto msg = std::make_unique<std::pair<FramePrefix, std::vector<uint8_t>>>();
     msg->second = encode(sel_out, shape);
+    if (hooks.on_poll) hooks.on_poll();
+    if (hooks.on_pack) hooks.on_pack(u, sel_out, payload.size() + sizeof(FramePrefix),
+                                     msg->second.size() + sizeof(FramePrefix));
     msg->first.kind = 2;
     msg->first.payload_bytes = msg->second.size();
     if (stats) {

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,8 +97,16 @@ uint64_t link_down_tag();
 /// The cache rank's loop for one inference rank: receive an update, process_pack, send the selection; until a
 /// shutdown frame, `stop`, or a failure of the endpoint (returns its message; empty on a clean shutdown).
 /// `poll` bounds how long one wait blocks before `stop` is checked again.
+/// `sampler` (optional): online overlap-ratio sampling (pack.h). `on_pack` (optional): called after each answered
+/// update with the selection and the payload bytes received / sent (metrics).
+struct ServeHooks {
+  OverlapSampler* sampler = nullptr;
+  std::function<void(const PackUpdate&, const PackSelection&, size_t bytes_in, size_t bytes_out)> on_pack;
+  std::function<void()> on_poll;  // called at least every `poll` while serving (main-loop liveness)
+};
 std::string serve_cache_rank(transport::Endpoint& ep, Selector& sel, const PackShape& shape,
                              const std::atomic<bool>& stop, LinkStats* stats,
-                             std::chrono::milliseconds poll = std::chrono::milliseconds(100));
+                             std::chrono::milliseconds poll = std::chrono::milliseconds(100),
+                             const ServeHooks& hooks = {});
 
 }  // namespace spade::cache

@@ -2,7 +2,17 @@
 // back, one step ahead, the tokens each layer and KV head should attend to (AsyncSpade Sec. 4.1-4.2).
 //
 //   cache_rank --model DIR [--token-budget K --local-window R --sink-tokens S --query-window W --ridge-eps E
-//               --gqa-rule max|mean --kv-pages N --page-size 16] [launch flags | RANK/WORLD_SIZE/MASTER_* | OMPI_*]
+//               --gqa-rule max|mean --kv-pages N --page-size 16 --overlap-sample-every N]
+//              [--metrics-port P] [launch flags | RANK/WORLD_SIZE/MASTER_* | OMPI_*]
+//
+// Metrics (--metrics-port, GET /metrics; /health = serving loop alive, /ready = paired inference rank connected):
+//   spade_selection_time_seconds          histogram  cache-rank time per layer-pack update (append+predict+score+top-k+gather)
+//   spade_selection_overlap_ratio         histogram  sampled |predicted top-k ∩ oracle top-k| / k (AsyncSpade Eq. 1)
+//   spade_transfer_bytes_total{direction,transport}  counter  data-plane bytes, direction send|recv
+//   spade_cache_pack_updates_total        counter    updates answered
+//   spade_cache_selection_errors_total    counter    updates answered with an error (e.g. pool exhausted)
+//   spade_cache_sequences                 gauge      sequences whose KV this rank holds
+//   spade_cache_kv_usage_perc             gauge      0..1, used fraction of the KV pool
 //
 // The model directory is read for config.json only (shapes); the selection flags must match the inference rank's.
 // Exits 0 when the coordinator shuts the world down, 1 when its inference rank or the coordinator is lost.
@@ -17,6 +27,8 @@
 #include "common/config.h"
 #include "common/error.h"
 #include "common/logging.h"
+#include "common/metrics.h"
+#include "common/status_endpoint.h"
 #include "coordinator/client.h"
 #if SPADE_HAVE_UCX
 #include "transport/ucx.h"
@@ -51,6 +63,15 @@ int main(int argc, char** argv) {
   app.add_option("--role-map", lf.role_map, "explicit role per rank, e.g. c,i,k");
   app.add_option("--rendezvous-timeout-ms", rendezvous_ms, "deadline for the whole world to register");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off");
+  int metrics_port = 0, overlap_every = 16;
+  std::string metrics_host = "0.0.0.0";
+  app.add_option("--metrics-port", metrics_port, "serve /metrics, /health, /ready on this port (0 = off)")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--metrics-host", metrics_host, "address of the metrics endpoint")->capture_default_str();
+  app.add_option("--overlap-sample-every", overlap_every,
+                 "measure the predicted-vs-oracle overlap ratio every N steps (0 = off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     spade::init_logging("cache_rank", log_level);
@@ -66,6 +87,19 @@ int main(int argc, char** argv) {
     SPADE_CHECK(env.role == spade::proto::CACHE, "cache_rank: {} is not a cache rank (role map {})",
                 env.describe_rank(env.rank), env.role_map_string());
     const std::string self = fmt::format("cache rank {} (#{})", env.rank, env.role_index);
+    spade::metrics::Registry registry;
+    spade::LoopHeartbeat heartbeat(std::chrono::milliseconds(30000));
+    std::atomic<bool> connected{false};
+    std::unique_ptr<spade::http::HttpServer> status_server;
+    if (metrics_port > 0) {
+      status_server = spade::serve_status_endpoint(
+          metrics_host, static_cast<uint16_t>(metrics_port), self, registry,
+          spade::StatusChecks{[&] { return heartbeat.check(); },
+                              [&]() -> std::string {
+                                return connected ? "" : "waiting for the world and the paired inference rank";
+                              }});
+      spdlog::info("{}: metrics on {}:{}/metrics", self, metrics_host, status_server->port());
+    }
 #if !SPADE_HAVE_UCX
     spade::fail("{}: this build has no UCX transport", self);
 #else
@@ -95,9 +129,48 @@ int main(int argc, char** argv) {
       exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
       g_stop = true;
     });
+    auto& select_time = registry
+                            .histogram("spade_selection_time_seconds",
+                                       "Cache-rank time per layer-pack update (append, predict, score, top-k, gather).",
+                                       spade::metrics::exponential_buckets(0.0001, 2, 18))
+                            .with();
+    auto& overlap = registry
+                        .histogram("spade_selection_overlap_ratio",
+                                   "Sampled overlap of the predicted top-k with the true-query top-k (AsyncSpade Eq. 1).",
+                                   spade::metrics::linear_buckets(0.1, 0.1, 10))
+                        .with();
+    auto& bytes = registry.counter("spade_transfer_bytes_total", "Data-plane bytes moved, by direction and transport.",
+                                   {"direction", "transport"});
+    auto& bytes_in = bytes.with({"recv", net->kind()});
+    auto& bytes_out = bytes.with({"send", net->kind()});
+    auto& updates = registry.counter("spade_cache_pack_updates_total", "Layer-pack updates answered.").with();
+    auto& errors = registry.counter("spade_cache_selection_errors_total",
+                                    "Updates answered with an error (e.g. KV pool exhausted).")
+                       .with();
+    auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
+    auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
+    std::unique_ptr<spade::cache::OverlapSampler> sampler;
+    if (overlap_every > 0) sampler = std::make_unique<spade::cache::OverlapSampler>(overlap_every);
+    spade::cache::ServeHooks hooks;
+    hooks.sampler = sampler.get();
+    hooks.on_poll = [&] { heartbeat.tick(); };
+    hooks.on_pack = [&](const spade::cache::PackUpdate&, const spade::cache::PackSelection& p, size_t in, size_t out) {
+      select_time.observe(p.select_ms / 1e3);
+      bytes_in.inc(static_cast<double>(in));
+      bytes_out.inc(static_cast<double>(out));
+      updates.inc();
+      if (!p.error.empty()) errors.inc();
+      seqs.set(static_cast<double>(sel.num_sequences()));
+      kv_usage.set(1.0 - static_cast<double>(sel.num_free_pages()) / sel.num_pages());
+      if (sampler)
+        for (double r : sampler->take()) overlap.observe(r);
+    };
+    kv_usage.set(0);
+    seqs.set(0);
+    connected = true;
     spade::cache::LinkStats stats;
-    const std::string err =
-        spade::cache::serve_cache_rank(*ep, sel, spade::cache::pack_shape(cfg, sc), g_stop, &stats);
+    const std::string err = spade::cache::serve_cache_rank(*ep, sel, spade::cache::pack_shape(cfg, sc), g_stop, &stats,
+                                                           std::chrono::milliseconds(100), hooks);
     spdlog::info("{}: {} updates, {:.1f} MB in, {:.1f} MB out, {:.1f} ms selecting", self, stats.updates,
                  stats.bytes_received / 1e6, stats.bytes_sent / 1e6, stats.cache_select_ms);
     if (!err.empty()) {

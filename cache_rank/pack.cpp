@@ -1,5 +1,6 @@
 #include "cache_rank/pack.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <type_traits>
@@ -207,13 +208,54 @@ PackSelection decode_selection(const uint8_t* data, size_t len, const PackShape&
   return p;
 }
 
-PackSelection process_pack(Selector& sel, const PackUpdate& u) {
+OverlapSampler::OverlapSampler(int every) : every_(every) {
+  SPADE_CHECK(every >= 1, "overlap sampling period must be >= 1 step, got {}", every);
+}
+
+std::vector<double> OverlapSampler::take() {
+  std::vector<double> r;
+  r.swap(ratios_);
+  return r;
+}
+
+namespace {
+
+// |a ∩ b| / |b| per KV head (the first `count` entries of each head's row are valid), averaged over heads.
+double overlap_ratio(const std::vector<int32_t>& pred, const LayerSelection& oracle, int heads, int budget) {
+  if (oracle.count == 0) return 1.0;
+  double sum = 0;
+  for (int h = 0; h < heads; ++h) {
+    const int32_t* a = pred.data() + static_cast<size_t>(h) * budget;
+    const int32_t* b = oracle.positions.data() + static_cast<size_t>(h) * budget;
+    const int na = static_cast<int>(std::find(a, a + budget, -1) - a);
+    // Both lists are ascending: merge-count the intersection.
+    int i = 0, j = 0, common = 0;
+    while (i < na && j < oracle.count) {
+      if (a[i] == b[j]) {
+        ++common, ++i, ++j;
+      } else if (a[i] < b[j]) {
+        ++i;
+      } else {
+        ++j;
+      }
+    }
+    sum += static_cast<double>(common) / oracle.count;
+  }
+  return sum / heads;
+}
+
+}  // namespace
+
+PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* sampler) {
   const auto t0 = std::chrono::steady_clock::now();
   PackSelection out;
   out.step = u.step;
   out.pack = u.pack;
   try {
-    for (uint64_t id : u.released) sel.release(id);
+    for (uint64_t id : u.released) {
+      sel.release(id);
+      if (sampler) sampler->predicted_.erase(id), sampler->predicted_len_.erase(id);
+    }
     for (const SeqUpdate& e : u.seqs) {
       SeqSelection ss;
       ss.seq_id = e.seq_id;
@@ -232,7 +274,26 @@ PackSelection process_pack(Selector& sel, const PackUpdate& u) {
         } else {
           sel.append_layer(e.seq_id, layer, e.context_len - 1, q, k, v);
         }
+        if (sampler && !e.init) {  // compare the prediction made for this step with the true query's top-k
+          auto it = sampler->predicted_.find(e.seq_id);
+          auto lt = sampler->predicted_len_.find(e.seq_id);
+          if (it != sampler->predicted_.end() && lt != sampler->predicted_len_.end() &&
+              lt->second == e.context_len && static_cast<size_t>(layer) < it->second.size() &&
+              !it->second[layer].empty()) {
+            const auto& cfg = sel.config();
+            sel.select(e.seq_id, layer, e.context_len, q, sampler->scratch_);
+            const int heads = static_cast<int>(sampler->scratch_.positions.size() / cfg.token_budget);
+            sampler->ratios_.push_back(overlap_ratio(it->second[layer], sampler->scratch_, heads, cfg.token_budget));
+            it->second[layer].clear();
+          }
+        }
         sel.select(e.seq_id, layer, ss.context_len, nullptr, ss.layers[i]);
+        if (sampler && u.step % sampler->every_ == 0) {
+          auto& per_layer = sampler->predicted_[e.seq_id];
+          if (per_layer.size() <= static_cast<size_t>(layer)) per_layer.resize(static_cast<size_t>(layer) + 1);
+          per_layer[layer] = ss.layers[i].positions;
+          sampler->predicted_len_[e.seq_id] = ss.context_len;
+        }
       }
       out.seqs.push_back(std::move(ss));
     }

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cache_rank/selector.h"
@@ -63,9 +64,32 @@ PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, co
 std::vector<uint8_t> encode(const PackSelection& p, const PackShape& s);
 PackSelection decode_selection(const uint8_t* data, size_t len, const PackShape& s, const std::string& peer);
 
+/// Online measurement of the overlap ratio (AsyncSpade Eq. 1: |predicted top-k ∩ oracle top-k| / |oracle top-k|, per
+/// KV head, averaged over the heads) while serving: on every `every`-th step the predicted selections of each
+/// sequence in the update are remembered; on the sequence's next APPEND update, whose query is the true one the
+/// prediction stood for, the oracle selection (top-k with that true query over the same candidates) is computed
+/// and compared. One extra scoring pass per layer on sampled steps only (cost ~ 1/every of the selection time).
+class OverlapSampler {
+ public:
+  /// `every` >= 1.
+  explicit OverlapSampler(int every);
+  int every() const { return every_; }
+  /// Overlap ratios (0..1, one per sampled (sequence, layer)) measured since the last call.
+  std::vector<double> take();
+
+ private:
+  friend PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* sampler);
+  int every_;
+  std::unordered_map<uint64_t, std::vector<std::vector<int32_t>>> predicted_;  // seq -> per layer [heads*budget]
+  std::unordered_map<uint64_t, int32_t> predicted_len_;  // seq -> context length the prediction is for
+  std::vector<double> ratios_;
+  LayerSelection scratch_;
+};
+
 /// Applies an update to the selector (release, INIT, APPEND) and selects for the next step of every sequence in it.
 /// Errors (pool exhausted, inconsistent lengths) are returned in PackSelection::error, never thrown.
-PackSelection process_pack(Selector& sel, const PackUpdate& u);
+/// `sampler` (optional) measures the overlap ratio on sampled steps.
+PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* sampler = nullptr);
 
 /// The 16-byte frame prefix sent before each payload.
 struct FramePrefix {

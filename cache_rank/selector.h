@@ -73,6 +73,8 @@ class Selector {
   void release(uint64_t seq);
 
   int num_free_pages() const { return alloc_.num_free_pages(); }
+  /// Sequences tracked (holding KV here).
+  size_t num_sequences() const { return seqs_.size(); }
   int num_pages() const { return alloc_.num_pages(); }
 
  private:

@@ -287,6 +287,21 @@ class CoordinatorClient::Impl {
     return c;
   }
 
+  void cancel(uint64_t request_id, const std::string& reason) {
+    proto::Envelope env;
+    env.mutable_cancel_request()->set_request_id(request_id);
+    env.mutable_cancel_request()->set_reason(reason);
+    send(env);
+  }
+
+  std::optional<proto::CancelRequest> next_cancel(Deadline deadline) {
+    std::unique_lock lk(mu_);
+    if (!cv_.wait_until(lk, deadline, [&] { return !cancels_.empty(); })) return std::nullopt;
+    auto r = std::move(cancels_.front());
+    cancels_.pop_front();
+    return r;
+  }
+
   std::optional<proto::GenerateRequest> next_request(Deadline deadline) {
     std::unique_lock lk(mu_);
     if (!cv_.wait_until(lk, deadline, [&] { return !requests_.empty(); })) return std::nullopt;
@@ -405,6 +420,9 @@ class CoordinatorClient::Impl {
           break;
         case proto::Envelope::kGenerateChunk:
           chunks_.push_back(env.generate_chunk());
+          break;
+        case proto::Envelope::kCancelRequest:
+          cancels_.push_back(env.cancel_request());
           break;
         case proto::Envelope::kPeerDown: {
           const auto& pd = env.peer_down();
@@ -537,6 +555,7 @@ class CoordinatorClient::Impl {
   std::deque<proto::StatusReply> statuses_;
   std::deque<proto::GenerateChunk> chunks_;
   std::deque<proto::GenerateRequest> requests_;
+  std::deque<proto::CancelRequest> cancels_;
   std::map<std::string, double> stats_;
   std::function<void(const ClientEvent&)> callback_;
   std::mutex status_mu_;
@@ -596,6 +615,12 @@ uint64_t CoordinatorClient::submit(proto::GenerateRequest r) {
 }
 std::optional<proto::GenerateChunk> CoordinatorClient::next_chunk(Deadline d) {
   return impl_->next_chunk(d);
+}
+void CoordinatorClient::cancel(uint64_t id, const std::string& reason) {
+  impl_->cancel(id, reason);
+}
+std::optional<proto::CancelRequest> CoordinatorClient::next_cancel(Deadline d) {
+  return impl_->next_cancel(d);
 }
 std::optional<proto::GenerateRequest> CoordinatorClient::next_request(Deadline d) {
   return impl_->next_request(d);

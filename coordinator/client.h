@@ -113,6 +113,11 @@ class CoordinatorClient {
   std::optional<proto::GenerateChunk> next_chunk(Deadline deadline);
   /// (inference rank) Next GenerateRequest routed to us; nullopt at the deadline.
   std::optional<proto::GenerateRequest> next_request(Deadline deadline);
+  /// Cancels a request this client submitted (id as returned by submit()). Its last chunk (FINISH_CANCELLED) may
+  /// still arrive.
+  void cancel(uint64_t request_id, const std::string& reason);
+  /// (inference rank) Next CancelRequest routed to us (ids as in next_request()); nullopt at the deadline.
+  std::optional<proto::CancelRequest> next_cancel(Deadline deadline);
   /// (inference rank) Sends one chunk of a routed request back (request_id as received).
   void send_chunk(const proto::GenerateChunk& chunk);
 

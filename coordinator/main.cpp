@@ -1,7 +1,17 @@
 // `coordinator`: the Spade control-plane process (global rank 0 by default). See coordinator/server.h.
 //
-//   coordinator --num-inference 1 --num-cache 1 --port 29500
-//   torchrun-style: MASTER_PORT=29500 WORLD_SIZE=3 RANK=0 coordinator
+//   coordinator --num-inference 1 --num-cache 1 --port 29500 --model DIR --http-port 8000
+//   torchrun-style: MASTER_PORT=29500 WORLD_SIZE=3 RANK=0 coordinator --model DIR
+//
+// HTTP (--http-port, default 8000; 0 = off): the OpenAI-compatible API under /v1 (coordinator/openai_api.h; needs
+// --model for the tokenizer, chat template and context length), GET /health (200 while the control loop runs, else
+// 503), GET /ready (200 once every rank registered and an inference rank is alive, else 503), GET /metrics:
+//   spade_rank_up{role,rank,role_index}   gauge    1 alive, 0 missing or dead (cache-rank up/down and the others)
+//   spade_world_complete                  gauge    1 once every rank has registered
+//   spade_http_requests_total{endpoint,code}  counter  API requests by endpoint and status (499 = client went away)
+//   spade_api_requests_in_flight          gauge    generation requests in flight through the API
+//   spade_api_client_disconnects_total    counter  requests cancelled because their client disconnected
+//   spade_api_e2e_request_latency_seconds histogram  end-to-end latency as the API client sees it
 //
 // Exit codes: 0 clean shutdown (Shutdown request or SIGINT/SIGTERM), 1 rendezvous deadline missed (the
 // message names the missing rank(s)), 2 bad flags / environment / cannot listen.
@@ -15,7 +25,10 @@
 
 #include "common/error.h"
 #include "common/logging.h"
+#include "common/metrics.h"
+#include "common/status_endpoint.h"
 #include "coordinator/launch_env.h"
+#include "coordinator/openai_api.h"
 #include "coordinator/server.h"
 
 namespace {
@@ -60,6 +73,27 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--port-file", port_file, "Write the bound port to this file once listening");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
+  int http_port = 8000;
+  std::string http_host = "0.0.0.0";
+  spade::coord::ApiOptions api_opt;
+  size_t max_body = 4u << 20;
+  app.add_option("--http-port", http_port, "OpenAI API, /health, /ready, /metrics port (0 = off)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  app.add_option("--http-host", http_host, "address the HTTP API listens on")->capture_default_str();
+  app.add_option("--model", api_opt.model_dir,
+                 "checkpoint directory (tokenizer, chat template, config) for the OpenAI API");
+  app.add_option("--served-model-name", api_opt.served_model_name,
+                 "model name of the API (default: the model directory's name)");
+  app.add_option("--chat-template", api_opt.chat_template_file,
+                 "Jinja chat template file replacing the checkpoint's (a recognised family, see chat_template.h)");
+  app.add_option("--max-model-len", api_opt.max_model_len, "context length (default: max_position_embeddings)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-num-requests", api_opt.max_num_requests,
+                 "generation requests in flight through the API; more get 429")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-request-bytes", max_body, "largest request body; larger ones get 413")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -91,7 +125,76 @@ int main(int argc, char** argv) {
         bind_host, server.port(), le.num_inference, le.num_cache, le.role_map_string(), rendezvous_ms,
         hb_interval_ms, hb_timeout_ms);
     if (!port_file.empty()) write_port_file(port_file, server.port());
+
+    // HTTP: the OpenAI API + status endpoints, on their own io thread.
+    spade::metrics::Registry registry;
+    auto& rank_up = registry.gauge("spade_rank_up", "1 while a rank is registered and alive, else 0.",
+                                   {"role", "rank", "role_index"});
+    auto& world_complete = registry.gauge("spade_world_complete", "1 once every rank has registered.").with();
+    std::unique_ptr<spade::coord::OpenAiApi> api;
+    if (!api_opt.model_dir.empty()) api = std::make_unique<spade::coord::OpenAiApi>(api_opt, server, registry);
+    auto refresh = [&] {
+      const auto h = server.health();
+      world_complete.set(h.world_complete ? 1 : 0);
+      try {
+        const auto st = server.status(std::chrono::steady_clock::now() + std::chrono::seconds(2));
+        for (const auto& r : st.ranks()) {
+          const char* role = r.info().role() == spade::proto::INFERENCE ? "inference"
+                             : r.info().role() == spade::proto::CACHE   ? "cache"
+                                                                         : "other";
+          rank_up.with({role, std::to_string(r.info().rank()), std::to_string(r.info().role_index())})
+              .set(r.state() == spade::proto::ALIVE ? 1 : 0);
+        }
+      } catch (const spade::Error& e) {
+        spdlog::warn("coordinator: /metrics: {}", e.what());
+      }
+    };
+    spade::StatusChecks checks;
+    checks.health = [&]() -> std::string {
+      const auto h = server.health();
+      if (!h.running) return "control loop not running";
+      if (h.shutting_down) return "shutting down";
+      if (h.since_loop_tick > std::chrono::milliseconds(5000))
+        return fmt::format("control loop stalled for {} ms", h.since_loop_tick.count());
+      return "";
+    };
+    checks.ready = [&]() -> std::string {
+      const auto h = server.health();
+      if (!h.running || h.shutting_down) return "coordinator not serving";
+      if (!h.world_complete)
+        return fmt::format("waiting for the world: {} of {} inference and {} of {} cache ranks alive",
+                           h.live_inference, h.num_inference, h.live_cache, h.num_cache);
+      if (h.live_inference == 0) return "no live inference rank";
+      return "";
+    };
+    std::unique_ptr<spade::http::HttpServer> http;
+    if (http_port > 0) {
+      spade::http::HttpServerOptions ho;
+      ho.bind_host = http_host;
+      ho.port = static_cast<uint16_t>(http_port);
+      ho.name = "coordinator HTTP API";
+      ho.max_body_bytes = max_body;
+      ho.error_body = [](int status, const std::string& msg) {
+        return std::make_pair(std::string("application/json"), spade::coord::openai_error_json(status, msg));
+      };
+      http = std::make_unique<spade::http::HttpServer>(
+          ho, [&](const spade::http::HttpRequest& req, std::shared_ptr<spade::http::HttpResponder> res) {
+            if (req.path == "/metrics") refresh();
+            if (spade::answer_status_request(req, *res, registry, checks)) return;
+            if (!api) {
+              res->send(404, "application/json",
+                        spade::coord::openai_error_json(
+                            404, "the coordinator was started without --model: the OpenAI API is off", "", "not_found"));
+              return;
+            }
+            api->handle(req, std::move(res));
+          });
+      spdlog::info("coordinator: HTTP API on {}:{} (model {}, max_model_len {})", http_host, http->port(),
+                   api ? api->model_name() : std::string("none: start with --model DIR"),
+                   api ? api->max_model_len() : 0);
+    }
     auto st = server.run();
+    if (http) http->stop();
     if (st.code != 0) {
       spdlog::error("coordinator: exiting with code {}: {}", st.code, st.message);
       std::fprintf(stderr, "coordinator: error: %s\n", st.message.c_str());

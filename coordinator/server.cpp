@@ -74,9 +74,10 @@ struct Member {
 };
 
 struct Route {
-  std::weak_ptr<Conn> submitter;
+  std::weak_ptr<Conn> submitter;  // a TCP client, or none for an in-process (HTTP API) submission
   uint64_t submitter_request_id = 0;
   uint32_t inference_rank = 0;
+  ChunkSink local_sink;  // in-process submissions: chunks go here (io thread)
 };
 
 }  // namespace
@@ -432,6 +433,9 @@ class CoordinatorServer::Impl {
       case proto::Envelope::kGenerateChunk:
         on_generate_chunk(c, env.generate_chunk());
         break;
+      case proto::Envelope::kCancelRequest:
+        on_cancel_request(c, env.cancel_request());
+        break;
       default:
         spdlog::warn("coordinator: rejecting connection from {}{}: unexpected {} frame; closing it",
                      c->remote, conn_label(c), proto::envelope_case_name(env));
@@ -630,44 +634,90 @@ class CoordinatorServer::Impl {
     send(c, out);
   }
 
-  void on_generate_request(const ConnPtr& c, const proto::GenerateRequest& req) {
-    if (!world_complete_) {
-      return send_error_chunk(
-          c, req.request_id(),
-          fmt::format("coordinator: world not complete yet, cannot route request {}", req.request_id()));
-    }
+  // Picks the inference rank for `req`; "" and the rank, or the error text.
+  std::string pick_target(const proto::GenerateRequest& req, uint32_t* target) {
+    if (shutting_down_) return fmt::format("coordinator: shutting down, cannot route request {}", req.request_id());
+    if (!world_complete_)
+      return fmt::format("coordinator: world not complete yet, cannot route request {}", req.request_id());
     std::vector<uint32_t> live;
     for (uint32_t r = 0; r < members_.size(); ++r) {
       const auto& m = members_[r];
       if (m.info.role() == proto::INFERENCE && m.state == proto::ALIVE && m.conn) live.push_back(r);
     }
-    uint32_t target = 0;
     if (req.has_target_inference()) {
       auto it = std::find_if(live.begin(), live.end(), [&](uint32_t r) {
         return members_[r].info.role_index() == req.target_inference();
       });
-      if (it == live.end()) {
-        return send_error_chunk(c, req.request_id(),
-                                fmt::format("coordinator: inference #{} is not alive (request {})",
-                                            req.target_inference(), req.request_id()));
-      }
-      target = *it;
-    } else {
-      if (live.empty()) {
-        return send_error_chunk(
-            c, req.request_id(),
-            fmt::format("coordinator: no live inference rank (request {})", req.request_id()));
-      }
-      target = live[rr_++ % live.size()];
+      if (it == live.end())
+        return fmt::format("coordinator: inference #{} is not alive (request {})", req.target_inference(),
+                           req.request_id());
+      *target = *it;
+      return "";
     }
-    uint64_t routed_id = next_route_id_++;
-    routes_[routed_id] = Route{c, req.request_id(), target};
+    if (live.empty()) return fmt::format("coordinator: no live inference rank (request {})", req.request_id());
+    *target = live[rr_++ % live.size()];
+    return "";
+  }
+
+  void forward(uint64_t routed_id, const proto::GenerateRequest& req, uint32_t target) {
     proto::Envelope out;
     *out.mutable_generate_request() = req;
     out.mutable_generate_request()->set_request_id(routed_id);
     send(members_[target].conn, out);
+  }
+
+  void on_generate_request(const ConnPtr& c, const proto::GenerateRequest& req) {
+    uint32_t target = 0;
+    if (auto err = pick_target(req, &target); !err.empty()) return send_error_chunk(c, req.request_id(), err);
+    const uint64_t routed_id = next_route_id_++;
+    routes_[routed_id] = Route{c, req.request_id(), target, nullptr};
+    forward(routed_id, req, target);
     spdlog::debug("coordinator: routed request {} from {} to {} as {}", req.request_id(), c->remote,
                   describe(target), routed_id);
+  }
+
+  // In-process submission (HTTP API). `routed_id` was reserved by the caller's thread.
+  void on_local_request(uint64_t routed_id, const proto::GenerateRequest& req, ChunkSink sink) {
+    uint32_t target = 0;
+    if (auto err = pick_target(req, &target); !err.empty()) {
+      proto::GenerateChunk ch;
+      ch.set_request_id(routed_id);
+      ch.set_finished(true);
+      ch.set_finish_reason(proto::FINISH_ERROR);
+      ch.set_error(err);
+      sink(ch);
+      return;
+    }
+    routes_[routed_id] = Route{{}, routed_id, target, std::move(sink)};
+    forward(routed_id, req, target);
+    spdlog::debug("coordinator: routed local request {} to {}", routed_id, describe(target));
+  }
+
+  void send_cancel(uint32_t inference_rank, uint64_t routed_id, const std::string& reason) {
+    const auto& m = members_[inference_rank];
+    if (m.state != proto::ALIVE || !m.conn) return;
+    proto::Envelope out;
+    out.mutable_cancel_request()->set_request_id(routed_id);
+    out.mutable_cancel_request()->set_reason(reason);
+    send(m.conn, out);
+  }
+
+  void cancel_route(uint64_t routed_id, const std::string& reason) {
+    auto it = routes_.find(routed_id);
+    if (it == routes_.end()) return;
+    spdlog::info("coordinator: cancelling request {} on {}: {}", routed_id, describe(it->second.inference_rank),
+                 reason);
+    send_cancel(it->second.inference_rank, routed_id, reason);
+    routes_.erase(it);  // later chunks of it are dropped
+  }
+
+  void on_cancel_request(const ConnPtr& c, const proto::CancelRequest& cr) {
+    for (auto& [routed_id, route] : routes_) {
+      if (route.submitter.lock() == c && route.submitter_request_id == cr.request_id()) {
+        const uint64_t id = routed_id;
+        return cancel_route(id, fmt::format("cancelled by {}: {}", c->remote, cr.reason()));
+      }
+    }
   }
 
   void on_generate_chunk(const ConnPtr& c, const proto::GenerateChunk& chunk) {
@@ -680,6 +730,14 @@ class CoordinatorServer::Impl {
     if (c->kind != Conn::Kind::kMember || c->rank != it->second.inference_rank) {
       spdlog::warn("coordinator: chunk for request {} from {} which does not serve it; dropped",
                    chunk.request_id(), c->remote + conn_label(c));
+      return;
+    }
+    if (it->second.local_sink) {
+      proto::GenerateChunk out = chunk;
+      out.set_served_by_rank(c->rank);
+      auto sink = it->second.local_sink;  // the sink may cancel (erase) this route
+      if (chunk.finished()) routes_.erase(it);
+      sink(out);
       return;
     }
     ConnPtr sub = it->second.submitter.lock();
@@ -696,6 +754,18 @@ class CoordinatorServer::Impl {
   void fail_routes_of_inference(uint32_t r, const std::string& why) {
     for (auto it = routes_.begin(); it != routes_.end();) {
       if (it->second.inference_rank == r) {
+        if (it->second.local_sink) {
+          proto::GenerateChunk ch;
+          ch.set_request_id(it->first);
+          ch.set_finished(true);
+          ch.set_finish_reason(proto::FINISH_ERROR);
+          ch.set_error(why);
+          ch.set_served_by_rank(r);
+          auto sink = std::move(it->second.local_sink);
+          it = routes_.erase(it);
+          sink(ch);
+          continue;
+        }
         if (auto sub = it->second.submitter.lock(); sub && sub->open) {
           send_error_chunk(sub, it->second.submitter_request_id, why);
         }
@@ -706,10 +776,17 @@ class CoordinatorServer::Impl {
     }
   }
 
+  // A submitter that went away does not want its requests any more: cancel them on their inference ranks.
   void drop_routes_of_submitter(const ConnPtr& c) {
     for (auto it = routes_.begin(); it != routes_.end();) {
+      if (it->second.local_sink) {
+        ++it;
+        continue;
+      }
       auto sub = it->second.submitter.lock();
       if (!sub || sub == c) {
+        send_cancel(it->second.inference_rank, it->first,
+                    fmt::format("submitter {} disconnected", c->remote));
         it = routes_.erase(it);
       } else {
         ++it;
@@ -727,10 +804,51 @@ class CoordinatorServer::Impl {
     tick_timer_.async_wait([this](const error_code& ec) {
       if (ec || this->shutting_down_) return;
       this->check_heartbeats();
+      this->refresh_health();
       this->schedule_tick();
     });
   }
 
+  void refresh_health() {
+    Health h;
+    h.running = true;
+    h.world_complete = world_complete_;
+    h.shutting_down = shutting_down_;
+    h.num_inference = num_inference_;
+    h.num_cache = num_cache_;
+    for (const auto& m : members_) {
+      if (m.state != proto::ALIVE || !m.conn) continue;
+      if (m.info.role() == proto::INFERENCE) ++h.live_inference;
+      if (m.info.role() == proto::CACHE) ++h.live_cache;
+    }
+    std::lock_guard<std::mutex> lk(health_mu_);
+    health_ = h;
+    last_tick_ = Clock::now();
+  }
+
+ public:
+  Health health() const {
+    std::lock_guard<std::mutex> lk(health_mu_);
+    Health h = health_;
+    h.running = h.running && running_ && !finished_flag_;
+    h.shutting_down = h.shutting_down || shutting_down_flag_;
+    h.since_loop_tick = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - last_tick_);
+    return h;
+  }
+
+  uint64_t submit_local(proto::GenerateRequest req, ChunkSink sink) {
+    const uint64_t id = next_route_id_++;
+    asio::post(io_, [this, id, req = std::move(req), sink = std::move(sink)]() mutable {
+      on_local_request(id, req, std::move(sink));
+    });
+    return id;
+  }
+
+  void cancel_local(uint64_t routed_id, const std::string& reason) {
+    asio::post(io_, [this, routed_id, reason] { cancel_route(routed_id, reason); });
+  }
+
+ private:
   void check_heartbeats() {
     auto now = Clock::now();
     for (uint32_t r = 0; r < members_.size(); ++r) {
@@ -766,6 +884,7 @@ class CoordinatorServer::Impl {
   // --------------------------------------------------------------------------------------------------
 
   void begin_shutdown(const std::string& reason, bool is_error, int code, const std::string& exit_message) {
+    shutting_down_flag_ = true;
     if (shutting_down_) return;
     shutting_down_ = true;
     {
@@ -809,6 +928,7 @@ class CoordinatorServer::Impl {
   void finish() {
     if (finished_) return;
     finished_ = true;
+    finished_flag_ = true;
     flush_timer_.cancel();
     io_.stop();
   }
@@ -870,7 +990,12 @@ class CoordinatorServer::Impl {
   bool shutting_down_ = false;
   bool finished_ = false;
   std::unordered_map<uint64_t, Route> routes_;
-  uint64_t next_route_id_ = 1;
+  std::atomic<uint64_t> next_route_id_{1};
+  mutable std::mutex health_mu_;
+  Health health_;
+  Clock::time_point last_tick_ = Clock::now();
+  std::atomic<bool> finished_flag_{false};
+  std::atomic<bool> shutting_down_flag_{false};
   uint32_t rr_ = 0;
 
   mutable std::mutex exit_mu_;
@@ -906,6 +1031,18 @@ bool CoordinatorServer::wait_until(Deadline deadline, ExitStatus* out) {
 
 void CoordinatorServer::request_shutdown(const std::string& reason) {
   impl_->post_shutdown(reason);
+}
+
+uint64_t CoordinatorServer::submit_local(proto::GenerateRequest request, ChunkSink sink) {
+  return impl_->submit_local(std::move(request), std::move(sink));
+}
+
+void CoordinatorServer::cancel_local(uint64_t routed_id, const std::string& reason) {
+  impl_->cancel_local(routed_id, reason);
+}
+
+Health CoordinatorServer::health() const {
+  return impl_->health();
 }
 
 proto::StatusReply CoordinatorServer::status(Deadline deadline) const {

@@ -24,6 +24,9 @@
 //     round robin over live inference ranks) with a coordinator-unique request_id; its GenerateChunks are
 //     forwarded back to the submitter with the submitter's request_id. If the inference rank dies, the
 //     submitter gets a final chunk with FINISH_ERROR naming it.
+//   * Cancellation: a CancelRequest from a submitter, cancel_local(), or the submitter's connection dropping sends
+//     CancelRequest to the inference rank serving the request.
+//   * In-process submissions (submit_local): the coordinator's HTTP API routes through the same path.
 //   * Bad input: garbage, truncated or oversized frames are logged with the remote endpoint and that
 //   connection is
 //     closed; the server keeps serving everyone else.
@@ -34,6 +37,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +49,23 @@ namespace spade::coord {
 
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
+
+/// Receives the chunks of an in-process submission (CoordinatorServer::submit_local). Runs on the coordinator's io
+/// thread: must not block. The last chunk has finished == true (FINISH_ERROR with `error` set when the request could
+/// not be routed or its inference rank died).
+using ChunkSink = std::function<void(const proto::GenerateChunk&)>;
+
+/// What /health and /ready report (thread-safe snapshot).
+struct Health {
+  bool running = false;         // the io loop is serving
+  bool world_complete = false;  // every rank has registered
+  bool shutting_down = false;
+  uint32_t live_inference = 0;
+  uint32_t live_cache = 0;
+  uint32_t num_inference = 0;
+  uint32_t num_cache = 0;
+  std::chrono::milliseconds since_loop_tick{0};  // age of the io loop's last timer tick (liveness)
+};
 
 struct ServerOptions {
   std::string bind_host = "0.0.0.0";
@@ -90,6 +111,16 @@ class CoordinatorServer {
 
   /// Broadcasts Shutdown{reason} and stops (exit code 0). Thread-safe; no-op when already shutting down.
   void request_shutdown(const std::string& reason);
+
+  /// Routes a request submitted in-process (the HTTP API) like one from a TCP client: round robin over the live
+  /// inference ranks unless target_inference is set. Thread-safe; returns at once with the routed id (the id the
+  /// chunks carry). Every outcome, routing errors included, arrives at `sink`.
+  uint64_t submit_local(proto::GenerateRequest request, ChunkSink sink);
+  /// Cancels an in-process submission: its inference rank stops it (and frees its KV on both ranks); no further
+  /// chunks reach the sink. Thread-safe; unknown or finished ids are ignored.
+  void cancel_local(uint64_t routed_id, const std::string& reason);
+  /// Liveness / readiness snapshot (thread-safe, never blocks).
+  Health health() const;
 
   /// Snapshot of the world (thread-safe; waits for the io thread until `deadline`, throws spade::Error on
   /// timeout or when the server is not running).

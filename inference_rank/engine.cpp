@@ -37,6 +37,12 @@ const char* finish_reason_name(FinishReason r) {
   return "?";
 }
 
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+}  // namespace
+
 Engine::Engine(const Model& model, EngineOptions opt, const BackendFactory& make_attention)
     : model_(model),
       opt_(normalise(opt, model.config())),
@@ -67,6 +73,7 @@ uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
   s->rng.seed(req.sampling.seed);
   s->req = std::move(req);
   s->cb = std::move(cb);
+  s->arrival = std::chrono::steady_clock::now();
   const uint64_t id = s->id;
   waiting_.push_back(std::move(s));
   return id;
@@ -77,6 +84,9 @@ void Engine::abort(uint64_t request_id) {
     if ((*it)->id == request_id) {
       auto s = std::move(*it);
       waiting_.erase(it);
+      if (observer_)
+        observer_->on_finished(FinishReason::Abort, seconds_since(s->arrival),
+                               static_cast<int>(s->req.prompt_ids.size()), 0);
       if (s->cb) s->cb(TokenEvent{request_id, -1, true, FinishReason::Abort, ""});
       return;
     }
@@ -92,6 +102,8 @@ void Engine::finish(Seq& s, FinishReason r, const std::string& error) {
   reserved_pages_ -= s.reserved_pages - static_cast<int>(alloc_.block_table(s.id).size());
   alloc_.release(s.id);
   attention_->on_release(s.id);
+  if (observer_)
+    observer_->on_finished(r, seconds_since(s.arrival), static_cast<int>(s.req.prompt_ids.size()), s.generated);
   if (r == FinishReason::Abort || r == FinishReason::Error) {
     if (s.cb) s.cb(TokenEvent{s.id, -1, true, r, error});
   }
@@ -106,6 +118,7 @@ bool Engine::admit_waiting() {
     alloc_.admit(s.id);
     s.reserved_pages = need;
     reserved_pages_ += need;
+    if (observer_) observer_->on_scheduled(seconds_since(s.arrival));
     running_.emplace(s.id, std::move(waiting_.front()));
     waiting_.pop_front();
     any = true;
@@ -184,6 +197,12 @@ bool Engine::step() {
     const bool was_prefill = s.generated == 0;
     if (was_prefill) stats_.prompt_tokens += s.req.prompt_ids.size();
     const int tok = sample_token(&logits[r * static_cast<size_t>(vocab)], vocab, s.req.sampling, s.rng);
+    if (observer_) {
+      const auto now = std::chrono::steady_clock::now();
+      if (was_prefill) observer_->on_prompt_tokens(static_cast<int>(s.req.prompt_ids.size()));
+      observer_->on_token(was_prefill, std::chrono::duration<double>(now - (was_prefill ? s.arrival : s.last_token)).count());
+      s.last_token = now;
+    }
     s.tokens.push_back(tok);
     ++s.generated;
     ++stats_.generated_tokens;

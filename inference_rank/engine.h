@@ -64,6 +64,23 @@ struct EngineStats {
   uint64_t generated_tokens = 0;
 };
 
+/// Per-request timing hooks (metrics). Called on the engine's thread; must be cheap. Times in seconds.
+class EngineObserver {
+ public:
+  virtual ~EngineObserver() = default;
+  /// A request entered the running batch `queue_time` after submit().
+  virtual void on_scheduled(double queue_time) { (void)queue_time; }
+  /// `n` prompt tokens were prefilled.
+  virtual void on_prompt_tokens(int n) { (void)n; }
+  /// A token was generated: the first one `ttft` after submit (time to first token), the later ones `itl` after
+  /// the previous one (inter-token latency); `first` tells which.
+  virtual void on_token(bool first, double latency) { (void)first, (void)latency; }
+  /// A request ended (any reason), `e2e` after submit, with `generated` tokens.
+  virtual void on_finished(FinishReason reason, double e2e, int prompt_tokens, int generated) {
+    (void)reason, (void)e2e, (void)prompt_tokens, (void)generated;
+  }
+};
+
 /// Builds the attention backend once the engine has sized its KV cache.
 using BackendFactory = std::function<std::unique_ptr<AttentionBackend>(const ModelConfig&, KvCache&)>;
 
@@ -85,6 +102,8 @@ class Engine {
   void run_until_idle();
   bool idle() const { return running_.empty() && waiting_.empty(); }
 
+  /// Timing hooks (nullptr = none); not owned.
+  void set_observer(EngineObserver* obs) { observer_ = obs; }
   EngineStats stats() const;
   const EngineOptions& options() const { return opt_; }
   const KvCache& kv_cache() const { return *cache_; }
@@ -101,6 +120,7 @@ class Engine {
     int num_computed = 0;         // tokens whose KV is in the cache
     int generated = 0;
     int reserved_pages = 0;
+    std::chrono::steady_clock::time_point arrival, last_token;
   };
   void finish(Seq& s, FinishReason r, const std::string& error = "");
   bool admit_waiting();
@@ -115,6 +135,7 @@ class Engine {
   std::deque<std::unique_ptr<Seq>> waiting_;
   std::map<uint64_t, std::unique_ptr<Seq>> running_;  // ordered by id = arrival order
   EngineStats stats_;
+  EngineObserver* observer_ = nullptr;
 };
 
 }  // namespace spade

@@ -82,6 +82,11 @@ int main(int argc, char** argv) {
   app.add_option("--role-map", lf.role_map, "explicit role per rank, e.g. c,i,k");
   int rendezvous_ms = 30000;
   app.add_option("--rendezvous-timeout-ms", rendezvous_ms, "deadline for the whole world to register");
+  std::string metrics_host = "0.0.0.0";
+  int metrics_port = 0;
+  app.add_option("--metrics-port", metrics_port, "--serve: serve /metrics, /health, /ready on this port (0 = off)")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--metrics-host", metrics_host, "--serve: address of the metrics endpoint")->capture_default_str();
   app.add_option("--max-tokens", max_tokens, "tokens to generate at most")->check(CLI::PositiveNumber);
   app.add_option("--temperature", sp.temperature, "sampling temperature; 0 = greedy (default: generation_config)");
   app.add_option("--top-p", sp.top_p, "nucleus sampling mass in (0, 1]");
@@ -118,6 +123,8 @@ int main(int argc, char** argv) {
       sv.engine = eo;
       sv.sparse = so;
       sv.rendezvous_timeout = std::chrono::milliseconds(rendezvous_ms);
+      sv.metrics_host = metrics_host;
+      sv.metrics_port = metrics_port;
       return spade::run_serve(sv);
     }
     if (prompts.empty()) spade::fail("give --prompt TEXT (standalone) or --serve (cluster)");

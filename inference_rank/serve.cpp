@@ -3,12 +3,15 @@
 #include <spdlog/spdlog.h>
 
 #include <map>
+#include <mutex>
 #include <unistd.h>
 
 #include "common/config.h"
 #include "common/error.h"
+#include "common/status_endpoint.h"
 #include "common/tokenizer.h"
 #include "coordinator/client.h"
+#include "inference_rank/rank_metrics.h"
 #include "transport/transport.h"
 #if SPADE_HAVE_UCX
 #include "transport/ucx.h"
@@ -42,6 +45,26 @@ int run_serve(const ServeOptions& opt) {
   SPADE_CHECK(env.role == proto::INFERENCE, "inference_rank --serve: {} is not an inference rank (role map {})",
               env.describe_rank(env.rank), env.role_map_string());
   const std::string self = fmt::format("inference rank {} (#{})", env.rank, env.role_index);
+  // Status endpoint first, so /ready can say what the rank is waiting for while it loads and rendezvouses.
+  metrics::Registry registry;
+  LoopHeartbeat heartbeat(opt.health_timeout);
+  std::mutex stage_mu;
+  std::string not_ready = "loading weights from " + opt.model_dir;
+  auto set_stage = [&](std::string why) {
+    std::lock_guard<std::mutex> lk(stage_mu);
+    not_ready = std::move(why);
+  };
+  std::unique_ptr<http::HttpServer> status_server;
+  if (opt.metrics_port > 0) {
+    status_server = serve_status_endpoint(
+        opt.metrics_host, static_cast<uint16_t>(opt.metrics_port), self, registry,
+        StatusChecks{[&] { return heartbeat.check(); },
+                     [&] {
+                       std::lock_guard<std::mutex> lk(stage_mu);
+                       return not_ready;
+                     }});
+    spdlog::info("{}: metrics on {}:{}/metrics", self, opt.metrics_host, status_server->port());
+  }
   auto model = Model::load(opt.model_dir);
   auto tok = Tokenizer::from_dir(opt.model_dir);
   const GenerationConfig gen = load_generation_config(opt.model_dir, model->config());
@@ -61,6 +84,7 @@ int run_serve(const ServeOptions& opt) {
 #endif
   }
   coord::CoordinatorClient cc(co);
+  set_stage("waiting for the world to register with " + cc.coordinator_name());
   const auto deadline = Clock::now() + opt.rendezvous_timeout;
   const proto::ClusterView view = cc.rendezvous(deadline);
   spdlog::info("{}: world of {} ({})", self, view.world_size(), view.pairing_rule());
@@ -74,6 +98,7 @@ int run_serve(const ServeOptions& opt) {
     const proto::RankInfo& peer = view.peers(0);
     cache_rank = peer.rank();
     cache_name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
+    set_stage("connecting the data plane to " + cache_name);
     auto ep = net->connect(peer.transport().address(), cache_name, deadline);
     endpoint = ep.get();
     link = std::make_unique<cache::TransportLink>(std::move(ep), cache::pack_shape(model->config(), sparse.selection));
@@ -89,10 +114,17 @@ int run_serve(const ServeOptions& opt) {
     return b;
   });
 
-  std::map<uint64_t, Active> active;  // engine id -> request
+  const std::string transport_name = net ? net->kind() : std::string("none");
+  InferenceMetrics rank_metrics(registry, sparse, transport_name.c_str());
+  engine.set_observer(&rank_metrics);
+  set_stage("");  // ready: weights loaded, world complete, data plane connected
+
+  std::map<uint64_t, Active> active;    // engine id -> request
+  std::map<uint64_t, uint64_t> by_rid;  // coordinator request id -> engine id
   int exit_code = 0;
   bool running = true;
   while (running) {
+    heartbeat.tick();
     // Control plane events.
     while (auto ev = cc.next_event(Clock::now())) {
       if (ev->kind == coord::ClientEvent::Kind::kPeerDown) {
@@ -106,6 +138,14 @@ int run_serve(const ServeOptions& opt) {
       }
     }
     if (!running) break;
+    // Cancellations (client gone): the request ends with FINISH_CANCELLED and its KV is freed (here at once, on the
+    // cache rank with the next update or the idle flush below).
+    while (auto c = cc.next_cancel(Clock::now())) {
+      auto it = by_rid.find(c->request_id());
+      if (it == by_rid.end()) continue;
+      spdlog::info("{}: cancelling request {}: {}", self, c->request_id(), c->reason());
+      engine.abort(it->second);
+    }
     // New requests: wait briefly only when idle.
     const auto wait_until = engine.idle() ? Clock::now() + std::chrono::milliseconds(50) : Clock::now();
     while (auto req = cc.next_request(wait_until)) {
@@ -152,20 +192,30 @@ int run_serve(const ServeOptions& opt) {
             if (!ev.error.empty()) c.set_error(fmt::format("{}: {}", self, ev.error));
           }
           cc.send_chunk(c);
-          if (ev.finished && it != active.end()) active.erase(it);
+          if (ev.finished && it != active.end()) {
+            by_rid.erase(it->second.request_id);
+            active.erase(it);
+          }
         });
         active.emplace(eid, Active{rid, StreamingDecoder(tok, true)});
+        by_rid[rid] = eid;
+        if (backend && (req->sparse().force_dense() || req->sparse().sparse_threshold() > 0))
+          backend->set_request_options(eid, req->sparse().force_dense(),
+                                       static_cast<int>(req->sparse().sparse_threshold()));
       } catch (const Error& e) {
         reject(e.what());
       }
     }
     if (!engine.idle()) engine.step();
+    if (backend && engine.idle() && backend->pending_releases() > 0) backend->idle_flush();
     if (backend) {
       const SparseStats& s = backend->stats();
       cc.set_stat("sparse_seq_steps", static_cast<double>(s.sparse_seq_steps));
       cc.set_stat("selection_stalls", static_cast<double>(s.stalls));
       cc.set_stat("dense_fallbacks", static_cast<double>(s.dense_fallbacks));
     }
+    rank_metrics.update(engine.stats(), backend ? &backend->stats() : nullptr,
+                        backend && backend->link() ? &backend->link()->stats() : nullptr);
   }
   if (backend) {
     const SparseStats& s = backend->stats();

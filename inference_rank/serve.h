@@ -1,8 +1,11 @@
 // inference_rank --serve: the rank inside a cluster. Registers with the coordinator (launch environment: flags,
 // torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT or Open MPI's OMPI_COMM_WORLD_*), connects the data plane to
 // its paired cache rank (UCX), then serves GenerateRequests routed by the coordinator with continuous batching,
-// streaming GenerateChunks back. Sparse decoding is configured per rank (SparseOptions); with no cache rank in the
-// world, or after the cache rank died, requests are decoded densely.
+// streaming GenerateChunks back. Sparse decoding is configured per rank (SparseOptions; a request may opt out or set
+// its own threshold through SparseParams); with no cache rank in the world, or after the cache rank died, requests
+// are decoded densely. A CancelRequest ends its request (FINISH_CANCELLED) and frees its KV here and on the cache
+// rank. With metrics_port set it serves Prometheus metrics (inference_rank/rank_metrics.h), /health (main loop
+// alive) and /ready (weights loaded, rendezvous done, data plane connected).
 #pragma once
 
 #include <string>
@@ -19,6 +22,9 @@ struct ServeOptions {
   EngineOptions engine;
   SparseOptions sparse;
   std::chrono::milliseconds rendezvous_timeout{30000};
+  std::string metrics_host = "0.0.0.0";
+  int metrics_port = 0;  // > 0: serve /metrics, /health, /ready there (common/status_endpoint.h)
+  std::chrono::milliseconds health_timeout{30000};  // /health fails when the main loop stalls this long
 };
 
 /// Runs until the coordinator shuts the world down (returns 0) or a fatal error (returns non-zero, message on

@@ -70,7 +70,8 @@ void SparseAttention::begin_step(const ForwardBatch& batch) {
     const int q_len = batch.cu_q_lens[b + 1] - batch.cu_q_lens[b];
     const int L = batch.seq_lens[b];
     if (s.phase == Phase::Switching) s.phase = Phase::Sparse;  // INIT went out last step
-    if (s.phase == Phase::Dense && q_len == 1 && L >= opt_.sparse_threshold) {
+    const int threshold = s.sparse_threshold > 0 ? s.sparse_threshold : opt_.sparse_threshold;
+    if (s.phase == Phase::Dense && !s.force_dense && q_len == 1 && L >= threshold) {
       if (can_go_sparse) {
         s.phase = Phase::Switching;
         ++stats_.switches;
@@ -103,6 +104,40 @@ void SparseAttention::begin_step(const ForwardBatch& batch) {
         fail_link(e.what());
       }
     }
+  }
+}
+
+void SparseAttention::set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold) {
+  SPADE_CHECK(sparse_threshold >= 0, "sparse_threshold must be >= 0, got {}", sparse_threshold);
+  SeqState& s = seqs_[seq_id];
+  s.force_dense = force_dense;
+  s.sparse_threshold = sparse_threshold;
+}
+
+void SparseAttention::idle_flush() {
+  if (opt_.mode != SelectionMode::Predicted || !link_error_.empty()) {
+    released_.clear();
+    return;
+  }
+  try {
+    for (size_t pack = 0; pack < expect_now_.size(); ++pack) {  // answers for sequences that have all ended
+      if (!expect_now_[pack]) continue;
+      expect_now_[pack] = false;
+      bool waited = false;
+      (void)link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
+    }
+    if (released_.empty()) return;
+    cache::PackUpdate u;
+    u.step = ++step_;
+    u.pack = 0;
+    u.first_layer = 0;
+    u.num_layers = 0;
+    u.released.swap(released_);
+    link_->send(std::move(u));
+    bool waited = false;
+    (void)link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
+  } catch (const Error& e) {
+    fail_link(e.what());
   }
 }
 

@@ -68,6 +68,17 @@ class SparseAttention : public AttentionBackend {
   /// tokens; the local KV keeps only the sinks and the local window.
   std::pair<int, int> droppable_range(uint64_t seq_id, int seq_len) override;
 
+  /// Per-request overrides (the API's `spade` fields), set right after Engine::submit and before the request's
+  /// first step: `force_dense` keeps it dense for its whole life; `sparse_threshold` > 0 replaces the rank's.
+  void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);
+  /// For the scheduler when no request is running: receives the selections still in flight (their sequences are
+  /// gone) and sends the pending releases with a release-only update, waiting (selection_deadline) for its answer,
+  /// so the cache rank frees the KV of requests that ended — finished, aborted or cancelled — even when no further
+  /// step runs. A failing link is recorded like in a step (link_failed()). No-op in dense / oracle mode.
+  void idle_flush();
+  /// Sequences that ended whose release the cache rank has not been sent yet.
+  size_t pending_releases() const { return released_.size(); }
+
   const SparseStats& stats() const { return stats_; }
   const SparseOptions& options() const { return opt_; }
   cache::CacheRankLink* link() { return link_.get(); }
@@ -81,6 +92,8 @@ class SparseAttention : public AttentionBackend {
     std::vector<cache::LayerSelection> sel;   // per layer: selection for the current step (sparse phase)
     int sel_context_len = 0;
     bool dropped = false;  // local pages of the middle were freed: dense attention is no longer possible
+    bool force_dense = false;
+    int sparse_threshold = 0;  // 0: opt_.sparse_threshold
   };
   void begin_step(const ForwardBatch& batch);
   void fail_link(const std::string& why);

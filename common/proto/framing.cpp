@@ -43,6 +43,8 @@ const char* envelope_case_name(const Envelope& env) {
       return "generate_request";
     case Envelope::kGenerateChunk:
       return "generate_chunk";
+    case Envelope::kCancelRequest:
+      return "cancel_request";
     case Envelope::MSG_NOT_SET:
       return "<none>";
   }

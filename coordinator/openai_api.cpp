@@ -1,0 +1,652 @@
+#include "coordinator/openai_api.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace spade::coord {
+
+using json = nlohmann::json;
+
+namespace {
+
+const char* error_type(int status) {
+  switch (status) {
+    case 400: return "invalid_request_error";
+    case 401: return "authentication_error";
+    case 404: return "not_found_error";
+    case 405: return "invalid_request_error";
+    case 413: return "invalid_request_error";
+    case 429: return "rate_limit_exceeded";
+    case 503: return "service_unavailable";
+    default: return status >= 500 ? "server_error" : "invalid_request_error";
+  }
+}
+
+/// An error answered before anything reaches a rank.
+struct ApiError {
+  ApiError(int s, std::string m, std::string p = "", std::string c = "")
+      : status(s), message(std::move(m)), param(std::move(p)), code(std::move(c)) {}
+  int status;
+  std::string message;
+  std::string param;
+  std::string code;
+};
+
+[[noreturn]] void bad(const std::string& message, const std::string& param = "", const std::string& code = "") {
+  throw ApiError{400, message, param, code};
+}
+
+/// Byte offset of the first invalid UTF-8 sequence, or npos.
+size_t invalid_utf8_at(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    int n = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return i;
+    }
+    for (int k = 1; k <= n; ++k) {
+      if (i + k >= s.size()) return i;
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    const uint32_t min[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < min[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;  // overlong, range, surrogate
+    i += static_cast<size_t>(n) + 1;
+  }
+  return std::string_view::npos;
+}
+
+/// Length of the longest prefix of `s` that does not end inside a UTF-8 sequence.
+size_t utf8_safe_prefix(const std::string& s, size_t end) {
+  size_t i = end;
+  // Walk back over at most 3 continuation bytes to the lead byte; keep the sequence only if it is complete.
+  size_t back = 0;
+  while (i > 0 && back < 4 && (static_cast<unsigned char>(s[i - 1]) & 0xC0) == 0x80) --i, ++back;
+  if (i == 0) return end;
+  const auto lead = static_cast<unsigned char>(s[i - 1]);
+  size_t need = lead < 0x80 ? 0 : (lead & 0xE0) == 0xC0 ? 1 : (lead & 0xF0) == 0xE0 ? 2 : (lead & 0xF8) == 0xF0 ? 3 : 0;
+  if (lead < 0x80) return end;
+  return back >= need ? end : i - 1;
+}
+
+std::string random_id(const char* prefix) {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  return fmt::format("{}{:016x}{:08x}", prefix, rng(), static_cast<uint32_t>(rng()));
+}
+
+int64_t unix_now() { return static_cast<int64_t>(std::time(nullptr)); }
+
+// ---- typed field access with OpenAI-style messages ----
+
+const json* field(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::optional<double> get_number(const json& body, const char* name, double lo, double hi, bool lo_open = false) {
+  const json* f = field(body, name);
+  if (!f) return std::nullopt;
+  if (!f->is_number()) bad(fmt::format("'{}' must be a number, got {}", name, f->type_name()), name);
+  const double v = f->get<double>();
+  if (!(lo_open ? v > lo : v >= lo) || v > hi)
+    bad(fmt::format("'{}' must be in {}{}, {}], got {}", name, lo_open ? "(" : "[", lo, hi, v), name);
+  return v;
+}
+
+std::optional<int64_t> get_int(const json& body, const char* name) {
+  const json* f = field(body, name);
+  if (!f) return std::nullopt;
+  if (f->is_number_integer()) return f->get<int64_t>();
+  if (f->is_number_float()) {
+    const double d = f->get<double>();
+    if (d == static_cast<double>(static_cast<int64_t>(d))) return static_cast<int64_t>(d);
+  }
+  bad(fmt::format("'{}' must be an integer, got {}", name, f->dump()), name);
+}
+
+std::optional<bool> get_bool(const json& body, const char* name) {
+  const json* f = field(body, name);
+  if (!f) return std::nullopt;
+  if (!f->is_boolean()) bad(fmt::format("'{}' must be a boolean, got {}", name, f->type_name()), name);
+  return f->get<bool>();
+}
+
+std::string finish_reason_text(proto::FinishReason r) {
+  switch (r) {
+    case proto::FINISH_STOP: return "stop";
+    case proto::FINISH_LENGTH: return "length";
+    case proto::FINISH_CANCELLED: return "abort";
+    case proto::FINISH_ERROR: return "error";
+    default: return "stop";
+  }
+}
+
+}  // namespace
+
+std::string openai_error_json(int status, const std::string& message, const std::string& param,
+                              const std::string& code) {
+  json e = {{"message", message},
+            {"type", error_type(status)},
+            {"param", param.empty() ? json(nullptr) : json(param)},
+            {"code", code.empty() ? json(nullptr) : json(code)}};
+  return json{{"error", e}}.dump();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
+  ApiOptions opt;
+  CoordinatorServer& server;
+  ModelConfig config;
+  GenerationConfig gen;
+  Tokenizer tok;
+  ChatTemplate chat;
+  std::string name;
+  int max_len = 0;
+  int64_t created = unix_now();
+  std::atomic<int> in_flight{0};
+  metrics::Family<metrics::Counter>& http_requests;
+  metrics::Gauge& in_flight_gauge;
+  metrics::Counter& cancelled_disconnect;
+  metrics::Histogram& api_e2e;
+
+  Impl(ApiOptions o, CoordinatorServer& s, metrics::Registry& reg)
+      : opt(std::move(o)),
+        server(s),
+        config(load_model_config(opt.model_dir)),
+        gen(load_generation_config(opt.model_dir, config)),
+        tok(Tokenizer::from_dir(opt.model_dir)),
+        chat(opt.chat_template_file.empty() ? ChatTemplate::for_tokenizer(tok) : load_template(opt.chat_template_file)),
+        http_requests(reg.counter("spade_http_requests_total", "HTTP API requests by endpoint and status code.",
+                                  {"endpoint", "code"})),
+        in_flight_gauge(reg.gauge("spade_api_requests_in_flight", "Generation requests in flight through the API.")
+                            .with()),
+        cancelled_disconnect(reg.counter("spade_api_client_disconnects_total",
+                                         "Requests cancelled because their client disconnected before the end.")
+                                 .with()),
+        api_e2e(reg.histogram("spade_api_e2e_request_latency_seconds",
+                              "End-to-end latency of API generation requests as the client sees it.",
+                              metrics::latency_buckets_seconds())
+                    .with()) {
+    name = opt.served_model_name;
+    if (name.empty()) name = std::filesystem::path(opt.model_dir).lexically_normal().filename().string();
+    if (name.empty()) name = std::filesystem::path(opt.model_dir).parent_path().filename().string();
+    max_len = opt.max_model_len > 0 ? opt.max_model_len : config.max_position_embeddings;
+    SPADE_CHECK(max_len > 0, "{}: no max_position_embeddings in config.json; pass --max-model-len", opt.model_dir);
+    SPADE_CHECK(opt.max_num_requests > 0, "--max-num-requests must be > 0");
+  }
+
+  static ChatTemplate load_template(const std::string& file) {
+    std::ifstream f(file);
+    SPADE_CHECK(static_cast<bool>(f), "cannot read chat template file '{}'", file);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ChatTemplate::from_source(ss.str(), file);
+  }
+
+  void reply(http::HttpResponder& res, const std::string& endpoint, int status, const std::string& body) {
+    http_requests.with({endpoint, std::to_string(status)}).inc();
+    res.send(status, "application/json", body);
+  }
+  void reply_error(http::HttpResponder& res, const std::string& endpoint, const ApiError& e) {
+    if (e.status >= 500 || e.status == 429) {
+      spdlog::warn("coordinator API: {} {}: {}", endpoint, e.status, e.message);
+    } else {
+      spdlog::info("coordinator API: {} {}: {}", endpoint, e.status, e.message);
+    }
+    reply(res, endpoint, e.status, openai_error_json(e.status, e.message, e.param, e.code));
+  }
+
+  void handle(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res) {
+    std::string endpoint = req.path;
+    try {
+      if (req.path == "/v1/models") {
+        if (req.method != "GET") throw ApiError{405, fmt::format("use GET for {}, not {}", req.path, req.method)};
+        json m = {{"id", name},       {"object", "model"}, {"created", created}, {"owned_by", "spade"},
+                  {"root", opt.model_dir}, {"max_model_len", max_len}};
+        return reply(*res, endpoint, 200, json{{"object", "list"}, {"data", json::array({m})}}.dump());
+      }
+      if (req.path == "/v1/completions" || req.path == "/v1/chat/completions") {
+        if (req.method != "POST") throw ApiError{405, fmt::format("use POST for {}, not {}", req.path, req.method)};
+        return generate(req, res, req.path == "/v1/chat/completions");
+      }
+      endpoint = "other";
+      throw ApiError{404, fmt::format("no such endpoint: {} {}", req.method, req.path), "", "not_found"};
+    } catch (const ApiError& e) {
+      reply_error(*res, endpoint, e);
+    } catch (const Error& e) {  // tokenizer / template errors on user input
+      reply_error(*res, endpoint, ApiError{400, e.what(), "", ""});
+    }
+  }
+
+  // ---- generation ----
+
+  struct Job;
+  void generate(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res, bool is_chat);
+};
+
+/// One API generation request: turns the rank's chunks into the OpenAI response (whole or SSE).
+struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job> {
+  std::shared_ptr<Impl> api;
+  std::shared_ptr<http::HttpResponder> res;
+  std::string endpoint;
+  bool chat = false;
+  bool stream = false;
+  bool include_usage = false;
+  std::vector<std::string> stops;
+  size_t max_stop = 0;
+  std::string id;
+  int64_t created = 0;
+  int prompt_tokens = 0;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+
+  std::mutex mu;
+  uint64_t routed_id = 0;
+  bool done = false;
+  bool started = false;  // stream headers sent
+  int completion_tokens = 0;
+  std::string text;      // generated text so far (after any stop truncation)
+  size_t emitted = 0;    // bytes of `text` sent (stream) / fixed (a stop string cut)
+
+  json base_chunk() const {
+    return json{{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created},
+                {"model", api->name}};
+  }
+  json usage() const {
+    return json{{"prompt_tokens", prompt_tokens},
+                {"completion_tokens", completion_tokens},
+                {"total_tokens", prompt_tokens + completion_tokens}};
+  }
+  void sse(const json& j) { res->write("data: " + j.dump() + "\n\n"); }
+
+  void send_delta(const std::string& delta, const std::string& finish) {
+    json c = base_chunk();
+    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish.empty() ? json(nullptr) : json(finish)}};
+    if (chat) {
+      choice["delta"] = finish.empty() || !delta.empty() ? json{{"content", delta}} : json::object();
+    } else {
+      choice["text"] = delta;
+    }
+    c["choices"] = json::array({choice});
+    if (include_usage) c["usage"] = nullptr;
+    sse(c);
+  }
+
+  void begin() {  // stream: headers and (chat) the role chunk right away
+    if (!stream) return;
+    std::lock_guard<std::mutex> lk(mu);
+    if (done || started) return;
+    started = true;
+    res->begin_stream(200, "text/event-stream", {{"X-Accel-Buffering", "no"}});
+    if (chat) {
+      json c = base_chunk();
+      c["choices"] = json::array(
+          {{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+            {"finish_reason", nullptr}}});
+      if (include_usage) c["usage"] = nullptr;
+      sse(c);
+    }
+  }
+
+  // Called on the coordinator io thread with each chunk of the rank.
+  void on_chunk(const proto::GenerateChunk& ch) {
+    std::lock_guard<std::mutex> lk(mu);
+    if (done) return;
+    if (ch.finish_reason() == proto::FINISH_ERROR || (!ch.error().empty() && ch.finished())) {
+      return fail_locked(ch.error().empty() ? std::string("generation failed") : ch.error());
+    }
+    completion_tokens += ch.token_ids_size();
+    text += ch.text();
+    // Stop strings: search the part that could contain a new match.
+    size_t cut = std::string::npos;
+    if (!stops.empty()) {
+      const size_t from = emitted > max_stop ? emitted - max_stop : 0;
+      for (const auto& s : stops) {
+        const size_t p = text.find(s, from);
+        if (p != std::string::npos && p < cut) cut = p;
+      }
+    }
+    if (cut != std::string::npos) {
+      text.resize(cut);
+      finish_locked("stop");
+      api->server.cancel_local(routed_id, "stop string matched");
+      return;
+    }
+    if (ch.finished()) return finish_locked(finish_reason_text(ch.finish_reason()));
+    if (stream) {
+      // Hold back what could still become a stop string, and never split a UTF-8 character.
+      size_t safe = text.size() > (max_stop ? max_stop - 1 : 0) ? text.size() - (max_stop ? max_stop - 1 : 0) : 0;
+      safe = utf8_safe_prefix(text, std::max(safe, emitted));
+      if (safe > emitted) {
+        send_delta(text.substr(emitted, safe - emitted), "");
+        emitted = safe;
+      }
+    }
+  }
+
+  void finish_locked(const std::string& reason) {
+    done = true;
+    api->api_e2e.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (stream) {
+      if (text.size() > emitted || true) send_delta(text.substr(std::min(emitted, text.size())), reason);
+      emitted = text.size();
+      if (include_usage) {
+        json c = base_chunk();
+        c["choices"] = json::array();
+        c["usage"] = usage();
+        sse(c);
+      }
+      res->write("data: [DONE]\n\n");
+      res->end();
+      api->http_requests.with({endpoint, "200"}).inc();
+    } else {
+      json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", reason}};
+      if (chat) {
+        choice["message"] = {{"role", "assistant"}, {"content", text}};
+      } else {
+        choice["text"] = text;
+      }
+      json body = {{"id", id},
+                   {"object", chat ? "chat.completion" : "text_completion"},
+                   {"created", created},
+                   {"model", api->name},
+                   {"choices", json::array({choice})},
+                   {"usage", usage()}};
+      api->reply(*res, endpoint, 200, body.dump());
+    }
+    release();
+  }
+
+  void fail_locked(const std::string& error) {
+    done = true;
+    const bool unavailable = error.find("no live inference rank") != std::string::npos ||
+                             error.find("world not complete") != std::string::npos ||
+                             error.find("shutting down") != std::string::npos ||
+                             error.find("is not alive") != std::string::npos;
+    const int status = unavailable ? 503 : 500;
+    spdlog::warn("coordinator API: {} request {} failed: {}", endpoint, routed_id, error);
+    if (stream && started) {
+      sse(json::parse(openai_error_json(status, error)));
+      res->write("data: [DONE]\n\n");
+      res->end();
+      api->http_requests.with({endpoint, std::to_string(status)}).inc();
+    } else {
+      api->reply(*res, endpoint, status, openai_error_json(status, error));
+    }
+    release();
+  }
+
+  void on_client_gone() {
+    std::lock_guard<std::mutex> lk(mu);
+    if (done) return;
+    done = true;
+    api->cancelled_disconnect.inc();
+    api->http_requests.with({endpoint, "499"}).inc();  // nginx's "client closed request"
+    spdlog::info("coordinator API: client of request {} disconnected; cancelling it", routed_id);
+    api->server.cancel_local(routed_id, "client disconnected");
+    release();
+  }
+
+  void release() {
+    api->in_flight.fetch_sub(1);
+    api->in_flight_gauge.dec();
+  }
+};
+
+void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res,
+                               bool is_chat) {
+  const std::string endpoint = req.path;
+  if (size_t at = invalid_utf8_at(req.body); at != std::string::npos)
+    bad(fmt::format("request body is not valid UTF-8 (invalid byte sequence at offset {})", at));
+  json body;
+  try {
+    body = json::parse(req.body);
+  } catch (const json::parse_error& e) {
+    bad(fmt::format("request body is not valid JSON: {}", e.what()));
+  }
+  if (!body.is_object()) bad(fmt::format("request body must be a JSON object, got {}", body.type_name()));
+
+  // model
+  const json* model = field(body, "model");
+  if (!model) bad("'model' is required", "model");
+  if (!model->is_string()) bad("'model' must be a string", "model");
+  if (model->get<std::string>() != name)
+    throw ApiError{404, fmt::format("The model `{}` does not exist. This server serves `{}`.", model->get<std::string>(), name),
+                   "model", "model_not_found"};
+
+  // features we do not have: reject rather than silently ignore
+  if (auto n = get_int(body, "n"); n && *n != 1) bad(fmt::format("only n = 1 is supported, got {}", *n), "n");
+  if (auto b = get_int(body, "best_of"); b && *b != 1) bad("best_of > 1 is not supported", "best_of");
+  if (auto e = get_bool(body, "echo"); e && *e) bad("echo is not supported", "echo");
+  if (const json* lp = field(body, "logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>()))
+    bad("logprobs are not supported", "logprobs");
+  if (const json* tl = field(body, "top_logprobs"); tl) bad("top_logprobs are not supported", "top_logprobs");
+  for (const char* f : {"suffix", "tools", "functions", "tool_choice", "function_call"})
+    if (const json* x = field(body, f); x && !(x->is_array() && x->empty())) bad(fmt::format("'{}' is not supported", f), f);
+  if (const json* rf = field(body, "response_format");
+      rf && !(rf->is_object() && rf->value("type", std::string("text")) == "text"))
+    bad("only response_format {\"type\": \"text\"} is supported", "response_format");
+  if (const json* lb = field(body, "logit_bias"); lb && !(lb->is_object() && lb->empty()))
+    bad("logit_bias is not supported", "logit_bias");
+
+  // prompt
+  std::vector<int32_t> ids;
+  if (is_chat) {
+    const json* msgs = field(body, "messages");
+    if (!msgs) bad("'messages' is required", "messages");
+    if (!msgs->is_array()) bad("'messages' must be an array", "messages");
+    if (msgs->empty()) bad("'messages' must contain at least one message", "messages");
+    std::vector<ChatMessage> cm;
+    for (size_t i = 0; i < msgs->size(); ++i) {
+      const json& m = (*msgs)[i];
+      const std::string p = fmt::format("messages[{}]", i);
+      if (!m.is_object()) bad(p + " must be an object", p);
+      const json* role = field(m, "role");
+      if (!role || !role->is_string()) bad(p + ".role must be a string", p + ".role");
+      const std::string r = role->get<std::string>();
+      if (r != "system" && r != "user" && r != "assistant" && r != "developer")
+        bad(fmt::format("{}.role '{}' is not supported (system, developer, user, assistant)", p, r), p + ".role");
+      const json* content = field(m, "content");
+      std::string text;
+      if (!content) {
+        bad(p + ".content is required", p + ".content");
+      } else if (content->is_string()) {
+        text = content->get<std::string>();
+      } else if (content->is_array()) {  // [{"type": "text", "text": ...}, ...]
+        for (size_t k = 0; k < content->size(); ++k) {
+          const json& part = (*content)[k];
+          if (!part.is_object() || part.value("type", std::string()) != "text" || !part.contains("text") ||
+              !part["text"].is_string())
+            bad(fmt::format("{}.content[{}]: only text parts are supported", p, k), p + ".content");
+          text += part["text"].get<std::string>();
+        }
+      } else {
+        bad(p + ".content must be a string or an array of text parts", p + ".content");
+      }
+      cm.push_back({r == "developer" ? "system" : r, std::move(text)});
+    }
+    ChatOptions co;
+    if (auto agp = get_bool(body, "add_generation_prompt")) co.add_generation_prompt = *agp;
+    if (const json* kw = field(body, "chat_template_kwargs"); kw && kw->is_object())
+      if (auto et = get_bool(*kw, "enable_thinking")) co.enable_thinking = *et;
+    ids = tok.encode(chat.render(cm, co), true);
+  } else {
+    const json* prompt = field(body, "prompt");
+    if (!prompt) bad("'prompt' is required", "prompt");
+    const json* p = prompt;
+    if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
+    if (p->is_string()) {
+      const std::string text = p->get<std::string>();
+      if (text.empty()) {
+        const auto bos = tok.bos_id() ? *tok.bos_id() : gen.bos_token_id;
+        if (bos < 0) bad("'prompt' is empty and the model has no BOS token", "prompt");
+        ids = {bos};
+      } else {
+        ids = tok.encode(text, true);
+      }
+    } else if (p->is_array()) {
+      if (p->empty()) bad("'prompt' must not be empty", "prompt");
+      for (const json& t : *p) {
+        if (!t.is_number_integer()) bad("'prompt' must be a string, an array of token ids or one of those in a list", "prompt");
+        const int64_t v = t.get<int64_t>();
+        if (v < 0 || v >= config.vocab_size)
+          bad(fmt::format("prompt token id {} is outside the vocabulary [0, {})", v, config.vocab_size), "prompt");
+        ids.push_back(static_cast<int32_t>(v));
+      }
+    } else {
+      bad("'prompt' must be a string or an array of token ids (one prompt per request)", "prompt");
+    }
+  }
+  if (ids.empty()) bad("the prompt encodes to no tokens", is_chat ? "messages" : "prompt");
+
+  // max_tokens and the context
+  std::optional<int64_t> max_tokens = get_int(body, "max_tokens");
+  if (is_chat && !max_tokens) max_tokens = get_int(body, "max_completion_tokens");
+  const int64_t P = static_cast<int64_t>(ids.size());
+  if (max_tokens && *max_tokens <= 0)
+    bad(fmt::format("'max_tokens' must be at least 1, got {}", *max_tokens), "max_tokens");
+  const int64_t K = max_tokens ? *max_tokens : (is_chat ? std::max<int64_t>(1, max_len - P) : 16);
+  if (P + K > max_len)
+    bad(fmt::format("This model's maximum context length is {} tokens and your request has {} tokens ({} in the "
+                    "prompt, {} to generate). Please reduce the length of the prompt or max_tokens.",
+                    max_len, P + K, P, K),
+        is_chat ? "messages" : "prompt", "context_length_exceeded");
+
+  // sampling
+  proto::GenerateRequest g;
+  for (int32_t id : ids) g.mutable_prompt_ids()->add_ids(static_cast<uint32_t>(id));
+  g.set_max_tokens(static_cast<uint32_t>(K));
+  auto* sp = g.mutable_sampling();
+  sp->set_temperature(static_cast<float>(get_number(body, "temperature", 0, 2).value_or(gen.temperature)));
+  sp->set_top_p(static_cast<float>(get_number(body, "top_p", 0, 1, true).value_or(gen.top_p)));
+  if (auto k = get_int(body, "top_k")) {
+    if (*k < -1 || *k > config.vocab_size) bad(fmt::format("'top_k' must be -1, 0 or in [1, {}], got {}", config.vocab_size, *k), "top_k");
+    sp->set_top_k(*k > 0 ? static_cast<uint32_t>(*k) : 0);
+  } else if (gen.top_k > 0) {
+    sp->set_top_k(static_cast<uint32_t>(gen.top_k));
+  }
+  if (auto seed = get_int(body, "seed")) {
+    sp->set_seed(static_cast<uint64_t>(*seed));
+  } else {
+    sp->set_seed(std::random_device{}());
+  }
+  for (const char* f : {"presence_penalty", "frequency_penalty"})
+    if (auto v = get_number(body, f, -2, 2); v && *v != 0) bad(fmt::format("'{}' is not supported", f), f);
+
+  auto job = std::make_shared<Job>();
+  if (const json* st = field(body, "stop")) {
+    if (st->is_string()) {
+      job->stops.push_back(st->get<std::string>());
+    } else if (st->is_array()) {
+      if (st->size() > 4) bad(fmt::format("'stop' takes at most 4 sequences, got {}", st->size()), "stop");
+      for (const json& s : *st) {
+        if (!s.is_string()) bad("'stop' must be a string or an array of strings", "stop");
+        job->stops.push_back(s.get<std::string>());
+      }
+    } else {
+      bad("'stop' must be a string or an array of strings", "stop");
+    }
+    for (const auto& s : job->stops) {
+      if (s.empty()) bad("'stop' sequences must not be empty", "stop");
+      job->max_stop = std::max(job->max_stop, s.size());
+    }
+  }
+
+  // Spade's own fields
+  if (const json* sp_f = field(body, "spade")) {
+    if (!sp_f->is_object()) bad("'spade' must be an object", "spade");
+    for (auto it = sp_f->begin(); it != sp_f->end(); ++it) {
+      if (it.key() == "selection") {
+        if (!it->is_string() || (it->get<std::string>() != "auto" && it->get<std::string>() != "dense"))
+          bad("'spade.selection' must be \"auto\" or \"dense\"", "spade.selection");
+        g.mutable_sparse()->set_force_dense(it->get<std::string>() == "dense");
+      } else if (it.key() == "sparse_threshold") {
+        if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > max_len)
+          bad(fmt::format("'spade.sparse_threshold' must be an integer in [1, {}]", max_len), "spade.sparse_threshold");
+        g.mutable_sparse()->set_sparse_threshold(static_cast<uint32_t>(it->get<int64_t>()));
+      } else {
+        bad(fmt::format("unknown field 'spade.{}' (known: selection, sparse_threshold)", it.key()), "spade");
+      }
+    }
+  }
+
+  job->stream = get_bool(body, "stream").value_or(false);
+  if (const json* so = field(body, "stream_options")) {
+    if (!job->stream) bad("'stream_options' is only allowed with stream: true", "stream_options");
+    if (!so->is_object()) bad("'stream_options' must be an object", "stream_options");
+    job->include_usage = get_bool(*so, "include_usage").value_or(false);
+  }
+
+  // Admission: capacity and a live world. Nothing above reached a rank.
+  const Health h = server.health();
+  if (!h.running || h.shutting_down || !h.world_complete || h.live_inference == 0)
+    throw ApiError{503,
+                   !h.world_complete ? fmt::format("the cluster is not ready: {}/{} inference ranks registered",
+                                                   h.live_inference, h.num_inference)
+                                     : "no live inference rank",
+                   "", "service_unavailable"};
+  if (in_flight.fetch_add(1) >= opt.max_num_requests) {
+    in_flight.fetch_sub(1);
+    throw ApiError{429,
+                   fmt::format("too many requests in flight ({} at most); retry later", opt.max_num_requests), "",
+                   "rate_limit_exceeded"};
+  }
+  in_flight_gauge.inc();
+
+  job->api = shared_from_this();
+  job->res = res;
+  job->endpoint = endpoint;
+  job->chat = is_chat;
+  job->id = random_id(is_chat ? "chatcmpl-" : "cmpl-");
+  job->created = unix_now();
+  job->prompt_tokens = static_cast<int>(P);
+  {
+    std::lock_guard<std::mutex> lk(job->mu);
+    job->routed_id = server.submit_local(g, [job](const proto::GenerateChunk& ch) { job->on_chunk(ch); });
+  }
+  job->begin();
+  res->on_close([job] { job->on_client_gone(); });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+OpenAiApi::OpenAiApi(ApiOptions options, CoordinatorServer& server, metrics::Registry& registry)
+    : impl_(std::make_shared<Impl>(std::move(options), server, registry)) {}
+
+OpenAiApi::~OpenAiApi() = default;
+
+void OpenAiApi::handle(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res) {
+  impl_->handle(req, std::move(res));
+}
+
+const std::string& OpenAiApi::model_name() const { return impl_->name; }
+int OpenAiApi::max_model_len() const { return impl_->max_len; }
+int OpenAiApi::in_flight() const { return impl_->in_flight.load(); }
+
+}  // namespace spade::coord

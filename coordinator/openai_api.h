@@ -1,0 +1,80 @@
+// The OpenAI-compatible HTTP API of the coordinator (served with common/http_server.h on --http-port).
+//
+//   POST /v1/completions        prompt (string or token ids) -> text_completion (or SSE text_completion chunks)
+//   POST /v1/chat/completions   messages -> chat.completion (or SSE chat.completion.chunk), with the checkpoint's
+//                               chat template (common/chat_template.h) or --chat-template FILE
+//   GET  /v1/models             the one served model
+//   (/health, /ready and /metrics are answered by the coordinator's main, common/status_endpoint.h)
+//
+// Request fields: model (must name the served model), max_tokens (chat: also max_completion_tokens; default 16 for
+// completions as in OpenAI, the rest of the context for chat), temperature [0, 2], top_p (0, 1], top_k (-1/0 = off),
+// seed, stop (string or up to 4 strings; the text ends before the first match, finish_reason "stop"), n (only 1),
+// stream, stream_options.include_usage. Spade's own fields go in an object "spade":
+//   "selection": "auto" (the rank's sparse decoding, default) | "dense" (never go sparse for this request)
+//   "sparse_threshold": N  context length at which this request switches to sparse decoding
+// Unsupported OpenAI features that change results (logprobs, echo, best_of > 1, suffix, tools, functions,
+// response_format other than text, logit_bias) are rejected with 400 rather than ignored; other unknown fields are
+// ignored.
+//
+// Errors are OpenAI error objects {"error": {"message", "type", "param", "code"}} with the status a client expects:
+//   400 invalid_request_error: malformed JSON, invalid UTF-8, a field of the wrong type or range, empty messages,
+//       max_tokens <= 0, prompt + max_tokens over the context (code context_length_exceeded: "This model's maximum
+//       context length is N tokens and your request has M tokens (P in the prompt, K to generate)")
+//   404 model_not_found (unknown model) / not_found (path);  405 wrong method;  413 oversized body (http_server)
+//   429 rate_limit_exceeded: more than max_num_requests requests in flight
+//   503 service_unavailable: world not complete / no live inference rank
+//   500 internal error when the serving rank fails (mid-stream: an SSE event {"error": ...} then [DONE]).
+// None of the 4xx errors reaches an inference rank.
+//
+// Cancellation: a client that disconnects before its response is complete (streaming or not) has its request
+// cancelled on the inference rank (CoordinatorServer::cancel_local), which frees its KV there and on its cache
+// rank. A stop-string match cancels the rest of the generation the same way.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "common/chat_template.h"
+#include "common/config.h"
+#include "common/http_server.h"
+#include "common/metrics.h"
+#include "common/tokenizer.h"
+#include "coordinator/server.h"
+
+namespace spade::coord {
+
+struct ApiOptions {
+  std::string model_dir;          // checkpoint: tokenizer.json, tokenizer_config.json, config.json, generation_config
+  std::string served_model_name;  // "" = the model directory's base name
+  std::string chat_template_file;  // "" = the checkpoint's chat_template; else a Jinja file of a recognised family
+  int max_model_len = 0;          // 0 = config.json's max_position_embeddings
+  int max_num_requests = 256;     // generation requests in flight through the API; more get 429
+};
+
+/// OpenAI error object: {"error": {"message", "type", "param", "code"}} for `status`.
+std::string openai_error_json(int status, const std::string& message, const std::string& param = "",
+                              const std::string& code = "");
+
+class OpenAiApi {
+ public:
+  /// Loads the tokenizer, config and chat template of options.model_dir (throws spade::Error naming the file).
+  OpenAiApi(ApiOptions options, CoordinatorServer& server, metrics::Registry& registry);
+  ~OpenAiApi();
+
+  /// Answers one request under /v1/ (any other path: 404). Thread-safe.
+  void handle(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res);
+
+  const std::string& model_name() const;
+  int max_model_len() const;
+  /// Generation requests in flight through the API.
+  int in_flight() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace spade::coord

@@ -1,0 +1,107 @@
+#include "inference_rank/rank_metrics.h"
+
+#include <fmt/format.h>
+
+namespace spade {
+
+using metrics::Registry;
+
+InferenceMetrics::InferenceMetrics(Registry& r, const SparseOptions& sparse, const char* transport)
+    : running_(r.gauge("spade_num_requests_running", "Number of requests in the running batch.").with()),
+      waiting_(r.gauge("spade_num_requests_waiting", "Number of requests waiting to be scheduled.").with()),
+      kv_usage_(r.gauge("spade_kv_cache_usage_perc", "Fraction of the local KV-cache pages in use (0..1).").with()),
+      prompt_tokens_(r.counter("spade_prompt_tokens_total", "Prefilled prompt tokens.").with()),
+      generation_tokens_(r.counter("spade_generation_tokens_total", "Generated tokens.").with()),
+      failures_(r.counter("spade_request_failure_total", "Requests ended by an error.").with()),
+      success_(r.counter("spade_request_success_total", "Finished requests by finish reason (stop, length, abort).",
+                         {"finished_reason"})),
+      ttft_(r.histogram("spade_time_to_first_token_seconds", "Time to first token (submit to first token).",
+                        metrics::latency_buckets_seconds())
+                .with()),
+      itl_(r.histogram("spade_inter_token_latency_seconds", "Time between consecutive tokens of a request (TPOT).",
+                       metrics::token_latency_buckets_seconds())
+               .with()),
+      e2e_(r.histogram("spade_e2e_request_latency_seconds", "End-to-end request latency on the inference rank.",
+                       metrics::latency_buckets_seconds())
+               .with()),
+      queue_(r.histogram("spade_request_queue_time_seconds", "Time a request waited before entering the batch.",
+                         metrics::latency_buckets_seconds())
+                 .with()),
+      stalls_(r.counter("spade_selection_stalls_total",
+                        "Layer packs whose selection had not arrived when the pack started (sparse decode).")
+                  .with()),
+      stall_seconds_(r.counter("spade_selection_stall_seconds_total", "Time spent waiting for late selections.").with()),
+      fallbacks_(r.counter("spade_dense_fallbacks_total",
+                           "Sequences past the sparse threshold decoded densely because no cache rank was usable.")
+                     .with()),
+      switches_(r.counter("spade_sparse_switches_total", "Sequences switched to sparse decoding (INIT bulk ships).")
+                    .with()),
+      sparse_steps_(r.counter("spade_sparse_sequence_steps_total", "(sequence, step) pairs decoded sparsely.").with()),
+      failed_seqs_(r.counter("spade_sparse_failed_sequences_total",
+                             "Sequences failed because their cache rank failed during sparse decoding.")
+                       .with()),
+      bytes_sent_(r.counter("spade_transfer_bytes_total", "Data-plane bytes moved, by direction and transport.",
+                            {"direction", "transport"})
+                      .with({"send", transport})),
+      bytes_recv_(r.counter("spade_transfer_bytes_total", "Data-plane bytes moved, by direction and transport.",
+                            {"direction", "transport"})
+                      .with({"recv", transport})),
+      select_seconds_(r.counter("spade_cache_select_seconds_total",
+                                "Cache-rank selection time reported back with the selections.")
+                          .with()) {
+  for (const char* reason : {"stop", "length", "abort"}) success_.with({reason});  // zero series, so rate() works
+  r.gauge("spade_sparse_config_info", "The rank's sparse-decoding settings (value 1).",
+          {"selection", "sparse_threshold", "token_budget", "local_window", "sink_tokens", "query_window",
+           "layers_per_pack"})
+      .with({selection_mode_name(sparse.mode), std::to_string(sparse.sparse_threshold),
+             std::to_string(sparse.selection.token_budget), std::to_string(sparse.selection.local_window),
+             std::to_string(sparse.selection.sink_tokens), std::to_string(sparse.selection.query_window),
+             std::to_string(sparse.layers_per_pack)})
+      .set(1);
+}
+
+void InferenceMetrics::on_scheduled(double queue_time) { queue_.observe(queue_time); }
+
+void InferenceMetrics::on_prompt_tokens(int n) { prompt_tokens_.inc(n); }
+
+void InferenceMetrics::on_token(bool first, double latency) {
+  generation_tokens_.inc();
+  (first ? ttft_ : itl_).observe(latency);
+}
+
+void InferenceMetrics::on_finished(FinishReason reason, double e2e, int, int) {
+  e2e_.observe(e2e);
+  if (reason == FinishReason::Error) {
+    failures_.inc();
+  } else {
+    success_.with({finish_reason_name(reason)}).inc();
+  }
+}
+
+void InferenceMetrics::update(const EngineStats& engine, const SparseStats* sparse, const cache::LinkStats* link) {
+  running_.set(engine.num_running);
+  waiting_.set(engine.num_waiting);
+  kv_usage_.set(engine.kv_cache_usage);
+  if (sparse) {
+    stalls_.inc(static_cast<double>(sparse->stalls - last_sparse_.stalls));
+    stall_seconds_.inc((sparse->stall_ms - last_sparse_.stall_ms) / 1e3);
+    fallbacks_.inc(static_cast<double>(sparse->dense_fallbacks - last_sparse_.dense_fallbacks));
+    switches_.inc(static_cast<double>(sparse->switches - last_sparse_.switches));
+    sparse_steps_.inc(static_cast<double>(sparse->sparse_seq_steps - last_sparse_.sparse_seq_steps));
+    failed_seqs_.inc(static_cast<double>(sparse->failed_seqs - last_sparse_.failed_seqs));
+    last_sparse_.stalls = sparse->stalls;
+    last_sparse_.stall_ms = sparse->stall_ms;
+    last_sparse_.dense_fallbacks = sparse->dense_fallbacks;
+    last_sparse_.switches = sparse->switches;
+    last_sparse_.sparse_seq_steps = sparse->sparse_seq_steps;
+    last_sparse_.failed_seqs = sparse->failed_seqs;
+  }
+  if (link) {
+    bytes_sent_.inc(static_cast<double>(link->bytes_sent - last_link_.bytes_sent));
+    bytes_recv_.inc(static_cast<double>(link->bytes_received - last_link_.bytes_received));
+    select_seconds_.inc((link->cache_select_ms - last_link_.cache_select_ms) / 1e3);
+    last_link_ = *link;
+  }
+}
+
+}  // namespace spade

@@ -1,0 +1,57 @@
+// The inference rank's Prometheus metrics (served on --metrics-port /metrics). vLLM's names with a spade_ prefix
+// where vLLM has them, Spade's own otherwise. Every series is documented in docs/ARCHITECTURE.md ("Metrics").
+//
+//   spade_num_requests_running / _waiting          gauge    requests in the running batch / queued
+//   spade_kv_cache_usage_perc                      gauge    0..1, used fraction of the local KV pages
+//   spade_prompt_tokens_total                      counter  prefilled prompt tokens
+//   spade_generation_tokens_total                  counter  generated tokens
+//   spade_request_success_total{finished_reason}   counter  finished requests: stop | length | abort
+//   spade_request_failure_total                    counter  requests ended by an error
+//   spade_time_to_first_token_seconds              histogram  submit -> first token (TTFT)
+//   spade_inter_token_latency_seconds              histogram  between consecutive tokens of a request (TPOT)
+//   spade_e2e_request_latency_seconds              histogram  submit -> last event
+//   spade_request_queue_time_seconds               histogram  submit -> entering the running batch
+//   spade_selection_stalls_total                   counter  layer packs whose selection was late (sparse decode)
+//   spade_selection_stall_seconds_total            counter  time spent waiting for late selections
+//   spade_dense_fallbacks_total                    counter  sequences past the threshold decoded densely (no cache rank)
+//   spade_sparse_switches_total                    counter  sequences switched to sparse decoding (INIT bulk ships)
+//   spade_sparse_sequence_steps_total              counter  (sequence, step) pairs decoded sparsely
+//   spade_sparse_failed_sequences_total            counter  sequences failed because their cache rank failed
+//   spade_transfer_bytes_total{direction,transport} counter  data-plane bytes, direction send|recv
+//   spade_cache_select_seconds_total               counter  cache-rank selection time reported with the selections
+//   spade_sparse_config_info{...}                  gauge    1, labels = the rank's sparse settings
+#pragma once
+
+#include <cstdint>
+
+#include "cache_rank/link.h"
+#include "common/metrics.h"
+#include "inference_rank/engine.h"
+#include "inference_rank/sparse_attention.h"
+
+namespace spade {
+
+class InferenceMetrics : public EngineObserver {
+ public:
+  InferenceMetrics(metrics::Registry& registry, const SparseOptions& sparse, const char* transport);
+
+  void on_scheduled(double queue_time) override;
+  void on_prompt_tokens(int n) override;
+  void on_token(bool first, double latency) override;
+  void on_finished(FinishReason reason, double e2e, int prompt_tokens, int generated) override;
+
+  /// Gauges from the engine, counters from the cumulative sparse / link statistics (by difference).
+  void update(const EngineStats& engine, const SparseStats* sparse, const cache::LinkStats* link);
+
+ private:
+  metrics::Gauge &running_, &waiting_, &kv_usage_;
+  metrics::Counter &prompt_tokens_, &generation_tokens_, &failures_;
+  metrics::Family<metrics::Counter>& success_;
+  metrics::Histogram &ttft_, &itl_, &e2e_, &queue_;
+  metrics::Counter &stalls_, &stall_seconds_, &fallbacks_, &switches_, &sparse_steps_, &failed_seqs_;
+  metrics::Counter &bytes_sent_, &bytes_recv_, &select_seconds_;
+  SparseStats last_sparse_;
+  cache::LinkStats last_link_;
+};
+
+}  // namespace spade
