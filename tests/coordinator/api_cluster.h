@@ -1,0 +1,116 @@
+// A whole local cluster for the HTTP-facing tests: the real coordinator (with the OpenAI API), inference rank and
+// cache rank executables on stories260K, with their metrics endpoints; plus small HTTP / metrics helpers.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/http_server.h"
+#include "tests/test_util.h"
+
+namespace spade::test {
+
+using namespace std::chrono_literals;
+
+inline std::string bin(const std::string& rel) { return binary_dir() + "/" + rel; }
+
+/// Parses the Prometheus text format into {"name{labels}" -> value} (labels exactly as served).
+inline std::map<std::string, double> parse_metrics(const std::string& text) {
+  std::map<std::string, double> out;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(pos, end - pos);
+    pos = end + 1;
+    if (line.empty() || line[0] == '#') continue;
+    const size_t sp = line.rfind(' ');
+    if (sp == std::string::npos) continue;
+    const std::string v = line.substr(sp + 1);
+    out[line.substr(0, sp)] = v == "+Inf" ? 1e308 : v == "NaN" ? 0 : std::stod(v);
+  }
+  return out;
+}
+
+struct ClusterOptions {
+  std::vector<std::string> coordinator_flags;  // extra flags
+  std::vector<std::string> inference_flags;    // sparse flags etc.
+  std::vector<std::string> cache_flags;
+};
+
+/// coordinator (rank 0) + inference (rank 1) + cache (rank 2), all on 127.0.0.1 with free ports.
+struct ApiCluster {
+  int control_port = free_port();
+  int http_port = free_port();
+  int inference_metrics_port = free_port();
+  int cache_metrics_port = free_port();
+  std::string model = data_path("models/stories260K");
+  std::unique_ptr<ChildProcess> coord, inf, cache;
+
+  std::map<std::string, std::string> env(int rank) const {
+    return {{"MASTER_ADDR", "127.0.0.1"},
+            {"MASTER_PORT", std::to_string(control_port)},
+            {"RANK", std::to_string(rank)},
+            {"WORLD_SIZE", "3"},
+            {"UCX_LOG_LEVEL", "error"}};
+  }
+
+  void start_coordinator(const ClusterOptions& o) {
+    std::vector<std::string> a = {"--num-inference",        "1",     "--num-cache", "1", "--model", model,
+                                  "--http-port",            std::to_string(http_port),
+                                  "--http-host",            "127.0.0.1",
+                                  "--rendezvous-timeout-ms", "60000", "--heartbeat-interval-ms", "200",
+                                  "--heartbeat-timeout-ms", "3000"};
+    a.insert(a.end(), o.coordinator_flags.begin(), o.coordinator_flags.end());
+    coord = std::make_unique<ChildProcess>(bin("coordinator/coordinator"), a, env(0), "coordinator");
+  }
+  void start_ranks(const ClusterOptions& o) {
+    std::vector<std::string> a = {"--serve", "--model", model, "--num-inference", "1", "--num-cache", "1",
+                                  "--rendezvous-timeout-ms", "60000", "--log-level", "info", "--metrics-port",
+                                  std::to_string(inference_metrics_port), "--metrics-host", "127.0.0.1"};
+    a.insert(a.end(), o.inference_flags.begin(), o.inference_flags.end());
+    inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), a, env(1), "inference rank");
+    std::vector<std::string> c = {"--model", model, "--num-inference", "1", "--num-cache", "1",
+                                  "--rendezvous-timeout-ms", "60000", "--metrics-port",
+                                  std::to_string(cache_metrics_port), "--metrics-host", "127.0.0.1"};
+    c.insert(c.end(), o.cache_flags.begin(), o.cache_flags.end());
+    cache = std::make_unique<ChildProcess>(bin("cache_rank/cache_rank"), c, env(2), "cache rank");
+  }
+  /// Waits until GET /ready on `port` answers 200.
+  bool wait_ready(int port, std::chrono::milliseconds timeout = 60s) {
+    for (auto until = std::chrono::steady_clock::now() + timeout; std::chrono::steady_clock::now() < until;
+         std::this_thread::sleep_for(100ms)) {
+      try {
+        if (http::http_request("127.0.0.1", static_cast<uint16_t>(port), "GET", "/ready", "", {}, 2s).status == 200)
+          return true;
+      } catch (const std::exception&) {
+      }
+    }
+    return false;
+  }
+  std::string logs() const {
+    std::string s;
+    for (auto* p : {coord.get(), inf.get(), cache.get()})
+      if (p) s += "---- " + p->name() + " ----\n" + p->log();
+    return s;
+  }
+
+  http::HttpResponse post(const std::string& path, const std::string& body, std::chrono::milliseconds t = 60s) {
+    return http::http_request("127.0.0.1", static_cast<uint16_t>(http_port), "POST", path, body, {}, t);
+  }
+  http::HttpResponse get(const std::string& path) {
+    return http::http_request("127.0.0.1", static_cast<uint16_t>(http_port), "GET", path);
+  }
+  std::string metrics_text(int port) {
+    return http::http_request("127.0.0.1", static_cast<uint16_t>(port), "GET", "/metrics").body;
+  }
+  std::map<std::string, double> metrics(int port) { return parse_metrics(metrics_text(port)); }
+};
+
+}  // namespace spade::test
