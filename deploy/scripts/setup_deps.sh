@@ -13,7 +13,14 @@ PKGS=(
   libpcre2-dev                              # tokenizer pre-tokenization regex
   libucx-dev                                # UCX host-memory transport
   openmpi-bin                               # mpirun launch form (deploy/spade_rank.sh)
+  prometheus                                # promtool + the real server the metrics tests scrape with
+  python3-yaml                              # tests/deploy: parses the rendered Kubernetes manifests
 )
+# Tools that may come from outside Debian (NodeSource's nodejs ships npm; kubectl from the Kubernetes repository):
+# asked from apt only when the command is missing.
+command -v kubectl >/dev/null || PKGS+=(kubectl)   # renders deploy/k8s (kubectl kustomize)
+command -v node >/dev/null || PKGS+=(nodejs)       # the official openai client test
+command -v npm >/dev/null || PKGS+=(npm)
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -22,8 +29,19 @@ for p in "${PKGS[@]}"; do
   fi
 done
 
+install_node_modules() {
+  # The openai npm client of the API test, pinned by its package-lock.json (registry.npmjs.org).
+  local dir
+  dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/tests/coordinator/openai_client"
+  if [ ! -f "$dir/node_modules/openai/package.json" ]; then
+    echo "setup_deps: npm ci in $dir"
+    (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)
+  fi
+}
+
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup_deps: all ${#PKGS[@]} packages present"
+  install_node_modules
   exit 0
 fi
 
@@ -33,3 +51,4 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+install_node_modules
