@@ -1,48 +1,78 @@
 #!/usr/bin/env bash
-# One executable per rank, chosen by the launcher's rank: the mpirun / torchrun form of deploy/launch_local.sh.
+# One executable per rank, chosen by the launcher's rank: the mpirun / torchrun form of a Spade cluster.
 #
-#   mpirun -np $((1 + 2*N)) deploy/spade_rank.sh --model DIR --prompt TEXT [--max-tokens N ...] [sparse flags]
-#   (torchrun-style: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set per process by any launcher)
+#   Serve (the OpenAI API on the coordinator's --http-port, until SIGINT/SIGTERM):
+#     mpirun -np $((1 + 2*N)) deploy/spade_rank.sh --model DIR [--http-port 8000] [--metrics-port-base 9100]
+#                                                  [--role-map c,i,k,...] [sparse flags]
+#   One prompt (rank 0 submits it, prints the text, shuts the cluster down):
+#     mpirun -np 3 deploy/spade_rank.sh --model DIR --prompt TEXT [--max-tokens N --temperature T ...]
+#   torchrun-style: any launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and LOCAL_RANK) per process.
 #
-# Rank 0 runs the coordinator and, once the world is up, submits the prompt and prints the text (then shuts the
-# cluster down); ranks 1..N are inference ranks, N+1..2N cache ranks (the default role map; N = (WORLD_SIZE-1)/2).
-# Reads OMPI_COMM_WORLD_RANK/SIZE (Open MPI) or RANK/WORLD_SIZE. MASTER_ADDR defaults to 127.0.0.1 and MASTER_PORT
-# to 29500 (set it when several clusters share a host).
+# Roles: rank 0 the coordinator, ranks 1..N inference ranks, N+1..2N cache ranks (N = (WORLD_SIZE-1)/2), or the
+# explicit --role-map (c = coordinator, i = inference, k = cache; one letter per rank), which every rank also checks.
+# The rank comes from OMPI_COMM_WORLD_RANK/SIZE (Open MPI) or RANK/WORLD_SIZE. MASTER_ADDR defaults to 127.0.0.1, MASTER_PORT
+# to 29500 (set it when several clusters share a host). With --metrics-port-base B, rank r serves /metrics,
+# /health and /ready on port B + r (inference and cache ranks; the coordinator serves them on --http-port).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${SPADE_BUILD_DIR:-$root/build}"
 rank="${OMPI_COMM_WORLD_RANK:-${RANK:-}}"
 world="${OMPI_COMM_WORLD_SIZE:-${WORLD_SIZE:-}}"
 [ -n "$rank" ] && [ -n "$world" ] || { echo "spade_rank: no rank/world size (run under mpirun or set RANK, WORLD_SIZE)" >&2; exit 2; }
-[ $(( (world - 1) % 2 )) -eq 0 ] && [ "$world" -ge 3 ] || { echo "spade_rank: world size $world must be 1 + 2N (N >= 1)" >&2; exit 2; }
-n=$(( (world - 1) / 2 ))
 export MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}" MASTER_PORT="${MASTER_PORT:-29500}"
 export UCX_LOG_LEVEL="${UCX_LOG_LEVEL:-error}"  # UCX warnings would land in the text on stdout
 
-model="" ; prompt="" ; gen=() ; inf=() ; cache=()
+model="" ; prompt="" ; have_prompt=0 ; role_map="" ; http_port=8000 ; metrics_base=0
+gen=() ; inf=() ; cache=() ; coord=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) model="$2"; shift 2 ;;
-    --prompt) prompt="$2"; shift 2 ;;
+    --prompt) prompt="$2"; have_prompt=1; shift 2 ;;
+    --role-map) role_map="$2"; shift 2 ;;
+    --http-port) http_port="$2"; shift 2 ;;
+    --metrics-port-base) metrics_base="$2"; shift 2 ;;
+    --served-model-name|--max-num-requests|--max-model-len|--chat-template) coord+=("$1" "$2"); shift 2 ;;
     --max-tokens|--temperature|--top-p|--top-k|--seed) gen+=("$1" "$2"); shift 2 ;;
     --token-budget|--local-window|--sink-tokens|--query-window|--ridge-eps|--gqa-rule) inf+=("$1" "$2"); cache+=("$1" "$2"); shift 2 ;;
     --selection|--sparse-threshold|--layers-per-pack|--selection-deadline-ms|--page-size|--max-num-seqs) inf+=("$1" "$2"); shift 2 ;;
+    --overlap-sample-every|--kv-pages) cache+=("$1" "$2"); shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "spade_rank: unknown flag $1" >&2; exit 2 ;;
   esac
 done
 [ -n "$model" ] || { echo "spade_rank: --model DIR is required" >&2; exit 2; }
-common=(--num-inference "$n" --num-cache "$n")
 
-if [ "$rank" -eq 0 ]; then
-  "$build/coordinator/coordinator" --port "$MASTER_PORT" "${common[@]}" --log-level warn &
-  coord=$!
-  trap 'kill $coord 2>/dev/null || true' EXIT
-  "$build/coordinator/spade_submit" --master-addr 127.0.0.1 --master-port "$MASTER_PORT" --prompt "$prompt" \
-    --shutdown-after "${gen[@]}" && rc=0 || rc=$?
-  wait "$coord" || true
-  exit $rc
-elif [ "$rank" -le "$n" ]; then
-  exec "$build/inference_rank/inference_rank" --serve --model "$model" "${common[@]}" --log-level warn "${inf[@]}"
+if [ -n "$role_map" ]; then
+  IFS=, read -r -a roles <<<"$role_map"
+  [ "${#roles[@]}" -eq "$world" ] || { echo "spade_rank: --role-map has ${#roles[@]} entries for world size $world" >&2; exit 2; }
+  role="${roles[$rank]}"
+  common=(--role-map "$role_map")
 else
-  exec "$build/cache_rank/cache_rank" --model "$model" "${common[@]}" --log-level warn "${cache[@]}"
+  [ $(( (world - 1) % 2 )) -eq 0 ] && [ "$world" -ge 3 ] || { echo "spade_rank: world size $world must be 1 + 2N (N >= 1)" >&2; exit 2; }
+  n=$(( (world - 1) / 2 ))
+  if [ "$rank" -eq 0 ]; then role=c; elif [ "$rank" -le "$n" ]; then role=i; else role=k; fi
+  common=(--num-inference "$n" --num-cache "$n")
 fi
+metrics=()
+[ "$metrics_base" -gt 0 ] && metrics=(--metrics-port $((metrics_base + rank)))
+
+case "$role" in
+  c|coordinator)
+    if [ "$have_prompt" -eq 1 ]; then
+      "$build/coordinator/coordinator" --port "$MASTER_PORT" "${common[@]}" --http-port 0 --log-level warn &
+      cpid=$!
+      trap 'kill $cpid 2>/dev/null || true' EXIT
+      "$build/coordinator/spade_submit" --master-addr 127.0.0.1 --master-port "$MASTER_PORT" --prompt "$prompt" \
+        --shutdown-after "${gen[@]}" && rc=0 || rc=$?
+      wait "$cpid" || true
+      exit $rc
+    fi
+    exec "$build/coordinator/coordinator" --port "$MASTER_PORT" "${common[@]}" --model "$model" \
+      --http-port "$http_port" "${coord[@]}" ;;
+  i|inference)
+    exec "$build/inference_rank/inference_rank" --serve --model "$model" "${common[@]}" --log-level warn \
+      "${metrics[@]}" "${inf[@]}" ;;
+  k|cache)
+    exec "$build/cache_rank/cache_rank" --model "$model" "${common[@]}" --log-level warn "${metrics[@]}" "${cache[@]}" ;;
+  *) echo "spade_rank: rank $rank has unknown role '$role' in --role-map $role_map (c, i or k)" >&2; exit 2 ;;
+esac

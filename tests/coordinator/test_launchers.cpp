@@ -1,0 +1,140 @@
+// The launch forms of deploy/spade_rank.sh: under Open MPI's mpirun (OMPI_COMM_WORLD_*; default and explicit role
+// maps; one-prompt and serving modes) and torchrun-style (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT /
+// LOCAL_RANK per process), each producing the stories260K reference continuation; and its bad-input errors.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/coordinator/api_cluster.h"
+
+namespace spade::test {
+namespace {
+
+using json = nlohmann::json;
+using ::testing::HasSubstr;
+
+std::string script() { return std::string(SPADE_SOURCE_DIR) + "/deploy/spade_rank.sh"; }
+std::string model() { return data_path("models/stories260K"); }
+std::string reference() { return read_file(data_path("models/stories260K/expected_greedy_200tok.txt")); }
+
+std::vector<std::string> mpirun_args(int np) {
+  return {"--oversubscribe", "--allow-run-as-root", "-np", std::to_string(np), "-x", "MASTER_PORT", "-x",
+          "SPADE_BUILD_DIR", "-x", "UCX_LOG_LEVEL", "--mca", "btl", "self,tcp"};
+}
+
+std::map<std::string, std::string> base_env(int master_port) {
+  return {{"MASTER_PORT", std::to_string(master_port)}, {"SPADE_BUILD_DIR", binary_dir()}, {"UCX_LOG_LEVEL", "error"}};
+}
+
+/// POSTs a greedy completion from BOS to the coordinator at `http_port` once it is ready.
+std::string greedy_from_bos(int http_port, int max_tokens, const std::string& logs_hint) {
+  ApiCluster probe;  // only for its helpers; starts nothing
+  probe.http_port = http_port;
+  EXPECT_TRUE(probe.wait_ready(http_port, 90s)) << logs_hint;
+  auto r = probe.post("/v1/completions", json{{"model", "stories260K"},
+                                              {"prompt", json::array({1})},
+                                              {"max_tokens", max_tokens},
+                                              {"temperature", 0}}
+                                             .dump());
+  EXPECT_EQ(r.status, 200) << r.body;
+  if (r.status != 200) return "";
+  return json::parse(r.body)["choices"][0]["text"];
+}
+
+TEST(Launchers, MpirunOnePromptDefaultRoleMap) {
+  const int port = free_port();
+  std::vector<std::string> a = mpirun_args(3);
+  for (std::string s : {script(), std::string("--model"), model(), std::string("--prompt"), std::string(""),
+                        std::string("--max-tokens"), std::string("30"), std::string("--temperature"),
+                        std::string("0"), std::string("--selection"), std::string("predicted"),
+                        std::string("--sparse-threshold"), std::string("16"), std::string("--token-budget"),
+                        std::string("512")})
+    a.push_back(s);
+  ChildProcess mpi("/usr/bin/mpirun", a, base_env(port), "mpirun");
+  ASSERT_EQ(mpi.wait_exit(180s), 0) << mpi.log();
+  // 30 greedy tokens from BOS: the start of the reference continuation.
+  EXPECT_THAT(mpi.log(), HasSubstr(reference().substr(0, 60)));
+}
+
+TEST(Launchers, MpirunServesTheApiWithAnExplicitRoleMap) {
+  const int port = free_port(), http = free_port(), metrics = free_port() + 100;
+  std::vector<std::string> a = mpirun_args(3);
+  // Rank 1 is the cache rank, rank 2 the inference rank.
+  for (std::string s : {script(), std::string("--model"), model(), std::string("--role-map"), std::string("c,k,i"),
+                        std::string("--http-port"), std::to_string(http), std::string("--metrics-port-base"),
+                        std::to_string(metrics), std::string("--selection"), std::string("predicted"),
+                        std::string("--sparse-threshold"), std::string("16"), std::string("--token-budget"),
+                        std::string("512")})
+    a.push_back(s);
+  ChildProcess mpi("/usr/bin/mpirun", a, base_env(port), "mpirun");
+  const std::string text = greedy_from_bos(http, 40, "");
+  EXPECT_EQ(text, reference().substr(0, text.size()));
+  EXPECT_GT(text.size(), 100u);
+  ApiCluster probe;
+  const auto inf = probe.metrics(metrics + 2);  // rank 2 = inference
+  EXPECT_EQ(inf.at("spade_generation_tokens_total"), 40);
+  EXPECT_GT(inf.at("spade_sparse_switches_total"), 0);
+  const auto cache = probe.metrics(metrics + 1);  // rank 1 = cache
+  EXPECT_GT(cache.at("spade_cache_pack_updates_total"), 0);
+  mpi.signal(SIGTERM);
+  EXPECT_NE(mpi.wait_exit(60s), -1) << "mpirun did not end after SIGTERM:\n" << mpi.log();
+  if (HasFailure()) std::cerr << mpi.log();
+}
+
+TEST(Launchers, TorchrunStyleEnvironment) {
+  const int port = free_port(), http = free_port();
+  std::vector<std::unique_ptr<ChildProcess>> ranks;
+  for (int r = 0; r < 3; ++r) {
+    auto env = base_env(port);
+    env["RANK"] = std::to_string(r);
+    env["LOCAL_RANK"] = std::to_string(r);
+    env["WORLD_SIZE"] = "3";
+    env["MASTER_ADDR"] = "127.0.0.1";
+    ranks.push_back(std::make_unique<ChildProcess>(
+        script(),
+        std::vector<std::string>{"--model", model(), "--http-port", std::to_string(http), "--selection", "predicted",
+                                 "--sparse-threshold", "16", "--token-budget", "512"},
+        env, "rank " + std::to_string(r)));
+  }
+  std::string logs;
+  const std::string text = greedy_from_bos(http, 40, "");
+  EXPECT_EQ(text, reference().substr(0, text.size()));
+  EXPECT_GT(text.size(), 100u);
+  ranks[0]->signal(SIGTERM);  // the coordinator shuts the world down; the ranks follow with exit code 0
+  for (auto& r : ranks) {
+    EXPECT_EQ(r->wait_exit(60s), 0) << r->name() << ":\n" << r->log();
+  }
+}
+
+TEST(Launchers, BadLaunchesFailWithClearErrors) {
+  auto run = [&](std::map<std::string, std::string> env, std::vector<std::string> args) {
+    ChildProcess p(script(), args, env, "spade_rank");
+    const int rc = p.wait_exit(30s);
+    return std::make_pair(rc, p.log());
+  };
+  auto env = base_env(free_port());
+  auto [rc1, log1] = run(env, {"--model", model()});
+  EXPECT_EQ(rc1, 2);
+  EXPECT_THAT(log1, HasSubstr("no rank/world size"));
+  env["RANK"] = "0";
+  env["WORLD_SIZE"] = "4";
+  auto [rc2, log2] = run(env, {"--model", model()});
+  EXPECT_EQ(rc2, 2);
+  EXPECT_THAT(log2, HasSubstr("world size 4 must be 1 + 2N"));
+  auto [rc3, log3] = run(env, {"--model", model(), "--role-map", "c,i,k"});
+  EXPECT_EQ(rc3, 2);
+  EXPECT_THAT(log3, HasSubstr("--role-map has 3 entries for world size 4"));
+  env["WORLD_SIZE"] = "3";
+  env["RANK"] = "1";
+  auto [rc4, log4] = run(env, {"--model", model(), "--role-map", "c,x,k"});
+  EXPECT_EQ(rc4, 2);
+  EXPECT_THAT(log4, HasSubstr("rank 1 has unknown role 'x'"));
+  auto [rc5, log5] = run(env, {"--bogus"});
+  EXPECT_EQ(rc5, 2);
+  EXPECT_THAT(log5, HasSubstr("unknown flag --bogus"));
+}
+
+}  // namespace
+}  // namespace spade::test
