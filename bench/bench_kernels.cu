@@ -6,8 +6,29 @@
 // each output written once), GB/s = bytes / median, and the ratio to the device-to-device copy bandwidth measured
 // in the same run ((read + write bytes) / time of a 1 GiB cudaMemcpyAsync).
 //
-// Usage: bench_kernels --out results.json [--iters N] [--warmup N] [--quick] [--sweep] [--sweep-hpc] [--only g1,g2]
-// --sweep times the paged decode at forced split counts, --sweep-hpc at forced (KV heads per CTA, split count).
+// Decode and sparse cases are timed twice: "plain" (above: one event pair per launch, launches issued back to back
+// from the host) and "graph" (--graph-calls N back-to-back launches captured in one CUDA graph; >= 50 replays after
+// warm-up, each timed with its own event pair; time per call = replay time / N), which takes host launch overhead
+// out of the measurement. bench/sdpa_peer.py times PyTorch SDPA both ways with the same N and input rotation.
+//
+// Page placement of the paged cases (the block tables; docs/KERNELS.md sections 6 and 7.1):
+//   shuffled   (layout "pagedN"): a random permutation of the pool's pages (worst case: no locality at all);
+//   ascending  ("pagedNascending"): each sequence owns a random subset of the pool, listed in ascending order;
+//   allocator  ("pagedNallocator"): the block tables that common/page_allocator (lowest free page first) hands out
+//              under a serving workload simulated with the engine's scheduling rules (FIFO admission with full
+//              reservation, decode tokens first, chunked prefill of 2048 tokens per step, <= 64 running sequences,
+//              log-uniform prompts, sparse sequences dropping the pages between sinks and window) in a pool twice the
+//              measured sequences' size, run until 4 pools' worth of pages were handed out before the B measured
+//              sequences arrive behind the background requests;
+//   contiguous ("contiguous"): one page per sequence ([B, T, kv_heads, D]);
+//   region-shuffled ("pagedNregionshuffled", diagnostic): each sequence's pages are contiguous up to a random
+//              permutation within each 2 MiB of cache (the fewest 2 MiB regions, no page order).
+// Each paged row also records placement statistics (contiguous / ascending neighbour pairs, 2 MiB regions touched).
+//
+// Usage: bench_kernels --out results.json [--iters N] [--warmup N] [--graph-calls N] [--quick] [--sweep]
+//                      [--sweep-hpc] [--only g1,g2] [--placement-stats]
+// --sweep times the paged decode at forced split counts, --sweep-hpc at forced (KV heads per CTA, split count);
+// --placement-stats prints the allocator placement statistics of the benchmark shapes and exits (no GPU needed).
 // The JSON also carries device, date, commit ($SPADE_COMMIT, else "unknown").
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -29,6 +50,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/page_placement.h"
 #include "kernels/attention.cuh"
 #include "kernels/selection.cuh"
 
@@ -36,6 +58,7 @@ namespace {
 
 using nlohmann::json;
 using namespace spade::kernels;
+using namespace spade::bench;
 using spade::DType;
 
 #define CK(expr)                                                                                               \
@@ -52,6 +75,7 @@ struct Options {
   std::string out = "bench_kernels.json";
   int iters = 100;
   int warmup = 10;
+  int graph_calls = 20;  // launches per captured CUDA graph (graph timing)
   bool quick = false;
   bool sweep = false;
   bool sweep_hpc = false;
@@ -130,6 +154,47 @@ Timing time_it(const Options& o, int sets, const std::function<void(int)>& fn) {
   return t;
 }
 
+// Times fn(set, stream) captured o.graph_calls times back to back (set = i % sets) in one CUDA graph: warm-up
+// (o.warmup plain launches, then 3 replays), then o.iters replays each timed with its own event pair; the times are
+// per call (replay time / graph_calls).
+Timing time_graph(const Options& o, int sets, cudaStream_t st, const std::function<void(int, cudaStream_t)>& fn) {
+  for (int i = 0; i < o.warmup; ++i) fn(i % sets, st);
+  CK(cudaStreamSynchronize(st));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+  for (int i = 0; i < o.graph_calls; ++i) fn(i % sets, st);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, st));
+  CK(cudaStreamSynchronize(st));
+  std::vector<cudaEvent_t> ev(2 * o.iters);
+  for (auto& e : ev) CK(cudaEventCreate(&e));
+  for (int i = 0; i < o.iters; ++i) {
+    CK(cudaEventRecord(ev[2 * i], st));
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaEventRecord(ev[2 * i + 1], st));
+  }
+  CK(cudaStreamSynchronize(st));
+  std::vector<double> us(o.iters);
+  for (int i = 0; i < o.iters; ++i) {
+    float ms = 0.f;
+    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    us[i] = 1000.0 * ms / o.graph_calls;
+  }
+  for (auto& e : ev) CK(cudaEventDestroy(e));
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  std::sort(us.begin(), us.end());
+  Timing t;
+  t.iters = o.iters;
+  t.median_us = us[us.size() / 2];
+  t.p10_us = us[us.size() / 10];
+  t.p90_us = us[(us.size() * 9) / 10];
+  t.min_us = us.front();
+  return t;
+}
+
 // Input sets to rotate so that the total working set is >= 4x L2 (inputs do not stay cache-resident).
 int rotation_sets(size_t bytes_per_set, size_t l2_bytes) {
   const size_t want = 4 * l2_bytes;
@@ -139,6 +204,7 @@ int rotation_sets(size_t bytes_per_set, size_t l2_bytes) {
 struct Ctx {
   Options opt;
   cudaDeviceProp prop{};
+  cudaStream_t stream = nullptr;  // graph capture / replay stream (plain timing uses the legacy default stream)
   double copy_gbps = 0;
   json results = json::array();
 };
@@ -156,9 +222,19 @@ json timing_json(const Timing& t, double bytes, double copy_gbps) {
   return j;
 }
 
+// The graph-timed numbers of a row: r["graph"] = {median_us, p10_us, p90_us, min_us, iters, calls_per_graph, ...}.
+json graph_json(const Timing& t, double bytes, double copy_gbps, int calls) {
+  json j = timing_json(t, bytes, copy_gbps);
+  j["calls_per_graph"] = calls;
+  j["timing"] = "CUDA graph of calls_per_graph back-to-back launches; median over iters replays of replay time / calls";
+  return j;
+}
+
 void log_line(const json& r) {
-  std::printf("%-44s %10.1f us  %8.1f GB/s  %5.1f%% of copy\n", r["name"].get<std::string>().c_str(),
+  std::printf("%-50s %10.1f us  %8.1f GB/s  %5.1f%% of copy", r["name"].get<std::string>().c_str(),
               r["median_us"].get<double>(), r["gb_per_s"].get<double>(), 100.0 * r["ratio_to_copy"].get<double>());
+  if (r.contains("graph")) std::printf("  | graph %8.1f us", r["graph"]["median_us"].get<double>());
+  std::printf("\n");
   std::fflush(stdout);
 }
 
@@ -181,41 +257,30 @@ double measure_copy(Ctx& c) {
   return gbps;
 }
 
-// A paged KV cache of `batch` sequences of `len` tokens: random page permutation over the pool (page_size < len),
-// or one page per sequence (page_size == len: the contiguous [batch, len, hkv, D] layout). `ascending`: each
-// sequence still owns a random subset of the pool's pages, but its block-table row lists them in ascending order
-// (what a free-list allocator that hands out low pages first tends to produce).
+// A paged KV cache of `batch` sequences of `len` tokens placed as `pl` (page_size < len), or one page per sequence
+// (page_size == len: the contiguous [batch, len, hkv, D] layout).
 struct KvSet {
   void* k = nullptr;
   void* v = nullptr;
   int32_t* bt = nullptr;
   int max_pages = 0;
+  json stats;  // placement statistics (placement_stats + the simulation's info for kAllocator)
 };
 
-KvSet make_kv(int batch, int len, int ps, int hkv, int D, uint64_t seed, bool ascending = false) {
+KvSet make_kv(int batch, int len, int ps, int hkv, int D, uint64_t seed, Placement pl = Placement::kShuffled) {
   KvSet s;
   s.max_pages = (len + ps - 1) / ps;
-  const int num_pages = batch * s.max_pages;
-  const size_t n = static_cast<size_t>(num_pages) * ps * hkv * D;
+  Tables t = plan_tables(batch, len, ps, hkv, D, seed, pl);
+  s.stats = t.stats;
+  const size_t n = static_cast<size_t>(t.num_pages) * ps * hkv * D;
   s.k = dmalloc(n * 2);
   s.v = dmalloc(n * 2);
   fill16(s.k, n, seed);
   fill16(s.v, n, seed + 1);
-  std::vector<int32_t> perm(num_pages);
-  std::iota(perm.begin(), perm.end(), 0);
-  if (s.max_pages > 1) {
-    std::mt19937_64 rng(seed);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    if (ascending) {
-      for (int b = 0; b < batch; ++b) {
-        std::sort(perm.begin() + static_cast<size_t>(b) * s.max_pages,
-                  perm.begin() + static_cast<size_t>(b + 1) * s.max_pages);
-      }
-    }
-  }
-  s.bt = upload(perm);  // row b = perm[b * max_pages ...]
+  s.bt = upload(t.table);  // row b = table[b * max_pages ...]
   return s;
 }
+
 void free_kv(KvSet& s) {
   CK(cudaFree(s.k));
   CK(cudaFree(s.v));
@@ -224,14 +289,20 @@ void free_kv(KvSet& s) {
 
 constexpr int kHq = 32, kHkv = 8, kD = 128;  // Qwen3-8B attention
 
+// `layout`: "contiguous" (page_size == len) or "paged<ps>[ascending|allocator]" (placement, header comment).
+// `graph`: also time the case as a CUDA graph of back-to-back launches (r["graph"]).
 void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const char* layout, int splits = 0,
-                        int heads_per_cta = 0) {
+                        int heads_per_cta = 0, bool graph = false) {
   const double kv_bytes = 2.0 * batch * len * kHkv * kD * 2;
   const double bytes = kv_bytes + 2.0 * batch * kHq * kD * 2 + batch * ((len + ps - 1) / ps) * 4.0;
   const int sets = rotation_sets(static_cast<size_t>(kv_bytes), c.prop.l2CacheSize);
   std::vector<KvSet> kv;
-  const bool ascending = std::string(layout).find("ascending") != std::string::npos;
-  for (int s = 0; s < sets; ++s) kv.push_back(make_kv(batch, len, ps, kHkv, kD, 100 + 7 * s, ascending));
+  const std::string lay(layout);
+  const Placement pl = lay.find("ascending") != std::string::npos   ? Placement::kAscending
+                       : lay.find("allocator") != std::string::npos ? Placement::kAllocator
+                       : lay.find("regionshuf") != std::string::npos ? Placement::kRegionShuffled
+                                                                    : Placement::kShuffled;
+  for (int s = 0; s < sets; ++s) kv.push_back(make_kv(batch, len, ps, kHkv, kD, 100 + 7 * s, pl));
   void* q = dmalloc(size_t{2} * batch * kHq * kD);
   fill16(q, static_cast<size_t>(batch) * kHq * kD, 5);
   void* out = dmalloc(size_t{2} * batch * kHq * kD);
@@ -255,13 +326,15 @@ void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const c
   p.workspace = {ws, ws_bytes};
   p.num_splits = splits;
   p.kv_heads_per_cta = heads_per_cta;
-  const Timing t = time_it(c.opt, sets, [&](int s) {
+  auto launch = [&](int s, cudaStream_t st) {
     p.k_cache = kv[s].k;
     p.v_cache = kv[s].v;
     p.block_table = kv[s].bt;
-    CK(paged_decode_attention(p, nullptr));
-  });
+    CK(paged_decode_attention(p, st));
+  };
+  const Timing t = time_it(c.opt, sets, [&](int s) { launch(s, nullptr); });
   json r = timing_json(t, bytes, c.copy_gbps);
+  if (graph) r["graph"] = graph_json(time_graph(c.opt, sets, c.stream, launch), bytes, c.copy_gbps, c.opt.graph_calls);
   r["name"] = std::string("paged_decode_") + (dtype == DType::BF16 ? "bf16" : "fp16") + "_B" +
               std::to_string(batch) + "_T" + std::to_string(len) + "_" + layout +
               (splits > 0 ? "_splits" + std::to_string(splits) : std::string()) +
@@ -272,6 +345,8 @@ void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const c
   r["kv_heads_per_cta"] = heads_per_cta;
   r["dtype"] = dtype == DType::BF16 ? "bf16" : "fp16";
   r["layout"] = layout;
+  r["placement"] = ps == len ? "contiguous" : placement_name(pl);
+  r["placement_stats"] = kv[0].stats;
   r["shape"] = {{"batch", batch}, {"seq_len", len}, {"num_q_heads", kHq}, {"num_kv_heads", kHkv},
                 {"head_dim", kD}, {"page_size", ps}};
   r["input_sets"] = sets;
@@ -337,15 +412,17 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
     p.index_stride = k;
     p.scale = 1.f / std::sqrt(static_cast<float>(kD));
     p.workspace = {ws, ws_bytes};
-    const Timing t = time_it(c.opt, sets, [&](int s) {
+    auto launch = [&](int s, cudaStream_t st) {
       p.k_cache = kv[s].k;
       p.v_cache = kv[s].v;
       p.block_table = kv[s].bt;
       p.indices = idx[s];
-      CK(sparse_decode_attention_indexed(p, nullptr));
-    });
+      CK(sparse_decode_attention_indexed(p, st));
+    };
+    const Timing t = time_it(c.opt, sets, [&](int s) { launch(s, nullptr); });
     const double bytes = sel_bytes + batch * kHkv * k * 4.0 + 2.0 * batch * kHq * kD * 2;
     json r = timing_json(t, bytes, c.copy_gbps);
+    r["graph"] = graph_json(time_graph(c.opt, sets, c.stream, launch), bytes, c.copy_gbps, c.opt.graph_calls);
     r["name"] = "sparse_decode_indexed_bf16_B" + std::to_string(batch) + "_k" + std::to_string(k) + "_ps" +
                 std::to_string(ps);
     r["kind"] = "sparse_decode_indexed";
@@ -372,16 +449,18 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
     p.local_window = window;
     p.scale = 1.f / std::sqrt(static_cast<float>(kD));
     p.workspace = {ws, ws_bytes};
-    const Timing t = time_it(c.opt, sets, [&](int s) {
+    auto launch = [&](int s, cudaStream_t st) {
       p.k_cache = kv[s].k;
       p.v_cache = kv[s].v;
       p.block_table = kv[s].bt;
       p.packed_k = pk[s];
       p.packed_v = pv[s];
-      CK(sparse_decode_attention_packed(p, nullptr));
-    });
+      CK(sparse_decode_attention_packed(p, st));
+    };
+    const Timing t = time_it(c.opt, sets, [&](int s) { launch(s, nullptr); });
     const double bytes = 2.0 * batch * kHkv * (k + window) * kD * 2 + 2.0 * batch * kHq * kD * 2;
     json r = timing_json(t, bytes, c.copy_gbps);
+    r["graph"] = graph_json(time_graph(c.opt, sets, c.stream, launch), bytes, c.copy_gbps, c.opt.graph_calls);
     r["name"] = "sparse_decode_packed_bf16_B" + std::to_string(batch) + "_k" + std::to_string(k) + "_w" +
                 std::to_string(window);
     r["kind"] = "sparse_decode_packed";
@@ -590,8 +669,24 @@ void bench_prefill(Ctx& c, int len, int ps) {
 
 }  // namespace
 
+// --placement-stats: the placement statistics of the paged benchmark shapes (CPU only).
+int print_placement_stats() {
+  for (auto [b, len] : std::vector<std::pair<int, int>>{{8, 2048}, {8, 8192}, {8, 32768}, {8, 131072}, {1, 32768},
+                                                       {32, 4096}}) {
+    for (Placement pl :
+         {Placement::kShuffled, Placement::kAscending, Placement::kAllocator, Placement::kRegionShuffled}) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const Tables t = plan_tables(b, len, 16, kHkv, kD, 100, pl);
+      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("B=%-2d T=%-6d %-9s %s (%.2f s)\n", b, len, placement_name(pl), t.stats.dump().c_str(), sec);
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   Ctx c;
+  bool placement_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) {
@@ -600,6 +695,10 @@ int main(int argc, char** argv) {
       c.opt.iters = std::max(50, std::atoi(argv[++i]));
     } else if (a == "--warmup" && i + 1 < argc) {
       c.opt.warmup = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--graph-calls" && i + 1 < argc) {
+      c.opt.graph_calls = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--placement-stats") {
+      placement_only = true;
     } else if (a == "--quick") {
       c.opt.quick = true;
     } else if (a == "--sweep") {
@@ -610,12 +709,13 @@ int main(int argc, char** argv) {
       c.opt.only = argv[++i];
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--out file.json] [--iters N>=50] [--warmup N] [--quick] [--sweep] [--sweep-hpc]"
-                   " [--only g1,g2]\n",
+                   "usage: %s [--out file.json] [--iters N>=50] [--warmup N] [--graph-calls N] [--quick] [--sweep]"
+                   " [--sweep-hpc] [--only g1,g2] [--placement-stats]\n",
                    argv[0]);
       return 2;
     }
   }
+  if (placement_only) return print_placement_stats();
   int dev = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaGetDeviceProperties(&c.prop, dev));
@@ -624,21 +724,28 @@ int main(int argc, char** argv) {
   CK(cudaRuntimeGetVersion(&runtime));
   std::printf("device: %s, %d SMs, L2 %d MB\n", c.prop.name, c.prop.multiProcessorCount, c.prop.l2CacheSize >> 20);
 
+  CK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
   c.copy_gbps = measure_copy(c);
   // Paged decode, Qwen3-8B head shape, bf16: the issue's targets (B=8, T=2k/32k; paged vs contiguous).
   if (c.opt.run("decode")) {
+    // Placements: paged16 = shuffled (worst case), paged16allocator = common/page_allocator after serving churn.
     for (int len : {2048, 8192, 32768}) {
-      bench_paged_decode(c, DType::BF16, 8, len, 16, "paged16");
-      bench_paged_decode(c, DType::BF16, 8, len, len, "contiguous");
+      bench_paged_decode(c, DType::BF16, 8, len, 16, "paged16", 0, 0, true);
+      bench_paged_decode(c, DType::BF16, 8, len, 16, "paged16allocator", 0, 0, true);
+      bench_paged_decode(c, DType::BF16, 8, len, len, "contiguous", 0, 0, true);
     }
     if (!c.opt.quick) {
       bench_paged_decode(c, DType::BF16, 8, 32768, 32, "paged32");
       bench_paged_decode(c, DType::BF16, 8, 32768, 64, "paged64");
-      bench_paged_decode(c, DType::F16, 8, 32768, 16, "paged16");
-      bench_paged_decode(c, DType::BF16, 1, 32768, 16, "paged16");
-      bench_paged_decode(c, DType::BF16, 32, 4096, 16, "paged16");
-      bench_paged_decode(c, DType::BF16, 8, 131072, 16, "paged16");
+      bench_paged_decode(c, DType::F16, 8, 32768, 16, "paged16", 0, 0, true);
+      bench_paged_decode(c, DType::BF16, 1, 32768, 16, "paged16", 0, 0, true);
+      bench_paged_decode(c, DType::BF16, 1, 32768, 16, "paged16allocator", 0, 0, true);
+      bench_paged_decode(c, DType::BF16, 32, 4096, 16, "paged16", 0, 0, true);
+      bench_paged_decode(c, DType::BF16, 32, 4096, 16, "paged16allocator", 0, 0, true);
+      bench_paged_decode(c, DType::BF16, 8, 131072, 16, "paged16", 0, 0, true);
+      bench_paged_decode(c, DType::BF16, 8, 131072, 16, "paged16allocator", 0, 0, true);
       bench_paged_decode(c, DType::BF16, 8, 32768, 16, "paged16ascending");
+      bench_paged_decode(c, DType::BF16, 8, 32768, 16, "paged16regionshuffled");
       bench_paged_decode(c, DType::BF16, 8, 131072, 16, "paged16ascending");
     }
   }
@@ -686,7 +793,10 @@ int main(int argc, char** argv) {
   doc["copy_gb_per_s"] = c.copy_gbps;
   doc["iters"] = c.opt.iters;
   doc["warmup"] = c.opt.warmup;
-  doc["timing"] = "median of per-launch CUDA event pairs after warm-up; inputs rotated over sets >= 4x L2";
+  doc["graph_calls"] = c.opt.graph_calls;
+  doc["timing"] = "plain: median of per-launch CUDA event pairs after warm-up; graph (row['graph']): median over "
+                  "replays of a CUDA graph of graph_calls back-to-back launches, per call; inputs rotated over sets "
+                  ">= 4x L2";
   doc["results"] = c.results;
   std::ofstream f(c.opt.out);
   f << doc.dump(2) << "\n";
@@ -695,5 +805,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("wrote %s\n", c.opt.out.c_str());
+  CK(cudaStreamDestroy(c.stream));
   return 0;
 }

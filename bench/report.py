@@ -4,7 +4,10 @@
 Usage: report.py KERNELS.json SDPA.json [--json summary.json]   (markdown on stdout)
 Ratios: "x SDPA" = SDPA median time / our median time on the same shape (> 1: we are faster); "% copy" = our GB/s
 over the device-to-device copy bandwidth measured by bench_kernels in the same run; "paged / contiguous" = paged
-median time / contiguous-layout median time of the same shape.
+median time / contiguous-layout median time of the same shape. "plain" columns: per-call CUDA event pairs; "graph"
+columns: per-call time of CUDA-graph replays of N back-to-back calls (both sides the same N and input rotation), which
+removes host launch / dispatch overhead. Placement: shuffled (random page permutation), ascending, allocator
+(common/page_allocator after simulated serving churn), contiguous (bench/bench_kernels.cu header).
 """
 import argparse
 import json
@@ -29,9 +32,9 @@ def main():
     lines = [f"Device: {kern['device']} | date {kern['date']} | commit {kern['commit']} | "
              f"copy bandwidth {copy:.0f} GB/s (read+write, 1 GiB D2D) | torch {sdpa.get('torch', 'n/a')}",
              "",
-             "| case | ours (us) | ours GB/s | % copy | SDPA default (us) | SDPA best (us, backend) | x SDPA default |"
-             " x SDPA best |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| case | placement | ours plain (us) | ours GB/s | % copy | SDPA default (us) | SDPA best (us, backend) |"
+             " x SDPA default | x SDPA best | ours graph (us) | SDPA graph best (us, backend) | x SDPA best, graph |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     summary = {"device": kern["device"], "date": kern["date"], "commit": kern["commit"], "copy_gb_per_s": copy,
                "rows": []}
 
@@ -40,9 +43,14 @@ def main():
         if r is None:
             return
         p = peer.get(peer_name) if peer_name else None
-        row = {"case": name, "ours_us": r["median_us"], "ours_gb_per_s": r["gb_per_s"],
-               "ratio_to_copy": r["ratio_to_copy"]}
-        cells = [name, f"{r['median_us']:.1f}", f"{r['gb_per_s']:.0f}", f"{100 * r['ratio_to_copy']:.1f}%"]
+        row = {"case": name, "placement": r.get("placement", ""), "ours_us": r["median_us"],
+               "ours_gb_per_s": r["gb_per_s"], "ratio_to_copy": r["ratio_to_copy"]}
+        g = r.get("graph")
+        if g is not None:
+            row.update(ours_graph_us=g["median_us"], ours_graph_gb_per_s=g["gb_per_s"],
+                       ours_graph_ratio_to_copy=g["ratio_to_copy"])
+        cells = [name, r.get("placement", ""), f"{r['median_us']:.1f}", f"{r['gb_per_s']:.0f}",
+                 f"{100 * r['ratio_to_copy']:.1f}%"]
         if p is not None:
             row.update(sdpa_case=peer_name, sdpa_default_us=p["median_us"], sdpa_best_us=p["best_median_us"],
                        sdpa_best_backend=p["best_backend"], speedup_vs_default=p["median_us"] / r["median_us"],
@@ -51,6 +59,17 @@ def main():
                       f"{row['speedup_vs_default']:.2f}x", f"{row['speedup_vs_best']:.2f}x"]
         else:
             cells += ["", "", "", ""]
+        cells.append(f"{g['median_us']:.1f}" if g is not None else "")
+        if g is not None and p is not None and "graph_best_median_us" in p:
+            row.update(sdpa_graph_best_us=p["graph_best_median_us"], sdpa_graph_best_backend=p["graph_best_backend"],
+                       speedup_vs_best_graph=p["graph_best_median_us"] / g["median_us"])
+            if "graph_median_us" in p:
+                row.update(sdpa_graph_default_us=p["graph_median_us"],
+                           speedup_vs_default_graph=p["graph_median_us"] / g["median_us"])
+            cells += [f"{p['graph_best_median_us']:.1f} ({p['graph_best_backend']})",
+                      f"{row['speedup_vs_best_graph']:.2f}x"]
+        else:
+            cells += ["", ""]
         summary["rows"].append(row)
         lines.append("| " + " | ".join(cells) + " |")
 
@@ -66,16 +85,35 @@ def main():
         elif r["kind"] == "copy" or r["kind"].startswith("selection_"):
             add_row(name, None)
 
-    lines += ["", "| paged vs contiguous (same B, T) | paged (us) | contiguous (us) | paged / contiguous |",
-              "|---|---:|---:|---:|"]
+    lines += ["", "| paged vs contiguous (same B, T) | placement | paged (us) | contiguous (us) | paged / contiguous |"
+              " paged / contiguous, graph |", "|---|---|---:|---:|---:|---:|"]
     for r in kern["results"]:
         if r["kind"] == "paged_decode" and r["layout"].startswith("paged"):
             sh = r["shape"]
             c = ours.get(f"paged_decode_{r['dtype']}_B{sh['batch']}_T{sh['seq_len']}_contiguous")
             if c is not None:
                 ratio = r["median_us"] / c["median_us"]
-                lines.append(f"| {r['name']} | {r['median_us']:.1f} | {c['median_us']:.1f} | {ratio:.3f} |")
-                summary["rows"].append({"case": r["name"], "paged_over_contiguous": ratio})
+                entry = {"case": r["name"], "placement": r.get("placement", ""), "paged_over_contiguous": ratio}
+                gcell = ""
+                if "graph" in r and "graph" in c:
+                    entry["paged_over_contiguous_graph"] = r["graph"]["median_us"] / c["graph"]["median_us"]
+                    gcell = f"{entry['paged_over_contiguous_graph']:.3f}"
+                lines.append(f"| {r['name']} | {r.get('placement', '')} | {r['median_us']:.1f} | "
+                             f"{c['median_us']:.1f} | {ratio:.3f} | {gcell} |")
+                summary["rows"].append(entry)
+
+    placed = [r for r in kern["results"] if r["kind"] == "paged_decode" and "placement_stats" in r
+              and r["layout"].startswith("paged")]
+    if placed:
+        lines += ["", "| placement statistics | placement | contiguous neighbours | ascending neighbours | mean run "
+                  "(pages) | 2 MiB regions per sequence (fewest possible) | pool pages |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for r in placed:
+            st = r["placement_stats"]
+            lines.append(f"| {r['name']} | {r['placement']} | {100 * st['contiguous_pairs']:.1f}% | "
+                         f"{100 * st['ascending_pairs']:.1f}% | {st['mean_run_pages']:.1f} | "
+                         f"{st['regions_2mib_per_seq']:.0f} ({st['regions_2mib_per_seq_min']:.0f}) | "
+                         f"{st['pool_pages']} |")
 
     sweep = [r for r in kern["results"] if r["kind"] == "paged_decode_split_sweep"]
     if sweep:
