@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Starts a whole Spade cluster on this host — coordinator, N inference ranks, M cache ranks — submits one prompt,
-# prints the generated text on stdout, and tears every process down on exit, Ctrl-C or any rank's death.
+# Starts a whole Spade cluster on this host — coordinator, N inference ranks, M cache ranks — and either serves the
+# OpenAI-compatible API until Ctrl-C (no --prompt) or submits one prompt and prints the generated text on stdout;
+# tears every process down on exit, Ctrl-C or any rank's death.
 #
+#   deploy/launch_local.sh --model DIR [--http-port 8000] [--no-metrics]
+#       serve: the API and the coordinator's /metrics on --http-port; inference #i serves /metrics on 8100+i and cache
+#       #i on 8200+i (the ports deploy/prometheus/prometheus.yml scrapes)
 #   deploy/launch_local.sh --model DIR --prompt TEXT [--max-tokens N --temperature T --top-p P --top-k K --seed S]
 #                          [--selection dense|oracle|predicted --sparse-threshold N --token-budget K
 #                           --layers-per-pack P --local-window R --sink-tokens S --query-window W]
@@ -14,7 +18,7 @@ build="${SPADE_BUILD_DIR:-$root/build}"
 logs="${SPADE_LOG_DIR:-$(mktemp -d /tmp/spade-cluster.XXXXXX)}"
 mkdir -p "$logs"
 
-model="" ; prompt="" ; have_prompt=0 ; n_inf=1 ; n_cache=1
+model="" ; prompt="" ; have_prompt=0 ; n_inf=1 ; n_cache=1 ; http_port="" ; metrics=1
 gen_flags=() ; rank_flags=() ; cache_flags=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -22,17 +26,19 @@ while [ $# -gt 0 ]; do
     --prompt) prompt="$2"; have_prompt=1; shift 2 ;;
     --num-inference) n_inf="$2"; shift 2 ;;
     --num-cache) n_cache="$2"; shift 2 ;;
+    --http-port) http_port="$2"; shift 2 ;;
+    --no-metrics) metrics=0; shift ;;
     --max-tokens|--temperature|--top-p|--top-k|--seed) gen_flags+=("$1" "$2"); shift 2 ;;
     --token-budget|--local-window|--sink-tokens|--query-window|--ridge-eps|--gqa-rule)
       rank_flags+=("$1" "$2"); cache_flags+=("$1" "$2"); shift 2 ;;
     --selection|--sparse-threshold|--layers-per-pack|--selection-deadline-ms|--page-size|--max-num-seqs)
       rank_flags+=("$1" "$2"); shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "launch_local: unknown flag $1" >&2; exit 2 ;;
   esac
 done
 [ -n "$model" ] || { echo "launch_local: --model DIR is required" >&2; exit 2; }
-[ $have_prompt -eq 1 ] || { echo "launch_local: --prompt TEXT is required" >&2; exit 2; }
+[ -n "$http_port" ] || { [ $have_prompt -eq 1 ] && http_port=0 || http_port=8000; }
 for b in coordinator/coordinator inference_rank/inference_rank cache_rank/cache_rank coordinator/spade_submit; do
   [ -x "$build/$b" ] || { echo "launch_local: $build/$b not built (cmake --build $build)" >&2; exit 2; }
 done
@@ -52,17 +58,19 @@ cleanup() {
 trap cleanup EXIT
 trap 'echo "launch_local: interrupted" >&2; exit 130' INT TERM
 
+# Metrics ports (serve mode): inference #i 8100+i, cache #i 8200+i.
+metrics_flag() { [ "$metrics" -eq 1 ] && [ $have_prompt -eq 0 ] && echo "--metrics-port $(($1 + $2))" || true; }
 RANK=0 "$build/coordinator/coordinator" --port "$port" --num-inference "$n_inf" --num-cache "$n_cache" \
-  --rendezvous-timeout-ms 60000 >"$logs/coordinator.log" 2>&1 &
+  --rendezvous-timeout-ms 60000 --model "$model" --http-port "$http_port" >"$logs/coordinator.log" 2>&1 &
 pids+=($!)
 for ((i = 0; i < n_inf; i++)); do
   RANK=$((1 + i)) "$build/inference_rank/inference_rank" --serve --model "$model" --num-inference "$n_inf" \
-    --num-cache "$n_cache" --log-level info "${rank_flags[@]}" >"$logs/inference_$i.log" 2>&1 &
+    --num-cache "$n_cache" --log-level info $(metrics_flag 8100 "$i") "${rank_flags[@]}" >"$logs/inference_$i.log" 2>&1 &
   pids+=($!)
 done
 for ((i = 0; i < n_cache; i++)); do
   RANK=$((1 + n_inf + i)) "$build/cache_rank/cache_rank" --model "$model" --num-inference "$n_inf" \
-    --num-cache "$n_cache" "${cache_flags[@]}" >"$logs/cache_$i.log" 2>&1 &
+    --num-cache "$n_cache" $(metrics_flag 8200 "$i") "${cache_flags[@]}" >"$logs/cache_$i.log" 2>&1 &
   pids+=($!)
 done
 
@@ -77,6 +85,17 @@ self=$$
     done
   done ) &
 watchdog=$!
+
+if [ $have_prompt -eq 0 ]; then
+  # Serve until Ctrl-C (the INT trap exits; the EXIT trap stops every process) or a rank dies (the watchdog).
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$http_port/ready" >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  echo "launch_local: serving $(basename "$model") on http://127.0.0.1:$http_port/v1 (metrics: /metrics; logs in $logs); Ctrl-C stops" >&2
+  wait "$watchdog"
+  exit 0
+fi
 
 set +e
 "$build/coordinator/spade_submit" --master-addr 127.0.0.1 --master-port "$port" --prompt "$prompt" \

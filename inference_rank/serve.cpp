@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <atomic>
+#include <csignal>
 #include <map>
 #include <mutex>
 #include <unistd.h>
@@ -19,6 +21,9 @@
 
 namespace spade {
 namespace {
+
+std::atomic<int> g_signal{0};
+void on_signal(int sig) { g_signal = sig; }
 
 using Clock = std::chrono::steady_clock;
 
@@ -123,8 +128,17 @@ int run_serve(const ServeOptions& opt) {
   std::map<uint64_t, uint64_t> by_rid;  // coordinator request id -> engine id
   int exit_code = 0;
   bool running = true;
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
   while (running) {
     heartbeat.tick();
+    if (int sig = g_signal.load()) {  // SIGTERM / SIGINT: end the in-flight requests and leave the world
+      spdlog::warn("{}: signal {} received: aborting {} request(s) and exiting", self, sig, active.size());
+      std::vector<uint64_t> ids;
+      for (const auto& [eid, a] : active) ids.push_back(eid);
+      for (uint64_t eid : ids) engine.abort(eid);
+      break;
+    }
     // Control plane events.
     while (auto ev = cc.next_event(Clock::now())) {
       if (ev->kind == coord::ClientEvent::Kind::kPeerDown) {

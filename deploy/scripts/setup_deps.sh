@@ -2,6 +2,10 @@
 # Installs Spade's build and test dependencies from Debian 12 packages when they are missing.
 # Idempotent: a package that is already installed is not touched. Needs root (or sudo) for apt-get.
 set -euo pipefail
+# --build-only: only what building the programs needs (the container images' build stage, deploy/docker/): no test
+# or benchmark tools, no npm modules. The image build runs this script alone, without the source tree.
+build_only=0
+if [ "${1:-}" = "--build-only" ]; then build_only=1; fi
 
 PKGS=(
   build-essential cmake ninja-build pkg-config git python3
@@ -9,18 +13,22 @@ PKGS=(
   libprotobuf-dev protobuf-compiler         # wire messages
   libspdlog-dev libfmt-dev                  # logging
   nlohmann-json3-dev libcli11-dev           # JSON, flags
-  libgtest-dev libgmock-dev libbenchmark-dev
   libpcre2-dev                              # tokenizer pre-tokenization regex
   libucx-dev                                # UCX host-memory transport
-  openmpi-bin                               # mpirun launch form (deploy/spade_rank.sh)
-  prometheus                                # promtool + the real server the metrics tests scrape with
-  python3-yaml                              # tests/deploy: parses the rendered Kubernetes manifests
 )
-# Tools that may come from outside Debian (NodeSource's nodejs ships npm; kubectl from the Kubernetes repository):
-# asked from apt only when the command is missing.
-command -v kubectl >/dev/null || PKGS+=(kubectl)   # renders deploy/k8s (kubectl kustomize)
-command -v node >/dev/null || PKGS+=(nodejs)       # the official openai client test
-command -v npm >/dev/null || PKGS+=(npm)
+if [ "$build_only" -eq 0 ]; then
+  PKGS+=(
+    libgtest-dev libgmock-dev libbenchmark-dev
+    openmpi-bin                             # mpirun launch form (deploy/spade_rank.sh)
+    prometheus                              # promtool + the real server the metrics tests scrape with
+    python3-yaml                            # tests/deploy: parses the rendered Kubernetes manifests
+  )
+  # Tools that may come from outside Debian (NodeSource's nodejs ships npm; kubectl from the Kubernetes repository):
+  # asked from apt only when the command is missing.
+  command -v kubectl >/dev/null || PKGS+=(kubectl)   # renders deploy/k8s (kubectl kustomize)
+  command -v node >/dev/null || PKGS+=(nodejs)       # the official openai client test
+  command -v npm >/dev/null || PKGS+=(npm)
+fi
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -31,6 +39,7 @@ done
 
 install_node_modules() {
   # The openai npm client of the API test, pinned by its package-lock.json (registry.npmjs.org).
+  [ "$build_only" -eq 0 ] || return 0
   local dir
   dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/tests/coordinator/openai_client"
   if [ ! -f "$dir/node_modules/openai/package.json" ]; then

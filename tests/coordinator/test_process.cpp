@@ -35,6 +35,8 @@ class CoordinatorProcess {
     args.insert(args.begin(), exe);
     args.push_back("--port-file");
     args.push_back(port_file_);
+    args.push_back("--http-port");  // no HTTP API here (tests run in parallel; 8000 would clash)
+    args.push_back("0");
     pid_ = ::fork();
     if (pid_ < 0) throw std::runtime_error("fork failed");
     if (pid_ == 0) {

@@ -35,7 +35,7 @@ struct Cluster {
   void start(const std::vector<std::string>& sparse_flags, int rendezvous_ms = 20000, bool with_cache = true) {
     coord = std::make_unique<ChildProcess>(
         bin("coordinator/coordinator"),
-        std::vector<std::string>{"--port", std::to_string(port), "--num-inference", "1", "--num-cache", "1",
+        std::vector<std::string>{"--port", std::to_string(port), "--http-port", "0", "--num-inference", "1", "--num-cache", "1",
                                  "--rendezvous-timeout-ms", std::to_string(rendezvous_ms), "--heartbeat-interval-ms",
                                  "200", "--heartbeat-timeout-ms", "1000"},
         env(0), "coordinator");
