@@ -154,3 +154,69 @@ int free_port() {
 }
 
 }  // namespace spade::test
+
+namespace spade::test {
+
+RawClient::RawClient(int port) {
+  fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd_ < 0 || ::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    close();
+    throw std::runtime_error("RawClient: cannot connect to 127.0.0.1:" + std::to_string(port));
+  }
+  timeval tv{0, 100000};
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
+RawClient::~RawClient() { close(); }
+
+void RawClient::close() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+void RawClient::send(const std::string& bytes) {
+  size_t off = 0;
+  while (off < bytes.size()) {
+    const ssize_t n = ::write(fd_, bytes.data() + off, bytes.size() - off);
+    ASSERT_GT(n, 0) << "RawClient: write failed";
+    off += static_cast<size_t>(n);
+  }
+}
+
+void RawClient::post(const std::string& path, const std::string& json_body) {
+  send("POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
+       std::to_string(json_body.size()) + "\r\n\r\n" + json_body);
+}
+
+const std::string& RawClient::read_until(const std::string& marker, int times, std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  auto count = [&] {
+    int n = 0;
+    for (size_t p = data_.find(marker); p != std::string::npos; p = data_.find(marker, p + 1)) ++n;
+    return n;
+  };
+  while (count() < times && std::chrono::steady_clock::now() < until) {
+    char buf[4096];
+    const ssize_t n = ::read(fd_, buf, sizeof buf);
+    if (n == 0) break;
+    if (n > 0) data_.append(buf, static_cast<size_t>(n));
+  }
+  return data_;
+}
+
+bool RawClient::eof(std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < until) {
+    char buf[256];
+    const ssize_t n = ::read(fd_, buf, sizeof buf);
+    if (n == 0) return true;
+    if (n > 0) data_.append(buf, static_cast<size_t>(n));
+  }
+  return false;
+}
+
+}  // namespace spade::test

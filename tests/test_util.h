@@ -62,3 +62,31 @@ class ChildProcess {
 int free_port();
 
 }  // namespace spade::test
+
+namespace spade::test {
+
+/// A raw TCP client of 127.0.0.1:port for HTTP tests that need byte-level control: pipelined or malformed requests,
+/// streams read incrementally, and hanging up mid-response. Reads time out every 100 ms; every wait has a deadline.
+class RawClient {
+ public:
+  explicit RawClient(int port);  // throws std::runtime_error when it cannot connect
+  ~RawClient();
+  RawClient(const RawClient&) = delete;
+  RawClient& operator=(const RawClient&) = delete;
+  void close();
+  /// Writes all of `bytes` (fails the test otherwise).
+  void send(const std::string& bytes);
+  /// Sends a POST with a JSON body.
+  void post(const std::string& path, const std::string& json_body);
+  /// Reads until `marker` occurs `times` times in everything read so far, EOF, or the deadline; returns it all.
+  const std::string& read_until(const std::string& marker, int times = 1,
+                                std::chrono::milliseconds timeout = std::chrono::milliseconds(30000));
+  /// True when the server closes the connection before the deadline.
+  bool eof(std::chrono::milliseconds timeout = std::chrono::milliseconds(5000));
+
+ private:
+  int fd_ = -1;
+  std::string data_;
+};
+
+}  // namespace spade::test

@@ -15,58 +15,15 @@
 
 #include "common/error.h"
 #include "common/http_server.h"
+#include "tests/test_util.h"
 
 namespace spade::http {
 namespace {
 
+using test::RawClient;
+
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
-
-/// A raw TCP client: write bytes, read until a marker or EOF, with deadlines.
-class RawClient {
- public:
-  explicit RawClient(uint16_t port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(port);
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) throw std::runtime_error("connect failed");
-    timeval tv{0, 100000};
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  }
-  ~RawClient() { close(); }
-  void close() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-  void send(const std::string& s) { ASSERT_EQ(::write(fd_, s.data(), s.size()), static_cast<ssize_t>(s.size())); }
-  /// Reads until `marker` appears in what was read so far (or EOF / deadline); returns everything read.
-  std::string read_until(const std::string& marker, std::chrono::milliseconds timeout = 5000ms) {
-    const auto until = std::chrono::steady_clock::now() + timeout;
-    while (data_.find(marker) == std::string::npos && std::chrono::steady_clock::now() < until) {
-      char buf[4096];
-      const ssize_t n = ::read(fd_, buf, sizeof buf);
-      if (n == 0) break;
-      if (n > 0) data_.append(buf, static_cast<size_t>(n));
-    }
-    return data_;
-  }
-  bool eof(std::chrono::milliseconds timeout = 5000ms) {
-    const auto until = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < until) {
-      char buf[256];
-      const ssize_t n = ::read(fd_, buf, sizeof buf);
-      if (n == 0) return true;
-      if (n > 0) data_.append(buf, static_cast<size_t>(n));
-    }
-    return false;
-  }
-
- private:
-  int fd_ = -1;
-  std::string data_;
-};
 
 HttpServerOptions options(size_t max_body = 1024) {
   HttpServerOptions o;
@@ -152,13 +109,13 @@ TEST(HttpServer, MalformedAndHugeHeadersAreRejected) {
   {
     RawClient c(srv.port());
     c.send("THIS IS NOT HTTP\r\n\r\n");
-    EXPECT_THAT(c.read_until("}}"), HasSubstr("HTTP/1.1 400"));
+    EXPECT_THAT(c.read_until("}}", 1, 5000ms), HasSubstr("HTTP/1.1 400"));
     EXPECT_TRUE(c.eof());
   }
   {
     RawClient c(srv.port());
     c.send("GET / HTTP/1.1\r\nX-Big: " + std::string(20000, 'b') + "\r\n\r\n");
-    EXPECT_THAT(c.read_until("}}"), HasSubstr("HTTP/1.1 431"));
+    EXPECT_THAT(c.read_until("}}", 1, 5000ms), HasSubstr("HTTP/1.1 431"));
   }
   // Still serving.
   EXPECT_EQ(http_request("127.0.0.1", srv.port(), "GET", "/").status, 200);

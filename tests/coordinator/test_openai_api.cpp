@@ -21,51 +21,6 @@ namespace {
 using json = nlohmann::json;
 using ::testing::HasSubstr;
 
-/// Raw HTTP client over a socket, for streams read incrementally and for disconnecting mid-response.
-class RawClient {
- public:
-  explicit RawClient(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) throw std::runtime_error("connect failed");
-    timeval tv{0, 100000};
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  }
-  ~RawClient() { close(); }
-  void close() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-  void post(const std::string& path, const std::string& body) {
-    const std::string req = "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " +
-                            std::to_string(body.size()) + "\r\n\r\n" + body;
-    if (::write(fd_, req.data(), req.size()) != static_cast<ssize_t>(req.size())) throw std::runtime_error("write");
-  }
-  /// Reads until `marker` occurs `times` times in the data so far, EOF, or the deadline.
-  const std::string& read_until(const std::string& marker, int times = 1, std::chrono::milliseconds t = 30s) {
-    const auto until = std::chrono::steady_clock::now() + t;
-    auto count = [&] {
-      int n = 0;
-      for (size_t p = data_.find(marker); p != std::string::npos; p = data_.find(marker, p + 1)) ++n;
-      return n;
-    };
-    while (count() < times && std::chrono::steady_clock::now() < until) {
-      char buf[4096];
-      const ssize_t n = ::read(fd_, buf, sizeof buf);
-      if (n == 0) break;
-      if (n > 0) data_.append(buf, static_cast<size_t>(n));
-    }
-    return data_;
-  }
-
- private:
-  int fd_ = -1;
-  std::string data_;
-};
-
 /// The concatenated text deltas and the parsed events of an SSE body (de-chunked).
 struct Sse {
   std::vector<json> events;
@@ -145,6 +100,20 @@ class OpenAiApi : public ::testing::Test {
   void TearDown() override {
     if (HasFailure()) std::cerr << c->logs();
   }
+  /// Metrics of the inference rank once nothing runs or waits there (requests of earlier tests may still be ending:
+  /// a stop-string match or a disconnect cancels them asynchronously).
+  static std::map<std::string, double> idle_inference_metrics() {
+    std::map<std::string, double> m;
+    for (auto until = std::chrono::steady_clock::now() + 20s; std::chrono::steady_clock::now() < until;
+         std::this_thread::sleep_for(50ms)) {
+      m = c->metrics(c->inference_metrics_port);
+      if (m.at("spade_num_requests_running") == 0 && m.at("spade_num_requests_waiting") == 0 &&
+          c->metrics(c->http_port).at("spade_api_requests_in_flight") == 0)
+        return m;
+    }
+    ADD_FAILURE() << "the inference rank never went idle";
+    return m;
+  }
   static std::string reference_text() {
     return read_file(data_path("models/stories260K/expected_greedy_200tok.txt"));
   }
@@ -168,7 +137,7 @@ TEST_F(OpenAiApi, ModelsHealthReady) {
 }
 
 TEST_F(OpenAiApi, GreedyCompletionThroughTheSparseClusterMatchesTheReference) {
-  const auto before = c->metrics(c->inference_metrics_port);
+  const auto before = idle_inference_metrics();
   // BOS alone, as the reference was made; 200 greedy tokens through predicted sparse decoding.
   auto r = c->post("/v1/completions", R"({"model":"stories260K","prompt":[1],"max_tokens":200,"temperature":0})");
   ASSERT_EQ(r.status, 200) << r.body;
@@ -261,7 +230,7 @@ struct BadCase {
 };
 
 TEST_F(OpenAiApi, BadRequestsGetOpenAiErrorsAndNeverReachTheEngine) {
-  const auto before = c->metrics(c->inference_metrics_port);
+  const auto before = idle_inference_metrics();
   const std::string m = R"("model":"stories260K")";
   const std::vector<BadCase> cases = {
       {"malformed json", "POST", "/v1/completions", "{\"model\": ", 400, "invalid_request_error", "not valid JSON"},
@@ -344,7 +313,7 @@ TEST_F(OpenAiApi, BadRequestsGetOpenAiErrorsAndNeverReachTheEngine) {
 }
 
 TEST_F(OpenAiApi, ClientDisconnectCancelsTheRequestAndFreesItsKvOnBothRanks) {
-  const auto before = c->metrics(c->inference_metrics_port);
+  const auto before = idle_inference_metrics();
   {
     RawClient rc(c->http_port);
     rc.post("/v1/completions", R"({"model":"stories260K","prompt":[1],"max_tokens":480,"temperature":0,"stream":true})");
@@ -403,7 +372,7 @@ TEST_F(OpenAiApi, RequestsBeyondMaxNumRequestsGet429) {
 
 TEST_F(OpenAiApi, SpadeFieldsSelectDenseDecodingPerRequest) {
   const std::string base = R"({"model":"stories260K","prompt":[1],"max_tokens":60,"temperature":0)";
-  auto switches = [&] { return c->metrics(c->inference_metrics_port).at("spade_sparse_switches_total"); };
+  auto switches = [&] { return idle_inference_metrics().at("spade_sparse_switches_total"); };
   const double s0 = switches();
   auto dense = c->post("/v1/completions", base + R"(,"spade":{"selection":"dense"}})");
   ASSERT_EQ(dense.status, 200) << dense.body;
