@@ -354,7 +354,7 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
     done = true;
     api->api_e2e.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     if (stream) {
-      if (text.size() > emitted || true) send_delta(text.substr(std::min(emitted, text.size())), reason);
+      send_delta(text.substr(std::min(emitted, text.size())), reason);  // the rest (may be empty) + finish_reason
       emitted = text.size();
       if (include_usage) {
         json c = base_chunk();
