@@ -10,6 +10,7 @@
 //   spade_selection_overlap_ratio         histogram  sampled |predicted top-k ∩ oracle top-k| / k (AsyncSpade Eq. 1)
 //   spade_transfer_bytes_total{direction,transport}  counter  data-plane bytes, direction send|recv
 //   spade_cache_pack_updates_total        counter    updates answered
+//   spade_selected_tokens_total           counter    tokens selected and sent (over sequences, layers, KV heads)
 //   spade_cache_selection_errors_total    counter    updates answered with an error (e.g. pool exhausted)
 //   spade_cache_sequences                 gauge      sequences whose KV this rank holds
 //   spade_cache_kv_usage_perc             gauge      0..1, used fraction of the KV pool
@@ -147,6 +148,9 @@ int main(int argc, char** argv) {
     auto& errors = registry.counter("spade_cache_selection_errors_total",
                                     "Updates answered with an error (e.g. KV pool exhausted).")
                        .with();
+    auto& selected = registry.counter("spade_selected_tokens_total",
+                                      "Tokens selected and sent (summed over sequences, layers and KV heads).")
+                         .with();
     auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
     auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
     std::unique_ptr<spade::cache::OverlapSampler> sampler;
@@ -160,6 +164,10 @@ int main(int argc, char** argv) {
       bytes_out.inc(static_cast<double>(out));
       updates.inc();
       if (!p.error.empty()) errors.inc();
+      for (const auto& s : p.seqs)
+        for (const auto& l : s.layers)
+          selected.inc(static_cast<double>(l.count) * static_cast<double>(l.positions.size()) /
+                       sel.config().token_budget);  // count per KV head x KV heads
       seqs.set(static_cast<double>(sel.num_sequences()));
       kv_usage.set(1.0 - static_cast<double>(sel.num_free_pages()) / sel.num_pages());
       if (sampler)

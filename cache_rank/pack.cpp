@@ -93,6 +93,7 @@ std::vector<uint8_t> encode(const PackUpdate& u, const PackShape& s) {
     w.put(e.context_len);
     w.put(static_cast<int32_t>(e.init));
     w.put(e.num_queries);
+    w.put(e.token_budget);
     w.put_vec(e.q);
     w.put_vec(e.k);
     w.put_vec(e.v);
@@ -120,7 +121,9 @@ PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, co
     e.context_len = r.get<int32_t>();
     e.init = r.get<int32_t>() != 0;
     e.num_queries = r.get<int32_t>();
+    e.token_budget = r.get<int32_t>();
     check_count(e.context_len, 1 << 30, peer, "context_len");
+    check_count(e.token_budget, s.token_budget, peer, "token_budget");
     check_count(e.num_queries, 64, peer, "num_queries");
     const size_t tokens = e.init ? e.context_len : 1;
     const size_t nq = static_cast<size_t>(u.num_layers) * e.num_queries * s.q_dim;
@@ -281,13 +284,13 @@ PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* s
               lt->second == e.context_len && static_cast<size_t>(layer) < it->second.size() &&
               !it->second[layer].empty()) {
             const auto& cfg = sel.config();
-            sel.select(e.seq_id, layer, e.context_len, q, sampler->scratch_);
+            sel.select(e.seq_id, layer, e.context_len, q, sampler->scratch_, e.token_budget);
             const int heads = static_cast<int>(sampler->scratch_.positions.size() / cfg.token_budget);
             sampler->ratios_.push_back(overlap_ratio(it->second[layer], sampler->scratch_, heads, cfg.token_budget));
             it->second[layer].clear();
           }
         }
-        sel.select(e.seq_id, layer, ss.context_len, nullptr, ss.layers[i]);
+        sel.select(e.seq_id, layer, ss.context_len, nullptr, ss.layers[i], e.token_budget);
         if (sampler && u.step % sampler->every_ == 0) {
           auto& per_layer = sampler->predicted_[e.seq_id];
           if (per_layer.size() <= static_cast<size_t>(layer)) per_layer.resize(static_cast<size_t>(layer) + 1);

@@ -25,6 +25,7 @@ struct SeqUpdate {
   int32_t context_len = 0;   // tokens of the sequence after this step (the current token included)
   bool init = false;         // INIT: k/v hold all context_len tokens; APPEND: only the current token
   int32_t num_queries = 0;   // queries per layer in q (INIT: up to W+1 most recent; APPEND: 1)
+  int32_t token_budget = 0;  // this request's token budget per KV head; 0 = the rank's (1..the rank's otherwise)
   std::vector<float> q;      // [num_layers, num_queries, q_dim]
   std::vector<float> k;      // [num_layers, init ? context_len : 1, kv_dim]
   std::vector<float> v;      // same as k

@@ -109,8 +109,11 @@ void Selector::predict(uint64_t seq, int layer, float* q_hat) {
   kernels::predict_next_query_ref(p);
 }
 
-void Selector::select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out) {
+void Selector::select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out, int budget) {
   const int Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, K = sc_.token_budget;
+  SPADE_CHECK(budget >= 0 && budget <= K, "sequence {}: token budget {} outside [1, {}] (0 = the rank's)", seq, budget,
+              K);
+  const int Ke = budget > 0 ? budget : K;  // this sequence's budget; rows keep stride K
   const int len = alloc_.seq_len(seq);
   std::vector<float> q_hat;
   if (!query) {
@@ -147,7 +150,7 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
   for (int h = 0; h < Hkv; ++h)
     std::memmove(&scores_[static_cast<size_t>(h) * n], &scores_[static_cast<size_t>(h) * end + sc_.sink_tokens],
                  n * sizeof(float));
-  idx_.assign(static_cast<size_t>(Hkv) * K, -1);
+  idx_.assign(static_cast<size_t>(Hkv) * Ke, -1);
   kernels::TopkRefParams tp;
   tp.scores = scores_.data();
   tp.row_lens = &n;
@@ -155,11 +158,14 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
   tp.batch = 1;
   tp.rows_per_batch = Hkv;
   tp.score_stride = n;
-  tp.k = K;
+  tp.k = Ke;
   kernels::topk_ref(tp);
-  out.count = std::min(K, n);
-  for (size_t i = 0; i < idx_.size(); ++i)
-    if (idx_[i] >= 0) out.positions[i] = idx_[i] + sc_.sink_tokens;
+  out.count = std::min(Ke, n);
+  for (int h = 0; h < Hkv; ++h)
+    for (int j = 0; j < Ke; ++j) {
+      const int32_t t = idx_[static_cast<size_t>(h) * Ke + j];
+      if (t >= 0) out.positions[static_cast<size_t>(h) * K + j] = t + sc_.sink_tokens;
+    }
   kernels::GatherKvRefParams gp;
   gp.k_cache = k_[layer].get();
   gp.v_cache = v_[layer].get();

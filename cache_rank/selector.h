@@ -65,8 +65,9 @@ class Selector {
   /// the same step already appended): q [q_dim] joins the query window, k, v [kv_dim] the KV store.
   void append_layer(uint64_t seq, int layer, int pos, const float* q, const float* k, const float* v);
   /// Selects for the step whose context length is `context_len`. `query`: [q_dim] true query (oracle) or nullptr
-  /// (predict the next query from the window, Algorithm 1).
-  void select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out);
+  /// (predict the next query from the window, Algorithm 1). `budget`: tokens per KV head for this sequence, 0 = the
+  /// configured token_budget, else 1..token_budget (a request's own budget); `out` keeps the configured layout.
+  void select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out, int budget = 0);
   /// The predicted next query of (seq, layer): [q_dim] (for fidelity reports).
   void predict(uint64_t seq, int layer, float* q_hat);
   /// Forgets `seq` and frees its pages; unknown sequences are ignored.

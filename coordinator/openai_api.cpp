@@ -389,7 +389,8 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
                              error.find("world not complete") != std::string::npos ||
                              error.find("shutting down") != std::string::npos ||
                              error.find("is not alive") != std::string::npos;
-    const int status = unavailable ? 503 : 500;
+    const bool invalid = error.find("invalid request: ") != std::string::npos;  // a rank's own validation
+    const int status = unavailable ? 503 : invalid ? 400 : 500;
     spdlog::warn("coordinator API: {} request {} failed: {}", endpoint, routed_id, error);
     if (stream && started) {
       sse(json::parse(openai_error_json(status, error)));
@@ -586,12 +587,17 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
         if (!it->is_string() || (it->get<std::string>() != "auto" && it->get<std::string>() != "dense"))
           bad("'spade.selection' must be \"auto\" or \"dense\"", "spade.selection");
         g.mutable_sparse()->set_force_dense(it->get<std::string>() == "dense");
+      } else if (it.key() == "token_budget") {
+        if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > max_len)
+          bad(fmt::format("'spade.token_budget' must be an integer in [1, {}]", max_len), "spade.token_budget");
+        g.mutable_sparse()->set_token_budget(static_cast<uint32_t>(it->get<int64_t>()));
       } else if (it.key() == "sparse_threshold") {
         if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > max_len)
           bad(fmt::format("'spade.sparse_threshold' must be an integer in [1, {}]", max_len), "spade.sparse_threshold");
         g.mutable_sparse()->set_sparse_threshold(static_cast<uint32_t>(it->get<int64_t>()));
       } else {
-        bad(fmt::format("unknown field 'spade.{}' (known: selection, sparse_threshold)", it.key()), "spade");
+        bad(fmt::format("unknown field 'spade.{}' (known: selection, sparse_threshold, token_budget)", it.key()),
+            "spade");
       }
     }
   }

@@ -12,6 +12,8 @@
 // stream, stream_options.include_usage. Spade's own fields go in an object "spade":
 //   "selection": "auto" (the rank's sparse decoding, default) | "dense" (never go sparse for this request)
 //   "sparse_threshold": N  context length at which this request switches to sparse decoding
+//   "token_budget": K      selected tokens per layer and KV head for this request (at most the rank's
+//                          --token-budget; a larger value is a 400 from the rank)
 // Unsupported OpenAI features that change results (logprobs, echo, best_of > 1, suffix, tools, functions,
 // response_format other than text, logit_bias) are rejected with 400 rather than ignored; other unknown fields are
 // ignored.

@@ -190,6 +190,10 @@ int run_serve(const ServeOptions& opt) {
         g.sampling.seed = req->sampling().seed();
         g.stop_token_ids = gen.eos_token_ids;
         for (uint32_t s : req->sampling().stop_token_ids()) g.stop_token_ids.push_back(static_cast<int>(s));
+        const int budget = static_cast<int>(req->sparse().token_budget());
+        if (backend && budget > backend->options().selection.token_budget)
+          fail("spade.token_budget {} is above this rank's --token-budget {}", budget,
+               backend->options().selection.token_budget);
         const uint64_t eid = engine.submit(g, [&, rid](const TokenEvent& ev) {
           proto::GenerateChunk c;
           c.set_request_id(rid);
@@ -213,11 +217,11 @@ int run_serve(const ServeOptions& opt) {
         });
         active.emplace(eid, Active{rid, StreamingDecoder(tok, true)});
         by_rid[rid] = eid;
-        if (backend && (req->sparse().force_dense() || req->sparse().sparse_threshold() > 0))
+        if (backend && (req->sparse().force_dense() || req->sparse().sparse_threshold() > 0 || budget > 0))
           backend->set_request_options(eid, req->sparse().force_dense(),
-                                       static_cast<int>(req->sparse().sparse_threshold()));
+                                       static_cast<int>(req->sparse().sparse_threshold()), budget);
       } catch (const Error& e) {
-        reject(e.what());
+        reject(fmt::format("invalid request: {}", e.what()));  // the API answers these with 400
       }
     }
     if (!engine.idle()) engine.step();

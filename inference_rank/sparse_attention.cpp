@@ -107,11 +107,14 @@ void SparseAttention::begin_step(const ForwardBatch& batch) {
   }
 }
 
-void SparseAttention::set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold) {
+void SparseAttention::set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold, int token_budget) {
   SPADE_CHECK(sparse_threshold >= 0, "sparse_threshold must be >= 0, got {}", sparse_threshold);
+  SPADE_CHECK(token_budget >= 0 && token_budget <= opt_.selection.token_budget,
+              "token_budget {} is above this rank's --token-budget {}", token_budget, opt_.selection.token_budget);
   SeqState& s = seqs_[seq_id];
   s.force_dense = force_dense;
   s.sparse_threshold = sparse_threshold;
+  s.token_budget = token_budget;
 }
 
 void SparseAttention::idle_flush() {
@@ -232,7 +235,7 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
         os.init_layer(id, layer, L, kk.data(), vv.data(), static_cast<int>(qw.size() / Q), qw.data());
       } else {
         os.append_layer(id, layer, L - 1, qr, k + static_cast<size_t>(q0) * KV, v + static_cast<size_t>(q0) * KV);
-        os.select(id, layer, L, qr, oracle_sel);
+        os.select(id, layer, L, qr, oracle_sel, s.token_budget);
         sel = &oracle_sel;
       }
     } else if (ph == Phase::Sparse) {
@@ -249,6 +252,7 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
         u.context_len = L;
         u.init = ph == Phase::Switching;
         u.num_queries = u.init ? static_cast<int>(qw.size() / Q) : 1;
+        u.token_budget = s.token_budget;
         pending_.seqs.push_back(std::move(u));
       }
       cache::SeqUpdate* u = nullptr;

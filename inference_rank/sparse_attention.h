@@ -69,8 +69,10 @@ class SparseAttention : public AttentionBackend {
   std::pair<int, int> droppable_range(uint64_t seq_id, int seq_len) override;
 
   /// Per-request overrides (the API's `spade` fields), set right after Engine::submit and before the request's
-  /// first step: `force_dense` keeps it dense for its whole life; `sparse_threshold` > 0 replaces the rank's.
-  void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);
+  /// first step: `force_dense` keeps it dense for its whole life; `sparse_threshold` > 0 replaces the rank's;
+  /// `token_budget` > 0 selects that many tokens per layer and KV head instead of the rank's token budget (it must
+  /// not exceed it: the selection buffers are sized by the rank's). Throws spade::Error for values out of range.
+  void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold, int token_budget = 0);
   /// For the scheduler when no request is running: receives the selections still in flight (their sequences are
   /// gone) and sends the pending releases with a release-only update, waiting (selection_deadline) for its answer,
   /// so the cache rank frees the KV of requests that ended — finished, aborted or cancelled — even when no further
@@ -94,6 +96,7 @@ class SparseAttention : public AttentionBackend {
     bool dropped = false;  // local pages of the middle were freed: dense attention is no longer possible
     bool force_dense = false;
     int sparse_threshold = 0;  // 0: opt_.sparse_threshold
+    int token_budget = 0;      // 0: opt_.selection.token_budget
   };
   void begin_step(const ForwardBatch& batch);
   void fail_link(const std::string& why);

@@ -383,6 +383,25 @@ TEST_F(OpenAiApi, SpadeFieldsSelectDenseDecodingPerRequest) {
   auto sparse = c->post("/v1/completions", base + "}");
   ASSERT_EQ(sparse.status, 200);
   EXPECT_EQ(switches(), s0 + 1);
+  // A request's own token budget: at most 4 tokens per (layer, KV head) and step reach the inference rank.
+  const auto cache0 = c->metrics(c->cache_metrics_port);
+  const auto inf0 = idle_inference_metrics();
+  auto small = c->post("/v1/completions", base + R"(,"spade":{"token_budget":4}})");
+  ASSERT_EQ(small.status, 200) << small.body;
+  const auto inf1 = idle_inference_metrics();
+  const auto cache1 = c->metrics(c->cache_metrics_port);
+  const json cfg = json::parse(read_file(c->model + "/config.json"));
+  const double per_step = 4.0 * cfg["num_hidden_layers"].get<int>() * cfg["num_key_value_heads"].get<int>();
+  const double sparse_steps = inf1.at("spade_sparse_sequence_steps_total") - inf0.at("spade_sparse_sequence_steps_total");
+  const double selected = cache1.at("spade_selected_tokens_total") - cache0.at("spade_selected_tokens_total");
+  EXPECT_GT(sparse_steps, 20);
+  EXPECT_GT(selected, 0);
+  EXPECT_LE(selected, per_step * (sparse_steps + 1)) << "the request's token budget was not honoured";
+  EXPECT_NE(json::parse(small.body)["choices"][0]["text"], json::parse(sparse.body)["choices"][0]["text"])
+      << "4 tokens per head should change a 60-token greedy continuation";
+  auto too_big = c->post("/v1/completions", base + R"(,"spade":{"token_budget":513}})");
+  EXPECT_EQ(too_big.status, 400) << too_big.body;
+  EXPECT_THAT(too_big.body, HasSubstr("'spade.token_budget' must be an integer in [1, 512]"));
   // Budget above the context: all three agree.
   EXPECT_EQ(json::parse(dense.body)["choices"][0]["text"], json::parse(sparse.body)["choices"][0]["text"]);
   EXPECT_EQ(json::parse(late.body)["choices"][0]["text"], json::parse(sparse.body)["choices"][0]["text"]);
