@@ -83,7 +83,8 @@ int main(int argc, char** argv) {
     } else if (gqa_rule != "max") {
       spade::fail("--gqa-rule must be max or mean, got '{}'", gqa_rule);
     }
-    const spade::ModelConfig cfg = spade::load_model_config(model_dir);
+    // Hybrid models (Qwen3.5): only the full-attention layers have KV, so only they are stored and selected here.
+    const spade::ModelConfig cfg = spade::load_model_config(model_dir).attention_view();
     const auto env = spade::coord::LaunchEnv::resolve(lf);
     SPADE_CHECK(env.role == spade::proto::CACHE, "cache_rank: {} is not a cache rank (role map {})",
                 env.describe_rank(env.rank), env.role_map_string());

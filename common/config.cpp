@@ -81,21 +81,50 @@ std::vector<int> id_list(const json& j, const char* key, const std::string& src)
 
 }  // namespace
 
-ModelConfig parse_model_config(const std::string& json_text, const std::string& src) {
-  const json j = parse_json(json_text, src);
+namespace {
+
+bool is_moe_model_type(const std::string& t) {
+  return t == "qwen3_next" || t == "qwen3_5_moe" || t == "qwen3_5_moe_text";
+}
+
+// transformers' remap_legacy_layer_types: "attention" -> "full_attention", "mamba" -> "linear_attention".
+LayerType parse_layer_type(const json& v, size_t i, const std::string& src) {
+  if (!v.is_string()) fail("{}: layer_types[{}] must be a string, got {}", src, i, v.dump());
+  const std::string t = v.get<std::string>();
+  if (t == "full_attention" || t == "attention") return LayerType::FullAttention;
+  if (t == "linear_attention" || t == "mamba") return LayerType::LinearAttention;
+  fail("{}: layer_types[{}] '{}' is not supported (supported: full_attention, linear_attention)", src, i, t);
+}
+
+// The partial_rotary_factor transformers' default RoPE init uses: rope_parameters first, then the top level.
+double partial_rotary_factor(const json& j, double def, const std::string& src) {
+  double f = opt_num(j, "partial_rotary_factor", def, src);
+  if (auto rp = j.find("rope_parameters"); rp != j.end() && rp->is_object())
+    f = opt_num(*rp, "partial_rotary_factor", f, src + " rope_parameters");
+  return f;
+}
+
+// Parses one decoder config object (the whole file, or a multimodal wrapper's text_config).
+ModelConfig parse_decoder(const json& j, const std::string& src, const std::string& model_type) {
   ModelConfig c;
-  auto mt = j.find("model_type");
-  if (mt == j.end() || !mt->is_string()) fail("{}: required field 'model_type' is missing or not a string", src);
-  c.model_type = mt->get<std::string>();
+  c.model_type = model_type;
   if (c.model_type == "llama") {
     c.arch = ModelArch::Llama;
   } else if (c.model_type == "qwen2") {
     c.arch = ModelArch::Qwen2;
   } else if (c.model_type == "qwen3") {
     c.arch = ModelArch::Qwen3;
+  } else if (c.model_type == "qwen3_5_text") {
+    c.arch = ModelArch::Qwen3_5;
+  } else if (is_moe_model_type(c.model_type)) {
+    fail("{}: model_type '{}' is not supported: it is a mixture-of-experts model and only dense MLPs are implemented "
+         "(supported: llama, qwen2, qwen3, qwen3_5_text, qwen3_5)",
+         src, c.model_type);
   } else {
-    fail("{}: model_type '{}' is not supported (supported: llama, qwen2, qwen3)", src, c.model_type);
+    fail("{}: model_type '{}' is not supported (supported: llama, qwen2, qwen3, qwen3_5_text, qwen3_5)", src,
+         c.model_type);
   }
+  const bool hybrid_arch = c.arch == ModelArch::Qwen3_5;
   c.hidden_size = req_int(j, "hidden_size", src);
   c.intermediate_size = req_int(j, "intermediate_size", src);
   c.num_layers = req_int(j, "num_hidden_layers", src);
@@ -106,6 +135,8 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
                        : c.num_q_heads;
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
     c.head_dim = req_int(j, "head_dim", src);
+  } else if (hybrid_arch) {
+    c.head_dim = 256;  // Qwen3_5TextConfig.head_dim default (not hidden / heads)
   } else {
     if (c.hidden_size % c.num_q_heads != 0)
       fail("{}: hidden_size {} is not divisible by num_attention_heads {} and head_dim is not given", src,
@@ -137,6 +168,16 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   if (auto act = j.find("hidden_act"); act != j.end() && act->is_string() && *act != "silu")
     fail("{}: hidden_act '{}' is not supported (only silu)", src, act->get<std::string>());
 
+  // Partial RoPE: Qwen3.5 defaults to 0.25 (Qwen3_5TextConfig.__post_init__); the dense families rotate everything.
+  const double prf = partial_rotary_factor(j, hybrid_arch ? 0.25 : 1.0, src);
+  if (!(prf > 0.0 && prf <= 1.0)) fail("{}: partial_rotary_factor {} must be in (0, 1]", src, prf);
+  if (!hybrid_arch && prf != 1.0)
+    fail("{}: partial_rotary_factor {} is not supported for model_type '{}' (only 1.0)", src, prf, c.model_type);
+  c.rotary_dim = static_cast<int>(c.head_dim * prf);  // int(head_dim * partial_rotary_factor), as transformers
+  if (c.rotary_dim <= 0 || c.rotary_dim % 2 != 0)
+    fail("{}: partial_rotary_factor {} gives a rotary dim of {} for head_dim {}; it must be even and positive", src,
+         prf, c.rotary_dim, c.head_dim);
+
   const bool attn_bias = opt_bool(j, "attention_bias", false, src);
   switch (c.arch) {
     case ModelArch::Llama:
@@ -152,11 +193,111 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
       c.o_proj_bias = attn_bias;
       c.qk_norm = true;
       break;
+    case ModelArch::Qwen3_5:
+      c.attention_bias = attn_bias;  // Qwen3_5Attention: q/k/v/o_proj all take bias=config.attention_bias
+      c.o_proj_bias = attn_bias;
+      c.qk_norm = true;
+      c.attn_output_gate = true;
+      c.norm_unit_offset = true;
+      break;
   }
-  c.mlp_bias = opt_bool(j, "mlp_bias", false, src);
+  // Qwen3_5MLP has no bias whatever the config says; the others honour mlp_bias.
+  c.mlp_bias = hybrid_arch ? false : opt_bool(j, "mlp_bias", false, src);
+
+  // Layer types. Dense families may list them (transformers 5 writes "full_attention" per layer); only full
+  // attention is implemented there (no sliding window).
+  if (auto lt = j.find("layer_types"); lt != j.end() && !lt->is_null()) {
+    if (!lt->is_array()) fail("{}: field 'layer_types' must be a list of strings, got {}", src, lt->dump());
+    if (lt->size() != static_cast<size_t>(c.num_layers))
+      fail("{}: layer_types has {} entries but num_hidden_layers is {}", src, lt->size(), c.num_layers);
+    for (size_t i = 0; i < lt->size(); ++i) c.layer_types.push_back(parse_layer_type((*lt)[i], i, src));
+  } else if (hybrid_arch) {
+    // Qwen3_5TextConfig.__post_init__: every full_attention_interval-th layer is full attention (default 4).
+    const int interval = opt_int(j, "full_attention_interval", 4, src);
+    if (interval <= 0) fail("{}: field 'full_attention_interval' must be positive, got {}", src, interval);
+    for (int i = 0; i < c.num_layers; ++i)
+      c.layer_types.push_back((i + 1) % interval != 0 ? LayerType::LinearAttention : LayerType::FullAttention);
+  }
+  if (!hybrid_arch) {
+    for (size_t i = 0; i < c.layer_types.size(); ++i)
+      if (c.layer_types[i] != LayerType::FullAttention)
+        fail("{}: layer_types[{}] '{}' is not supported for model_type '{}' (only full_attention)", src, i,
+             layer_type_name(c.layer_types[i]), c.model_type);
+    c.layer_types.clear();  // dense: every layer is full attention
+  } else {
+    if (opt_int(j, "num_experts", 0, src) > 0)
+      fail("{}: num_experts {} > 0: mixture-of-experts layers are not supported (dense MLP only)", src,
+           opt_int(j, "num_experts", 0, src));
+    // Required although transformers has defaults: a config saved by transformers always writes them, so a missing
+    // one means a hand-edited file, and guessing 128-dim heads would load garbage or fail later on a shape.
+    c.linear_conv_kernel_dim = req_int(j, "linear_conv_kernel_dim", src);
+    c.linear_num_key_heads = req_int(j, "linear_num_key_heads", src);
+    c.linear_num_value_heads = req_int(j, "linear_num_value_heads", src);
+    c.linear_key_head_dim = req_int(j, "linear_key_head_dim", src);
+    c.linear_value_head_dim = req_int(j, "linear_value_head_dim", src);
+    if (c.linear_num_value_heads % c.linear_num_key_heads != 0)
+      fail("{}: linear_num_value_heads {} is not a multiple of linear_num_key_heads {}", src,
+           c.linear_num_value_heads, c.linear_num_key_heads);
+  }
   c.eos_token_ids = id_list(j, "eos_token_id", src);
   c.bos_token_id = opt_int(j, "bos_token_id", -1, src);
   if (auto d = j.find("torch_dtype"); d != j.end() && d->is_string()) c.torch_dtype = d->get<std::string>();
+  if (auto d = j.find("dtype"); d != j.end() && d->is_string()) c.torch_dtype = d->get<std::string>();
+  return c;
+}
+
+}  // namespace
+
+const char* layer_type_name(LayerType t) {
+  switch (t) {
+    case LayerType::FullAttention: return "full_attention";
+    case LayerType::LinearAttention: return "linear_attention";
+  }
+  return "?";
+}
+
+bool ModelConfig::is_hybrid() const { return num_linear_layers() > 0; }
+
+int ModelConfig::num_linear_layers() const {
+  return static_cast<int>(std::count(layer_types.begin(), layer_types.end(), LayerType::LinearAttention));
+}
+
+int ModelConfig::num_attention_layers() const { return num_layers - num_linear_layers(); }
+
+ModelConfig ModelConfig::attention_view() const {
+  ModelConfig v = *this;
+  v.num_layers = num_attention_layers();
+  v.layer_types.clear();
+  return v;
+}
+
+ModelConfig parse_model_config(const std::string& json_text, const std::string& src) {
+  const json j = parse_json(json_text, src);
+  auto mt = j.find("model_type");
+  if (mt == j.end() || !mt->is_string()) fail("{}: required field 'model_type' is missing or not a string", src);
+  const std::string model_type = mt->get<std::string>();
+  if (model_type != "qwen3_5") return parse_decoder(j, src, model_type);
+
+  // Qwen3_5Config (Qwen3_5ForConditionalGeneration): the language model is text_config, its tensors are
+  // model.language_model.*, lm_head.weight stays at the top. tie_word_embeddings and the token ids of the wrapper
+  // apply when present.
+  auto tc = j.find("text_config");
+  if (tc == j.end() || !tc->is_object())
+    fail("{}: model_type 'qwen3_5' needs a 'text_config' object (the language model's config)", src);
+  const std::string tsrc = src + " text_config";
+  std::string text_type = "qwen3_5_text";
+  if (auto tt = tc->find("model_type"); tt != tc->end() && !tt->is_null()) {
+    if (!tt->is_string()) fail("{}: field 'model_type' must be a string", tsrc);
+    text_type = tt->get<std::string>();
+  }
+  if (text_type != "qwen3_5_text")
+    fail("{}: model_type '{}' inside a qwen3_5 config is not supported (expected qwen3_5_text)", tsrc, text_type);
+  ModelConfig c = parse_decoder(*tc, tsrc, text_type);
+  c.model_type = model_type;
+  c.weight_prefix = "model.language_model.";
+  c.tie_word_embeddings = opt_bool(j, "tie_word_embeddings", c.tie_word_embeddings, src);
+  if (auto ids = id_list(j, "eos_token_id", src); !ids.empty()) c.eos_token_ids = ids;
+  c.bos_token_id = opt_int(j, "bos_token_id", c.bos_token_id, src);
   if (auto d = j.find("dtype"); d != j.end() && d->is_string()) c.torch_dtype = d->get<std::string>();
   return c;
 }

@@ -18,7 +18,8 @@ EngineOptions normalise(EngineOptions o, const ModelConfig& cfg) {
               cfg.max_position_embeddings);
   if (o.num_pages <= 0) {
     const int64_t full = static_cast<int64_t>(o.max_num_seqs) * ((o.max_model_len + o.page_size - 1) / o.page_size);
-    const int64_t budget = static_cast<int64_t>(o.kv_cache_bytes / KvCache::page_bytes(cfg, o.page_size));
+    const size_t page_bytes = KvCache::page_bytes(cfg, o.page_size);  // 0 without attention layers
+    const int64_t budget = page_bytes == 0 ? full : static_cast<int64_t>(o.kv_cache_bytes / page_bytes);
     o.num_pages = static_cast<int>(std::max<int64_t>(1, std::min(full, budget)));
   }
   return o;
@@ -45,11 +46,14 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 
 Engine::Engine(const Model& model, EngineOptions opt, const BackendFactory& make_attention)
     : model_(model),
+      attn_cfg_(std::make_unique<const ModelConfig>(model.config().attention_view())),
       opt_(normalise(opt, model.config())),
-      cache_(std::make_unique<KvCache>(model.config(), opt_.num_pages, opt_.page_size)),
-      attention_(make_attention ? make_attention(model.config(), *cache_)
-                                : std::make_unique<DensePagedAttention>(model.config(), *cache_)),
-      alloc_(opt_.num_pages, opt_.page_size) {}
+      cache_(std::make_unique<KvCache>(*attn_cfg_, opt_.num_pages, opt_.page_size)),
+      attention_(make_attention ? make_attention(*attn_cfg_, *cache_)
+                                : std::make_unique<DensePagedAttention>(*attn_cfg_, *cache_)),
+      alloc_(opt_.num_pages, opt_.page_size) {
+  if (model.config().is_hybrid()) states_ = std::make_unique<GdnStatePool>(model.config(), opt_.max_num_seqs);
+}
 
 uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
   const ModelConfig& cfg = model_.config();
@@ -101,6 +105,10 @@ void Engine::abort(uint64_t request_id) {
 void Engine::finish(Seq& s, FinishReason r, const std::string& error) {
   reserved_pages_ -= s.reserved_pages - static_cast<int>(alloc_.block_table(s.id).size());
   alloc_.release(s.id);
+  if (s.state_slot >= 0) {
+    states_->release(s.state_slot);
+    s.state_slot = -1;
+  }
   attention_->on_release(s.id);
   if (observer_)
     observer_->on_finished(r, seconds_since(s.arrival), static_cast<int>(s.req.prompt_ids.size()), s.generated);
@@ -115,6 +123,8 @@ bool Engine::admit_waiting() {
     Seq& s = *waiting_.front();
     const int need = alloc_.pages_for(static_cast<int>(s.req.prompt_ids.size()) + s.req.max_tokens);
     if (alloc_.num_free_pages() - reserved_pages_ < need) break;  // FIFO: wait for memory
+    // Hybrid: one recurrent-state slot per running sequence; the pool has max_num_seqs slots, so one is free here.
+    if (states_) s.state_slot = states_->allocate();
     alloc_.admit(s.id);
     s.reserved_pages = need;
     reserved_pages_ += need;
@@ -156,6 +166,7 @@ bool Engine::step() {
     batch.cu_q_lens.push_back(batch.cu_q_lens.back() + n);
     batch.seq_lens.push_back(s->num_computed + n);
     batch.seq_ids.push_back(s->id);
+    if (states_) batch.state_slots.push_back(s->state_slot);
     s->num_computed += n;
     if (s->num_computed == static_cast<int>(s->tokens.size())) {  // last token known: sample the next one
       batch.logit_rows.push_back(batch.cu_q_lens.back() - 1);
@@ -174,7 +185,7 @@ bool Engine::step() {
 
   std::vector<float> logits;
   try {
-    model_.forward(batch, *attention_, logits);
+    model_.forward(batch, *attention_, logits, states_.get());
   } catch (const Error& e) {  // fail every request of the batch, keep serving
     for (Seq* s : in_batch) {
       const uint64_t id = s->id;

@@ -5,6 +5,10 @@
 // between steps (submit) and leave when they finish (EOS, max_tokens, abort), freeing their pages at once.
 // Admission reserves the pages a request can ever need (prompt + max_tokens), so a running request never waits
 // for memory and nothing is preempted; a request that cannot fit yet waits in FIFO order.
+// Hybrid models (linear-attention layers): admission also takes a recurrent-state slot of the engine's GdnStatePool
+// (max_num_seqs slots, so admission never waits for one), finish/abort/error returns it; every forward passes each
+// sequence's slot (ForwardBatch::state_slots). KV pages exist only for the full-attention layers: the KvCache and
+// the attention backend are built for ModelConfig::attention_view().
 // Single-threaded: submit/abort/step are called from one thread.
 #pragma once
 
@@ -81,7 +85,8 @@ class EngineObserver {
   }
 };
 
-/// Builds the attention backend once the engine has sized its KV cache.
+/// Builds the attention backend once the engine has sized its KV cache. The config passed is the model's
+/// attention_view() (num_layers = its full-attention layers), owned by the engine: a backend may keep a reference.
 using BackendFactory = std::function<std::unique_ptr<AttentionBackend>(const ModelConfig&, KvCache&)>;
 
 class Engine {
@@ -109,6 +114,8 @@ class Engine {
   const KvCache& kv_cache() const { return *cache_; }
   const PageAllocator& pages() const { return alloc_; }
   AttentionBackend& attention() { return *attention_; }
+  /// The recurrent-state pool of a hybrid model (nullptr for dense models).
+  const GdnStatePool* gdn_states() const { return states_.get(); }
 
  private:
   struct Seq {
@@ -120,16 +127,20 @@ class Engine {
     int num_computed = 0;         // tokens whose KV is in the cache
     int generated = 0;
     int reserved_pages = 0;
+    int state_slot = -1;          // GdnStatePool slot while running (hybrid models), else -1
     std::chrono::steady_clock::time_point arrival, last_token;
   };
   void finish(Seq& s, FinishReason r, const std::string& error = "");
   bool admit_waiting();
 
   const Model& model_;
+  // model_.config().attention_view(): what the KV cache and the backend see (heap: backends keep a reference).
+  std::unique_ptr<const ModelConfig> attn_cfg_;
   EngineOptions opt_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<AttentionBackend> attention_;
   PageAllocator alloc_;
+  std::unique_ptr<GdnStatePool> states_;  // hybrid models only
   uint64_t next_id_ = 1;
   int reserved_pages_ = 0;  // pages promised to running sequences but not yet allocated
   std::deque<std::unique_ptr<Seq>> waiting_;

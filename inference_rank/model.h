@@ -1,11 +1,19 @@
-// The CPU forward pass (fp32) of dense decoder-only transformers: Llama, Qwen2, Qwen3.
+// The CPU forward pass (fp32) of decoder-only transformers: dense Llama, Qwen2, Qwen3, and the hybrid Qwen3.5 text
+// model (Gated DeltaNet "linear_attention" layers + gated "full_attention" layers, dense MLP; common/config.h).
 //
 // One forward() runs a ragged batch: any mix of prefill chunks and single-token decode steps of different
 // sequences (continuous batching). New K/V are written into a paged KV cache (common/page_allocator.h layout)
 // before attention, so a sequence's prefill can be split into chunks.
 //
-// Attention is delegated per layer to an AttentionBackend so the sparse path (inference rank ⇄ cache rank,
-// docs/ARCHITECTURE.md) can replace dense paged attention without touching the rest of the layer.
+// Attention is delegated per full-attention layer to an AttentionBackend so the sparse path (inference rank ⇄ cache
+// rank, docs/ARCHITECTURE.md) can replace dense paged attention without touching the rest of the layer. Backends and
+// the KvCache see ModelConfig::attention_view(): layer index i = the i-th full-attention layer.
+//
+// Linear-attention (GDN) layers keep per-sequence state in a GdnStatePool slot instead of KV pages: the conv state
+// (the last K-1 inputs of the causal conv1d) and the recurrent state S [Hv, d_k, d_v] fp32, updated in place by each
+// step (kernels/causal_conv1d_ref.h, kernels/gdn_ref.h gdn_recurrent_ref). A chunk starting at position 0 starts from
+// a zero state; a later chunk continues the state the previous step of the same slot left, so chunked prefill and
+// decode give the same outputs as one pass (docs/GDN.md "Model path").
 #pragma once
 
 #include <cstdint>
@@ -18,9 +26,11 @@
 
 namespace spade {
 
-/// KV storage for every layer: k(layer), v(layer) are [num_pages, page_size, num_kv_heads, head_dim] fp32.
+/// KV storage for every full-attention layer: k(layer), v(layer) are [num_pages, page_size, num_kv_heads, head_dim]
+/// fp32, layer = the attention-layer index 0..cfg.num_attention_layers()-1 (all layers of a dense model).
 class KvCache {
  public:
+  /// `cfg`: the model config or its attention_view() (both give the same cache).
   KvCache(const ModelConfig& cfg, int num_pages, int page_size);
   int num_pages() const { return num_pages_; }
   int page_size() const { return page_size_; }
@@ -30,7 +40,7 @@ class KvCache {
   const float* v(int layer) const { return v_[layer].get(); }
   /// Bytes of KV storage (both K and V, all layers).
   size_t bytes() const { return bytes_; }
-  /// Bytes one page takes across all layers (K and V).
+  /// Bytes one page takes across all full-attention layers (K and V); 0 for a model without attention layers.
   static size_t page_bytes(const ModelConfig& cfg, int page_size);
 
  private:
@@ -50,6 +60,7 @@ struct ForwardBatch {
   std::vector<int32_t> seq_lens;     // [batch] context length after this step
   std::vector<int32_t> block_table;  // [batch, max_pages]
   std::vector<uint64_t> seq_ids;     // [batch] request ids (for backends that keep per-sequence state)
+  std::vector<int32_t> state_slots;  // [batch] GdnStatePool slot of each sequence (hybrid models; empty otherwise)
   int max_pages = 0;
   std::vector<int32_t> logit_rows;   // token indices (into tokens) whose logits are wanted, in output order
   int batch() const { return static_cast<int>(seq_lens.size()); }
@@ -57,7 +68,8 @@ struct ForwardBatch {
 };
 
 /// Per-layer attention. q: [total_tokens, num_q_heads, head_dim], k/v: [total_tokens, num_kv_heads, head_dim]
-/// (RoPE applied to q and k); out: [total_tokens, num_q_heads, head_dim].
+/// (RoPE applied to q and k); out: [total_tokens, num_q_heads, head_dim]. `layer` is the attention-layer index
+/// (0..num_attention_layers()-1; every layer of a dense model).
 class AttentionBackend {
  public:
   virtual ~AttentionBackend() = default;
@@ -90,23 +102,78 @@ class DensePagedAttention : public AttentionBackend {
 void write_kv_pages(const ForwardBatch& batch, const float* k, const float* v, float* k_cache, float* v_cache,
                     int page_size, int kv_dim);
 
+/// Per-sequence recurrent state of every linear-attention (GDN) layer, in slots (one per running sequence), host
+/// fp32. Per GDN layer i (0..cfg.num_linear_layers()-1, in layer order):
+///   conv_states(i):      [num_slots, conv_dim, K - 1]  the last K-1 conv inputs, oldest first (causal_conv1d_ref.h)
+///   recurrent_states(i): [num_slots, Hv, d_k, d_v]      the gated-delta-rule state S (gdn_ref.h, transformers layout)
+/// Lifecycle: allocate() when a sequence is admitted, release() when it leaves. A slot's state is defined only after
+/// a forward step starting at position 0 (which zeroes it); the pool tracks how many tokens each slot has consumed
+/// and Model::forward rejects a step that does not continue exactly there, so a state can never be carried into
+/// another request or skip tokens. Memory is allocated uninitialised (touched on first use). Not thread-safe.
+class GdnStatePool {
+ public:
+  /// Throws spade::Error when num_slots < 1.
+  GdnStatePool(const ModelConfig& cfg, int num_slots);
+  int num_slots() const { return num_slots_; }
+  int num_free() const { return static_cast<int>(free_.size()); }
+  bool in_use(int slot) const;
+  /// Takes the lowest free slot; its state is undefined until a step at position 0. Throws spade::Error when every
+  /// slot is in use.
+  int allocate();
+  /// Returns a slot to the pool. Throws spade::Error for a slot that is not in use.
+  void release(int slot);
+  /// Tokens the slot's state has consumed (its context length); -1 before the first step or after a failed one.
+  int64_t seq_len(int slot) const;
+  /// Model::forward bookkeeping: zero the state of `slot` in every layer (a sequence at position 0) / record the
+  /// context length its state now reflects (-1 = undefined).
+  void reset(int slot);
+  void set_seq_len(int slot, int64_t len);
+  float* conv_states(int gdn_layer) { return conv_[static_cast<size_t>(gdn_layer)].get(); }
+  float* recurrent_states(int gdn_layer) { return ssm_[static_cast<size_t>(gdn_layer)].get(); }
+  /// Floats of one slot's conv state / recurrent state in one layer.
+  size_t conv_floats() const { return conv_floats_; }
+  size_t recurrent_floats() const { return ssm_floats_; }
+  /// Bytes of one slot across all GDN layers (conv + recurrent state).
+  static size_t slot_bytes(const ModelConfig& cfg);
+  size_t bytes() const { return slot_bytes_ * static_cast<size_t>(num_slots_); }
+
+ private:
+  int num_slots_;
+  size_t conv_floats_ = 0, ssm_floats_ = 0, slot_bytes_ = 0;
+  std::vector<std::unique_ptr<float[]>> conv_, ssm_;
+  std::vector<int32_t> free_;    // free slots, highest first (allocate pops the lowest)
+  std::vector<uint8_t> used_;
+  std::vector<int64_t> seq_len_;
+};
+
 class Model {
  public:
   /// Loads config.json + safetensors from a Hugging Face checkpoint directory. Throws spade::Error naming the file.
   static std::unique_ptr<Model> load(const std::string& dir);
   /// A model of `cfg` with deterministic random weights (weights.h random_source).
   static std::unique_ptr<Model> random(const ModelConfig& cfg, uint64_t seed);
-  Model(ModelConfig cfg, ModelWeights w) : cfg_(std::move(cfg)), w_(std::move(w)) {}
+  /// Throws spade::Error when `w` does not match `cfg` (layer count, layer types).
+  Model(ModelConfig cfg, ModelWeights w);
 
   const ModelConfig& config() const { return cfg_; }
   /// Parameters (elements), embeddings included once when tied.
   size_t num_params() const;
 
   /// Runs the batch through every layer. logits: resized to [batch.logit_rows.size(), vocab] fp32.
-  /// Throws spade::Error for token ids outside the vocabulary or positions past max_position_embeddings.
-  void forward(const ForwardBatch& batch, AttentionBackend& attention, std::vector<float>& logits) const;
+  /// `states`: the recurrent-state pool, required for hybrid models (cfg.is_hybrid()), with batch.state_slots
+  /// naming each sequence's slot; a chunk starting at position 0 starts from a zero state, any other chunk must
+  /// continue at its slot's seq_len(). Throws spade::Error for token ids outside the vocabulary, positions past
+  /// max_position_embeddings, a hybrid batch without a pool / state_slots, a slot not in use, used twice, or whose
+  /// state does not end where the chunk starts.
+  void forward(const ForwardBatch& batch, AttentionBackend& attention, std::vector<float>& logits,
+               GdnStatePool* states = nullptr) const;
 
  private:
+  void attention_layer(int layer, int attn_layer, const ForwardBatch& batch, AttentionBackend& attention,
+                       const float* h, float* out) const;
+  void gdn_layer(int layer, int gdn_layer, const ForwardBatch& batch, GdnStatePool& states, const float* h,
+                 float* out) const;
+
   ModelConfig cfg_;
   ModelWeights w_;
 };

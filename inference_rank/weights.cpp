@@ -1,6 +1,7 @@
 #include "inference_rank/weights.h"
 
 #include <cmath>
+#include <tuple>
 
 #include "common/error.h"
 #include "common/safetensors.h"
@@ -29,27 +30,95 @@ bool ends_with(const std::string& s, const std::string& suf) {
 
 }  // namespace
 
+namespace {
+
+std::string layer_prefix(const ModelConfig& c, int i) { return c.weight_prefix + "layers." + std::to_string(i) + "."; }
+
+// Shapes of the GDN tensors of one layer, validated once.
+struct GdnShapes {
+  int64_t H, conv_dim, value_dim, Hv, dv, K;
+};
+
+GdnShapes gdn_shapes(const ModelConfig& c) {
+  SPADE_CHECK(c.linear_conv_kernel_dim > 0 && c.linear_num_key_heads > 0 && c.linear_num_value_heads > 0 &&
+                  c.linear_key_head_dim > 0 && c.linear_value_head_dim > 0,
+              "model config '{}': a linear_attention layer needs positive linear_conv_kernel_dim, "
+              "linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim",
+              c.model_type);
+  SPADE_CHECK(c.linear_num_value_heads % c.linear_num_key_heads == 0,
+              "model config '{}': linear_num_value_heads {} is not a multiple of linear_num_key_heads {}",
+              c.model_type, c.linear_num_value_heads, c.linear_num_key_heads);
+  return {c.hidden_size, c.linear_conv_dim(), c.linear_value_dim(), c.linear_num_value_heads, c.linear_value_head_dim,
+          c.linear_conv_kernel_dim};
+}
+
+void check_layer_types(const ModelConfig& c) {
+  SPADE_CHECK(c.layer_types.empty() || c.layer_types.size() == static_cast<size_t>(c.num_layers),
+              "model config '{}': layer_types has {} entries but num_layers is {}", c.model_type,
+              c.layer_types.size(), c.num_layers);
+}
+
+// (1 + w) for zero-centred RMSNorm weights (Qwen3_5RMSNorm), computed in fp32 like transformers' 1.0 + weight.float().
+std::vector<float> norm_weight(const ModelConfig& c, std::vector<float> w) {
+  if (c.norm_unit_offset)
+    for (float& x : w) x = 1.0f + x;
+  return w;
+}
+
+// q_proj of a gated attention: per head [q (D) | gate (D)] rows -> all q rows, then all gate rows.
+std::pair<std::vector<float>, std::vector<float>> split_q_gate(const std::vector<float>& w, int heads, int D,
+                                                               int64_t cols) {
+  std::vector<float> q, g;
+  q.reserve(w.size() / 2);
+  g.reserve(w.size() / 2);
+  const size_t block = static_cast<size_t>(D) * cols;
+  for (int h = 0; h < heads; ++h) {
+    const float* base = w.data() + 2 * block * h;
+    q.insert(q.end(), base, base + block);
+    g.insert(g.end(), base + block, base + 2 * block);
+  }
+  return {std::move(q), std::move(g)};
+}
+
+}  // namespace
+
 std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& c) {
+  check_layer_types(c);
   std::vector<std::pair<std::string, std::vector<int64_t>>> t;
   const int64_t H = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), KV = c.kv_dim();
-  t.push_back({"model.embed_tokens.weight", {c.vocab_size, H}});
+  const int64_t QP = c.attn_output_gate ? 2 * Q : Q;  // q_proj rows
+  t.push_back({c.weight_prefix + "embed_tokens.weight", {c.vocab_size, H}});
   for (int i = 0; i < c.num_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
+    const std::string p = layer_prefix(c, i);
     t.push_back({p + "input_layernorm.weight", {H}});
-    t.push_back({p + "self_attn.q_proj.weight", {Q, H}});
-    t.push_back({p + "self_attn.k_proj.weight", {KV, H}});
-    t.push_back({p + "self_attn.v_proj.weight", {KV, H}});
-    if (c.attention_bias) {
-      t.push_back({p + "self_attn.q_proj.bias", {Q}});
-      t.push_back({p + "self_attn.k_proj.bias", {KV}});
-      t.push_back({p + "self_attn.v_proj.bias", {KV}});
+    if (c.layer_type(i) == LayerType::LinearAttention) {
+      const GdnShapes g = gdn_shapes(c);
+      const std::string a = p + "linear_attn.";
+      t.push_back({a + "in_proj_qkv.weight", {g.conv_dim, H}});
+      t.push_back({a + "in_proj_z.weight", {g.value_dim, H}});
+      t.push_back({a + "in_proj_b.weight", {g.Hv, H}});
+      t.push_back({a + "in_proj_a.weight", {g.Hv, H}});
+      t.push_back({a + "conv1d.weight", {g.conv_dim, 1, g.K}});
+      t.push_back({a + "A_log", {g.Hv}});
+      t.push_back({a + "dt_bias", {g.Hv}});
+      t.push_back({a + "norm.weight", {g.dv}});
+      t.push_back({a + "out_proj.weight", {H, g.value_dim}});
+    } else {
+      t.push_back({p + "self_attn.q_proj.weight", {QP, H}});
+      t.push_back({p + "self_attn.k_proj.weight", {KV, H}});
+      t.push_back({p + "self_attn.v_proj.weight", {KV, H}});
+      if (c.attention_bias) {
+        t.push_back({p + "self_attn.q_proj.bias", {QP}});
+        t.push_back({p + "self_attn.k_proj.bias", {KV}});
+        t.push_back({p + "self_attn.v_proj.bias", {KV}});
+      }
+      if (c.qk_norm) {
+        t.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
+        t.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
+      }
+      t.push_back({p + "self_attn.o_proj.weight", {H, Q}});
+      if (c.o_proj_bias) t.push_back({p + "self_attn.o_proj.bias", {H}});
     }
-    if (c.qk_norm) {
-      t.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
-      t.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
-    }
-    t.push_back({p + "self_attn.o_proj.weight", {H, Q}});
-    if (c.o_proj_bias) t.push_back({p + "self_attn.o_proj.bias", {H}});
     t.push_back({p + "post_attention_layernorm.weight", {H}});
     t.push_back({p + "mlp.gate_proj.weight", {I, H}});
     t.push_back({p + "mlp.up_proj.weight", {I, H}});
@@ -60,35 +129,59 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const
       t.push_back({p + "mlp.down_proj.bias", {H}});
     }
   }
-  t.push_back({"model.norm.weight", {H}});
+  t.push_back({c.weight_prefix + "norm.weight", {H}});
   if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {c.vocab_size, H}});
   return t;
 }
 
 ModelWeights load_weights(const ModelConfig& c, const TensorSource& src) {
+  check_layer_types(c);
   const int64_t H = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), KV = c.kv_dim();
+  const int64_t QP = c.attn_output_gate ? 2 * Q : Q;
   ModelWeights w;
-  w.embed = src("model.embed_tokens.weight", {c.vocab_size, H});
+  w.embed = src(c.weight_prefix + "embed_tokens.weight", {c.vocab_size, H});
   w.layers.resize(c.num_layers);
   for (int i = 0; i < c.num_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
+    const std::string p = layer_prefix(c, i);
     LayerWeights& L = w.layers[i];
-    L.attn_norm = src(p + "input_layernorm.weight", {H});
-    L.qkv_w = src(p + "self_attn.q_proj.weight", {Q, H});
-    append(L.qkv_w, src(p + "self_attn.k_proj.weight", {KV, H}));
-    append(L.qkv_w, src(p + "self_attn.v_proj.weight", {KV, H}));
-    if (c.attention_bias) {
-      L.qkv_b = src(p + "self_attn.q_proj.bias", {Q});
-      append(L.qkv_b, src(p + "self_attn.k_proj.bias", {KV}));
-      append(L.qkv_b, src(p + "self_attn.v_proj.bias", {KV}));
+    L.type = c.layer_type(i);
+    L.attn_norm = norm_weight(c, src(p + "input_layernorm.weight", {H}));
+    if (L.type == LayerType::LinearAttention) {
+      const GdnShapes g = gdn_shapes(c);
+      const std::string a = p + "linear_attn.";
+      L.in_proj_w = src(a + "in_proj_qkv.weight", {g.conv_dim, H});
+      append(L.in_proj_w, src(a + "in_proj_z.weight", {g.value_dim, H}));
+      append(L.in_proj_w, src(a + "in_proj_b.weight", {g.Hv, H}));
+      append(L.in_proj_w, src(a + "in_proj_a.weight", {g.Hv, H}));
+      L.conv1d_w = src(a + "conv1d.weight", {g.conv_dim, 1, g.K});  // [C, 1, K] row-major == [C, K]
+      L.A_log = src(a + "A_log", {g.Hv});
+      L.dt_bias = src(a + "dt_bias", {g.Hv});
+      L.gated_norm = src(a + "norm.weight", {g.dv});  // Qwen3_5RMSNormGated: plain w
+      L.out_proj_w = src(a + "out_proj.weight", {H, g.value_dim});
+    } else {
+      std::vector<float> qw = src(p + "self_attn.q_proj.weight", {QP, H});
+      std::vector<float> gate_w, gate_b;
+      if (c.attn_output_gate) std::tie(qw, gate_w) = split_q_gate(qw, c.num_q_heads, c.head_dim, H);
+      L.qkv_w = std::move(qw);
+      append(L.qkv_w, src(p + "self_attn.k_proj.weight", {KV, H}));
+      append(L.qkv_w, src(p + "self_attn.v_proj.weight", {KV, H}));
+      append(L.qkv_w, gate_w);
+      if (c.attention_bias) {
+        std::vector<float> qb = src(p + "self_attn.q_proj.bias", {QP});
+        if (c.attn_output_gate) std::tie(qb, gate_b) = split_q_gate(qb, c.num_q_heads, c.head_dim, 1);
+        L.qkv_b = std::move(qb);
+        append(L.qkv_b, src(p + "self_attn.k_proj.bias", {KV}));
+        append(L.qkv_b, src(p + "self_attn.v_proj.bias", {KV}));
+        append(L.qkv_b, gate_b);
+      }
+      if (c.qk_norm) {
+        L.q_norm = norm_weight(c, src(p + "self_attn.q_norm.weight", {c.head_dim}));
+        L.k_norm = norm_weight(c, src(p + "self_attn.k_norm.weight", {c.head_dim}));
+      }
+      L.o_w = src(p + "self_attn.o_proj.weight", {H, Q});
+      if (c.o_proj_bias) L.o_b = src(p + "self_attn.o_proj.bias", {H});
     }
-    if (c.qk_norm) {
-      L.q_norm = src(p + "self_attn.q_norm.weight", {c.head_dim});
-      L.k_norm = src(p + "self_attn.k_norm.weight", {c.head_dim});
-    }
-    L.o_w = src(p + "self_attn.o_proj.weight", {H, Q});
-    if (c.o_proj_bias) L.o_b = src(p + "self_attn.o_proj.bias", {H});
-    L.mlp_norm = src(p + "post_attention_layernorm.weight", {H});
+    L.mlp_norm = norm_weight(c, src(p + "post_attention_layernorm.weight", {H}));
     L.gate_up_w = src(p + "mlp.gate_proj.weight", {I, H});
     append(L.gate_up_w, src(p + "mlp.up_proj.weight", {I, H}));
     L.down_w = src(p + "mlp.down_proj.weight", {H, I});
@@ -98,7 +191,7 @@ ModelWeights load_weights(const ModelConfig& c, const TensorSource& src) {
       L.down_b = src(p + "mlp.down_proj.bias", {H});
     }
   }
-  w.final_norm = src("model.norm.weight", {H});
+  w.final_norm = norm_weight(c, src(c.weight_prefix + "norm.weight", {H}));
   if (!c.tie_word_embeddings) w.lm_head = src("lm_head.weight", {c.vocab_size, H});
   return w;
 }
@@ -118,10 +211,20 @@ TensorSource random_source(uint64_t seed) {
       const double u2 = static_cast<double>(splitmix64(s) >> 11) * (1.0 / 9007199254740992.0);
       return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
     };
-    const bool is_norm = ends_with(name, "norm.weight");
+    const bool is_norm = ends_with(name, "norm.weight") || ends_with(name, "dt_bias");
     const bool is_bias = ends_with(name, ".bias");
-    const bool is_embed = name == "model.embed_tokens.weight";
-    const double std_dev = shape.size() == 2 && !is_embed ? 1.0 / std::sqrt(static_cast<double>(shape[1])) : 1.0;
+    const bool is_embed = ends_with(name, "embed_tokens.weight");
+    const bool is_conv = ends_with(name, "conv1d.weight");  // [C, 1, K]: fan_in K
+    if (ends_with(name, "A_log")) {  // transformers: A ~ U(0.01, 16), A_log = log A
+      for (auto& v : out) {
+        const double u = static_cast<double>(splitmix64(s) >> 11) * (1.0 / 9007199254740992.0);
+        v = static_cast<float>(std::log(0.01 + u * (16.0 - 0.01)));
+      }
+      return out;
+    }
+    const double std_dev = is_conv                             ? 1.0 / std::sqrt(static_cast<double>(shape.back()))
+                           : shape.size() == 2 && !is_embed ? 1.0 / std::sqrt(static_cast<double>(shape[1]))
+                                                            : 1.0;
     for (auto& v : out) {
       const double g = normal();
       v = static_cast<float>(is_norm ? 1.0 + 0.1 * g : is_bias ? 0.1 * g : std_dev * g);

@@ -7,6 +7,19 @@
 //   attention_bias), self_attn.o_proj.weight [hidden, q_dim], self_attn.{q,k}_norm.weight [head_dim] (qwen3),
 //   post_attention_layernorm.weight [hidden], mlp.{gate,up}_proj.weight [intermediate, hidden],
 //   mlp.down_proj.weight [hidden, intermediate].
+//
+// Qwen3.5 (Qwen3_5ForCausalLM, transformers models/qwen3_5/modeling_qwen3_5.py; prefix cfg.weight_prefix =
+// "model." or "model.language_model." for the multimodal Qwen3_5ForConditionalGeneration):
+//   full_attention layers: self_attn.q_proj.weight [2 * q_dim, hidden] holds per head h the rows
+//     [q_h (head_dim) | gate_h (head_dim)] (the output gate); k_proj/v_proj/o_proj as above, q_norm/k_norm [head_dim].
+//   linear_attention layers (Qwen3_5GatedDeltaNet) under linear_attn.:
+//     in_proj_qkv.weight [conv_dim, hidden] (rows q: key_dim, k: key_dim, v: value_dim), in_proj_z.weight
+//     [value_dim, hidden], in_proj_b.weight / in_proj_a.weight [Hv, hidden], conv1d.weight [conv_dim, 1, K],
+//     A_log [Hv], dt_bias [Hv], norm.weight [d_v] (gated RMSNorm), out_proj.weight [hidden, value_dim].
+//   Every RMSNorm weight except linear_attn.norm is stored zero-centred (the norm multiplies by 1 + w); the loader
+//   stores 1 + w (fp32), so the forward pass uses the plain x * w' RMSNorm (kernels/rmsnorm_ref.h), bit-identical to
+//   transformers' x_normed * (1 + w).
+// Tensors a checkpoint holds beyond these (Qwen3.5's vision tower "model.visual.*", MTP heads "mtp.*") are not read.
 #pragma once
 
 #include <cstdint>
@@ -21,14 +34,25 @@ namespace spade {
 class Checkpoint;
 
 struct LayerWeights {
-  std::vector<float> attn_norm;  // [hidden]
-  std::vector<float> qkv_w;      // [q_dim + 2 * kv_dim, hidden]: q rows, then k rows, then v rows
-  std::vector<float> qkv_b;      // [q_dim + 2 * kv_dim] or empty
+  LayerType type = LayerType::FullAttention;
+  std::vector<float> attn_norm;  // [hidden] (input_layernorm; 1 + w when cfg.norm_unit_offset)
+  // ---- full_attention layers ----
+  std::vector<float> qkv_w;      // [q_dim + 2 * kv_dim (+ q_dim), hidden]: q rows, k rows, v rows (then the output
+                                 // gate rows, head-major like q, when cfg.attn_output_gate)
+  std::vector<float> qkv_b;      // [rows of qkv_w] or empty
   std::vector<float> q_norm;     // [head_dim] (qwen3) or empty
   std::vector<float> k_norm;     // [head_dim] (qwen3) or empty
   std::vector<float> o_w;        // [hidden, q_dim]
   std::vector<float> o_b;        // [hidden] or empty
-  std::vector<float> mlp_norm;   // [hidden]
+  // ---- linear_attention (Gated DeltaNet) layers ----
+  std::vector<float> in_proj_w;  // [conv_dim + value_dim + 2 * Hv, hidden]: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+  std::vector<float> conv1d_w;   // [conv_dim, K] depthwise causal conv weights
+  std::vector<float> A_log;      // [Hv] log of the decay rate A (g = -exp(A_log) * softplus(a + dt_bias))
+  std::vector<float> dt_bias;    // [Hv]
+  std::vector<float> gated_norm; // [d_v] gated RMSNorm weight (plain w)
+  std::vector<float> out_proj_w; // [hidden, value_dim]
+  // ---- MLP ----
+  std::vector<float> mlp_norm;   // [hidden] (post_attention_layernorm; 1 + w when cfg.norm_unit_offset)
   std::vector<float> gate_up_w;  // [2 * intermediate, hidden]: gate rows, then up rows
   std::vector<float> gate_up_b;  // [2 * intermediate] or empty
   std::vector<float> down_w;     // [hidden, intermediate]
@@ -38,7 +62,7 @@ struct LayerWeights {
 struct ModelWeights {
   std::vector<float> embed;       // [vocab, hidden]
   std::vector<LayerWeights> layers;
-  std::vector<float> final_norm;  // [hidden]
+  std::vector<float> final_norm;  // [hidden] (1 + w when cfg.norm_unit_offset)
   std::vector<float> lm_head;     // [vocab, hidden]; empty when tied (embed is used)
 };
 
@@ -48,7 +72,9 @@ using TensorSource = std::function<std::vector<float>(const std::string& name, c
 /// Every tensor name and shape a checkpoint of `cfg` must hold, in a fixed order.
 std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& cfg);
 
-/// Loads all weights of `cfg` through `src` (shapes checked), fusing q/k/v and gate/up.
+/// Loads all weights of `cfg` through `src` (shapes checked), fusing q/k/v(/gate), gate/up and the GDN input
+/// projections, and folding zero-centred norm weights into 1 + w. Throws spade::Error naming the tensor (from `src`)
+/// or, for a malformed cfg, the field (layer_types size, non-positive GDN sizes).
 ModelWeights load_weights(const ModelConfig& cfg, const TensorSource& src);
 
 /// A TensorSource reading a Checkpoint (fp32/fp16/bf16 converted to fp32).
@@ -56,7 +82,8 @@ TensorSource checkpoint_source(const Checkpoint& ckpt);
 
 /// A deterministic random TensorSource: each tensor is a pure function of (seed, name, shape).
 /// Matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm weights ~ 1 + 0.1 N(0, 1), biases ~ 0.1 N(0, 1)
-/// (the tiny-random fixtures' recipe), so activations stay O(1) at any size.
+/// (the tiny-random fixtures' recipe), so activations stay O(1) at any size. GDN tensors: conv1d.weight
+/// ~ N(0, 1/K), dt_bias ~ 1 + 0.1 N(0, 1), A_log ~ log U(0.01, 16) (transformers' init).
 TensorSource random_source(uint64_t seed);
 
 }  // namespace spade

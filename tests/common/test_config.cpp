@@ -1,5 +1,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "common/config.h"
 #include "common/error.h"
@@ -9,10 +10,11 @@ namespace spade {
 namespace {
 
 using ::testing::HasSubstr;
+using nlohmann::json;
 
-std::string error_of(const std::string& json) {
+std::string error_of(const std::string& text) {
   try {
-    parse_model_config(json, "cfg.json");
+    parse_model_config(text, "cfg.json");
   } catch (const Error& e) {
     return e.what();
   }
@@ -50,9 +52,104 @@ TEST(Config, LoadsRealCheckpoints) {
   EXPECT_FALSE(g.do_sample);
 }
 
-TEST(Config, RejectsHybridModelsByName) {
-  EXPECT_THROW(load_model_config(test::data_path("configs/qwen3_next-transformers-default")), Error);
-  EXPECT_THAT(error_of(R"({"model_type": "qwen3_next"})"), HasSubstr("model_type 'qwen3_next' is not supported"));
+TEST(Config, LoadsHybridQwen35) {
+  auto t = load_model_config(test::data_path("models/tiny-random-qwen3_5"));
+  EXPECT_EQ(t.arch, ModelArch::Qwen3_5);
+  EXPECT_EQ(t.model_type, "qwen3_5_text");
+  ASSERT_EQ(t.layer_types.size(), 4u);
+  EXPECT_EQ(t.layer_types[0], LayerType::LinearAttention);
+  EXPECT_EQ(t.layer_types[3], LayerType::FullAttention);
+  EXPECT_TRUE(t.is_hybrid());
+  EXPECT_EQ(t.num_linear_layers(), 3);
+  EXPECT_EQ(t.num_attention_layers(), 1);
+  EXPECT_EQ(t.rotary_dim, 8);
+  EXPECT_DOUBLE_EQ(t.rope_theta, 1e7);
+  EXPECT_EQ(t.linear_conv_kernel_dim, 4);
+  EXPECT_EQ(t.linear_num_key_heads, 2);
+  EXPECT_EQ(t.linear_num_value_heads, 4);
+  EXPECT_EQ(t.linear_conv_dim(), 128);
+  EXPECT_TRUE(t.qk_norm && t.attn_output_gate && t.norm_unit_offset);
+  EXPECT_EQ(t.weight_prefix, "model.");
+  const ModelConfig v = t.attention_view();
+  EXPECT_EQ(v.num_layers, 1);
+  EXPECT_FALSE(v.is_hybrid());
+  EXPECT_EQ(v.kv_dim(), t.kv_dim());
+
+  auto d = load_model_config(test::data_path("configs/qwen3_5_text-transformers-default"));
+  EXPECT_EQ(d.num_layers, 32);
+  EXPECT_EQ(d.num_attention_layers(), 8) << "3:1 pattern";
+  EXPECT_EQ(d.rotary_dim, 64);
+  EXPECT_EQ(d.linear_conv_dim(), 2 * 16 * 128 + 32 * 128);
+
+  auto mm = load_model_config(test::data_path("configs/qwen3_5-transformers-default"));
+  EXPECT_EQ(mm.model_type, "qwen3_5");
+  EXPECT_EQ(mm.arch, ModelArch::Qwen3_5);
+  EXPECT_EQ(mm.weight_prefix, "model.language_model.");
+  EXPECT_EQ(mm.num_layers, 32);
+  EXPECT_EQ(mm.num_linear_layers(), 24);
+}
+
+TEST(Config, RejectsMixtureOfExpertsHybrids) {
+  EXPECT_THAT(error_of(test::read_file(test::data_path("configs/qwen3_next-transformers-default/config.json"))),
+              HasSubstr("model_type 'qwen3_next' is not supported: it is a mixture-of-experts model"));
+  EXPECT_THAT(
+      error_of(test::read_file(test::data_path("configs/qwen3_5_moe_text-transformers-default/config.json"))),
+      HasSubstr("model_type 'qwen3_5_moe_text' is not supported: it is a mixture-of-experts model"));
+  EXPECT_THAT(error_of(R"({"model_type": "mamba2"})"), HasSubstr("model_type 'mamba2' is not supported"));
+}
+
+TEST(Config, NamesMalformedHybridFields) {
+  const std::string base =
+      R"("model_type":"qwen3_5_text","hidden_size":64,"intermediate_size":128,"num_hidden_layers":4,)"
+      R"("num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"vocab_size":512)";
+  const std::string lin =
+      R"(,"linear_conv_kernel_dim":4,"linear_key_head_dim":16,"linear_value_head_dim":16,)"
+      R"("linear_num_key_heads":2,"linear_num_value_heads":4)";
+  const std::string types = R"(,"layer_types":["linear_attention","linear_attention","linear_attention","full_attention"])";
+  EXPECT_EQ(error_of("{" + base + lin + types + "}"), "");
+  for (const char* f : {"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                        "linear_num_key_heads", "linear_num_value_heads"}) {
+    json j = json::parse("{" + base + lin + types + "}");
+    j.erase(f);
+    EXPECT_THAT(error_of(j.dump()), HasSubstr(std::string("cfg.json: required field '") + f + "' is missing"));
+  }
+  EXPECT_THAT(error_of("{" + base + lin + R"(,"layer_types":["linear_attention","full_attention"]})"),
+              HasSubstr("cfg.json: layer_types has 2 entries but num_hidden_layers is 4"));
+  EXPECT_THAT(
+      error_of("{" + base + lin +
+               R"(,"layer_types":["linear_attention","sliding_attention","linear_attention","full_attention"]})"),
+      HasSubstr("cfg.json: layer_types[1] 'sliding_attention' is not supported"));
+  EXPECT_THAT(error_of("{" + base + lin + R"(,"layer_types":["linear_attention",3,"a","b"]})"),
+              HasSubstr("layer_types[1] must be a string"));
+  EXPECT_THAT(error_of("{" + base + lin + R"(,"layer_types":"linear_attention"})"),
+              HasSubstr("field 'layer_types' must be a list of strings"));
+  EXPECT_THAT(error_of("{" + base + types +
+                       R"(,"linear_conv_kernel_dim":4,"linear_key_head_dim":16,"linear_value_head_dim":16,)"
+                       R"("linear_num_key_heads":3,"linear_num_value_heads":4})"),
+              HasSubstr("linear_num_value_heads 4 is not a multiple of linear_num_key_heads 3"));
+  EXPECT_THAT(error_of("{" + base + lin + types + R"(,"partial_rotary_factor":0.3})"),
+              HasSubstr("rotary dim of 9 for head_dim 32"));
+  EXPECT_THAT(error_of("{" + base + lin + types + R"(,"num_experts":8})"),
+              HasSubstr("num_experts 8 > 0: mixture-of-experts layers are not supported"));
+  EXPECT_THAT(error_of(R"({"model_type":"qwen3_5","vision_config":{}})"),
+              HasSubstr("model_type 'qwen3_5' needs a 'text_config' object"));
+  // Defaults as transformers: no layer_types -> every full_attention_interval-th layer is full attention; the legacy
+  // spellings "mamba" / "attention" map to linear_attention / full_attention.
+  auto d = parse_model_config("{" + base + lin + R"(,"full_attention_interval":2})", "x");
+  EXPECT_EQ(d.layer_types, (std::vector<LayerType>{LayerType::LinearAttention, LayerType::FullAttention,
+                                                   LayerType::LinearAttention, LayerType::FullAttention}));
+  auto legacy = parse_model_config("{" + base + lin + R"(,"layer_types":["mamba","mamba","mamba","attention"]})", "x");
+  EXPECT_EQ(legacy.num_attention_layers(), 1);
+  // Dense families: layer types other than full_attention and partial RoPE are refused rather than ignored.
+  const std::string dense =
+      R"("model_type":"qwen3","hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,)"
+      R"("num_attention_heads":4,"vocab_size":100)";
+  EXPECT_EQ(error_of("{" + dense + R"(,"layer_types":["full_attention","full_attention"]})"), "");
+  EXPECT_THAT(error_of("{" + dense + R"(,"layer_types":["full_attention","linear_attention"]})"),
+              HasSubstr("layer_types[1] 'linear_attention' is not supported for model_type 'qwen3'"));
+  EXPECT_THAT(error_of("{" + dense + R"(,"partial_rotary_factor":0.5})"),
+              HasSubstr("partial_rotary_factor 0.5 is not supported for model_type 'qwen3'"));
+  EXPECT_FALSE(parse_model_config("{" + dense + "}", "x").is_hybrid());
 }
 
 TEST(Config, NamesMissingAndBadFields) {
