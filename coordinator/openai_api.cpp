@@ -49,38 +49,6 @@ struct ApiError {
   throw ApiError{400, message, param, code};
 }
 
-/// Byte offset of the first invalid UTF-8 sequence, or npos.
-size_t invalid_utf8_at(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    int n = 0;
-    uint32_t cp = 0;
-    if (c < 0x80) {
-      ++i;
-      continue;
-    } else if ((c & 0xE0) == 0xC0) {
-      n = 1, cp = c & 0x1F;
-    } else if ((c & 0xF0) == 0xE0) {
-      n = 2, cp = c & 0x0F;
-    } else if ((c & 0xF8) == 0xF0) {
-      n = 3, cp = c & 0x07;
-    } else {
-      return i;
-    }
-    for (int k = 1; k <= n; ++k) {
-      if (i + k >= s.size()) return i;
-      const auto d = static_cast<unsigned char>(s[i + k]);
-      if ((d & 0xC0) != 0x80) return i;
-      cp = (cp << 6) | (d & 0x3F);
-    }
-    const uint32_t min[] = {0, 0x80, 0x800, 0x10000};
-    if (cp < min[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;  // overlong, range, surrogate
-    i += static_cast<size_t>(n) + 1;
-  }
-  return std::string_view::npos;
-}
-
 /// Length of the longest prefix of `s` that does not end inside a UTF-8 sequence.
 size_t utf8_safe_prefix(const std::string& s, size_t end) {
   size_t i = end;
@@ -423,8 +391,7 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
 void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res,
                                bool is_chat) {
   const std::string endpoint = req.path;
-  if (size_t at = invalid_utf8_at(req.body); at != std::string::npos)
-    bad(fmt::format("request body is not valid UTF-8 (invalid byte sequence at offset {})", at));
+  if (!is_valid_utf8(req.body)) bad("request body is not valid UTF-8");
   json body;
   try {
     body = json::parse(req.body);
