@@ -16,6 +16,8 @@
 #                         development machine and carried): test / memcheck / bench use them, the build step is
 #                         skipped unless "bgbuild" is asked for (a low-priority build in the background, checked at
 #                         the end, so the device build is still verified while the prebuilt binaries run)
+#   SPADE_CTEST_REGEX     only the gpu tests whose ctest name matches (ctest -R; default: all); the build builds those
+#   SPADE_BENCHES         benchmarks to run (default "kernels gdn": bench_kernels + SDPA peer, bench_gdn)
 #   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
 #                         the same code paths at 128k tokens and take minutes under the sanitizer)
 # Dependencies: on a machine without Spade's Debian packages (the lent GPU machines), carry build-device-deps/
@@ -36,6 +38,10 @@ want() {
 }
 log() { echo "[run_gpu $(date -u +%H:%M:%S)] $*"; }
 STATUS=0
+CTEST_R=()
+[ -n "${SPADE_CTEST_REGEX:-}" ] && CTEST_R=(-R "${SPADE_CTEST_REGEX}")
+BENCHES="${SPADE_BENCHES:-kernels gdn}"
+bench_wanted() { case " ${BENCHES} " in *" $1 "*) return 0 ;; esac; return 1; }
 
 if [ -z "${SPADE_COMMIT:-}" ]; then
   SPADE_COMMIT="$(git -C "${ROOT}" rev-parse --verify -q HEAD 2>/dev/null || true)"
@@ -72,10 +78,10 @@ do_build() {
   log "configure"
   with_deps cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPADE_ENABLE_CUDA=ON \
     -DSPADE_ENABLE_UCX=OFF -DCMAKE_CUDA_ARCHITECTURES=90a >"${OUT}/build.log" 2>&1 || { tail -40 "${OUT}/build.log"; exit 1; }
-  GPU_TESTS=$(cd "${BUILD}" && ctest -N -L gpu | sed -n 's/^ *Test *#[0-9]*: *//p')
-  log "build: bench_kernels ${GPU_TESTS//$'\n'/ }"
+  GPU_TESTS=$(cd "${BUILD}" && ctest -N -L gpu ${CTEST_R[@]+"${CTEST_R[@]}"} | sed -n 's/^ *Test *#[0-9]*: *//p')
+  log "build: bench_kernels bench_gdn ${GPU_TESTS//$'\n'/ }"
   # shellcheck disable=SC2086
-  with_deps cmake --build "${BUILD}" -j "$(nproc)" --target bench_kernels ${GPU_TESTS} >>"${OUT}/build.log" 2>&1 \
+  with_deps cmake --build "${BUILD}" -j "$(nproc)" --target bench_kernels bench_gdn ${GPU_TESTS} >>"${OUT}/build.log" 2>&1 \
     || { grep -E "error|FAILED" "${OUT}/build.log" | head -40; return 1; }
   log "build done"
 }
@@ -92,7 +98,10 @@ if [ -n "${PREBUILT}" ]; then
   fi
 else
   if want build; then do_build || exit 1; fi
-  TEST_BINS=("${BUILD}"/tests/kernels/kernels_test_*_gpu)
+  TEST_BINS=()
+  for t in "${BUILD}"/tests/kernels/kernels_test_*_gpu; do
+    if [ -z "${SPADE_CTEST_REGEX:-}" ] || [[ "$(basename "$t")" =~ ${SPADE_CTEST_REGEX} ]]; then TEST_BINS+=("$t"); fi
+  done
   BENCH_BIN="${BUILD}/bench/bench_kernels"
 fi
 
@@ -100,7 +109,8 @@ fi
 if want test; then
   if [ -z "${PREBUILT}" ]; then
     log "ctest -L gpu"
-    (cd "${BUILD}" && with_deps ctest -L gpu --output-on-failure --timeout 1800) >"${OUT}/tests.log" 2>&1 || STATUS=1
+    (cd "${BUILD}" && with_deps ctest -L gpu ${CTEST_R[@]+"${CTEST_R[@]}"} --output-on-failure --timeout 1800) \
+      >"${OUT}/tests.log" 2>&1 || STATUS=1
     grep -E "tests passed|Passed|Failed|\*\*\*|Total Test" "${OUT}/tests.log" | tail -30
   else
     : >"${OUT}/tests.log"
@@ -156,6 +166,19 @@ fi
 
 # ---- benchmarks + SDPA peer ----
 if want bench; then
+  QUICK=()
+  [ "${SPADE_BENCH_QUICK:-0}" = 1 ] && QUICK=(--quick)
+  SWEEP=()
+  [ "${SPADE_BENCH_SWEEP:-0}" = 1 ] && SWEEP=(--sweep)
+  [ "${SPADE_BENCH_SWEEP_HPC:-0}" = 1 ] && SWEEP+=(--sweep-hpc)
+  if bench_wanted gdn; then
+    GDN_BIN="$(dirname "${BENCH_BIN}")/bench_gdn"
+    log "bench_gdn"
+    with_deps "${GDN_BIN}" --out "${OUT}/bench_gdn.json" "${QUICK[@]}" | tee "${OUT}/bench_gdn.txt" || STATUS=1
+    [ -f "${OUT}/bench_gdn.json" ] && cp "${OUT}/bench_gdn.json" "${ROOT}/bench/results/bench_gdn-$(date -u +%Y%m%dT%H%M%SZ).json"
+  fi
+fi
+if want bench && bench_wanted kernels; then
   QUICK=()
   [ "${SPADE_BENCH_QUICK:-0}" = 1 ] && QUICK=(--quick)
   SWEEP=()

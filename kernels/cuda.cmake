@@ -12,9 +12,16 @@ endif()
 add_library(spade_kernels_cuda STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/decode_attention.cu    # paged + token-sparse split-K flash-decoding
   ${CMAKE_CURRENT_SOURCE_DIR}/prefill_attention.cu   # causal FlashAttention-2-style prefill
-  ${CMAKE_CURRENT_SOURCE_DIR}/selection.cu)          # predictor, scoring, top-k, gather
+  ${CMAKE_CURRENT_SOURCE_DIR}/selection.cu          # predictor, scoring, top-k, gather
+  ${CMAKE_CURRENT_SOURCE_DIR}/gdn.cu)               # Gated DeltaNet decoding forms (recurrent, buffered, verify)
 # Headers only from common/ (dtype.h): no link dependency on spade_common.
 target_link_libraries(spade_kernels_cuda PUBLIC CUDA::cudart PRIVATE spade_warnings)
+# Layer ops of the GPU inference rank (embedding, RMSNorm, RoPE + KV append, SwiGLU, sampling) and the cuBLASLt
+# GEMM wrapper (kernels/layer_ops.cuh, kernels/gemm.cuh).
+target_sources(spade_kernels_cuda PRIVATE
+  ${CMAKE_CURRENT_SOURCE_DIR}/layer_ops.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/gemm.cu)
+target_link_libraries(spade_kernels_cuda PUBLIC CUDA::cublasLt)
 target_compile_options(spade_kernels_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall,-Wextra>)
 # SPADE_PTXAS_VERBOSE=ON prints registers / spills / shared memory per kernel (no device needed).

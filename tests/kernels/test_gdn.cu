@@ -1,0 +1,742 @@
+// GPU tests of the Gated DeltaNet kernels (kernels/gdn.cuh) against their CPU references (kernels/gdn_ref.h):
+// recurrent form with and without per-draft snapshots, chunkwise buffered decode (staggered batches that mix
+// flushing and non-flushing sequences, KV-only sequences compressing into chunkwise ones, ragged buffered prefill,
+// explicit and device-computed flush flags, a captured CUDA graph replayed across flushes), parallel verification
+// with device commits over many rounds, the recurrent-baseline commit, and launcher errors.
+//
+// The CPU side runs GdnCache (the CPU data path, kernels/gdn_ref.h) on the fp32 images of the same bf16/fp16 inputs;
+// the GPU side mirrors its arrays in device memory and must reproduce its outputs, flags, ring metadata and
+// checkpoint states. Outputs are poisoned (0xFF = NaN) before each launch. Bounds (max over (token, head) rows of
+// ||gpu - ref|| / ||ref||): outputs bf16 8e-3 / fp16 2e-3 (the output is rounded to the 16-bit type once; the
+// buffered u / k^ are rounded identically on both sides up to rare 1-ulp ties), checkpoint states 1e-3, recurrent
+// states (no 16-bit rounding) 1e-4.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "kernels/gdn.cuh"
+#include "kernels/gdn_ref.h"
+#include "tests/kernels/test_gpu_common.cuh"
+
+namespace spade::test {
+namespace {
+
+using kernels::GdnBufferedGpuParams;
+using kernels::GdnCache;
+using kernels::GdnCacheConfig;
+using kernels::GdnDims;
+using kernels::GdnRecurrentGpuParams;
+
+double out_bound(DType t) { return t == DType::BF16 ? 8e-3 : 2e-3; }
+constexpr double kStateBound = 1e-3;
+constexpr double kRecurrentStateBound = 1e-4;
+
+/// One step's tokens: 16-bit q/k/v with their fp32 images, fp32 g / beta, cu_tokens.
+struct Tok {
+  DType dtype = DType::BF16;
+  std::vector<uint16_t> q, k, v;
+  std::vector<float> q32, k32, v32, g, beta;
+  std::vector<int32_t> cu;
+  int total() const { return cu.back(); }
+  kernels::GdnTokens view32() const {
+    kernels::GdnTokens t;
+    t.q = q32.data();
+    t.k = k32.data();
+    t.v = v32.data();
+    t.g = g.data();
+    t.beta = beta.data();
+    t.cu_tokens = cu.data();
+    t.batch = static_cast<int>(cu.size()) - 1;
+    return t;
+  }
+};
+
+Tok make_tokens(DType t, const GdnDims& d, const std::vector<int>& counts, std::mt19937_64& rng) {
+  Tok x;
+  x.dtype = t;
+  x.cu.assign(1, 0);
+  for (int c : counts) x.cu.push_back(x.cu.back() + c);
+  const size_t n = static_cast<size_t>(x.total());
+  x.q = random_half(t, n * d.num_k_heads * d.head_k_dim, 1.f, rng, &x.q32);
+  x.k = random_half(t, n * d.num_k_heads * d.head_k_dim, 1.f, rng, &x.k32);
+  x.v = random_half(t, n * d.num_v_heads * d.head_v_dim, 1.f, rng, &x.v32);
+  std::uniform_real_distribution<float> dec(-0.06f, -0.002f);
+  std::normal_distribution<float> nb(0.f, 1.f);
+  x.g.resize(n * d.num_v_heads);
+  x.beta.resize(n * d.num_v_heads);
+  for (auto& e : x.g) e = dec(rng);
+  for (auto& e : x.beta) e = 1.f / (1.f + std::exp(-nb(rng)));
+  return x;
+}
+
+/// Device copy of a Tok. write() reuses the allocations when the sizes match (CUDA-graph replays).
+struct DevTok {
+  DevBuf<uint16_t> q, k, v;
+  DevBuf<float> g, beta;
+  DevBuf<int32_t> cu;
+  template <typename T>
+  static void put(DevBuf<T>& d, const std::vector<T>& h) {
+    if (d.get() == nullptr || d.size() != h.size()) {
+      d.upload(h);
+    } else {
+      EXPECT_EQ(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  }
+  void write(const Tok& t) {
+    put(q, t.q);
+    put(k, t.k);
+    put(v, t.v);
+    put(g, t.g);
+    put(beta, t.beta);
+    put(cu, t.cu);
+  }
+  kernels::GdnStepTokens view(int batch, int max_tokens) const {
+    kernels::GdnStepTokens s;
+    s.q = q.get();
+    s.k = k.get();
+    s.v = v.get();
+    s.g = g.get();
+    s.beta = beta.get();
+    s.cu_tokens = cu.get();
+    s.batch = batch;
+    s.max_tokens = max_tokens;
+    return s;
+  }
+};
+
+std::vector<float> out_f32(DType t, const DevBuf<uint16_t>& o) { return to_f32(t, o.download()); }
+
+// =====================================================================================================================
+// Recurrent form
+// =====================================================================================================================
+
+struct RecCase {
+  DType dtype;
+  GdnDims dims;
+  std::vector<int> counts;
+  bool drafts;
+};
+
+void run_recurrent(const RecCase& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const GdnDims& d = c.dims;
+  const int batch = static_cast<int>(c.counts.size());
+  const Tok tok = make_tokens(c.dtype, d, c.counts, rng);
+  const size_t sf = static_cast<size_t>(d.num_v_heads) * d.head_k_dim * d.head_v_dim;
+  const int nslots = 2 * batch + tok.total() + 1;
+  std::vector<float> pool(sf * nslots);
+  std::normal_distribution<float> ns(0.f, 0.3f);
+  for (auto& e : pool) e = ns(rng);
+  // Slots: sequences use a shuffled subset; drafts get distinct other slots (-1 for every third token).
+  std::vector<int32_t> order(nslots);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<int32_t> slots(order.begin(), order.begin() + batch);
+  std::vector<int32_t> dslots;
+  if (c.drafts) {
+    for (int i = 0; i < tok.total(); ++i) dslots.push_back(i % 3 == 2 ? -1 : order[batch + i]);
+  }
+  std::vector<float> ref_pool = pool;
+  std::vector<float> ref_out(static_cast<size_t>(tok.total()) * d.num_v_heads * d.head_v_dim, std::nanf(""));
+  kernels::GdnRecurrentParams rp;
+  rp.dims = d;
+  rp.tok = tok.view32();
+  rp.out = ref_out.data();
+  rp.state_pool = ref_pool.data();
+  rp.num_state_slots = nslots;
+  rp.state_slots = slots.data();
+  rp.draft_state_slots = c.drafts ? dslots.data() : nullptr;
+  kernels::gdn_recurrent_ref(rp);
+
+  DevTok dt;
+  dt.write(tok);
+  DevBuf<float> dpool;
+  dpool.upload(pool);
+  DevBuf<int32_t> dslot, ddraft;
+  dslot.upload(slots);
+  if (c.drafts) ddraft.upload(dslots);
+  DevBuf<uint16_t> out(ref_out.size());
+  out.poison();
+  GdnRecurrentGpuParams p;
+  p.dtype = c.dtype;
+  p.dims = d;
+  p.tok = dt.view(batch, *std::max_element(c.counts.begin(), c.counts.end()));
+  p.out = out.get();
+  p.state_pool = dpool.get();
+  p.num_state_slots = nslots;
+  p.state_slots = dslot.get();
+  p.draft_state_slots = c.drafts ? ddraft.get() : nullptr;
+  SPADE_CUDA_OK(kernels::gdn_recurrent(p, nullptr));
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_LE(max_row_rel_err(out_f32(c.dtype, out), ref_out, d.head_v_dim), out_bound(c.dtype));
+  const std::vector<float> got_pool = dpool.download();
+  // Every slot (read-only ones must be untouched, written ones must match).
+  for (int s = 0; s < nslots; ++s) {
+    const std::vector<float> g(got_pool.begin() + sf * s, got_pool.begin() + sf * (s + 1));
+    const std::vector<float> r(ref_pool.begin() + sf * s, ref_pool.begin() + sf * (s + 1));
+    EXPECT_LE(max_row_rel_err(g, r, sf), kRecurrentStateBound) << "state slot " << s;
+  }
+}
+
+TEST(GdnRecurrentGpu, RaggedBf16D128Qwen) {
+  run_recurrent({DType::BF16, {16, 32, 128, 128}, {1, 3, 0, 7, 2, 1}, false}, 11);
+}
+TEST(GdnRecurrentGpu, RaggedFp16D64Group1) { run_recurrent({DType::F16, {4, 4, 64, 64}, {2, 1, 5}, false}, 12); }
+TEST(GdnRecurrentGpu, DecodeBatch64Group4) {
+  run_recurrent({DType::BF16, {2, 8, 128, 128}, std::vector<int>(64, 1), false}, 13);
+}
+TEST(GdnRecurrentGpu, DraftSnapshotsBf16) { run_recurrent({DType::BF16, {2, 4, 128, 128}, {8, 3, 1, 5}, true}, 14); }
+TEST(GdnRecurrentGpu, DraftSnapshotsFp16D64) { run_recurrent({DType::F16, {1, 2, 64, 64}, {4, 8}, true}, 15); }
+
+TEST(GdnRecurrentGpu, VerifyCommitSwapsColumns) {
+  std::mt19937_64 rng(16);
+  const int batch = 37, T = 8;
+  std::vector<int32_t> spec(batch * (T + 1)), acc(batch);
+  std::iota(spec.begin(), spec.end(), 100);
+  for (auto& a : acc) a = static_cast<int32_t>(rng() % (T + 1));
+  std::vector<int32_t> ref = spec;
+  kernels::gdn_recurrent_verify_commit_ref(ref.data(), acc.data(), batch, T);
+  DevBuf<int32_t> ds, da;
+  ds.upload(spec);
+  da.upload(acc);
+  SPADE_CUDA_OK(kernels::gdn_recurrent_verify_commit(ds.get(), da.get(), batch, T, nullptr));
+  EXPECT_EQ(ds.download(), ref);
+}
+
+// =====================================================================================================================
+// Buffered forms: a GPU mirror of GdnCache
+// =====================================================================================================================
+
+struct GpuMirror {
+  GdnCacheConfig cfg;
+  int max_blocks = 0;
+  DevBuf<float> states, g;
+  DevBuf<uint16_t> k, u;
+  DevBuf<int32_t> ring_start, ring_len, ring_cap, tables, state_slots;
+  DevBuf<uint8_t> state_valid;
+
+  template <typename T>
+  static void copy_from(DevBuf<T>& d, const T* h, size_t n) {
+    if (d.get() == nullptr || d.size() != n) d.alloc(n);
+    EXPECT_EQ(cudaMemcpy(d.get(), h, n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  size_t tokens() const { return static_cast<size_t>(cfg.num_blocks) * cfg.block_size; }
+
+  /// Everything from the CPU cache (pools, states, metadata).
+  void sync_all(GdnCache& c) {
+    cfg = c.config();
+    const auto pool = c.pool();
+    const auto tab = c.table();
+    max_blocks = tab.max_blocks_per_seq;
+    const GdnDims& d = cfg.dims;
+    copy_from(states, c.state_pool(), static_cast<size_t>(c.num_state_slots()) * d.num_v_heads * d.head_k_dim *
+                                          d.head_v_dim);
+    copy_from(k, static_cast<const uint16_t*>(pool.k), tokens() * d.num_k_heads * d.head_k_dim);
+    copy_from(u, static_cast<const uint16_t*>(pool.u), tokens() * d.num_v_heads * d.head_v_dim);
+    copy_from(g, pool.g, tokens() * d.num_v_heads);
+    copy_from(ring_start, tab.ring_start, tab.max_seqs);
+    copy_from(ring_len, tab.ring_len, tab.max_seqs);
+    copy_from(state_valid, tab.state_valid, tab.max_seqs);
+    sync_static(c);
+  }
+  /// Host-owned metadata: ring capacities, block tables, state-slot assignment.
+  void sync_static(GdnCache& c) {
+    const auto tab = c.table();
+    copy_from(ring_cap, tab.ring_capacity, tab.max_seqs);
+    copy_from(tables, tab.block_tables, static_cast<size_t>(tab.max_seqs) * tab.max_blocks_per_seq);
+    copy_from(state_slots, tab.state_slots, tab.max_seqs);
+  }
+  void expect_meta(GdnCache& c, const std::string& where) {
+    const auto tab = c.table();
+    const int n = tab.max_seqs;
+    EXPECT_EQ(ring_start.download(), std::vector<int32_t>(tab.ring_start, tab.ring_start + n)) << where;
+    EXPECT_EQ(ring_len.download(), std::vector<int32_t>(tab.ring_len, tab.ring_len + n)) << where;
+    EXPECT_EQ(state_valid.download(), std::vector<uint8_t>(tab.state_valid, tab.state_valid + n)) << where;
+  }
+  void expect_states(GdnCache& c, const std::vector<uint64_t>& seqs, const std::string& where) {
+    const GdnDims& d = cfg.dims;
+    const size_t sf = static_cast<size_t>(d.num_v_heads) * d.head_k_dim * d.head_v_dim;
+    const std::vector<float> got = states.download();
+    for (uint64_t s : seqs) {
+      const int slot = c.state_slot(c.slot(s));
+      if (slot < 0 || !c.state_valid(c.slot(s))) continue;
+      const float* r = c.state_pool() + sf * slot;
+      EXPECT_LE(max_row_rel_err(std::vector<float>(got.begin() + sf * slot, got.begin() + sf * (slot + 1)),
+                                std::vector<float>(r, r + sf), sf),
+                kStateBound)
+          << where << " sequence " << s;
+    }
+  }
+  GdnBufferedGpuParams params(DType t, const DevTok& dt, int batch, int max_tokens, const DevBuf<int32_t>& slots,
+                              void* out) {
+    GdnBufferedGpuParams p;
+    p.dtype = t;
+    p.dims = cfg.dims;
+    p.tok = dt.view(batch, max_tokens);
+    p.out = out;
+    p.state_pool = states.get();
+    p.num_state_slots = static_cast<int>(states.size() / (static_cast<size_t>(cfg.dims.num_v_heads) *
+                                                          cfg.dims.head_k_dim * cfg.dims.head_v_dim));
+    p.buf.k = k.get();
+    p.buf.u = u.get();
+    p.buf.g = g.get();
+    p.buf.dtype = t;
+    p.buf.num_blocks = cfg.num_blocks;
+    p.buf.block_size = cfg.block_size;
+    p.seqs.ring_start = ring_start.get();
+    p.seqs.ring_len = ring_len.get();
+    p.seqs.ring_capacity = ring_cap.get();
+    p.seqs.block_tables = tables.get();
+    p.seqs.state_slots = state_slots.get();
+    p.seqs.state_valid = state_valid.get();
+    p.seqs.max_seqs = cfg.max_seqs;
+    p.seqs.max_blocks_per_seq = max_blocks;
+    p.seq_slots = slots.get();
+    p.max_ring_capacity = std::max(cfg.buffer_size, cfg.kv_only_limit);
+    return p;
+  }
+};
+
+kernels::GdnBufferedParams ref_params(GdnCache& c, const Tok& tok, const std::vector<int32_t>& slots,
+                                      const std::vector<uint8_t>& flags, std::vector<float>& out) {
+  out.assign(static_cast<size_t>(tok.total()) * c.config().dims.num_v_heads * c.config().dims.head_v_dim, std::nanf(""));
+  kernels::GdnBufferedParams p;
+  p.dims = c.config().dims;
+  p.tok = tok.view32();
+  p.out = out.data();
+  p.state_pool = c.state_pool();
+  p.num_state_slots = c.num_state_slots();
+  p.buf = c.pool();
+  p.seqs = c.table();
+  p.seq_slots = slots.data();
+  p.flags = flags.data();
+  return p;
+}
+
+struct BufCase {
+  DType dtype;
+  GdnDims dims;
+  int buffer_size;
+  int block_size;
+  int kv_only_limit;  // 0: no KV-only sequences
+  int num_seqs;
+  int steps;
+  bool ragged;          // 0..3 tokens per sequence per step (buffered prefill path, max_tokens 8)
+  bool explicit_flags;  // pass the host's flags instead of the device rule
+  int tile_groups = 0;  // GdnBufferedGpuParams::tile_groups
+};
+
+/// Snapshot of the rings' capacities (a change means GdnCache::finish_step relocated a compressed KV-only ring).
+std::vector<int> capacities(GdnCache& c, const std::vector<int32_t>& slots) {
+  std::vector<int> v;
+  for (int s : slots) v.push_back(c.ring_capacity(s));
+  return v;
+}
+
+void run_buffered_decode(const BufCase& bc, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  GdnCacheConfig cfg;
+  cfg.dims = bc.dims;
+  cfg.max_seqs = bc.num_seqs + 2;
+  cfg.num_state_slots = bc.num_seqs + 3;
+  cfg.block_size = bc.block_size;
+  cfg.buffer_size = bc.buffer_size;
+  cfg.kv_only_limit = bc.kv_only_limit;
+  cfg.num_blocks = (bc.num_seqs + 2) * std::max(bc.buffer_size, bc.kv_only_limit) / bc.block_size + 5;
+  cfg.buffer_dtype = bc.dtype;
+  GdnCache cache(cfg);
+  std::vector<uint64_t> ids;
+  std::vector<int32_t> all_slots;
+  const size_t sf = static_cast<size_t>(bc.dims.num_v_heads) * bc.dims.head_k_dim * bc.dims.head_v_dim;
+  std::normal_distribution<float> ns(0.f, 0.3f);
+  for (int i = 0; i < bc.num_seqs; ++i) {
+    const bool kv_only = bc.kv_only_limit > 0 && i % 2 == 0;
+    const uint64_t id = 1000 + i;
+    all_slots.push_back(cache.admit(id, kv_only));
+    ids.push_back(id);
+    if (!kv_only) {
+      float* s = cache.state(id);
+      for (size_t e = 0; e < sf; ++e) s[e] = ns(rng);
+    }
+  }
+  GpuMirror gpu;
+  gpu.sync_all(cache);
+  const int max_tokens = bc.ragged ? kernels::kGdnMaxStepTokens : 1;
+  bool saw_mixed = false;
+  int flushes = 0;
+  for (int step = 0; step < bc.steps; ++step) {
+    // Staggered admission into the batch (sequence i joins at step i), shuffled batch order.
+    std::vector<int32_t> slots;
+    for (int i = 0; i < bc.num_seqs; ++i)
+      if (i <= step) slots.push_back(all_slots[i]);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    std::vector<int> counts(slots.size(), 1);
+    if (bc.ragged)
+      for (auto& c : counts) c = static_cast<int>(rng() % 4);
+    const int next_tokens = bc.ragged ? 3 : 1;
+    const Tok tok = make_tokens(bc.dtype, bc.dims, counts, rng);
+    const std::vector<uint8_t> flags = cache.plan_decode(slots, tok.cu, next_tokens);
+    gpu.sync_static(cache);  // state slots assigned to compressing KV-only sequences
+    std::vector<float> ref_out;
+    kernels::gdn_chunkwise_decode_ref(ref_params(cache, tok, slots, flags, ref_out));
+
+    DevTok dt;
+    dt.write(tok);
+    DevBuf<int32_t> dslots;
+    dslots.upload(slots);
+    DevBuf<uint8_t> dflags, dflags_out(slots.size());
+    dflags.upload(flags);
+    dflags_out.poison();
+    DevBuf<uint16_t> out(std::max<size_t>(ref_out.size(), 1));
+    out.poison();
+    GdnBufferedGpuParams p = gpu.params(bc.dtype, dt, static_cast<int>(slots.size()), max_tokens, dslots, out.get());
+    p.flags = bc.explicit_flags ? dflags.get() : nullptr;
+    p.tile_groups = bc.tile_groups;
+    p.flags_out = dflags_out.get();
+    p.next_tokens = next_tokens;
+    SPADE_CUDA_OK(kernels::gdn_chunkwise_decode(p, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    const std::string where = "step " + std::to_string(step);
+    EXPECT_EQ(dflags_out.download(), flags) << where;
+    if (!ref_out.empty()) {
+      std::vector<float> got = out_f32(bc.dtype, out);
+      got.resize(ref_out.size());
+      EXPECT_LE(max_row_rel_err(got, ref_out, bc.dims.head_v_dim), out_bound(bc.dtype)) << where;
+    }
+    gpu.expect_meta(cache, where);
+    bool any0 = false, any1 = false;
+    for (uint8_t f : flags) {
+      (f ? any1 : any0) = true;
+      flushes += f ? 1 : 0;
+    }
+    saw_mixed |= any0 && any1;
+    const std::vector<int> cap_before = capacities(cache, all_slots);
+    cache.finish_step();
+    if (capacities(cache, all_slots) != cap_before) gpu.sync_all(cache);  // KV-only -> chunkwise relocation
+    if (::testing::Test::HasFailure()) return;
+  }
+  gpu.expect_states(cache, ids, "end");
+  EXPECT_TRUE(saw_mixed) << "no step mixed flushing and non-flushing sequences";
+  EXPECT_GE(flushes, bc.num_seqs) << "too few flushes";
+}
+
+TEST(GdnChunkwiseGpu, Bf16QwenShapeL16) {
+  run_buffered_decode({DType::BF16, {16, 32, 128, 128}, 16, 16, 0, 4, 40, false, false}, 21);
+}
+TEST(GdnChunkwiseGpu, Bf16QwenShapeL16OneCtaPerHead) {
+  run_buffered_decode({DType::BF16, {16, 32, 128, 128}, 16, 16, 0, 4, 40, false, false, 4}, 41);
+}
+TEST(GdnChunkwiseGpu, KvOnlyTwoTileGroups) {
+  run_buffered_decode({DType::F16, {2, 4, 128, 128}, 16, 8, 128, 3, 140, true, false, 2}, 42);
+}
+TEST(GdnChunkwiseGpu, D64TwoTileGroups) { run_buffered_decode({DType::BF16, {2, 4, 64, 64}, 8, 8, 64, 4, 80, false, true, 2}, 43); }
+TEST(GdnChunkwiseGpu, Fp16D64L8Block4ExplicitFlags) {
+  run_buffered_decode({DType::F16, {2, 4, 64, 64}, 8, 4, 0, 5, 30, false, true}, 22);
+}
+TEST(GdnChunkwiseGpu, Bf16L64Block16Group1) {
+  run_buffered_decode({DType::BF16, {4, 4, 128, 128}, 64, 16, 0, 3, 140, false, false}, 23);
+}
+TEST(GdnChunkwiseGpu, Bf16L4Block4) { run_buffered_decode({DType::BF16, {2, 4, 128, 128}, 4, 4, 0, 6, 20, false, false}, 24); }
+TEST(GdnChunkwiseGpu, KvOnlyCompressesIntoChunkwise) {
+  // KV-only limit = d_k = 64 (the [KVB] Sec. 3.4 switch), mixed with chunkwise sequences.
+  run_buffered_decode({DType::BF16, {2, 4, 64, 64}, 16, 16, 64, 4, 90, false, false}, 25);
+}
+TEST(GdnChunkwiseGpu, KvOnlyD128Fp16) { run_buffered_decode({DType::F16, {2, 4, 128, 128}, 16, 8, 128, 3, 150, false, false}, 26); }
+TEST(GdnChunkwiseGpu, RaggedBufferedPrefill) {
+  run_buffered_decode({DType::BF16, {2, 4, 128, 128}, 16, 8, 0, 5, 40, true, false}, 27);
+}
+TEST(GdnChunkwiseGpu, RaggedKvOnlyExplicitFlags) {
+  run_buffered_decode({DType::F16, {1, 2, 64, 64}, 32, 16, 64, 4, 60, true, true}, 28);
+}
+
+// A decode step captured once as a CUDA graph and replayed across several buffer cycles (flushes happen inside the
+// replays: the decision is device data), new token data copied into the same buffers before each replay.
+TEST(GdnChunkwiseGpu, CudaGraphReplayAcrossFlushes) {
+  std::mt19937_64 rng(29);
+  const DType t = DType::BF16;
+  GdnCacheConfig cfg;
+  cfg.dims = {16, 32, 128, 128};
+  cfg.max_seqs = 6;
+  cfg.num_state_slots = 6;
+  cfg.block_size = 8;
+  cfg.buffer_size = 16;
+  cfg.num_blocks = 6 * 2 + 3;
+  cfg.buffer_dtype = t;
+  GdnCache cache(cfg);
+  std::vector<int32_t> slots;
+  std::vector<uint64_t> ids;
+  std::normal_distribution<float> ns(0.f, 0.3f);
+  const size_t sf = static_cast<size_t>(32) * 128 * 128;
+  for (int i = 0; i < 5; ++i) {
+    slots.push_back(cache.admit(50 + i, false));
+    ids.push_back(50 + i);
+    float* s = cache.state(50 + i);
+    for (size_t e = 0; e < sf; ++e) s[e] = ns(rng);
+  }
+  GpuMirror gpu;
+  gpu.sync_all(cache);
+  // Stagger: sequence i runs i extra steps first (direct launches).
+  for (int i = 0; i < 5; ++i) {
+    for (int r = 0; r < 3 * i; ++r) {
+      const std::vector<int32_t> one = {slots[i]};
+      const Tok tok = make_tokens(t, cfg.dims, {1}, rng);
+      const auto flags = cache.plan_decode(one, tok.cu);
+      std::vector<float> ro;
+      kernels::gdn_chunkwise_decode_ref(ref_params(cache, tok, one, flags, ro));
+      cache.finish_step();
+      DevTok dt;
+      dt.write(tok);
+      DevBuf<int32_t> ds;
+      ds.upload(one);
+      DevBuf<uint16_t> out(ro.size());
+      SPADE_CUDA_OK(kernels::gdn_chunkwise_decode(gpu.params(t, dt, 1, 1, ds, out.get()), nullptr));
+    }
+  }
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  gpu.expect_meta(cache, "after stagger");
+  const std::vector<int> counts(5, 1);
+  Tok tok = make_tokens(t, cfg.dims, counts, rng);
+  DevTok dt;
+  dt.write(tok);
+  DevBuf<int32_t> ds;
+  ds.upload(slots);
+  DevBuf<uint16_t> out(static_cast<size_t>(5) * 32 * 128);
+  cudaStream_t stream;
+  SPADE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  SPADE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  GdnBufferedGpuParams p = gpu.params(t, dt, 5, 1, ds, out.get());
+  const cudaError_t le = kernels::gdn_chunkwise_decode(p, stream);
+  SPADE_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  SPADE_CUDA_OK(le);
+  SPADE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  int flushes = 0;
+  for (int step = 0; step < 40; ++step) {
+    if (step > 0) {
+      tok = make_tokens(t, cfg.dims, counts, rng);
+      dt.write(tok);
+    }
+    const auto flags = cache.plan_decode(slots, tok.cu);
+    for (uint8_t f : flags) flushes += f;
+    std::vector<float> ro;
+    kernels::gdn_chunkwise_decode_ref(ref_params(cache, tok, slots, flags, ro));
+    out.poison();
+    SPADE_CUDA_OK(cudaGraphLaunch(exec, stream));
+    SPADE_CUDA_OK(cudaStreamSynchronize(stream));
+    EXPECT_LE(max_row_rel_err(out_f32(t, out), ro, 128), out_bound(t)) << "replay " << step;
+    gpu.expect_meta(cache, "replay " + std::to_string(step));
+    cache.finish_step();
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_GE(flushes, 10);
+  gpu.expect_states(cache, ids, "end");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// =====================================================================================================================
+// Parallel verification
+// =====================================================================================================================
+
+struct VerifyCase {
+  DType dtype;
+  GdnDims dims;
+  int max_drafts;  // T_b = max_drafts - b % max_drafts for sequence b (ragged over the batch)
+  int buffer_size;
+  int block_size;
+  int kv_only_limit;
+  int num_seqs;
+  int rounds;
+  int tile_groups = 0;
+};
+
+void run_verify(const VerifyCase& vc, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  GdnCacheConfig cfg;
+  cfg.dims = vc.dims;
+  cfg.max_seqs = vc.num_seqs + 1;
+  cfg.num_state_slots = vc.num_seqs + 2;
+  cfg.block_size = vc.block_size;
+  cfg.buffer_size = vc.buffer_size;
+  cfg.kv_only_limit = vc.kv_only_limit;
+  cfg.num_blocks = (vc.num_seqs + 1) * std::max(vc.buffer_size, vc.kv_only_limit) / vc.block_size + 4;
+  cfg.buffer_dtype = vc.dtype;
+  GdnCache cache(cfg);
+  std::vector<int32_t> slots;
+  std::vector<uint64_t> ids;
+  const size_t sf = static_cast<size_t>(vc.dims.num_v_heads) * vc.dims.head_k_dim * vc.dims.head_v_dim;
+  std::normal_distribution<float> ns(0.f, 0.3f);
+  for (int i = 0; i < vc.num_seqs; ++i) {
+    const bool kv_only = vc.kv_only_limit > 0 && i % 2 == 1;
+    slots.push_back(cache.admit(200 + i, kv_only));
+    ids.push_back(200 + i);
+    if (!kv_only) {
+      float* s = cache.state(200 + i);
+      for (size_t e = 0; e < sf; ++e) s[e] = ns(rng);
+    }
+  }
+  GpuMirror gpu;
+  gpu.sync_all(cache);
+  const int batch = vc.num_seqs;
+  DevBuf<int32_t> dslots;
+  dslots.upload(slots);
+  int flushes = 0, accepted_total = 0;
+  for (int round = 0; round < vc.rounds; ++round) {
+    const std::string where = "round " + std::to_string(round);
+    const bool plain = round % 5 == 4;  // a plain decode step between verifications, next_tokens = max_drafts
+    // Ragged over the batch, fixed per sequence ("flush one window early" plans for the next window of T_b drafts).
+    std::vector<int> counts(batch, 1);
+    if (!plain)
+      for (int b = 0; b < batch; ++b) counts[b] = vc.max_drafts - b % vc.max_drafts;
+    const Tok tok = make_tokens(vc.dtype, vc.dims, counts, rng);
+    const std::vector<uint8_t> flags =
+        plain ? cache.plan_decode(slots, tok.cu, vc.max_drafts) : cache.plan_verify(slots, tok.cu);
+    gpu.sync_static(cache);
+    std::vector<float> ref_out;
+    auto rp = ref_params(cache, tok, slots, flags, ref_out);
+    if (plain) {
+      kernels::gdn_chunkwise_decode_ref(rp);
+    } else {
+      kernels::gdn_parallel_verify_ref(rp);
+    }
+    DevTok dt;
+    dt.write(tok);
+    DevBuf<uint8_t> dflags_out(batch);
+    dflags_out.poison();
+    DevBuf<uint16_t> out(ref_out.size());
+    out.poison();
+    GdnBufferedGpuParams p = gpu.params(vc.dtype, dt, batch, plain ? 1 : vc.max_drafts, dslots, out.get());
+    p.flags_out = dflags_out.get();
+    p.next_tokens = vc.max_drafts;
+    p.tile_groups = vc.tile_groups;
+    SPADE_CUDA_OK(plain ? kernels::gdn_chunkwise_decode(p, nullptr) : kernels::gdn_parallel_verify(p, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(dflags_out.download(), flags) << where;
+    EXPECT_LE(max_row_rel_err(out_f32(vc.dtype, out), ref_out, vc.dims.head_v_dim), out_bound(vc.dtype)) << where;
+    for (uint8_t f : flags) flushes += f;
+    if (!plain) {
+      std::vector<int32_t> acc(batch);
+      for (int b = 0; b < batch; ++b) {
+        acc[b] = static_cast<int32_t>(rng() % (counts[b] + 1));
+        accepted_total += acc[b];
+      }
+      cache.commit(slots, tok.cu, acc);
+      DevBuf<int32_t> dacc;
+      dacc.upload(acc);
+      kernels::GdnSeqTable t;
+      t.ring_len = gpu.ring_len.get();
+      SPADE_CUDA_OK(kernels::gdn_verify_commit(t, dslots.get(), dacc.get(), batch, nullptr));
+      SPADE_CUDA_OK(cudaDeviceSynchronize());
+    }
+    gpu.expect_meta(cache, where);
+    const std::vector<int> cap_before = capacities(cache, slots);
+    cache.finish_step();
+    if (capacities(cache, slots) != cap_before) gpu.sync_all(cache);
+    if (::testing::Test::HasFailure()) return;
+  }
+  gpu.expect_states(cache, ids, "end");
+  EXPECT_GE(flushes, vc.num_seqs);
+  EXPECT_GT(accepted_total, 0);
+}
+
+TEST(GdnParallelVerifyGpu, Bf16QwenShapeT8L16) { run_verify({DType::BF16, {16, 32, 128, 128}, 8, 16, 16, 0, 3, 30}, 31); }
+TEST(GdnParallelVerifyGpu, Bf16T8OneCtaPerHead) { run_verify({DType::BF16, {16, 32, 128, 128}, 8, 16, 16, 0, 3, 30, 4}, 36); }
+TEST(GdnParallelVerifyGpu, Fp16T4TwoTileGroupsKvOnly) { run_verify({DType::F16, {2, 4, 128, 128}, 4, 16, 8, 128, 4, 60, 2}, 37); }
+TEST(GdnParallelVerifyGpu, Fp16T4L32Block8) { run_verify({DType::F16, {2, 4, 128, 128}, 4, 32, 8, 0, 4, 40}, 32); }
+TEST(GdnParallelVerifyGpu, Bf16T2L4D64) { run_verify({DType::BF16, {2, 2, 64, 64}, 2, 4, 4, 0, 5, 40}, 33); }
+TEST(GdnParallelVerifyGpu, KvOnlyCompressionDuringSpeculation) {
+  run_verify({DType::BF16, {2, 4, 64, 64}, 8, 16, 16, 64, 4, 50}, 34);
+}
+TEST(GdnParallelVerifyGpu, Fp16T1EveryRound) { run_verify({DType::F16, {4, 8, 128, 128}, 1, 8, 8, 0, 6, 30}, 35); }
+
+// =====================================================================================================================
+// Launcher errors
+// =====================================================================================================================
+
+TEST(GdnGpuErrors, InvalidParametersNameTheField) {
+  GdnRecurrentGpuParams r;
+  r.dims = {2, 4, 128, 128};
+  r.tok.batch = 1;
+  int dummy = 0;
+  r.tok.q = r.tok.k = r.tok.v = &dummy;
+  r.tok.g = r.tok.beta = reinterpret_cast<const float*>(&dummy);
+  r.tok.cu_tokens = &dummy;
+  r.out = &dummy;
+  r.state_pool = reinterpret_cast<float*>(&dummy);
+  r.num_state_slots = 1;
+  r.state_slots = &dummy;
+  auto expect = [](cudaError_t e, const char* part) {
+    EXPECT_EQ(e, cudaErrorInvalidValue);
+    EXPECT_NE(std::string(kernels::launch_error_detail()).find(part), std::string::npos) << kernels::launch_error_detail();
+  };
+  GdnRecurrentGpuParams x = r;
+  x.dtype = DType::F32;
+  expect(kernels::gdn_recurrent(x, nullptr), "dtype");
+  x = r;
+  x.dims.head_k_dim = x.dims.head_v_dim = 96;
+  expect(kernels::gdn_recurrent(x, nullptr), "kGdnHeadDims");
+  x = r;
+  x.dims.num_v_heads = 3;
+  expect(kernels::gdn_recurrent(x, nullptr), "multiple of num_k_heads");
+  x = r;
+  x.state_slots = nullptr;
+  expect(kernels::gdn_recurrent(x, nullptr), "state_slots");
+
+  GdnBufferedGpuParams b;
+  b.dims = r.dims;
+  b.tok = r.tok;
+  b.out = &dummy;
+  b.state_pool = r.state_pool;
+  b.num_state_slots = 1;
+  b.buf.k = b.buf.u = &dummy;
+  b.buf.g = reinterpret_cast<float*>(&dummy);
+  b.buf.num_blocks = 1;
+  b.buf.block_size = 16;
+  b.seqs.ring_start = b.seqs.ring_len = &dummy;
+  b.seqs.ring_capacity = b.seqs.block_tables = b.seqs.state_slots = &dummy;
+  b.seqs.state_valid = reinterpret_cast<uint8_t*>(&dummy);
+  b.seqs.max_seqs = 1;
+  b.seqs.max_blocks_per_seq = 1;
+  b.seq_slots = &dummy;
+  b.max_ring_capacity = 16;
+  GdnBufferedGpuParams y = b;
+  y.tok.max_tokens = 9;
+  expect(kernels::gdn_parallel_verify(y, nullptr), "kGdnMaxStepTokens");
+  y = b;
+  y.buf.dtype = DType::F16;
+  expect(kernels::gdn_chunkwise_decode(y, nullptr), "buf.dtype");
+  y = b;
+  y.tile_groups = 3;
+  expect(kernels::gdn_chunkwise_decode(y, nullptr), "tile_groups");
+  y = b;
+  y.seq_slots = nullptr;
+  expect(kernels::gdn_chunkwise_decode(y, nullptr), "seq_slots");
+  y = b;
+  y.max_ring_capacity = 0;
+  expect(kernels::gdn_chunkwise_decode(y, nullptr), "max_ring_capacity");
+  y = b;
+  y.next_tokens = 0;
+  expect(kernels::gdn_chunkwise_decode(y, nullptr), "next_tokens");
+  y = b;
+  y.tok.batch = 2;
+  expect(kernels::gdn_chunkwise_decode(y, nullptr), "max_seqs");
+  expect(kernels::gdn_verify_commit(b.seqs, nullptr, &dummy, 1, nullptr), "null");
+  expect(kernels::gdn_recurrent_verify_commit(&dummy, &dummy, 1, 0, nullptr), "num_drafts");
+  // Nothing to do is not an error.
+  y = b;
+  y.tok.batch = 0;
+  EXPECT_EQ(kernels::gdn_chunkwise_decode(y, nullptr), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace spade::test
