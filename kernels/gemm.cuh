@@ -1,0 +1,69 @@
+// Dense layer GEMM of the GPU inference rank through cuBLASLt: y[m, n] = x[m, k] · W[n, k]^T (+ bias[n]), the
+// PyTorch nn.Linear layout, bf16 / fp16 inputs, fp32 accumulation, output bf16 / fp16 (same as the inputs) or fp32
+// (e.g. logits for the sampler). Reference: kernels/linear_ref.h (fp32).
+//
+// Mapping: cuBLASLt is column-major, so the row-major product is computed as its transpose,
+// Y^T[n, m] = W[k, n]^T · X^T[k, m] -- A = W (op T), B = x (op N), D = y with leading dimension n: the "TN" GEMM
+// cuBLASLt's tensor-core kernels prefer; no copy or transpose of any operand.
+//
+// Algorithm choice: cublasLtMatmulAlgoGetHeuristic's first answer for each distinct (m, n, k, dtypes, bias,
+// operand alignments) is cached in the GemmRunner, so steady-state calls only launch. The heuristic is told the
+// actual pointer alignments (up to 256 bytes), so sliced operands are safe.
+//
+// Errors: every call returns cudaSuccess, cudaErrorInvalidValue for inconsistent parameters, cudaErrorNotSupported
+// when cuBLASLt has no algorithm for the shape, or the mapped cuBLASLt / CUDA error; launch_error_detail()
+// (attention.cuh) then reads e.g. "gemm m=7 n=151936 k=4096 bf16->f32: cublasLtMatmul: CUBLAS_STATUS_...".
+// Plain C++ header: includable from host code compiled by g++ (needs the CUDA runtime headers only).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <memory>
+
+#include "common/dtype.h"
+#include "kernels/attention.cuh"  // launch_error_detail()
+
+namespace spade::kernels {
+
+struct GemmParams {
+  DType in_dtype = DType::BF16;   // BF16 or F16: element type of x and w.
+  DType out_dtype = DType::BF16;  // equal to in_dtype, or F32.
+  const void* x = nullptr;        // [m, k] in_dtype, row-major, contiguous (row stride k).
+  const void* w = nullptr;        // [n, k] in_dtype, row-major, contiguous (row i = weights of output i).
+  const void* bias = nullptr;     // optional [n] out_dtype, added to every row (cuBLASLt BIAS epilogue).
+  void* y = nullptr;              // [m, n] out_dtype, row-major, contiguous; written completely.
+  int m = 0;  // rows of x and y (tokens); 0 is a no-op.
+  int n = 0;  // output features (> 0).
+  int k = 0;  // input features (> 0).
+};
+
+/// Default cuBLASLt workspace: 32 MiB (what cuBLAS recommends for Hopper).
+inline constexpr size_t kDefaultGemmWorkspaceBytes = size_t{32} << 20;
+
+/// cuBLASLt handle + device workspace + per-shape algorithm cache. One per device and stream: calls are
+/// asynchronous on the given stream and share the workspace, so two streams must not use one runner concurrently
+/// (and it is not thread-safe). Calls are CUDA-graph capturable once a shape's plan exists (the first call of a
+/// shape runs the heuristic on the host, which is also legal during capture).
+class GemmRunner {
+ public:
+  GemmRunner();
+  ~GemmRunner();
+  GemmRunner(const GemmRunner&) = delete;
+  GemmRunner& operator=(const GemmRunner&) = delete;
+
+  /// Creates the handle on the current device and allocates the workspace (cudaMalloc). Call once before run().
+  cudaError_t init(size_t workspace_bytes = kDefaultGemmWorkspaceBytes);
+
+  /// y = x · w^T (+ bias) on `stream`.
+  cudaError_t run(const GemmParams& p, cudaStream_t stream);
+
+  /// Number of cached shape plans (tests / diagnostics).
+  size_t cached_plans() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace spade::kernels

@@ -1,0 +1,246 @@
+// GPU tests of the cuBLASLt GEMM wrapper (kernels/gemm.cuh) against kernels/linear_ref on the exact fp32 images of
+// random bf16/fp16 operands: Qwen3-8B layer shapes (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down
+// 4096x12288, LM head 151936x4096) at decode and prefill token counts, odd small shapes, bias, fp32 output,
+// misaligned operands, the plan cache, CUDA-graph capture and invalid parameters.
+//
+// Bounds (fp32 accumulation, one rounding of the output): per row ||y - ref|| / ||ref|| <= 4e-3 (bf16 out),
+// 1e-3 (fp16 out), 2e-5 (fp32 out), and every element within 2^-7 |ref| + 0.02 rms(ref row) (one wrong element or
+// column cannot hide in the row norm).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/gemm.cuh"
+#include "kernels/linear_ref.h"
+#include "tests/kernels/test_gpu_common.cuh"
+
+namespace spade::kernels {
+namespace {
+
+using spade::test::DevBuf;
+using spade::test::from_bits;
+using spade::test::random_half;
+using spade::test::to_bits;
+
+const char* name(DType t) { return t == DType::BF16 ? "bf16" : t == DType::F16 ? "f16" : "f32"; }
+
+struct GemmCase {
+  DType in, out;
+  int m, n, k;
+  bool bias;
+  int x_offset = 0;  // elements: misaligns x (and y by the same) when > 0
+};
+
+void check_rows(const std::vector<float>& got, const std::vector<float>& ref, int m, int n, DType out) {
+  const double row_tol = out == DType::BF16 ? 4e-3 : out == DType::F16 ? 1e-3 : 2e-5;
+  const double elem_rel = out == DType::F32 ? 1e-5 : 1.0 / 128;
+  int bad = 0;
+  for (int r = 0; r < m; ++r) {
+    double num = 0, den = 0;
+    for (int j = 0; j < n; ++j) {
+      const size_t i = static_cast<size_t>(r) * n + j;
+      num += (static_cast<double>(got[i]) - ref[i]) * (static_cast<double>(got[i]) - ref[i]);
+      den += static_cast<double>(ref[i]) * ref[i];
+    }
+    const double rms = std::sqrt(den / n);
+    EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), row_tol) << "row " << r;
+    for (int j = 0; j < n; ++j) {
+      const size_t i = static_cast<size_t>(r) * n + j;
+      const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
+      if (!(err <= elem_rel * std::fabs(ref[i]) + (out == DType::F32 ? 1e-4 : 0.02) * rms)) {
+        if (++bad <= 5) ADD_FAILURE() << "y[" << r << "][" << j << "] = " << got[i] << " ref " << ref[i];
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+void run_gemm(GemmRunner& runner, const GemmCase& c, uint64_t seed) {
+  SCOPED_TRACE(std::string(name(c.in)) + "->" + name(c.out) + " m=" + std::to_string(c.m) + " n=" +
+               std::to_string(c.n) + " k=" + std::to_string(c.k) + (c.bias ? " bias" : "") +
+               " offset=" + std::to_string(c.x_offset));
+  std::mt19937_64 rng(seed);
+  std::vector<float> x32, w32, b32;
+  const float sx = 1.f, sw = 1.f / std::sqrt(static_cast<float>(c.k));
+  std::vector<uint16_t> xb = random_half(c.in, static_cast<size_t>(c.m) * c.k + c.x_offset, sx, rng, &x32);
+  const std::vector<uint16_t> wb = random_half(c.in, static_cast<size_t>(c.n) * c.k, sw, rng, &w32);
+  DevBuf<uint16_t> x, w, y16, b16;
+  DevBuf<float> y32, bf;
+  x.upload(xb);
+  w.upload(wb);
+  const float* bias_ref = nullptr;
+  const void* bias_dev = nullptr;
+  if (c.bias) {
+    std::normal_distribution<float> d(0.f, 0.5f);
+    b32.resize(c.n);
+    if (c.out == DType::F32) {
+      for (auto& v : b32) v = d(rng);
+      bf.upload(b32);
+      bias_dev = bf.get();
+    } else {
+      std::vector<uint16_t> bb(c.n);
+      for (int j = 0; j < c.n; ++j) {
+        bb[j] = to_bits(c.out, d(rng));
+        b32[j] = from_bits(c.out, bb[j]);
+      }
+      b16.upload(bb);
+      bias_dev = b16.get();
+    }
+    bias_ref = b32.data();
+  }
+  std::vector<float> ref(static_cast<size_t>(c.m) * c.n);
+  linear_ref(x32.data() + c.x_offset, w32.data(), bias_ref, ref.data(), c.m, c.n, c.k);
+  const size_t ny = static_cast<size_t>(c.m) * c.n + c.x_offset;
+  if (c.out == DType::F32) y32.alloc(ny); else y16.alloc(ny);
+  GemmParams p;
+  p.in_dtype = c.in;
+  p.out_dtype = c.out;
+  p.x = x.get() + c.x_offset;
+  p.w = w.get();
+  p.bias = bias_dev;
+  p.y = c.out == DType::F32 ? static_cast<void*>(y32.get() + c.x_offset) : static_cast<void*>(y16.get() + c.x_offset);
+  p.m = c.m;
+  p.n = c.n;
+  p.k = c.k;
+  for (int rep = 0; rep < 2; ++rep) {  // the second call uses the cached plan
+    if (c.out == DType::F32) y32.poison(); else y16.poison();
+    SPADE_CUDA_OK(runner.run(p, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> got(ref.size());
+    if (c.out == DType::F32) {
+      const std::vector<float> h = y32.download();
+      for (size_t i = 0; i < got.size(); ++i) got[i] = h[i + c.x_offset];
+    } else {
+      const std::vector<uint16_t> h = y16.download();
+      for (size_t i = 0; i < got.size(); ++i) got[i] = from_bits(c.out, h[i + c.x_offset]);
+    }
+    check_rows(got, ref, c.m, c.n, c.out);
+  }
+}
+
+class GemmGpu : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(runner_.init(), cudaSuccess) << launch_error_detail(); }
+  GemmRunner runner_;
+};
+
+TEST_F(GemmGpu, Qwen3DecodeShapesBf16) {
+  run_gemm(runner_, {DType::BF16, DType::BF16, 1, 6144, 4096, false}, 1);    // qkv
+  run_gemm(runner_, {DType::BF16, DType::BF16, 8, 4096, 4096, false}, 2);    // o_proj
+  run_gemm(runner_, {DType::BF16, DType::BF16, 8, 24576, 4096, false}, 3);   // gate_up
+  run_gemm(runner_, {DType::BF16, DType::BF16, 8, 4096, 12288, false}, 4);   // down
+  run_gemm(runner_, {DType::BF16, DType::F32, 3, 151936, 4096, false}, 5);   // LM head, fp32 logits
+}
+TEST_F(GemmGpu, Qwen3PrefillShapes) {
+  run_gemm(runner_, {DType::BF16, DType::BF16, 300, 6144, 4096, false}, 6);
+  run_gemm(runner_, {DType::F16, DType::F16, 129, 4096, 12288, false}, 7);
+  run_gemm(runner_, {DType::BF16, DType::BF16, 64, 24576, 4096, false}, 8);
+}
+TEST_F(GemmGpu, BiasQwen2Style) {
+  run_gemm(runner_, {DType::BF16, DType::BF16, 5, 1536 + 2 * 256, 1536, true}, 9);
+  run_gemm(runner_, {DType::F16, DType::F16, 17, 100, 64, true}, 10);
+  run_gemm(runner_, {DType::BF16, DType::F32, 4, 1000, 256, true}, 11);
+}
+TEST_F(GemmGpu, OddSmallShapes) {
+  run_gemm(runner_, {DType::BF16, DType::BF16, 3, 5, 37, false}, 12);
+  run_gemm(runner_, {DType::F16, DType::F16, 1, 1, 8, false}, 13);
+  run_gemm(runner_, {DType::BF16, DType::F32, 7, 33, 24, true}, 14);
+}
+TEST_F(GemmGpu, MisalignedOperands) {
+  run_gemm(runner_, {DType::BF16, DType::BF16, 4, 256, 128, false, 1}, 15);  // 2-byte aligned x and y
+  run_gemm(runner_, {DType::F16, DType::F32, 3, 64, 64, true, 3}, 16);
+}
+TEST_F(GemmGpu, PlanCachePerShape) {
+  EXPECT_EQ(runner_.cached_plans(), 0u);
+  run_gemm(runner_, {DType::BF16, DType::BF16, 2, 128, 64, false}, 17);
+  EXPECT_EQ(runner_.cached_plans(), 1u);
+  run_gemm(runner_, {DType::BF16, DType::BF16, 2, 128, 64, false}, 18);  // same shape: reused
+  EXPECT_EQ(runner_.cached_plans(), 1u);
+  run_gemm(runner_, {DType::BF16, DType::BF16, 3, 128, 64, false}, 19);
+  run_gemm(runner_, {DType::BF16, DType::BF16, 2, 128, 64, true}, 20);
+  EXPECT_EQ(runner_.cached_plans(), 3u);
+}
+
+TEST_F(GemmGpu, GraphCaptureReplays) {
+  const int m = 4, n = 512, k = 256;
+  std::mt19937_64 rng(21);
+  std::vector<float> x32, w32;
+  DevBuf<uint16_t> x, w, y(static_cast<size_t>(m) * n);
+  x.upload(random_half(DType::BF16, static_cast<size_t>(m) * k, 1.f, rng, &x32));
+  w.upload(random_half(DType::BF16, static_cast<size_t>(n) * k, 0.1f, rng, &w32));
+  GemmParams p;
+  p.x = x.get();
+  p.w = w.get();
+  p.y = y.get();
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  cudaStream_t stream;
+  SPADE_CUDA_OK(cudaStreamCreate(&stream));
+  SPADE_CUDA_OK(runner_.run(p, stream));  // plan created outside the capture
+  SPADE_CUDA_OK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  SPADE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const cudaError_t e = runner_.run(p, stream);
+  SPADE_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_EQ(e, cudaSuccess) << launch_error_detail();
+  SPADE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  // New x between replays: the graph reads the buffer at replay time.
+  std::vector<float> ref(static_cast<size_t>(m) * n);
+  for (int rep = 0; rep < 2; ++rep) {
+    const std::vector<uint16_t> xb = random_half(DType::BF16, static_cast<size_t>(m) * k, 1.f, rng, &x32);
+    SPADE_CUDA_OK(cudaMemcpy(x.get(), xb.data(), xb.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    y.poison();
+    SPADE_CUDA_OK(cudaGraphLaunch(exec, stream));
+    SPADE_CUDA_OK(cudaStreamSynchronize(stream));
+    linear_ref(x32.data(), w32.data(), nullptr, ref.data(), m, n, k);
+    check_rows(spade::test::to_f32(DType::BF16, y.download()), ref, m, n, DType::BF16);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(GemmGpuErrors, RejectsBadParametersNamingTheShape) {
+  int dummy[16] = {};
+  GemmParams p;
+  p.x = p.w = dummy;
+  p.y = dummy;
+  p.m = 2;
+  p.n = 3;
+  p.k = 4;
+  GemmRunner not_init;
+  EXPECT_EQ(not_init.run(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("init"), std::string::npos) << launch_error_detail();
+  GemmRunner r;
+  ASSERT_EQ(r.init(1 << 20), cudaSuccess) << launch_error_detail();
+  EXPECT_EQ(r.init(), cudaErrorInvalidValue);  // twice
+  p.n = 0;
+  EXPECT_EQ(r.run(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("m=2 n=0 k=4"), std::string::npos) << launch_error_detail();
+  p.n = 3;
+  p.m = -1;
+  EXPECT_EQ(r.run(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("m=-1"), std::string::npos) << launch_error_detail();
+  p.m = 2;
+  p.in_dtype = DType::F32;
+  EXPECT_EQ(r.run(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("in_dtype"), std::string::npos) << launch_error_detail();
+  p.in_dtype = DType::BF16;
+  p.out_dtype = DType::F16;
+  EXPECT_EQ(r.run(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("out_dtype"), std::string::npos) << launch_error_detail();
+  p.out_dtype = DType::BF16;
+  p.y = nullptr;
+  EXPECT_EQ(r.run(p, nullptr), cudaErrorInvalidValue);
+  p.m = 0;  // no-op
+  EXPECT_EQ(r.run(p, nullptr), cudaSuccess);
+  EXPECT_EQ(r.cached_plans(), 0u);
+}
+
+}  // namespace
+}  // namespace spade::kernels
