@@ -9,9 +9,9 @@
 //               averaged over a full buffer cycle including the flush steps: sequences start at staggered buffer
 //               phases (sequence b at h = b mod L), every step is timed, the per-step medians of each cycle position
 //               are averaged over the L positions. Speedup = recurrent time / cycle-average time.
-//   verify      T = 1..8 drafts: parallel verification (one T x T solve, flush one window early, ring L = 16 for
-//               T <= 8) + its device commit, vs the recurrent verification with T per-draft state snapshots + its
-//               swap commit ([RS] Algorithm 7), batch 1..256.
+//   verify      T = 1..8 drafts: parallel verification (one T x T solve, flush one window early, ring
+//               L = max(16, 2T), (T + 1) / 2 drafts accepted per round) + its device commit, vs the recurrent
+//               verification with T per-draft state snapshots + its swap commit ([RS] Algorithm 7), batch 1..256.
 //   kv_only     KV-only parallel form (no state) at short contexts c (h = c - 1 buffered entries) vs the chunkwise
 //               cycle average (L = 16) and the recurrent step, batch 64.
 //   memory      bytes per request and GDN layer for speculative decoding: (T + 1) snapshot states vs one state + a
@@ -386,6 +386,8 @@ double bench_chunkwise(Bench& b, int batch, int cap, double recurrent_us, int ti
 }
 
 void bench_verify(Bench& b, int batch, int T, int tile_groups = 0) {
+  // L = 2T (>= 16): measured best; L = 4T halves the flushes but the 8 h warp dot products of the history grow with h
+  // (T = 8, batch 256: 944 us at L = 32 vs 808 us at L = 16, 2026-11-21).
   const int cap = std::max(16, 2 * T);
   // Parallel verification: committed entries at staggered phases below the early-flush threshold region.
   Layer P;
@@ -409,8 +411,10 @@ void bench_verify(Bench& b, int batch, int T, int tile_groups = 0) {
   });
   R.release();
   const double tp = median(par), tr = median(rec);
-  const double bytes_par = batch * (kStateBytes + kStateBytes / cap + (cap - T) / 2.0 * kEntryBytes + T * kEntryBytes +
-                                    T * kTokenIoBytes);
+  // One flush (state write) every (L - 2T) / a + 1 rounds with a = (T + 1) / 2 accepted per round.
+  const double rounds_per_flush = (cap - 2 * T) / ((T + 1) / 2) + 1;
+  const double bytes_par = batch * (kStateBytes + kStateBytes / rounds_per_flush + (cap - T) / 2.0 * kEntryBytes +
+                                    T * kEntryBytes + T * kTokenIoBytes);
   const double bytes_rec = batch * ((1.0 + T) * kStateBytes + T * kTokenIoBytes);
   json r = row(b, tile_groups == 0 ? "verify" : "verify_tile_groups",
                "verify_b" + std::to_string(batch) + "_T" + std::to_string(T) +
