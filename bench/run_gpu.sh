@@ -125,12 +125,16 @@ if want test; then
   fi
 fi
 
+# Number of tests of binary $1 that gtest filter $2 selects (sanitizers fail on a binary that runs none).
+count_tests() { with_deps "$1" --gtest_list_tests --gtest_filter="$2" 2>/dev/null | grep -c '^  '; }
+
 # ---- compute-sanitizer memcheck on the kernel test binaries ----
 if want memcheck; then
   FILTER="${SPADE_MEMCHECK_FILTER:--*Long*}"
   : >"${OUT}/memcheck.log"
   for t in "${TEST_BINS[@]}"; do
     [ -x "$t" ] || continue
+    [ "$(count_tests "$t" "${FILTER}")" -gt 0 ] || { log "memcheck $(basename "$t"): no test matches, skipped"; continue; }
     log "memcheck $(basename "$t") --gtest_filter=${FILTER}"
     with_deps compute-sanitizer --tool memcheck --error-exitcode 97 --leak-check full "$t" \
       --gtest_filter="${FILTER}" >>"${OUT}/memcheck.log" 2>&1
@@ -147,6 +151,7 @@ if want racecheck; then
   : >"${OUT}/racecheck.log"
   for t in "${TEST_BINS[@]}"; do
     [ -x "$t" ] || continue
+    [ "$(count_tests "$t" "${RFILTER}")" -gt 0 ] || { log "racecheck $(basename "$t"): no test matches, skipped"; continue; }
     log "racecheck $(basename "$t")"
     with_deps compute-sanitizer --tool racecheck --error-exitcode 97 "$t" --gtest_filter="${RFILTER}" \
       >>"${OUT}/racecheck.log" 2>&1
