@@ -235,7 +235,7 @@ struct BufArgs {
 
 /// Shared-memory carve-up of one buffered-step CTA (offsets in bytes; every section 16-byte aligned).
 struct BufSmem {
-  int kb, ub, G, coef, tbl, qn, kn, wk, wq, Ac, Qc, vs, bt, red, R, C, U, qr, kr, vr, gn, total;
+  int kb, ub, G, coef, tbl, qn, kn, wk, wq, Ac, Qc, vs, bt, red, R, C, qr, kr, vr, gn, total;
   __host__ __device__ BufSmem(int D, int CW, int MT, int CAP, int TBL) {
     auto al = [](int x) { return (x + 15) & ~15; };
     int o = 0;
@@ -255,7 +255,6 @@ struct BufSmem {
     red = o;  o += al(8 * MT * CW * 4);        // [tile][a|c][warp of tile][s][32] partial S^T x
     R = o;    o += al(MT * CW * 4);
     C = o;    o += al(MT * CW * 4);
-    U = o;    o += al(MT * CW * 4);
     qr = o;   o += al(MT * D * 2);             // this step's raw q / k / v (16-bit) and g, staged asynchronously
     kr = o;   o += al(MT * D * 2);
     vr = o;   o += al(MT * CW * 2);
@@ -289,7 +288,6 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
   float* red = reinterpret_cast<float*>(smem + L.red);
   float* Rs = reinterpret_cast<float*>(smem + L.R);
   float* Cs = reinterpret_cast<float*>(smem + L.C);
-  float* Us = reinterpret_cast<float*>(smem + L.U);
   T* qraw = reinterpret_cast<T*>(smem + L.qr);
   T* kraw = reinterpret_cast<T*>(smem + L.kr);
   T* vraw = reinterpret_cast<T*>(smem + L.vr);
@@ -504,18 +502,24 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
   T* out = static_cast<T*>(a.out);
   if (t7 < 32) {
     const int lc = tg * 32 + t7, c = cb + lc;  // local / global column
-    for (int s = 0; s < n; ++s) {
-      float U = Rs[s * CW + lc];
-      for (int t = 0; t < s; ++t) U -= Ac[s * MT + t] * Us[t * CW + lc];
-      Us[s * CW + lc] = U;
-      float o = Cs[s * CW + lc];
-      for (int t = 0; t <= s; ++t) o += Qc[s * MT + t] * Us[t * CW + lc];
-      out[(static_cast<size_t>(t0 + s) * a.hv_heads + hv) * D + c] = ElemTraits<T>::from_float(o);
-      const T ur = ElemTraits<T>::from_float(U);
-      const size_t tok = token_of(h + s);
-      static_cast<T*>(a.buf_u)[(tok * a.hv_heads + hv) * D + c] = ur;
-      ub[(h + s) * CW + lc] = ur;  // stored precision, for the decode flush
-      if (c == 0) a.buf_g[tok * a.hv_heads + hv] = a.g[static_cast<size_t>(t0 + s) * a.hv_heads + hv];
+    float Ur[MT];                              // U of this column, in registers (fully unrolled over MT)
+#pragma unroll
+    for (int s = 0; s < MT; ++s) {
+      if (s < n) {
+        float U = Rs[s * CW + lc];
+#pragma unroll
+        for (int t = 0; t < s; ++t) U -= Ac[s * MT + t] * Ur[t];
+        Ur[s] = U;
+        float o = Cs[s * CW + lc];
+#pragma unroll
+        for (int t = 0; t <= s; ++t) o += Qc[s * MT + t] * Ur[t];
+        out[(static_cast<size_t>(t0 + s) * a.hv_heads + hv) * D + c] = ElemTraits<T>::from_float(o);
+        const T ur = ElemTraits<T>::from_float(U);
+        const size_t tok = token_of(h + s);
+        static_cast<T*>(a.buf_u)[(tok * a.hv_heads + hv) * D + c] = ur;
+        ub[(h + s) * CW + lc] = ur;  // stored precision, for the decode flush
+        if (c == 0) a.buf_g[tok * a.hv_heads + hv] = a.g[static_cast<size_t>(t0 + s) * a.hv_heads + hv];
+      }
     }
   } else {
     // New keys in stored precision: smem copy for the flush; the pool copy once per key head.
@@ -683,11 +687,11 @@ cudaError_t launch_buffered(const GdnBufferedGpuParams& p, bool verify, cudaStre
   return cudaGetLastError();
 }
 
-/// Tile groups per CTA: the caller's choice, else 2 (bench_gdn: best or within 1% for chunkwise decode at L <= 16
-/// and for verification) or one CTA per head for rings longer than 32 tokens (KV-only: the k^ staging of up to
-/// d_k entries is then shared by all columns), clamped to D / 32.
+/// Tile groups per CTA: the caller's choice, else 2 (bench_gdn: best or within 1% for chunkwise decode at L <= 16)
+/// or one CTA per head for multi-token steps (verification: 2-3% faster at T = 8) and for rings longer than 32 tokens
+/// (KV-only: the k^ staging of up to d_k entries is then shared by all columns), clamped to D / 32.
 int tile_groups(const GdnBufferedGpuParams& p) {
-  const int want = p.tile_groups > 0 ? p.tile_groups : (p.max_ring_capacity > 32 ? 4 : 2);
+  const int want = p.tile_groups > 0 ? p.tile_groups : (p.max_ring_capacity > 32 || p.tok.max_tokens > 1 ? 4 : 2);
   return std::min(want, p.dims.head_k_dim / 32);
 }
 
