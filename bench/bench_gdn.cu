@@ -36,6 +36,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/bench_util.cuh"
 #include "kernels/gdn.cuh"
 #include "kernels/gdn_ref.h"
 
@@ -43,60 +44,13 @@ namespace {
 
 using nlohmann::json;
 using namespace spade::kernels;
+using namespace spade::bench;
 using spade::DType;
-
-#define CK(expr)                                                                                               \
-  do {                                                                                                         \
-    const cudaError_t e_ = (expr);                                                                             \
-    if (e_ != cudaSuccess) {                                                                                   \
-      std::fprintf(stderr, "%s:%d %s failed: %s (%s)\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_),    \
-                   launch_error_detail());                                                                     \
-      std::exit(1);                                                                                            \
-    }                                                                                                          \
-  } while (0)
 
 constexpr int kHk = 16, kHv = 32, kD = 128;
 constexpr size_t kStateBytes = size_t{kHv} * kD * kD * 4;                // 2 MiB
 constexpr size_t kEntryBytes = size_t{kHk} * kD * 2 + size_t{kHv} * kD * 2 + size_t{kHv} * 4;  // 12,416 B
 constexpr size_t kTokenIoBytes = size_t{kHk} * kD * 2 * 2 + size_t{kHv} * kD * 2 * 2 + size_t{kHv} * 8;  // q,k,v,out,g,beta
-
-__device__ __forceinline__ float hash_unit(uint64_t i, uint64_t seed) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull + 1;
-  x ^= x >> 31;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 29;
-  return static_cast<float>(static_cast<double>(x >> 11) * (1.0 / 9007199254740992.0)) * 2.f - 1.f;  // [-1, 1)
-}
-__global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint64_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x)
-    p[i] = __float2bfloat16(scale * hash_unit(i, seed));
-}
-// lo + (hi - lo) * u, u uniform in [0, 1).
-__global__ void fill_f32(float* p, size_t n, uint64_t seed, float lo, float hi) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x)
-    p[i] = lo + (hi - lo) * 0.5f * (hash_unit(i, seed) + 1.f);
-}
-
-template <typename T>
-T* dalloc(size_t n) {
-  void* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n * sizeof(T), 16)));
-  return static_cast<T*>(p);
-}
-template <typename T>
-T* upload(const std::vector<T>& h) {
-  T* d = dalloc<T>(h.size());
-  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-void rnd16(void* p, size_t n, uint64_t seed, float scale = 1.f) {
-  fill_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
-  CK(cudaGetLastError());
-}
-void rnd32(float* p, size_t n, uint64_t seed, float lo, float hi) {
-  fill_f32<<<1024, 256>>>(p, n, seed, lo, hi);
-  CK(cudaGetLastError());
-}
 
 struct Bench {
   bool quick = false;
@@ -149,7 +103,7 @@ double measure_copy(Bench& b) {
   const size_t bytes = size_t{1} << 30;
   char* x = dalloc<char>(bytes);
   char* y = dalloc<char>(bytes);
-  rnd16(x, bytes / 2, 1);
+  fill16(x, bytes / 2, 1);
   std::vector<double> us;
   for (int i = 0; i < 3; ++i) CK(cudaMemcpyAsync(y, x, bytes, cudaMemcpyDeviceToDevice));
   CK(cudaDeviceSynchronize());
@@ -204,20 +158,20 @@ struct Layer {
     out = dalloc<char>(toks * kHv * kD * 2);
     g = dalloc<float>(toks * kHv);
     beta = dalloc<float>(toks * kHv);
-    rnd16(q, toks * kHk * kD, 11);
-    rnd16(k, toks * kHk * kD, 12);
-    rnd16(v, toks * kHv * kD, 13);
-    rnd32(g, toks * kHv, 14, -0.06f, -0.002f);
-    rnd32(beta, toks * kHv, 15, 0.2f, 0.8f);
+    fill16(q, toks * kHk * kD, 11);
+    fill16(k, toks * kHk * kD, 12);
+    fill16(v, toks * kHv * kD, 13);
+    fill32(g, toks * kHv, 14, -0.06f, -0.002f);
+    fill32(beta, toks * kHv, 15, 0.2f, 0.8f);
     states = dalloc<float>(size_t{static_cast<size_t>(num_state_slots)} * kHv * kD * kD);
-    rnd32(states, size_t{static_cast<size_t>(num_state_slots)} * kHv * kD * kD, 16, -0.05f, 0.05f);
+    fill32(states, size_t{static_cast<size_t>(num_state_slots)} * kHv * kD * kD, 16, -0.05f, 0.05f);
     const size_t pool_tokens = size_t{static_cast<size_t>(batch)} * cap;
     bk = dalloc<char>(pool_tokens * kHk * kD * 2);
     bu = dalloc<char>(pool_tokens * kHv * kD * 2);
     bg = dalloc<float>(pool_tokens * kHv);
-    rnd16(bk, pool_tokens * kHk * kD, 17, 0.088f);  // ~unit-norm keys
-    rnd16(bu, pool_tokens * kHv * kD, 18);
-    rnd32(bg, pool_tokens * kHv, 19, -0.06f, -0.002f);
+    fill16(bk, pool_tokens * kHk * kD, 17, 0.088f);  // ~unit-norm keys
+    fill16(bu, pool_tokens * kHv * kD, 18);
+    fill32(bg, pool_tokens * kHv, 19, -0.06f, -0.002f);
     std::vector<int32_t> cu_h(batch + 1), sl(batch), rs(batch, 0), rl(batch), rc(batch, cap), tb(batch * blocks_per_seq),
         ss(batch);
     std::vector<uint8_t> va(batch, valid_state ? 1 : 0);

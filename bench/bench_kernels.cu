@@ -50,6 +50,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/bench_util.cuh"
 #include "bench/page_placement.h"
 #include "kernels/attention.cuh"
 #include "kernels/selection.cuh"
@@ -61,15 +62,6 @@ using namespace spade::kernels;
 using namespace spade::bench;
 using spade::DType;
 
-#define CK(expr)                                                                                               \
-  do {                                                                                                         \
-    const cudaError_t e_ = (expr);                                                                             \
-    if (e_ != cudaSuccess) {                                                                                   \
-      std::fprintf(stderr, "%s:%d %s failed: %s (%s)\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_),    \
-                   launch_error_detail());                                                                     \
-      std::exit(1);                                                                                            \
-    }                                                                                                          \
-  } while (0)
 
 struct Options {
   std::string out = "bench_kernels.json";
@@ -84,41 +76,6 @@ struct Options {
     return only.empty() || ("," + only + ",").find("," + std::string(group) + ",") != std::string::npos;
   }
 };
-
-// Deterministic pseudo-random fill (values in [-1, 1), never all zero) for 16-bit float and fp32 buffers.
-__device__ __forceinline__ float hash_unit(uint64_t i, uint64_t seed) {
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  return static_cast<float>(static_cast<int64_t>(x >> 40) - (1ll << 23)) / static_cast<float>(1ll << 23);
-}
-__global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    p[i] = __float2bfloat16(hash_unit(i, seed));
-  }
-}
-__global__ void fill_f32(float* p, size_t n, uint64_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
-    p[i] = scale * hash_unit(i, seed);
-  }
-}
-
-void* dmalloc(size_t bytes) {
-  void* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
-  return p;
-}
-void fill16(void* p, size_t n, uint64_t seed) {
-  fill_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed);
-  CK(cudaGetLastError());
-}
-template <typename T>
-T* upload(const std::vector<T>& h) {
-  T* d = static_cast<T*>(dmalloc(h.size() * sizeof(T)));
-  CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
 
 struct Timing {
   double median_us = 0, p10_us = 0, p90_us = 0, min_us = 0;
@@ -489,7 +446,7 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
 void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) {
   KvSet kv = make_kv(batch, len, ps, kHkv, kD, 500);
   float* win = static_cast<float*>(dmalloc(sizeof(float) * batch * kHq * window_cap * kD));
-  fill_f32<<<1024, 256>>>(win, static_cast<size_t>(batch) * kHq * window_cap * kD, 7, 3.f);
+  fill32(win, static_cast<size_t>(batch) * kHq * window_cap * kD, 7, -3.f, 3.f);
   CK(cudaGetLastError());
   int32_t* wlen = upload(std::vector<int32_t>(batch, window_cap));
   float* qhat = static_cast<float*>(dmalloc(sizeof(float) * batch * kHq * kD));
@@ -597,7 +554,7 @@ void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) 
 void bench_predict_pack(Ctx& c, int batch, int layers, int window_cap) {
   const int rows_batch = layers * batch;
   float* win = static_cast<float*>(dmalloc(sizeof(float) * rows_batch * kHq * window_cap * kD));
-  fill_f32<<<1024, 256>>>(win, static_cast<size_t>(rows_batch) * kHq * window_cap * kD, 9, 3.f);
+  fill32(win, static_cast<size_t>(rows_batch) * kHq * window_cap * kD, 9, -3.f, 3.f);
   CK(cudaGetLastError());
   int32_t* wlen = upload(std::vector<int32_t>(rows_batch, window_cap));
   float* qhat = static_cast<float*>(dmalloc(sizeof(float) * rows_batch * kHq * kD));

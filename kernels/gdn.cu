@@ -39,14 +39,71 @@ __device__ __forceinline__ float ld_f(const T* p) {
   return ElemTraits<T>::to_float(*p);
 }
 
-/// Column partial sums of S^T x over the thread's rows, reduced over the CTA: result for column 4tx+e of the tile is
-/// red[4tx+e] after the call (the caller syncs before reading). partial[e] is the thread's partial sum.
-__device__ __forceinline__ void warp_reduce_rows(float (&v)[4]) {
+// ---- the thread's slice of a [D, D] fp32 state head: rows ty + 16 r (r < D / 16), columns col..col+3 ----
+
+template <int D>
+__device__ __forceinline__ void load_state(float4 (&S)[D / 16], const float* head, bool valid, int ty, int col) {
+#pragma unroll
+  for (int r = 0; r < D / 16; ++r)
+    S[r] = valid ? *reinterpret_cast<const float4*>(head + static_cast<size_t>(r * 16 + ty) * D + col)
+                 : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+template <int D>
+__device__ __forceinline__ void store_state(float* head, const float4 (&S)[D / 16], int ty, int col) {
+#pragma unroll
+  for (int r = 0; r < D / 16; ++r) *reinterpret_cast<float4*>(head + static_cast<size_t>(r * 16 + ty) * D + col) = S[r];
+}
+
+/// Column partial sums pa = S^T kx, pc = S^T qx of the slice (kx, qx: [D] fp32 in shared memory), summed over the 4
+/// row groups of the warp (lanes 8 apart); the caller adds the warps of the tile.
+template <int D>
+__device__ __forceinline__ void readout(const float4 (&S)[D / 16], const float* kx, const float* qx, int ty,
+                                        float (&pa)[4], float (&pc)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) pa[e] = pc[e] = 0.f;
+#pragma unroll
+  for (int r = 0; r < D / 16; ++r) {
+    const float kr = kx[r * 16 + ty], qr = qx[r * 16 + ty];
+    pa[0] += S[r].x * kr; pa[1] += S[r].y * kr; pa[2] += S[r].z * kr; pa[3] += S[r].w * kr;
+    pc[0] += S[r].x * qr; pc[1] += S[r].y * qr; pc[2] += S[r].z * qr; pc[3] += S[r].w * qr;
+  }
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    v[e] += __shfl_xor_sync(0xffffffffu, v[e], 8);
-    v[e] += __shfl_xor_sync(0xffffffffu, v[e], 16);
+    pa[e] += __shfl_xor_sync(0xffffffffu, pa[e], 8);
+    pa[e] += __shfl_xor_sync(0xffffffffu, pa[e], 16);
+    pc[e] += __shfl_xor_sync(0xffffffffu, pc[e], 8);
+    pc[e] += __shfl_xor_sync(0xffffffffu, pc[e], 16);
   }
+}
+
+/// One warp: q^ = l2norm(q) * scale, k^ = l2norm(k) ([HF] l2norm; no normalisation when !l2) of one token's key head
+/// (q, k: [D] 16-bit, global or shared memory) into qn, kn ([D] fp32, shared). Returns k^ . q^ when kWithDot.
+template <typename T, int D, bool kWithDot>
+__device__ __forceinline__ float normalise_qk_warp(const T* q, const T* k, float* qn, float* kn, float scale,
+                                                   float eps, bool l2, int lane) {
+  constexpr int E = D / 32;
+  float qv[E], kv[E], sq = 0.f, sk = 0.f;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    qv[i] = ElemTraits<T>::to_float(q[lane + 32 * i]);
+    kv[i] = ElemTraits<T>::to_float(k[lane + 32 * i]);
+    sq += qv[i] * qv[i];
+    sk += kv[i] * kv[i];
+  }
+  sq = detail::warp_sum_xor(sq, 1, 16);
+  sk = detail::warp_sum_xor(sk, 1, 16);
+  const float fq = l2 ? scale / sqrtf(sq + eps) : scale;
+  const float fk = l2 ? 1.f / sqrtf(sk + eps) : 1.f;
+  float kq = 0.f;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    qn[lane + 32 * i] = qv[i] * fq;
+    kn[lane + 32 * i] = kv[i] * fk;
+    if constexpr (kWithDot) kq += (qv[i] * fq) * (kv[i] * fk);
+  }
+  if constexpr (kWithDot) kq = detail::warp_sum_xor(kq, 1, 16);
+  return kq;
 }
 
 // =====================================================================================================================
@@ -86,12 +143,7 @@ __global__ void __launch_bounds__(kThreads, 8) gdn_recurrent_kernel(RecArgs a) {
   const size_t head_off = (static_cast<size_t>(slot_ok ? slot : 0) * a.hv_heads + hv) * D * D;
 
   float4 S[RPT];
-#pragma unroll
-  for (int r = 0; r < RPT; ++r) {
-    S[r] = slot_ok ? *reinterpret_cast<const float4*>(a.state_pool + head_off + static_cast<size_t>(r * 16 + ty) * D +
-                                                     c0 + 4 * tx)
-                   : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+  load_state<D>(S, a.state_pool + head_off, slot_ok, ty, c0 + 4 * tx);
   const T* q = static_cast<const T*>(a.q);
   const T* k = static_cast<const T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
@@ -101,27 +153,8 @@ __global__ void __launch_bounds__(kThreads, 8) gdn_recurrent_kernel(RecArgs a) {
     const int t = t0 + s;
     // q^, k^ (warp 0), v tile (warp 1), g / beta.
     if (warp == 0) {
-      constexpr int E = D / 32;
-      float qv[E], kv[E], sq = 0.f, sk = 0.f;
-#pragma unroll
-      for (int i = 0; i < E; ++i) {
-        qv[i] = ld_f(q + (static_cast<size_t>(t) * a.hk_heads + hk) * D + lane + 32 * i);
-        kv[i] = ld_f(k + (static_cast<size_t>(t) * a.hk_heads + hk) * D + lane + 32 * i);
-        sq += qv[i] * qv[i];
-        sk += kv[i] * kv[i];
-      }
-      sq = detail::warp_sum_xor(sq, 1, 16);
-      sk = detail::warp_sum_xor(sk, 1, 16);
-      const float fq = a.l2 ? a.scale / sqrtf(sq + a.eps) : a.scale;
-      const float fk = a.l2 ? 1.f / sqrtf(sk + a.eps) : 1.f;
-      float kq = 0.f;
-#pragma unroll
-      for (int i = 0; i < E; ++i) {
-        qn[lane + 32 * i] = qv[i] * fq;
-        kn[lane + 32 * i] = kv[i] * fk;
-        kq += (qv[i] * fq) * (kv[i] * fk);
-      }
-      kq = detail::warp_sum_xor(kq, 1, 16);
+      const size_t row = (static_cast<size_t>(t) * a.hk_heads + hk) * D;
+      const float kq = normalise_qk_warp<T, D, true>(q + row, k + row, qn, kn, a.scale, a.eps, a.l2, lane);
       if (lane == 0) sc[2] = kq;
     } else if (warp == 1) {
       vs[lane] = ld_f(v + (static_cast<size_t>(t) * a.hv_heads + hv) * D + c0 + lane);
@@ -132,15 +165,8 @@ __global__ void __launch_bounds__(kThreads, 8) gdn_recurrent_kernel(RecArgs a) {
     }
     __syncthreads();
     // a = S^T k^, c = S^T q^ (old state).
-    float pa[4] = {0.f, 0.f, 0.f, 0.f}, pc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) {
-      const float kr = kn[r * 16 + ty], qr = qn[r * 16 + ty];
-      pa[0] += S[r].x * kr; pa[1] += S[r].y * kr; pa[2] += S[r].z * kr; pa[3] += S[r].w * kr;
-      pc[0] += S[r].x * qr; pc[1] += S[r].y * qr; pc[2] += S[r].z * qr; pc[3] += S[r].w * qr;
-    }
-    warp_reduce_rows(pa);
-    warp_reduce_rows(pc);
+    float pa[4], pc[4];
+    readout<D>(S, kn, qn, ty, pa, pc);
     if (lane < 8) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -174,19 +200,12 @@ __global__ void __launch_bounds__(kThreads, 8) gdn_recurrent_kernel(RecArgs a) {
     }
     if (a.draft_state_slots != nullptr) {
       const int ds = a.draft_state_slots[t];
-      if (ds >= 0 && ds < a.num_state_slots) {
-        float* dst = a.state_pool + (static_cast<size_t>(ds) * a.hv_heads + hv) * D * D + c0 + 4 * tx;
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) *reinterpret_cast<float4*>(dst + static_cast<size_t>(r * 16 + ty) * D) = S[r];
-      }
+      if (ds >= 0 && ds < a.num_state_slots)
+        store_state<D>(a.state_pool + (static_cast<size_t>(ds) * a.hv_heads + hv) * D * D, S, ty, c0 + 4 * tx);
     }
     __syncthreads();  // smem of this token is reused by the next
   }
-  if (a.draft_state_slots == nullptr && slot_ok && n > 0) {
-    float* dst = a.state_pool + head_off + c0 + 4 * tx;
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) *reinterpret_cast<float4*>(dst + static_cast<size_t>(r * 16 + ty) * D) = S[r];
-  }
+  if (a.draft_state_slots == nullptr && slot_ok && n > 0) store_state<D>(a.state_pool + head_off, S, ty, c0 + 4 * tx);
 }
 
 // =====================================================================================================================
@@ -195,8 +214,8 @@ __global__ void __launch_bounds__(kThreads, 8) gdn_recurrent_kernel(RecArgs a) {
 // One CTA per (sequence, value head, 32 * TPC columns) with TPC tile groups of 128 threads (the recurrent kernel's
 // tile layout per group). The per-CTA dependency chain is short: seq slot -> ring metadata + block-table row (staged
 // in shared memory) + checkpoint slot -> checkpoint and buffered entries; the shared phases (q/k normalisation, k^
-// staging, dot products) run on all warps of the CTA. The ring metadata is updated by a second, one-thread-per-sequence kernel (gdn_buffered_finish_kernel) in the
-// same stream, so no CTA waits on an atomic before it retires.
+// staging, dot products) run on all warps of the CTA. The ring metadata is updated by a second, one-thread-per-
+// sequence kernel (gdn_buffered_finish_kernel) in the same stream, so no CTA waits on an atomic before it retires.
 // =====================================================================================================================
 
 struct BufArgs {
@@ -342,12 +361,7 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
 
   // ---- level 3: checkpoint loads first (they stream while the rest of the chain runs) ----
   float4 S[RPT];
-#pragma unroll
-  for (int r = 0; r < RPT; ++r) {
-    S[r] = valid ? *reinterpret_cast<const float4*>(a.state_pool + head_off + static_cast<size_t>(r * 16 + ty) * D +
-                                                    c0 + 4 * tx)
-                 : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
+  load_state<D>(S, a.state_pool + head_off, valid, ty, c0 + 4 * tx);
 
   __syncthreads();  // tbl
 
@@ -379,24 +393,7 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
 
   // ---- new tokens: q^, k^ (fp32) and v from the staged rows ----
   for (int s = warp; s < n; s += NW) {
-    constexpr int E = D / 32;
-    float qv[E], kv[E], sq = 0.f, sk = 0.f;
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      qv[i] = ElemTraits<T>::to_float(qraw[s * D + lane + 32 * i]);
-      kv[i] = ElemTraits<T>::to_float(kraw[s * D + lane + 32 * i]);
-      sq += qv[i] * qv[i];
-      sk += kv[i] * kv[i];
-    }
-    sq = detail::warp_sum_xor(sq, 1, 16);
-    sk = detail::warp_sum_xor(sk, 1, 16);
-    const float fq = a.l2 ? a.scale / sqrtf(sq + a.eps) : a.scale;
-    const float fk = a.l2 ? 1.f / sqrtf(sk + a.eps) : 1.f;
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      qn[s * D + lane + 32 * i] = qv[i] * fq;
-      kn[s * D + lane + 32 * i] = kv[i] * fk;
-    }
+    normalise_qk_warp<T, D, false>(qraw + s * D, kraw + s * D, qn + s * D, kn + s * D, a.scale, a.eps, a.l2, lane);
 #pragma unroll
     for (int i = 0; i < TPC; ++i) vs[s * CW + lane + 32 * i] = ElemTraits<T>::to_float(vraw[s * CW + lane + 32 * i]);
     if (lane == 0) G[h + s] = gnew[s];
@@ -451,15 +448,8 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
   }
   if (valid) {
     for (int s = 0; s < n; ++s) {
-      float pa[4] = {0.f, 0.f, 0.f, 0.f}, pc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int r = 0; r < RPT; ++r) {
-        const float kr = kn[s * D + r * 16 + ty], qr = qn[s * D + r * 16 + ty];
-        pa[0] += S[r].x * kr; pa[1] += S[r].y * kr; pa[2] += S[r].z * kr; pa[3] += S[r].w * kr;
-        pc[0] += S[r].x * qr; pc[1] += S[r].y * qr; pc[2] += S[r].z * qr; pc[3] += S[r].w * qr;
-      }
-      warp_reduce_rows(pa);
-      warp_reduce_rows(pc);
+      float pa[4], pc[4];
+      readout<D>(S, kn + s * D, qn + s * D, ty, pa, pc);
       if (lane < 8) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -556,9 +546,7 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
         S[r].x += kr * u0; S[r].y += kr * u1; S[r].z += kr * u2; S[r].w += kr * u3;
       }
     }
-    float* dst = a.state_pool + head_off + c0 + 4 * tx;
-#pragma unroll
-    for (int r = 0; r < RPT; ++r) *reinterpret_cast<float4*>(dst + static_cast<size_t>(r * 16 + ty) * D) = S[r];
+    store_state<D>(a.state_pool + head_off, S, ty, c0 + 4 * tx);
   }
 }
 

@@ -321,6 +321,41 @@ kernels::GdnBufferedParams ref_params(GdnCache& c, const Tok& tok, const std::ve
   return p;
 }
 
+/// GdnCache configuration for `num_seqs` sequences plus spare sequence slots, state slots and buffer blocks.
+GdnCacheConfig test_cache_config(DType t, const GdnDims& d, int num_seqs, int buffer_size, int block_size,
+                                 int kv_only_limit) {
+  GdnCacheConfig cfg;
+  cfg.dims = d;
+  cfg.max_seqs = num_seqs + 2;
+  cfg.num_state_slots = num_seqs + 3;
+  cfg.block_size = block_size;
+  cfg.buffer_size = buffer_size;
+  cfg.kv_only_limit = kv_only_limit;
+  cfg.num_blocks = (num_seqs + 2) * std::max(buffer_size, kv_only_limit) / block_size + 5;
+  cfg.buffer_dtype = t;
+  return cfg;
+}
+
+/// Admits sequences first_id .. first_id + num_seqs - 1 (in order): sequence i starts in the KV-only form when
+/// kv_only(i), else with a random N(0, 0.3) checkpoint. Appends their slots and ids.
+template <typename KvOnly>
+void admit_sequences(GdnCache& cache, int num_seqs, uint64_t first_id, KvOnly kv_only, std::mt19937_64& rng,
+                     std::vector<int32_t>* slots, std::vector<uint64_t>* ids) {
+  const GdnDims& d = cache.config().dims;
+  const size_t sf = static_cast<size_t>(d.num_v_heads) * d.head_k_dim * d.head_v_dim;
+  std::normal_distribution<float> ns(0.f, 0.3f);
+  for (int i = 0; i < num_seqs; ++i) {
+    const uint64_t id = first_id + static_cast<uint64_t>(i);
+    const bool kvo = kv_only(i);
+    slots->push_back(cache.admit(id, kvo));
+    ids->push_back(id);
+    if (!kvo) {
+      float* st = cache.state(id);
+      for (size_t e = 0; e < sf; ++e) st[e] = ns(rng);
+    }
+  }
+}
+
 struct BufCase {
   DType dtype;
   GdnDims dims;
@@ -343,30 +378,12 @@ std::vector<int> capacities(GdnCache& c, const std::vector<int32_t>& slots) {
 
 void run_buffered_decode(const BufCase& bc, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  GdnCacheConfig cfg;
-  cfg.dims = bc.dims;
-  cfg.max_seqs = bc.num_seqs + 2;
-  cfg.num_state_slots = bc.num_seqs + 3;
-  cfg.block_size = bc.block_size;
-  cfg.buffer_size = bc.buffer_size;
-  cfg.kv_only_limit = bc.kv_only_limit;
-  cfg.num_blocks = (bc.num_seqs + 2) * std::max(bc.buffer_size, bc.kv_only_limit) / bc.block_size + 5;
-  cfg.buffer_dtype = bc.dtype;
-  GdnCache cache(cfg);
+  GdnCache cache(
+      test_cache_config(bc.dtype, bc.dims, bc.num_seqs, bc.buffer_size, bc.block_size, bc.kv_only_limit));
   std::vector<uint64_t> ids;
   std::vector<int32_t> all_slots;
-  const size_t sf = static_cast<size_t>(bc.dims.num_v_heads) * bc.dims.head_k_dim * bc.dims.head_v_dim;
-  std::normal_distribution<float> ns(0.f, 0.3f);
-  for (int i = 0; i < bc.num_seqs; ++i) {
-    const bool kv_only = bc.kv_only_limit > 0 && i % 2 == 0;
-    const uint64_t id = 1000 + i;
-    all_slots.push_back(cache.admit(id, kv_only));
-    ids.push_back(id);
-    if (!kv_only) {
-      float* s = cache.state(id);
-      for (size_t e = 0; e < sf; ++e) s[e] = ns(rng);
-    }
-  }
+  admit_sequences(
+      cache, bc.num_seqs, 1000, [&](int i) { return bc.kv_only_limit > 0 && i % 2 == 0; }, rng, &all_slots, &ids);
   GpuMirror gpu;
   gpu.sync_all(cache);
   const int max_tokens = bc.ragged ? kernels::kGdnMaxStepTokens : 1;
@@ -462,25 +479,11 @@ TEST(GdnChunkwiseGpu, RaggedKvOnlyExplicitFlags) {
 TEST(GdnChunkwiseGpu, CudaGraphReplayAcrossFlushes) {
   std::mt19937_64 rng(29);
   const DType t = DType::BF16;
-  GdnCacheConfig cfg;
-  cfg.dims = {16, 32, 128, 128};
-  cfg.max_seqs = 6;
-  cfg.num_state_slots = 6;
-  cfg.block_size = 8;
-  cfg.buffer_size = 16;
-  cfg.num_blocks = 6 * 2 + 3;
-  cfg.buffer_dtype = t;
+  const GdnCacheConfig cfg = test_cache_config(t, {16, 32, 128, 128}, 5, 16, 8, 0);
   GdnCache cache(cfg);
   std::vector<int32_t> slots;
   std::vector<uint64_t> ids;
-  std::normal_distribution<float> ns(0.f, 0.3f);
-  const size_t sf = static_cast<size_t>(32) * 128 * 128;
-  for (int i = 0; i < 5; ++i) {
-    slots.push_back(cache.admit(50 + i, false));
-    ids.push_back(50 + i);
-    float* s = cache.state(50 + i);
-    for (size_t e = 0; e < sf; ++e) s[e] = ns(rng);
-  }
+  admit_sequences(cache, 5, 50, [](int) { return false; }, rng, &slots, &ids);
   GpuMirror gpu;
   gpu.sync_all(cache);
   // Stagger: sequence i runs i extra steps first (direct launches).
@@ -562,29 +565,12 @@ struct VerifyCase {
 
 void run_verify(const VerifyCase& vc, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  GdnCacheConfig cfg;
-  cfg.dims = vc.dims;
-  cfg.max_seqs = vc.num_seqs + 1;
-  cfg.num_state_slots = vc.num_seqs + 2;
-  cfg.block_size = vc.block_size;
-  cfg.buffer_size = vc.buffer_size;
-  cfg.kv_only_limit = vc.kv_only_limit;
-  cfg.num_blocks = (vc.num_seqs + 1) * std::max(vc.buffer_size, vc.kv_only_limit) / vc.block_size + 4;
-  cfg.buffer_dtype = vc.dtype;
-  GdnCache cache(cfg);
+  GdnCache cache(
+      test_cache_config(vc.dtype, vc.dims, vc.num_seqs, vc.buffer_size, vc.block_size, vc.kv_only_limit));
   std::vector<int32_t> slots;
   std::vector<uint64_t> ids;
-  const size_t sf = static_cast<size_t>(vc.dims.num_v_heads) * vc.dims.head_k_dim * vc.dims.head_v_dim;
-  std::normal_distribution<float> ns(0.f, 0.3f);
-  for (int i = 0; i < vc.num_seqs; ++i) {
-    const bool kv_only = vc.kv_only_limit > 0 && i % 2 == 1;
-    slots.push_back(cache.admit(200 + i, kv_only));
-    ids.push_back(200 + i);
-    if (!kv_only) {
-      float* s = cache.state(200 + i);
-      for (size_t e = 0; e < sf; ++e) s[e] = ns(rng);
-    }
-  }
+  admit_sequences(
+      cache, vc.num_seqs, 200, [&](int i) { return vc.kv_only_limit > 0 && i % 2 == 1; }, rng, &slots, &ids);
   GpuMirror gpu;
   gpu.sync_all(cache);
   const int batch = vc.num_seqs;
