@@ -17,7 +17,10 @@
 #                         skipped unless "bgbuild" is asked for (a low-priority build in the background, checked at
 #                         the end, so the device build is still verified while the prebuilt binaries run)
 #   SPADE_CTEST_REGEX     only the gpu tests whose ctest name matches (ctest -R; default: all); the build builds those
-#   SPADE_BENCHES         benchmarks to run (default "kernels gdn": bench_kernels + SDPA peer, bench_gdn)
+#   SPADE_BENCHES         benchmarks to run (default "kernels gdn": bench_kernels + SDPA peer, bench_gdn; "tpot":
+#                         bench_tpot, the issue-#7 TPOT table -- dense / oracle on GPU 0, AsyncSpade over GPUs 0+1)
+#   SPADE_TPOT_ARGS       extra bench_tpot arguments for every configuration (e.g. "--steps 64")
+#   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default "8b-b8 8b-b16 32b-b8")
 #   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
 #                         the same code paths at 128k tokens and take minutes under the sanitizer)
 # Dependencies: on a machine without Spade's Debian packages (the lent GPU machines), carry build-device-deps/
@@ -79,9 +82,9 @@ do_build() {
   with_deps cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPADE_ENABLE_CUDA=ON \
     -DSPADE_ENABLE_UCX=OFF -DCMAKE_CUDA_ARCHITECTURES=90a >"${OUT}/build.log" 2>&1 || { tail -40 "${OUT}/build.log"; exit 1; }
   GPU_TESTS=$(cd "${BUILD}" && ctest -N -L gpu ${CTEST_R[@]+"${CTEST_R[@]}"} | sed -n 's/^ *Test *#[0-9]*: *//p')
-  log "build: bench_kernels bench_gdn ${GPU_TESTS//$'\n'/ }"
+  log "build: bench_kernels bench_gdn bench_tpot ${GPU_TESTS//$'\n'/ }"
   # shellcheck disable=SC2086
-  with_deps cmake --build "${BUILD}" -j "$(nproc)" --target bench_kernels bench_gdn ${GPU_TESTS} >>"${OUT}/build.log" 2>&1 \
+  with_deps cmake --build "${BUILD}" -j "$(nproc)" --target bench_kernels bench_gdn bench_tpot ${GPU_TESTS} >>"${OUT}/build.log" 2>&1 \
     || { grep -E "error|FAILED" "${OUT}/build.log" | head -40; return 1; }
   log "build done"
 }
@@ -182,6 +185,23 @@ if want bench; then
     with_deps "${GDN_BIN}" --out "${OUT}/bench_gdn.json" "${QUICK[@]}" | tee "${OUT}/bench_gdn.txt" || STATUS=1
     [ -f "${OUT}/bench_gdn.json" ] && cp "${OUT}/bench_gdn.json" "${ROOT}/bench/results/bench_gdn-$(date -u +%Y%m%dT%H%M%SZ).json"
   fi
+fi
+if want bench && bench_wanted tpot; then
+  TPOT_BIN="$(dirname "${BENCH_BIN}")/bench_tpot"
+  DATA="${SPADE_DATA_DIR:-${ROOT}/../shared/data}"
+  read -r -a TPOT_EXTRA <<<"${SPADE_TPOT_ARGS:-}"
+  for c in ${SPADE_TPOT_CONFIGS:-8b-b8 8b-b16 32b-b8}; do
+    case "$c" in
+      8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12) ;;
+      8b-b16) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k --batch 16 --context 16384 --budget 1024 --packs 6) ;;
+      32b-b8) args=(--config "${DATA}/configs/qwen3-32b" --label qwen3-32b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 8) ;;
+      *) log "unknown SPADE_TPOT_CONFIGS entry $c"; STATUS=1; continue ;;
+    esac
+    log "bench_tpot $c"
+    with_deps "${TPOT_BIN}" "${args[@]}" "${TPOT_EXTRA[@]}" --out "${OUT}/bench_tpot.jsonl" | tee -a "${OUT}/bench_tpot.txt" \
+      || STATUS=1
+  done
+  [ -f "${OUT}/bench_tpot.jsonl" ] && cp "${OUT}/bench_tpot.jsonl" "${ROOT}/bench/results/bench_tpot-$(date -u +%Y%m%dT%H%M%SZ).jsonl"
 fi
 if want bench && bench_wanted kernels; then
   QUICK=()

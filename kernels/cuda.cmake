@@ -20,7 +20,8 @@ target_link_libraries(spade_kernels_cuda PUBLIC CUDA::cudart PRIVATE spade_warni
 # GEMM wrapper (kernels/layer_ops.cuh, kernels/gemm.cuh).
 target_sources(spade_kernels_cuda PRIVATE
   ${CMAKE_CURRENT_SOURCE_DIR}/layer_ops.cu
-  ${CMAKE_CURRENT_SOURCE_DIR}/gemm.cu)
+  ${CMAKE_CURRENT_SOURCE_DIR}/gemm.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/tensor_ops.cu)     # random init (--random-weights), dtype casts
 target_link_libraries(spade_kernels_cuda PUBLIC CUDA::cublasLt)
 target_compile_options(spade_kernels_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo --expt-relaxed-constexpr -Xcompiler=-Wall,-Wextra>)

@@ -1,0 +1,890 @@
+// bench_tpot: decode TPOT of a real-shaped model (config.json + deterministic random bf16 weights on the GPU) in
+// three modes, the issue-#7 benchmark:
+//   dense   full paged attention on one GPU (our split-K flash-decoding), eager and CUDA graph;
+//   oracle  synchronous token-level selection with the TRUE query on one GPU, inline in every layer (score every
+//           key with q, top-k per KV head, gather, sparse attention over the selection + the local window):
+//           Quest/TOVA-style selection with exact queries, the upper bound of inline selection;
+//   async   AsyncSpade disaggregated over two GPUs (Algorithm 1, Sec. 4): GPU 0 runs the inference rank, GPU 1 the
+//           cache rank, joined by NCCL point-to-point. After each layer pack the inference rank sends the pack's raw
+//           qkv rows; the cache rank appends K/V, pushes the query into its window, predicts the next query (ridge
+//           regression), scores every key, selects top-k per KV head, gathers and sends the selected K/V for the
+//           NEXT step. The inference rank attends over what it received plus its local window, which is all the KV
+//           it holds.
+// Both ranks run in this process as two threads, one per GPU, with two NCCL communicators (up: qkv, down: selected
+// KV) so that neither direction queues behind the other; no host synchronisation inside a step on either side
+// (the inference thread waits once per step for the step's end event, as a server waits for the sampled tokens).
+//
+// Reports per configuration: TPOT median / p99 / mean over the timed steps (time between consecutive step-end
+// events, so host gaps count), the AsyncSpade Table-2 breakdown (inference time per pack, cache-management time per
+// pack, bytes per step each way, required vs achieved link bandwidth), stalls (packs whose received KV arrived after
+// the inference rank was ready for it, > 20 us), and the floor: (weight bytes + KV bytes the step must read) /
+// measured copy bandwidth. Token ids of each step come from the host (random weights: content does not change the
+// timing); the greedy argmax over the logits is inside the timed step.
+//
+// Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
+//                   [--modes dense,oracle,async] [--label NAME] [--out results.json] (appends a JSON document).
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <exception>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/config.h"
+#include "common/error.h"
+#include "inference_rank/gpu_model.h"
+#include "kernels/attention.cuh"
+#include "kernels/layer_ops.cuh"
+#include "kernels/selection.cuh"
+#include "kernels/tensor_ops.cuh"
+
+namespace spade {
+namespace {
+
+using json = nlohmann::json;
+
+#define NCCL_OK(expr)                                                                                   \
+  do {                                                                                                  \
+    const ncclResult_t r_ = (expr);                                                                     \
+    if (r_ != ncclSuccess) ::spade::fail("{}: {} ({})", #expr, ncclGetErrorString(r_), ncclGetLastError(nullptr)); \
+  } while (0)
+
+struct Opts {
+  std::string config;
+  std::string label;
+  std::string out;
+  std::string modes = "dense,oracle,async";
+  std::vector<int> packs = {4, 6, 12};
+  int batch = 8;
+  int context = 32768;
+  int budget = 2048;
+  int steps = 256;
+  int warmup = 16;
+  int local_window = 32;
+  int query_window = 8;  // predictor regressors W (window holds W + 1 queries)
+  int page_size = 16;
+  float ridge_eps = 1e-3f;
+  uint64_t seed = 1;
+};
+
+struct Stats {
+  double median = 0, p99 = 0, mean = 0;
+};
+Stats stats(std::vector<double> v) {
+  Stats s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  s.median = v[v.size() / 2];
+  s.p99 = v[std::min(v.size() - 1, static_cast<size_t>(std::ceil(0.99 * v.size())) - 1)];
+  s.mean = std::accumulate(v.begin(), v.end(), 0.0) / v.size();
+  return s;
+}
+
+float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0.f;
+  cuda_check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  return ms;
+}
+
+/// A grid of timing events [rows][cols], created on the current device.
+struct EventGrid {
+  std::vector<cudaEvent_t> ev;
+  int cols = 0;
+  EventGrid(int rows, int c) : ev(static_cast<size_t>(rows) * c), cols(c) {
+    for (auto& e : ev) cuda_check(cudaEventCreate(&e), "cudaEventCreate");
+  }
+  ~EventGrid() {
+    for (auto& e : ev) cudaEventDestroy(e);
+  }
+  cudaEvent_t operator()(int r, int c) const { return ev[static_cast<size_t>(r) * cols + c]; }
+};
+
+double measure_copy_gbps() {
+  const size_t bytes = size_t{1} << 30;
+  DeviceBuffer x(bytes, "copy src"), y(bytes, "copy dst");
+  cuda_check(kernels::random_fill({DType::BF16, x.get(), bytes / 2, 7, 1.f, 0.f}, nullptr), "fill");
+  cudaEvent_t e0, e1;
+  cuda_check(cudaEventCreate(&e0), "event");
+  cuda_check(cudaEventCreate(&e1), "event");
+  std::vector<double> ms;
+  for (int i = 0; i < 23; ++i) {
+    cuda_check(cudaEventRecord(e0), "record");
+    cuda_check(cudaMemcpyAsync(y.get(), x.get(), bytes, cudaMemcpyDeviceToDevice), "copy");
+    cuda_check(cudaEventRecord(e1), "record");
+    cuda_check(cudaEventSynchronize(e1), "sync");
+    if (i >= 3) ms.push_back(elapsed_ms(e0, e1));
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return 2.0 * bytes / (stats(ms).median * 1e6);
+}
+
+/// Host-side description of the run's sequences: batch sequences at context `context` growing by one token per step,
+/// pages of each sequence interleaved across the pool (seq b's i-th page = i * batch + b).
+struct Plan {
+  const Opts& o;
+  const ModelConfig& cfg;
+  int total_steps;  // warmup + steps
+  int max_len;      // longest context of the run
+  int max_pages;    // block-table width
+  explicit Plan(const Opts& opts, const ModelConfig& c)
+      : o(opts), cfg(c), total_steps(opts.warmup + opts.steps), max_len(opts.context + total_steps + 1),
+        max_pages((max_len + opts.page_size - 1) / opts.page_size) {}
+  int seq_len(int step) const { return o.context + step + 1; }  // context after step `step` (its token appended)
+  /// Full block table (dense / oracle / cache rank): every page of every sequence.
+  std::vector<int32_t> full_table() const {
+    std::vector<int32_t> bt(static_cast<size_t>(o.batch) * max_pages);
+    for (int b = 0; b < o.batch; ++b)
+      for (int i = 0; i < max_pages; ++i) bt[static_cast<size_t>(b) * max_pages + i] = i * o.batch + b;
+    return bt;
+  }
+  int full_pages() const { return max_pages * o.batch; }
+  /// Window-only block table (the async inference rank): pages from the first local-window position of step 0 on,
+  /// -1 before (never read or written by it).
+  int first_window_page() const { return std::max(0, o.context + 1 - o.local_window) / o.page_size; }
+  std::vector<int32_t> window_table() const {
+    const int first = first_window_page(), per = max_pages - first;
+    std::vector<int32_t> bt(static_cast<size_t>(o.batch) * max_pages, -1);
+    for (int b = 0; b < o.batch; ++b)
+      for (int i = first; i < max_pages; ++i) bt[static_cast<size_t>(b) * max_pages + i] = (i - first) * o.batch + b;
+    (void)per;
+    return bt;
+  }
+  int window_pages() const { return (max_pages - first_window_page()) * o.batch; }
+  GpuStepHost step(int s, const std::vector<int32_t>& table) const {
+    GpuStepHost h;
+    const int B = o.batch;
+    for (int b = 0; b < B; ++b) {
+      h.tokens.push_back(static_cast<int32_t>((static_cast<uint64_t>(s) * 7919u + b * 104729u + 17u) % cfg.vocab_size));
+      h.positions.push_back(seq_len(s) - 1);
+      h.seq_idx.push_back(b);
+      h.cu_q_lens.push_back(b);
+      h.seq_lens.push_back(seq_len(s));
+      h.logit_rows.push_back(b);
+    }
+    h.cu_q_lens.push_back(B);
+    h.block_table = table;
+    h.max_pages = max_pages;
+    h.max_seq_len = max_len;
+    return h;
+  }
+};
+
+/// Sparse attention over a packed selection + the local window (attention.cuh sparse_decode_attention_packed).
+void packed_attention(const ModelConfig& cfg, const Opts& o, const GpuLayerStep& s, const GpuBatch& b,
+                      const void* packed_k, const void* packed_v, const int32_t* num_packed, DeviceBuffer& ws,
+                      cudaStream_t stream) {
+  kernels::SparsePackedDecodeParams p;
+  p.q = s.q;
+  p.packed_k = packed_k;
+  p.packed_v = packed_v;
+  p.num_packed = num_packed;
+  p.k_cache = s.k_cache;
+  p.v_cache = s.v_cache;
+  p.block_table = b.block_table;
+  p.seq_lens = b.seq_lens;
+  p.out = s.out;
+  p.batch = b.batch;
+  p.num_q_heads = cfg.num_q_heads;
+  p.num_kv_heads = cfg.num_kv_heads;
+  p.head_dim = cfg.head_dim;
+  p.page_size = o.page_size;
+  p.max_pages_per_seq = b.max_pages;
+  p.packed_capacity = o.budget;
+  p.local_window = o.local_window;
+  p.scale = 1.f / std::sqrt(static_cast<float>(cfg.head_dim));
+  p.workspace = {ws.get(), ws.bytes()};
+  cuda_check(kernels::sparse_decode_attention_packed(p, stream), "sparse packed attention");
+}
+
+DeviceBuffer decode_workspace(const ModelConfig& cfg, int batch) {
+  DeviceBuffer ws(kernels::decode_workspace_bytes(batch, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim),
+                  "decode workspace");
+  cuda_check(kernels::decode_workspace_init({ws.get(), ws.bytes()}, nullptr), "workspace init");
+  return ws;
+}
+
+/// Selection of `rows` (layer, sequence) rows: score with fp32 queries, top-k per KV head, gather into packed K/V.
+/// k_cache / v_cache are the pool bases and block_table addresses pages of the right layer (layer-batched rows).
+struct Selector {
+  const ModelConfig& cfg;
+  const Opts& o;
+  int max_rows, stride;
+  DeviceBuffer scores, indices;
+  Selector(const ModelConfig& c, const Opts& opts, int rows, int score_stride)
+      : cfg(c), o(opts), max_rows(rows), stride(score_stride),
+        scores(static_cast<size_t>(rows) * c.num_kv_heads * score_stride * 4, "selection scores"),
+        indices(static_cast<size_t>(rows) * c.num_kv_heads * opts.budget * 4, "selection indices") {}
+  // after_score / after_topk: optional events recorded between the stages (stage timing).
+  void run(int rows, const float* q_hat, const void* k_cache, const void* v_cache, const int32_t* block_table,
+           int max_pages, const int32_t* sel_lens, void* packed_k, void* packed_v, cudaStream_t stream,
+           cudaEvent_t after_score = nullptr, cudaEvent_t after_topk = nullptr) {
+    kernels::ScoreTokensParams sp;
+    sp.q_hat = q_hat;
+    sp.k_cache = k_cache;
+    sp.block_table = block_table;
+    sp.num_tokens = sel_lens;
+    sp.scores = scores.as<float>();
+    sp.batch = rows;
+    sp.num_q_heads = cfg.num_q_heads;
+    sp.num_kv_heads = cfg.num_kv_heads;
+    sp.head_dim = cfg.head_dim;
+    sp.page_size = o.page_size;
+    sp.max_pages_per_seq = max_pages;
+    sp.score_stride = stride;
+    cuda_check(kernels::score_tokens(sp, stream), "score_tokens");
+    if (after_score != nullptr) cuda_check(cudaEventRecord(after_score, stream), "record");
+    kernels::TopkParams tp;
+    tp.scores = scores.as<float>();
+    tp.row_lens = sel_lens;
+    tp.indices = indices.as<int32_t>();
+    tp.batch = rows;
+    tp.rows_per_batch = cfg.num_kv_heads;
+    tp.score_stride = stride;
+    tp.k = o.budget;
+    cuda_check(kernels::topk_select(tp, stream), "topk_select");
+    if (after_topk != nullptr) cuda_check(cudaEventRecord(after_topk, stream), "record");
+    kernels::GatherKvParams gp;
+    gp.k_cache = k_cache;
+    gp.v_cache = v_cache;
+    gp.block_table = block_table;
+    gp.indices = indices.as<int32_t>();
+    gp.packed_k = packed_k;
+    gp.packed_v = packed_v;
+    gp.batch = rows;
+    gp.num_kv_heads = cfg.num_kv_heads;
+    gp.head_dim = cfg.head_dim;
+    gp.page_size = o.page_size;
+    gp.max_pages_per_seq = max_pages;
+    gp.k = o.budget;
+    cuda_check(kernels::gather_kv(gp, stream), "gather_kv");
+  }
+};
+
+/// Mode 2: synchronous selection with the true query, inline in every layer, on the inference GPU.
+class OracleAttention : public GpuAttention {
+ public:
+  OracleAttention(const ModelConfig& cfg, const Opts& o, int score_stride)
+      : cfg_(cfg), o_(o), sel_(cfg, o, o.batch, score_stride),
+        qf_(static_cast<size_t>(o.batch) * cfg.q_dim() * 4, "oracle q fp32"),
+        lens_(static_cast<size_t>(o.batch) * 2 * 4, "oracle lengths"),
+        packed_(static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget * cfg.head_dim * 2 * 2, "oracle packed KV"),
+        ws_(decode_workspace(cfg, o.batch)) {}
+  void attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) override {
+    int32_t* sel_lens = lens_.as<int32_t>();
+    int32_t* num_packed = sel_lens + o_.batch;
+    cuda_check(kernels::offset_clamp({b.seq_lens, sel_lens, b.batch, -o_.local_window, 0, 0x7fffffff}, stream),
+               "selectable lengths");
+    cuda_check(kernels::offset_clamp({b.seq_lens, num_packed, b.batch, -o_.local_window, 0, o_.budget}, stream),
+               "packed counts");
+    cuda_check(kernels::cast({DType::BF16, DType::F32, s.q, qf_.get(), static_cast<size_t>(b.batch) * cfg_.q_dim()},
+                             stream),
+               "q to fp32");
+    const size_t half = static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget * cfg_.head_dim;
+    void* pk = packed_.get();
+    void* pv = packed_.as<uint16_t>() + half;
+    sel_.run(b.batch, qf_.as<float>(), s.k_cache, s.v_cache, b.block_table, b.max_pages, sel_lens, pk, pv, stream);
+    packed_attention(cfg_, o_, s, b, pk, pv, num_packed, ws_, stream);
+  }
+
+ private:
+  const ModelConfig& cfg_;
+  const Opts& o_;
+  Selector sel_;
+  DeviceBuffer qf_, lens_, packed_, ws_;
+};
+
+json result_row(const Opts& o, const ModelConfig& cfg, const std::string& mode, const std::vector<double>& tpot_ms) {
+  const Stats s = stats(tpot_ms);
+  json r;
+  r["label"] = o.label;
+  r["mode"] = mode;
+  r["batch"] = o.batch;
+  r["context"] = o.context;
+  r["budget"] = o.budget;
+  r["local_window"] = o.local_window;
+  r["layers"] = cfg.num_layers;
+  r["steps"] = static_cast<int>(tpot_ms.size());
+  r["tpot_median_ms"] = s.median;
+  r["tpot_p99_ms"] = s.p99;
+  r["tpot_mean_ms"] = s.mean;
+  return r;
+}
+
+// Bytes one decode step must read at least: KV of the attended tokens (K and V, every layer).
+double kv_bytes(const ModelConfig& cfg, const Opts& o, double tokens_per_seq) {
+  return 2.0 * cfg.num_layers * o.batch * cfg.num_kv_heads * cfg.head_dim * 2.0 * tokens_per_seq;
+}
+
+/// Modes 1 and 2 on the current GPU: eager and CUDA-graph TPOT.
+std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel& model, const std::string& mode,
+                                 double copy_gbps) {
+  const Plan plan(o, cfg);
+  GpuKvPool pool(cfg.num_layers, plan.full_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim);
+  cudaStream_t stream;
+  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  pool.fill_random(o.seed + 11, 1.f, stream);
+  std::unique_ptr<GpuAttention> attn;
+  if (mode == "dense") {
+    attn = std::make_unique<GpuDenseAttention>(cfg, o.page_size, o.batch);
+  } else {
+    attn = std::make_unique<OracleAttention>(cfg, o, plan.max_len);
+  }
+  GpuStepBuffers buffers(o.batch, o.batch, plan.max_pages, o.batch, plan.full_pages());
+  DeviceBuffer tokens_out(static_cast<size_t>(o.batch) * 4, "sampled tokens");
+  const std::vector<int32_t> table = plan.full_table();
+  std::vector<json> rows;
+  for (const bool graph : {false, true}) {
+    GpuGraph g;
+    EventGrid ends(plan.total_steps, 1);
+    auto body = [&](const GpuBatch& b, cudaStream_t st) {
+      model.forward(b, pool, *attn, st);
+      model.argmax(o.batch, tokens_out.as<int32_t>(), st);
+    };
+    for (int t = 0; t < plan.total_steps; ++t) {
+      const GpuBatch b = buffers.upload(plan.step(t, table), stream);
+      if (graph) {
+        if (!g.captured()) g.capture(stream, [&](cudaStream_t st) { body(b, st); });
+        g.launch(stream);
+      } else {
+        body(b, stream);
+      }
+      cuda_check(cudaEventRecord(ends(t, 0), stream), "record");
+      cuda_check(cudaEventSynchronize(ends(t, 0)), "step sync");
+    }
+    std::vector<double> tpot;
+    for (int t = o.warmup; t < plan.total_steps; ++t) tpot.push_back(elapsed_ms(ends(t - 1, 0), ends(t, 0)));
+    json r = result_row(o, cfg, mode, tpot);
+    r["cuda_graph"] = graph;
+    const double attended = mode == "dense" ? o.context + o.warmup + o.steps / 2.0 : o.budget + o.local_window;
+    const double floor_bytes = model.weight_bytes() + kv_bytes(cfg, o, attended);
+    r["weight_bytes"] = model.weight_bytes();
+    r["floor_bytes"] = floor_bytes;
+    r["floor_ms"] = floor_bytes / (copy_gbps * 1e6);
+    r["tpot_over_floor"] = r["tpot_median_ms"].get<double>() / r["floor_ms"].get<double>();
+    if (mode == "oracle")
+      r["note"] = "floor counts only the selected KV; the oracle also reads every key to score it (" +
+                  std::to_string(kv_bytes(cfg, o, o.context) / 2 / 1e9) + " GB/step)";
+    std::printf("  %-7s %-5s TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx)\n", mode.c_str(),
+                graph ? "graph" : "eager", r["tpot_median_ms"].get<double>(), r["tpot_p99_ms"].get<double>(),
+                r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>());
+    rows.push_back(r);
+  }
+  cuda_check(cudaStreamDestroy(stream), "stream");
+  return rows;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Mode 3: AsyncSpade over two GPUs.
+// ---------------------------------------------------------------------------------------------------------------
+
+struct Link {
+  ncclComm_t up = nullptr;    // inference -> cache: qkv rows of a pack
+  ncclComm_t down = nullptr;  // cache -> inference: selected K/V of a pack
+};
+
+struct AsyncShared {
+  int P = 0, packs = 0;
+  size_t up_bytes_pack = 0;    // one layer pack's qkv rows
+  size_t down_bytes_layer = 0; // one layer's packed K + V
+  std::atomic<bool> failed{false};
+  std::string error;
+};
+
+/// Inference-rank attention: waits for the pack's selected KV, attends over it + the local window, copies the
+/// layer's qkv rows into the pack's send buffer and ships the pack after its last layer.
+class AsyncInferenceAttention : public GpuAttention {
+ public:
+  AsyncInferenceAttention(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, Link link, int total_steps)
+      : cfg_(cfg), o_(o), sh_(sh), link_(link),
+        up_(static_cast<size_t>(sh.packs) * sh.up_bytes_pack, "qkv send buffers"),
+        down_(2 * static_cast<size_t>(sh.packs) * sh.P * sh.down_bytes_layer, "selected KV receive buffers"),
+        lens_(static_cast<size_t>(o.batch) * 4, "packed counts"), ws_(decode_workspace(cfg, o.batch)),
+        arrive_(total_steps + 1, sh.packs), ready_(total_steps + 1, sh.packs), pack_end_(total_steps + 1, sh.packs),
+        recv_done_(total_steps + 1, sh.packs), sent_(total_steps + 1, sh.packs) {
+    cuda_check(cudaStreamCreateWithFlags(&up_stream_, cudaStreamNonBlocking), "stream");
+    cuda_check(cudaStreamCreateWithFlags(&down_stream_, cudaStreamNonBlocking), "stream");
+  }
+  ~AsyncInferenceAttention() override {
+    cudaStreamDestroy(up_stream_);
+    cudaStreamDestroy(down_stream_);
+  }
+  void set_step(int t) { step_ = t; }
+  char* recv_buf(int t, int p) const {
+    return down_.as<char>() + (static_cast<size_t>(t % 2) * sh_.packs + p) * sh_.P * sh_.down_bytes_layer;
+  }
+  /// Posts the receives of step t's selected KV (sent by the cache rank during step t - 1).
+  void post_recvs(int t) {
+    for (int p = 0; p < sh_.packs; ++p) {
+      if (t >= 2) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(t - 2, p), 0), "wait");  // buffer reuse
+      NCCL_OK(ncclRecv(recv_buf(t, p), sh_.P * sh_.down_bytes_layer, ncclUint8, 1, link_.down, down_stream_));
+      cuda_check(cudaEventRecord(recv_done_(t, p), down_stream_), "record");
+    }
+  }
+  void attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) override {
+    const int p = s.layer / sh_.P, j = s.layer % sh_.P, t = step_;
+    if (s.layer == 0)
+      cuda_check(kernels::offset_clamp({b.seq_lens, lens_.as<int32_t>(), b.batch, -o_.local_window, 0, o_.budget},
+                                       stream),
+                 "packed counts");
+    if (j == 0) {
+      cuda_check(cudaEventRecord(arrive_(t, p), stream), "record");
+      cuda_check(cudaStreamWaitEvent(stream, recv_done_(t, p), 0), "wait");
+      cuda_check(cudaEventRecord(ready_(t, p), stream), "record");
+      if (t >= 1) cuda_check(cudaStreamWaitEvent(stream, sent_(t - 1, p), 0), "wait");  // send buffer reuse
+    }
+    const size_t half = sh_.P * sh_.down_bytes_layer / 2, layer_half = sh_.down_bytes_layer / 2;
+    const char* base = recv_buf(t, p);
+    packed_attention(cfg_, o_, s, b, base + j * layer_half, base + half + j * layer_half, lens_.as<int32_t>(), ws_,
+                     stream);
+    const size_t row_bytes = sh_.up_bytes_pack / sh_.P;
+    cuda_check(cudaMemcpyAsync(up_.as<char>() + p * sh_.up_bytes_pack + j * row_bytes, s.qkv, row_bytes,
+                               cudaMemcpyDeviceToDevice, stream),
+               "qkv to send buffer");
+    if (j == sh_.P - 1 || s.layer == cfg_.num_layers - 1) {
+      cuda_check(cudaEventRecord(pack_end_(t, p), stream), "record");
+      cuda_check(cudaStreamWaitEvent(up_stream_, pack_end_(t, p), 0), "wait");
+      NCCL_OK(ncclSend(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, ncclUint8, 1, link_.up, up_stream_));
+      cuda_check(cudaEventRecord(sent_(t, p), up_stream_), "record");
+    }
+  }
+  // Per (step, pack): stall (ms the pack waited for its KV), inference time (ready -> pack end).
+  void pack_times(int t, int p, double* stall_ms, double* infer_ms) const {
+    *stall_ms = elapsed_ms(arrive_(t, p), ready_(t, p));
+    *infer_ms = elapsed_ms(ready_(t, p), pack_end_(t, p));
+  }
+
+ private:
+  const ModelConfig& cfg_;
+  const Opts& o_;
+  AsyncShared& sh_;
+  Link link_;
+  DeviceBuffer up_, down_, lens_, ws_;
+  EventGrid arrive_, ready_, pack_end_, recv_done_, sent_;
+  cudaStream_t up_stream_ = nullptr, down_stream_ = nullptr;
+  int step_ = 0;
+};
+
+/// The cache rank's side of the benchmark (GPU 1): full KV pool, query windows, selection one step ahead.
+class AsyncCacheRank {
+ public:
+  AsyncCacheRank(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, Link link, const Plan& plan)
+      : cfg_(cfg), o_(o), sh_(sh), link_(link), plan_(plan), L_(cfg.num_layers), B_(o.batch), cap_(o.query_window + 1),
+        pool_(cfg.num_layers, plan.full_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim),
+        up_(static_cast<size_t>(sh.packs) * sh.up_bytes_pack, "qkv receive buffers"),
+        send_(2 * static_cast<size_t>(sh.packs) * sh.P * sh.down_bytes_layer, "selected KV send buffers"),
+        window_(2 * static_cast<size_t>(L_) * B_ * cfg.q_dim() * cap_ * 2, "query windows"),
+        window_len_(static_cast<size_t>(sh.P) * B_ * 4, "window lengths"),
+        q_tmp_(static_cast<size_t>(B_) * cfg.q_dim() * 2, "roped q"),
+        q_hat_(static_cast<size_t>(sh.P) * B_ * cfg.q_dim() * 4, "predicted queries"),
+        lbt_(static_cast<size_t>(L_) * B_ * plan.max_pages * 4, "layer-batched block table"),
+        sel_lens_(static_cast<size_t>(plan.total_steps + 1) * sh.P * B_ * 4, "selectable lengths"),
+        sel_(cfg, o, sh.P * B_, plan.max_len), steps_(plan.o.batch, plan.o.batch, plan.max_pages, plan.o.batch, plan.full_pages()),
+        qkv_ready_(plan.total_steps + 1, sh.packs), cm_start_(plan.total_steps + 1, sh.packs),
+        cm_end_(plan.total_steps + 1, sh.packs), send_start_(plan.total_steps + 1, sh.packs),
+        send_end_(plan.total_steps + 1, sh.packs), after_append_(plan.total_steps + 1, sh.packs),
+        after_predict_(plan.total_steps + 1, sh.packs), after_score_(plan.total_steps + 1, sh.packs),
+        after_topk_(plan.total_steps + 1, sh.packs), table_(plan.full_table()) {
+    for (auto* s : {&stream_, &up_stream_, &down_stream_})
+      cuda_check(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking), "stream");
+    cuda_check(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming), "event");
+    pool_.fill_random(o.seed + 11, 1.f, stream_);
+    cuda_check(kernels::random_fill({DType::BF16, window_.get(), window_.bytes() / 2, o.seed + 13, 1.f, 0.f}, stream_),
+               "window fill");
+    std::vector<int32_t> wl(static_cast<size_t>(sh.P) * B_, cap_);
+    cuda_check(cudaMemcpy(window_len_.get(), wl.data(), wl.size() * 4, cudaMemcpyHostToDevice), "upload");
+    // Layer-batched block table: row (l, b) addresses layer l's pages from the pool base (global page l*P + page).
+    const std::vector<int32_t>& table = table_;
+    std::vector<int32_t> lbt(static_cast<size_t>(L_) * B_ * plan.max_pages);
+    for (int l = 0; l < L_; ++l)
+      for (size_t i = 0; i < table.size(); ++i) lbt[static_cast<size_t>(l) * table.size() + i] = table[i] + l * plan.full_pages();
+    cuda_check(cudaMemcpy(lbt_.get(), lbt.data(), lbt.size() * 4, cudaMemcpyHostToDevice), "upload");
+    // Selectable lengths of the step each selection is for: positions < seq_len(step) - local_window.
+    std::vector<int32_t> sl;
+    for (int t = 0; t <= plan.total_steps; ++t)
+      for (int r = 0; r < sh.P * B_; ++r) sl.push_back(std::max(0, plan.seq_len(t) - o.local_window));
+    cuda_check(cudaMemcpy(sel_lens_.get(), sl.data(), sl.size() * 4, cudaMemcpyHostToDevice), "upload");
+    cuda_check(cudaStreamSynchronize(stream_), "cache rank init");
+  }
+  ~AsyncCacheRank() {
+    for (auto s : {stream_, up_stream_, down_stream_}) cudaStreamDestroy(s);
+    cudaEventDestroy(uploaded_);
+  }
+
+  void run() {
+    for (int p = 0; p < sh_.packs; ++p) select_and_send(/*for_step=*/0, p);  // as after the prefill
+    for (int t = 0; t < plan_.total_steps && !sh_.failed.load(); ++t) {
+      const GpuBatch b = steps_.upload(plan_.step(t, table_), stream_);
+      cuda_check(cudaEventRecord(uploaded_, stream_), "record");
+      for (int p = 0; p < sh_.packs; ++p) {
+        if (t >= 1) cuda_check(cudaStreamWaitEvent(up_stream_, cm_end_(t, p), 0), "wait");  // (t-1)'s use done
+        NCCL_OK(ncclRecv(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, ncclUint8, 0, link_.up,
+                         up_stream_));
+        cuda_check(cudaEventRecord(qkv_ready_(t, p), up_stream_), "record");
+      }
+      for (int p = 0; p < sh_.packs; ++p) {
+        cuda_check(cudaStreamWaitEvent(stream_, qkv_ready_(t, p), 0), "wait");
+        cuda_check(cudaEventRecord(cm_start_(t + 1, p), stream_), "record");
+        append_pack(t, p, b);
+        select_and_send(t + 1, p);
+      }
+      // The staging buffer of steps_ is reused by the next upload: wait for this step's copy.
+      cuda_check(cudaEventSynchronize(uploaded_), "cache step sync");
+    }
+    cuda_check(cudaStreamSynchronize(down_stream_), "cache rank drain");
+    cuda_check(cudaStreamSynchronize(stream_), "cache rank drain");
+  }
+  /// ms of cache management (append + predict + score + top-k + gather) and of the send, for the selection of step t.
+  void pack_times(int t, int p, double* cm_ms, double* send_ms, double stage_ms[5]) const {
+    *cm_ms = elapsed_ms(cm_start_(t, p), cm_end_(t, p));
+    *send_ms = elapsed_ms(send_start_(t, p), send_end_(t, p));
+    stage_ms[0] = elapsed_ms(cm_start_(t, p), after_append_(t, p));  // K/V append + window push
+    stage_ms[1] = elapsed_ms(after_append_(t, p), after_predict_(t, p));
+    stage_ms[2] = elapsed_ms(after_predict_(t, p), after_score_(t, p));
+    stage_ms[3] = elapsed_ms(after_score_(t, p), after_topk_(t, p));
+    stage_ms[4] = elapsed_ms(after_topk_(t, p), cm_end_(t, p));  // gather
+  }
+
+ private:
+  int pack_layers(int p) const { return std::min(sh_.P, L_ - p * sh_.P); }
+  char* window(int parity, int layer) const {
+    return window_.as<char>() + ((static_cast<size_t>(parity) * L_ + layer) * B_ * cfg_.q_dim() * cap_) * 2;
+  }
+  // Step t's K/V append and query-window push for the layers of pack p (window parity (t+1) % 2 becomes current).
+  void append_pack(int t, int p, const GpuBatch& b) {
+    const int Hq = cfg_.num_q_heads, D = cfg_.head_dim;
+    const size_t row_bytes = sh_.up_bytes_pack / sh_.P;
+    for (int j = 0; j < pack_layers(p); ++j) {
+      const int l = p * sh_.P + j;
+      kernels::RopeKvAppendParams r;
+      r.qkv = up_.as<char>() + p * sh_.up_bytes_pack + j * row_bytes;
+      r.q_out = q_tmp_.get();
+      r.k_cache = pool_.k(l);
+      r.v_cache = pool_.v(l);
+      r.positions = b.positions;
+      r.seq_idx = b.seq_idx;
+      r.block_table = b.block_table;
+      r.tokens = B_;
+      r.num_q_heads = Hq;
+      r.num_kv_heads = cfg_.num_kv_heads;
+      r.head_dim = D;
+      r.rot_dim = cfg_.rope_dim();
+      r.batch = B_;
+      r.max_pages_per_seq = b.max_pages;
+      r.page_size = o_.page_size;
+      r.num_pages = pool_.num_pages();
+      r.theta = cfg_.rope_theta;
+      // The cache rank holds no q/k-norm weights in this benchmark: it normalises with unit weights (same cost).
+      cuda_check(kernels::rope_kv_append(r, stream_), "cache rank KV append");
+      const size_t row = static_cast<size_t>(cap_) * D * 2;  // one (sequence, head) window
+      char* src = window(t % 2, l);
+      char* dst = window((t + 1) % 2, l);
+      cuda_check(cudaMemcpy2DAsync(dst, row, src + D * 2, row, (cap_ - 1) * D * 2, static_cast<size_t>(B_) * Hq,
+                                   cudaMemcpyDeviceToDevice, stream_),
+                 "window shift");
+      cuda_check(cudaMemcpy2DAsync(dst + (cap_ - 1) * D * 2, row, q_tmp_.get(), D * 2, D * 2,
+                                   static_cast<size_t>(B_) * Hq, cudaMemcpyDeviceToDevice, stream_),
+                 "window push");
+    }
+  }
+  // Predict, score, top-k and gather the selection of step `for_step` for pack p, then send it.
+  void select_and_send(int for_step, int p) {
+    const int n = pack_layers(p), rows = n * B_;
+    if (for_step == 0) cuda_check(cudaEventRecord(cm_start_(0, p), stream_), "record");
+    cuda_check(cudaEventRecord(after_append_(for_step, p), stream_), "record");
+    kernels::PredictQueryParams pq;
+    pq.window_dtype = DType::BF16;
+    pq.window = window(for_step % 2, p * sh_.P);
+    pq.window_len = window_len_.as<int32_t>();
+    pq.q_hat = q_hat_.as<float>();
+    pq.batch = rows;
+    pq.num_heads = cfg_.num_q_heads;
+    pq.window_capacity = cap_;
+    pq.head_dim = cfg_.head_dim;
+    pq.max_regressors = o_.query_window;
+    pq.eps = o_.ridge_eps;
+    cuda_check(kernels::predict_next_query(pq, stream_), "predict_next_query");
+    cuda_check(cudaEventRecord(after_predict_(for_step, p), stream_), "record");
+    const int par = for_step % 2;
+    char* out = send_.as<char>() + (static_cast<size_t>(par) * sh_.packs + p) * sh_.P * sh_.down_bytes_layer;
+    if (for_step >= 2) cuda_check(cudaStreamWaitEvent(stream_, send_end_(for_step - 2, p), 0), "wait");
+    const int32_t* lens = sel_lens_.as<int32_t>() + static_cast<size_t>(for_step) * sh_.P * B_;
+    sel_.run(rows, q_hat_.as<float>(), pool_.k(0), pool_.v(0),
+             lbt_.as<int32_t>() + static_cast<size_t>(p) * sh_.P * B_ * plan_.max_pages, plan_.max_pages, lens, out,
+             out + sh_.P * sh_.down_bytes_layer / 2, stream_, after_score_(for_step, p), after_topk_(for_step, p));
+    cuda_check(cudaEventRecord(cm_end_(for_step, p), stream_), "record");
+    cuda_check(cudaStreamWaitEvent(down_stream_, cm_end_(for_step, p), 0), "wait");
+    cuda_check(cudaEventRecord(send_start_(for_step, p), down_stream_), "record");
+    NCCL_OK(ncclSend(out, sh_.P * sh_.down_bytes_layer, ncclUint8, 0, link_.down, down_stream_));
+    cuda_check(cudaEventRecord(send_end_(for_step, p), down_stream_), "record");
+  }
+
+  const ModelConfig& cfg_;
+  const Opts& o_;
+  AsyncShared& sh_;
+  Link link_;
+  const Plan& plan_;
+  int L_, B_, cap_;
+  GpuKvPool pool_;
+  DeviceBuffer up_, send_, window_, window_len_, q_tmp_, q_hat_, lbt_, sel_lens_;
+  Selector sel_;
+  GpuStepBuffers steps_;
+  EventGrid qkv_ready_, cm_start_, cm_end_, send_start_, send_end_;
+  EventGrid after_append_, after_predict_, after_score_, after_topk_;  // stage boundaries inside cm_start..cm_end
+  std::vector<int32_t> table_;
+  cudaStream_t stream_ = nullptr, up_stream_ = nullptr, down_stream_ = nullptr;
+  cudaEvent_t uploaded_ = nullptr;
+};
+
+json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack, double copy_gbps) {
+  const Plan plan(o, cfg);
+  AsyncShared sh;
+  sh.P = pack;
+  sh.packs = (cfg.num_layers + pack - 1) / pack;
+  sh.up_bytes_pack = static_cast<size_t>(pack) * o.batch * (cfg.q_dim() + 2 * cfg.kv_dim()) * 2;
+  sh.down_bytes_layer = static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget * cfg.head_dim * 2 * 2;
+  ncclUniqueId id_up, id_down;
+  NCCL_OK(ncclGetUniqueId(&id_up));
+  NCCL_OK(ncclGetUniqueId(&id_down));
+  Link links[2];
+  std::unique_ptr<AsyncCacheRank> cache;
+  std::vector<double> cm, sendms;
+  std::vector<double> stage[5];
+  // Cache rank thread: GPU 1.
+  std::thread cache_thread([&] {
+    try {
+      cuda_check(cudaSetDevice(1), "cudaSetDevice(1)");
+      NCCL_OK(ncclGroupStart());
+      NCCL_OK(ncclCommInitRank(&links[1].up, 2, id_up, 1));
+      NCCL_OK(ncclCommInitRank(&links[1].down, 2, id_down, 1));
+      NCCL_OK(ncclGroupEnd());
+      cache = std::make_unique<AsyncCacheRank>(cfg, o, sh, links[1], plan);
+      cache->run();
+    } catch (const std::exception& e) {
+      sh.error = std::string("cache rank (GPU 1): ") + e.what();
+      sh.failed = true;
+    }
+  });
+  json r;
+  std::vector<double> tpot, stalls, infer;
+  int stall_count = 0;
+  try {
+    cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
+    NCCL_OK(ncclGroupStart());
+    NCCL_OK(ncclCommInitRank(&links[0].up, 2, id_up, 0));
+    NCCL_OK(ncclCommInitRank(&links[0].down, 2, id_down, 0));
+    NCCL_OK(ncclGroupEnd());
+    GpuKvPool local(cfg.num_layers, plan.window_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim);
+    cudaStream_t stream;
+    cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+    local.fill_random(o.seed + 17, 1.f, stream);
+    AsyncInferenceAttention attn(cfg, o, sh, links[0], plan.total_steps);
+    GpuStepBuffers buffers(o.batch, o.batch, plan.max_pages, o.batch, plan.window_pages());
+    DeviceBuffer tokens_out(static_cast<size_t>(o.batch) * 4, "sampled tokens");
+    const std::vector<int32_t> table = plan.window_table();
+    EventGrid ends(plan.total_steps, 1);
+    attn.post_recvs(0);
+    for (int t = 0; t < plan.total_steps; ++t) {
+      SPADE_CHECK(!sh.failed.load(), "{}", sh.error);
+      const GpuBatch b = buffers.upload(plan.step(t, table), stream);
+      attn.set_step(t);
+      model.forward(b, local, attn, stream);
+      model.argmax(o.batch, tokens_out.as<int32_t>(), stream);
+      cuda_check(cudaEventRecord(ends(t, 0), stream), "record");
+      if (t + 1 <= plan.total_steps) attn.post_recvs(t + 1);
+      cuda_check(cudaEventSynchronize(ends(t, 0)), "step sync");
+    }
+    cuda_check(cudaDeviceSynchronize(), "drain");
+    for (int t = o.warmup; t < plan.total_steps; ++t) {
+      tpot.push_back(elapsed_ms(ends(t - 1, 0), ends(t, 0)));
+      for (int p = 0; p < sh.packs; ++p) {
+        double s = 0, i = 0;
+        attn.pack_times(t, p, &s, &i);
+        stalls.push_back(s);
+        infer.push_back(i);
+        if (s > 0.020) ++stall_count;
+      }
+    }
+    cuda_check(cudaStreamDestroy(stream), "stream");
+  } catch (const std::exception& e) {
+    sh.failed = true;
+    sh.error = std::string("inference rank (GPU 0): ") + e.what();
+  }
+  if (sh.failed.load()) {
+    // Unblock the peer: abort both ranks' communicators.
+    for (auto& l : links) {
+      if (l.up != nullptr) ncclCommAbort(l.up);
+      if (l.down != nullptr) ncclCommAbort(l.down);
+      l = Link{};
+    }
+  }
+  cache_thread.join();
+  SPADE_CHECK(!sh.failed.load(), "async run failed: {}", sh.error);
+  cuda_check(cudaSetDevice(1), "cudaSetDevice(1)");
+  for (int t = o.warmup; t < plan.total_steps; ++t)
+    for (int p = 0; p < sh.packs; ++p) {
+      double c = 0, s = 0, st5[5];
+      cache->pack_times(t, p, &c, &s, st5);
+      cm.push_back(c);
+      sendms.push_back(s);
+      for (int i = 0; i < 5; ++i) stage[i].push_back(st5[i]);
+    }
+  cache.reset();
+  for (auto& l : links) {
+    ncclCommDestroy(l.up);
+    ncclCommDestroy(l.down);
+  }
+  cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
+
+  r = result_row(o, cfg, "async", tpot);
+  r["pack"] = pack;
+  r["packs"] = sh.packs;
+  const double down_pack = static_cast<double>(sh.P) * sh.down_bytes_layer;
+  const Stats inf = stats(infer), cms = stats(cm), snd = stats(sendms), st = stats(stalls);
+  r["inference_ms_per_pack"] = inf.median;
+  r["cache_ms_per_pack"] = cms.median;
+  r["send_ms_per_pack"] = snd.median;
+  const char* stage_names[5] = {"append", "predict", "score", "topk", "gather"};
+  json stages;
+  for (int i = 0; i < 5; ++i) stages[stage_names[i]] = stats(stage[i]).median;
+  r["cache_stage_ms_per_pack"] = stages;
+  r["bytes_up_per_step"] = static_cast<double>(sh.up_bytes_pack) * sh.packs;
+  r["bytes_down_per_step"] = down_pack * sh.packs;
+  r["required_gbps"] = down_pack / (inf.median * 1e6);
+  r["achieved_gbps"] = down_pack / (snd.median * 1e6);
+  r["stalls"] = stall_count;
+  r["stall_checks"] = static_cast<int>(stalls.size());
+  r["stall_ms_median"] = st.median;
+  r["stall_ms_p99"] = st.p99;
+  r["weight_bytes"] = model.weight_bytes();
+  const double floor_bytes = model.weight_bytes() + kv_bytes(cfg, o, o.budget + o.local_window);
+  r["floor_bytes"] = floor_bytes;
+  r["floor_ms"] = floor_bytes / (copy_gbps * 1e6);
+  r["tpot_over_floor"] = r["tpot_median_ms"].get<double>() / r["floor_ms"].get<double>();
+  std::printf("  async   P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms, "
+              "cache %.3f ms, send %.3f ms | down %.1f MB/step, need %.0f GB/s, got %.0f GB/s | stalls %d/%d\n",
+              pack, r["tpot_median_ms"].get<double>(), r["tpot_p99_ms"].get<double>(), r["floor_ms"].get<double>(),
+              r["tpot_over_floor"].get<double>(), inf.median, cms.median, snd.median, down_pack * sh.packs / 1e6,
+              r["required_gbps"].get<double>(), r["achieved_gbps"].get<double>(), stall_count,
+              static_cast<int>(stalls.size()));
+  std::printf("          cache stages per pack (ms): append %.3f predict %.3f score %.3f topk %.3f gather %.3f\n",
+              stages["append"].get<double>(), stages["predict"].get<double>(), stages["score"].get<double>(),
+              stages["topk"].get<double>(), stages["gather"].get<double>());
+  return r;
+}
+
+std::vector<int> parse_ints(const std::string& s) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) v.push_back(std::stoi(x));
+  return v;
+}
+
+int main_impl(int argc, char** argv) {
+  Opts o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      SPADE_CHECK(i + 1 < argc, "{} needs a value", a);
+      return argv[++i];
+    };
+    if (a == "--config") o.config = next();
+    else if (a == "--label") o.label = next();
+    else if (a == "--out") o.out = next();
+    else if (a == "--modes") o.modes = next();
+    else if (a == "--packs") o.packs = parse_ints(next());
+    else if (a == "--batch") o.batch = std::stoi(next());
+    else if (a == "--context") o.context = std::stoi(next());
+    else if (a == "--budget") o.budget = std::stoi(next());
+    else if (a == "--steps") o.steps = std::stoi(next());
+    else if (a == "--warmup") o.warmup = std::stoi(next());
+    else if (a == "--local-window") o.local_window = std::stoi(next());
+    else fail("unknown argument {} (see the header of bench/bench_tpot.cpp)", a);
+  }
+  SPADE_CHECK(!o.config.empty(), "--config DIR (a config.json directory) is required");
+  SPADE_CHECK(o.warmup >= 1 && o.steps >= 2, "--warmup >= 1 and --steps >= 2");
+  const ModelConfig cfg = load_model_config(o.config);
+  if (o.label.empty()) o.label = cfg.model_type;
+  int ngpu = 0;
+  cuda_check(cudaGetDeviceCount(&ngpu), "cudaGetDeviceCount");
+  cudaDeviceProp prop{};
+  cuda_check(cudaGetDeviceProperties(&prop, 0), "device properties");
+  cuda_check(cudaSetDevice(0), "cudaSetDevice");
+  const double copy_gbps = measure_copy_gbps();
+  std::printf("%s: %s x%d, copy %.0f GB/s; %s batch %d context %d budget %d window %d, %d+%d steps\n",
+              o.label.c_str(), prop.name, ngpu, copy_gbps, cfg.model_type.c_str(), o.batch, o.context, o.budget,
+              o.local_window, o.warmup, o.steps);
+  GpuModelOptions mo;
+  mo.max_tokens = o.batch;
+  mo.max_logit_rows = o.batch;
+  auto model = GpuModel::random(cfg, o.seed, mo);
+  std::printf("  weights %.2f GB\n", model->weight_bytes() / 1e9);
+  std::vector<json> rows;
+  auto has = [&](const char* m) { return o.modes.find(m) != std::string::npos; };
+  for (const char* m : {"dense", "oracle"}) {
+    if (!has(m)) continue;
+    try {
+      for (auto& r : run_single_gpu(o, cfg, *model, m, copy_gbps)) rows.push_back(r);
+    } catch (const Error& e) {
+      std::printf("  %s: skipped: %s\n", m, e.what());
+      rows.push_back({{"label", o.label}, {"mode", m}, {"skipped", e.what()}});
+    }
+  }
+  if (has("async")) {
+    if (ngpu < 2) {
+      std::printf("  async: skipped: needs two GPUs (found %d)\n", ngpu);
+      rows.push_back({{"label", o.label}, {"mode", "async"}, {"skipped", "needs two GPUs"}});
+    } else {
+      int can = 0;
+      cuda_check(cudaDeviceCanAccessPeer(&can, 0, 1), "peer access query");
+      for (int P : o.packs) rows.push_back(run_async(o, cfg, *model, P, copy_gbps));
+    }
+  }
+  json doc;
+  doc["benchmark"] = "bench_tpot";
+  doc["device"] = prop.name;
+  doc["gpus"] = ngpu;
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  doc["date"] = date;
+  const char* commit = std::getenv("SPADE_COMMIT");
+  doc["commit"] = commit != nullptr ? commit : "unknown";
+  doc["copy_gbps"] = copy_gbps;
+  doc["config"] = o.config;
+  doc["label"] = o.label;
+  doc["timing"] = "TPOT = time between consecutive step-end CUDA events (host gaps included), after warm-up; "
+                  "floor = (weight bytes + attended KV bytes) / measured copy bandwidth";
+  doc["results"] = rows;
+  if (!o.out.empty()) {
+    std::ofstream f(o.out, std::ios::app);
+    f << doc.dump() << "\n";
+    std::printf("  appended to %s\n", o.out.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace spade
+
+int main(int argc, char** argv) {
+  try {
+    return spade::main_impl(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_tpot: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,597 @@
+// GPU forward pass of the inference rank (inference_rank/gpu_model.h).
+#include "inference_rank/gpu_model.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "common/error.h"
+#include "kernels/attention.cuh"
+#include "kernels/gemm.cuh"
+#include "kernels/head_dims.cuh"
+#include "kernels/layer_ops.cuh"
+#include "kernels/tensor_ops.cuh"
+
+namespace spade {
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  const char* detail = kernels::launch_error_detail();
+  fail("{}: {}{}{}{}", what, cudaGetErrorString(e), detail[0] != '\0' ? " (" : "", detail,
+       detail[0] != '\0' ? ")" : "");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// DeviceBuffer
+// ---------------------------------------------------------------------------------------------------------------
+
+DeviceBuffer::DeviceBuffer(size_t bytes, const char* what) : bytes_(bytes) {
+  const cudaError_t e = cudaMalloc(&ptr_, std::max<size_t>(bytes, 16));
+  if (e != cudaSuccess) {
+    ptr_ = nullptr;
+    cudaGetLastError();  // clear the sticky-free allocation error
+    fail("{}: cudaMalloc of {:.3f} GiB failed: {}", what, static_cast<double>(bytes) / (1 << 30),
+         cudaGetErrorString(e));
+  }
+}
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(o.bytes_) {}
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    bytes_ = o.bytes_;
+  }
+  return *this;
+}
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_ != nullptr) cudaFree(ptr_);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// GpuKvPool
+// ---------------------------------------------------------------------------------------------------------------
+
+GpuKvPool::GpuKvPool(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim)
+    : num_layers_(num_layers), num_pages_(num_pages), page_size_(page_size), num_kv_heads_(num_kv_heads),
+      head_dim_(head_dim) {
+  SPADE_CHECK(num_layers > 0 && num_pages > 0 && page_size > 0 && num_kv_heads > 0 && head_dim > 0,
+              "GpuKvPool: layers {}, pages {}, page_size {}, kv heads {}, head_dim {} must all be positive",
+              num_layers, num_pages, page_size, num_kv_heads, head_dim);
+  layer_elems_ = static_cast<size_t>(num_pages) * page_size * num_kv_heads * head_dim;
+  const size_t bytes = layer_elems_ * num_layers * 2;
+  k_ = DeviceBuffer(bytes, "KV pool (K)");
+  v_ = DeviceBuffer(bytes, "KV pool (V)");
+}
+void* GpuKvPool::k(int layer) const { return static_cast<uint16_t*>(k_.get()) + layer_elems_ * layer; }
+void* GpuKvPool::v(int layer) const { return static_cast<uint16_t*>(v_.get()) + layer_elems_ * layer; }
+void GpuKvPool::fill_random(uint64_t seed, float scale, cudaStream_t stream) {
+  const size_t n = layer_elems_ * num_layers_;
+  cuda_check(kernels::random_fill({DType::BF16, k_.get(), n, seed, scale, 0.f}, stream), "KV pool random fill");
+  cuda_check(kernels::random_fill({DType::BF16, v_.get(), n, seed ^ 0x5bd1e995ull, scale, 0.f}, stream),
+             "KV pool random fill");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// GpuStepBuffers: one int32 arena [tokens | positions | seq_idx | cu_q_lens | seq_lens | block_table | logit_rows |
+// error_flag], uploaded with a single copy.
+// ---------------------------------------------------------------------------------------------------------------
+
+GpuStepBuffers::GpuStepBuffers(int max_tokens, int max_batch, int max_pages, int max_logit_rows, int num_pages)
+    : max_tokens_(max_tokens), max_batch_(max_batch), max_pages_(max_pages), max_logit_rows_(max_logit_rows),
+      num_pages_(num_pages) {
+  SPADE_CHECK(max_tokens > 0 && max_batch > 0 && max_pages > 0 && max_logit_rows > 0 && num_pages > 0,
+              "GpuStepBuffers: every bound must be positive");
+  cuda_check(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming), "step buffers: event");
+  words_ = 3 * static_cast<size_t>(max_tokens) + 2 * static_cast<size_t>(max_batch) + 1 +
+           static_cast<size_t>(max_batch) * max_pages + max_logit_rows + 1;
+  dev_ = DeviceBuffer(words_ * 4, "step buffers");
+  cuda_check(cudaMallocHost(reinterpret_cast<void**>(&pinned_), words_ * 4), "step buffers: cudaMallocHost");
+}
+GpuStepBuffers::~GpuStepBuffers() {
+  if (copied_ != nullptr) {
+    cudaEventSynchronize(copied_);
+    cudaEventDestroy(copied_);
+  }
+  if (pinned_ != nullptr) cudaFreeHost(pinned_);
+}
+int32_t* GpuStepBuffers::error_flag() const { return dev_.as<int32_t>() + words_ - 1; }
+
+GpuBatch GpuStepBuffers::upload(const GpuStepHost& h, cudaStream_t stream) {
+  const int T = static_cast<int>(h.tokens.size());
+  const int B = static_cast<int>(h.seq_lens.size());
+  const int R = static_cast<int>(h.logit_rows.size());
+  SPADE_CHECK(T >= 1 && T <= max_tokens_, "step: {} tokens (this rank's buffers hold 1..{})", T, max_tokens_);
+  SPADE_CHECK(B >= 1 && B <= max_batch_, "step: batch of {} (buffers hold 1..{})", B, max_batch_);
+  SPADE_CHECK(R <= max_logit_rows_, "step: {} logit rows (buffers hold {})", R, max_logit_rows_);
+  SPADE_CHECK(h.max_pages >= 1 && h.max_pages <= max_pages_, "step: max_pages {} (buffers hold 1..{})", h.max_pages,
+              max_pages_);
+  SPADE_CHECK(static_cast<int>(h.positions.size()) == T && static_cast<int>(h.seq_idx.size()) == T,
+              "step: positions / seq_idx must have one entry per token ({})", T);
+  SPADE_CHECK(static_cast<int>(h.cu_q_lens.size()) == B + 1 && h.cu_q_lens.front() == 0 && h.cu_q_lens.back() == T,
+              "step: cu_q_lens must have batch + 1 = {} entries from 0 to {}", B + 1, T);
+  SPADE_CHECK(h.block_table.size() == static_cast<size_t>(B) * h.max_pages, "step: block_table must be {} x {}", B,
+              h.max_pages);
+  int max_q = 0, max_len = 0;
+  for (int b = 0; b < B; ++b) {
+    const int q = h.cu_q_lens[b + 1] - h.cu_q_lens[b];
+    SPADE_CHECK(q >= 1 && q <= h.seq_lens[b], "step: sequence {} has {} query tokens for context {}", b, q,
+                h.seq_lens[b]);
+    max_q = std::max(max_q, q);
+    max_len = std::max(max_len, h.seq_lens[b]);
+  }
+  for (int r : h.logit_rows) SPADE_CHECK(r >= 0 && r < T, "step: logit row {} outside the {} tokens", r, T);
+  for (int t = 0; t < T; ++t)
+    SPADE_CHECK(h.seq_idx[t] >= 0 && h.seq_idx[t] < B, "step: token {} names sequence {} of a batch of {}", t,
+                h.seq_idx[t], B);
+  for (size_t i = 0; i < h.block_table.size(); ++i)
+    SPADE_CHECK(h.block_table[i] >= -1 && h.block_table[i] < num_pages_,
+                "step: block_table[{}][{}] = {} is not a page of the pool (0..{}, or -1)", i / h.max_pages,
+                i % h.max_pages, h.block_table[i], num_pages_ - 1);
+  SPADE_CHECK(h.max_seq_len == 0 || h.max_seq_len >= max_len, "step: max_seq_len {} below the longest context {}",
+              h.max_seq_len, max_len);
+
+  if (pending_) cuda_check(cudaEventSynchronize(copied_), "step upload: previous copy");
+  int32_t* p = pinned_;
+  auto put = [&](const std::vector<int32_t>& v, size_t cap) {
+    std::memcpy(p, v.data(), v.size() * 4);
+    int32_t* at = p;
+    p += cap;
+    return static_cast<size_t>(at - pinned_);
+  };
+  const size_t o_tok = put(h.tokens, max_tokens_), o_pos = put(h.positions, max_tokens_),
+               o_sidx = put(h.seq_idx, max_tokens_), o_cu = put(h.cu_q_lens, max_batch_ + 1),
+               o_len = put(h.seq_lens, max_batch_), o_bt = put(h.block_table, static_cast<size_t>(max_batch_) * max_pages_),
+               o_lr = put(h.logit_rows, max_logit_rows_);
+  pinned_[words_ - 1] = 0;  // error flag
+  cuda_check(cudaMemcpyAsync(dev_.get(), pinned_, words_ * 4, cudaMemcpyHostToDevice, stream), "step upload");
+  cuda_check(cudaEventRecord(copied_, stream), "step upload");
+  pending_ = true;
+  const int32_t* d = dev_.as<int32_t>();
+  GpuBatch g;
+  g.tokens = d + o_tok;
+  g.positions = d + o_pos;
+  g.seq_idx = d + o_sidx;
+  g.cu_q_lens = d + o_cu;
+  g.seq_lens = d + o_len;
+  g.block_table = d + o_bt;
+  g.logit_rows = d + o_lr;
+  g.error_flag = error_flag();
+  g.num_tokens = T;
+  g.batch = B;
+  g.max_pages = h.max_pages;
+  g.num_logit_rows = R;
+  g.max_q_len = max_q;
+  g.max_seq_len = h.max_seq_len > 0 ? h.max_seq_len : max_len;
+  return g;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// GpuDenseAttention
+// ---------------------------------------------------------------------------------------------------------------
+
+GpuDenseAttention::GpuDenseAttention(const ModelConfig& cfg, int page_size, int max_batch)
+    : cfg_(cfg), page_size_(page_size), max_batch_(max_batch) {
+  workspace_ = DeviceBuffer(kernels::decode_workspace_bytes(max_batch, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim),
+                            "decode workspace");
+  cuda_check(kernels::decode_workspace_init({workspace_.get(), workspace_.bytes()}, nullptr), "decode workspace init");
+  cuda_check(cudaDeviceSynchronize(), "decode workspace init");
+}
+
+void GpuDenseAttention::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(cfg_.head_dim));
+  if (b.decode_only()) {
+    SPADE_CHECK(b.batch <= max_batch_, "dense attention: batch {} above the workspace's {}", b.batch, max_batch_);
+    kernels::PagedDecodeParams p;
+    p.q = s.q;
+    p.k_cache = s.k_cache;
+    p.v_cache = s.v_cache;
+    p.block_table = b.block_table;
+    p.seq_lens = b.seq_lens;
+    p.out = s.out;
+    p.batch = b.batch;
+    p.num_q_heads = cfg_.num_q_heads;
+    p.num_kv_heads = cfg_.num_kv_heads;
+    p.head_dim = cfg_.head_dim;
+    p.page_size = page_size_;
+    p.max_pages_per_seq = b.max_pages;
+    p.max_seq_len = b.max_seq_len;
+    p.scale = scale;
+    p.workspace = {workspace_.get(), workspace_.bytes()};
+    cuda_check(kernels::paged_decode_attention(p, stream), "dense paged decode attention");
+    return;
+  }
+  kernels::PagedPrefillParams p;
+  p.q = s.q;
+  p.k_cache = s.k_cache;
+  p.v_cache = s.v_cache;
+  p.block_table = b.block_table;
+  p.cu_q_lens = b.cu_q_lens;
+  p.seq_lens = b.seq_lens;
+  p.out = s.out;
+  p.batch = b.batch;
+  p.num_q_heads = cfg_.num_q_heads;
+  p.num_kv_heads = cfg_.num_kv_heads;
+  p.head_dim = cfg_.head_dim;
+  p.page_size = page_size_;
+  p.max_pages_per_seq = b.max_pages;
+  p.max_q_len = b.max_q_len;
+  p.scale = scale;
+  cuda_check(kernels::paged_prefill_attention(p, stream), "dense paged prefill attention");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// GpuModel
+// ---------------------------------------------------------------------------------------------------------------
+
+struct GpuModel::Gemm {
+  kernels::GemmRunner runner;
+};
+
+namespace {
+
+void check_supported(const ModelConfig& cfg) {
+  SPADE_CHECK(!cfg.is_hybrid() && !cfg.attn_output_gate,
+              "GPU path: model type '{}' has linear-attention layers / a gated attention output, which the GPU "
+              "forward does not run yet (use the CPU path)",
+              cfg.model_type);
+  SPADE_CHECK(kernels::is_supported_head_dim(cfg.head_dim),
+              "GPU path: head_dim {} of model '{}' is not compiled into the attention kernels (64, 128, 256)",
+              cfg.head_dim, cfg.model_type);
+  SPADE_CHECK(cfg.num_kv_heads > 0 && cfg.num_q_heads % cfg.num_kv_heads == 0 &&
+                  cfg.gqa_group() <= kernels::kMaxGqaGroup,
+              "GPU path: GQA group {} / {} unsupported (1..{})", cfg.num_q_heads, cfg.num_kv_heads,
+              kernels::kMaxGqaGroup);
+  SPADE_CHECK(cfg.hidden_size % 8 == 0 && cfg.intermediate_size % 8 == 0,
+              "GPU path: hidden / intermediate sizes must be multiples of 8 (16-byte rows for cuBLASLt)");
+}
+
+constexpr size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+}  // namespace
+
+GpuModel::GpuModel(const ModelConfig& cfg, GpuModelOptions opts) : cfg_(cfg), opts_(opts) {
+  check_supported(cfg_);
+  SPADE_CHECK(opts.max_tokens > 0 && opts.max_logit_rows > 0, "GpuModelOptions: bounds must be positive");
+  gemm_ = std::make_unique<Gemm>();
+  cuda_check(gemm_->runner.init(), "cuBLASLt init");
+}
+GpuModel::~GpuModel() = default;
+
+void GpuModel::allocate_weights() {
+  const size_t H = cfg_.hidden_size, I = cfg_.intermediate_size, D = cfg_.head_dim, V = cfg_.vocab_size;
+  const size_t qkv_rows = cfg_.q_dim() + 2 * static_cast<size_t>(cfg_.kv_dim());
+  const bool qkv_bias = cfg_.attention_bias;
+  // Layout pass: offsets in one arena.
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += align256(bytes);
+    return at;
+  };
+  struct Off {
+    size_t attn_norm, mlp_norm, q_norm, k_norm, qkv_w, qkv_b, o_w, o_b, gu_w, gu_b, down_w, down_b;
+  };
+  std::vector<Off> offs(static_cast<size_t>(cfg_.num_layers));
+  const size_t embed_off = take(V * H * 2);
+  const size_t lm_off = cfg_.tie_word_embeddings ? embed_off : take(V * H * 2);
+  const size_t final_off = take(H * 4);
+  for (auto& o : offs) {
+    o.attn_norm = take(H * 4);
+    o.mlp_norm = take(H * 4);
+    o.q_norm = cfg_.qk_norm ? take(D * 4) : SIZE_MAX;
+    o.k_norm = cfg_.qk_norm ? take(D * 4) : SIZE_MAX;
+    o.qkv_w = take(qkv_rows * H * 2);
+    o.qkv_b = qkv_bias ? take(qkv_rows * 2) : SIZE_MAX;
+    o.o_w = take(H * cfg_.q_dim() * 2);
+    o.o_b = cfg_.o_proj_bias ? take(H * 2) : SIZE_MAX;
+    o.gu_w = take(2 * I * H * 2);
+    o.gu_b = cfg_.mlp_bias ? take(2 * I * 2) : SIZE_MAX;
+    o.down_w = take(H * I * 2);
+    o.down_b = cfg_.mlp_bias ? take(H * 2) : SIZE_MAX;
+  }
+  weights_ = DeviceBuffer(off, "model weights");
+  weight_bytes_ = off;
+  char* base = weights_.as<char>();
+  auto at = [&](size_t o) -> void* { return o == SIZE_MAX ? nullptr : base + o; };
+  embed_ = at(embed_off);
+  lm_head_ = at(lm_off);
+  final_norm_ = static_cast<float*>(at(final_off));
+  layers_.resize(offs.size());
+  for (size_t l = 0; l < offs.size(); ++l) {
+    const Off& o = offs[l];
+    Layer& L = layers_[l];
+    L.attn_norm = static_cast<float*>(at(o.attn_norm));
+    L.mlp_norm = static_cast<float*>(at(o.mlp_norm));
+    L.q_norm = static_cast<float*>(at(o.q_norm));
+    L.k_norm = static_cast<float*>(at(o.k_norm));
+    L.qkv_w = at(o.qkv_w);
+    L.qkv_b = at(o.qkv_b);
+    L.o_w = at(o.o_w);
+    L.o_b = at(o.o_b);
+    L.gate_up_w = at(o.gu_w);
+    L.gate_up_b = at(o.gu_b);
+    L.down_w = at(o.down_w);
+    L.down_b = at(o.down_b);
+  }
+}
+
+void GpuModel::allocate_activations() {
+  const size_t T = opts_.max_tokens, R = opts_.max_logit_rows, H = cfg_.hidden_size, I = cfg_.intermediate_size;
+  const size_t qkv_cols = cfg_.q_dim() + 2 * static_cast<size_t>(cfg_.kv_dim());
+  residual_ = DeviceBuffer(T * H * 4, "activations (residual)");
+  x_ = DeviceBuffer(T * H * 2, "activations");
+  h_ = DeviceBuffer(T * H * 2, "activations");
+  qkv_ = DeviceBuffer(T * qkv_cols * 2, "activations (qkv)");
+  q_ = DeviceBuffer(T * cfg_.q_dim() * 2, "activations (q)");
+  attn_ = DeviceBuffer(T * cfg_.q_dim() * 2, "activations (attention)");
+  gate_up_ = DeviceBuffer(T * 2 * I * 2, "activations (gate/up)");
+  act_ = DeviceBuffer(T * I * 2, "activations (SwiGLU)");
+  sel_ = DeviceBuffer(R * H * 2, "activations (logit rows)");
+  logits_ = DeviceBuffer(R * static_cast<size_t>(cfg_.vocab_size) * 4, "logits");
+}
+
+std::unique_ptr<GpuModel> GpuModel::upload(const ModelConfig& cfg, const ModelWeights& w, GpuModelOptions opts) {
+  std::unique_ptr<GpuModel> m(new GpuModel(cfg, opts));
+  SPADE_CHECK(static_cast<int>(w.layers.size()) == cfg.num_layers, "GPU upload: {} layers of weights for {}",
+              w.layers.size(), cfg.num_layers);
+  m->allocate_weights();
+  m->allocate_activations();
+  std::vector<uint16_t> tmp;
+  const size_t H = cfg.hidden_size, I = cfg.intermediate_size, D = cfg.head_dim, V = cfg.vocab_size;
+  const size_t qkv_rows = cfg.q_dim() + 2 * static_cast<size_t>(cfg.kv_dim());
+  auto check_size = [&](const std::vector<float>& src, size_t want, const char* name) {
+    SPADE_CHECK(src.size() == want, "GPU upload: tensor {} has {} elements, model '{}' needs {}", name, src.size(),
+                cfg.model_type, want);
+  };
+  size_t want = 0;  // expected elements of the tensor put next
+  auto put16 = [&](void* dst, const std::vector<float>& src, const char* name) {
+    if (dst == nullptr) return;
+    check_size(src, want, name);
+    tmp.resize(src.size());
+    for (size_t i = 0; i < src.size(); ++i) tmp[i] = f32_to_bf16(src[i]);
+    cuda_check(cudaMemcpy(dst, tmp.data(), tmp.size() * 2, cudaMemcpyHostToDevice), name);
+  };
+  auto put32 = [&](float* dst, const std::vector<float>& src, const char* name) {
+    if (dst == nullptr) return;
+    check_size(src, want, name);
+    cuda_check(cudaMemcpy(dst, src.data(), src.size() * 4, cudaMemcpyHostToDevice), name);
+  };
+  want = V * H;
+  put16(m->embed_, w.embed, "embed_tokens");
+  if (!cfg.tie_word_embeddings) put16(m->lm_head_, w.lm_head, "lm_head");
+  want = H;
+  put32(m->final_norm_, w.final_norm, "model.norm");
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    const LayerWeights& s = w.layers[static_cast<size_t>(l)];
+    Layer& d = m->layers_[static_cast<size_t>(l)];
+    want = H;
+    put32(d.attn_norm, s.attn_norm, "input_layernorm");
+    put32(d.mlp_norm, s.mlp_norm, "post_attention_layernorm");
+    want = D;
+    put32(d.q_norm, s.q_norm, "q_norm");
+    put32(d.k_norm, s.k_norm, "k_norm");
+    want = qkv_rows * H;
+    put16(d.qkv_w, s.qkv_w, "qkv_proj");
+    want = qkv_rows;
+    put16(d.qkv_b, s.qkv_b, "qkv bias");
+    want = H * cfg.q_dim();
+    put16(d.o_w, s.o_w, "o_proj");
+    want = H;
+    put16(d.o_b, s.o_b, "o_proj bias");
+    want = 2 * I * H;
+    put16(d.gate_up_w, s.gate_up_w, "gate_up_proj");
+    want = 2 * I;
+    put16(d.gate_up_b, s.gate_up_b, "gate_up bias");
+    want = H * I;
+    put16(d.down_w, s.down_w, "down_proj");
+    want = H;
+    put16(d.down_b, s.down_b, "down_proj bias");
+  }
+  return m;
+}
+
+std::unique_ptr<GpuModel> GpuModel::random(const ModelConfig& cfg, uint64_t seed, GpuModelOptions opts) {
+  std::unique_ptr<GpuModel> m(new GpuModel(cfg, opts));
+  m->allocate_weights();
+  m->allocate_activations();
+  uint64_t tensor = 0;
+  auto fill = [&](void* p, DType dt, size_t n, float scale, float offset) {
+    if (p == nullptr) return;
+    ++tensor;
+    cuda_check(kernels::random_fill({dt, p, n, seed * 0x100000001B3ull + tensor * 0x9E3779B97F4A7C15ull, scale, offset},
+                                    nullptr),
+               "random weights");
+  };
+  const size_t H = cfg.hidden_size, I = cfg.intermediate_size, D = cfg.head_dim, V = cfg.vocab_size;
+  const size_t qkv_rows = cfg.q_dim() + 2 * static_cast<size_t>(cfg.kv_dim());
+  fill(m->embed_, DType::BF16, V * H, 1.f, 0.f);
+  if (!cfg.tie_word_embeddings) fill(m->lm_head_, DType::BF16, V * H, 1.f / std::sqrt(float(H)), 0.f);
+  fill(m->final_norm_, DType::F32, H, 0.1f, 1.f);
+  for (Layer& L : m->layers_) {
+    fill(L.attn_norm, DType::F32, H, 0.1f, 1.f);
+    fill(L.mlp_norm, DType::F32, H, 0.1f, 1.f);
+    fill(L.q_norm, DType::F32, D, 0.1f, 1.f);
+    fill(L.k_norm, DType::F32, D, 0.1f, 1.f);
+    fill(L.qkv_w, DType::BF16, qkv_rows * H, 1.f / std::sqrt(float(H)), 0.f);
+    fill(L.qkv_b, DType::BF16, qkv_rows, 0.1f, 0.f);
+    fill(L.o_w, DType::BF16, H * cfg.q_dim(), 1.f / std::sqrt(float(cfg.q_dim())), 0.f);
+    fill(L.o_b, DType::BF16, H, 0.1f, 0.f);
+    fill(L.gate_up_w, DType::BF16, 2 * I * H, 1.f / std::sqrt(float(H)), 0.f);
+    fill(L.gate_up_b, DType::BF16, 2 * I, 0.1f, 0.f);
+    fill(L.down_w, DType::BF16, H * I, 1.f / std::sqrt(float(I)), 0.f);
+    fill(L.down_b, DType::BF16, H, 0.1f, 0.f);
+  }
+  cuda_check(cudaDeviceSynchronize(), "random weights");
+  return m;
+}
+
+void GpuModel::forward(const GpuBatch& b, GpuKvPool& kv, GpuAttention& attention, cudaStream_t stream) {
+  SPADE_CHECK(b.num_tokens >= 1 && b.num_tokens <= opts_.max_tokens, "GPU forward: {} tokens (buffers hold 1..{})",
+              b.num_tokens, opts_.max_tokens);
+  SPADE_CHECK(b.num_logit_rows <= opts_.max_logit_rows, "GPU forward: {} logit rows (buffers hold {})",
+              b.num_logit_rows, opts_.max_logit_rows);
+  SPADE_CHECK(kv.num_layers() == cfg_.num_layers && kv.num_kv_heads() == cfg_.num_kv_heads &&
+                  kv.head_dim() == cfg_.head_dim,
+              "GPU forward: KV pool geometry (layers {}, KV heads {}, head_dim {}) does not match model '{}' ({}, {}, "
+              "{})",
+              kv.num_layers(), kv.num_kv_heads(), kv.head_dim(), cfg_.model_type, cfg_.num_layers, cfg_.num_kv_heads,
+              cfg_.head_dim);
+  SPADE_CHECK(static_cast<long long>(b.max_seq_len) <= static_cast<long long>(b.max_pages) * kv.page_size(),
+              "GPU forward: max_seq_len {} exceeds the block table's reach ({} pages of {} tokens)", b.max_seq_len,
+              b.max_pages, kv.page_size());
+  const int T = b.num_tokens, H = cfg_.hidden_size, I = cfg_.intermediate_size;
+  const int Hq = cfg_.num_q_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim;
+  const int qkv_cols = (Hq + 2 * Hkv) * D;
+  auto gemm = [&](const void* x, const void* w, const void* bias, void* y, int m, int n, int k, DType out,
+                  const char* what) {
+    kernels::GemmParams g;
+    g.out_dtype = out;
+    g.x = x;
+    g.w = w;
+    g.bias = bias;
+    g.y = y;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    cuda_check(gemm_->runner.run(g, stream), what);
+  };
+  auto norm = [&](const void* x, const float* w, void* out, bool add_residual, int rows, const char* what) {
+    kernels::RmsNormParams p;
+    p.x = x;
+    p.weight = w;
+    p.weight_dtype = DType::F32;
+    p.out = out;
+    p.residual = add_residual ? residual_.get() : nullptr;
+    p.residual_dtype = DType::F32;
+    p.rows = rows;
+    p.dim = H;
+    p.eps = cfg_.rms_norm_eps;
+    cuda_check(kernels::rmsnorm(p, stream), what);
+  };
+
+  // Embedding -> x; the residual stream starts at zero and the first fused norm adds x into it.
+  kernels::EmbeddingParams e;
+  e.token_ids = b.tokens;
+  e.table = embed_;
+  e.out = x_.get();
+  e.error_flag = b.error_flag;
+  e.num_tokens = T;
+  e.vocab_size = cfg_.vocab_size;
+  e.hidden = H;
+  cuda_check(kernels::embedding_gather(e, stream), "embedding");
+  cuda_check(cudaMemsetAsync(residual_.get(), 0, static_cast<size_t>(T) * H * 4, stream), "residual reset");
+
+  for (int l = 0; l < cfg_.num_layers; ++l) {
+    const Layer& L = layers_[static_cast<size_t>(l)];
+    norm(x_.get(), L.attn_norm, h_.get(), true, T, "input_layernorm");
+    gemm(h_.get(), L.qkv_w, L.qkv_b, qkv_.get(), T, qkv_cols, H, DType::BF16, "qkv_proj");
+    kernels::RopeKvAppendParams r;
+    r.qkv = qkv_.get();
+    r.q_out = q_.get();
+    r.k_cache = kv.k(l);
+    r.v_cache = kv.v(l);
+    r.positions = b.positions;
+    r.seq_idx = b.seq_idx;
+    r.block_table = b.block_table;
+    r.q_norm_weight = L.q_norm;
+    r.k_norm_weight = L.k_norm;
+    r.norm_weight_dtype = DType::F32;
+    r.error_flag = b.error_flag;
+    r.tokens = T;
+    r.num_q_heads = Hq;
+    r.num_kv_heads = Hkv;
+    r.head_dim = D;
+    r.rot_dim = cfg_.rope_dim();
+    r.batch = b.batch;
+    r.max_pages_per_seq = b.max_pages;
+    r.page_size = kv.page_size();
+    r.num_pages = kv.num_pages();
+    r.theta = cfg_.rope_theta;
+    r.norm_eps = cfg_.rms_norm_eps;
+    cuda_check(kernels::rope_kv_append(r, stream), "q/k norm + RoPE + KV append");
+    GpuLayerStep s;
+    s.layer = l;
+    s.qkv = qkv_.get();
+    s.q = q_.get();
+    s.k_cache = kv.k(l);
+    s.v_cache = kv.v(l);
+    s.out = attn_.get();
+    attention.attend(s, b, stream);
+    gemm(attn_.get(), L.o_w, L.o_b, x_.get(), T, H, cfg_.q_dim(), DType::BF16, "o_proj");
+    norm(x_.get(), L.mlp_norm, h_.get(), true, T, "post_attention_layernorm");
+    gemm(h_.get(), L.gate_up_w, L.gate_up_b, gate_up_.get(), T, 2 * I, H, DType::BF16, "gate_up_proj");
+    kernels::SwigluParams sw;
+    sw.gate_up = gate_up_.get();
+    sw.out = act_.get();
+    sw.rows = T;
+    sw.inter = I;
+    cuda_check(kernels::swiglu(sw, stream), "SwiGLU");
+    gemm(act_.get(), L.down_w, L.down_b, x_.get(), T, H, I, DType::BF16, "down_proj");
+  }
+  // Final norm over every row (x = the last MLP output added into the residual), then the logit rows only.
+  norm(x_.get(), final_norm_, h_.get(), true, T, "model.norm");
+  const int R = b.num_logit_rows;
+  if (R == 0) return;
+  kernels::EmbeddingParams g;
+  g.token_ids = b.logit_rows;
+  g.table = h_.get();
+  g.out = sel_.get();
+  g.num_tokens = R;
+  g.vocab_size = T;
+  g.hidden = H;
+  cuda_check(kernels::embedding_gather(g, stream), "logit rows");
+  gemm(sel_.get(), lm_head_, nullptr, logits_.get(), R, cfg_.vocab_size, H, DType::F32, "lm_head");
+}
+
+void GpuModel::argmax(int rows, int32_t* out, cudaStream_t stream) const {
+  kernels::ArgmaxParams a;
+  a.logits = logits_.get();
+  a.out_tokens = out;
+  a.rows = rows;
+  a.vocab = cfg_.vocab_size;
+  cuda_check(kernels::argmax_rows(a, stream), "argmax");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// GpuGraph
+// ---------------------------------------------------------------------------------------------------------------
+
+GpuGraph::~GpuGraph() {
+  if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  if (graph_ != nullptr) cudaGraphDestroy(graph_);
+}
+
+void GpuGraph::capture(cudaStream_t stream, const std::function<void(cudaStream_t)>& work) {
+  SPADE_CHECK(stream != nullptr, "GpuGraph: capture needs a non-default stream");
+  cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "graph capture begin");
+  try {
+    work(stream);
+  } catch (...) {
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(stream, &g);
+    if (g != nullptr) cudaGraphDestroy(g);
+    throw;
+  }
+  cudaGraph_t g = nullptr;
+  cuda_check(cudaStreamEndCapture(stream, &g), "graph capture end");
+  cudaGraphExec_t e = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&e, g, 0);
+  if (err != cudaSuccess) {
+    cudaGraphDestroy(g);
+    cuda_check(err, "graph instantiate");
+  }
+  if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  if (graph_ != nullptr) cudaGraphDestroy(graph_);
+  graph_ = g;
+  exec_ = e;
+}
+
+void GpuGraph::launch(cudaStream_t stream) const {
+  SPADE_CHECK(exec_ != nullptr, "GpuGraph: launch before capture");
+  cuda_check(cudaGraphLaunch(exec_, stream), "graph launch");
+}
+
+}  // namespace spade

@@ -1,0 +1,250 @@
+// The GPU forward pass of the inference rank (dense Llama / Qwen2 / Qwen3 decoders): bf16 weights and activations on
+// one GPU, cuBLASLt GEMMs (kernels/gemm.cuh), the fused layer ops (kernels/layer_ops.cuh: embedding, fused-residual
+// RMSNorm, q/k-norm + RoPE + paged KV append, SwiGLU, argmax) and a per-layer attention hook (GpuAttention) that is
+// dense paged flash-decoding / prefill (GpuDenseAttention) or the token-sparse paths of the benchmark and the
+// disaggregated pipeline (bench/bench_tpot.cu, docs/ARCHITECTURE.md "GPU path").
+//
+// One forward() runs a ragged batch (continuous batching: any mix of prefill chunks and decode tokens); every
+// argument lives in device memory (GpuBatch), nothing is synchronised with the host and no memory is allocated, so
+// a decode step can be captured in a CUDA graph (GpuGraph) and replayed with new data copied into the same buffers
+// (GpuStepBuffers). Numerics: bf16 storage, fp32 accumulation; the residual stream is fp32 (kernels/layer_ops.cuh
+// rmsnorm with residual_dtype F32), norm weights fp32; logits fp32. Agrees with the CPU fp32 path (model.h) to bf16
+// round-off (tests/inference_rank/test_gpu_model.cu states the bounds).
+//
+// Not on the GPU path yet: hybrid Qwen3.5 (linear-attention layers, the attention output gate) -- the GDN kernels
+// exist (kernels/gdn.cuh) but are not wired into this forward; GpuModel throws spade::Error naming the model type.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/dtype.h"
+#include "inference_rank/weights.h"
+
+namespace spade {
+
+/// Throws spade::Error "<what>: <cuda error> (<launch detail>)" when e != cudaSuccess.
+void cuda_check(cudaError_t e, const char* what);
+
+/// Owning device allocation (cudaMalloc / cudaFree). Moves only.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  /// Throws spade::Error naming `what` and the size when cudaMalloc fails.
+  DeviceBuffer(size_t bytes, const char* what);
+  DeviceBuffer(DeviceBuffer&& o) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer();
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+/// Paged KV pool of every attention layer on one GPU, one allocation each for K and V:
+///   k, v: [num_layers, num_pages, page_size, num_kv_heads, head_dim] bf16,
+/// so layer l's cache is k(l) = k + l * layer_elems() (the [num_pages, page_size, Hkv, D] layout of attention.cuh).
+/// The same page id means the same page index in every layer (one block table per sequence serves all layers).
+/// Equivalently, "global page" l * num_pages + p addresses page p of layer l from the base pointer: the cache rank
+/// batches a layer pack's sequences as (layer, sequence) rows that way (cache_rank / bench_tpot).
+class GpuKvPool {
+ public:
+  /// Throws spade::Error when the sizes are not positive or the allocation fails (names the bytes wanted).
+  GpuKvPool(int num_layers, int num_pages, int page_size, int num_kv_heads, int head_dim);
+  int num_layers() const { return num_layers_; }
+  int num_pages() const { return num_pages_; }
+  int page_size() const { return page_size_; }
+  int num_kv_heads() const { return num_kv_heads_; }
+  int head_dim() const { return head_dim_; }
+  size_t layer_elems() const { return layer_elems_; }
+  void* k(int layer) const;
+  void* v(int layer) const;
+  size_t bytes() const { return k_.bytes() + v_.bytes(); }
+  /// Fills K and V with deterministic random bf16 values (benchmarks: a context without prefilling it).
+  void fill_random(uint64_t seed, float scale, cudaStream_t stream);
+
+ private:
+  int num_layers_, num_pages_, page_size_, num_kv_heads_, head_dim_;
+  size_t layer_elems_;
+  DeviceBuffer k_, v_;
+};
+
+/// One ragged step, all pointers device memory. Sequence b owns rows cu_q_lens[b] .. cu_q_lens[b+1]-1 of the token
+/// arrays, at positions seq_lens[b] - q_len_b .. seq_lens[b] - 1, and pages block_table[b * max_pages ..].
+struct GpuBatch {
+  const int32_t* tokens = nullptr;      // [num_tokens] int32 input ids (< vocab; others give zero rows + error flag).
+  const int32_t* positions = nullptr;   // [num_tokens] int32 absolute positions.
+  const int32_t* seq_idx = nullptr;     // [num_tokens] int32 sequence (block_table row) of each token.
+  const int32_t* cu_q_lens = nullptr;   // [batch + 1] int32 prefix sums of query tokens.
+  const int32_t* seq_lens = nullptr;    // [batch] int32 context length after this step.
+  const int32_t* block_table = nullptr; // [batch, max_pages] int32 page ids (-1 = no page: padding rows).
+  const int32_t* logit_rows = nullptr;  // [num_logit_rows] int32 token rows whose logits are computed, in order.
+  int32_t* error_flag = nullptr;        // [1] int32, set to 1 by a bad token id / position / page (zero it first).
+  int num_tokens = 0;
+  int batch = 0;
+  int max_pages = 0;
+  int num_logit_rows = 0;
+  int max_q_len = 0;    // host bound of the query lengths (1 for a decode-only step).
+  int max_seq_len = 0;  // host bound of seq_lens (sizes the split-K grid; a graph uses its bucket's bound).
+  bool decode_only() const { return max_q_len == 1 && num_tokens == batch; }
+};
+
+/// Host-side image of a step, as the engine builds it (model.h ForwardBatch plus the bounds).
+struct GpuStepHost {
+  std::vector<int32_t> tokens, positions, seq_idx, cu_q_lens, seq_lens, block_table, logit_rows;
+  int max_pages = 0;
+  int max_seq_len = 0;  // 0: max(seq_lens)
+};
+
+/// Fixed device buffers of steps of up to max_tokens tokens / max_batch sequences over a KV pool of num_pages pages,
+/// and a pinned host staging copy: upload() writes a step into the same device addresses every time (so a captured
+/// graph reads the new step).
+class GpuStepBuffers {
+ public:
+  GpuStepBuffers(int max_tokens, int max_batch, int max_pages, int max_logit_rows, int num_pages);
+  ~GpuStepBuffers();
+  GpuStepBuffers(const GpuStepBuffers&) = delete;
+  GpuStepBuffers& operator=(const GpuStepBuffers&) = delete;
+  /// Copies `h` (validated: sizes, bounds, page ids in [-1, num_pages); throws spade::Error naming the field) with
+  /// one async H2D copy on `stream` and returns the device view. The pinned staging buffer is reused: upload first
+  /// waits (host) for the previous upload's copy to finish, never for anything else on the stream.
+  GpuBatch upload(const GpuStepHost& h, cudaStream_t stream);
+  int32_t* error_flag() const;
+
+ private:
+  int max_tokens_, max_batch_, max_pages_, max_logit_rows_, num_pages_;
+  size_t words_ = 0;
+  DeviceBuffer dev_;
+  int32_t* pinned_ = nullptr;
+  cudaEvent_t copied_ = nullptr;  // recorded after each upload's copy
+  bool pending_ = false;
+};
+
+/// Device pointers of one layer's step, handed to the attention hook.
+struct GpuLayerStep {
+  int layer = 0;                // attention-layer index (every layer of a dense model)
+  const void* qkv = nullptr;    // [num_tokens, (Hq + 2 Hkv) * D] bf16: the raw fused projection (before q/k norm
+                                // and RoPE): what the disaggregated path ships to the cache rank
+  const void* q = nullptr;      // [num_tokens, Hq, D] bf16 after q-norm and RoPE
+  void* k_cache = nullptr;      // this layer's [num_pages, page_size, Hkv, D] bf16 (the step's K/V already appended)
+  void* v_cache = nullptr;
+  void* out = nullptr;          // [num_tokens, Hq, D] bf16, to be written completely by the hook
+};
+
+/// Per-layer attention of GpuModel::forward: called after the layer's K/V were appended to the pool, on the model's
+/// stream. Implementations must stay asynchronous and graph-capturable (no host sync, no allocation).
+class GpuAttention {
+ public:
+  virtual ~GpuAttention() = default;
+  virtual void attend(const GpuLayerStep& step, const GpuBatch& batch, cudaStream_t stream) = 0;
+};
+
+/// Dense attention over the whole paged context: split-K flash-decoding for decode-only steps, the causal
+/// FlashAttention-2-style kernel otherwise (kernels/attention.cuh).
+class GpuDenseAttention : public GpuAttention {
+ public:
+  GpuDenseAttention(const ModelConfig& cfg, int page_size, int max_batch);
+  void attend(const GpuLayerStep& step, const GpuBatch& batch, cudaStream_t stream) override;
+
+ private:
+  ModelConfig cfg_;
+  int page_size_, max_batch_;
+  DeviceBuffer workspace_;
+};
+
+struct GpuModelOptions {
+  int max_tokens = 512;      // largest num_tokens of a step (activation buffers are sized by it)
+  int max_logit_rows = 256;  // largest num_logit_rows
+};
+
+class GpuModel {
+ public:
+  /// Uploads host fp32 weights (weights.h load_weights) as bf16 (norm weights fp32). Throws spade::Error for an
+  /// architecture the GPU path does not run, a head_dim the attention kernels lack, a tensor whose size does not
+  /// match `cfg` (named), or an allocation failure.
+  static std::unique_ptr<GpuModel> upload(const ModelConfig& cfg, const ModelWeights& w, GpuModelOptions opts);
+  /// Deterministic random bf16 weights generated on the GPU (--random-weights): matrices uniform with the variance
+  /// of N(0, 1/fan_in), embeddings unit variance, norm weights 1 + 0.1 u, biases 0.1 u (kernels/tensor_ops.cuh
+  /// random_fill; not the same numbers as weights.h random_source). Any config size the GPU memory holds.
+  static std::unique_ptr<GpuModel> random(const ModelConfig& cfg, uint64_t seed, GpuModelOptions opts);
+  ~GpuModel();
+
+  const ModelConfig& config() const { return cfg_; }
+  /// Bytes of all weights on the GPU (what one decode step must read once).
+  size_t weight_bytes() const { return weight_bytes_; }
+
+  /// Runs the step through every layer: appends each layer's K/V to `kv` (positions / block table of `batch`),
+  /// calls `attention` per layer, and writes logits() for batch.logit_rows. Asynchronous on `stream`.
+  /// Throws spade::Error when the batch exceeds the options, max_seq_len exceeds the block table's reach
+  /// (max_pages * page_size), or the KV pool's geometry does not match the model.
+  void forward(const GpuBatch& batch, GpuKvPool& kv, GpuAttention& attention, cudaStream_t stream);
+  /// [max_logit_rows, vocab] fp32; the first batch.num_logit_rows rows hold the last forward's logits.
+  const float* logits() const { return logits_.as<float>(); }
+  /// Greedy tokens of the last forward's logit rows into out[rows] (device int32).
+  void argmax(int rows, int32_t* out, cudaStream_t stream) const;
+
+ private:
+  struct Layer {
+    float* attn_norm = nullptr;
+    float* mlp_norm = nullptr;
+    float* q_norm = nullptr;
+    float* k_norm = nullptr;
+    void* qkv_w = nullptr;
+    void* qkv_b = nullptr;
+    void* o_w = nullptr;
+    void* o_b = nullptr;
+    void* gate_up_w = nullptr;
+    void* gate_up_b = nullptr;
+    void* down_w = nullptr;
+    void* down_b = nullptr;
+  };
+  GpuModel(const ModelConfig& cfg, GpuModelOptions opts);
+  void allocate_weights();
+  void allocate_activations();
+
+  ModelConfig cfg_;
+  GpuModelOptions opts_;
+  size_t weight_bytes_ = 0;
+  DeviceBuffer weights_;  // every tensor, sub-allocated (256-byte aligned)
+  std::vector<Layer> layers_;
+  void* embed_ = nullptr;
+  void* lm_head_ = nullptr;  // == embed_ when tied
+  float* final_norm_ = nullptr;
+  // activations
+  DeviceBuffer residual_, x_, h_, qkv_, q_, attn_, gate_up_, act_, sel_, logits_;
+  struct Gemm;
+  std::unique_ptr<Gemm> gemm_;
+};
+
+/// A CUDA graph of one captured stream sequence, replayed with launch(). The captured work must only read and
+/// write fixed device addresses (GpuStepBuffers, the model's buffers).
+class GpuGraph {
+ public:
+  GpuGraph() = default;
+  ~GpuGraph();
+  GpuGraph(const GpuGraph&) = delete;
+  GpuGraph& operator=(const GpuGraph&) = delete;
+  /// Captures `work(stream)` (cudaStreamCaptureModeThreadLocal) and instantiates it. Throws spade::Error.
+  void capture(cudaStream_t stream, const std::function<void(cudaStream_t)>& work);
+  void launch(cudaStream_t stream) const;
+  bool captured() const { return exec_ != nullptr; }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+}  // namespace spade

@@ -1,0 +1,534 @@
+// GPU forward pass (inference_rank/gpu_model.h) against the CPU fp32 forward pass (inference_rank/model.h).
+//
+// - Parity: two small dense configs built here -- Qwen3-like (q/k norm, GQA 2, untied lm_head, theta 1e6)
+//   and Llama-like with every bias (q/k/v, o_proj, MLP), GQA 8 and tied embeddings -- run with the same
+//   host weights (weights.h random_source) on both paths: a ragged prefill of 3 sequences (13, 29, 7 tokens)
+//   in one step with the logits of every token, then 12 decode steps fed with the CPU's greedy tokens (batch
+//   rows in a rotating order), the same shuffled, non-contiguous page ids in the CPU KvCache and the GPU
+//   pool (page_size 16).
+//   Bound per logit row: max|gpu - cpu| / max|cpu| <= 0.05. The GPU keeps the weights and every activation
+//   between ops (GEMM inputs/outputs, q/k/v, the KV cache, the attention output) in bf16 -- relative rounding
+//   up to 2^-9 each -- with fp32 accumulation and an fp32 residual stream. Rounding only the weights to bf16
+//   in the CPU model gives 0.6-1.0% (worst row, ~0.5% mean) on these configs; activation rounding about
+//   doubles that, so the GPU is expected near 1-2.5%, while a layout bug (head order, RoPE pairing, a missing
+//   bias, a wrong page) is of order 1.
+//   Argmax: GpuModel::argmax must equal the CPU argmax on every row whose CPU top-1/top-2 margin exceeds 4x
+//   that row's observed max error, and at least a quarter of the rows must qualify, so the check is not
+//   vacuous. (The weights-only emulation has 75-90% of rows qualifying at its own error, 60-75% at 2x, 20-60%
+//   at 3-5x: requiring a majority would be flaky.)
+// - Chunked prefill: 10 + 10 + 9 tokens over three steps (mixed with another sequence's prefill and decode)
+//   give the last-token logits of the one-step prefill within 1e-2 relative (only GEMM row counts and the
+//   attention tiling differ: fp32 summation order and the occasional different bf16 rounding).
+// - CUDA graph: a decode step of batch 4 captured once (GpuGraph, non-blocking stream) and replayed for 8
+//   steps with new data copied into the same GpuStepBuffers equals eager forwards of the same steps on an
+//   identical setup within 1e-6 relative (same kernels and split-K grid: max_seq_len fixed at 256 for both).
+// - GpuModel::random: same seed -> bitwise-identical finite logits; another seed -> different logits.
+// - Bad input: unsupported head_dim / GQA group / hybrid config throw spade::Error naming the cause;
+//   malformed steps are rejected by GpuStepBuffers::upload (oversized ones by forward); an out-of-vocabulary
+//   token id sets the device error flag without a CUDA error.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/error.h"
+#include "inference_rank/gpu_model.h"
+#include "inference_rank/model.h"
+#include "inference_rank/weights.h"
+
+namespace spade {
+namespace {
+
+constexpr int kPageSize = 16;
+constexpr int kMaxTokens = 128;
+constexpr int kMaxLogitRows = 64;
+constexpr int kMaxPagesPerSeq = 16;  // 256 tokens: room for the graph test's fixed max_seq_len bound
+constexpr GpuModelOptions kOpts{kMaxTokens, kMaxLogitRows};
+constexpr double kParityTol = 0.05;
+
+ModelConfig qwen3_like() {
+  ModelConfig c;
+  c.model_type = "qwen3";
+  c.arch = ModelArch::Qwen3;
+  c.hidden_size = 256;
+  c.intermediate_size = 512;
+  c.num_layers = 3;
+  c.num_q_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.vocab_size = 1024;
+  c.max_position_embeddings = 4096;
+  c.rms_norm_eps = 1e-6f;
+  c.rope_theta = 1e6;
+  c.tie_word_embeddings = false;
+  c.qk_norm = true;
+  return c;
+}
+
+// Llama with attention_bias (q/k/v and o_proj bias, as config.cpp maps it for llama) and mlp_bias: every bias
+// buffer of the GPU path is exercised.
+ModelConfig llama_biased() {
+  ModelConfig c;
+  c.model_type = "llama";
+  c.arch = ModelArch::Llama;
+  c.hidden_size = 512;
+  c.intermediate_size = 1024;
+  c.num_layers = 2;
+  c.num_q_heads = 8;
+  c.num_kv_heads = 1;
+  c.head_dim = 64;
+  c.vocab_size = 1000;
+  c.max_position_embeddings = 2048;
+  c.rms_norm_eps = 1e-5f;
+  c.rope_theta = 10000.0;
+  c.tie_word_embeddings = true;
+  c.attention_bias = true;
+  c.o_proj_bias = true;
+  c.mlp_bias = true;
+  return c;
+}
+
+std::vector<int32_t> random_tokens(int n, int vocab, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int32_t> d(0, vocab - 1);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& x : t) x = d(rng);
+  return t;
+}
+
+int argmax_row(const float* row, int n) {
+  return static_cast<int>(std::max_element(row, row + n) - row);
+}
+
+// Sequences owning shuffled, non-contiguous pages; one block table serves the CPU KvCache and the GPU pool.
+struct Seqs {
+  int max_pages = 0, num_pages = 0;
+  std::vector<std::vector<int32_t>> table;  // [seq][max_pages]: its pages, then -1
+  std::vector<int> len;                     // context length so far
+};
+
+Seqs make_seqs(int n, int pages_each, int max_pages, std::mt19937_64& rng) {
+  Seqs s;
+  s.max_pages = max_pages;
+  s.num_pages = n * pages_each + 5;  // a few pages nobody owns
+  std::vector<int32_t> perm(static_cast<size_t>(s.num_pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int i = 0; i < n; ++i) {
+    std::vector<int32_t> row(static_cast<size_t>(max_pages), -1);
+    std::copy_n(perm.begin() + i * pages_each, pages_each, row.begin());
+    s.table.push_back(row);
+  }
+  s.len.assign(static_cast<size_t>(n), 0);
+  return s;
+}
+
+// One ragged step for both paths: batch row i is sequence which[i] appending chunks[i]; logits of every new
+// token (all_rows) or of each sequence's last one.
+struct Step {
+  std::vector<int> which;
+  ForwardBatch cpu;
+  GpuStepHost gpu;
+};
+
+Step make_step(Seqs& s, const std::vector<int>& which, const std::vector<std::vector<int32_t>>& chunks,
+               bool all_rows, int max_seq_len = 0) {
+  Step st;
+  st.which = which;
+  ForwardBatch& f = st.cpu;
+  f.max_pages = s.max_pages;
+  f.cu_q_lens = {0};
+  for (size_t i = 0; i < which.size(); ++i) {
+    const size_t q = static_cast<size_t>(which[i]);
+    const int n = static_cast<int>(chunks[i].size());
+    for (int j = 0; j < n; ++j) {
+      if (all_rows || j == n - 1) f.logit_rows.push_back(f.total_tokens());
+      f.tokens.push_back(chunks[i][static_cast<size_t>(j)]);
+      f.positions.push_back(s.len[q] + j);
+      st.gpu.seq_idx.push_back(static_cast<int32_t>(i));
+    }
+    s.len[q] += n;
+    f.cu_q_lens.push_back(f.total_tokens());
+    f.seq_lens.push_back(s.len[q]);
+    f.block_table.insert(f.block_table.end(), s.table[q].begin(), s.table[q].end());
+    f.seq_ids.push_back(q + 1);
+  }
+  GpuStepHost& g = st.gpu;
+  g.tokens = f.tokens;
+  g.positions = f.positions;
+  g.cu_q_lens = f.cu_q_lens;
+  g.seq_lens = f.seq_lens;
+  g.block_table = f.block_table;
+  g.logit_rows = f.logit_rows;
+  g.max_pages = f.max_pages;
+  g.max_seq_len = max_seq_len;
+  return st;
+}
+
+// Greedy next token of every sequence of `st` (its last logit row), indexed by sequence id.
+std::vector<int32_t> greedy(const Step& st, const std::vector<float>& logits, int vocab, size_t num_seqs) {
+  std::vector<int32_t> next(num_seqs, -1);
+  for (size_t r = 0; r < st.cpu.logit_rows.size(); ++r) {
+    const int b = st.gpu.seq_idx[static_cast<size_t>(st.cpu.logit_rows[r])];
+    next[static_cast<size_t>(st.which[static_cast<size_t>(b)])] = argmax_row(&logits[r * vocab], vocab);
+  }
+  return next;
+}
+
+// A GpuModel with its own KV pool, dense attention, step buffers and non-blocking stream.
+class GpuRunner {
+ public:
+  GpuRunner(std::unique_ptr<GpuModel> model, int num_pages, int max_batch)
+      : model_(std::move(model)),
+        kv_(cfg().num_layers, num_pages, kPageSize, cfg().num_kv_heads, cfg().head_dim),
+        attn_(cfg(), kPageSize, max_batch),
+        bufs_(kMaxTokens, max_batch, kMaxPagesPerSeq, kMaxLogitRows, num_pages),
+        top_(kMaxLogitRows * sizeof(int32_t), "argmax output") {
+    cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  }
+  ~GpuRunner() { cudaStreamDestroy(stream_); }
+  GpuRunner(const GpuRunner&) = delete;
+  GpuRunner& operator=(const GpuRunner&) = delete;
+
+  const ModelConfig& cfg() const { return model_->config(); }
+  cudaStream_t stream() const { return stream_; }
+  GpuBatch upload(const GpuStepHost& h) { return bufs_.upload(h, stream_); }
+  void forward(const GpuBatch& b) { model_->forward(b, kv_, attn_, stream_); }
+  void capture(GpuGraph& graph, const GpuBatch& b) {
+    graph.capture(stream_, [&](cudaStream_t s) { model_->forward(b, kv_, attn_, s); });
+  }
+  // The first `rows` logit rows of the last forward (synchronises the stream).
+  std::vector<float> logits(int rows) {
+    std::vector<float> out(static_cast<size_t>(rows) * cfg().vocab_size);
+    cuda_check(cudaMemcpyAsync(out.data(), model_->logits(), out.size() * sizeof(float),
+                               cudaMemcpyDeviceToHost, stream_),
+               "logits download");
+    cuda_check(cudaStreamSynchronize(stream_), "step");
+    return out;
+  }
+  std::vector<float> run(const GpuStepHost& h) {
+    const GpuBatch b = upload(h);
+    forward(b);
+    return logits(b.num_logit_rows);
+  }
+  std::vector<int32_t> argmax(int rows) {
+    std::vector<int32_t> out(static_cast<size_t>(rows));
+    model_->argmax(rows, top_.as<int32_t>(), stream_);
+    cuda_check(cudaMemcpyAsync(out.data(), top_.get(), out.size() * 4, cudaMemcpyDeviceToHost, stream_),
+               "argmax");
+    cuda_check(cudaStreamSynchronize(stream_), "argmax");
+    return out;
+  }
+  int32_t error_flag() {
+    int32_t f = -1;
+    cuda_check(cudaMemcpyAsync(&f, bufs_.error_flag(), 4, cudaMemcpyDeviceToHost, stream_), "error flag");
+    cuda_check(cudaStreamSynchronize(stream_), "error flag");
+    return f;
+  }
+
+ private:
+  std::unique_ptr<GpuModel> model_;
+  GpuKvPool kv_;
+  GpuDenseAttention attn_;
+  GpuStepBuffers bufs_;
+  DeviceBuffer top_;
+  cudaStream_t stream_ = nullptr;
+};
+
+double max_abs(const float* a, size_t n) {
+  double m = 0;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, std::fabs(static_cast<double>(a[i])));
+  return m;
+}
+double max_abs_diff(const float* a, const float* b, size_t n) {
+  double m = 0;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+bool all_finite(const std::vector<float>& v) {
+  return std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
+}
+
+struct ParityStats {
+  double worst = 0;
+  int rows = 0, decisive = 0;
+};
+
+void compare_rows(const std::vector<float>& cpu, const std::vector<float>& gpu,
+                  const std::vector<int32_t>& gpu_top, int vocab, const std::string& where, ParityStats& st) {
+  const size_t V = static_cast<size_t>(vocab), rows = cpu.size() / V;
+  ASSERT_EQ(gpu.size(), cpu.size()) << where;
+  ASSERT_EQ(gpu_top.size(), rows) << where;
+  ASSERT_TRUE(all_finite(gpu)) << where;
+  for (size_t r = 0; r < rows; ++r) {
+    const float* c = &cpu[r * V];
+    const float* g = &gpu[r * V];
+    const double err = max_abs_diff(g, c, V), mag = max_abs(c, V), rel = err / mag;
+    st.worst = std::max(st.worst, rel);
+    ++st.rows;
+    EXPECT_LE(rel, kParityTol) << where << " row " << r << ": max|gpu-cpu| " << err << ", max|cpu| " << mag;
+    EXPECT_EQ(gpu_top[r], argmax_row(g, vocab))
+        << where << " row " << r << ": GpuModel::argmax vs its own logits";
+    const int c1 = argmax_row(c, vocab);
+    float second = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < vocab; ++i)
+      if (i != c1) second = std::max(second, c[i]);
+    if (c[c1] - second > 4 * err) {
+      ++st.decisive;
+      EXPECT_EQ(gpu_top[r], c1) << where << " row " << r << ": CPU margin " << c[c1] - second << ", error "
+                                << err;
+    }
+  }
+}
+
+void check_parity(const ModelConfig& cfg, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int V = cfg.vocab_size, kDecodeSteps = 12;
+  Seqs seqs = make_seqs(3, 3, 4, rng);  // contexts up to 29 + 12 = 41 tokens: 3 pages each (+ one -1 entry)
+  ModelWeights w = load_weights(cfg, random_source(seed));
+  // random_source's N(0, 1) embeddings dominate the residual stream, so a tied head only echoes the input
+  // token (one logit ~ hidden, the rest ~ sqrt(hidden)) and max|cpu| would hide errors in everything else.
+  // Trained checkpoints have embedding entries ~0.02, which gives ordinary logit rows.
+  if (cfg.tie_word_embeddings)
+    for (float& x : w.embed) x *= 0.02f;
+  GpuRunner gpu(GpuModel::upload(cfg, w, kOpts), seqs.num_pages, 3);
+  const Model cpu(cfg, std::move(w));
+  KvCache cache(cfg, seqs.num_pages, kPageSize);
+  DensePagedAttention cpu_attn(cfg, cache);
+
+  Step step = make_step(seqs, {0, 1, 2},
+                        {random_tokens(13, V, rng), random_tokens(29, V, rng), random_tokens(7, V, rng)},
+                        /*all_rows=*/true);
+  ParityStats st;
+  std::vector<float> ref;
+  for (int s = 0; s <= kDecodeSteps; ++s) {
+    cpu.forward(step.cpu, cpu_attn, ref);
+    const std::vector<float> got = gpu.run(step.gpu);
+    const std::vector<int32_t> top = gpu.argmax(static_cast<int>(step.cpu.logit_rows.size()));
+    compare_rows(ref, got, top, V,
+                 cfg.model_type + (s == 0 ? " prefill" : " decode step " + std::to_string(s)), st);
+    if (::testing::Test::HasFatalFailure()) return;
+    // Both paths continue with the CPU's greedy tokens, batch rows rotated (row != sequence id).
+    const std::vector<int32_t> next = greedy(step, ref, V, 3);
+    const std::vector<int> order = {s % 3, (s + 1) % 3, (s + 2) % 3};
+    std::vector<std::vector<int32_t>> chunks;
+    for (int q : order) chunks.push_back({next[static_cast<size_t>(q)]});
+    step = make_step(seqs, order, chunks, false);
+  }
+  std::printf(
+      "[ parity   ] %s: %d logit rows, worst max|gpu-cpu|/max|cpu| = %.5f (bound %.2f), %d rows with a "
+      "decisive CPU margin\n",
+      cfg.model_type.c_str(), st.rows, st.worst, kParityTol, st.decisive);
+  EXPECT_EQ(st.rows, 49 + 3 * kDecodeSteps);
+  EXPECT_GE(4 * st.decisive, st.rows) << "too few rows with a CPU top-1/top-2 margin above 4x the observed "
+                                         "error: the argmax check is vacuous";
+}
+
+TEST(GpuModelParity, Qwen3LikeQkNormGqa2UntiedHead) {
+  check_parity(qwen3_like(), 101);
+}
+
+TEST(GpuModelParity, LlamaLikeAllBiasesGqa8TiedEmbeddings) {
+  check_parity(llama_biased(), 202);
+}
+
+TEST(GpuModel, ChunkedPrefillMatchesOneStepPrefill) {
+  const ModelConfig cfg = qwen3_like();
+  const int V = cfg.vocab_size;
+  std::mt19937_64 rng(7);
+  Seqs seqs = make_seqs(3, 2, 4, rng);
+  GpuRunner gpu(GpuModel::random(cfg, 11, kOpts), seqs.num_pages, 3);
+  const std::vector<int32_t> prompt = random_tokens(29, V, rng);
+  const std::vector<float> one = gpu.run(make_step(seqs, {0}, {prompt}, false).gpu);
+
+  // Sequence 1 gets the same prompt in chunks; sequence 2 prefills and decodes alongside it.
+  const auto cut = [&](int a, int b) { return std::vector<int32_t>(prompt.begin() + a, prompt.begin() + b); };
+  gpu.run(make_step(seqs, {1, 2}, {cut(0, 10), random_tokens(5, V, rng)}, false).gpu);
+  gpu.run(make_step(seqs, {2, 1}, {random_tokens(1, V, rng), cut(10, 20)}, false).gpu);
+  const std::vector<float> chunked = gpu.run(make_step(seqs, {1}, {cut(20, 29)}, false).gpu);
+
+  ASSERT_EQ(one.size(), static_cast<size_t>(V));
+  ASSERT_EQ(chunked.size(), one.size());
+  ASSERT_TRUE(all_finite(one) && all_finite(chunked));
+  const double mag = max_abs(one.data(), one.size()),
+               err = max_abs_diff(chunked.data(), one.data(), one.size());
+  ASSERT_GT(mag, 0.1);
+  EXPECT_LE(err / mag, 1e-2) << "chunked vs one-step prefill: max diff " << err << ", max logit " << mag;
+}
+
+TEST(GpuModel, CudaGraphReplayMatchesEagerDecode) {
+  const ModelConfig cfg = qwen3_like();
+  const int V = cfg.vocab_size, kBatch = 4, kSteps = 8, kBound = 256;
+  std::mt19937_64 rng(21);
+  // <= 33 + 8 tokens each in 3 pages; block-table rows padded with -1 to 16 pages (the 256-token bound).
+  Seqs seqs = make_seqs(kBatch, 3, kMaxPagesPerSeq, rng);
+  GpuRunner eager(GpuModel::random(cfg, 5, kOpts), seqs.num_pages, kBatch);
+  GpuRunner graphed(GpuModel::random(cfg, 5, kOpts), seqs.num_pages, kBatch);
+
+  const Step prefill = make_step(seqs, {0, 1, 2, 3},
+                                 {random_tokens(5, V, rng), random_tokens(17, V, rng),
+                                  random_tokens(33, V, rng), random_tokens(9, V, rng)},
+                                 false);
+  const std::vector<float> pre = eager.run(prefill.gpu);
+  ASSERT_TRUE(graphed.run(prefill.gpu) == pre) << "identical setups disagree before the graph is involved";
+  std::vector<int32_t> next = greedy(prefill, pre, V, static_cast<size_t>(kBatch));
+
+  GpuGraph graph;
+  GpuBatch captured;
+  for (int s = 0; s < kSteps; ++s) {
+    const Step st =
+        make_step(seqs, {0, 1, 2, 3}, {{next[0]}, {next[1]}, {next[2]}, {next[3]}}, false, kBound);
+    const std::vector<float> want = eager.run(st.gpu);
+    const GpuBatch b = graphed.upload(st.gpu);
+    ASSERT_TRUE(b.decode_only());
+    ASSERT_EQ(b.max_seq_len, kBound);
+    if (!graph.captured()) {
+      graphed.capture(graph, b);
+      captured = b;
+    }
+    ASSERT_EQ(b.tokens, captured.tokens) << "GpuStepBuffers::upload moved the step's device buffers";
+    ASSERT_EQ(b.block_table, captured.block_table);
+    ASSERT_EQ(b.error_flag, captured.error_flag);
+    graph.launch(graphed.stream());
+    const std::vector<float> got = graphed.logits(kBatch);
+    ASSERT_TRUE(all_finite(got));
+    const double err = max_abs_diff(got.data(), want.data(), want.size());
+    EXPECT_LE(err, 1e-6 * max_abs(want.data(), want.size()))
+        << "graph replay step " << s << ": max diff " << err;
+    EXPECT_EQ(graphed.error_flag(), 0);
+    next = greedy(st, want, V, static_cast<size_t>(kBatch));
+  }
+}
+
+TEST(GpuModel, RandomWeightsAreAFunctionOfTheSeed) {
+  const ModelConfig cfg = llama_biased();
+  std::mt19937_64 rng(3);
+  Seqs seqs = make_seqs(2, 2, 4, rng);
+  const Step st =
+      make_step(seqs, {0, 1}, {random_tokens(20, cfg.vocab_size, rng), random_tokens(6, cfg.vocab_size, rng)},
+                /*all_rows=*/true);
+  const auto logits_of = [&](uint64_t seed) {
+    GpuRunner g(GpuModel::random(cfg, seed, kOpts), seqs.num_pages, 2);
+    return g.run(st.gpu);
+  };
+  const std::vector<float> a = logits_of(42), b = logits_of(42), c = logits_of(43);
+  ASSERT_EQ(a.size(), static_cast<size_t>(26) * cfg.vocab_size);
+  ASSERT_TRUE(all_finite(a) && all_finite(c));
+  ASSERT_GT(max_abs(a.data(), a.size()), 0.1);
+  ASSERT_EQ(b.size(), a.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "same seed, different logits";
+  EXPECT_GT(max_abs_diff(a.data(), c.data(), a.size()), 0.1 * max_abs(a.data(), a.size()))
+      << "seeds 42 and 43 give (nearly) the same logits";
+}
+
+// Runs f, which must throw spade::Error whose message contains `key`.
+template <typename F>
+void expect_error(F&& f, const std::string& key) {
+  try {
+    f();
+    ADD_FAILURE() << "no spade::Error thrown (expected one mentioning '" << key << "')";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << "message: " << e.what();
+  }
+}
+
+TEST(GpuModelBadInput, UnsupportedConfigsThrow) {
+  ModelConfig c = qwen3_like();
+  c.head_dim = 16;
+  expect_error([&] { GpuModel::random(c, 1, kOpts); }, "head_dim 16");
+
+  c = qwen3_like();
+  c.num_q_heads = 16;
+  c.num_kv_heads = 1;  // GQA group 16 > 8
+  expect_error([&] { GpuModel::random(c, 1, kOpts); }, "GQA");
+
+  c = qwen3_like();  // hybrid Qwen3.5 text model: GDN layers are not on the GPU path yet
+  c.model_type = "qwen3_5_text";
+  c.arch = ModelArch::Qwen3_5;
+  c.layer_types = {LayerType::LinearAttention, LayerType::LinearAttention, LayerType::FullAttention};
+  c.attn_output_gate = true;
+  c.norm_unit_offset = true;
+  c.rotary_dim = 16;
+  c.linear_conv_kernel_dim = 4;
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 4;
+  c.linear_key_head_dim = 64;
+  c.linear_value_head_dim = 64;
+  ASSERT_TRUE(c.is_hybrid());
+  expect_error([&] { GpuModel::random(c, 1, kOpts); }, "qwen3_5_text");
+}
+
+TEST(GpuModelBadInput, MalformedStepsAreRejected) {
+  std::mt19937_64 rng(9);
+  Seqs seqs = make_seqs(2, 1, 2, rng);
+  const Step ok = make_step(seqs, {0, 1}, {random_tokens(5, 100, rng), random_tokens(3, 100, rng)}, true);
+  GpuStepBuffers bufs(/*max_tokens=*/8, /*max_batch=*/2, /*max_pages=*/2, /*max_logit_rows=*/8, seqs.num_pages);
+  EXPECT_NO_THROW(bufs.upload(ok.gpu, nullptr));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  GpuStepHost h = ok.gpu;  // 9 tokens for buffers of 8
+  h.tokens.push_back(1);
+  h.positions.push_back(3);
+  h.seq_idx.push_back(1);
+  h.cu_q_lens.back() = 9;
+  h.seq_lens.back() = 4;
+  expect_error([&] { bufs.upload(h, nullptr); }, "9 tokens");
+
+  h = ok.gpu;
+  h.cu_q_lens.back() = 7;  // prefix sums that do not end at the 8 tokens
+  expect_error([&] { bufs.upload(h, nullptr); }, "cu_q_lens");
+  h = ok.gpu;
+  h.cu_q_lens[1] = 9;  // not monotonic: sequence 0 gets 9 query tokens for a context of 5, sequence 1 gets -1
+  expect_error([&] { bufs.upload(h, nullptr); }, "query tokens");
+
+  h = ok.gpu;
+  h.logit_rows.back() = 8;
+  expect_error([&] { bufs.upload(h, nullptr); }, "logit row 8");
+
+  h = ok.gpu;
+  h.block_table.back() = seqs.num_pages;  // one past the pool
+  expect_error([&] { bufs.upload(h, nullptr); }, "not a page of the pool");
+  h = ok.gpu;
+  h.seq_idx[0] = 2;  // a batch of 2 has no sequence 2
+  expect_error([&] { bufs.upload(h, nullptr); }, "names sequence 2");
+
+  // A step within the buffers but beyond the model's activation bounds: forward rejects it.
+  GpuRunner small(GpuModel::random(qwen3_like(), 1, GpuModelOptions{4, 4}), seqs.num_pages, 2);
+  const GpuBatch b = small.upload(ok.gpu);
+  expect_error([&] { small.forward(b); }, "GPU forward");
+}
+
+TEST(GpuModelBadInput, OutOfVocabularyTokenSetsTheErrorFlag) {
+  const ModelConfig cfg = qwen3_like();
+  const int V = cfg.vocab_size;
+  std::mt19937_64 rng(13);
+  Seqs seqs = make_seqs(2, 2, 4, rng);
+  GpuRunner gpu(GpuModel::random(cfg, 17, kOpts), seqs.num_pages, 2);
+
+  gpu.run(make_step(seqs, {0, 1}, {random_tokens(6, V, rng), random_tokens(4, V, rng)}, false).gpu);
+  EXPECT_EQ(gpu.error_flag(), 0) << "a valid step set the error flag";
+
+  std::vector<int32_t> bad = random_tokens(3, V, rng);
+  bad[1] = V;  // one past the vocabulary; the other sequence decodes a negative id
+  EXPECT_NO_THROW(gpu.run(make_step(seqs, {0, 1}, {bad, {-7}}, false).gpu));
+  EXPECT_EQ(gpu.error_flag(), 1) << "out-of-vocabulary token ids went unnoticed";
+
+  const std::vector<float> after =
+      gpu.run(make_step(seqs, {0, 1}, {random_tokens(1, V, rng), random_tokens(1, V, rng)}, false).gpu);
+  EXPECT_EQ(gpu.error_flag(), 0) << "upload must clear the flag of the previous step";
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(after.size(), static_cast<size_t>(2) * V);
+}
+
+}  // namespace
+}  // namespace spade
