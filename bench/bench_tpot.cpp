@@ -155,11 +155,10 @@ struct Plan {
   /// -1 before (never read or written by it).
   int first_window_page() const { return std::max(0, o.context + 1 - o.local_window) / o.page_size; }
   std::vector<int32_t> window_table() const {
-    const int first = first_window_page(), per = max_pages - first;
+    const int first = first_window_page();
     std::vector<int32_t> bt(static_cast<size_t>(o.batch) * max_pages, -1);
     for (int b = 0; b < o.batch; ++b)
       for (int i = first; i < max_pages; ++i) bt[static_cast<size_t>(b) * max_pages + i] = (i - first) * o.batch + b;
-    (void)per;
     return bt;
   }
   int window_pages() const { return (max_pages - first_window_page()) * o.batch; }
@@ -187,24 +186,12 @@ void packed_attention(const ModelConfig& cfg, const Opts& o, const GpuLayerStep&
                       const void* packed_k, const void* packed_v, const int32_t* num_packed, DeviceBuffer& ws,
                       cudaStream_t stream) {
   kernels::SparsePackedDecodeParams p;
-  p.q = s.q;
+  fill_attention_params(p, cfg, s, b, o.page_size);
   p.packed_k = packed_k;
   p.packed_v = packed_v;
   p.num_packed = num_packed;
-  p.k_cache = s.k_cache;
-  p.v_cache = s.v_cache;
-  p.block_table = b.block_table;
-  p.seq_lens = b.seq_lens;
-  p.out = s.out;
-  p.batch = b.batch;
-  p.num_q_heads = cfg.num_q_heads;
-  p.num_kv_heads = cfg.num_kv_heads;
-  p.head_dim = cfg.head_dim;
-  p.page_size = o.page_size;
-  p.max_pages_per_seq = b.max_pages;
   p.packed_capacity = o.budget;
   p.local_window = o.local_window;
-  p.scale = 1.f / std::sqrt(static_cast<float>(cfg.head_dim));
   p.workspace = {ws.get(), ws.bytes()};
   cuda_check(kernels::sparse_decode_attention_packed(p, stream), "sparse packed attention");
 }

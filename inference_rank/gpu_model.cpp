@@ -181,44 +181,19 @@ GpuDenseAttention::GpuDenseAttention(const ModelConfig& cfg, int page_size, int 
 }
 
 void GpuDenseAttention::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) {
-  const float scale = 1.f / std::sqrt(static_cast<float>(cfg_.head_dim));
   if (b.decode_only()) {
     SPADE_CHECK(b.batch <= max_batch_, "dense attention: batch {} above the workspace's {}", b.batch, max_batch_);
     kernels::PagedDecodeParams p;
-    p.q = s.q;
-    p.k_cache = s.k_cache;
-    p.v_cache = s.v_cache;
-    p.block_table = b.block_table;
-    p.seq_lens = b.seq_lens;
-    p.out = s.out;
-    p.batch = b.batch;
-    p.num_q_heads = cfg_.num_q_heads;
-    p.num_kv_heads = cfg_.num_kv_heads;
-    p.head_dim = cfg_.head_dim;
-    p.page_size = page_size_;
-    p.max_pages_per_seq = b.max_pages;
+    fill_attention_params(p, cfg_, s, b, page_size_);
     p.max_seq_len = b.max_seq_len;
-    p.scale = scale;
     p.workspace = {workspace_.get(), workspace_.bytes()};
     cuda_check(kernels::paged_decode_attention(p, stream), "dense paged decode attention");
     return;
   }
   kernels::PagedPrefillParams p;
-  p.q = s.q;
-  p.k_cache = s.k_cache;
-  p.v_cache = s.v_cache;
-  p.block_table = b.block_table;
+  fill_attention_params(p, cfg_, s, b, page_size_);
   p.cu_q_lens = b.cu_q_lens;
-  p.seq_lens = b.seq_lens;
-  p.out = s.out;
-  p.batch = b.batch;
-  p.num_q_heads = cfg_.num_q_heads;
-  p.num_kv_heads = cfg_.num_kv_heads;
-  p.head_dim = cfg_.head_dim;
-  p.page_size = page_size_;
-  p.max_pages_per_seq = b.max_pages;
   p.max_q_len = b.max_q_len;
-  p.scale = scale;
   cuda_check(kernels::paged_prefill_attention(p, stream), "dense paged prefill attention");
 }
 

@@ -17,6 +17,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -151,6 +152,27 @@ class GpuAttention {
   virtual ~GpuAttention() = default;
   virtual void attend(const GpuLayerStep& step, const GpuBatch& batch, cudaStream_t stream) = 0;
 };
+
+/// Fills the fields the paged attention launchers share (kernels/attention.cuh PagedDecodeParams,
+/// PagedPrefillParams, SparsePackedDecodeParams) from a layer step: q, caches, block table, seq_lens, out, head
+/// geometry, page size and the 1/sqrt(head_dim) softmax scale.
+template <typename Params>
+void fill_attention_params(Params& p, const ModelConfig& cfg, const GpuLayerStep& s, const GpuBatch& b,
+                           int page_size) {
+  p.q = s.q;
+  p.k_cache = s.k_cache;
+  p.v_cache = s.v_cache;
+  p.block_table = b.block_table;
+  p.seq_lens = b.seq_lens;
+  p.out = s.out;
+  p.batch = b.batch;
+  p.num_q_heads = cfg.num_q_heads;
+  p.num_kv_heads = cfg.num_kv_heads;
+  p.head_dim = cfg.head_dim;
+  p.page_size = page_size;
+  p.max_pages_per_seq = b.max_pages;
+  p.scale = 1.f / std::sqrt(static_cast<float>(cfg.head_dim));
+}
 
 /// Dense attention over the whole paged context: split-K flash-decoding for decode-only steps, the causal
 /// FlashAttention-2-style kernel otherwise (kernels/attention.cuh).
