@@ -22,7 +22,8 @@
 // timing); the greedy argmax over the logits is inside the timed step.
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
-//                   [--modes dense,oracle,async] [--label NAME] [--out results.json] (appends a JSON document).
+//                   [--modes dense,oracle,async] [--nccl-ctas 16] [--label NAME] [--out results.json] (appends a
+//                   JSON document per run).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -77,6 +78,10 @@ struct Opts {
   int page_size = 16;
   float ridge_eps = 1e-3f;
   uint64_t seed = 1;
+  // CTAs (channels) NCCL may use per communicator: each holds an SM of BOTH GPUs for the whole transfer, so fewer
+  // leave more SMs to scoring on the cache rank (measured: 16 of the default 32 on H200 NVLink gives the best TPOT;
+  // 8 halves the link bandwidth). 0 = NCCL's default.
+  int nccl_ctas = 16;
 };
 
 struct Stats {
@@ -635,6 +640,19 @@ class AsyncCacheRank {
   cudaEvent_t uploaded_ = nullptr;
 };
 
+/// Both communicators of one rank (blocking init, grouped so the two ranks' threads may init in any order). The
+/// up link carries ~100 KB per pack and gets one CTA; the down link at most `ctas` (0 = NCCL default).
+void init_link(Link& l, const ncclUniqueId& up, const ncclUniqueId& down, int rank, int ctas) {
+  ncclConfig_t cup = NCCL_CONFIG_INITIALIZER, cdown = NCCL_CONFIG_INITIALIZER;
+  cup.maxCTAs = 1;
+  cup.minCTAs = 1;
+  if (ctas > 0) cdown.maxCTAs = ctas;
+  NCCL_OK(ncclGroupStart());
+  NCCL_OK(ncclCommInitRankConfig(&l.up, 2, up, rank, &cup));
+  NCCL_OK(ncclCommInitRankConfig(&l.down, 2, down, rank, &cdown));
+  NCCL_OK(ncclGroupEnd());
+}
+
 json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack, double copy_gbps) {
   const Plan plan(o, cfg);
   AsyncShared sh;
@@ -653,10 +671,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   std::thread cache_thread([&] {
     try {
       cuda_check(cudaSetDevice(1), "cudaSetDevice(1)");
-      NCCL_OK(ncclGroupStart());
-      NCCL_OK(ncclCommInitRank(&links[1].up, 2, id_up, 1));
-      NCCL_OK(ncclCommInitRank(&links[1].down, 2, id_down, 1));
-      NCCL_OK(ncclGroupEnd());
+      init_link(links[1], id_up, id_down, 1, o.nccl_ctas);
       cache = std::make_unique<AsyncCacheRank>(cfg, o, sh, links[1], plan);
       cache->run();
     } catch (const std::exception& e) {
@@ -669,10 +684,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   int stall_count = 0;
   try {
     cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
-    NCCL_OK(ncclGroupStart());
-    NCCL_OK(ncclCommInitRank(&links[0].up, 2, id_up, 0));
-    NCCL_OK(ncclCommInitRank(&links[0].down, 2, id_down, 0));
-    NCCL_OK(ncclGroupEnd());
+    init_link(links[0], id_up, id_down, 0, o.nccl_ctas);
     GpuKvPool local(cfg.num_layers, plan.window_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim);
     cudaStream_t stream;
     cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
@@ -737,6 +749,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
 
   r = result_row(o, cfg, "async", tpot);
   r["pack"] = pack;
+  r["nccl_max_ctas"] = o.nccl_ctas;
   r["packs"] = sh.packs;
   const double down_pack = static_cast<double>(sh.P) * sh.down_bytes_layer;
   const Stats inf = stats(infer), cms = stats(cm), snd = stats(sendms), st = stats(stalls);
@@ -799,6 +812,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--steps") o.steps = std::stoi(next());
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--local-window") o.local_window = std::stoi(next());
+    else if (a == "--nccl-ctas") o.nccl_ctas = std::stoi(next());
     else fail("unknown argument {} (see the header of bench/bench_tpot.cpp)", a);
   }
   SPADE_CHECK(!o.config.empty(), "--config DIR (a config.json directory) is required");
