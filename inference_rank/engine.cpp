@@ -45,7 +45,8 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 }  // namespace
 
 Engine::Engine(const Model& model, EngineOptions opt, const BackendFactory& make_attention)
-    : model_(model),
+    : model_(&model),
+      cfg_(model.config()),
       attn_cfg_(std::make_unique<const ModelConfig>(model.config().attention_view())),
       opt_(normalise(opt, model.config())),
       cache_(std::make_unique<KvCache>(*attn_cfg_, opt_.num_pages, opt_.page_size)),
@@ -55,8 +56,23 @@ Engine::Engine(const Model& model, EngineOptions opt, const BackendFactory& make
   if (model.config().is_hybrid()) states_ = std::make_unique<GdnStatePool>(model.config(), opt_.max_num_seqs);
 }
 
+Engine::Engine(const ModelConfig& cfg, EngineOptions opt, ForwardFn forward)
+    : forward_(std::move(forward)),
+      cfg_(cfg),
+      attn_cfg_(std::make_unique<const ModelConfig>(cfg.attention_view())),
+      opt_(normalise(opt, cfg)),
+      // The host KvCache is never written on this path (its memory is not touched, so it costs address space only);
+      // the engine keeps it so kv_cache() / backends have the same shape on both paths.
+      cache_(std::make_unique<KvCache>(*attn_cfg_, opt_.num_pages, opt_.page_size)),
+      attention_(std::make_unique<DensePagedAttention>(*attn_cfg_, *cache_)),
+      alloc_(opt_.num_pages, opt_.page_size) {
+  SPADE_CHECK(forward_ != nullptr, "Engine: no forward pass given");
+  SPADE_CHECK(!cfg.is_hybrid(), "Engine: an external forward pass serves dense models only ('{}' is hybrid)",
+              cfg.model_type);
+}
+
 uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
-  const ModelConfig& cfg = model_.config();
+  const ModelConfig& cfg = cfg_;
   SPADE_CHECK(!req.prompt_ids.empty(), "request has an empty prompt");
   for (int32_t id : req.prompt_ids)
     SPADE_CHECK(id >= 0 && id < cfg.vocab_size, "prompt token id {} is outside the vocabulary [0, {})", id,
@@ -185,7 +201,11 @@ bool Engine::step() {
 
   std::vector<float> logits;
   try {
-    model_.forward(batch, *attention_, logits, states_.get());
+    if (forward_) {
+      forward_(batch, logits);
+    } else {
+      model_->forward(batch, *attention_, logits, states_.get());
+    }
   } catch (const Error& e) {  // fail every request of the batch, keep serving
     for (Seq* s : in_batch) {
       const uint64_t id = s->id;
@@ -201,7 +221,7 @@ bool Engine::step() {
       if (f.first == id) return true;
     return false;
   };
-  const int vocab = model_.config().vocab_size;
+  const int vocab = cfg_.vocab_size;
   for (size_t r = 0; r < logit_owner.size(); ++r) {
     Seq& s = *in_batch[logit_owner[r]];
     if (failed(s.id)) continue;

@@ -89,10 +89,20 @@ class EngineObserver {
 /// attention_view() (num_layers = its full-attention layers), owned by the engine: a backend may keep a reference.
 using BackendFactory = std::function<std::unique_ptr<AttentionBackend>(const ModelConfig&, KvCache&)>;
 
+/// A forward pass the engine drives instead of the CPU Model (the GPU path, inference_rank/gpu_engine.h): runs
+/// `batch` (the engine's block tables index its own PageAllocator, so the implementation keeps a KV pool of
+/// EngineOptions::num_pages pages of page_size tokens) and resizes `logits` to [batch.logit_rows.size(), vocab]
+/// fp32. Throws spade::Error to fail the batch's requests (the engine keeps serving).
+using ForwardFn = std::function<void(const ForwardBatch& batch, std::vector<float>& logits)>;
+
 class Engine {
  public:
   /// `make_attention`: nullptr = dense paged attention over the engine's own KvCache.
   Engine(const Model& model, EngineOptions opt, const BackendFactory& make_attention = nullptr);
+  /// An engine over an external forward pass of a dense (non-hybrid) model of `cfg`; attention happens inside
+  /// `forward`, over a KV pool of options().num_pages pages (the normalised value: build the pool from options()
+  /// before the first step). Throws spade::Error for a hybrid cfg.
+  Engine(const ModelConfig& cfg, EngineOptions opt, ForwardFn forward);
 
   /// Validates and queues a request; returns its id. Throws spade::Error (nothing queued) for an empty prompt,
   /// an id outside the vocabulary, max_tokens <= 0, invalid sampling parameters, or a request longer than the
@@ -133,7 +143,9 @@ class Engine {
   void finish(Seq& s, FinishReason r, const std::string& error = "");
   bool admit_waiting();
 
-  const Model& model_;
+  const Model* model_ = nullptr;  // the CPU model, or
+  ForwardFn forward_;              // an external forward pass
+  ModelConfig cfg_;
   // model_.config().attention_view(): what the KV cache and the backend see (heap: backends keep a reference).
   std::unique_ptr<const ModelConfig> attn_cfg_;
   EngineOptions opt_;

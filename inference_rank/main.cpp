@@ -2,6 +2,7 @@
 //
 //   inference_rank --model DIR --prompt TEXT --max-tokens N [--temperature T --top-p P --top-k K --seed S]
 //                  [--selection dense|oracle|predicted --sparse-threshold N --token-budget K ...]
+//   inference_rank --model DIR --device cuda [--random-weights] [--tokenizer DIR] --prompt TEXT ...
 //   inference_rank --serve --model DIR [launch flags / RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT / OMPI_*] [...]
 //
 // Standalone (--prompt): the generated text streams to stdout; TTFT, TPOT and tokens/s go to stderr at the end.
@@ -22,6 +23,11 @@
 #include "inference_rank/engine.h"
 #include "inference_rank/serve.h"
 #include "inference_rank/sparse_attention.h"
+#ifdef SPADE_HAVE_GPU_PATH
+#include <cuda_runtime_api.h>
+
+#include "inference_rank/gpu_engine.h"
+#endif
 
 namespace {
 
@@ -99,6 +105,18 @@ int main(int argc, char** argv) {
   app.add_option("--max-num-batched-tokens", eo.max_num_batched_tokens, "tokens per forward (prefill chunk) at most")
       ->check(CLI::PositiveNumber);
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off");
+  std::string device = "cpu", tokenizer_dir;
+  bool random_weights = false, no_cuda_graphs = false;
+  double kv_gib = 0;
+  uint64_t weights_seed = 0;
+  app.add_option("--weights-seed", weights_seed, "seed of --random-weights");
+  app.add_option("--device", device, "cpu (fp32) | cuda (bf16 on GPU 0; dense attention, standalone only)");
+  app.add_flag("--random-weights", random_weights,
+               "deterministic random weights for the config.json in --model (no safetensors needed)");
+  app.add_option("--tokenizer", tokenizer_dir, "directory with tokenizer.json (default: --model)");
+  app.add_option("--kv-cache-gib", kv_gib, "KV-cache budget in GiB (default 1; counted in fp32 bytes)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--no-cuda-graphs", no_cuda_graphs, "--device cuda: run decode steps eagerly");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -128,23 +146,63 @@ int main(int argc, char** argv) {
       return spade::run_serve(sv);
     }
     if (prompts.empty()) spade::fail("give --prompt TEXT (standalone) or --serve (cluster)");
+    if (device != "cpu" && device != "cuda") spade::fail("--device must be cpu or cuda, got '{}'", device);
+    if (kv_gib > 0) eo.kv_cache_bytes = static_cast<size_t>(kv_gib * (1 << 30));
     auto t_load = Clock::now();
-    auto model = spade::Model::load(model_dir);
-    auto tok = spade::Tokenizer::from_dir(model_dir);
-    auto gen = spade::load_generation_config(model_dir, model->config());
-    spdlog::info("loaded {} ({} params) in {:.1f} ms", model_dir, model->num_params(), ms(Clock::now() - t_load));
+    const spade::ModelConfig cfg = spade::load_model_config(model_dir);
+    auto tok = spade::Tokenizer::from_dir(tokenizer_dir.empty() ? model_dir : tokenizer_dir);
+    auto gen = spade::load_generation_config(model_dir, cfg);
     if (sp.temperature < 0) sp.temperature = gen.do_sample ? gen.temperature : 0.f;
     spade::validate(sp);
 
     spade::SparseAttention* backend = nullptr;
-    spade::Engine engine(*model, eo, [&](const spade::ModelConfig& cfg, spade::KvCache& kv) {
-      std::unique_ptr<spade::cache::CacheRankLink> link;
-      if (so.mode == spade::SelectionMode::Predicted)
-        link = std::make_unique<spade::cache::InProcessLink>(cfg, so.selection, kv.num_pages(), kv.page_size());
-      auto b = std::make_unique<spade::SparseAttention>(cfg, kv, so, std::move(link));
-      backend = b.get();
-      return std::unique_ptr<spade::AttentionBackend>(std::move(b));
-    });
+    std::unique_ptr<spade::Model> model;
+    std::unique_ptr<spade::Engine> engine_ptr;
+#ifdef SPADE_HAVE_GPU_PATH
+    std::unique_ptr<spade::GpuEngineForward> gpu;
+#endif
+    if (device == "cuda") {
+#ifdef SPADE_HAVE_GPU_PATH
+      if (so.mode != spade::SelectionMode::Dense)
+        spade::fail("--device cuda runs dense attention only (the sparse GPU pipeline is bench/bench_tpot for now)");
+      engine_ptr = std::make_unique<spade::Engine>(cfg, eo, [&](const spade::ForwardBatch& b, std::vector<float>& l) {
+        (*gpu)(b, l);
+      });
+      const spade::EngineOptions& eff = engine_ptr->options();
+      spade::GpuEngineOptions go;
+      go.num_pages = eff.num_pages;
+      go.page_size = eff.page_size;
+      go.max_num_seqs = eff.max_num_seqs;
+      go.max_num_batched_tokens = eff.max_num_batched_tokens;
+      go.max_model_len = eff.max_model_len;
+      go.cuda_graphs = !no_cuda_graphs;
+      const spade::GpuModelOptions mo = spade::GpuEngineForward::model_options(go);
+      std::unique_ptr<spade::GpuModel> gm;
+      if (random_weights) {
+        gm = spade::GpuModel::random(cfg, weights_seed, mo);
+      } else {
+        const auto ckpt = spade::Model::load(model_dir);  // host fp32 copy, freed after the upload
+        gm = spade::GpuModel::upload(ckpt->config(), ckpt->weights(), mo);
+      }
+      gpu = std::make_unique<spade::GpuEngineForward>(std::move(gm), go);
+      spdlog::info("GPU model: {:.2f} GB weights, {:.2f} GB KV pool ({} pages) in {:.1f} ms",
+                   gpu->model().weight_bytes() / 1e9, gpu->kv_bytes() / 1e9, go.num_pages, ms(Clock::now() - t_load));
+#else
+      spade::fail("--device cuda: this build has no CUDA (configure with SPADE_ENABLE_CUDA=ON and NCCL/cuBLAS)");
+#endif
+    } else {
+      model = random_weights ? spade::Model::random(cfg, weights_seed) : spade::Model::load(model_dir);
+      spdlog::info("loaded {} ({} params) in {:.1f} ms", model_dir, model->num_params(), ms(Clock::now() - t_load));
+      engine_ptr = std::make_unique<spade::Engine>(*model, eo, [&](const spade::ModelConfig& c, spade::KvCache& kv) {
+        std::unique_ptr<spade::cache::CacheRankLink> link;
+        if (so.mode == spade::SelectionMode::Predicted)
+          link = std::make_unique<spade::cache::InProcessLink>(c, so.selection, kv.num_pages(), kv.page_size());
+        auto b = std::make_unique<spade::SparseAttention>(c, kv, so, std::move(link));
+        backend = b.get();
+        return std::unique_ptr<spade::AttentionBackend>(std::move(b));
+      });
+    }
+    spade::Engine& engine = *engine_ptr;
     std::vector<Output> outs(prompts.size());
     std::map<uint64_t, size_t> slot;
     const bool stream = prompts.size() == 1;

@@ -156,6 +156,8 @@ class Model {
   Model(ModelConfig cfg, ModelWeights w);
 
   const ModelConfig& config() const { return cfg_; }
+  /// The host fp32 weights (e.g. to upload them to the GPU path).
+  const ModelWeights& weights() const { return w_; }
   /// Parameters (elements), embeddings included once when tied.
   size_t num_params() const;
 

@@ -1,0 +1,62 @@
+// The GPU forward pass behind the continuous-batching Engine (engine.h ForwardFn): `inference_rank --device cuda`.
+//
+// Each engine step (a ragged ForwardBatch of prefill chunks and decode tokens, block tables from the engine's
+// PageAllocator) is uploaded with one copy (GpuStepBuffers), run by GpuModel::forward with dense paged attention
+// over a GpuKvPool of the engine's num_pages pages, and its fp32 logits are copied back for the engine's sampler.
+// The host waits once per step, for the logits. Decode-only steps replay a CUDA graph captured per batch-size bucket
+// (1, 2, 4, ... max_num_seqs): the bucket's padding rows are sequences of one token on a scratch page, so the
+// graph's shapes are fixed while the batch's lengths, positions and pages are data. Mixed / prefill steps run eagerly.
+// Errors (bad token id / position / page flagged on the device, CUDA failures) throw spade::Error naming the step.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "inference_rank/engine.h"
+#include "inference_rank/gpu_model.h"
+
+namespace spade {
+
+struct GpuEngineOptions {
+  int num_pages = 0;              // the engine's KV pages (EngineOptions::num_pages)
+  int page_size = 16;
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 2048;
+  int max_model_len = 0;          // longest sequence: sizes the block tables and the graphs' split-K grids
+  bool cuda_graphs = true;        // capture decode steps per batch bucket
+};
+
+class GpuEngineForward {
+ public:
+  /// The activation bounds `model` must have been created with (GpuModel::upload / random).
+  static GpuModelOptions model_options(const GpuEngineOptions& opt);
+  /// Allocates the KV pool (plus one scratch page for graph padding) and the step buffers on the current device.
+  /// Throws spade::Error when a bound is missing.
+  GpuEngineForward(std::unique_ptr<GpuModel> model, const GpuEngineOptions& opt);
+  ~GpuEngineForward();
+  GpuEngineForward(const GpuEngineForward&) = delete;
+  GpuEngineForward& operator=(const GpuEngineForward&) = delete;
+  /// engine.h ForwardFn.
+  void operator()(const ForwardBatch& batch, std::vector<float>& logits);
+  const GpuModel& model() const { return *model_; }
+  size_t kv_bytes() const { return kv_.bytes(); }
+  /// Decode steps served by a captured graph / run eagerly (tests, stats).
+  uint64_t graph_steps() const { return graph_steps_; }
+  uint64_t eager_steps() const { return eager_steps_; }
+
+ private:
+  std::unique_ptr<GpuModel> model_;
+  GpuEngineOptions opt_;
+  int max_pages_;
+  GpuKvPool kv_;
+  GpuDenseAttention attention_;
+  GpuStepBuffers steps_;
+  cudaStream_t stream_ = nullptr;
+  std::map<int, std::unique_ptr<GpuGraph>> graphs_;  // by batch bucket
+  uint64_t graph_steps_ = 0, eager_steps_ = 0;
+};
+
+}  // namespace spade
