@@ -16,6 +16,17 @@ int bucket_for(int batch) {
 }
 }  // namespace
 
+GpuEngineOptions gpu_engine_options(const EngineOptions& e, bool cuda_graphs) {
+  GpuEngineOptions g;
+  g.num_pages = e.num_pages;
+  g.page_size = e.page_size;
+  g.max_num_seqs = e.max_num_seqs;
+  g.max_num_batched_tokens = e.max_num_batched_tokens;
+  g.max_model_len = e.max_model_len;
+  g.cuda_graphs = cuda_graphs;
+  return g;
+}
+
 GpuModelOptions GpuEngineForward::model_options(const GpuEngineOptions& opt) {
   const int rows = std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs));
   return GpuModelOptions{rows, rows};

@@ -29,6 +29,9 @@ struct GpuEngineOptions {
   bool cuda_graphs = true;        // capture decode steps per batch bucket
 };
 
+/// The GPU options matching an engine's options (pass Engine::options(): the normalised num_pages / max_model_len).
+GpuEngineOptions gpu_engine_options(const EngineOptions& engine, bool cuda_graphs = true);
+
 class GpuEngineForward {
  public:
   /// The activation bounds `model` must have been created with (GpuModel::upload / random).

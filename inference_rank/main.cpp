@@ -168,14 +168,7 @@ int main(int argc, char** argv) {
       engine_ptr = std::make_unique<spade::Engine>(cfg, eo, [&](const spade::ForwardBatch& b, std::vector<float>& l) {
         (*gpu)(b, l);
       });
-      const spade::EngineOptions& eff = engine_ptr->options();
-      spade::GpuEngineOptions go;
-      go.num_pages = eff.num_pages;
-      go.page_size = eff.page_size;
-      go.max_num_seqs = eff.max_num_seqs;
-      go.max_num_batched_tokens = eff.max_num_batched_tokens;
-      go.max_model_len = eff.max_model_len;
-      go.cuda_graphs = !no_cuda_graphs;
+      const spade::GpuEngineOptions go = spade::gpu_engine_options(engine_ptr->options(), !no_cuda_graphs);
       const spade::GpuModelOptions mo = spade::GpuEngineForward::model_options(go);
       std::unique_ptr<spade::GpuModel> gm;
       if (random_weights) {

@@ -582,13 +582,7 @@ TEST(GpuEngine, ContinuousBatchingAgreesWithTheCpuEngine) {
   const EngineRun want = run_engine(cpu, cfg.vocab_size);
 
   for (const bool graphs : {true, false}) {
-    GpuEngineOptions go;
-    go.num_pages = eo.num_pages;
-    go.page_size = eo.page_size;
-    go.max_num_seqs = eo.max_num_seqs;
-    go.max_num_batched_tokens = eo.max_num_batched_tokens;
-    go.max_model_len = eo.max_model_len;
-    go.cuda_graphs = graphs;
+    const GpuEngineOptions go = gpu_engine_options(eo, graphs);
     GpuEngineForward gpu(GpuModel::upload(cfg, w, GpuEngineForward::model_options(go)), go);
     Engine engine(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) { gpu(b, l); });
     const EngineRun got = run_engine(engine, cfg.vocab_size);
@@ -621,17 +615,13 @@ TEST(GpuEngine, ContinuousBatchingAgreesWithTheCpuEngine) {
 
 TEST(GpuEngine, OverlongRequestIsRejectedAndNothingIsLost) {
   const ModelConfig cfg = qwen3_like();
-  GpuEngineOptions go;
-  go.num_pages = 32;
-  go.max_num_seqs = 2;
-  go.max_num_batched_tokens = 32;
-  go.max_model_len = 64;
-  GpuEngineForward gpu(GpuModel::random(cfg, 3, GpuEngineForward::model_options(go)), go);
   EngineOptions eo;
-  eo.num_pages = go.num_pages;
-  eo.max_num_seqs = go.max_num_seqs;
-  eo.max_num_batched_tokens = go.max_num_batched_tokens;
-  eo.max_model_len = go.max_model_len;
+  eo.num_pages = 32;
+  eo.max_num_seqs = 2;
+  eo.max_num_batched_tokens = 32;
+  eo.max_model_len = 64;
+  const GpuEngineOptions go = gpu_engine_options(eo);
+  GpuEngineForward gpu(GpuModel::random(cfg, 3, GpuEngineForward::model_options(go)), go);
   Engine engine(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) { gpu(b, l); });
   GenerateRequest big;
   big.prompt_ids.assign(60, 7);
