@@ -1,4 +1,4 @@
-// inference_rank: loads a Hugging Face checkpoint and generates text on the CPU.
+// inference_rank: loads a Hugging Face checkpoint and generates text on the CPU (fp32) or one GPU (bf16, --device cuda).
 //
 //   inference_rank --model DIR --prompt TEXT --max-tokens N [--temperature T --top-p P --top-k K --seed S]
 //                  [--selection dense|oracle|predicted --sparse-threshold N --token-budget K ...]
@@ -46,7 +46,7 @@ struct Output {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Spade inference rank: dense generation from a Hugging Face checkpoint (CPU)"};
+  CLI::App app{"Spade inference rank: generation from a Hugging Face checkpoint (CPU fp32, or GPU bf16 with --device cuda)"};
   std::string model_dir, log_level = "warn";
   std::vector<std::string> prompts;
   int max_tokens = 128;
