@@ -306,7 +306,13 @@ class ImageFacts:
 
     def check_runtime_packages(self, source_dir, binaries):
         script = os.path.join(source_dir, "deploy/docker/runtime-packages.sh")
-        p = subprocess.run([script] + binaries, capture_output=True, text=True)
+        # A CUDA build's inference_rank links the CUDA runtime and cuBLASLt (its --device cuda path). The image
+        # that ships such binaries (Dockerfile.cuda) starts from nvidia/cuda's runtime image, which provides those
+        # libraries, and says so with the same SPADE_RUNTIME_PROVIDED list; the CPU image builds without CUDA.
+        provided = re.search(r'SPADE_RUNTIME_PROVIDED="([^"]*)"',
+                             open(os.path.join(source_dir, "deploy/docker/Dockerfile.cuda")).read())
+        env = dict(os.environ, SPADE_RUNTIME_PROVIDED=provided.group(1) if provided else "")
+        p = subprocess.run([script] + binaries, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             first = (p.stderr.strip().splitlines() or ["(no message)"])[0]
             self.errors.append(f"deploy/docker/runtime-packages.sh failed on the built binaries: {first}")
