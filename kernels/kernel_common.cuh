@@ -136,4 +136,37 @@ constexpr int log2_int(int x) {
   return r;
 }
 
+/// fp32 image of an element of type T (fp32, bf16, fp16) and the round-to-nearest-even conversion back.
+template <typename T>
+__device__ __forceinline__ float to_f(T x) {
+  return ElemTraits<T>::to_float(x);
+}
+template <>
+__device__ __forceinline__ float to_f<float>(float x) {
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ T from_f(float x) {
+  return ElemTraits<T>::from_float(x);
+}
+template <>
+__device__ __forceinline__ float from_f<float>(float x) {
+  return x;
+}
+
+/// Element-type dispatch over fp32, bf16 and fp16 (logits, casts, fills): calls f(T{}) for the type `t` names,
+/// cudaErrorInvalidValue for anything else. Host code (templates instantiated by the launchers).
+template <typename F>
+cudaError_t dispatch_float_types(DType t, F&& f) {
+  switch (t) {
+    case DType::F32:
+      return f(float{});
+    case DType::BF16:
+      return f(__nv_bfloat16{});
+    case DType::F16:
+      return f(__half{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace spade::kernels::detail

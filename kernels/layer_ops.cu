@@ -37,35 +37,10 @@ cudaError_t dispatch_elem(DType t, F&& f) {
   }
 }
 
-/// Logits: fp32, bf16, fp16.
+/// Logits: fp32, bf16, fp16 (kernel_common.cuh dispatch_float_types; to_f / from_f convert elements).
 template <typename F>
 cudaError_t dispatch_logits(DType t, F&& f) {
-  switch (t) {
-    case DType::F32:
-      return f(float{});
-    case DType::BF16:
-      return f(__nv_bfloat16{});
-    case DType::F16:
-      return f(__half{});
-  }
-  return cudaErrorInvalidValue;
-}
-
-template <typename T>
-__device__ __forceinline__ float to_f(T x) {
-  return ElemTraits<T>::to_float(x);
-}
-template <>
-__device__ __forceinline__ float to_f<float>(float x) {
-  return x;
-}
-template <typename T>
-__device__ __forceinline__ T from_f(float x) {
-  return ElemTraits<T>::from_float(x);
-}
-template <>
-__device__ __forceinline__ float from_f<float>(float x) {
-  return x;
+  return dispatch_float_types(t, std::forward<F>(f));
 }
 
 /// Norm weight element i as fp32 (F32 or the activation type T), with the (1 + w) convention applied in fp32.

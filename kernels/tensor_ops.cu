@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/kernel_common.cuh"
 #include "kernels/launch_util.cuh"
 
 namespace spade::kernels {
@@ -22,28 +23,15 @@ __device__ __forceinline__ float unit_uniform(uint64_t i, uint64_t seed) {
 }
 
 template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-
-template <typename T>
 __global__ void random_fill_kernel(T* out, size_t n, uint64_t seed, float scale, float offset) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x)
-    out[i] = from_f<T>(offset + scale * unit_uniform(i, seed));
+    out[i] = detail::from_f<T>(offset + scale * unit_uniform(i, seed));
 }
 
 template <typename In, typename Out>
 __global__ void cast_kernel(const In* in, Out* out, size_t n) {
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x)
-    out[i] = from_f<Out>(to_f(in[i]));
+    out[i] = detail::from_f<Out>(detail::to_f(in[i]));
 }
 
 __global__ void offset_clamp_kernel(const int32_t* in, int32_t* out, int n, int offset, int lo, int hi) {
@@ -59,38 +47,18 @@ int grid_for(size_t n) {
   return static_cast<int>(blocks < cap ? blocks : cap);
 }
 
-template <typename In>
-cudaError_t cast_from(const CastParams& p, cudaStream_t stream) {
-  const In* in = static_cast<const In*>(p.in);
-  const int grid = grid_for(p.n);
-  switch (p.out_dtype) {
-    case DType::F32: cast_kernel<<<grid, 256, 0, stream>>>(in, static_cast<float*>(p.out), p.n); break;
-    case DType::BF16: cast_kernel<<<grid, 256, 0, stream>>>(in, static_cast<__nv_bfloat16*>(p.out), p.n); break;
-    case DType::F16: cast_kernel<<<grid, 256, 0, stream>>>(in, static_cast<__half*>(p.out), p.n); break;
-    default: return detail::invalid_argument("cast", "out_dtype must be BF16, F16 or F32");
-  }
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t random_fill(const RandomFillParams& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   if (p.out == nullptr) return detail::invalid_argument("random_fill", "out is null");
   const int grid = grid_for(p.n);
-  switch (p.dtype) {
-    case DType::F32:
-      random_fill_kernel<<<grid, 256, 0, stream>>>(static_cast<float*>(p.out), p.n, p.seed, p.scale, p.offset);
-      break;
-    case DType::BF16:
-      random_fill_kernel<<<grid, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(p.out), p.n, p.seed, p.scale,
-                                                   p.offset);
-      break;
-    case DType::F16:
-      random_fill_kernel<<<grid, 256, 0, stream>>>(static_cast<__half*>(p.out), p.n, p.seed, p.scale, p.offset);
-      break;
-    default: return detail::invalid_argument("random_fill", "dtype must be BF16, F16 or F32");
-  }
+  const cudaError_t e = detail::dispatch_float_types(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    random_fill_kernel<<<grid, 256, 0, stream>>>(static_cast<T*>(p.out), p.n, p.seed, p.scale, p.offset);
+    return cudaSuccess;
+  });
+  if (e != cudaSuccess) return detail::invalid_argument("random_fill", "dtype must be BF16, F16 or F32");
   return cudaGetLastError();
 }
 
@@ -101,12 +69,17 @@ cudaError_t cast(const CastParams& p, cudaStream_t stream) {
     if (p.in_dtype == p.out_dtype) return cudaSuccess;
     return detail::invalid_argument("cast", "in and out alias with different dtypes");
   }
-  switch (p.in_dtype) {
-    case DType::F32: return cast_from<float>(p, stream);
-    case DType::BF16: return cast_from<__nv_bfloat16>(p, stream);
-    case DType::F16: return cast_from<__half>(p, stream);
-    default: return detail::invalid_argument("cast", "in_dtype must be BF16, F16 or F32");
-  }
+  const int grid = grid_for(p.n);
+  const cudaError_t e = detail::dispatch_float_types(p.in_dtype, [&](auto in_tag) {
+    return detail::dispatch_float_types(p.out_dtype, [&](auto out_tag) {
+      using In = decltype(in_tag);
+      using Out = decltype(out_tag);
+      cast_kernel<<<grid, 256, 0, stream>>>(static_cast<const In*>(p.in), static_cast<Out*>(p.out), p.n);
+      return cudaSuccess;
+    });
+  });
+  if (e != cudaSuccess) return detail::invalid_argument("cast", "in_dtype / out_dtype must be BF16, F16 or F32");
+  return cudaGetLastError();
 }
 
 cudaError_t offset_clamp(const OffsetClampParams& p, cudaStream_t stream) {
