@@ -10,20 +10,56 @@ namespace spade {
 PageAllocator::PageAllocator(int num_pages, int page_size) : num_pages_(num_pages), page_size_(page_size) {
   SPADE_CHECK(num_pages > 0, "PageAllocator: num_pages must be positive, got {}", num_pages);
   SPADE_CHECK(page_size > 0, "PageAllocator: page_size must be positive, got {}", page_size);
-  free_.reserve(num_pages);
-  for (int p = 0; p < num_pages; ++p) free_.push_back(p);  // ascending ids: already a valid min-heap
+  runs_.emplace(0, num_pages);
+  num_free_ = num_pages;
 }
 
-void PageAllocator::push_free(int32_t page) {
-  free_.push_back(page);
-  std::push_heap(free_.begin(), free_.end(), std::greater<>{});
+bool PageAllocator::is_free(int32_t page) const {
+  auto it = runs_.upper_bound(page);
+  if (it == runs_.begin()) return false;
+  --it;
+  return page < it->first + it->second;
 }
 
-int32_t PageAllocator::pop_free() {
-  std::pop_heap(free_.begin(), free_.end(), std::greater<>{});
-  const int32_t page = free_.back();
-  free_.pop_back();
-  return page;
+void PageAllocator::take(int32_t page) {
+  auto it = std::prev(runs_.upper_bound(page));
+  const int32_t first = it->first, len = it->second;
+  runs_.erase(it);
+  if (page > first) runs_.emplace(first, page - first);
+  if (page + 1 < first + len) runs_.emplace(page + 1, first + len - page - 1);
+  --num_free_;
+}
+
+void PageAllocator::give(int32_t page) {
+  int32_t first = page, len = 1;
+  auto next = runs_.find(page + 1);
+  if (next != runs_.end()) {
+    len += next->second;
+    runs_.erase(next);
+  }
+  auto it = runs_.lower_bound(page);
+  if (it != runs_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second == page) {
+      first = prev->first;
+      len += prev->second;
+      runs_.erase(prev);
+    }
+  }
+  runs_.emplace(first, len);
+  ++num_free_;
+}
+
+int32_t PageAllocator::choose_run(int need) const {
+  const int grow = std::max(need, kGrowRun);
+  auto best = runs_.end();
+  for (auto it = runs_.begin(); it != runs_.end(); ++it)
+    if (it->second >= grow) return it->first;  // rule 2
+  for (auto it = runs_.begin(); it != runs_.end(); ++it) {
+    if (it->second >= need) return it->first;  // rule 3
+    if (best == runs_.end() || it->second > best->second) best = it;
+  }
+  return best->first;  // rule 4 (runs_ is not empty: the caller checked num_free_)
 }
 
 void PageAllocator::admit(uint64_t seq) {
@@ -42,9 +78,18 @@ bool PageAllocator::append(uint64_t seq, int n) {
   SPADE_CHECK(it != seqs_.end(), "PageAllocator: unknown sequence {}", seq);
   SPADE_CHECK(n >= 0, "PageAllocator: cannot append {} tokens", n);
   Seq& s = it->second;
-  const int need = pages_for(s.len + n) - static_cast<int>(s.pages.size());
-  if (need > static_cast<int>(free_.size())) return false;
-  for (int i = 0; i < need; ++i) s.pages.push_back(pop_free());
+  int need = pages_for(s.len + n) - static_cast<int>(s.pages.size());
+  if (need > num_free_) return false;
+  while (need > 0) {
+    const int32_t last = s.pages.empty() ? -1 : s.pages.back();
+    int32_t p = (last >= 0 && last + 1 < num_pages_ && is_free(last + 1)) ? last + 1 : choose_run(need);  // rule 1
+    // Take consecutive pages from p while they are free and needed.
+    while (need > 0 && p < num_pages_ && is_free(p)) {
+      take(p);
+      s.pages.push_back(p++);
+      --need;
+    }
+  }
   s.len += n;
   return true;
 }
@@ -53,7 +98,7 @@ void PageAllocator::release(uint64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
   for (int32_t p : it->second.pages)
-    if (p >= 0) push_free(p);
+    if (p >= 0) give(p);
   seqs_.erase(it);
 }
 
@@ -66,7 +111,7 @@ int PageAllocator::drop_range(uint64_t seq, int begin, int end) {
   const int last = std::min(end, s.len) / page_size_;                     // pages ending at or before end
   for (int p = first; p < last && p < static_cast<int>(s.pages.size()); ++p) {
     if (s.pages[p] < 0) continue;
-    push_free(s.pages[p]);
+    give(s.pages[p]);
     s.pages[p] = -1;
     ++freed;
   }

@@ -4,16 +4,21 @@
 // A page holds `page_size` consecutive token slots of one sequence (for every layer and KV head: storage is
 // [num_layers][num_pages, page_size, num_kv_heads, head_dim], see kernels/paged_attention_ref.h).
 //
-// Placement: the free list is a min-heap, so every new page is the LOWEST free page id (O(log n) per page taken or
-// returned). A sequence's pages therefore come out in ascending id order within each append and, as long as free
-// space is not fragmented, as contiguous runs even after churn: the decode kernels read a sequence's K/V in nearly
-// address order. Measured on an H100 (docs/KERNELS.md section 7.1, B=8 T=32k): randomly placed pages cost 1.6-2.2%
-// of decode time against contiguous ones, this allocator's pages after simulated serving churn 0.5-0.9%.
-// Callers must not rely on any other order.
+// Placement: the free pages are kept as coalesced runs of consecutive ids, and pages are placed so that a sequence's
+// pages form few, long, ascending runs, because the decode kernels then read its K/V in address order and touch few
+// 2 MiB regions (docs/KERNELS.md section 7.1 measured on an H100 at B=8 T=32k: randomly placed pages cost 1.6-2.2% of
+// decode time against contiguous ones, mostly from the 2 MiB regions a sequence spans). Each page of an append is,
+// in this order of preference:
+//   1. the page right after the sequence's last page, if free (the sequence's run grows);
+//   2. the first page of the lowest free run at least max(pages still needed, kGrowRun) long (room to grow);
+//   3. the first page of the lowest free run at least as long as the pages still needed;
+//   4. the first page of the longest free run (lowest on ties): a large append is split over the fewest runs.
+// O(number of free runs) per run chosen, O(log n) per page. Callers must not rely on any particular page id.
 // Not thread-safe: owned by one scheduler thread.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -27,9 +32,14 @@ class PageAllocator {
 
   int page_size() const { return page_size_; }
   int num_pages() const { return num_pages_; }
-  int num_free_pages() const { return static_cast<int>(free_.size()); }
+  /// Free runs this long or longer are preferred when a sequence starts a new run (rule 2 of the placement).
+  static constexpr int kGrowRun = 8;
+
+  int num_free_pages() const { return num_free_; }
+  /// Number of runs of consecutive free pages (fragmentation of the free space).
+  int num_free_runs() const { return static_cast<int>(runs_.size()); }
   /// Fraction of pages in use, 0..1 (vLLM's kv_cache_usage_perc / 100).
-  double usage() const { return 1.0 - static_cast<double>(free_.size()) / num_pages_; }
+  double usage() const { return 1.0 - static_cast<double>(num_free_) / num_pages_; }
   /// Pages needed to hold `tokens` tokens.
   int pages_for(int tokens) const { return (tokens + page_size_ - 1) / page_size_; }
 
@@ -61,11 +71,14 @@ class PageAllocator {
     int len = 0;
   };
   const Seq& get(uint64_t seq) const;
+  bool is_free(int32_t page) const;
+  void take(int32_t page);        // page must be free
+  void give(int32_t page);        // page must be held
+  int32_t choose_run(int need) const;  // first page of the run rule 2-4 picks
   int num_pages_;
   int page_size_;
-  void push_free(int32_t page);
-  int32_t pop_free();
-  std::vector<int32_t> free_;  // min-heap (std::greater): pop_free() returns the lowest free page id
+  int num_free_ = 0;
+  std::map<int32_t, int32_t> runs_;  // free runs: first page -> length, coalesced (no two runs touch)
   std::unordered_map<uint64_t, Seq> seqs_;
 };
 

@@ -66,61 +66,107 @@ TEST(PageAllocator, DropRangeFreesWholePagesOnly) {
   EXPECT_EQ(a.num_free_pages(), 10) << "dropped pages are not freed twice";
 }
 
-TEST(PageAllocator, HandsOutLowestFreePageFirst) {
-  PageAllocator a(8, 2);
+TEST(PageAllocator, PlacesPagesInRuns) {
+  PageAllocator a(32, 2);
   a.admit(1);
-  ASSERT_TRUE(a.append(1, 6));  // pages 0 1 2
+  ASSERT_TRUE(a.append(1, 6));  // pages 0 1 2: the lowest run of >= kGrowRun pages
   EXPECT_EQ(a.block_table(1), (std::vector<int32_t>{0, 1, 2}));
   a.admit(2);
-  ASSERT_TRUE(a.append(2, 4));  // pages 3 4
+  ASSERT_TRUE(a.append(2, 4));  // 3 4
   EXPECT_EQ(a.block_table(2), (std::vector<int32_t>{3, 4}));
-  a.admit(4);
-  ASSERT_TRUE(a.append(4, 1));  // page 5
-  a.release(1);
-  a.release(2);  // free: 0 1 2 3 4 6 7; the last freed page is 4 (a LIFO list would hand out 3 or 4 next)
+  ASSERT_TRUE(a.append(1, 2));  // page 3 is taken: sequence 1 starts a new run where it has room to grow
+  EXPECT_EQ(a.block_table(1), (std::vector<int32_t>{0, 1, 2, 5}));
+  ASSERT_TRUE(a.append(1, 4));  // ... and grows it: 6 7
+  EXPECT_EQ(a.block_table(1), (std::vector<int32_t>{0, 1, 2, 5, 6, 7}));
+  a.release(2);  // free: 3 4 | 8..31
   a.admit(3);
-  ASSERT_TRUE(a.append(3, 1));
-  EXPECT_EQ(a.block_table(3), (std::vector<int32_t>{0})) << "the lowest free id, not the last one freed";
-  ASSERT_TRUE(a.append(3, 10));  // 11 tokens -> 6 pages: 0 then 1 2 3 4 6
-  EXPECT_EQ(a.block_table(3), (std::vector<int32_t>{0, 1, 2, 3, 4, 6}));
-  ASSERT_TRUE(a.append(4, 2));
-  EXPECT_EQ(a.block_table(4), (std::vector<int32_t>{5, 7}));
-  EXPECT_EQ(a.num_free_pages(), 0);
-  EXPECT_EQ(a.drop_range(3, 2, 8), 3);  // pages 1 2 3 (tokens [2, 8))
+  ASSERT_TRUE(a.append(3, 2));  // one page: the hole 3-4 is shorter than kGrowRun, so the first long run
+  EXPECT_EQ(a.block_table(3), (std::vector<int32_t>{8}));
+  a.admit(4);
+  ASSERT_TRUE(a.append(4, 46));  // 23 pages: 9..31 is exactly 23 long
+  EXPECT_EQ(a.block_table(4).front(), 9);
+  EXPECT_EQ(a.block_table(4).back(), 31);
+  EXPECT_EQ(a.num_free_pages(), 2);
+  EXPECT_EQ(a.num_free_runs(), 1);
+  ASSERT_TRUE(a.append(3, 2));  // page 9 is taken: the only run left (3 4, rule 3)
+  EXPECT_EQ(a.block_table(3), (std::vector<int32_t>{8, 3}));
+  EXPECT_EQ(a.drop_range(1, 2, 10), 4);  // pages 1 2 5 6 (tokens [2, 10))
+  EXPECT_EQ(a.num_free_runs(), 2);       // 1 2 | 4 5 6
   a.admit(5);
-  ASSERT_TRUE(a.append(5, 5));
-  EXPECT_EQ(a.block_table(5), (std::vector<int32_t>{1, 2, 3})) << "dropped pages are reused lowest first";
+  ASSERT_TRUE(a.append(5, 10));  // 5 pages, no run that long: the longest (4 5 6), then 1 2
+  EXPECT_EQ(a.block_table(5), (std::vector<int32_t>{4, 5, 6, 1, 2}));
+  EXPECT_EQ(a.num_free_pages(), 0);
+  EXPECT_FALSE(a.append(5, 1));
 }
 
-// Random churn (admit / append in prefill chunks and single decode tokens / drop_range / release): every page taken
-// must be the lowest free id at that moment (checked against an ordered model of the free set), no page is ever
-// held twice, and a sequence admitted after the churn gets the lowest free pages in ascending order.
-TEST(PageAllocator, LowestFirstAfterChurn) {
+// Reference model of the placement rules (page_allocator.h), over an ordered set of free pages.
+struct PlacementModel {
+  std::set<int32_t> free;
+  int num_pages;
+  std::vector<std::pair<int32_t, int32_t>> runs() const {  // (first, length), ascending
+    std::vector<std::pair<int32_t, int32_t>> r;
+    for (int32_t p : free) {
+      if (!r.empty() && r.back().first + r.back().second == p) {
+        ++r.back().second;
+      } else {
+        r.emplace_back(p, 1);
+      }
+    }
+    return r;
+  }
+  int32_t choose(int need) const {
+    const auto r = runs();
+    for (auto& [f, l] : r)
+      if (l >= std::max(need, PageAllocator::kGrowRun)) return f;
+    for (auto& [f, l] : r)
+      if (l >= need) return f;
+    std::pair<int32_t, int32_t> best{-1, 0};
+    for (auto& x : r)
+      if (x.second > best.second) best = x;
+    return best.first;
+  }
+  // The pages an append of `need` pages after `last` (-1: none) takes.
+  std::vector<int32_t> place(int32_t last, int need) {
+    std::vector<int32_t> out;
+    while (need > 0) {
+      int32_t p = (last >= 0 && free.count(last + 1)) ? last + 1 : choose(need);
+      while (need > 0 && free.count(p)) {
+        free.erase(p);
+        out.push_back(p);
+        last = p++;
+        --need;
+      }
+    }
+    return out;
+  }
+};
+
+// Random churn (admit / append in prefill chunks and single decode tokens / drop_range / release): every append
+// takes exactly the pages the reference model of the placement rules picks, no page is ever held twice, and the
+// free runs stay coalesced.
+TEST(PageAllocator, PlacementMatchesTheRulesUnderChurn) {
   constexpr int kPages = 512, kPageSize = 16;
   PageAllocator a(kPages, kPageSize);
-  std::set<int32_t> free_model;
-  for (int p = 0; p < kPages; ++p) free_model.insert(p);
-  std::map<uint64_t, std::vector<int32_t>> held;  // model of each live sequence's block table
+  PlacementModel model;
+  model.num_pages = kPages;
+  for (int p = 0; p < kPages; ++p) model.free.insert(p);
+  std::map<uint64_t, std::vector<int32_t>> held;  // model of each live sequence's pages
   std::mt19937_64 rng(20261121);
   uint64_t next_id = 1;
   auto check_append = [&](uint64_t seq, int n) {
     const std::vector<int32_t> before = a.block_table(seq);
     const int need = a.pages_for(a.seq_len(seq) + n) - static_cast<int>(before.size());
     const bool ok = a.append(seq, n);
-    ASSERT_EQ(ok, need <= static_cast<int>(free_model.size()));
+    ASSERT_EQ(ok, need <= static_cast<int>(model.free.size()));
     if (!ok) {
       ASSERT_EQ(a.block_table(seq), before) << "a failed append changes nothing";
       return;
     }
+    const std::vector<int32_t> want = model.place(before.empty() ? -1 : before.back(), need);
     const std::vector<int32_t>& bt = a.block_table(seq);
     ASSERT_EQ(bt.size(), before.size() + need);
-    for (int i = 0; i < need; ++i) {
-      const int32_t p = bt[before.size() + i];
-      ASSERT_FALSE(free_model.empty());
-      ASSERT_EQ(p, *free_model.begin()) << "page " << i << " of this append is not the lowest free id";
-      free_model.erase(free_model.begin());
-      held[seq].push_back(p);
-    }
+    ASSERT_EQ(std::vector<int32_t>(bt.begin() + static_cast<long>(before.size()), bt.end()), want);
+    held[seq].insert(held[seq].end(), want.begin(), want.end());
   };
   int releases = 0, drops = 0;
   for (int step = 0; step < 20000; ++step) {
@@ -144,7 +190,7 @@ TEST(PageAllocator, LowestFirstAfterChurn) {
         int count = 0;
         for (size_t i = 0; i < bt.size(); ++i) {
           if (bt[i] >= 0 && a.block_table(id)[i] < 0) {
-            ASSERT_TRUE(free_model.insert(bt[i]).second) << "page " << bt[i] << " freed twice";
+            ASSERT_TRUE(model.free.insert(bt[i]).second) << "page " << bt[i] << " freed twice";
             auto& h = held[id];
             h.erase(std::find(h.begin(), h.end(), bt[i]));
             ++count;
@@ -154,13 +200,14 @@ TEST(PageAllocator, LowestFirstAfterChurn) {
         ++drops;
       } else {
         a.release(id);
-        for (int32_t p : it->second) ASSERT_TRUE(free_model.insert(p).second) << "page " << p << " freed twice";
+        for (int32_t p : it->second) ASSERT_TRUE(model.free.insert(p).second) << "page " << p << " freed twice";
         held.erase(it);
         ++releases;
       }
     }
     if (HasFatalFailure()) return;
-    ASSERT_EQ(a.num_free_pages(), static_cast<int>(free_model.size()));
+    ASSERT_EQ(a.num_free_pages(), static_cast<int>(model.free.size()));
+    ASSERT_EQ(a.num_free_runs(), static_cast<int>(model.runs().size())) << "free runs not coalesced";
   }
   EXPECT_GT(releases, 100);
   EXPECT_GT(drops, 100);
@@ -168,16 +215,18 @@ TEST(PageAllocator, LowestFirstAfterChurn) {
   for (const auto& [id, pages] : held) {
     for (int32_t p : pages) EXPECT_TRUE(all.insert(p).second) << "page " << p << " held twice";
   }
-  EXPECT_EQ(all.size() + free_model.size(), static_cast<size_t>(kPages));
-
-  // After the churn, a new sequence admitted with as many tokens as fit gets the lowest free pages, ascending.
-  const std::vector<int32_t> expect(free_model.begin(), free_model.end());
-  ASSERT_GT(expect.size(), 8u) << "the churn should leave free pages";
+  EXPECT_EQ(all.size() + model.free.size(), static_cast<size_t>(kPages));
+  // After the churn, a sequence taking every free page gets them in as few runs as there are free runs.
+  const size_t runs = model.runs().size();
+  ASSERT_GT(model.free.size(), 8u) << "the churn should leave free pages";
   a.admit(next_id);
-  ASSERT_TRUE(a.append(next_id, static_cast<int>(expect.size()) * kPageSize));
-  EXPECT_EQ(a.block_table(next_id), expect);
-  EXPECT_TRUE(std::is_sorted(a.block_table(next_id).begin(), a.block_table(next_id).end()));
+  ASSERT_TRUE(a.append(next_id, static_cast<int>(model.free.size()) * kPageSize));
+  const auto& bt = a.block_table(next_id);
+  size_t breaks = 1;
+  for (size_t i = 1; i < bt.size(); ++i) breaks += bt[i] != bt[i - 1] + 1;
+  EXPECT_EQ(breaks, runs);
   EXPECT_EQ(a.num_free_pages(), 0);
+  EXPECT_EQ(a.num_free_runs(), 0);
 }
 
 TEST(PageAllocator, Errors) {
