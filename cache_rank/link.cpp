@@ -16,12 +16,15 @@ uint64_t link_down_tag() { return transport::make_tag(transport::MsgKind::kSelec
 
 // ---- in-process ----
 
-InProcessLink::InProcessLink(const ModelConfig& cfg, const SelectionConfig& sc, int num_pages, int page_size)
-    : sel_(cfg, sc, num_pages, page_size) {}
+InProcessLink::InProcessLink(const ModelConfig& cfg, const SelectionConfig& sc, int num_pages, int page_size,
+                             bool delta)
+    : sel_(cfg, sc, num_pages, page_size),
+      mirror_(delta ? std::make_unique<SelectionMirror>(cfg.num_kv_heads, sc.token_budget, cfg.head_dim) : nullptr) {}
 
 void InProcessLink::send(PackUpdate&& u) {
   ++stats_.updates;
   done_.push_back(process_pack(sel_, u));
+  if (mirror_) mirror_->to_delta(u, done_.back());
   stats_.cache_select_ms += done_.back().select_ms;
 }
 
@@ -160,6 +163,7 @@ std::string serve_cache_rank(transport::Endpoint& ep, Selector& sel, const PackS
     try {
       u = decode_update(payload.data(), payload.size(), shape, ep.peer_name());
       sel_out = process_pack(sel, u, hooks.sampler);
+      if (hooks.mirror) hooks.mirror->to_delta(u, sel_out);
     } catch (const Error& e) {
       sel_out.error = e.what();
     }

@@ -42,16 +42,21 @@ class CacheRankLink {
 
 class InProcessLink : public CacheRankLink {
  public:
-  InProcessLink(const ModelConfig& cfg, const SelectionConfig& sc, int num_pages, int page_size);
+  /// `delta`: answer with deltas against the held selections (delta transfer, cache_rank/delta.h), as a cache_rank
+  /// process does by default.
+  InProcessLink(const ModelConfig& cfg, const SelectionConfig& sc, int num_pages, int page_size, bool delta = false);
   void send(PackUpdate&& u) override;
   PackSelection receive(transport::Deadline deadline, bool* waited) override;
   size_t in_flight() const override { return done_.size(); }
   const LinkStats& stats() const override { return stats_; }
   std::string peer() const override { return "in-process cache rank"; }
   Selector& selector() { return sel_; }
+  /// The delta-transfer mirror, or null when `delta` was false.
+  const SelectionMirror* mirror() const { return mirror_.get(); }
 
  private:
   Selector sel_;
+  std::unique_ptr<SelectionMirror> mirror_;
   std::deque<PackSelection> done_;
   LinkStats stats_;
 };
@@ -101,6 +106,7 @@ uint64_t link_down_tag();
 /// update with the selection and the payload bytes received / sent (metrics).
 struct ServeHooks {
   OverlapSampler* sampler = nullptr;
+  SelectionMirror* mirror = nullptr;  // delta transfer (cache_rank/delta.h) when set; full selections otherwise
   std::function<void(const PackUpdate&, const PackSelection&, size_t bytes_in, size_t bytes_out)> on_pack;
   std::function<void()> on_poll;  // called at least every `poll` while serving (main-loop liveness)
 };

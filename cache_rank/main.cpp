@@ -2,7 +2,7 @@
 // back, one step ahead, the tokens each layer and KV head should attend to (AsyncSpade Sec. 4.1-4.2).
 //
 //   cache_rank --model DIR [--token-budget K --local-window R --sink-tokens S --query-window W --ridge-eps E
-//               --gqa-rule max|mean --kv-pages N --page-size 16 --overlap-sample-every N]
+//               --gqa-rule max|mean --kv-pages N --page-size 16 --overlap-sample-every N --delta-transfer on|off]
 //              [--metrics-port P] [launch flags | RANK/WORLD_SIZE/MASTER_* | OMPI_*]
 //
 // Metrics (--metrics-port, GET /metrics; /health = serving loop alive, /ready = paired inference rank connected):
@@ -10,7 +10,9 @@
 //   spade_selection_overlap_ratio         histogram  sampled |predicted top-k ∩ oracle top-k| / k (AsyncSpade Eq. 1)
 //   spade_transfer_bytes_total{direction,transport}  counter  data-plane bytes, direction send|recv
 //   spade_cache_pack_updates_total        counter    updates answered
-//   spade_selected_tokens_total           counter    tokens selected and sent (over sequences, layers, KV heads)
+//   spade_selected_tokens_total           counter    tokens selected (over sequences, layers, KV heads)
+//   spade_sent_tokens_total               counter    selected tokens whose K/V were sent: all of them with
+//                                                    --delta-transfer off, only those that entered the selection with on
 //   spade_cache_selection_errors_total    counter    updates answered with an error (e.g. pool exhausted)
 //   spade_cache_sequences                 gauge      sequences whose KV this rank holds
 //   spade_cache_kv_usage_perc             gauge      0..1, used fraction of the KV pool
@@ -69,6 +71,10 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-port", metrics_port, "serve /metrics, /health, /ready on this port (0 = off)")
       ->check(CLI::Range(0, 65535));
   app.add_option("--metrics-host", metrics_host, "address of the metrics endpoint")->capture_default_str();
+  bool delta_transfer = true;
+  app.add_option("--delta-transfer", delta_transfer,
+                 "send only the tokens that entered each selection, with the slot they replace (cache_rank/delta.h)")
+      ->capture_default_str();
   app.add_option("--overlap-sample-every", overlap_every,
                  "measure the predicted-vs-oracle overlap ratio every N steps (0 = off)")
       ->check(CLI::NonNegativeNumber)
@@ -150,14 +156,23 @@ int main(int argc, char** argv) {
                                     "Updates answered with an error (e.g. KV pool exhausted).")
                        .with();
     auto& selected = registry.counter("spade_selected_tokens_total",
-                                      "Tokens selected and sent (summed over sequences, layers and KV heads).")
+                                      "Tokens selected (summed over sequences, layers and KV heads).")
                          .with();
+    auto& sent = registry.counter("spade_sent_tokens_total",
+                                  "Selected tokens whose K/V were sent: only those that entered the selection with "
+                                  "delta transfer, all of them without.")
+                     .with();
+    std::unique_ptr<spade::cache::SelectionMirror> mirror;
+    if (delta_transfer)
+      mirror = std::make_unique<spade::cache::SelectionMirror>(cfg.num_kv_heads, sc.token_budget, cfg.head_dim);
+    spade::cache::DeltaStats seen;
     auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
     auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
     std::unique_ptr<spade::cache::OverlapSampler> sampler;
     if (overlap_every > 0) sampler = std::make_unique<spade::cache::OverlapSampler>(overlap_every);
     spade::cache::ServeHooks hooks;
     hooks.sampler = sampler.get();
+    hooks.mirror = mirror.get();
     hooks.on_poll = [&] { heartbeat.tick(); };
     hooks.on_pack = [&](const spade::cache::PackUpdate&, const spade::cache::PackSelection& p, size_t in, size_t out) {
       select_time.observe(p.select_ms / 1e3);
@@ -165,10 +180,19 @@ int main(int argc, char** argv) {
       bytes_out.inc(static_cast<double>(out));
       updates.inc();
       if (!p.error.empty()) errors.inc();
-      for (const auto& s : p.seqs)
-        for (const auto& l : s.layers)
-          selected.inc(static_cast<double>(l.count) * static_cast<double>(l.positions.size()) /
-                       sel.config().token_budget);  // count per KV head x KV heads
+      if (mirror) {
+        const spade::cache::DeltaStats& now = mirror->stats();
+        selected.inc(static_cast<double>(now.selected_rows - seen.selected_rows));
+        sent.inc(static_cast<double>(now.sent_rows - seen.sent_rows));
+        seen = now;
+      } else {
+        for (const auto& s : p.seqs)
+          for (const auto& l : s.layers) {
+            const double rows = static_cast<double>(l.count) * cfg.num_kv_heads;  // count per KV head x KV heads
+            selected.inc(rows);
+            sent.inc(rows);
+          }
+      }
       seqs.set(static_cast<double>(sel.num_sequences()));
       kv_usage.set(1.0 - static_cast<double>(sel.num_free_pages()) / sel.num_pages());
       if (sampler)
@@ -182,6 +206,10 @@ int main(int argc, char** argv) {
                                                            std::chrono::milliseconds(100), hooks);
     spdlog::info("{}: {} updates, {:.1f} MB in, {:.1f} MB out, {:.1f} ms selecting", self, stats.updates,
                  stats.bytes_received / 1e6, stats.bytes_sent / 1e6, stats.cache_select_ms);
+    if (mirror && mirror->stats().selected_rows > 0)
+      spdlog::info("{}: delta transfer sent {} of {} selected rows ({:.1f} % of a full transfer)", self,
+                   mirror->stats().sent_rows, mirror->stats().selected_rows,
+                   100.0 * static_cast<double>(mirror->stats().sent_rows) / mirror->stats().selected_rows);
     if (!err.empty()) {
       spdlog::error("{}: data plane to {} failed: {}", self, peer_name, err);
       return 1;

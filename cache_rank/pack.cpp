@@ -11,7 +11,7 @@ namespace spade::cache {
 namespace {
 
 constexpr uint32_t kUpdateMagic = 0x55504b53;     // "SKPU"
-constexpr uint32_t kSelectionMagic = 0x53504b53;  // "SKPS"
+constexpr uint32_t kSelectionMagic = 0x54504b53;  // "SKPT" (v2: flags word, delta layers)
 
 class Writer {
  public:
@@ -143,12 +143,28 @@ std::vector<uint8_t> encode(const PackSelection& p, const PackShape& s) {
   w.put(p.step);
   w.put(p.pack);
   w.put(p.select_ms);
+  w.put(static_cast<uint32_t>(p.delta ? 1 : 0));  // flags: bit 0 = delta
   w.put(static_cast<uint32_t>(p.error.size()));
   w.buf.insert(w.buf.end(), p.error.begin(), p.error.end());
   w.put(static_cast<uint32_t>(p.seqs.size()));
   for (const SeqSelection& e : p.seqs) {
     w.put(e.seq_id);
     w.put(e.context_len);
+    if (p.delta) {
+      // Per layer: count, entries per head, then slot and position of every entry, then its K and V rows.
+      w.put(static_cast<uint32_t>(e.deltas.size()));
+      for (const LayerDelta& d : e.deltas) {
+        SPADE_CHECK(d.changed.size() == static_cast<size_t>(s.num_kv_heads) && d.k.size() == d.entries() * s.head_dim,
+                    "encode: delta of sequence {} does not match the pack shape", e.seq_id);
+        w.put(static_cast<int32_t>(d.count));
+        w.put_vec(d.changed);
+        w.put_vec(d.slots);
+        w.put_vec(d.positions);
+        w.put_vec(d.k);
+        w.put_vec(d.v);
+      }
+      continue;
+    }
     w.put(static_cast<uint32_t>(e.layers.size()));
     for (const LayerSelection& l : e.layers) {
       w.put(static_cast<int32_t>(l.count));
@@ -174,6 +190,9 @@ PackSelection decode_selection(const uint8_t* data, size_t len, const PackShape&
   p.step = r.get<int64_t>();
   p.pack = r.get<int32_t>();
   p.select_ms = r.get<double>();
+  const uint32_t flags = r.get<uint32_t>();
+  if ((flags & ~1u) != 0) fail("{}: malformed pack selection: unknown flags {:#x}", peer, flags);
+  p.delta = (flags & 1u) != 0;
   const uint32_t elen = r.get<uint32_t>();
   check_count(elen, static_cast<int64_t>(r.remaining()), peer, "error length");
   std::vector<char> err;
@@ -189,6 +208,25 @@ PackSelection decode_selection(const uint8_t* data, size_t len, const PackShape&
     e.context_len = r.get<int32_t>();
     const uint32_t nl = r.get<uint32_t>();
     check_count(nl, 4096, peer, "num_layers");
+    if (p.delta) {
+      e.deltas.resize(nl);
+      for (LayerDelta& d : e.deltas) {
+        d.count = r.get<int32_t>();
+        check_count(d.count, s.token_budget, peer, "delta count");
+        r.get_vec(d.changed, s.num_kv_heads);
+        size_t total = 0;
+        for (int32_t c : d.changed) {
+          check_count(c, d.count, peer, "delta entries of a head");
+          total += static_cast<size_t>(c);
+        }
+        check_count(static_cast<int64_t>(total), static_cast<int64_t>(r.remaining() / 8), peer, "delta entries");
+        r.get_vec(d.slots, total);
+        r.get_vec(d.positions, total);
+        r.get_vec(d.k, total * s.head_dim);
+        r.get_vec(d.v, total * s.head_dim);
+      }
+      continue;
+    }
     e.layers.resize(nl);
     for (LayerSelection& l : e.layers) {
       l.count = r.get<int32_t>();

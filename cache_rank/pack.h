@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cache_rank/delta.h"
 #include "cache_rank/selector.h"
 
 namespace spade::cache {
@@ -43,7 +44,8 @@ struct PackUpdate {
 struct SeqSelection {
   uint64_t seq_id = 0;
   int32_t context_len = 0;           // context length of the step that uses this selection
-  std::vector<LayerSelection> layers;  // [num_layers]
+  std::vector<LayerSelection> layers;  // [num_layers] full selections (PackSelection::delta false)
+  std::vector<LayerDelta> deltas;      // [num_layers] changes to the held selections (PackSelection::delta true)
 };
 
 struct PackSelection {
@@ -51,6 +53,7 @@ struct PackSelection {
   int32_t pack = 0;
   double select_ms = 0;  // cache-rank time spent on this pack (append + predict + score + top-k + gather)
   std::string error;     // non-empty: the cache rank could not process the update (e.g. pool exhausted)
+  bool delta = false;    // seqs carry deltas against the inference rank's held selections (cache_rank/delta.h)
   std::vector<SeqSelection> seqs;
 };
 

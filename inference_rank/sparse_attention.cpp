@@ -55,10 +55,46 @@ void SparseAttention::fail_link(const std::string& why) {
   std::fill(expect_now_.begin(), expect_now_.end(), false);
 }
 
+void SparseAttention::drop_unread_answers() {
+  if (opt_.mode != SelectionMode::Predicted || !link_error_.empty()) {
+    std::fill(expect_reply_.begin(), expect_reply_.end(), false);
+    return;
+  }
+  for (int p = 0; p < num_packs_; ++p) {
+    if (!expect_reply_[p]) continue;
+    expect_reply_[p] = false;
+    try {
+      bool waited = false;
+      cache::PackSelection stale = link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
+      SPADE_CHECK(stale.pack == p, "cache rank {}: unread answer for pack {} arrived where pack {} was expected",
+                  link_->peer(), stale.pack, p);
+      ++stats_.dropped_answers;
+      // The engine failed the step's batch, so its sequences are gone; one that is not has lost its selection (and,
+      // with delta transfer, its slot table would no longer match the cache rank's mirror): fail it.
+      for (const cache::SeqSelection& e : stale.seqs) {
+        auto it = seqs_.find(e.seq_id);
+        if (it == seqs_.end()) continue;
+        SeqState& s = it->second;
+        if (s.phase == Phase::Sparse || s.phase == Phase::Switching) {
+          s.phase = Phase::Failed;
+          failures_.emplace_back(e.seq_id, "its selection for the next step was lost: the step ended with an error");
+          ++stats_.failed_seqs;
+        }
+      }
+    } catch (const Error& e) {
+      fail_link(e.what());
+      return;
+    }
+  }
+}
+
 void SparseAttention::begin_step(const ForwardBatch& batch) {
   ++step_;
   ++stats_.steps;
   stats_.stalls_per_step.push_back(0);
+  // A step that ended early (an exception in the forward pass fails its batch) left the previous step's answers for
+  // the packs it never reached unread; they come first on the link.
+  drop_unread_answers();
   expect_reply_ = expect_now_;
   std::fill(expect_now_.begin(), expect_now_.end(), false);
   phase_.assign(batch.batch(), Phase::Dense);
@@ -122,6 +158,11 @@ void SparseAttention::idle_flush() {
     released_.clear();
     return;
   }
+  drop_unread_answers();
+  if (!link_error_.empty()) {
+    released_.clear();
+    return;
+  }
   try {
     for (size_t pack = 0; pack < expect_now_.size(); ++pack) {  // answers for sequences that have all ended
       if (!expect_now_[pack]) continue;
@@ -164,7 +205,16 @@ void SparseAttention::receive_pack(int pack) {
       SeqState& s = it->second;
       if (s.sel.empty()) s.sel.resize(cfg_.num_layers);
       const int first = pack * opt_.layers_per_pack;
-      for (size_t i = 0; i < e.layers.size(); ++i) s.sel[first + i] = std::move(e.layers[i]);
+      if (p.delta) {
+        // Delta transfer: update the held slot tables in place (cache_rank/delta.h).
+        SPADE_CHECK(first + e.deltas.size() <= s.sel.size(), "cache rank {}: delta for {} layers from layer {}",
+                    link_->peer(), e.deltas.size(), first);
+        for (size_t i = 0; i < e.deltas.size(); ++i)
+          cache::apply_delta(e.deltas[i], s.sel[first + i], cfg_.num_kv_heads, opt_.selection.token_budget,
+                             cfg_.head_dim, link_->peer());
+      } else {
+        for (size_t i = 0; i < e.layers.size(); ++i) s.sel[first + i] = std::move(e.layers[i]);
+      }
       s.sel_context_len = e.context_len;
     }
   } catch (const Error& e) {
@@ -285,7 +335,14 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
             v_rows_.push_back(row(cache_.v(layer), t, kvh));
           }
           const size_t base = static_cast<size_t>(kvh) * sc.token_budget;
-          for (int j = 0; j < sel->count; ++j) {
+          // Ascending position order (a delta-updated slot table is in slot order), so the sum runs in the same
+          // order as with a full transfer and the result is bit-identical.
+          const int32_t* pos_of = sel->positions.data() + base;
+          order_.resize(sel->count);
+          for (int j = 0; j < sel->count; ++j) order_[j] = j;
+          if (!std::is_sorted(pos_of, pos_of + sel->count))
+            std::sort(order_.begin(), order_.end(), [&](int x, int y) { return pos_of[x] < pos_of[y]; });
+          for (int j : order_) {
             k_rows_.push_back(sel->k.data() + (base + j) * D);
             v_rows_.push_back(sel->v.data() + (base + j) * D);
           }

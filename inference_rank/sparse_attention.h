@@ -52,6 +52,7 @@ struct SparseStats {
   double stall_ms = 0;            // time spent waiting for them
   uint64_t failed_seqs = 0;       // sequences failed because the cache rank failed
   uint64_t dense_fallbacks = 0;   // sequences past the threshold decoded densely because no cache rank was usable
+  uint64_t dropped_answers = 0;   // selections read and dropped after a step that ended with an error
   std::vector<uint64_t> stalls_per_step;  // stalls of each forward pass (predicted mode)
 };
 
@@ -99,6 +100,7 @@ class SparseAttention : public AttentionBackend {
     int token_budget = 0;      // 0: opt_.selection.token_budget
   };
   void begin_step(const ForwardBatch& batch);
+  void drop_unread_answers();
   void fail_link(const std::string& why);
   void receive_pack(int pack);
 
@@ -120,6 +122,7 @@ class SparseAttention : public AttentionBackend {
   SparseStats stats_;
   std::vector<float> scores_;
   std::vector<const float*> k_rows_, v_rows_;
+  std::vector<int> order_;
 };
 
 }  // namespace spade

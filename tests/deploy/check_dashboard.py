@@ -55,6 +55,8 @@ METRICS = {
     "spade_selection_time_seconds": ("histogram", []),
     "spade_selection_overlap_ratio": ("histogram", []),
     "spade_transfer_bytes_total": ("counter", ["direction", "transport"]),
+    "spade_selected_tokens_total": ("counter", []),
+    "spade_sent_tokens_total": ("counter", []),
     "spade_selection_stalls_total": ("counter", []),
     "spade_dense_fallbacks_total": ("counter", []),
     "spade_rank_up": ("gauge", ["role", "rank", "role_index"]),

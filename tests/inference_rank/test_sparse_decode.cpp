@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "cache_rank/link.h"
+#include "common/error.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/sparse_attention.h"
 #include "tests/test_util.h"
@@ -84,11 +85,11 @@ SparseOptions opts(SelectionMode mode, int budget) {
   return o;
 }
 
-BackendFactory in_process(SparseOptions o) {
-  return [o](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
+BackendFactory in_process(SparseOptions o, bool delta = false) {
+  return [o, delta](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
     std::unique_ptr<cache::CacheRankLink> link;
     if (o.mode == SelectionMode::Predicted)
-      link = std::make_unique<cache::InProcessLink>(cfg, o.selection, kv.num_pages(), kv.page_size());
+      link = std::make_unique<cache::InProcessLink>(cfg, o.selection, kv.num_pages(), kv.page_size(), delta);
     return std::make_unique<SparseAttention>(cfg, kv, o, std::move(link));
   };
 }
@@ -104,8 +105,9 @@ struct LoopbackCacheRank {
   std::thread th;
   std::string served_error;
   cache::LinkStats stats;
+  std::unique_ptr<cache::SelectionMirror> mirror;  // delta transfer when set
 
-  std::unique_ptr<cache::CacheRankLink> start(const ModelConfig& cfg, const SparseOptions& o) {
+  std::unique_ptr<cache::CacheRankLink> start(const ModelConfig& cfg, const SparseOptions& o, bool delta = false) {
     const auto dl = transport::Clock::now() + std::chrono::seconds(5);
     std::unique_ptr<transport::Endpoint> ep_inf;
     std::thread c([&] { ep_cache = t_cache->connect(t_inf->local_address(), "inference rank 0", dl); });
@@ -113,7 +115,12 @@ struct LoopbackCacheRank {
     c.join();
     sel = std::make_unique<cache::Selector>(cfg, o.selection, 4096, 16);
     const cache::PackShape shape = cache::pack_shape(cfg, o.selection);
-    th = std::thread([this, shape] { served_error = cache::serve_cache_rank(*ep_cache, *sel, shape, stop, &stats); });
+    if (delta) mirror = std::make_unique<cache::SelectionMirror>(cfg.num_kv_heads, o.selection.token_budget, cfg.head_dim);
+    th = std::thread([this, shape] {
+      cache::ServeHooks hooks;
+      hooks.mirror = mirror.get();
+      served_error = cache::serve_cache_rank(*ep_cache, *sel, shape, stop, &stats, std::chrono::milliseconds(100), hooks);
+    });
     return std::make_unique<cache::TransportLink>(std::move(ep_inf), shape);
   }
   ~LoopbackCacheRank() {
@@ -161,6 +168,42 @@ TEST_F(Stories, FullBudgetOverTransportReproducesDenseGreedyExactly) {
   EXPECT_GT(be.link.bytes_received, 0u);
 }
 
+// Delta transfer (cache_rank/delta.h) on a real trained model: the same tokens as a full transfer, bit for bit, in
+// process and over a transport, with fewer bytes down. Prints how much of a full transfer it sends.
+TEST_F(Stories, DeltaTransferIsBitIdenticalToFullTransferAndSendsLess) {
+  for (int budget : {16, 64}) {
+    After full_be, delta_be;
+    const auto full = run(*model, {{1}, {1, 403, 407, 261}}, 150, in_process(opts(SelectionMode::Predicted, budget)),
+                          &full_be);
+    const auto delta = run(*model, {{1}, {1, 403, 407, 261}}, 150,
+                           in_process(opts(SelectionMode::Predicted, budget), /*delta=*/true), &delta_be);
+    ASSERT_EQ(full.size(), delta.size());
+    for (size_t i = 0; i < full.size(); ++i) EXPECT_EQ(full[i].ids, delta[i].ids) << "budget " << budget << " seq " << i;
+    EXPECT_GT(delta_be.stats.sparse_seq_steps, 200u);
+  }
+  for (int budget : {16, 64}) {
+    SparseOptions o = opts(SelectionMode::Predicted, budget);
+    LoopbackCacheRank full_cr, delta_cr;
+    auto over = [&](LoopbackCacheRank& cr, bool delta) {
+      return run(*model, {{1}, {1, 403, 407}}, 150,
+                 [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
+                   return std::make_unique<SparseAttention>(cfg, kv, o, cr.start(cfg, o, delta));
+                 });
+    };
+    const auto a = over(full_cr, false), b = over(delta_cr, true);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].ids, b[i].ids) << b[i].error;
+    const cache::DeltaStats& ds = delta_cr.mirror->stats();
+    EXPECT_GT(ds.selected_rows, 0u);
+    EXPECT_LT(ds.sent_rows, ds.selected_rows);
+    EXPECT_LT(delta_cr.stats.bytes_sent, full_cr.stats.bytes_sent);
+    std::cerr << "[ DELTA   ] stories260K, budget " << budget << ", window 8, sinks 2, 2 x 150 tokens: sent "
+              << ds.sent_rows << " of " << ds.selected_rows << " selected rows ("
+              << 100.0 * ds.sent_rows / ds.selected_rows << " %); selection bytes down " << delta_cr.stats.bytes_sent
+              << " vs " << full_cr.stats.bytes_sent << " ("
+              << 100.0 * delta_cr.stats.bytes_sent / full_cr.stats.bytes_sent << " %)\n";
+  }
+}
+
 TEST_F(Stories, SmallBudgetDecodesSparselyWithoutStalls) {
   After be;
   size_t max_held_tokens = 0, max_len = 0;  // held: pages of request 1 once past 3 pages of context
@@ -183,6 +226,74 @@ TEST_F(Stories, SmallBudgetDecodesSparselyWithoutStalls) {
   EXPECT_GT(be.stats.sparse_seq_steps, 200u);
   auto o = run(*model, {{1}}, 150, in_process(opts(SelectionMode::Oracle, 16)), &be);
   EXPECT_EQ(o[0].ids.size(), 150u);
+}
+
+// Throws once, in layer `layer` of forward pass `step` (1-based), before the wrapped backend sees that layer: a step
+// that ends early, as when a kernel or a bad page fails mid-forward.
+class ThrowOnce : public AttentionBackend {
+ public:
+  ThrowOnce(std::unique_ptr<AttentionBackend> inner, int step, int layer)
+      : inner_(std::move(inner)), step_(step), layer_(layer) {}
+  void attend(int layer, const ForwardBatch& b, const float* q, const float* k, const float* v, float* out) override {
+    if (layer == 0) ++steps_;
+    if (steps_ == step_ && layer == layer_) throw spade::Error("injected failure in layer " + std::to_string(layer));
+    inner_->attend(layer, b, q, k, v, out);
+  }
+  void on_release(uint64_t id) override { inner_->on_release(id); }
+  std::vector<std::pair<uint64_t, std::string>> take_failures() override { return inner_->take_failures(); }
+  std::pair<int, int> droppable_range(uint64_t id, int len) override { return inner_->droppable_range(id, len); }
+
+ private:
+  std::unique_ptr<AttentionBackend> inner_;
+  int step_, layer_, steps_ = 0;
+};
+
+// A forward pass that fails between two layer packs (after pack 0 was shipped, before pack 1 was read) fails its
+// batch; the answers it left unread are dropped, so the link stays healthy and the next request decodes sparsely,
+// exactly as on a fresh rank (with delta transfer, whose mirror must stay in step).
+TEST_F(Stories, StepFailingMidForwardKeepsTheCacheRankLinkUsable) {
+  ASSERT_GE(model->config().num_layers, 3) << "needs a layer in a second pack";
+  for (bool delta : {false, true}) {
+    const SparseOptions o = opts(SelectionMode::Predicted, 16);
+    SparseAttention* sparse = nullptr;
+    EngineOptions eo;
+    eo.max_num_seqs = 8;
+    eo.max_model_len = 512;
+    Engine e(*model, eo, [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
+      auto b = std::make_unique<SparseAttention>(
+          cfg, kv, o, std::make_unique<cache::InProcessLink>(cfg, o.selection, kv.num_pages(), kv.page_size(), delta));
+      sparse = b.get();
+      return std::make_unique<ThrowOnce>(std::move(b), /*step=*/40, /*layer=*/o.layers_per_pack);
+    });
+    auto submit = [&](std::vector<int32_t> prompt, int n, Result& out) {
+      GenerateRequest r;
+      r.prompt_ids = std::move(prompt);
+      r.max_tokens = n;
+      r.sampling.temperature = 0;
+      r.ignore_eos = true;
+      e.submit(r, [&out](const TokenEvent& ev) {
+        if (ev.token >= 0) out.ids.push_back(ev.token);
+        if (ev.finished) {
+          out.reason = ev.reason;
+          out.error = ev.error;
+        }
+      });
+    };
+    Result a, b;
+    submit({1}, 120, a);  // sparse from step 24 on (threshold 24); the 40th forward pass fails
+    e.run_until_idle();
+    EXPECT_EQ(a.reason, FinishReason::Error);
+    EXPECT_THAT(a.error, HasSubstr("injected failure in layer 2"));
+    submit({1, 403, 407}, 80, b);
+    e.run_until_idle();
+    ASSERT_NE(sparse, nullptr);
+    EXPECT_FALSE(sparse->link_failed()) << "delta " << delta;
+    EXPECT_GE(sparse->stats().dropped_answers, 1u);
+    EXPECT_EQ(sparse->stats().switches, 2u);
+    EXPECT_EQ(b.reason, FinishReason::Length) << b.error;
+    const auto clean = run(*model, {{1, 403, 407}}, 80, in_process(o, delta));
+    EXPECT_EQ(b.ids, clean[0].ids) << "delta " << delta;
+  }
 }
 
 TEST_F(Stories, CacheRankDeathFailsSparseRequestsAndDenseServiceContinues) {
