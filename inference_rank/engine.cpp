@@ -71,6 +71,13 @@ Engine::Engine(const ModelConfig& cfg, EngineOptions opt, ForwardFn forward)
               cfg.model_type);
 }
 
+Engine::Engine(const ModelConfig& cfg, EngineOptions opt, ForwardSampleFn forward)
+    : Engine(cfg, opt, ForwardFn([](const ForwardBatch&, std::vector<float>&) {})) {
+  forward_ = nullptr;
+  forward_sample_ = std::move(forward);
+  SPADE_CHECK(forward_sample_ != nullptr, "Engine: no forward pass given");
+}
+
 uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
   const ModelConfig& cfg = cfg_;
   SPADE_CHECK(!req.prompt_ids.empty(), "request has an empty prompt");
@@ -200,8 +207,19 @@ bool Engine::step() {
   }
 
   std::vector<float> logits;
+  std::vector<int32_t> sampled;
   try {
-    if (forward_) {
+    if (forward_sample_) {
+      std::vector<RowSampling> rows(logit_owner.size());
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const Seq& s = *in_batch[logit_owner[r]];
+        rows[r].params = s.req.sampling;
+        rows[r].step = static_cast<uint64_t>(s.generated);
+      }
+      forward_sample_(batch, rows, sampled);
+      SPADE_CHECK(sampled.size() == rows.size(), "Engine: the forward pass sampled {} tokens for {} rows",
+                  sampled.size(), rows.size());
+    } else if (forward_) {
       forward_(batch, logits);
     } else {
       model_->forward(batch, *attention_, logits, states_.get());
@@ -227,7 +245,8 @@ bool Engine::step() {
     if (failed(s.id)) continue;
     const bool was_prefill = s.generated == 0;
     if (was_prefill) stats_.prompt_tokens += s.req.prompt_ids.size();
-    const int tok = sample_token(&logits[r * static_cast<size_t>(vocab)], vocab, s.req.sampling, s.rng);
+    const int tok = forward_sample_ ? sampled[r]
+                                    : sample_token(&logits[r * static_cast<size_t>(vocab)], vocab, s.req.sampling, s.rng);
     if (observer_) {
       const auto now = std::chrono::steady_clock::now();
       if (was_prefill) observer_->on_prompt_tokens(static_cast<int>(s.req.prompt_ids.size()));

@@ -95,6 +95,20 @@ using BackendFactory = std::function<std::unique_ptr<AttentionBackend>(const Mod
 /// fp32. Throws spade::Error to fail the batch's requests (the engine keeps serving).
 using ForwardFn = std::function<void(const ForwardBatch& batch, std::vector<float>& logits)>;
 
+/// The sampling of one logit row for a ForwardSampleFn: its request's parameters and draw counter (the tokens the
+/// request generated so far).
+struct RowSampling {
+  SamplingParams params;
+  uint64_t step = 0;
+};
+
+/// An external forward pass that also samples on its device (the GPU path: kernels::sample_rows, whose draw depends
+/// on the request's seed and step only, kernels/sampling_ref.h — seeded sampling therefore differs from the CPU
+/// path's std::mt19937_64 stream; greedy is the same argmax rule): fills `tokens` [batch.logit_rows.size()] from
+/// `rows` (one per logit row). Only token ids cross back to the host. Throws spade::Error to fail the batch.
+using ForwardSampleFn = std::function<void(const ForwardBatch& batch, const std::vector<RowSampling>& rows,
+                                           std::vector<int32_t>& tokens)>;
+
 class Engine {
  public:
   /// `make_attention`: nullptr = dense paged attention over the engine's own KvCache.
@@ -103,6 +117,8 @@ class Engine {
   /// `forward`, over a KV pool of options().num_pages pages (the normalised value: build the pool from options()
   /// before the first step). Throws spade::Error for a hybrid cfg.
   Engine(const ModelConfig& cfg, EngineOptions opt, ForwardFn forward);
+  /// The same over a forward pass that samples on its device (ForwardSampleFn).
+  Engine(const ModelConfig& cfg, EngineOptions opt, ForwardSampleFn forward);
 
   /// Validates and queues a request; returns its id. Throws spade::Error (nothing queued) for an empty prompt,
   /// an id outside the vocabulary, max_tokens <= 0, invalid sampling parameters, or a request longer than the
@@ -144,7 +160,8 @@ class Engine {
   bool admit_waiting();
 
   const Model* model_ = nullptr;  // the CPU model, or
-  ForwardFn forward_;              // an external forward pass
+  ForwardFn forward_;              // an external forward pass, or
+  ForwardSampleFn forward_sample_;  // one that samples too
   ModelConfig cfg_;
   // model_.config().attention_view(): what the KV cache and the backend see (heap: backends keep a reference).
   std::unique_ptr<const ModelConfig> attn_cfg_;

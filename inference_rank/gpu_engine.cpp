@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "kernels/layer_ops.cuh"
 
 namespace spade {
 
@@ -41,6 +42,9 @@ GpuEngineForward::GpuEngineForward(std::unique_ptr<GpuModel> model, const GpuEng
       steps_(std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs)), bucket_for(opt.max_num_seqs),
              max_pages_, std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs)), opt.num_pages + 1) {
   SPADE_CHECK(opt.num_pages > 0 && opt.max_model_len > 0, "GPU engine: num_pages and max_model_len must be set");
+  max_rows_ = model_options(opt).max_logit_rows;
+  sample_params_ = DeviceBuffer(static_cast<size_t>(max_rows_) * 28, "GPU engine sampling parameters");
+  sampled_ = DeviceBuffer(static_cast<size_t>(max_rows_) * 4, "GPU engine sampled tokens");
   cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "GPU engine stream");
 }
 
@@ -52,7 +56,7 @@ GpuEngineForward::~GpuEngineForward() {
   }
 }
 
-void GpuEngineForward::operator()(const ForwardBatch& fb, std::vector<float>& logits) {
+void GpuEngineForward::run(const ForwardBatch& fb) {
   const int T = fb.total_tokens(), B = fb.batch();
   SPADE_CHECK(fb.max_pages <= max_pages_, "GPU engine: block table of {} pages exceeds max_model_len's {}",
               fb.max_pages, max_pages_);
@@ -96,16 +100,65 @@ void GpuEngineForward::operator()(const ForwardBatch& fb, std::vector<float>& lo
     model_->forward(batch, kv_, attention_, stream_);
     ++eager_steps_;
   }
-  const int R = static_cast<int>(fb.logit_rows.size());
-  const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
-  logits.resize(static_cast<size_t>(R) * vocab);
+}
+
+void GpuEngineForward::finish(const ForwardBatch& fb) {
   int32_t flag = 0;
-  cuda_check(cudaMemcpyAsync(logits.data(), model_->logits(), logits.size() * 4, cudaMemcpyDeviceToHost, stream_),
-             "GPU engine: logits");
   cuda_check(cudaMemcpyAsync(&flag, steps_.error_flag(), 4, cudaMemcpyDeviceToHost, stream_), "GPU engine: flag");
   cuda_check(cudaStreamSynchronize(stream_), "GPU engine: step");
   SPADE_CHECK(flag == 0, "GPU engine: the step of {} sequences / {} tokens has a token id, position or page outside "
-              "the model / KV pool", B, T);
+              "the model / KV pool", fb.batch(), fb.total_tokens());
+}
+
+void GpuEngineForward::operator()(const ForwardBatch& fb, std::vector<float>& logits) {
+  run(fb);
+  const size_t vocab = static_cast<size_t>(model_->config().vocab_size);
+  logits.resize(fb.logit_rows.size() * vocab);
+  cuda_check(cudaMemcpyAsync(logits.data(), model_->logits(), logits.size() * 4, cudaMemcpyDeviceToHost, stream_),
+             "GPU engine: logits");
+  finish(fb);
+}
+
+void GpuEngineForward::sample(const ForwardBatch& fb, const std::vector<RowSampling>& rows,
+                              std::vector<int32_t>& tokens) {
+  const int R = static_cast<int>(fb.logit_rows.size());
+  SPADE_CHECK(static_cast<int>(rows.size()) == R, "GPU engine: {} sampling rows for {} logit rows", rows.size(), R);
+  SPADE_CHECK(R <= max_rows_, "GPU engine: {} logit rows exceed the {} the step buffers hold", R, max_rows_);
+  // One upload of the rows' parameters: [seeds u64][steps u64][temperature f32][top_p f32][top_k i32], R each.
+  std::vector<uint8_t>& h = sample_host_;
+  h.assign(static_cast<size_t>(R) * 28, 0);
+  auto* seeds = reinterpret_cast<uint64_t*>(h.data());
+  auto* steps = seeds + R;
+  auto* temp = reinterpret_cast<float*>(steps + R);
+  auto* top_p = temp + R;
+  auto* top_k = reinterpret_cast<int32_t*>(top_p + R);
+  for (int r = 0; r < R; ++r) {
+    seeds[r] = rows[r].params.seed;
+    steps[r] = rows[r].step;
+    temp[r] = rows[r].params.temperature;
+    top_p[r] = rows[r].params.top_p;
+    top_k[r] = rows[r].params.top_k;
+  }
+  run(fb);
+  char* d = sample_params_.as<char>();
+  cuda_check(cudaMemcpyAsync(d, h.data(), h.size(), cudaMemcpyHostToDevice, stream_), "GPU engine: sampling params");
+  kernels::SampleParams p;
+  p.logits_dtype = DType::F32;
+  p.logits = model_->logits();
+  p.seeds = reinterpret_cast<const uint64_t*>(d);
+  p.steps = p.seeds + R;
+  p.temperature = reinterpret_cast<const float*>(p.steps + R);
+  p.top_p = p.temperature + R;
+  p.top_k = reinterpret_cast<const int32_t*>(p.top_p + R);
+  p.out_tokens = sampled_.as<int32_t>();
+  p.rows = R;
+  p.vocab = model_->config().vocab_size;
+  cuda_check(kernels::sample_rows(p, stream_), "GPU engine: sampling");
+  tokens.resize(R);
+  cuda_check(cudaMemcpyAsync(tokens.data(), sampled_.get(), static_cast<size_t>(R) * 4, cudaMemcpyDeviceToHost,
+                             stream_),
+             "GPU engine: sampled tokens");
+  finish(fb);
 }
 
 }  // namespace spade

@@ -6,6 +6,7 @@
 // The host waits once per step, for the logits. Decode-only steps replay a CUDA graph captured per batch-size bucket
 // (1, 2, 4, ... max_num_seqs): the bucket's padding rows are sequences of one token on a scratch page, so the
 // graph's shapes are fixed while the batch's lengths, positions and pages are data. Mixed / prefill steps run eagerly.
+// sample() samples on the device (kernels::sample_rows, after the graph) and returns only token ids.
 // Errors (bad token id / position / page flagged on the device, CUDA failures) throw spade::Error naming the step.
 #pragma once
 
@@ -42,8 +43,11 @@ class GpuEngineForward {
   ~GpuEngineForward();
   GpuEngineForward(const GpuEngineForward&) = delete;
   GpuEngineForward& operator=(const GpuEngineForward&) = delete;
-  /// engine.h ForwardFn.
+  /// engine.h ForwardFn: the step's fp32 logits come back to the host.
   void operator()(const ForwardBatch& batch, std::vector<float>& logits);
+  /// engine.h ForwardSampleFn: the step, then kernels::sample_rows over its logits on the device; only the sampled
+  /// token ids (4 bytes per row) come back. What `inference_rank --device cuda` runs.
+  void sample(const ForwardBatch& batch, const std::vector<RowSampling>& rows, std::vector<int32_t>& tokens);
   const GpuModel& model() const { return *model_; }
   size_t kv_bytes() const { return kv_.bytes(); }
   /// Decode steps served by a captured graph / run eagerly (tests, stats).
@@ -51,8 +55,13 @@ class GpuEngineForward {
   uint64_t eager_steps() const { return eager_steps_; }
 
  private:
+  void run(const ForwardBatch& batch);     // upload + forward (graph or eager) on stream_
+  void finish(const ForwardBatch& batch);  // error flag, wait for the step
   std::unique_ptr<GpuModel> model_;
   GpuEngineOptions opt_;
+  int max_rows_ = 0;
+  DeviceBuffer sample_params_, sampled_;
+  std::vector<uint8_t> sample_host_;
   int max_pages_;
   GpuKvPool kv_;
   GpuDenseAttention attention_;

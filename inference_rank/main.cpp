@@ -2,7 +2,8 @@
 //
 //   inference_rank --model DIR --prompt TEXT --max-tokens N [--temperature T --top-p P --top-k K --seed S]
 //                  [--selection dense|oracle|predicted --sparse-threshold N --token-budget K ...]
-//   inference_rank --model DIR --device cuda [--random-weights] [--tokenizer DIR] --prompt TEXT ...
+//   inference_rank --model DIR --device cuda [--random-weights] [--tokenizer DIR] [--no-cuda-graphs]
+//                  [--host-sampling] --prompt TEXT ...   (sampling runs on the GPU unless --host-sampling)
 //   inference_rank --serve --model DIR [launch flags / RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT / OMPI_*] [...]
 //
 // Standalone (--prompt): the generated text streams to stdout; TTFT, TPOT and tokens/s go to stderr at the end.
@@ -117,6 +118,10 @@ int main(int argc, char** argv) {
   app.add_option("--kv-cache-gib", kv_gib, "KV-cache budget in GiB (default 1; counted in fp32 bytes)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-cuda-graphs", no_cuda_graphs, "--device cuda: run decode steps eagerly");
+  bool host_sampling = false;
+  app.add_flag("--host-sampling", host_sampling,
+               "--device cuda: copy the logits back and sample on the host (the CPU path's sampler) instead of on the "
+               "GPU");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -165,9 +170,14 @@ int main(int argc, char** argv) {
 #ifdef SPADE_HAVE_GPU_PATH
       if (so.mode != spade::SelectionMode::Dense)
         spade::fail("--device cuda runs dense attention only (the sparse GPU pipeline is bench/bench_tpot for now)");
-      engine_ptr = std::make_unique<spade::Engine>(cfg, eo, [&](const spade::ForwardBatch& b, std::vector<float>& l) {
-        (*gpu)(b, l);
-      });
+      if (host_sampling) {
+        engine_ptr = std::make_unique<spade::Engine>(
+            cfg, eo, [&](const spade::ForwardBatch& b, std::vector<float>& l) { (*gpu)(b, l); });
+      } else {  // on-device sampling: only the sampled token ids come back each step
+        engine_ptr = std::make_unique<spade::Engine>(
+            cfg, eo, spade::ForwardSampleFn([&](const spade::ForwardBatch& b, const std::vector<spade::RowSampling>& r,
+                                                std::vector<int32_t>& t) { gpu->sample(b, r, t); }));
+      }
       const spade::GpuEngineOptions go = spade::gpu_engine_options(engine_ptr->options(), !no_cuda_graphs);
       const spade::GpuModelOptions mo = spade::GpuEngineForward::model_options(go);
       std::unique_ptr<spade::GpuModel> gm;

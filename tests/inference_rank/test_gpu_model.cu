@@ -547,7 +547,7 @@ struct EngineRun {
 
 // Five requests of different prompt lengths and max_tokens through an engine with 3 running sequences and 16
 // tokens per step: prefill is chunked, decode and prefill mix, requests join as others finish.
-EngineRun run_engine(Engine& engine, int vocab) {
+EngineRun run_engine(Engine& engine, int vocab, const SamplingParams* sampling = nullptr) {
   std::mt19937_64 rng(77);
   const int prompt_lens[5] = {5, 23, 1, 40, 9}, max_tokens[5] = {12, 7, 20, 5, 16};
   EngineRun out;
@@ -558,6 +558,10 @@ EngineRun run_engine(Engine& engine, int vocab) {
     r.prompt_ids = random_tokens(prompt_lens[i], vocab, rng);
     r.max_tokens = max_tokens[i];
     r.sampling.temperature = 0.f;
+    if (sampling != nullptr) {
+      r.sampling = *sampling;
+      r.sampling.seed += static_cast<uint64_t>(i);
+    }
     r.ignore_eos = true;
     engine.submit(r, [&out, i](const TokenEvent& ev) {
       if (ev.token >= 0) out.tokens[i].push_back(ev.token);
@@ -568,15 +572,21 @@ EngineRun run_engine(Engine& engine, int vocab) {
   return out;
 }
 
-TEST(GpuEngine, ContinuousBatchingAgreesWithTheCpuEngine) {
-  const ModelConfig cfg = qwen3_like();
-  const ModelWeights w = load_weights(cfg, random_source(21));
+// 3 running sequences, 16 tokens per step: chunked prefill and mixed steps (run_engine's workload).
+EngineOptions small_engine_options() {
   EngineOptions eo;
   eo.page_size = 16;
   eo.num_pages = 64;
   eo.max_num_seqs = 3;
   eo.max_num_batched_tokens = 16;
   eo.max_model_len = 256;
+  return eo;
+}
+
+TEST(GpuEngine, ContinuousBatchingAgreesWithTheCpuEngine) {
+  const ModelConfig cfg = qwen3_like();
+  const ModelWeights w = load_weights(cfg, random_source(21));
+  const EngineOptions eo = small_engine_options();
   Model cpu_model(cfg, w);
   Engine cpu(cpu_model, eo);
   const EngineRun want = run_engine(cpu, cfg.vocab_size);
@@ -610,6 +620,55 @@ TEST(GpuEngine, ContinuousBatchingAgreesWithTheCpuEngine) {
     } else {
       EXPECT_EQ(gpu.graph_steps(), 0u);
     }
+  }
+}
+
+// inference_rank --device cuda samples on the device (GpuEngineForward::sample): greedy gives exactly the tokens of
+// host sampling over the same GPU logits; seeded sampling is a function of the seed (same seed, same text; another
+// seed, other text), with graphs and without.
+TEST(GpuEngine, OnDeviceSamplingAgreesWithHostSamplingAndIsSeeded) {
+  const ModelConfig cfg = qwen3_like();
+  const ModelWeights w = load_weights(cfg, random_source(21));
+  const EngineOptions eo = small_engine_options();
+  for (const bool graphs : {true, false}) {
+    const GpuEngineOptions go = gpu_engine_options(eo, graphs);
+    GpuEngineForward host_side(GpuModel::upload(cfg, w, GpuEngineForward::model_options(go)), go);
+    Engine host(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) { host_side(b, l); });
+    const EngineRun want = run_engine(host, cfg.vocab_size);
+    auto device_engine = [&](GpuEngineForward& g) {
+      return Engine(cfg, eo,
+                    ForwardSampleFn([&g](const ForwardBatch& b, const std::vector<RowSampling>& r,
+                                         std::vector<int32_t>& t) { g.sample(b, r, t); }));
+    };
+    GpuEngineForward dev_side(GpuModel::upload(cfg, w, GpuEngineForward::model_options(go)), go);
+    Engine dev = device_engine(dev_side);
+    const EngineRun got = run_engine(dev, cfg.vocab_size);
+    for (int i = 0; i < 5; ++i) {
+      EXPECT_EQ(got.tokens[i], want.tokens[i]) << "greedy request " << i << " graphs " << graphs;
+      EXPECT_EQ(got.reasons[i], FinishReason::Length);
+    }
+    SamplingParams sp;
+    sp.temperature = 0.9f;
+    sp.top_p = 0.95f;
+    sp.top_k = 500;
+    sp.seed = 1234;
+    std::vector<EngineRun> runs;
+    for (uint64_t seed : {1234, 1234, 99}) {
+      sp.seed = seed;
+      GpuEngineForward g(GpuModel::upload(cfg, w, GpuEngineForward::model_options(go)), go);
+      Engine e = device_engine(g);
+      runs.push_back(run_engine(e, cfg.vocab_size, &sp));
+    }
+    int differ_from_greedy = 0, differ_from_other_seed = 0;
+    for (int i = 0; i < 5; ++i) {
+      EXPECT_EQ(runs[0].tokens[i], runs[1].tokens[i]) << "same seed, request " << i;
+      ASSERT_EQ(runs[0].tokens[i].size(), want.tokens[i].size());
+      for (int32_t t : runs[0].tokens[i]) EXPECT_TRUE(t >= 0 && t < cfg.vocab_size) << t;
+      differ_from_greedy += runs[0].tokens[i] != want.tokens[i];
+      differ_from_other_seed += runs[0].tokens[i] != runs[2].tokens[i];
+    }
+    EXPECT_GE(differ_from_greedy, 3) << "temperature 0.9 should leave greedy decoding";
+    EXPECT_GE(differ_from_other_seed, 3) << "another seed should give other text";
   }
 }
 
