@@ -37,6 +37,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/bench_util.cuh"
+#include "bench/run_stamp.h"
 #include "kernels/gdn.cuh"
 #include "kernels/gdn_ref.h"
 
@@ -494,12 +495,7 @@ int main(int argc, char** argv) {
   doc["device"] = b.prop.name;
   doc["sm_count"] = b.prop.multiProcessorCount;
   doc["l2_bytes"] = b.prop.l2CacheSize;
-  const std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  doc["date"] = date;
-  const char* commit = std::getenv("SPADE_COMMIT");
-  doc["commit"] = commit != nullptr ? commit : "unknown";
+  spade::bench::stamp_run(doc);
   doc["shape"] = {{"num_k_heads", kHk}, {"num_v_heads", kHv}, {"head_dim", kD}, {"dtype", "bf16"}, {"state", "fp32"}};
   doc["copy_gbps"] = b.copy_gbps;
   doc["timing"] = "one CUDA event pair per launch, L2 flushed (256 MiB memset) before each; medians";

@@ -14,7 +14,7 @@
 // Page placement of the paged cases (the block tables; docs/KERNELS.md sections 6 and 7.1):
 //   shuffled   (layout "pagedN"): a random permutation of the pool's pages (worst case: no locality at all);
 //   ascending  ("pagedNascending"): each sequence owns a random subset of the pool, listed in ascending order;
-//   allocator  ("pagedNallocator"): the block tables that common/page_allocator (lowest free page first) hands out
+//   allocator  ("pagedNallocator"): the block tables that common/page_allocator (run-aware placement) hands out
 //              under a serving workload simulated with the engine's scheduling rules (FIFO admission with full
 //              reservation, decode tokens first, chunked prefill of 2048 tokens per step, <= 64 running sequences,
 //              log-uniform prompts, sparse sequences dropping the pages between sinks and window) in a pool twice the
@@ -52,6 +52,7 @@
 
 #include "bench/bench_util.cuh"
 #include "bench/page_placement.h"
+#include "bench/run_stamp.h"
 #include "kernels/attention.cuh"
 #include "kernels/selection.cuh"
 
@@ -736,17 +737,12 @@ int main(int argc, char** argv) {
   }
 
   json doc;
-  const std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  const char* commit = std::getenv("SPADE_COMMIT");
   doc["device"] = c.prop.name;
   doc["sm_count"] = c.prop.multiProcessorCount;
   doc["l2_bytes"] = c.prop.l2CacheSize;
   doc["cuda_driver"] = driver;
   doc["cuda_runtime"] = runtime;
-  doc["date"] = date;
-  doc["commit"] = commit != nullptr && *commit != '\0' ? commit : "unknown";
+  spade::bench::stamp_run(doc);
   doc["copy_gb_per_s"] = c.copy_gbps;
   doc["iters"] = c.opt.iters;
   doc["warmup"] = c.opt.warmup;

@@ -25,7 +25,6 @@
 //                   [--modes dense,oracle,async] [--nccl-ctas 16] [--label NAME] [--out results.json] (appends a
 //                   JSON document per run).
 #include <cuda_runtime_api.h>
-#include <nccl.h>
 
 #include <algorithm>
 #include <atomic>
@@ -43,6 +42,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/run_stamp.h"
 #include "common/config.h"
 #include "common/error.h"
 #include "inference_rank/gpu_model.h"
@@ -50,17 +50,16 @@
 #include "kernels/layer_ops.cuh"
 #include "kernels/selection.cuh"
 #include "kernels/tensor_ops.cuh"
+#include "transport/nccl/nccl_link.h"
 
 namespace spade {
 namespace {
 
 using json = nlohmann::json;
-
-#define NCCL_OK(expr)                                                                                   \
-  do {                                                                                                  \
-    const ncclResult_t r_ = (expr);                                                                     \
-    if (r_ != ncclSuccess) ::spade::fail("{}: {} ({})", #expr, ncclGetErrorString(r_), ncclGetLastError(nullptr)); \
-  } while (0)
+using transport::NcclLink;
+using transport::NcclLinkCounters;
+using transport::NcclLinkOptions;
+using transport::NcclRole;
 
 struct Opts {
   std::string config;
@@ -382,11 +381,6 @@ std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel
 // Mode 3: AsyncSpade over two GPUs.
 // ---------------------------------------------------------------------------------------------------------------
 
-struct Link {
-  ncclComm_t up = nullptr;    // inference -> cache: qkv rows of a pack
-  ncclComm_t down = nullptr;  // cache -> inference: selected K/V of a pack
-};
-
 struct AsyncShared {
   int P = 0, packs = 0;
   size_t up_bytes_pack = 0;    // one layer pack's qkv rows
@@ -399,7 +393,7 @@ struct AsyncShared {
 /// layer's qkv rows into the pack's send buffer and ships the pack after its last layer.
 class AsyncInferenceAttention : public GpuAttention {
  public:
-  AsyncInferenceAttention(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, Link link, int total_steps)
+  AsyncInferenceAttention(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, NcclLink& link, int total_steps)
       : cfg_(cfg), o_(o), sh_(sh), link_(link),
         up_(static_cast<size_t>(sh.packs) * sh.up_bytes_pack, "qkv send buffers"),
         down_(2 * static_cast<size_t>(sh.packs) * sh.P * sh.down_bytes_layer, "selected KV receive buffers"),
@@ -421,7 +415,7 @@ class AsyncInferenceAttention : public GpuAttention {
   void post_recvs(int t) {
     for (int p = 0; p < sh_.packs; ++p) {
       if (t >= 2) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(t - 2, p), 0), "wait");  // buffer reuse
-      NCCL_OK(ncclRecv(recv_buf(t, p), sh_.P * sh_.down_bytes_layer, ncclUint8, 1, link_.down, down_stream_));
+      link_.recv(recv_buf(t, p), sh_.P * sh_.down_bytes_layer, down_stream_, "selected K/V of a pack");
       cuda_check(cudaEventRecord(recv_done_(t, p), down_stream_), "record");
     }
   }
@@ -448,7 +442,7 @@ class AsyncInferenceAttention : public GpuAttention {
     if (j == sh_.P - 1 || s.layer == cfg_.num_layers - 1) {
       cuda_check(cudaEventRecord(pack_end_(t, p), stream), "record");
       cuda_check(cudaStreamWaitEvent(up_stream_, pack_end_(t, p), 0), "wait");
-      NCCL_OK(ncclSend(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, ncclUint8, 1, link_.up, up_stream_));
+      link_.send(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
       cuda_check(cudaEventRecord(sent_(t, p), up_stream_), "record");
     }
   }
@@ -462,7 +456,7 @@ class AsyncInferenceAttention : public GpuAttention {
   const ModelConfig& cfg_;
   const Opts& o_;
   AsyncShared& sh_;
-  Link link_;
+  NcclLink& link_;
   DeviceBuffer up_, down_, lens_, ws_;
   EventGrid arrive_, ready_, pack_end_, recv_done_, sent_;
   cudaStream_t up_stream_ = nullptr, down_stream_ = nullptr;
@@ -472,7 +466,7 @@ class AsyncInferenceAttention : public GpuAttention {
 /// The cache rank's side of the benchmark (GPU 1): full KV pool, query windows, selection one step ahead.
 class AsyncCacheRank {
  public:
-  AsyncCacheRank(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, Link link, const Plan& plan)
+  AsyncCacheRank(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, NcclLink& link, const Plan& plan)
       : cfg_(cfg), o_(o), sh_(sh), link_(link), plan_(plan), L_(cfg.num_layers), B_(o.batch), cap_(o.query_window + 1),
         pool_(cfg.num_layers, plan.full_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim),
         up_(static_cast<size_t>(sh.packs) * sh.up_bytes_pack, "qkv receive buffers"),
@@ -522,8 +516,7 @@ class AsyncCacheRank {
       cuda_check(cudaEventRecord(uploaded_, stream_), "record");
       for (int p = 0; p < sh_.packs; ++p) {
         if (t >= 1) cuda_check(cudaStreamWaitEvent(up_stream_, cm_end_(t, p), 0), "wait");  // (t-1)'s use done
-        NCCL_OK(ncclRecv(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, ncclUint8, 0, link_.up,
-                         up_stream_));
+        link_.recv(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
         cuda_check(cudaEventRecord(qkv_ready_(t, p), up_stream_), "record");
       }
       for (int p = 0; p < sh_.packs; ++p) {
@@ -619,14 +612,14 @@ class AsyncCacheRank {
     cuda_check(cudaEventRecord(cm_end_(for_step, p), stream_), "record");
     cuda_check(cudaStreamWaitEvent(down_stream_, cm_end_(for_step, p), 0), "wait");
     cuda_check(cudaEventRecord(send_start_(for_step, p), down_stream_), "record");
-    NCCL_OK(ncclSend(out, sh_.P * sh_.down_bytes_layer, ncclUint8, 0, link_.down, down_stream_));
+    link_.send(out, sh_.P * sh_.down_bytes_layer, down_stream_, "selected K/V of a pack");
     cuda_check(cudaEventRecord(send_end_(for_step, p), down_stream_), "record");
   }
 
   const ModelConfig& cfg_;
   const Opts& o_;
   AsyncShared& sh_;
-  Link link_;
+  NcclLink& link_;
   const Plan& plan_;
   int L_, B_, cap_;
   GpuKvPool pool_;
@@ -640,17 +633,16 @@ class AsyncCacheRank {
   cudaEvent_t uploaded_ = nullptr;
 };
 
-/// Both communicators of one rank (blocking init, grouped so the two ranks' threads may init in any order). The
-/// up link carries ~100 KB per pack and gets one CTA; the down link at most `ctas` (0 = NCCL default).
-void init_link(Link& l, const ncclUniqueId& up, const ncclUniqueId& down, int rank, int ctas) {
-  ncclConfig_t cup = NCCL_CONFIG_INITIALIZER, cdown = NCCL_CONFIG_INITIALIZER;
-  cup.maxCTAs = 1;
-  cup.minCTAs = 1;
-  if (ctas > 0) cdown.maxCTAs = ctas;
-  NCCL_OK(ncclGroupStart());
-  NCCL_OK(ncclCommInitRankConfig(&l.up, 2, up, rank, &cup));
-  NCCL_OK(ncclCommInitRankConfig(&l.down, 2, down, rank, &cdown));
-  NCCL_OK(ncclGroupEnd());
+/// One rank's end of the pair: NcclLink with one CTA for the qkv rows (~100 KB per pack) and at most `ctas` for the
+/// selected K/V (0 = NCCL default).
+std::unique_ptr<NcclLink> make_link(const std::string& address, NcclRole role, int device, int ctas) {
+  NcclLinkOptions lo;
+  lo.device = device;
+  lo.max_ctas_up = 1;
+  lo.max_ctas_down = ctas;
+  return std::make_unique<NcclLink>(address, role, role == NcclRole::kInference ? "cache rank (GPU 1)"
+                                                                                 : "inference rank (GPU 0)",
+                                    lo);
 }
 
 json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack, double copy_gbps) {
@@ -660,10 +652,9 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   sh.packs = (cfg.num_layers + pack - 1) / pack;
   sh.up_bytes_pack = static_cast<size_t>(pack) * o.batch * (cfg.q_dim() + 2 * cfg.kv_dim()) * 2;
   sh.down_bytes_layer = static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget * cfg.head_dim * 2 * 2;
-  ncclUniqueId id_up, id_down;
-  NCCL_OK(ncclGetUniqueId(&id_up));
-  NCCL_OK(ncclGetUniqueId(&id_down));
-  Link links[2];
+  const std::string address = NcclLink::new_address();
+  std::unique_ptr<NcclLink> links[2];
+  std::atomic<NcclLink*> live[2] = {nullptr, nullptr};  // for aborting the other thread's link on failure
   std::unique_ptr<AsyncCacheRank> cache;
   std::vector<double> cm, sendms;
   std::vector<double> stage[5];
@@ -671,8 +662,9 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   std::thread cache_thread([&] {
     try {
       cuda_check(cudaSetDevice(1), "cudaSetDevice(1)");
-      init_link(links[1], id_up, id_down, 1, o.nccl_ctas);
-      cache = std::make_unique<AsyncCacheRank>(cfg, o, sh, links[1], plan);
+      links[1] = make_link(address, NcclRole::kCache, 1, o.nccl_ctas);
+      live[1] = links[1].get();
+      cache = std::make_unique<AsyncCacheRank>(cfg, o, sh, *links[1], plan);
       cache->run();
     } catch (const std::exception& e) {
       sh.error = std::string("cache rank (GPU 1): ") + e.what();
@@ -684,12 +676,13 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   int stall_count = 0;
   try {
     cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
-    init_link(links[0], id_up, id_down, 0, o.nccl_ctas);
+    links[0] = make_link(address, NcclRole::kInference, 0, o.nccl_ctas);
+    live[0] = links[0].get();
     GpuKvPool local(cfg.num_layers, plan.window_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim);
     cudaStream_t stream;
     cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
     local.fill_random(o.seed + 17, 1.f, stream);
-    AsyncInferenceAttention attn(cfg, o, sh, links[0], plan.total_steps);
+    AsyncInferenceAttention attn(cfg, o, sh, *links[0], plan.total_steps);
     GpuStepBuffers buffers(o.batch, o.batch, plan.max_pages, o.batch, plan.window_pages());
     DeviceBuffer tokens_out(static_cast<size_t>(o.batch) * 4, "sampled tokens");
     const std::vector<int32_t> table = plan.window_table();
@@ -722,12 +715,9 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     sh.error = std::string("inference rank (GPU 0): ") + e.what();
   }
   if (sh.failed.load()) {
-    // Unblock the peer: abort both ranks' communicators.
-    for (auto& l : links) {
-      if (l.up != nullptr) ncclCommAbort(l.up);
-      if (l.down != nullptr) ncclCommAbort(l.down);
-      l = Link{};
-    }
+    // Unblock the peer: abort both ranks' links (the cache rank's watchdog would do it after op_timeout).
+    for (auto& l : live)
+      if (NcclLink* p = l.load(); p != nullptr) p->abort(sh.error);
   }
   cache_thread.join();
   SPADE_CHECK(!sh.failed.load(), "async run failed: {}", sh.error);
@@ -741,16 +731,19 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
       for (int i = 0; i < 5; ++i) stage[i].push_back(st5[i]);
     }
   cache.reset();
-  for (auto& l : links) {
-    ncclCommDestroy(l.up);
-    ncclCommDestroy(l.down);
-  }
+  const NcclLinkCounters lc = links[0]->counters();
+  // Both ends tear down concurrently (as two processes would).
+  std::thread close_cache([&] { links[1].reset(); });
+  links[0].reset();
+  close_cache.join();
   cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
 
   r = result_row(o, cfg, "async", tpot);
   r["pack"] = pack;
   r["nccl_max_ctas"] = o.nccl_ctas;
   r["packs"] = sh.packs;
+  r["link_bytes_up_measured"] = lc.bytes_sent;        // whole run, incl. warm-up
+  r["link_bytes_down_measured"] = lc.bytes_received;
   const double down_pack = static_cast<double>(sh.P) * sh.down_bytes_layer;
   const Stats inf = stats(infer), cms = stats(cm), snd = stats(sendms), st = stats(stalls);
   r["inference_ms_per_pack"] = inf.median;
@@ -858,12 +851,7 @@ int main_impl(int argc, char** argv) {
   doc["benchmark"] = "bench_tpot";
   doc["device"] = prop.name;
   doc["gpus"] = ngpu;
-  const std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  doc["date"] = date;
-  const char* commit = std::getenv("SPADE_COMMIT");
-  doc["commit"] = commit != nullptr ? commit : "unknown";
+  bench::stamp_run(doc);
   doc["copy_gbps"] = copy_gbps;
   doc["config"] = o.config;
   doc["label"] = o.label;

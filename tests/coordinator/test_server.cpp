@@ -111,6 +111,38 @@ class CoordinatorTest : public ::testing::Test {
   std::vector<proto::ClusterView> views_;
 };
 
+// The GPU data plane's handshake (transport/nccl/nccl_link.h): each inference rank publishes its NcclLink address --
+// two ncclUniqueIds, 256 raw bytes with zeros and high bytes -- as TRANSPORT_NCCL, and its paired cache rank gets
+// exactly those bytes in ClusterView (the cache side publishes no address of its own).
+TEST_F(CoordinatorTest, HandsEachPairItsNcclLinkAddressVerbatim) {
+  start_server(2);
+  std::vector<std::string> addr(2);
+  std::vector<std::future<proto::ClusterView>> futs;
+  for (uint32_t i = 0; i < 2; ++i) {
+    for (int b = 0; b < 256; ++b) addr[i].push_back(static_cast<char>((b * 37 + static_cast<int>(i) * 101) & 0xff));
+    addr[i][0] = '\0';
+    ClientOptions io = rank_opts(proto::INFERENCE, i), co = rank_opts(proto::CACHE, i);
+    io.transport_kind = co.transport_kind = proto::TRANSPORT_NCCL;
+    io.transport_address = addr[i];
+    co.transport_address.clear();
+    inf_.push_back(std::make_unique<CoordinatorClient>(io));
+    cache_.push_back(std::make_unique<CoordinatorClient>(co));
+  }
+  for (uint32_t i = 0; i < 2; ++i) {
+    futs.push_back(std::async(std::launch::async, [this, i] { return inf_[i]->rendezvous(in(5000ms)); }));
+    futs.push_back(std::async(std::launch::async, [this, i] { return cache_[i]->rendezvous(in(5000ms)); }));
+  }
+  for (auto& f : futs) views_.push_back(f.get());
+  for (uint32_t i = 0; i < 2; ++i) {
+    const auto& cv = views_[2 * i + 1];
+    ASSERT_EQ(cv.peers_size(), 1);
+    EXPECT_EQ(cv.peers(0).transport().kind(), proto::TRANSPORT_NCCL);
+    EXPECT_EQ(cv.peers(0).transport().address().size(), 256u);
+    EXPECT_EQ(cv.peers(0).transport().address(), addr[i]) << "pair " << i;
+    EXPECT_EQ(views_[2 * i].peers(0).transport().kind(), proto::TRANSPORT_NCCL);
+  }
+}
+
 TEST_F(CoordinatorTest, PairsInferenceWithCacheAndExchangesAddresses) {
   start_server(2);
   bring_up_world();

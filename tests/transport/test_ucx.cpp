@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "tests/test_util.h"
 #include "tests/transport/contract.h"
+#include "tests/transport/peer_process.h"
 #include "transport/ucx.h"
 
 namespace spade::transport::test {
@@ -37,115 +38,7 @@ INSTANTIATE_TEST_SUITE_P(Ucx, TransportContract,
                                                             }}),
                          [](const ::testing::TestParamInfo<TransportFactory>& i) { return i.param.name; });
 
-std::string to_hex(const std::string& s) {
-  static const char* d = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : s) {
-    out.push_back(d[c >> 4]);
-    out.push_back(d[c & 15]);
-  }
-  return out;
-}
-
-std::string from_hex(const std::string& h) {
-  std::string out;
-  for (size_t i = 0; i + 1 < h.size(); i += 2)
-    out.push_back(static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16)));
-  return out;
-}
-
-// The helper process with pipes on stdin/stdout; SIGKILLed on destruction if still alive.
-class PeerProcess {
- public:
-  explicit PeerProcess(std::vector<std::string> args) {
-    std::string exe = spade::test::binary_dir() + "/tests/transport/transport_ucx_peer";
-    if (!std::filesystem::exists(exe)) throw std::runtime_error("helper not built: " + exe);
-    int in_pipe[2], out_pipe[2];
-    if (::pipe(in_pipe) != 0 || ::pipe(out_pipe) != 0) throw std::runtime_error("pipe failed");
-    args.insert(args.begin(), exe);
-    pid_ = ::fork();
-    if (pid_ < 0) throw std::runtime_error("fork failed");
-    if (pid_ == 0) {
-      ::dup2(in_pipe[0], 0);
-      ::dup2(out_pipe[1], 1);
-      ::close(in_pipe[1]);
-      ::close(out_pipe[0]);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execv(exe.c_str(), argv.data());
-      ::_exit(127);
-    }
-    ::close(in_pipe[0]);
-    ::close(out_pipe[1]);
-    to_child_ = in_pipe[1];
-    from_child_ = out_pipe[0];
-  }
-
-  ~PeerProcess() {
-    if (to_child_ >= 0) ::close(to_child_);
-    if (from_child_ >= 0) ::close(from_child_);
-    if (pid_ > 0 && !reaped_) {
-      ::kill(pid_, SIGKILL);
-      int st;
-      ::waitpid(pid_, &st, 0);
-    }
-  }
-
-  pid_t pid() const { return pid_; }
-
-  std::string read_line(std::chrono::milliseconds timeout) {
-    auto until = Clock::now() + timeout;
-    for (;;) {
-      auto nl = buf_.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = buf_.substr(0, nl);
-        buf_.erase(0, nl + 1);
-        return line;
-      }
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()).count();
-      if (left <= 0) throw std::runtime_error("timed out reading from the peer process; got: " + buf_);
-      pollfd p{from_child_, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(left)) <= 0) continue;
-      char tmp[4096];
-      ssize_t n = ::read(from_child_, tmp, sizeof(tmp));
-      if (n <= 0) throw std::runtime_error("peer process closed its output; got: " + buf_);
-      buf_.append(tmp, static_cast<size_t>(n));
-    }
-  }
-
-  void write_line(const std::string& s) {
-    std::string l = s + "\n";
-    if (::write(to_child_, l.data(), l.size()) != static_cast<ssize_t>(l.size()))
-      throw std::runtime_error("write");
-  }
-
-  void close_stdin() {
-    ::close(to_child_);
-    to_child_ = -1;
-  }
-
-  void kill9() { ::kill(pid_, SIGKILL); }
-
-  int wait_exit(std::chrono::milliseconds timeout) {
-    auto until = Clock::now() + timeout;
-    while (Clock::now() < until) {
-      int st = 0;
-      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
-        reaped_ = true;
-        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      }
-      std::this_thread::sleep_for(10ms);
-    }
-    return -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  int to_child_ = -1, from_child_ = -1;
-  bool reaped_ = false;
-  std::string buf_;
-};
+constexpr const char* kUcxPeer = "tests/transport/transport_ucx_peer";
 
 // Exchanges addresses with the child and connects (both sides concurrently).
 std::unique_ptr<Endpoint> connect_child(Transport& t, PeerProcess& p, const std::string& peer_name) {
@@ -162,10 +55,10 @@ TEST(UcxCrossProcess, EchoThroughAChildProcess) {
   o.name = "inference-test";
   auto t = make_ucx_transport(o);
   constexpr int kN = 30;
-  PeerProcess child({"cache-child", "echo", std::to_string(kN)});
+  PeerProcess child(kUcxPeer, {"cache-child", "echo", std::to_string(kN)});
   auto ep = connect_child(*t, child, fmt::format("cache rank 2 (pid {})", child.pid()));
   for (int i = 0; i < kN; ++i) {
-    size_t n = static_cast<size_t>(1 + (i * 37813) % (1 << 20));
+    size_t n = echo_bytes(i);
     auto src = pattern(n, static_cast<uint32_t>(i));
     std::vector<uint8_t> dst(n);
     auto r = ep->post_recv(make_tag(MsgKind::kSelectedKv, i, 0), dst.data(), dst.size());
@@ -184,7 +77,7 @@ TEST(UcxCrossProcess, KilledPeerFailsPendingOperationsNamingThePeer) {
   UcxOptions o;
   o.name = "inference-test";
   auto t = make_ucx_transport(o);
-  PeerProcess child({"cache-child", "sleep"});
+  PeerProcess child(kUcxPeer, {"cache-child", "sleep"});
   std::string peer_name = fmt::format("cache rank 2 (pid {})", child.pid());
   auto ep = connect_child(*t, child, peer_name);
   std::vector<uint8_t> small(4096), big(size_t{8} << 20, 1);

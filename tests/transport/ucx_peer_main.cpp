@@ -15,32 +15,14 @@
 #include <thread>
 #include <vector>
 
+#include "tests/transport/hex.h"
 #include "transport/tags.h"
 #include "transport/ucx.h"
 
 using namespace spade::transport;
+using spade::transport::test::from_hex;
+using spade::transport::test::to_hex;
 using namespace std::chrono_literals;
-
-namespace {
-
-std::string to_hex(const std::string& s) {
-  static const char* d = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : s) {
-    out.push_back(d[c >> 4]);
-    out.push_back(d[c & 15]);
-  }
-  return out;
-}
-
-std::string from_hex(const std::string& h) {
-  std::string out;
-  for (size_t i = 0; i + 1 < h.size(); i += 2)
-    out.push_back(static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16)));
-  return out;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 3) {

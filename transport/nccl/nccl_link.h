@@ -1,0 +1,144 @@
+// NcclLink: the GPU data plane between one inference rank and its cache rank (issue #7; AsyncSpade Sec. 4.1 / 4.3).
+//
+// Two NCCL communicators of two ranks each join the pair: "up" carries each layer pack's q/k/v rows from the
+// inference rank (NCCL rank 0) to the cache rank (rank 1), "down" the selected K/V back. Two communicators, not one,
+// so that each direction has its own channel budget (maxCTAs: every NCCL channel holds an SM of *both* GPUs for the
+// whole transfer, see docs/ARCHITECTURE.md "The GPU path") and its own stream, and so a pack's qkv send never queues
+// behind a large KV receive.
+//
+// Semantics:
+//   * Handshake: the inference rank calls NcclLink::new_address() and publishes the bytes as its
+//     TransportAddress{kind: TRANSPORT_NCCL} at the coordinator (common/proto/coordinator.proto); the coordinator
+//     forwards them verbatim to the paired cache rank in ClusterView.peers. Both sides then construct an NcclLink
+//     from the same bytes, concurrently. Communicators are created non-blocking (ncclConfig_t::blocking = 0), so the
+//     constructor polls them against `connect_timeout` and aborts them (ncclCommAbort) instead of hanging when the
+//     peer never joins. It then connects both directions with an 8-byte hello exchange (NCCL connects point-to-point
+//     channels lazily, and each connection needs the peer's matching operation), so no later send/recv waits for a
+//     connection and the first decode step does not pay for it.
+//   * send()/recv() are stream-ordered NCCL point-to-point operations (ncclSend/ncclRecv in one
+//     ncclGroupStart/End): they return once the operation is enqueued on `stream`, never waiting for the peer. A
+//     send of N bytes matches the peer's next recv of N bytes on the same direction (sizes must be equal; ops of one
+//     direction match in posting order). The caller keeps `buf` alive and untouched until the op completes in stream
+//     order (record an event after it). Operations on one stream run one after the other, so a receive posted on a
+//     stream before a send on the same stream blocks that send until the peer's data arrives: post each direction on
+//     its own stream (as both ranks do), or send before receiving.
+//   * Watchdog: a thread polls ncclCommGetAsyncError on both communicators and the completion of every posted
+//     operation (a CUDA event recorded after it). An operation still incomplete at its deadline (by default
+//     `op_timeout` after it was posted; per operation, or none for a receive that waits for the peer's next request), or
+//     an asynchronous NCCL error, aborts the link: both communicators are aborted with ncclCommAbort (which makes
+//     NCCL's in-flight kernels exit, so the streams drain and the GPU stays usable), failed() turns true, failure()
+//     names the peer and the operation, and the on_failure callback runs once. abort() does the same on request (the
+//     coordinator reported PeerDown). After a failure send()/recv() throw spade::Error with failure(); data in
+//     receive buffers of aborted operations is undefined.
+//   * Threads: send/recv/abort and the accessors are thread-safe; operations of one direction reach NCCL one at a
+//     time, in call order. send/recv must be called with the link's device
+//     current (they check it).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace spade::transport {
+
+/// Which end of the pair this process is. The inference rank is NCCL rank 0 on both communicators.
+enum class NcclRole { kInference = 0, kCache = 1 };
+
+/// "inference", "cache".
+const char* nccl_role_name(NcclRole r);
+
+struct NcclLinkOptions {
+  int device = 0;          // CUDA device of this rank; the constructor makes it current on the calling thread
+  int max_ctas_up = 1;     // NCCL channels (CTAs) of the up communicator: ~100 KB per pack needs one
+  int max_ctas_down = 16;  // channels of the down communicator (MBs per pack); 0 = NCCL's default
+  std::chrono::milliseconds connect_timeout{30000};  // both communicators ready, or the constructor throws
+  std::chrono::milliseconds op_timeout{10000};       // a posted op not complete this long after posting: abort
+  std::chrono::milliseconds watchdog_period{2};      // how often the watchdog polls
+};
+
+/// Byte and operation counters of one link since construction.
+struct NcclLinkCounters {
+  uint64_t sends = 0, recvs = 0;
+  uint64_t bytes_sent = 0, bytes_received = 0;  // bytes enqueued (complete or in flight)
+};
+
+class NcclLink {
+ public:
+  /// Size of the address new_address() returns: two ncclUniqueIds (up, down) of NCCL_UNIQUE_ID_BYTES each.
+  static size_t address_size();
+
+  /// A fresh address (raw bytes, address_size() long) for one pair. Called by the inference rank before it registers
+  /// with the coordinator. Starts NCCL's bootstrap root listener in this process. Throws spade::Error when NCCL
+  /// cannot create an id (no usable network interface for its bootstrap).
+  static std::string new_address();
+
+  /// Joins both communicators of the pair named by `address` (from new_address(), possibly via the coordinator) as
+  /// `role`. `peer_name` (e.g. "cache rank 1 (#0) on host-b") appears in every error. Blocks until both are ready.
+  /// Errors (spade::Error): address of the wrong size; device out of range; NCCL init failure; peer did not join
+  /// within connect_timeout (the half-made communicators are aborted).
+  NcclLink(const std::string& address, NcclRole role, std::string peer_name, NcclLinkOptions opts = {});
+
+  /// Healthy link: waits (up to op_timeout) for the posted operations, then frees the communicators locally
+  /// (ncclCommAbort; ncclCommFinalize would wait for the peer's teardown). Failed link: nothing left to do. The
+  /// caller's current device is kept.
+  ~NcclLink();
+
+  NcclLink(const NcclLink&) = delete;
+  NcclLink& operator=(const NcclLink&) = delete;
+
+  /// No watchdog deadline for an operation: for a receive that waits for the peer's next request (a cache rank's
+  /// pre-posted receive of the next qkv pack can wait as long as the server is idle). Only abort() (the
+  /// coordinator's PeerDown) or an NCCL error ends it.
+  static constexpr std::chrono::milliseconds kNoTimeout = std::chrono::milliseconds::max();
+
+  /// Enqueues a send of `bytes` bytes at device pointer `buf` on `stream` towards the peer (inference: up; cache:
+  /// down). `what` names the message in errors, e.g. "qkv of pack 3". `timeout`: the watchdog's deadline for this
+  /// operation, counted from now; 0 = options' op_timeout; kNoTimeout = none. Throws spade::Error if the link has
+  /// failed, `bytes` is 0, `buf` is null, the current device is not the link's, or NCCL refuses the operation (the
+  /// link then fails).
+  void send(const void* buf, size_t bytes, cudaStream_t stream, const char* what,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
+
+  /// Enqueues a receive of exactly `bytes` bytes into device pointer `buf` on `stream` from the peer (inference:
+  /// down; cache: up). Same arguments and errors as send().
+  void recv(void* buf, size_t bytes, cudaStream_t stream, const char* what,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
+
+  /// Aborts both communicators with `reason` (see the file comment). Idempotent; the first reason wins.
+  void abort(const std::string& reason);
+
+  /// True once the link failed (watchdog, NCCL error or abort()).
+  bool failed() const;
+  /// Why it failed, naming the peer; empty while healthy.
+  std::string failure() const;
+
+  /// Called once, from the watchdog thread or from abort()'s caller, with failure() when the link fails. Set it
+  /// before posting operations; it must not call back into this link's send/recv nor destroy the link.
+  void on_failure(std::function<void(const std::string&)> callback);
+
+  NcclLinkCounters counters() const;
+  /// Operations posted and not yet seen complete by the watchdog.
+  size_t in_flight() const;
+
+  NcclRole role() const { return role_; }
+  int device() const { return opts_.device; }
+  const std::string& peer_name() const { return peer_name_; }
+
+ private:
+  struct State;
+  void connect_peer(const std::string& who, std::chrono::steady_clock::time_point deadline);
+  void post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, const char* what,
+            std::chrono::milliseconds timeout);
+
+  NcclRole role_;
+  std::string peer_name_;
+  NcclLinkOptions opts_;
+  std::unique_ptr<State> st_;
+};
+
+}  // namespace spade::transport
