@@ -6,6 +6,7 @@
 
 #include "cache_rank/pack.h"
 #include "common/error.h"
+#include "kernels/selection_delta_ref.h"
 
 namespace spade::cache {
 
@@ -24,41 +25,47 @@ LayerDelta SelectionMirror::diff(uint64_t seq, int layer, const LayerSelection& 
               seq, layer, full.count, full.positions.size(), budget_, table);
   std::vector<int32_t>& held = seqs_[seq][layer];
   if (held.empty()) held.assign(table, -1);
-  const int n = full.count;
+  // The slot plan of every KV head (kernels/selection_delta_ref.h; capacity = budget: every entering token is sent).
+  slots_.resize(table);
+  positions_.resize(table);
+  info_.resize(static_cast<size_t>(heads_) * kernels::kDeltaInfoFields);
+  kernels::SelectionDeltaRefParams dp;
+  dp.indices = full.positions.data();
+  dp.mirror = held.data();
+  dp.delta_slots = slots_.data();
+  dp.delta_positions = positions_.data();
+  dp.row_info = info_.data();
+  dp.rows = heads_;
+  dp.k = budget_;
+  dp.capacity = budget_;
+  try {
+    kernels::selection_delta_ref(dp);
+  } catch (const Error& e) {
+    seqs_.erase(seq);  // the plan may have half-updated the mirror; the sequence starts over with a full delta
+    fail("selection mirror: sequence {} layer {}: {}", seq, layer, e.what());
+  }
   LayerDelta d;
-  d.count = n;
+  d.count = full.count;
   d.changed.assign(heads_, 0);
   for (int h = 0; h < heads_; ++h) {
-    const int32_t* sel = full.positions.data() + static_cast<size_t>(h) * budget_;  // ascending
-    int32_t* slot = held.data() + static_cast<size_t>(h) * budget_;
-    kept_.assign(n, 0);
-    free_.clear();
-    for (int s = 0; s < n; ++s) {
-      const int32_t p = slot[s];
-      const int32_t* it = p < 0 ? sel + n : std::lower_bound(sel, sel + n, p);
-      if (it != sel + n && *it == p) {
-        kept_[it - sel] = 1;
-      } else {
-        free_.push_back(s);
-      }
-    }
-    size_t j = 0;
-    for (int i = 0; i < n; ++i) {
-      if (kept_[i]) continue;
-      const int s = free_[j++];
-      slot[s] = sel[i];
-      d.slots.push_back(s);
-      d.positions.push_back(sel[i]);
-      const size_t src = (static_cast<size_t>(h) * budget_ + i) * head_dim_;
+    const int32_t* sel = full.positions.data() + static_cast<size_t>(h) * budget_;
+    const int m = info_[static_cast<size_t>(h) * kernels::kDeltaInfoFields + kernels::kDeltaEntries];
+    SPADE_CHECK(info_[static_cast<size_t>(h) * kernels::kDeltaInfoFields + kernels::kDeltaCount] == full.count,
+                "selection mirror: sequence {} layer {} head {} selects {} tokens, its count says {}", seq, layer, h,
+                info_[static_cast<size_t>(h) * kernels::kDeltaInfoFields + kernels::kDeltaCount], full.count);
+    for (int j = 0; j < m; ++j) {
+      const size_t e = static_cast<size_t>(h) * budget_ + j;
+      const size_t src =
+          (static_cast<size_t>(h) * budget_ + (std::lower_bound(sel, sel + full.count, positions_[e]) - sel)) *
+          head_dim_;
+      d.slots.push_back(slots_[e]);
+      d.positions.push_back(positions_[e]);
       d.k.insert(d.k.end(), full.k.begin() + src, full.k.begin() + src + head_dim_);
       d.v.insert(d.v.end(), full.v.begin() + src, full.v.begin() + src + head_dim_);
     }
-    SPADE_CHECK(j == free_.size(), "selection mirror: sequence {} layer {} head {}: {} entering tokens for {} free slots "
-                "(duplicate positions in the selection?)", seq, layer, h, j, free_.size());
-    std::fill(slot + n, slot + budget_, -1);
-    d.changed[h] = static_cast<int32_t>(j);
+    d.changed[h] = m;
   }
-  stats_.selected_rows += static_cast<uint64_t>(n) * heads_;
+  stats_.selected_rows += static_cast<uint64_t>(full.count) * heads_;
   stats_.sent_rows += d.entries();
   ++stats_.layer_selections;
   return d;

@@ -4,11 +4,13 @@
 // The inference rank holds, per (sequence, layer), the selected K/V of the current step in a slot table: per KV head
 // `token_budget` slots, of which the first `count` are live (LayerSelection, cache_rank/selector.h, with positions in
 // slot order instead of ascending order). The cache rank keeps a mirror of every slot table (SelectionMirror). For a
-// new selection S of n tokens per head:
+// new selection S of n tokens per head, kernels/selection_delta_ref.h plans the slots (the one rule the CPU path and
+// the GPU kernels share):
 //   kept     = slots s < n whose token is in S (they stay where they are),
-//   free     = the other slots s < n (empty, or holding a token that left S, or n shrank),
+//   free     = the other slots s < n (empty ones first, then those holding a token that left S),
 //   entering = tokens of S not kept,      |entering| == |free|,
-// and entering[j] goes to free[j] (both ascending). Slots >= n are dropped. Applying the delta to the inference rank's
+// and entering[j] (ascending) goes to free[j]. Slots >= n are dropped. Here every entering token is sent (the
+// capacity is the budget); the GPU path bounds the entries per row (selection.cuh selection_delta). Applying the delta to the inference rank's
 // table leaves exactly S in slots [0, n) — the same set as a full transfer; attention over it is order-free, and
 // SparseAttention attends in ascending position order so the result is bit-identical.
 //
@@ -72,8 +74,7 @@ class SelectionMirror {
   // seq -> layer -> [num_kv_heads, token_budget] position per slot (-1 = empty)
   std::unordered_map<uint64_t, std::unordered_map<int, std::vector<int32_t>>> seqs_;
   DeltaStats stats_;
-  std::vector<uint8_t> kept_;    // scratch: per entry of `full`, kept in place
-  std::vector<int32_t> free_;    // scratch: free slots
+  std::vector<int32_t> slots_, positions_, info_;  // scratch: the slot plan of one layer (selection_delta_ref)
 };
 
 /// The inference rank's side: writes `d` into its slot table `held` (positions / k / v of [num_kv_heads,
