@@ -1,7 +1,8 @@
 // CUDA selection kernels of the cache rank (AsyncSpade Sec. 4.2-4.3, Appendix C Algorithm 1): next-query
 // prediction, GQA-batched token scoring over the paged cache, exact top-k per (sequence, KV head), and the gather of
 // the selected K/V into the packed buffer that the inference rank's sparse decode reads
-// (attention.cuh sparse_decode_attention_packed).
+// (attention.cuh sparse_decode_attention_packed); and delta transfer of selections (selection_delta on the cache
+// rank, apply_selection_delta on the inference rank; kernels/selection_delta_ref.h states the rule).
 //
 // Each kernel computes exactly what its CPU reference in kernels/selection_ref.h computes (that header documents the
 // math, the GQA rule, the tie rule and the reading of the paper's Algorithm 1); the GPU tests compare them.
@@ -16,6 +17,7 @@
 
 #include "common/dtype.h"
 #include "kernels/attention.cuh"
+#include "kernels/selection_delta_ref.h"
 #include "kernels/selection_ref.h"
 
 namespace spade::kernels {
@@ -93,5 +95,52 @@ struct GatherKvParams {
 };
 
 cudaError_t gather_kv(const GatherKvParams& p, cudaStream_t stream);
+
+/// Largest token budget (slots per row) selection_delta supports.
+inline constexpr int kMaxDeltaBudget = 4096;
+/// Fields of selection_delta's `totals`: the sums of row_info's {n, E, m, holes} over the rows, then the number of
+/// rows refused as corrupt.
+inline constexpr int kDeltaTotalsFields = kDeltaInfoFields + 1;
+
+/// Delta of each row's new selection against the mirror of the holder's slot table, with at most `capacity` entries
+/// per row (selection_delta_ref's rule exactly, one CTA per row). The entries' positions are gather_kv's index rows
+/// (k = capacity), so the cache rank sends rows x capacity K/V rows instead of rows x k. A row whose selection is
+/// not "ascending, then -1" or whose mirror is corrupt (a value below -1, or a token in two slots < n) is refused on
+/// the device: row_info = {n, -1, 0, 0}, its entries -1, its mirror unchanged, totals[kDeltaInfoFields] += 1.
+struct SelectionDeltaParams {
+  const int32_t* indices = nullptr;     // [rows, k] int32 topk_select output: ascending positions, then -1.
+  const float* scores = nullptr;        // [rows, score_stride] fp32 topk_select's input; read for overflowing rows.
+  int32_t* mirror = nullptr;            // [rows, k] int32 in/out: position held in each slot, -1 empty.
+  int32_t* delta_slots = nullptr;       // [rows, capacity] int32 out: slot of entry j, -1 past the entries.
+  int32_t* delta_positions = nullptr;   // [rows, capacity] int32 out: position of entry j, -1 past the entries.
+  int32_t* row_info = nullptr;          // [rows, kDeltaInfoFields] int32 out: {n, E, m, holes} (E = -1: refused).
+  unsigned long long* totals = nullptr; // optional [kDeltaTotalsFields] u64, accumulated (atomicAdd; zero it first).
+  int rows = 0;
+  int k = 0;             // slots per row, 1..kMaxDeltaBudget.
+  int capacity = 0;      // entries per row, 1..k.
+  int score_stride = 0;  // > every selected position (>= 1).
+};
+
+cudaError_t selection_delta(const SelectionDeltaParams& p, cudaStream_t stream);
+
+/// The holder's side (apply_selection_delta_ref): copies every entry's K/V row into its slot of the holder's table,
+/// which sparse_decode_attention_packed then reads as packed_k / packed_v (rows = [sequence][KV head] of one layer,
+/// k = packed_capacity). Entries with a slot outside [0, k) are skipped.
+struct ApplySelectionDeltaParams {
+  DType dtype = DType::BF16;                 // BF16 or F16: element type of delta_k/v and held_k/v.
+  const int32_t* delta_slots = nullptr;      // [rows, capacity] int32, -1 = no entry.
+  const int32_t* delta_positions = nullptr;  // [rows, capacity] int32; read only when held_positions is set.
+  const void* delta_k = nullptr;             // [rows, capacity, head_dim] dtype.
+  const void* delta_v = nullptr;             // [rows, capacity, head_dim] dtype.
+  void* held_k = nullptr;                    // [rows, k, head_dim] dtype in/out.
+  void* held_v = nullptr;                    // [rows, k, head_dim] dtype in/out.
+  int32_t* held_positions = nullptr;         // optional [rows, k] int32 in/out.
+  int rows = 0;
+  int k = 0;
+  int capacity = 0;
+  int head_dim = 0;  // any of kSupportedHeadDims.
+};
+
+cudaError_t apply_selection_delta(const ApplySelectionDeltaParams& p, cudaStream_t stream);
 
 }  // namespace spade::kernels

@@ -3,12 +3,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
+#include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "kernels/selection.cuh"
+#include "kernels/selection_delta_ref.h"
 #include "kernels/selection_ref.h"
 #include "tests/kernels/test_gpu_common.cuh"
 
@@ -316,6 +320,347 @@ TEST(GatherGpu, MatchesReferenceWithPadding) {
       EXPECT_EQ(spade::test::to_f32(dtype, pk.download()), rk);
       EXPECT_EQ(spade::test::to_f32(dtype, pv.download()), rv);
     }
+  }
+}
+
+// ---- delta transfer (selection_delta / apply_selection_delta vs kernels/selection_delta_ref.h) ----
+
+// Random selections per row ([rows, k], ascending then -1) that keep a fraction of the previous row's tokens; row
+// counts vary (0, growth, shrink) with the step.
+std::vector<int32_t> delta_selection(std::mt19937_64& rng, int rows, int k, int step, int context,
+                                     const std::vector<int32_t>& prev, double keep) {
+  std::vector<int32_t> sel(static_cast<size_t>(rows) * k, -1);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int r = 0; r < rows; ++r) {
+    int n = std::min(k, (r * 7 + step * 3) % (k + 5));
+    if (r == 0) n = 0;
+    if (r == 1) n = k;
+    std::vector<int32_t> pool;
+    for (int i = 0; i < k && !prev.empty(); ++i) {
+      const int32_t p = prev[static_cast<size_t>(r) * k + i];
+      if (p >= 0 && u(rng) < keep) pool.push_back(p);
+    }
+    std::vector<char> taken(context, 0);
+    std::vector<int32_t> out;
+    for (int32_t p : pool)
+      if (static_cast<int>(out.size()) < n && !taken[p]) {
+        taken[p] = 1;
+        out.push_back(p);
+      }
+    std::uniform_int_distribution<int32_t> pos(0, context - 1);
+    while (static_cast<int>(out.size()) < n) {
+      const int32_t p = pos(rng);
+      if (!taken[p]) {
+        taken[p] = 1;
+        out.push_back(p);
+      }
+    }
+    std::sort(out.begin(), out.end());
+    std::copy(out.begin(), out.end(), sel.begin() + static_cast<size_t>(r) * k);
+  }
+  return sel;
+}
+
+void run_delta_stream(int rows, int k, int capacity, int steps, double keep, int levels, uint64_t seed) {
+  SCOPED_TRACE("rows=" + std::to_string(rows) + " k=" + std::to_string(k) + " capacity=" + std::to_string(capacity));
+  std::mt19937_64 rng(seed);
+  const int context = 3 * k + 17;
+  std::vector<int32_t> mirror_ref(static_cast<size_t>(rows) * k, -1), prev;
+  DevBuf<int32_t> mirror, d_sel, ds(static_cast<size_t>(rows) * capacity), dp(ds.size()),
+      info(static_cast<size_t>(rows) * kDeltaInfoFields);
+  mirror.upload(mirror_ref);
+  DevBuf<float> d_scores;
+  DevBuf<unsigned long long> totals;
+  totals.upload(std::vector<unsigned long long>(kDeltaTotalsFields, 0ull));
+  std::vector<unsigned long long> want_totals(kDeltaTotalsFields, 0ull);
+  uint64_t overflowing = 0;
+  std::uniform_int_distribution<int> lvl(0, levels - 1);
+  for (int step = 0; step < steps; ++step) {
+    const std::vector<int32_t> sel = delta_selection(rng, rows, k, step, context, prev, keep);
+    std::vector<float> scores(static_cast<size_t>(rows) * context);
+    for (float& x : scores) x = static_cast<float>(lvl(rng)) - 5.f;  // few levels: ties at the threshold
+    std::vector<int32_t> rds(ds.size()), rdp(ds.size()), rinfo(info.size());
+    SelectionDeltaRefParams rp;
+    rp.indices = sel.data();
+    rp.scores = scores.data();
+    rp.mirror = mirror_ref.data();
+    rp.delta_slots = rds.data();
+    rp.delta_positions = rdp.data();
+    rp.row_info = rinfo.data();
+    rp.rows = rows;
+    rp.k = k;
+    rp.capacity = capacity;
+    rp.score_stride = context;
+    selection_delta_ref(rp);
+
+    d_sel.upload(sel);
+    d_scores.upload(scores);
+    ds.poison();
+    dp.poison();
+    info.poison();
+    SelectionDeltaParams p;
+    p.indices = d_sel.get();
+    p.scores = d_scores.get();
+    p.mirror = mirror.get();
+    p.delta_slots = ds.get();
+    p.delta_positions = dp.get();
+    p.row_info = info.get();
+    p.totals = totals.get();
+    p.rows = rows;
+    p.k = k;
+    p.capacity = capacity;
+    p.score_stride = context;
+    SPADE_CUDA_OK(selection_delta(p, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_EQ(info.download(), rinfo) << "step " << step;
+    ASSERT_EQ(ds.download(), rds) << "step " << step;
+    ASSERT_EQ(dp.download(), rdp) << "step " << step;
+    ASSERT_EQ(mirror.download(), mirror_ref) << "step " << step;
+    for (int r = 0; r < rows; ++r) {
+      for (int f = 0; f < kDeltaInfoFields; ++f) want_totals[f] += rinfo[static_cast<size_t>(r) * kDeltaInfoFields + f];
+      overflowing += rinfo[static_cast<size_t>(r) * kDeltaInfoFields + kDeltaEntering] > capacity ? 1 : 0;
+    }
+    prev = sel;
+  }
+  EXPECT_EQ(totals.download(), want_totals);
+  if (capacity < k) EXPECT_GT(overflowing, 0u) << "the stream never exercised the overflow path";
+}
+
+TEST(DeltaGpu, StreamWithRoomMatchesReference) { run_delta_stream(24, 256, 256, 12, 0.8, 1000000, 91); }
+TEST(DeltaGpu, StreamWithOverflowAndTiesMatchesReference) { run_delta_stream(40, 512, 37, 16, 0.7, 6, 92); }
+TEST(DeltaGpu, MaxBudgetCapacity256MatchesReference) { run_delta_stream(9, 4096, 256, 6, 0.9, 50, 93); }
+TEST(DeltaGpu, CapacityOneMatchesReference) { run_delta_stream(12, 33, 1, 20, 0.5, 3, 94); }
+
+TEST(DeltaGpu, RefusesCorruptRowsAndLeavesTheirMirrorAlone) {
+  const int rows = 3, k = 8, cap = 4;
+  std::vector<int32_t> sel = {1, 2, 3, 4, -1, -1, -1, -1,  // row 0: fine
+                              1, 2, 3, 4, -1, -1, -1, -1,  // row 1: corrupt mirror (token 2 twice)
+                              5, 3, -1, -1, -1, -1, -1, -1};  // row 2: not ascending
+  std::vector<int32_t> mir = {-1, -1, -1, -1, -1, -1, -1, -1, 2, 2, -1, -1, -1, -1, -1, -1,
+                              -1, -1, -1, -1, -1, -1, -1, -1};
+  DevBuf<int32_t> d_sel, mirror, ds(rows * cap), dp(rows * cap), info(rows * kDeltaInfoFields);
+  d_sel.upload(sel);
+  mirror.upload(mir);
+  DevBuf<float> scores;
+  scores.upload(std::vector<float>(static_cast<size_t>(rows) * 16, 1.f));
+  DevBuf<unsigned long long> totals;
+  totals.upload(std::vector<unsigned long long>(kDeltaTotalsFields, 0ull));
+  ds.poison();
+  dp.poison();
+  SelectionDeltaParams p;
+  p.indices = d_sel.get();
+  p.scores = scores.get();
+  p.mirror = mirror.get();
+  p.delta_slots = ds.get();
+  p.delta_positions = dp.get();
+  p.row_info = info.get();
+  p.totals = totals.get();
+  p.rows = rows;
+  p.k = k;
+  p.capacity = cap;
+  p.score_stride = 16;
+  SPADE_CUDA_OK(selection_delta(p, nullptr));
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t> got_info = info.download(), got_mir = mirror.download(), got_ds = ds.download();
+  EXPECT_EQ(got_info[0 * kDeltaInfoFields + kDeltaEntering], 4);
+  EXPECT_EQ(got_info[1 * kDeltaInfoFields + kDeltaEntering], -1);
+  EXPECT_EQ(got_info[2 * kDeltaInfoFields + kDeltaEntering], -1);
+  for (int i = 0; i < k; ++i) EXPECT_EQ(got_mir[k + i], mir[k + i]) << "corrupt row's mirror changed";
+  for (int j = 0; j < cap; ++j) EXPECT_EQ(got_ds[cap + j], -1);
+  EXPECT_EQ(totals.download()[kDeltaInfoFields], 2ull);
+  // Bad parameters name the field.
+  p.capacity = k + 1;
+  EXPECT_EQ(selection_delta(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("capacity"), std::string::npos);
+  p.capacity = cap;
+  p.k = kMaxDeltaBudget + 1;
+  EXPECT_EQ(selection_delta(p, nullptr), cudaErrorInvalidValue);
+  p.k = k;
+  p.scores = nullptr;
+  EXPECT_EQ(selection_delta(p, nullptr), cudaErrorInvalidValue);
+}
+
+TEST(DeltaGpu, ApplyMatchesReference) {
+  for (DType dtype : {DType::BF16, DType::F16}) {
+    for (int D : {64, 128, 256}) {
+      SCOPED_TRACE(std::string(spade::test::dtype_str(dtype)) + " D=" + std::to_string(D));
+      std::mt19937_64 rng(95 + D);
+      const int rows = 70, k = 100, cap = 24;
+      std::vector<int32_t> slots(static_cast<size_t>(rows) * cap, -1), pos(slots.size(), -1);
+      for (int r = 0; r < rows; ++r) {
+        std::vector<int32_t> perm(k);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        const int m = r % (cap + 1);
+        for (int j = 0; j < m; ++j) {
+          slots[static_cast<size_t>(r) * cap + j] = perm[j];
+          pos[static_cast<size_t>(r) * cap + j] = 1000 * r + j;
+        }
+      }
+      std::vector<float> dk32, dv32, hk32, hv32;
+      const std::vector<uint16_t> dk = spade::test::random_half(dtype, slots.size() * D, 1.f, rng, &dk32);
+      const std::vector<uint16_t> dv = spade::test::random_half(dtype, slots.size() * D, 1.f, rng, &dv32);
+      const std::vector<uint16_t> hk = spade::test::random_half(dtype, static_cast<size_t>(rows) * k * D, 1.f, rng, &hk32);
+      const std::vector<uint16_t> hv = spade::test::random_half(dtype, hk.size(), 1.f, rng, &hv32);
+      std::vector<int32_t> hpos(static_cast<size_t>(rows) * k, 7);
+      ApplySelectionDeltaRefParams rp;
+      rp.delta_slots = slots.data();
+      rp.delta_positions = pos.data();
+      rp.delta_k = dk32.data();
+      rp.delta_v = dv32.data();
+      rp.held_k = hk32.data();
+      rp.held_v = hv32.data();
+      rp.held_positions = hpos.data();
+      rp.rows = rows;
+      rp.k = k;
+      rp.capacity = cap;
+      rp.head_dim = D;
+      apply_selection_delta_ref(rp);
+
+      DevBuf<int32_t> d_slots, d_pos, d_hpos;
+      d_slots.upload(slots);
+      d_pos.upload(pos);
+      d_hpos.upload(std::vector<int32_t>(hpos.size(), 7));
+      DevBuf<uint16_t> d_dk, d_dv, d_hk, d_hv;
+      d_dk.upload(dk);
+      d_dv.upload(dv);
+      d_hk.upload(hk);
+      d_hv.upload(hv);
+      ApplySelectionDeltaParams p;
+      p.dtype = dtype;
+      p.delta_slots = d_slots.get();
+      p.delta_positions = d_pos.get();
+      p.delta_k = d_dk.get();
+      p.delta_v = d_dv.get();
+      p.held_k = d_hk.get();
+      p.held_v = d_hv.get();
+      p.held_positions = d_hpos.get();
+      p.rows = rows;
+      p.k = k;
+      p.capacity = cap;
+      p.head_dim = D;
+      SPADE_CUDA_OK(apply_selection_delta(p, nullptr));
+      SPADE_CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(spade::test::to_f32(dtype, d_hk.download()), hk32);
+      EXPECT_EQ(spade::test::to_f32(dtype, d_hv.download()), hv32);
+      EXPECT_EQ(d_hpos.download(), hpos);
+    }
+  }
+}
+
+// The cache rank's and the inference rank's halves together: top-k over scores, delta against the mirror, gather of
+// the entries only, apply into the held table. With room for every entering token the held table holds exactly the
+// selection with the cache's K/V rows; with a small capacity it holds the mirror's tokens with their rows.
+TEST(DeltaGpu, TopkDeltaGatherApplyKeepsTheHeldTableEqualToTheMirror) {
+  const DType dtype = DType::BF16;
+  const int D = 128, hkv = 4, ps = 16, k = 512;
+  const std::vector<int> lens = {9000, 3000, 600};
+  const int batch = static_cast<int>(lens.size()), rows = batch * hkv;
+  std::mt19937_64 rng(96);
+  PagedCache cache;
+  cache.build(dtype, lens, ps, hkv, D, rng);
+  const int stride = 9000;
+  DevBuf<float> d_scores(static_cast<size_t>(rows) * stride);
+  DevBuf<int32_t> d_lens, idx(static_cast<size_t>(rows) * k), mirror, held_pos;
+  d_lens.upload(std::vector<int32_t>(lens.begin(), lens.end()));
+  mirror.upload(std::vector<int32_t>(static_cast<size_t>(rows) * k, -1));
+  held_pos.upload(std::vector<int32_t>(static_cast<size_t>(rows) * k, -1));
+  DevBuf<uint16_t> held_k(static_cast<size_t>(rows) * k * D), held_v(held_k.size());
+  held_k.poison();
+  held_v.poison();
+  std::vector<float> scores(static_cast<size_t>(rows) * stride);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (float& x : scores) x = nd(rng);
+  for (int step = 0; step < 6; ++step) {
+    const int cap = step == 0 ? k : (step < 3 ? 64 : 200);
+    // Scores drift: most of the top-k survives a step.
+    for (float& x : scores) x = 0.95f * x + 0.3f * nd(rng);
+    d_scores.upload(scores);
+    TopkParams tp;
+    tp.scores = d_scores.get();
+    tp.row_lens = d_lens.get();
+    tp.indices = idx.get();
+    tp.batch = batch;
+    tp.rows_per_batch = hkv;
+    tp.score_stride = stride;
+    tp.k = k;
+    SPADE_CUDA_OK(topk_select(tp, nullptr));
+    DevBuf<int32_t> ds(static_cast<size_t>(rows) * cap), dp(ds.size()), info(static_cast<size_t>(rows) * 4);
+    SelectionDeltaParams sp;
+    sp.indices = idx.get();
+    sp.scores = d_scores.get();
+    sp.mirror = mirror.get();
+    sp.delta_slots = ds.get();
+    sp.delta_positions = dp.get();
+    sp.row_info = info.get();
+    sp.rows = rows;
+    sp.k = k;
+    sp.capacity = cap;
+    sp.score_stride = stride;
+    SPADE_CUDA_OK(selection_delta(sp, nullptr));
+    DevBuf<uint16_t> dk(ds.size() * D), dv(ds.size() * D);
+    dk.poison();
+    dv.poison();
+    GatherKvParams gp;
+    gp.dtype = dtype;
+    gp.k_cache = cache.k.get();
+    gp.v_cache = cache.v.get();
+    gp.block_table = cache.bt.get();
+    gp.indices = dp.get();
+    gp.packed_k = dk.get();
+    gp.packed_v = dv.get();
+    gp.batch = batch;
+    gp.num_kv_heads = hkv;
+    gp.head_dim = D;
+    gp.page_size = ps;
+    gp.max_pages_per_seq = cache.max_pages;
+    gp.k = cap;
+    SPADE_CUDA_OK(gather_kv(gp, nullptr));
+    ApplySelectionDeltaParams ap;
+    ap.dtype = dtype;
+    ap.delta_slots = ds.get();
+    ap.delta_positions = dp.get();
+    ap.delta_k = dk.get();
+    ap.delta_v = dv.get();
+    ap.held_k = held_k.get();
+    ap.held_v = held_v.get();
+    ap.held_positions = held_pos.get();
+    ap.rows = rows;
+    ap.k = k;
+    ap.capacity = cap;
+    ap.head_dim = D;
+    SPADE_CUDA_OK(apply_selection_delta(ap, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<int32_t> sel = idx.download(), mir = mirror.download(), hp = held_pos.download(),
+                               in = info.download();
+    const std::vector<float> hk = spade::test::to_f32(dtype, held_k.download()),
+                             hv = spade::test::to_f32(dtype, held_v.download());
+    int64_t entering = 0, sent = 0;
+    for (int r = 0; r < rows; ++r) {
+      const int b = r / hkv, h = r % hkv;
+      const int n = in[static_cast<size_t>(r) * 4 + kDeltaCount];
+      ASSERT_EQ(n, std::min(k, lens[b]));
+      entering += in[static_cast<size_t>(r) * 4 + kDeltaEntering];
+      sent += in[static_cast<size_t>(r) * 4 + kDeltaEntries];
+      ASSERT_EQ(in[static_cast<size_t>(r) * 4 + kDeltaHoles], 0) << "step " << step << " row " << r;
+      std::set<int32_t> held, want(sel.begin() + static_cast<size_t>(r) * k, sel.begin() + static_cast<size_t>(r) * k + n);
+      for (int s = 0; s < n; ++s) {
+        const size_t slot = static_cast<size_t>(r) * k + s;
+        ASSERT_EQ(hp[slot], mir[slot]) << "step " << step << " row " << r << " slot " << s;
+        const int32_t pos = hp[slot];
+        held.insert(pos);
+        const int page = cache.block_table[static_cast<size_t>(b) * cache.max_pages + pos / ps];
+        const size_t src = ((static_cast<size_t>(page) * ps + pos % ps) * hkv + h) * D;
+        for (int d = 0; d < D; ++d) {
+          ASSERT_EQ(hk[slot * D + d], cache.k32[src + d]) << "step " << step << " row " << r << " slot " << s;
+          ASSERT_EQ(hv[slot * D + d], cache.v32[src + d]);
+        }
+      }
+      if (in[static_cast<size_t>(r) * 4 + kDeltaEntering] <= cap) EXPECT_EQ(held, want) << "step " << step;
+    }
+    if (step > 0) EXPECT_LT(sent, static_cast<int64_t>(rows) * k / 2) << "drifting scores should keep most tokens";
+    std::printf("step %d capacity %d: %lld entering, %lld sent of %d selected rows\n", step, cap,
+                static_cast<long long>(entering), static_cast<long long>(sent), rows * k);
   }
 }
 

@@ -1,33 +1,14 @@
 // NcclLink across two processes on two GPUs (labels gpu, gpu2; run on nvidia-h200-x2): this process is the inference
-// side on GPU 0, tests/transport/nccl_peer_main.cpp the cache side on GPU 1. Echo of irregular sizes, and the issue's
-// failure case: the cache-rank process is SIGKILLed mid-decode with a receive and a send in flight; the watchdog
-// aborts the link within op_timeout, the streams drain, the error names the peer, later operations are refused, and
-// the GPU (memory included) stays usable.
+// side on GPU 0, tests/transport/gpu_link_peer_main.cpp the cache side on GPU 1. The cases (echo of irregular sizes;
+// the cache-rank process SIGKILLed mid-decode; abort on request) are tests/transport/gpu_link_cases.h, shared with
+// CudaIpcLink on one GPU.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
-#include <chrono>
-#include <string>
-#include <vector>
-
-#include "common/error.h"
-#include "tests/transport/peer_process.h"
-#include "transport/nccl/nccl_link.h"
+#include "tests/transport/gpu_link_cases.h"
 
 namespace spade::transport::test {
 namespace {
-
-using namespace std::chrono_literals;
-using Clock = std::chrono::steady_clock;
-constexpr const char* kPeer = "tests/transport/transport_nccl_peer";
-
-// Progress lines on stderr, so a hang shows where it stopped.
-void trace(const std::string& what) {
-  static const auto t0 = Clock::now();
-  std::cerr << "[ trace   ] +" << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count()
-            << " ms " << what << std::endl;
-}
 
 void require_two_gpus() {
   int n = 0;
@@ -36,208 +17,19 @@ void require_two_gpus() {
                      "on one-GPU machines and says so";
 }
 
-std::vector<unsigned char> pattern(size_t n, unsigned seed) {
-  std::vector<unsigned char> v(n);
-  unsigned x = seed * 2654435761u + 1;
-  for (auto& b : v) {
-    x = x * 1664525u + 1013904223u;
-    b = static_cast<unsigned char>(x >> 24);
-  }
-  return v;
-}
-
-// Starts the peer, hands it the address and joins the link (both sides concurrently).
-std::unique_ptr<NcclLink> connect_child(PeerProcess& child, const std::string& peer_name, NcclLinkOptions o) {
-  const std::string address = NcclLink::new_address();
-  child.write_line(to_hex(address));
-  trace("joining the link");
-  auto link = std::make_unique<NcclLink>(address, NcclRole::kInference, peer_name, o);
-  trace("joined");
-  const std::string line = child.read_line(20000ms);
-  if (line != "CONNECTED") throw std::runtime_error("peer process: " + line);
-  return link;
-}
-
-// A stream and two 2 MiB device buffers (up: what we send, down: what we receive), freed at scope exit.
-struct Buffers {
-  cudaStream_t s = nullptr;
-  void* up = nullptr;
-  void* down = nullptr;
-  Buffers() {
-    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess || cudaMalloc(&up, 1 << 21) != cudaSuccess ||
-        cudaMalloc(&down, 1 << 21) != cudaSuccess)
-      throw std::runtime_error("test buffers: CUDA allocation failed");
-  }
-  ~Buffers() {
-    cudaFree(up);
-    cudaFree(down);
-    cudaStreamDestroy(s);
-  }
-};
-
-// Sends message i up, receives the peer's XOR-0xA5 echo and checks it.
-void echo_once(NcclLink& link, cudaStream_t s, void* up, void* down, int i) {
-  const size_t n = echo_bytes(i);
-  const auto src = pattern(n, static_cast<unsigned>(i));
-  ASSERT_EQ(cudaMemcpy(up, src.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
-  link.send(up, n, s, "echo request");  // send first: one stream runs its operations in order
-  link.recv(down, n, s, "echo reply");
-  trace("echo " + std::to_string(i) + " posted");
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess) << link.failure();
-  std::vector<unsigned char> got(n);
-  ASSERT_EQ(cudaMemcpy(got.data(), down, n, cudaMemcpyDeviceToHost), cudaSuccess);
-  for (size_t k = 0; k < n; ++k) ASSERT_EQ(got[k], src[k] ^ 0xA5) << "message " << i << " byte " << k;
-}
-
 TEST(NcclLinkTwoGpu, EchoAcrossProcessesWithIrregularSizes) {
   require_two_gpus();
-  constexpr int kN = 24;
-  PeerProcess child(kPeer, {"1", "echo", std::to_string(kN)});
-  NcclLinkOptions o;
-  o.device = 0;
-  auto link = connect_child(child, "cache rank 1 (test child)", o);
-  Buffers buf;
-  cudaStream_t s = buf.s;
-  void *up = buf.up, *down = buf.down;
-  size_t total = 0;
-  for (int i = 0; i < kN; ++i) {
-    echo_once(*link, s, up, down, i);
-    total += echo_bytes(i);
-    ASSERT_EQ(child.read_line(10000ms), "ECHOED " + std::to_string(i));
-  }
-  EXPECT_EQ(child.read_line(10000ms), "DONE");
-  trace("child done");
-  EXPECT_EQ(child.wait_exit(20000ms), 0);
-  trace("child exited");
-  const NcclLinkCounters c = link->counters();
-  EXPECT_EQ(c.sends, static_cast<uint64_t>(kN));
-  EXPECT_EQ(c.recvs, static_cast<uint64_t>(kN));
-  EXPECT_EQ(c.bytes_sent, total);
-  EXPECT_EQ(c.bytes_received, total);
-  EXPECT_FALSE(link->failed());
-  EXPECT_EQ(link->failure(), "");
-  // Bad input on a healthy link: clear errors, link stays healthy.
-  EXPECT_THROW(link->send(nullptr, 16, s, "null"), spade::Error);
-  EXPECT_THROW(link->recv(down, 0, s, "empty"), spade::Error);
-  EXPECT_FALSE(link->failed());
-  trace("destroying the link");
-  link.reset();
-  trace("destroyed");
+  echo_across_processes_case(LinkKind::kNccl, 1);
 }
 
 TEST(NcclLinkTwoGpu, KilledCacheRankIsAbortedWithinTheDeadline) {
   require_two_gpus();
-  PeerProcess child(kPeer, {"1", "echo-then-hang", "3"});
-  const std::string peer = "cache rank 1 (pid " + std::to_string(child.pid()) + ")";
-  NcclLinkOptions o;
-  o.device = 0;
-  o.op_timeout = 2000ms;
-  auto link = connect_child(child, peer, o);
-  std::atomic<int> callbacks{0};
-  std::string cb_reason;
-  link->on_failure([&](const std::string& r) {
-    cb_reason = r;
-    ++callbacks;
-  });
-  cudaStream_t s;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
-  void *up = nullptr, *down = nullptr;
-  const size_t big = size_t{64} << 20;  // a pack's worth of selected K/V
-  ASSERT_EQ(cudaMalloc(&up, big), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&down, big), cudaSuccess);
-  for (int i = 0; i < 3; ++i) {
-    echo_once(*link, s, up, down, i);
-    ASSERT_EQ(child.read_line(10000ms), "ECHOED " + std::to_string(i));
-  }
-  ASSERT_EQ(child.read_line(10000ms), "HANG");
-  // The watchdog retires completed operations within a poll period or two.
-  for (const auto until = Clock::now() + 2000ms; link->in_flight() != 0 && Clock::now() < until;)
-    std::this_thread::sleep_for(1ms);
-  ASSERT_EQ(link->in_flight(), 0u);
-  // Mid-decode: the next step's receive and this step's send are in flight when the cache rank dies, each on its
-  // direction's stream as in the ranks.
-  cudaStream_t s_up;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s_up, cudaStreamNonBlocking), cudaSuccess);
-  link->recv(down, big, s, "selected K/V of pack 0");
-  link->send(up, big, s_up, "qkv rows of pack 0");
-  EXPECT_EQ(link->in_flight(), 2u);
-  const auto t0 = Clock::now();
-  trace("killing the child");
-  child.kill9();
-  EXPECT_EQ(child.wait_exit(5000ms), 128 + SIGKILL);
-  // The stream drains once the watchdog aborts the communicators (NCCL's kernels exit).
-  trace("child reaped; synchronizing the stream");
-  const cudaError_t sync = cudaStreamSynchronize(s);
-  cudaStreamSynchronize(s_up);
-  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
-  std::cerr << "[ NCCL    ] stream drained " << took.count() << " ms after SIGKILL (" << cudaGetErrorString(sync)
-            << "): " << link->failure() << "\n";
-  EXPECT_LT(took, 2000ms + 3000ms) << "abort not within op_timeout + 3 s";
-  ASSERT_TRUE(link->failed());
-  const std::string f = link->failure();
-  EXPECT_NE(f.find(peer), std::string::npos) << f;
-  // The callback runs on the watchdog thread after ncclCommAbort returns, which can be after the streams drained.
-  for (const auto until = Clock::now() + 5000ms; callbacks.load() == 0 && Clock::now() < until;)
-    std::this_thread::sleep_for(1ms);
-  ASSERT_EQ(callbacks.load(), 1);
-  EXPECT_EQ(cb_reason, f);  // written before the counter's increment
-  try {
-    link->send(up, 4096, s, "qkv rows of pack 1");
-    FAIL() << "send accepted on an aborted link";
-  } catch (const spade::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(peer), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("refused send of 4096 bytes"), std::string::npos) << e.what();
-  }
-  link->abort("again");  // idempotent: the first reason stays
-  EXPECT_EQ(link->failure(), f);
-  EXPECT_EQ(callbacks.load(), 1);
-  trace("freeing");
-  // The GPU memory of the failed requests is freed and the device keeps working (dense serving goes on).
-  EXPECT_EQ(cudaFree(up), cudaSuccess);
-  EXPECT_EQ(cudaFree(down), cudaSuccess);
-  EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
-  EXPECT_EQ(cudaStreamDestroy(s_up), cudaSuccess);
-  void* p = nullptr;
-  ASSERT_EQ(cudaMalloc(&p, 1 << 20), cudaSuccess);
-  ASSERT_EQ(cudaMemset(p, 7, 1 << 20), cudaSuccess);
-  unsigned char h = 0;
-  ASSERT_EQ(cudaMemcpy(&h, p, 1, cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(h, 7);
-  EXPECT_EQ(cudaFree(p), cudaSuccess);
-  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
-  link.reset();  // destroying a failed link does nothing more
-  trace("done");
+  killed_cache_rank_case(LinkKind::kNccl, 1);
 }
 
 TEST(NcclLinkTwoGpu, AbortOnRequestUnblocksAPendingReceive) {
   require_two_gpus();
-  PeerProcess child(kPeer, {"1", "echo-then-hang", "1"});
-  NcclLinkOptions o;
-  o.device = 0;
-  o.op_timeout = 1000ms;
-  auto link = connect_child(child, "cache rank 1 (test child)", o);
-  Buffers buf;
-  cudaStream_t s = buf.s;
-  void *up = buf.up, *down = buf.down;
-  echo_once(*link, s, up, down, 0);
-  ASSERT_EQ(child.read_line(10000ms), "ECHOED 0");
-  ASSERT_EQ(child.read_line(10000ms), "HANG");
-  // The peer is alive but never sends; a receive without deadline (an idle server's pre-posted receive) outlives
-  // op_timeout, and only abort() ends it.
-  link->recv(down, 1 << 20, s, "selected K/V of pack 0", NcclLink::kNoTimeout);
-  std::this_thread::sleep_for(1500ms);
-  EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady);
-  EXPECT_FALSE(link->failed()) << link->failure();
-  EXPECT_EQ(link->in_flight(), 1u);
-  const auto t0 = Clock::now();
-  trace("abort()");
-  link->abort("coordinator: PeerDown for cache rank 1");  // what the serving loop does on PeerDown
-  trace("aborted; synchronizing the stream");
-  cudaStreamSynchronize(s);
-  trace("stream drained");
-  EXPECT_LT(Clock::now() - t0, 3000ms);
-  EXPECT_TRUE(link->failed());
-  EXPECT_NE(link->failure().find("PeerDown for cache rank 1"), std::string::npos) << link->failure();
+  abort_unblocks_pending_receive_case(LinkKind::kNccl, 1);
 }
 
 }  // namespace

@@ -40,8 +40,6 @@ void abort_all(ncclComm_t (&comms)[2]) {
 
 }  // namespace
 
-const char* nccl_role_name(NcclRole r) { return r == NcclRole::kInference ? "inference" : "cache"; }
-
 size_t NcclLink::address_size() { return 2 * sizeof(ncclUniqueId); }
 
 std::string NcclLink::new_address() {

@@ -44,13 +44,15 @@
 #include <memory>
 #include <string>
 
+#include "transport/gpu_link.h"
+
 namespace spade::transport {
 
 /// Which end of the pair this process is. The inference rank is NCCL rank 0 on both communicators.
-enum class NcclRole { kInference = 0, kCache = 1 };
+using NcclRole = PairRole;
 
 /// "inference", "cache".
-const char* nccl_role_name(NcclRole r);
+inline const char* nccl_role_name(NcclRole r) { return pair_role_name(r); }
 
 struct NcclLinkOptions {
   int device = 0;          // CUDA device of this rank; the constructor makes it current on the calling thread
@@ -62,12 +64,9 @@ struct NcclLinkOptions {
 };
 
 /// Byte and operation counters of one link since construction.
-struct NcclLinkCounters {
-  uint64_t sends = 0, recvs = 0;
-  uint64_t bytes_sent = 0, bytes_received = 0;  // bytes enqueued (complete or in flight)
-};
+using NcclLinkCounters = GpuLinkCounters;
 
-class NcclLink {
+class NcclLink final : public GpuLink {
  public:
   /// Size of the address new_address() returns: two ncclUniqueIds (up, down) of NCCL_UNIQUE_ID_BYTES each.
   static size_t address_size();
@@ -86,15 +85,12 @@ class NcclLink {
   /// Healthy link: waits (up to op_timeout) for the posted operations, then frees the communicators locally
   /// (ncclCommAbort; ncclCommFinalize would wait for the peer's teardown). Failed link: nothing left to do. The
   /// caller's current device is kept.
-  ~NcclLink();
+  ~NcclLink() override;
 
   NcclLink(const NcclLink&) = delete;
   NcclLink& operator=(const NcclLink&) = delete;
 
-  /// No watchdog deadline for an operation: for a receive that waits for the peer's next request (a cache rank's
-  /// pre-posted receive of the next qkv pack can wait as long as the server is idle). Only abort() (the
-  /// coordinator's PeerDown) or an NCCL error ends it.
-  static constexpr std::chrono::milliseconds kNoTimeout = std::chrono::milliseconds::max();
+  // GpuLink::kNoTimeout: only abort() (the coordinator's PeerDown) or an NCCL error ends such an operation.
 
   /// Enqueues a send of `bytes` bytes at device pointer `buf` on `stream` towards the peer (inference: up; cache:
   /// down). `what` names the message in errors, e.g. "qkv of pack 3". `timeout`: the watchdog's deadline for this
@@ -102,32 +98,32 @@ class NcclLink {
   /// failed, `bytes` is 0, `buf` is null, the current device is not the link's, or NCCL refuses the operation (the
   /// link then fails).
   void send(const void* buf, size_t bytes, cudaStream_t stream, const char* what,
-            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
+            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
 
   /// Enqueues a receive of exactly `bytes` bytes into device pointer `buf` on `stream` from the peer (inference:
   /// down; cache: up). Same arguments and errors as send().
   void recv(void* buf, size_t bytes, cudaStream_t stream, const char* what,
-            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
+            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
 
   /// Aborts both communicators with `reason` (see the file comment). Idempotent; the first reason wins.
-  void abort(const std::string& reason);
+  void abort(const std::string& reason) override;
 
   /// True once the link failed (watchdog, NCCL error or abort()).
-  bool failed() const;
+  bool failed() const override;
   /// Why it failed, naming the peer; empty while healthy.
-  std::string failure() const;
+  std::string failure() const override;
 
   /// Called once, from the watchdog thread or from abort()'s caller, with failure() when the link fails. Set it
   /// before posting operations; it must not call back into this link's send/recv nor destroy the link.
-  void on_failure(std::function<void(const std::string&)> callback);
+  void on_failure(std::function<void(const std::string&)> callback) override;
 
-  NcclLinkCounters counters() const;
+  NcclLinkCounters counters() const override;
   /// Operations posted and not yet seen complete by the watchdog.
-  size_t in_flight() const;
+  size_t in_flight() const override;
 
-  NcclRole role() const { return role_; }
-  int device() const { return opts_.device; }
-  const std::string& peer_name() const { return peer_name_; }
+  NcclRole role() const override { return role_; }
+  int device() const override { return opts_.device; }
+  const std::string& peer_name() const override { return peer_name_; }
 
  private:
   struct State;

@@ -1,0 +1,101 @@
+// CudaIpcLink: the GPU data plane of an inference rank and its cache rank on ONE GPU (issue #7), behind the GpuLink
+// contract (transport/gpu_link.h). NCCL refuses two ranks of one communicator on the same device, so a single-GPU
+// machine (tests, development, the single-GPU variant of bench_tpot) joins the pair this way instead.
+//
+// Design. The inference rank (the creator) allocates one device buffer on its GPU: a 4 KiB header of 32-bit counters
+// and, per direction, a ring of `ring_slots` chunks of `chunk_bytes`. It exports the buffer with
+// cudaIpcGetMemHandle; the address it publishes (address(), TRANSPORT_CUDA_IPC at the coordinator) carries the
+// handle, its pid and the buffer's pointer. The cache rank (the opener) maps it with cudaIpcOpenMemHandle, or uses
+// the pointer directly when it is the same process (two threads: CUDA refuses to open a handle in its own process).
+// A message of N bytes travels as ceil(N / chunk_bytes) chunks. For chunk q of a direction:
+//   sender stream:    wait  consumed >= q + 1 - ring_slots   (its ring slot is free again)
+//                     copy  buf[chunk] -> ring[q % ring_slots]
+//                     write posted = q + 1
+//   receiver stream:  wait  posted >= q + 1
+//                     copy  ring[q % ring_slots] -> buf[chunk]
+//                     write consumed = q + 1
+// The waits and writes are CUDA stream memory operations (cuStreamWaitValue32 / cuStreamWriteValue32, the driver's
+// semaphore acquire / release: no SM is held while waiting, and the write is fenced after the copy), so both sides
+// stay stream-ordered with no host synchronisation, as with NCCL. The comparisons are cyclic (32-bit counters wrap).
+// IPC events (cudaIpcGetEventHandle) would not do: cudaStreamWaitEvent waits for the record that precedes it on the
+// HOST, which would need a host round trip per message.
+//
+// Failure. A watchdog thread tracks every posted operation (a completion event with a deadline) and polls the
+// header's abort word. A deadline missed, a CUDA error, the peer's abort word, or abort() fail the link: it sets the
+// abort word (the peer's watchdog fails its end too) and writes every counter far ahead of any value a stream waits
+// for, so the blocked copies run (on garbage) and both processes' streams drain; then failure() names the peer and
+// the operation and on_failure runs once. The creator owns the memory: a cache rank that dies leaves the inference
+// rank's buffer intact, and its blocked receives drain at the deadline.
+//
+// Cost: every byte is copied twice on the device (into the ring and out of it), a device-to-device copy each; this
+// link exists for correctness on one GPU, where both ranks share the HBM anyway, not for speed.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "transport/gpu_link.h"
+
+namespace spade::transport {
+
+struct CudaIpcLinkOptions {
+  int device = 0;                     // CUDA device of this rank; the constructor makes it current
+  size_t chunk_bytes = size_t{4} << 20;  // ring chunk (creator only; the opener takes the creator's), multiple of 256
+  int ring_slots = 8;                 // chunks per direction's ring (creator only), >= 1
+  std::chrono::milliseconds connect_timeout{30000};  // creator's connect(): the peer must open the link by then
+  std::chrono::milliseconds op_timeout{10000};       // a posted op not complete this long after posting: fail
+  std::chrono::milliseconds watchdog_period{2};      // how often the watchdog polls
+};
+
+class CudaIpcLink final : public GpuLink {
+ public:
+  /// The inference rank's end: allocates and exports the link's memory on opts.device. Returns at once; publish
+  /// address(), then connect(). Errors (spade::Error naming `peer_name`): device out of range, allocation failure,
+  /// bad options, stream memory operations unavailable on the device.
+  static std::unique_ptr<CudaIpcLink> create(std::string peer_name, CudaIpcLinkOptions opts = {});
+  /// The cache rank's end: maps the memory named by `address` (from the creator's address()) and tells the creator.
+  /// Errors: malformed address (size, magic, version), a handle the creator could not export, cudaIpcOpenMemHandle
+  /// failure (e.g. another node, or another container without the GPU), device out of range.
+  static std::unique_ptr<CudaIpcLink> open(const std::string& address, std::string peer_name,
+                                           CudaIpcLinkOptions opts = {});
+
+  /// Waits until the peer has opened the link (creator), up to connect_timeout; throws naming the peer otherwise.
+  /// The opener returns at once.
+  void connect();
+  /// Raw bytes to publish at the coordinator (creator; the opener returns the address it opened).
+  const std::string& address() const;
+
+  ~CudaIpcLink() override;
+  CudaIpcLink(const CudaIpcLink&) = delete;
+  CudaIpcLink& operator=(const CudaIpcLink&) = delete;
+
+  void send(const void* buf, size_t bytes, cudaStream_t stream, const char* what,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
+  void recv(void* buf, size_t bytes, cudaStream_t stream, const char* what,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
+  void abort(const std::string& reason) override;
+  bool failed() const override;
+  std::string failure() const override;
+  void on_failure(std::function<void(const std::string&)> callback) override;
+  GpuLinkCounters counters() const override;
+  size_t in_flight() const override;
+  PairRole role() const override { return role_; }
+  int device() const override { return opts_.device; }
+  const std::string& peer_name() const override { return peer_name_; }
+
+ private:
+  struct State;
+  CudaIpcLink(PairRole role, std::string peer_name, CudaIpcLinkOptions opts);
+  void start_watchdog();
+  void post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, const char* what,
+            std::chrono::milliseconds timeout);
+
+  PairRole role_;
+  std::string peer_name_;
+  CudaIpcLinkOptions opts_;
+  std::unique_ptr<State> st_;
+};
+
+}  // namespace spade::transport
