@@ -5,7 +5,8 @@
 //           key with q, top-k per KV head, gather, sparse attention over the selection + the local window):
 //           Quest/TOVA-style selection with exact queries, the upper bound of inline selection;
 //   async   AsyncSpade disaggregated over two GPUs (Algorithm 1, Sec. 4): GPU 0 runs the inference rank, GPU 1 the
-//           cache rank, joined by NCCL point-to-point. After each layer pack the inference rank sends the pack's raw
+//           cache rank, joined by NCCL point-to-point (NcclLink); on a one-GPU machine both ranks run on GPU 0 joined
+//           by CudaIpcLink (checks the pipeline; its timing is not the disaggregated one). After each layer pack the inference rank sends the pack's raw
 //           qkv rows; the cache rank appends K/V, pushes the query into its window, predicts the next query (ridge
 //           regression), scores every key, selects top-k per KV head, gathers and sends the selected K/V for the
 //           NEXT step. The inference rank attends over what it received plus its local window, which is all the KV
@@ -13,6 +14,10 @@
 // Both ranks run in this process as two threads, one per GPU, with two NCCL communicators (up: qkv, down: selected
 // KV) so that neither direction queues behind the other; no host synchronisation inside a step on either side
 // (the inference thread waits once per step for the step's end event, as a server waits for the sampled tokens).
+// async-delta: the same with delta transfer (--delta-capacity C): the cache rank mirrors the inference rank's slot
+// tables and sends per (layer, sequence, KV head) only C entries (the tokens that entered the selection, the best
+// scored first: kernels/selection.cuh selection_delta); the inference rank applies them to its slot tables on the
+// receive stream (apply_selection_delta) and attends over the tables. The first selection goes in full.
 //
 // Reports per configuration: TPOT median / p99 / mean over the timed steps (time between consecutive step-end
 // events, so host gaps count), the AsyncSpade Table-2 breakdown (inference time per pack, cache-management time per
@@ -22,19 +27,21 @@
 // timing); the greedy argmax over the logits is inside the timed step.
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
-//                   [--modes dense,oracle,async] [--nccl-ctas 16] [--label NAME] [--out results.json] (appends a
-//                   JSON document per run).
+//                   [--modes dense,oracle,async] [--nccl-ctas 16] [--delta-capacity 0,256] [--link auto|nccl|ipc]
+//                   [--label NAME] [--out results.json] (appends a JSON document per run).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <exception>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <sstream>
@@ -50,16 +57,21 @@
 #include "kernels/layer_ops.cuh"
 #include "kernels/selection.cuh"
 #include "kernels/tensor_ops.cuh"
+#include "transport/cuda_ipc/cuda_ipc_link.h"
 #include "transport/nccl/nccl_link.h"
 
 namespace spade {
 namespace {
 
 using json = nlohmann::json;
+using transport::CudaIpcLink;
+using transport::CudaIpcLinkOptions;
+using transport::GpuLink;
+using transport::GpuLinkCounters;
 using transport::NcclLink;
-using transport::NcclLinkCounters;
 using transport::NcclLinkOptions;
 using transport::NcclRole;
+using transport::PairRole;
 
 struct Opts {
   std::string config;
@@ -81,6 +93,10 @@ struct Opts {
   // leave more SMs to scoring on the cache rank (measured: 16 of the default 32 on H200 NVLink gives the best TPOT;
   // 8 halves the link bandwidth). 0 = NCCL's default.
   int nccl_ctas = 16;
+  // Delta transfer (kernels/selection_delta_ref.h): entries per (layer, sequence, KV head) row of each step's
+  // message; 0 = the full selection every step. One async run per (pack size, capacity).
+  std::vector<int> delta_capacities = {0};
+  std::string link = "auto";  // auto: NCCL with two GPUs, else CUDA IPC on GPU 0; nccl; ipc
 };
 
 struct Stats {
@@ -218,10 +234,10 @@ struct Selector {
       : cfg(c), o(opts), max_rows(rows), stride(score_stride),
         scores(static_cast<size_t>(rows) * c.num_kv_heads * score_stride * 4, "selection scores"),
         indices(static_cast<size_t>(rows) * c.num_kv_heads * opts.budget * 4, "selection indices") {}
-  // after_score / after_topk: optional events recorded between the stages (stage timing).
-  void run(int rows, const float* q_hat, const void* k_cache, const void* v_cache, const int32_t* block_table,
-           int max_pages, const int32_t* sel_lens, void* packed_k, void* packed_v, cudaStream_t stream,
-           cudaEvent_t after_score = nullptr, cudaEvent_t after_topk = nullptr) {
+  // Scores and top-k of `rows` rows into `scores` / `indices` ([rows, Hkv, budget], ascending, -1 padded).
+  // after_score: optional event recorded between the stages (stage timing).
+  void score_topk(int rows, const float* q_hat, const void* k_cache, const int32_t* block_table, int max_pages,
+                  const int32_t* sel_lens, cudaStream_t stream, cudaEvent_t after_score = nullptr) {
     kernels::ScoreTokensParams sp;
     sp.q_hat = q_hat;
     sp.k_cache = k_cache;
@@ -246,12 +262,15 @@ struct Selector {
     tp.score_stride = stride;
     tp.k = o.budget;
     cuda_check(kernels::topk_select(tp, stream), "topk_select");
-    if (after_topk != nullptr) cuda_check(cudaEventRecord(after_topk, stream), "record");
+  }
+  // Gathers the K/V rows at `idx` ([rows, Hkv, k] positions, -1 = zero row) into packed [rows, Hkv, k, D].
+  void gather(int rows, const int32_t* idx, int k, const void* k_cache, const void* v_cache,
+              const int32_t* block_table, int max_pages, void* packed_k, void* packed_v, cudaStream_t stream) {
     kernels::GatherKvParams gp;
     gp.k_cache = k_cache;
     gp.v_cache = v_cache;
     gp.block_table = block_table;
-    gp.indices = indices.as<int32_t>();
+    gp.indices = idx;
     gp.packed_k = packed_k;
     gp.packed_v = packed_v;
     gp.batch = rows;
@@ -259,8 +278,17 @@ struct Selector {
     gp.head_dim = cfg.head_dim;
     gp.page_size = o.page_size;
     gp.max_pages_per_seq = max_pages;
-    gp.k = o.budget;
+    gp.k = k;
     cuda_check(kernels::gather_kv(gp, stream), "gather_kv");
+  }
+  // The full selection: score, top-k, gather of all `budget` tokens per (row, KV head).
+  void run(int rows, const float* q_hat, const void* k_cache, const void* v_cache, const int32_t* block_table,
+           int max_pages, const int32_t* sel_lens, void* packed_k, void* packed_v, cudaStream_t stream,
+           cudaEvent_t after_score = nullptr, cudaEvent_t after_topk = nullptr) {
+    score_topk(rows, q_hat, k_cache, block_table, max_pages, sel_lens, stream, after_score);
+    if (after_topk != nullptr) cuda_check(cudaEventRecord(after_topk, stream), "record");
+    gather(rows, indices.as<int32_t>(), o.budget, k_cache, v_cache, block_table, max_pages, packed_k, packed_v,
+           stream);
   }
 };
 
@@ -378,25 +406,55 @@ std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Mode 3: AsyncSpade over two GPUs.
+// Mode 3: AsyncSpade disaggregated: two GPUs joined by NcclLink, or (one GPU) both ranks on GPU 0 joined by
+// CudaIpcLink, which checks the pipeline but not its speed (the ranks then share the GPU's SMs and HBM).
 // ---------------------------------------------------------------------------------------------------------------
+
+/// Byte layout of one layer pack's delta message (kernels/selection_delta_ref.h): rows = layers x batch x KV heads,
+/// `cap` entries per row: [slots rows*cap int32][positions rows*cap int32][row info rows*4 int32][K rows*cap*D bf16]
+/// [V rows*cap*D bf16].
+struct DeltaLayout {
+  size_t slots = 0, positions = 0, info = 0, k = 0, v = 0, bytes = 0;
+  DeltaLayout() = default;
+  DeltaLayout(size_t rows, int cap, int head_dim) {
+    const size_t e = rows * static_cast<size_t>(cap);
+    positions = slots + e * 4;
+    info = positions + e * 4;
+    k = info + rows * kernels::kDeltaInfoFields * 4;
+    v = k + e * head_dim * 2;
+    bytes = v + e * head_dim * 2;
+  }
+};
 
 struct AsyncShared {
   int P = 0, packs = 0;
-  size_t up_bytes_pack = 0;    // one layer pack's qkv rows
-  size_t down_bytes_layer = 0; // one layer's packed K + V
+  size_t up_bytes_pack = 0;     // one layer pack's qkv rows
+  size_t down_bytes_layer = 0;  // one layer's packed K + V (full transfer)
+  int cap = 0;                  // delta transfer: entries per (layer, sequence, KV head) row; 0 = full transfer
+  size_t rows_pack = 0;         // P x batch x KV heads
+  DeltaLayout delta, init;      // per pack: steady-state delta (cap entries), first selection (budget entries)
+  int cache_device = 1;
   std::atomic<bool> failed{false};
   std::string error;
+  // Bytes of step t's down message of one pack.
+  size_t down_bytes(int t) const {
+    if (cap == 0) return static_cast<size_t>(P) * down_bytes_layer;
+    return t == 0 ? init.bytes : delta.bytes;
+  }
 };
 
 /// Inference-rank attention: waits for the pack's selected KV, attends over it + the local window, copies the
-/// layer's qkv rows into the pack's send buffer and ships the pack after its last layer.
+/// layer's qkv rows into the pack's send buffer and ships the pack after its last layer. With delta transfer it keeps
+/// the selected K/V of every layer in slot tables (held_k / held_v, [layer][seq][KV head][budget][D]) and applies
+/// each received delta on the receive stream once the previous step's pack no longer reads the table.
 class AsyncInferenceAttention : public GpuAttention {
  public:
-  AsyncInferenceAttention(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, NcclLink& link, int total_steps)
+  AsyncInferenceAttention(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, GpuLink& link, int total_steps)
       : cfg_(cfg), o_(o), sh_(sh), link_(link),
         up_(static_cast<size_t>(sh.packs) * sh.up_bytes_pack, "qkv send buffers"),
-        down_(2 * static_cast<size_t>(sh.packs) * sh.P * sh.down_bytes_layer, "selected KV receive buffers"),
+        down_(2 * static_cast<size_t>(sh.packs) * sh.down_bytes(1), "selected KV receive buffers"),
+        init_(sh.cap > 0 ? static_cast<size_t>(sh.packs) * sh.init.bytes : 0, "first-selection receive buffers"),
+        held_(sh.cap > 0 ? 2 * table_elems() * 2 : 0, "held selections (slot tables)"),
         lens_(static_cast<size_t>(o.batch) * 4, "packed counts"), ws_(decode_workspace(cfg, o.batch)),
         arrive_(total_steps + 1, sh.packs), ready_(total_steps + 1, sh.packs), pack_end_(total_steps + 1, sh.packs),
         recv_done_(total_steps + 1, sh.packs), sent_(total_steps + 1, sh.packs) {
@@ -409,13 +467,19 @@ class AsyncInferenceAttention : public GpuAttention {
   }
   void set_step(int t) { step_ = t; }
   char* recv_buf(int t, int p) const {
-    return down_.as<char>() + (static_cast<size_t>(t % 2) * sh_.packs + p) * sh_.P * sh_.down_bytes_layer;
+    if (sh_.cap > 0 && t == 0) return init_.as<char>() + static_cast<size_t>(p) * sh_.init.bytes;
+    return down_.as<char>() + (static_cast<size_t>(t % 2) * sh_.packs + p) * sh_.down_bytes(1);
   }
-  /// Posts the receives of step t's selected KV (sent by the cache rank during step t - 1).
+  /// Posts the receives of step t's selected KV (sent by the cache rank during step t - 1); with delta transfer,
+  /// the apply of each into the slot tables after step t - 1's pack has read them.
   void post_recvs(int t) {
     for (int p = 0; p < sh_.packs; ++p) {
       if (t >= 2) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(t - 2, p), 0), "wait");  // buffer reuse
-      link_.recv(recv_buf(t, p), sh_.P * sh_.down_bytes_layer, down_stream_, "selected K/V of a pack");
+      link_.recv(recv_buf(t, p), sh_.down_bytes(t), down_stream_, "selected K/V of a pack");
+      if (sh_.cap > 0) {
+        if (t >= 1) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(t - 1, p), 0), "wait");
+        apply(t, p);
+      }
       cuda_check(cudaEventRecord(recv_done_(t, p), down_stream_), "record");
     }
   }
@@ -431,10 +495,16 @@ class AsyncInferenceAttention : public GpuAttention {
       cuda_check(cudaEventRecord(ready_(t, p), stream), "record");
       if (t >= 1) cuda_check(cudaStreamWaitEvent(stream, sent_(t - 1, p), 0), "wait");  // send buffer reuse
     }
-    const size_t half = sh_.P * sh_.down_bytes_layer / 2, layer_half = sh_.down_bytes_layer / 2;
-    const char* base = recv_buf(t, p);
-    packed_attention(cfg_, o_, s, b, base + j * layer_half, base + half + j * layer_half, lens_.as<int32_t>(), ws_,
-                     stream);
+    const char *pk = nullptr, *pv = nullptr;
+    if (sh_.cap > 0) {
+      pk = held_.as<char>() + static_cast<size_t>(s.layer) * layer_elems() * 2;
+      pv = pk + table_elems() * 2;
+    } else {
+      const size_t half = sh_.P * sh_.down_bytes_layer / 2, layer_half = sh_.down_bytes_layer / 2;
+      pk = recv_buf(t, p) + j * layer_half;
+      pv = recv_buf(t, p) + half + j * layer_half;
+    }
+    packed_attention(cfg_, o_, s, b, pk, pv, lens_.as<int32_t>(), ws_, stream);
     const size_t row_bytes = sh_.up_bytes_pack / sh_.P;
     cuda_check(cudaMemcpyAsync(up_.as<char>() + p * sh_.up_bytes_pack + j * row_bytes, s.qkv, row_bytes,
                                cudaMemcpyDeviceToDevice, stream),
@@ -453,24 +523,51 @@ class AsyncInferenceAttention : public GpuAttention {
   }
 
  private:
+  size_t layer_elems() const {
+    return static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget * cfg_.head_dim;
+  }
+  size_t table_elems() const { return static_cast<size_t>(cfg_.num_layers) * layer_elems(); }
+  int pack_layers(int p) const { return std::min(sh_.P, cfg_.num_layers - p * sh_.P); }
+  // Writes the entries of step t's pack-p message into the slot tables of the pack's layers (down stream).
+  void apply(int t, int p) {
+    const DeltaLayout& l = t == 0 ? sh_.init : sh_.delta;
+    const char* m = recv_buf(t, p);
+    kernels::ApplySelectionDeltaParams a;
+    a.delta_slots = reinterpret_cast<const int32_t*>(m + l.slots);
+    a.delta_k = m + l.k;
+    a.delta_v = m + l.v;
+    a.held_k = held_.as<char>() + static_cast<size_t>(p) * sh_.P * layer_elems() * 2;
+    a.held_v = static_cast<char*>(a.held_k) + table_elems() * 2;
+    a.rows = pack_layers(p) * o_.batch * cfg_.num_kv_heads;
+    a.k = o_.budget;
+    a.capacity = t == 0 ? o_.budget : sh_.cap;
+    a.head_dim = cfg_.head_dim;
+    cuda_check(kernels::apply_selection_delta(a, down_stream_), "apply_selection_delta");
+  }
+
   const ModelConfig& cfg_;
   const Opts& o_;
   AsyncShared& sh_;
-  NcclLink& link_;
-  DeviceBuffer up_, down_, lens_, ws_;
+  GpuLink& link_;
+  DeviceBuffer up_, down_, init_, held_, lens_, ws_;
   EventGrid arrive_, ready_, pack_end_, recv_done_, sent_;
   cudaStream_t up_stream_ = nullptr, down_stream_ = nullptr;
   int step_ = 0;
 };
 
-/// The cache rank's side of the benchmark (GPU 1): full KV pool, query windows, selection one step ahead.
+/// The cache rank's side of the benchmark (GPU 1, or GPU 0 with the IPC link): full KV pool, query windows,
+/// selection one step ahead. With delta transfer it keeps the mirror of every slot table ([layer][seq][KV head]
+/// [budget] positions) and sends per pack only the entries selection_delta plans (the first selection: all of them).
 class AsyncCacheRank {
  public:
-  AsyncCacheRank(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, NcclLink& link, const Plan& plan)
+  AsyncCacheRank(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, GpuLink& link, const Plan& plan)
       : cfg_(cfg), o_(o), sh_(sh), link_(link), plan_(plan), L_(cfg.num_layers), B_(o.batch), cap_(o.query_window + 1),
         pool_(cfg.num_layers, plan.full_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim),
         up_(static_cast<size_t>(sh.packs) * sh.up_bytes_pack, "qkv receive buffers"),
-        send_(2 * static_cast<size_t>(sh.packs) * sh.P * sh.down_bytes_layer, "selected KV send buffers"),
+        send_(2 * static_cast<size_t>(sh.packs) * sh.down_bytes(1), "selected KV send buffers"),
+        init_(sh.cap > 0 ? static_cast<size_t>(sh.packs) * sh.init.bytes : 0, "first-selection send buffers"),
+        mirror_(sh.cap > 0 ? static_cast<size_t>(L_) * B_ * cfg.num_kv_heads * o.budget * 4 : 0, "slot table mirrors"),
+        totals_(sh.cap > 0 ? kernels::kDeltaTotalsFields * 8 : 0, "delta totals"),
         window_(2 * static_cast<size_t>(L_) * B_ * cfg.q_dim() * cap_ * 2, "query windows"),
         window_len_(static_cast<size_t>(sh.P) * B_ * 4, "window lengths"),
         q_tmp_(static_cast<size_t>(B_) * cfg.q_dim() * 2, "roped q"),
@@ -489,6 +586,7 @@ class AsyncCacheRank {
     pool_.fill_random(o.seed + 11, 1.f, stream_);
     cuda_check(kernels::random_fill({DType::BF16, window_.get(), window_.bytes() / 2, o.seed + 13, 1.f, 0.f}, stream_),
                "window fill");
+    if (sh.cap > 0) cuda_check(cudaMemsetAsync(mirror_.get(), 0xFF, mirror_.bytes(), stream_), "mirror init");
     std::vector<int32_t> wl(static_cast<size_t>(sh.P) * B_, cap_);
     cuda_check(cudaMemcpy(window_len_.get(), wl.data(), wl.size() * 4, cudaMemcpyHostToDevice), "upload");
     // Layer-batched block table: row (l, b) addresses layer l's pages from the pool base (global page l*P + page).
@@ -514,6 +612,9 @@ class AsyncCacheRank {
     for (int t = 0; t < plan_.total_steps && !sh_.failed.load(); ++t) {
       const GpuBatch b = steps_.upload(plan_.step(t, table_), stream_);
       cuda_check(cudaEventRecord(uploaded_, stream_), "record");
+      // Delta statistics count the timed steps' selections only.
+      if (sh_.cap > 0 && t + 1 == o_.warmup)
+        cuda_check(cudaMemsetAsync(totals_.get(), 0, totals_.bytes(), stream_), "delta totals reset");
       for (int p = 0; p < sh_.packs; ++p) {
         if (t >= 1) cuda_check(cudaStreamWaitEvent(up_stream_, cm_end_(t, p), 0), "wait");  // (t-1)'s use done
         link_.recv(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
@@ -539,7 +640,13 @@ class AsyncCacheRank {
     stage_ms[1] = elapsed_ms(after_append_(t, p), after_predict_(t, p));
     stage_ms[2] = elapsed_ms(after_predict_(t, p), after_score_(t, p));
     stage_ms[3] = elapsed_ms(after_score_(t, p), after_topk_(t, p));
-    stage_ms[4] = elapsed_ms(after_topk_(t, p), cm_end_(t, p));  // gather
+    stage_ms[4] = elapsed_ms(after_topk_(t, p), cm_end_(t, p));  // gather (with delta transfer: plan + gather)
+  }
+  /// Delta transfer: sums over the timed selections of {selected n, entering E, sent m, holes, refused rows}.
+  std::vector<unsigned long long> delta_totals() const {
+    std::vector<unsigned long long> h(kernels::kDeltaTotalsFields, 0ull);
+    if (sh_.cap > 0) cuda_check(cudaMemcpy(h.data(), totals_.get(), totals_.bytes(), cudaMemcpyDeviceToHost), "totals");
+    return h;
   }
 
  private:
@@ -603,27 +710,52 @@ class AsyncCacheRank {
     cuda_check(kernels::predict_next_query(pq, stream_), "predict_next_query");
     cuda_check(cudaEventRecord(after_predict_(for_step, p), stream_), "record");
     const int par = for_step % 2;
-    char* out = send_.as<char>() + (static_cast<size_t>(par) * sh_.packs + p) * sh_.P * sh_.down_bytes_layer;
+    const size_t bytes = sh_.down_bytes(for_step);
+    char* out = sh_.cap > 0 && for_step == 0 ? init_.as<char>() + static_cast<size_t>(p) * sh_.init.bytes
+                                             : send_.as<char>() + (static_cast<size_t>(par) * sh_.packs + p) * bytes;
     if (for_step >= 2) cuda_check(cudaStreamWaitEvent(stream_, send_end_(for_step - 2, p), 0), "wait");
     const int32_t* lens = sel_lens_.as<int32_t>() + static_cast<size_t>(for_step) * sh_.P * B_;
-    sel_.run(rows, q_hat_.as<float>(), pool_.k(0), pool_.v(0),
-             lbt_.as<int32_t>() + static_cast<size_t>(p) * sh_.P * B_ * plan_.max_pages, plan_.max_pages, lens, out,
-             out + sh_.P * sh_.down_bytes_layer / 2, stream_, after_score_(for_step, p), after_topk_(for_step, p));
+    const int32_t* bt = lbt_.as<int32_t>() + static_cast<size_t>(p) * sh_.P * B_ * plan_.max_pages;
+    if (sh_.cap == 0) {
+      sel_.run(rows, q_hat_.as<float>(), pool_.k(0), pool_.v(0), bt, plan_.max_pages, lens, out,
+               out + sh_.P * sh_.down_bytes_layer / 2, stream_, after_score_(for_step, p), after_topk_(for_step, p));
+    } else {
+      sel_.score_topk(rows, q_hat_.as<float>(), pool_.k(0), bt, plan_.max_pages, lens, stream_,
+                      after_score_(for_step, p));
+      cuda_check(cudaEventRecord(after_topk_(for_step, p), stream_), "record");
+      const DeltaLayout& l = for_step == 0 ? sh_.init : sh_.delta;
+      const int cap = for_step == 0 ? o_.budget : sh_.cap;
+      kernels::SelectionDeltaParams d;
+      d.indices = sel_.indices.as<int32_t>();
+      d.scores = sel_.scores.as<float>();
+      d.mirror = mirror_.as<int32_t>() + static_cast<size_t>(p) * sh_.rows_pack * o_.budget;
+      d.delta_slots = reinterpret_cast<int32_t*>(out + l.slots);
+      d.delta_positions = reinterpret_cast<int32_t*>(out + l.positions);
+      d.row_info = reinterpret_cast<int32_t*>(out + l.info);
+      d.totals = totals_.as<unsigned long long>();
+      d.rows = rows * cfg_.num_kv_heads;
+      d.k = o_.budget;
+      d.capacity = cap;
+      d.score_stride = sel_.stride;
+      cuda_check(kernels::selection_delta(d, stream_), "selection_delta");
+      sel_.gather(rows, d.delta_positions, cap, pool_.k(0), pool_.v(0), bt, plan_.max_pages, out + l.k, out + l.v,
+                  stream_);
+    }
     cuda_check(cudaEventRecord(cm_end_(for_step, p), stream_), "record");
     cuda_check(cudaStreamWaitEvent(down_stream_, cm_end_(for_step, p), 0), "wait");
     cuda_check(cudaEventRecord(send_start_(for_step, p), down_stream_), "record");
-    link_.send(out, sh_.P * sh_.down_bytes_layer, down_stream_, "selected K/V of a pack");
+    link_.send(out, bytes, down_stream_, "selected K/V of a pack");
     cuda_check(cudaEventRecord(send_end_(for_step, p), down_stream_), "record");
   }
 
   const ModelConfig& cfg_;
   const Opts& o_;
   AsyncShared& sh_;
-  NcclLink& link_;
+  GpuLink& link_;
   const Plan& plan_;
   int L_, B_, cap_;
   GpuKvPool pool_;
-  DeviceBuffer up_, send_, window_, window_len_, q_tmp_, q_hat_, lbt_, sel_lens_;
+  DeviceBuffer up_, send_, init_, mirror_, totals_, window_, window_len_, q_tmp_, q_hat_, lbt_, sel_lens_;
   Selector sel_;
   GpuStepBuffers steps_;
   EventGrid qkv_ready_, cm_start_, cm_end_, send_start_, send_end_;
@@ -633,41 +765,89 @@ class AsyncCacheRank {
   cudaEvent_t uploaded_ = nullptr;
 };
 
-/// One rank's end of the pair: NcclLink with one CTA for the qkv rows (~100 KB per pack) and at most `ctas` for the
-/// selected K/V (0 = NCCL default).
-std::unique_ptr<NcclLink> make_link(const std::string& address, NcclRole role, int device, int ctas) {
-  NcclLinkOptions lo;
-  lo.device = device;
-  lo.max_ctas_up = 1;
-  lo.max_ctas_down = ctas;
-  return std::make_unique<NcclLink>(address, role, role == NcclRole::kInference ? "cache rank (GPU 1)"
-                                                                                 : "inference rank (GPU 0)",
-                                    lo);
-}
+/// The pair's link ends, made on the two ranks' threads. NCCL (two GPUs): one CTA for the qkv rows (~100 KB per
+/// pack) and at most `nccl_ctas` for the selected K/V (0 = NCCL default); both ends construct concurrently.
+/// CUDA IPC (one GPU): the inference end creates, the cache end opens what it created.
+struct LinkPair {
+  bool ipc = false;
+  int nccl_ctas = 0;
+  std::string nccl_address;
+  std::unique_ptr<GpuLink> end[2];  // [0] inference, [1] cache
+  std::atomic<GpuLink*> live[2] = {nullptr, nullptr};  // for aborting the other thread's end on failure
+  std::mutex mu;
+  std::condition_variable cv;
+  std::string ipc_address;  // set by the inference end once created
 
-json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack, double copy_gbps) {
+  void make(PairRole role, int device) {
+    const int i = static_cast<int>(role);
+    const std::string peer = role == PairRole::kInference ? fmt::format("cache rank (GPU {})", ipc ? 0 : 1)
+                                                          : "inference rank (GPU 0)";
+    if (!ipc) {
+      NcclLinkOptions lo;
+      lo.device = device;
+      lo.max_ctas_up = 1;
+      lo.max_ctas_down = nccl_ctas;
+      end[i] = std::make_unique<NcclLink>(nccl_address, role, peer, lo);
+    } else if (role == PairRole::kInference) {
+      CudaIpcLinkOptions lo;
+      lo.device = device;
+      lo.chunk_bytes = size_t{16} << 20;
+      auto l = CudaIpcLink::create(peer, lo);
+      CudaIpcLink* raw = l.get();
+      end[i] = std::move(l);
+      {
+        std::lock_guard lk(mu);
+        ipc_address = raw->address();
+      }
+      cv.notify_all();
+      raw->connect();
+    } else {
+      std::unique_lock lk(mu);
+      SPADE_CHECK(cv.wait_for(lk, std::chrono::seconds(60), [&] { return !ipc_address.empty(); }),
+                  "cache rank: the inference end made no CUDA IPC link within 60 s");
+      const std::string a = ipc_address;
+      lk.unlock();
+      CudaIpcLinkOptions lo;
+      lo.device = device;
+      end[i] = CudaIpcLink::open(a, peer, lo);
+    }
+    live[i] = end[i].get();
+  }
+};
+
+json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack, int delta_cap, bool ipc,
+               double copy_gbps) {
   const Plan plan(o, cfg);
   AsyncShared sh;
   sh.P = pack;
   sh.packs = (cfg.num_layers + pack - 1) / pack;
   sh.up_bytes_pack = static_cast<size_t>(pack) * o.batch * (cfg.q_dim() + 2 * cfg.kv_dim()) * 2;
   sh.down_bytes_layer = static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget * cfg.head_dim * 2 * 2;
-  const std::string address = NcclLink::new_address();
-  std::unique_ptr<NcclLink> links[2];
-  std::atomic<NcclLink*> live[2] = {nullptr, nullptr};  // for aborting the other thread's link on failure
+  sh.cap = delta_cap;
+  sh.rows_pack = static_cast<size_t>(pack) * o.batch * cfg.num_kv_heads;
+  if (delta_cap > 0) {
+    SPADE_CHECK(delta_cap <= o.budget && o.budget <= kernels::kMaxDeltaBudget,
+                "--delta-capacity {} must be <= --budget {} <= {}", delta_cap, o.budget, kernels::kMaxDeltaBudget);
+    sh.delta = DeltaLayout(sh.rows_pack, delta_cap, cfg.head_dim);
+    sh.init = DeltaLayout(sh.rows_pack, o.budget, cfg.head_dim);
+  }
+  sh.cache_device = ipc ? 0 : 1;
+  LinkPair links;
+  links.ipc = ipc;
+  links.nccl_ctas = o.nccl_ctas;
+  if (!ipc) links.nccl_address = NcclLink::new_address();
   std::unique_ptr<AsyncCacheRank> cache;
   std::vector<double> cm, sendms;
   std::vector<double> stage[5];
-  // Cache rank thread: GPU 1.
+  const std::string cache_name = fmt::format("cache rank (GPU {})", sh.cache_device);
   std::thread cache_thread([&] {
     try {
-      cuda_check(cudaSetDevice(1), "cudaSetDevice(1)");
-      links[1] = make_link(address, NcclRole::kCache, 1, o.nccl_ctas);
-      live[1] = links[1].get();
-      cache = std::make_unique<AsyncCacheRank>(cfg, o, sh, *links[1], plan);
+      cuda_check(cudaSetDevice(sh.cache_device), "cudaSetDevice (cache rank)");
+      links.make(PairRole::kCache, sh.cache_device);
+      cache = std::make_unique<AsyncCacheRank>(cfg, o, sh, *links.end[1], plan);
       cache->run();
     } catch (const std::exception& e) {
-      sh.error = std::string("cache rank (GPU 1): ") + e.what();
+      sh.error = cache_name + ": " + e.what();
       sh.failed = true;
     }
   });
@@ -676,13 +856,12 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   int stall_count = 0;
   try {
     cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
-    links[0] = make_link(address, NcclRole::kInference, 0, o.nccl_ctas);
-    live[0] = links[0].get();
+    links.make(PairRole::kInference, 0);
     GpuKvPool local(cfg.num_layers, plan.window_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim);
     cudaStream_t stream;
     cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
     local.fill_random(o.seed + 17, 1.f, stream);
-    AsyncInferenceAttention attn(cfg, o, sh, *links[0], plan.total_steps);
+    AsyncInferenceAttention attn(cfg, o, sh, *links.end[0], plan.total_steps);
     GpuStepBuffers buffers(o.batch, o.batch, plan.max_pages, o.batch, plan.window_pages());
     DeviceBuffer tokens_out(static_cast<size_t>(o.batch) * 4, "sampled tokens");
     const std::vector<int32_t> table = plan.window_table();
@@ -715,13 +894,13 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     sh.error = std::string("inference rank (GPU 0): ") + e.what();
   }
   if (sh.failed.load()) {
-    // Unblock the peer: abort both ranks' links (the cache rank's watchdog would do it after op_timeout).
-    for (auto& l : live)
-      if (NcclLink* p = l.load(); p != nullptr) p->abort(sh.error);
+    // Unblock the peer: fail both ends (the cache rank's watchdog would do it after op_timeout).
+    for (auto& l : links.live)
+      if (GpuLink* p = l.load(); p != nullptr) p->abort(sh.error);
   }
   cache_thread.join();
   SPADE_CHECK(!sh.failed.load(), "async run failed: {}", sh.error);
-  cuda_check(cudaSetDevice(1), "cudaSetDevice(1)");
+  cuda_check(cudaSetDevice(sh.cache_device), "cudaSetDevice (cache rank)");
   for (int t = o.warmup; t < plan.total_steps; ++t)
     for (int p = 0; p < sh.packs; ++p) {
       double c = 0, s = 0, st5[5];
@@ -730,21 +909,28 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
       sendms.push_back(s);
       for (int i = 0; i < 5; ++i) stage[i].push_back(st5[i]);
     }
+  const std::vector<unsigned long long> dt = cache->delta_totals();
   cache.reset();
-  const NcclLinkCounters lc = links[0]->counters();
+  const GpuLinkCounters lc = links.end[0]->counters();
   // Both ends tear down concurrently (as two processes would).
-  std::thread close_cache([&] { links[1].reset(); });
-  links[0].reset();
+  std::thread close_cache([&] {
+    cudaSetDevice(sh.cache_device);
+    links.end[1].reset();
+  });
+  links.end[0].reset();
   close_cache.join();
   cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
 
-  r = result_row(o, cfg, "async", tpot);
+  const std::string mode = delta_cap > 0 ? "async-delta" : "async";
+  r = result_row(o, cfg, mode, tpot);
   r["pack"] = pack;
-  r["nccl_max_ctas"] = o.nccl_ctas;
+  r["link"] = ipc ? "cuda_ipc (both ranks on GPU 0: checks the pipeline, not its speed)" : "nccl";
+  if (!ipc) r["nccl_max_ctas"] = o.nccl_ctas;
   r["packs"] = sh.packs;
   r["link_bytes_up_measured"] = lc.bytes_sent;        // whole run, incl. warm-up
   r["link_bytes_down_measured"] = lc.bytes_received;
-  const double down_pack = static_cast<double>(sh.P) * sh.down_bytes_layer;
+  const double down_pack = static_cast<double>(sh.down_bytes(1));
+  const double full_pack = static_cast<double>(sh.P) * sh.down_bytes_layer;
   const Stats inf = stats(infer), cms = stats(cm), snd = stats(sendms), st = stats(stalls);
   r["inference_ms_per_pack"] = inf.median;
   r["cache_ms_per_pack"] = cms.median;
@@ -755,6 +941,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r["cache_stage_ms_per_pack"] = stages;
   r["bytes_up_per_step"] = static_cast<double>(sh.up_bytes_pack) * sh.packs;
   r["bytes_down_per_step"] = down_pack * sh.packs;
+  r["bytes_down_per_step_full_transfer"] = full_pack * sh.packs;
   r["required_gbps"] = down_pack / (inf.median * 1e6);
   r["achieved_gbps"] = down_pack / (snd.median * 1e6);
   r["stalls"] = stall_count;
@@ -766,15 +953,43 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r["floor_bytes"] = floor_bytes;
   r["floor_ms"] = floor_bytes / (copy_gbps * 1e6);
   r["tpot_over_floor"] = r["tpot_median_ms"].get<double>() / r["floor_ms"].get<double>();
-  std::printf("  async   P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms, "
+  if (delta_cap > 0) {
+    // Per (layer, sequence, KV head) row over the timed steps: how many tokens entered the selection, how many the
+    // capacity let through, and the fraction of a full transfer's rows sent. Random weights make the selection churn
+    // far more than a trained model's (docs/ARCHITECTURE.md: ~1 of 16-64 tokens per step on stories260K), so this is
+    // the worst case for the capacity; the TPOT does not depend on it (the message size is fixed).
+    const double selected = static_cast<double>(dt[kernels::kDeltaCount]);
+    json d;
+    d["capacity"] = delta_cap;
+    d["selected_rows"] = dt[kernels::kDeltaCount];
+    d["entering_rows"] = dt[kernels::kDeltaEntering];
+    d["sent_rows"] = dt[kernels::kDeltaEntries];
+    d["holes"] = dt[kernels::kDeltaHoles];
+    d["refused_rows"] = dt[kernels::kDeltaTotalsFields - 1];
+    d["entering_fraction"] = selected > 0 ? dt[kernels::kDeltaEntering] / selected : 0.0;
+    d["unsent_entering_fraction"] =
+        dt[kernels::kDeltaEntering] > 0
+            ? 1.0 - static_cast<double>(dt[kernels::kDeltaEntries]) / static_cast<double>(dt[kernels::kDeltaEntering])
+            : 0.0;
+    d["bytes_ratio_to_full_transfer"] = down_pack / full_pack;
+    r["delta"] = d;
+    SPADE_CHECK(dt[kernels::kDeltaTotalsFields - 1] == 0, "selection_delta refused {} rows (mirror out of sync)",
+                dt[kernels::kDeltaTotalsFields - 1]);
+  }
+  std::printf("  %-11s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms, "
               "cache %.3f ms, send %.3f ms | down %.1f MB/step, need %.0f GB/s, got %.0f GB/s | stalls %d/%d\n",
-              pack, r["tpot_median_ms"].get<double>(), r["tpot_p99_ms"].get<double>(), r["floor_ms"].get<double>(),
-              r["tpot_over_floor"].get<double>(), inf.median, cms.median, snd.median, down_pack * sh.packs / 1e6,
-              r["required_gbps"].get<double>(), r["achieved_gbps"].get<double>(), stall_count,
-              static_cast<int>(stalls.size()));
-  std::printf("          cache stages per pack (ms): append %.3f predict %.3f score %.3f topk %.3f gather %.3f\n",
+              mode.c_str(), pack, r["tpot_median_ms"].get<double>(), r["tpot_p99_ms"].get<double>(),
+              r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>(), inf.median, cms.median, snd.median,
+              down_pack * sh.packs / 1e6, r["required_gbps"].get<double>(), r["achieved_gbps"].get<double>(),
+              stall_count, static_cast<int>(stalls.size()));
+  std::printf("              cache stages per pack (ms): append %.3f predict %.3f score %.3f topk %.3f gather %.3f\n",
               stages["append"].get<double>(), stages["predict"].get<double>(), stages["score"].get<double>(),
               stages["topk"].get<double>(), stages["gather"].get<double>());
+  if (delta_cap > 0)
+    std::printf("              delta: capacity %d, %.1f%% of the selection entered per step, %.1f%% of those not sent, "
+                "%.1f%% of the full transfer's bytes\n",
+                delta_cap, 100.0 * r["delta"]["entering_fraction"].get<double>(),
+                100.0 * r["delta"]["unsent_entering_fraction"].get<double>(), 100.0 * down_pack / full_pack);
   return r;
 }
 
@@ -806,6 +1021,8 @@ int main_impl(int argc, char** argv) {
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--local-window") o.local_window = std::stoi(next());
     else if (a == "--nccl-ctas") o.nccl_ctas = std::stoi(next());
+    else if (a == "--delta-capacity") o.delta_capacities = parse_ints(next());
+    else if (a == "--link") o.link = next();
     else fail("unknown argument {} (see the header of bench/bench_tpot.cpp)", a);
   }
   SPADE_CHECK(!o.config.empty(), "--config DIR (a config.json directory) is required");
@@ -838,13 +1055,17 @@ int main_impl(int argc, char** argv) {
     }
   }
   if (has("async")) {
-    if (ngpu < 2) {
-      std::printf("  async: skipped: needs two GPUs (found %d)\n", ngpu);
+    const bool ipc = o.link == "ipc" || (o.link == "auto" && ngpu < 2);
+    SPADE_CHECK(o.link == "auto" || o.link == "ipc" || o.link == "nccl", "--link {}: auto, nccl or ipc", o.link);
+    if (!ipc && ngpu < 2) {
+      std::printf("  async: skipped: --link nccl needs two GPUs (found %d)\n", ngpu);
       rows.push_back({{"label", o.label}, {"mode", "async"}, {"skipped", "needs two GPUs"}});
     } else {
-      int can = 0;
-      cuda_check(cudaDeviceCanAccessPeer(&can, 0, 1), "peer access query");
-      for (int P : o.packs) rows.push_back(run_async(o, cfg, *model, P, copy_gbps));
+      if (ipc)
+        std::printf("  async: both ranks on GPU 0 over CudaIpcLink (%d GPU%s): checks the pipeline, not its speed\n",
+                    ngpu, ngpu == 1 ? "" : "s");
+      for (int P : o.packs)
+        for (int cap : o.delta_capacities) rows.push_back(run_async(o, cfg, *model, P, cap, ipc, copy_gbps));
     }
   }
   json doc;

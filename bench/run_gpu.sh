@@ -18,7 +18,8 @@
 #                         the end, so the device build is still verified while the prebuilt binaries run)
 #   SPADE_CTEST_REGEX     only the gpu tests whose ctest name matches (ctest -R; default: all); the build builds those
 #   SPADE_BENCHES         benchmarks to run (default "kernels gdn": bench_kernels + SDPA peer, bench_gdn; "tpot":
-#                         bench_tpot, the issue-#7 TPOT table -- dense / oracle on GPU 0, AsyncSpade over GPUs 0+1)
+#                         bench_tpot, the issue-#7 TPOT table -- dense / oracle on GPU 0, AsyncSpade over GPUs 0+1
+#                         (on a one-GPU machine both ranks on GPU 0 over CUDA IPC), with and without delta transfer)
 #   SPADE_TPOT_ARGS       extra bench_tpot arguments for every configuration (e.g. "--steps 64")
 #   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default "8b-b8 8b-b16 32b-b8")
 #   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
@@ -156,7 +157,7 @@ fi
 
 # ---- compute-sanitizer racecheck (shared-memory hazards) on a subset of the kernel tests ----
 if want racecheck; then
-  RFILTER="${SPADE_RACECHECK_FILTER:-PagedDecodeGpu.ForcedMaxSplits:PagedDecodeGpu.Fp16D128Page32Group8:SparsePackedDecodeGpu.*:PagedPrefillGpu.Bf16D256*:PredictGpu.*:TopkGpu.HeavyTies*:ScoreGpu.Fp16D64*}"
+  RFILTER="${SPADE_RACECHECK_FILTER:-PagedDecodeGpu.ForcedMaxSplits:PagedDecodeGpu.Fp16D128Page32Group8:SparsePackedDecodeGpu.*:PagedPrefillGpu.Bf16D256*:PredictGpu.*:TopkGpu.HeavyTies*:ScoreGpu.Fp16D64*:DeltaGpu.StreamWithOverflow*:DeltaGpu.Refuses*}"
   : >"${OUT}/racecheck.log"
   for t in "${TEST_BINS[@]}"; do
     [ -x "$t" ] || continue
@@ -198,7 +199,7 @@ if want bench && bench_wanted tpot; then
   read -r -a TPOT_EXTRA <<<"${SPADE_TPOT_ARGS:-}"
   for c in ${SPADE_TPOT_CONFIGS:-8b-b8 8b-b16 32b-b8}; do
     case "$c" in
-      8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12) ;;
+      8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256) ;;
       8b-b16) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k --batch 16 --context 16384 --budget 1024 --packs 6) ;;
       32b-b8) args=(--config "${DATA}/configs/qwen3-32b" --label qwen3-32b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 8) ;;
       *) log "unknown SPADE_TPOT_CONFIGS entry $c"; STATUS=1; continue ;;
