@@ -412,17 +412,19 @@ std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel
 
 /// Byte layout of one layer pack's delta message (kernels/selection_delta_ref.h): rows = layers x batch x KV heads,
 /// `cap` entries per row: [slots rows*cap int32][positions rows*cap int32][row info rows*4 int32][K rows*cap*D bf16]
-/// [V rows*cap*D bf16].
+/// [V rows*cap*D bf16], each section (and the message, so consecutive packs' messages too) 256-byte aligned for the
+/// 16-byte vector accesses of gather_kv / apply_selection_delta.
 struct DeltaLayout {
   size_t slots = 0, positions = 0, info = 0, k = 0, v = 0, bytes = 0;
   DeltaLayout() = default;
   DeltaLayout(size_t rows, int cap, int head_dim) {
+    auto up = [](size_t x) { return (x + 255) / 256 * 256; };
     const size_t e = rows * static_cast<size_t>(cap);
-    positions = slots + e * 4;
-    info = positions + e * 4;
-    k = info + rows * kernels::kDeltaInfoFields * 4;
-    v = k + e * head_dim * 2;
-    bytes = v + e * head_dim * 2;
+    positions = up(slots + e * 4);
+    info = up(positions + e * 4);
+    k = up(info + rows * kernels::kDeltaInfoFields * 4);
+    v = up(k + e * head_dim * 2);
+    bytes = up(v + e * head_dim * 2);
   }
 };
 
@@ -975,6 +977,10 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     r["delta"] = d;
     SPADE_CHECK(dt[kernels::kDeltaTotalsFields - 1] == 0, "selection_delta refused {} rows (mirror out of sync)",
                 dt[kernels::kDeltaTotalsFields - 1]);
+    // Attention reads slots [0, n) of the held tables: an empty one (a hole) would be read as garbage. The first
+    // selection goes in full and n grows by at most one per step, so there must be none.
+    SPADE_CHECK(dt[kernels::kDeltaHoles] == 0, "delta transfer left {} holes in the held tables",
+                dt[kernels::kDeltaHoles]);
   }
   std::printf("  %-11s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms, "
               "cache %.3f ms, send %.3f ms | down %.1f MB/step, need %.0f GB/s, got %.0f GB/s | stalls %d/%d\n",

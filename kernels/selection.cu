@@ -709,7 +709,7 @@ __global__ void __launch_bounds__(kGatherThreads) gather_kernel(const GatherArgs
 // by rank, a kept bitmap over the selection and a class per slot (kept / empty / stale) live in shared memory
 // (36.5 KB at k = 4096). Ranks come from block-wide exclusive scans in 256-element chunks with running totals; the
 // free slots' scan carries two counters packed in one int (empty in the low 16 bits, stale in the high ones:
-// k <= 4096 < 2^16). A row with more entering tokens than `capacity` finds the capacity-th best entering key with a
+// a 256-element chunk adds at most 256 to either). A row with more entering tokens than `capacity` finds the capacity-th best entering key with a
 // 4-pass 8-bit radix select (a shared 256-bin histogram), then keeps the keys above it and the earliest equal ones
 // (topk's tie rule).
 // =====================================================================================================================
@@ -812,7 +812,8 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const DeltaArgs a)
   }
   atomicAdd(&s_kept, kept);
   atomicAdd(&s_empty, empty);
-  if (__syncthreads_or(bad)) {
+  // Refusal (block-uniform; the mirror is still untouched): no entries, E = -1, counted in totals.
+  auto refuse = [&] {
     for (int j = tid; j < a.capacity; j += kDeltaThreads) {
       ds[j] = -1;
       dp[j] = -1;
@@ -824,6 +825,9 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const DeltaArgs a)
       info[kDeltaHoles] = 0;
       if (a.totals != nullptr) atomicAdd(a.totals + kDeltaInfoFields, 1ull);
     }
+  };
+  if (__syncthreads_or(bad)) {
+    refuse();
     return;
   }
   const int n_empty = s_empty;
@@ -857,6 +861,12 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const DeltaArgs a)
   int kr = 0;
   const bool overflow = E > a.capacity;
   if (overflow) {
+    // The scores row must cover every entering position (the reference's check); else refuse the row.
+    for (int i = tid; i < n; i += kDeltaThreads) bad |= entering(i) && sel[i] >= a.score_stride ? 1 : 0;
+    if (__syncthreads_or(bad)) {
+      refuse();
+      return;
+    }
     uint32_t prefix = 0;
     uint32_t mask = 0;
     kr = a.capacity;
@@ -1123,13 +1133,14 @@ cudaError_t selection_delta(const SelectionDeltaParams& p, cudaStream_t stream) 
       p.row_info == nullptr) {
     return invalid_argument(what, "indices, mirror, delta_slots, delta_positions and row_info must be set");
   }
-  if (p.rows <= 0 || p.k < 1 || p.k > kMaxDeltaBudget || p.capacity < 1 || p.capacity > p.k) {
+  if (p.rows < 0 || p.k < 1 || p.k > kMaxDeltaBudget || p.capacity < 1 || p.capacity > p.k) {
     return invalid_argument(what, "rows ", p.rows, " / k ", p.k, " / capacity ", p.capacity,
                             " invalid (k in 1..", kMaxDeltaBudget, ", capacity in 1..k)");
   }
   if (p.capacity < p.k && (p.scores == nullptr || p.score_stride < 1)) {
     return invalid_argument(what, "capacity ", p.capacity, " < k needs scores and score_stride >= 1");
   }
+  if (p.rows == 0) return cudaSuccess;
   const DeltaArgs a{p.indices, p.scores, p.mirror, p.delta_slots, p.delta_positions, p.row_info, p.totals,
                     p.k,       p.capacity, p.score_stride};
   delta_kernel<<<p.rows, kDeltaThreads, delta_smem_bytes(p.k), stream>>>(a);
@@ -1145,10 +1156,11 @@ cudaError_t apply_selection_delta(const ApplySelectionDeltaParams& p, cudaStream
     return invalid_argument(what, "delta_slots, delta_k, delta_v, held_k, held_v (and delta_positions with "
                             "held_positions) must be set");
   }
-  if (p.rows <= 0 || p.k < 1 || p.capacity < 1) {
-    return invalid_argument(what, "rows ", p.rows, " / k ", p.k, " / capacity ", p.capacity, " must be > 0");
+  if (p.rows < 0 || p.k < 1 || p.capacity < 1) {
+    return invalid_argument(what, "rows ", p.rows, " / k ", p.k, " / capacity ", p.capacity, " invalid");
   }
   if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " not supported");
+  if (p.rows == 0) return cudaSuccess;
   ApplyArgs a{p.delta_slots, p.delta_positions, p.delta_k,  p.delta_v,  p.held_k,
               p.held_v,      p.held_positions,  p.k,        p.capacity, p.head_dim, 0};
   constexpr int kMaxGridY = 65535;

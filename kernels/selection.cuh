@@ -105,8 +105,9 @@ inline constexpr int kDeltaTotalsFields = kDeltaInfoFields + 1;
 /// Delta of each row's new selection against the mirror of the holder's slot table, with at most `capacity` entries
 /// per row (selection_delta_ref's rule exactly, one CTA per row). The entries' positions are gather_kv's index rows
 /// (k = capacity), so the cache rank sends rows x capacity K/V rows instead of rows x k. A row whose selection is
-/// not "ascending, then -1" or whose mirror is corrupt (a value below -1, or a token in two slots < n) is refused on
-/// the device: row_info = {n, -1, 0, 0}, its entries -1, its mirror unchanged, totals[kDeltaInfoFields] += 1.
+/// not "ascending, then -1", whose mirror is corrupt (a value below -1, or a token in two slots < n), or that
+/// overflows with an entering position >= score_stride is refused on the device: row_info = {n, -1, 0, 0}, its
+/// entries -1, its mirror unchanged, totals[kDeltaInfoFields] += 1. rows == 0 launches nothing.
 struct SelectionDeltaParams {
   const int32_t* indices = nullptr;     // [rows, k] int32 topk_select output: ascending positions, then -1.
   const float* scores = nullptr;        // [rows, score_stride] fp32 topk_select's input; read for overflowing rows.
@@ -115,7 +116,7 @@ struct SelectionDeltaParams {
   int32_t* delta_positions = nullptr;   // [rows, capacity] int32 out: position of entry j, -1 past the entries.
   int32_t* row_info = nullptr;          // [rows, kDeltaInfoFields] int32 out: {n, E, m, holes} (E = -1: refused).
   unsigned long long* totals = nullptr; // optional [kDeltaTotalsFields] u64, accumulated (atomicAdd; zero it first).
-  int rows = 0;
+  int rows = 0;          // >= 0
   int k = 0;             // slots per row, 1..kMaxDeltaBudget.
   int capacity = 0;      // entries per row, 1..k.
   int score_stride = 0;  // > every selected position (>= 1).

@@ -361,7 +361,8 @@ std::vector<int32_t> delta_selection(std::mt19937_64& rng, int rows, int k, int 
   return sel;
 }
 
-void run_delta_stream(int rows, int k, int capacity, int steps, double keep, int levels, uint64_t seed) {
+void run_delta_stream(int rows, int k, int capacity, int steps, double keep, int levels, uint64_t seed,
+                      bool specials = false) {
   SCOPED_TRACE("rows=" + std::to_string(rows) + " k=" + std::to_string(k) + " capacity=" + std::to_string(capacity));
   std::mt19937_64 rng(seed);
   const int context = 3 * k + 17;
@@ -379,6 +380,12 @@ void run_delta_stream(int rows, int k, int capacity, int steps, double keep, int
     const std::vector<int32_t> sel = delta_selection(rng, rows, k, step, context, prev, keep);
     std::vector<float> scores(static_cast<size_t>(rows) * context);
     for (float& x : scores) x = static_cast<float>(lvl(rng)) - 5.f;  // few levels: ties at the threshold
+    if (specials) {  // NaN ranks lowest, -0.0 below +0.0, infinities (topk_key's order)
+      std::uniform_int_distribution<size_t> pick(0, scores.size() - 1);
+      const float sp[5] = {std::numeric_limits<float>::quiet_NaN(), -0.f, 0.f, std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity()};
+      for (int i = 0; i < static_cast<int>(scores.size() / 8); ++i) scores[pick(rng)] = sp[i % 5];
+    }
     std::vector<int32_t> rds(ds.size()), rdp(ds.size()), rinfo(info.size());
     SelectionDeltaRefParams rp;
     rp.indices = sel.data();
@@ -430,14 +437,64 @@ TEST(DeltaGpu, StreamWithRoomMatchesReference) { run_delta_stream(24, 256, 256, 
 TEST(DeltaGpu, StreamWithOverflowAndTiesMatchesReference) { run_delta_stream(40, 512, 37, 16, 0.7, 6, 92); }
 TEST(DeltaGpu, MaxBudgetCapacity256MatchesReference) { run_delta_stream(9, 4096, 256, 6, 0.9, 50, 93); }
 TEST(DeltaGpu, CapacityOneMatchesReference) { run_delta_stream(12, 33, 1, 20, 0.5, 3, 94); }
+TEST(DeltaGpu, OverflowWithNanSignedZerosAndInfinitiesMatchesReference) {
+  run_delta_stream(16, 300, 20, 10, 0.6, 4, 97, true);
+}
+
+TEST(DeltaGpu, ApplySplitsLaunchesPast65535Rows) {
+  const int rows = 70001, k = 3, cap = 1, D = 64;
+  std::vector<int32_t> slots(rows), pos(rows);
+  for (int r = 0; r < rows; ++r) {
+    slots[r] = r % k;
+    pos[r] = r;
+  }
+  std::vector<uint16_t> dk(static_cast<size_t>(rows) * D);
+  for (size_t i = 0; i < dk.size(); ++i) dk[i] = static_cast<uint16_t>(i / D % 50000 + 1);
+  DevBuf<int32_t> d_slots, d_pos, hpos(static_cast<size_t>(rows) * k);
+  d_slots.upload(slots);
+  d_pos.upload(pos);
+  hpos.poison();
+  DevBuf<uint16_t> d_dk, hk(static_cast<size_t>(rows) * k * D), hv(hk.size());
+  d_dk.upload(dk);
+  ASSERT_EQ(cudaMemset(hk.get(), 0, hk.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(hv.get(), 0, hv.size() * 2), cudaSuccess);
+  ApplySelectionDeltaParams p;
+  p.delta_slots = d_slots.get();
+  p.delta_positions = d_pos.get();
+  p.delta_k = d_dk.get();
+  p.delta_v = d_dk.get();
+  p.held_k = hk.get();
+  p.held_v = hv.get();
+  p.held_positions = hpos.get();
+  p.rows = rows;
+  p.k = k;
+  p.capacity = cap;
+  p.head_dim = D;
+  SPADE_CUDA_OK(apply_selection_delta(p, nullptr));
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> got = hk.download();
+  const std::vector<int32_t> gp = hpos.download();
+  for (int r = 0; r < rows; ++r) {
+    const size_t row = static_cast<size_t>(r) * k + slots[r];
+    ASSERT_EQ(gp[row], r) << "row " << r;
+    ASSERT_EQ(got[row * D + D - 1], dk[static_cast<size_t>(r) * D]) << "row " << r;
+  }
+  p.rows = 0;  // nothing to do: no launch
+  SPADE_CUDA_OK(apply_selection_delta(p, nullptr));
+}
 
 TEST(DeltaGpu, RefusesCorruptRowsAndLeavesTheirMirrorAlone) {
-  const int rows = 3, k = 8, cap = 4;
-  std::vector<int32_t> sel = {1, 2, 3, 4, -1, -1, -1, -1,  // row 0: fine
-                              1, 2, 3, 4, -1, -1, -1, -1,  // row 1: corrupt mirror (token 2 twice)
-                              5, 3, -1, -1, -1, -1, -1, -1};  // row 2: not ascending
-  std::vector<int32_t> mir = {-1, -1, -1, -1, -1, -1, -1, -1, 2, 2, -1, -1, -1, -1, -1, -1,
-                              -1, -1, -1, -1, -1, -1, -1, -1};
+  const int rows = 6, k = 8, cap = 4;
+  std::vector<int32_t> sel = {1, 2, 3, 4, -1, -1, -1, -1,     // row 0: fine
+                              1, 2, 3, 4, -1, -1, -1, -1,     // row 1: corrupt mirror (token 2 twice)
+                              5, 3, -1, -1, -1, -1, -1, -1,   // row 2: not ascending
+                              1, -1, 5, -1, -1, -1, -1, -1,   // row 3: -1 inside the count
+                              1, 2, -1, -1, -1, -1, -1, -1,   // row 4: mirror value below -1
+                              1, 2, 3, 4, 5, 20, -1, -1};     // row 5: overflows, position 20 >= score_stride 16
+  std::vector<int32_t> mir(static_cast<size_t>(rows) * k, -1);
+  mir[1 * k + 0] = 2;
+  mir[1 * k + 1] = 2;
+  mir[4 * k + 1] = -7;
   DevBuf<int32_t> d_sel, mirror, ds(rows * cap), dp(rows * cap), info(rows * kDeltaInfoFields);
   d_sel.upload(sel);
   mirror.upload(mir);
@@ -445,8 +502,10 @@ TEST(DeltaGpu, RefusesCorruptRowsAndLeavesTheirMirrorAlone) {
   scores.upload(std::vector<float>(static_cast<size_t>(rows) * 16, 1.f));
   DevBuf<unsigned long long> totals;
   totals.upload(std::vector<unsigned long long>(kDeltaTotalsFields, 0ull));
-  ds.poison();
-  dp.poison();
+  // Not 0xFF (= -1, what a refused row's entries must hold): the kernel has to write them.
+  ASSERT_EQ(cudaMemset(ds.get(), 0x7F, ds.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dp.get(), 0x7F, dp.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(info.get(), 0x7F, info.size() * 4), cudaSuccess);
   SelectionDeltaParams p;
   p.indices = d_sel.get();
   p.scores = scores.get();
@@ -461,13 +520,25 @@ TEST(DeltaGpu, RefusesCorruptRowsAndLeavesTheirMirrorAlone) {
   p.score_stride = 16;
   SPADE_CUDA_OK(selection_delta(p, nullptr));
   SPADE_CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<int32_t> got_info = info.download(), got_mir = mirror.download(), got_ds = ds.download();
+  const std::vector<int32_t> got_info = info.download(), got_mir = mirror.download(), got_ds = ds.download(),
+                             got_dp = dp.download();
   EXPECT_EQ(got_info[0 * kDeltaInfoFields + kDeltaEntering], 4);
-  EXPECT_EQ(got_info[1 * kDeltaInfoFields + kDeltaEntering], -1);
-  EXPECT_EQ(got_info[2 * kDeltaInfoFields + kDeltaEntering], -1);
-  for (int i = 0; i < k; ++i) EXPECT_EQ(got_mir[k + i], mir[k + i]) << "corrupt row's mirror changed";
-  for (int j = 0; j < cap; ++j) EXPECT_EQ(got_ds[cap + j], -1);
-  EXPECT_EQ(totals.download()[kDeltaInfoFields], 2ull);
+  EXPECT_EQ(got_info[0 * kDeltaInfoFields + kDeltaEntries], 4);
+  for (int j = 0; j < cap; ++j) EXPECT_EQ(got_dp[j], j + 1);
+  const int expected_n[rows] = {4, 4, 2, 2, 2, 6};
+  for (int r = 1; r < rows; ++r) {
+    SCOPED_TRACE("refused row " + std::to_string(r));
+    EXPECT_EQ(got_info[r * kDeltaInfoFields + kDeltaCount], expected_n[r]);
+    EXPECT_EQ(got_info[r * kDeltaInfoFields + kDeltaEntering], -1);
+    EXPECT_EQ(got_info[r * kDeltaInfoFields + kDeltaEntries], 0);
+    EXPECT_EQ(got_info[r * kDeltaInfoFields + kDeltaHoles], 0);
+    for (int i = 0; i < k; ++i) EXPECT_EQ(got_mir[r * k + i], mir[r * k + i]) << "refused row's mirror changed";
+    for (int j = 0; j < cap; ++j) {
+      EXPECT_EQ(got_ds[r * cap + j], -1);
+      EXPECT_EQ(got_dp[r * cap + j], -1);
+    }
+  }
+  EXPECT_EQ(totals.download()[kDeltaInfoFields], static_cast<unsigned long long>(rows - 1));
   // Bad parameters name the field.
   p.capacity = k + 1;
   EXPECT_EQ(selection_delta(p, nullptr), cudaErrorInvalidValue);
@@ -658,7 +729,7 @@ TEST(DeltaGpu, TopkDeltaGatherApplyKeepsTheHeldTableEqualToTheMirror) {
       }
       if (in[static_cast<size_t>(r) * 4 + kDeltaEntering] <= cap) EXPECT_EQ(held, want) << "step " << step;
     }
-    if (step > 0) EXPECT_LT(sent, static_cast<int64_t>(rows) * k / 2) << "drifting scores should keep most tokens";
+    if (step > 0) EXPECT_LT(entering, static_cast<int64_t>(rows) * k / 2) << "drifting scores should keep most tokens";
     std::printf("step %d capacity %d: %lld entering, %lld sent of %d selected rows\n", step, cap,
                 static_cast<long long>(entering), static_cast<long long>(sent), rows * k);
   }
