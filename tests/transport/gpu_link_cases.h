@@ -68,11 +68,21 @@ inline std::unique_ptr<GpuLink> connect_child(LinkKind kind, PeerProcess& child,
     CudaIpcLinkOptions o;
     o.device = 0;
     o.op_timeout = op_timeout;
-    o.chunk_bytes = 256 << 10;  // small chunks: messages wrap the ring many times
-    o.ring_slots = 4;
+    o.ring_slots = 4;  // messages wrap the ring many times
+    o.chunk_bytes = 1 << 20;  // 64 chunks for the 64 MiB messages of the failure case
+    o.connect_timeout = 15000ms;
     auto ipc = CudaIpcLink::create(peer_name, o);
     child.write_line(to_hex(ipc->address()));
-    ipc->connect();
+    try {
+      ipc->connect();
+    } catch (const std::exception& e) {
+      std::string line;
+      try {
+        line = child.read_line(100ms);
+      } catch (const std::exception&) {
+      }
+      throw std::runtime_error(std::string(e.what()) + "; the peer process said: " + line);
+    }
     link = std::move(ipc);
   }
   trace("joined");
@@ -247,6 +257,11 @@ inline void abort_unblocks_pending_receive_case(LinkKind kind, int peer_device) 
   EXPECT_LT(Clock::now() - t0, 3000ms);
   EXPECT_TRUE(link->failed());
   EXPECT_NE(link->failure().find("PeerDown for cache rank 1"), std::string::npos) << link->failure();
+  // The child still maps the link's memory: end it before the link (the creator frees the memory once the child
+  // unmapped it or is gone).
+  child.kill9();
+  child.wait_exit(5000ms);
+  link.reset();
 }
 
 }  // namespace spade::transport::test

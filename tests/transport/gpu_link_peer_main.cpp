@@ -35,11 +35,12 @@ int main(int argc, char** argv) {
   const int device = std::stoi(argv[2]);
   const std::string mode = argv[3];
   const int n = std::stoi(argv[4]);
+  // Declared outside the try: on an error, ERROR is printed before the link's teardown (which may wait).
+  std::unique_ptr<GpuLink> link;
   try {
     spdlog::set_default_logger(spdlog::stderr_logger_mt("gpu_link_peer"));  // stdout carries the protocol
     std::string line;
     if (!std::getline(std::cin, line)) throw std::runtime_error("no link address on stdin");
-    std::unique_ptr<GpuLink> link;
     const std::string parent = "test parent (inference side)";
     if (kind == "nccl") {
       NcclLinkOptions o;

@@ -162,7 +162,7 @@ TEST(CudaIpcLinkOneProcess, MalformedAddressesAndOptionsAreRefused) {
     EXPECT_NE(std::string(e.what()).find("not a CUDA IPC link address"), std::string::npos) << e.what();
   }
   std::string b = l->address();
-  b[40] ^= 0x10;  // ring_slots: the ring no longer matches the total size
+  b[12] ^= 0x10;  // ring_slots (after magic and version): the rings no longer match the total size
   EXPECT_THROW(CudaIpcLink::open(b, "inference rank 0"), spade::Error);
   CudaIpcLinkOptions bad;
   bad.chunk_bytes = 1000;  // not a multiple of 256

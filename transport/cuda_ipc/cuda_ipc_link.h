@@ -2,11 +2,12 @@
 // contract (transport/gpu_link.h). NCCL refuses two ranks of one communicator on the same device, so a single-GPU
 // machine (tests, development, the single-GPU variant of bench_tpot) joins the pair this way instead.
 //
-// Design. The inference rank (the creator) allocates one device buffer on its GPU: a 4 KiB header of 32-bit counters
-// and, per direction, a ring of `ring_slots` chunks of `chunk_bytes`. It exports the buffer with
-// cudaIpcGetMemHandle; the address it publishes (address(), TRANSPORT_CUDA_IPC at the coordinator) carries the
-// handle, its pid and the buffer's pointer. The cache rank (the opener) maps it with cudaIpcOpenMemHandle, or uses
-// the pointer directly when it is the same process (two threads: CUDA refuses to open a handle in its own process).
+// Design. The inference rank (the creator) allocates, on its GPU, a ring of `ring_slots` chunks of `chunk_bytes`
+// per direction, and a 4 KiB header of 32-bit counters in POSIX shared host memory (shm_open), registered for device
+// access (cudaHostRegister, mapped). The address it publishes (address(), TRANSPORT_CUDA_IPC at the coordinator)
+// carries the ring's cudaIpcGetMemHandle, the header's shm name and a random link id. The cache rank (the opener)
+// maps both; an opener in the same process (two threads; CUDA refuses to open its own process's handle) shares the
+// creator's mapping, found by the link id. Both processes must share /dev/shm (one host, one IPC namespace).
 // A message of N bytes travels as ceil(N / chunk_bytes) chunks. For chunk q of a direction:
 //   sender stream:    wait  consumed >= q + 1 - ring_slots   (its ring slot is free again)
 //                     copy  buf[chunk] -> ring[q % ring_slots]
@@ -20,12 +21,15 @@
 // IPC events (cudaIpcGetEventHandle) would not do: cudaStreamWaitEvent waits for the record that precedes it on the
 // HOST, which would need a host round trip per message.
 //
-// Failure. A watchdog thread tracks every posted operation (a completion event with a deadline) and polls the
-// header's abort word. A deadline missed, a CUDA error, the peer's abort word, or abort() fail the link: it sets the
-// abort word (the peer's watchdog fails its end too) and writes every counter far ahead of any value a stream waits
-// for, so the blocked copies run (on garbage) and both processes' streams drain; then failure() names the peer and
-// the operation and on_failure runs once. The creator owns the memory: a cache rank that dies leaves the inference
-// rank's buffer intact, and its blocked receives drain at the deadline.
+// Failure. A watchdog thread per end tracks every posted operation (a deadline from the moment it is posted, even
+// while its chunks are still being enqueued), beats a heartbeat in the header and watches the peer's. A deadline
+// missed, a CUDA error, the peer's abort word, the peer's silence for heartbeat_timeout, or abort() fail the link: it
+// sets the abort word (the peer's end fails too) and then stores, from the host, every counter far ahead of any value
+// a stream waits for, so the blocked copies run (on garbage) and both processes' streams drain; failure() names the
+// peer and the operation and on_failure runs once. failed() also reads the abort word synchronously: it is written
+// before any release, so a receive that completed on spoiled data is never seen as healthy. The creator owns the
+// ring and frees it only after the opener unmapped it (or stopped beating); a cache rank that dies leaves the
+// inference rank's memory intact.
 //
 // Cost: every byte is copied twice on the device (into the ring and out of it), a device-to-device copy each; this
 // link exists for correctness on one GPU, where both ranks share the HBM anyway, not for speed.
@@ -46,7 +50,8 @@ struct CudaIpcLinkOptions {
   int ring_slots = 8;                 // chunks per direction's ring (creator only), >= 1
   std::chrono::milliseconds connect_timeout{30000};  // creator's connect(): the peer must open the link by then
   std::chrono::milliseconds op_timeout{10000};       // a posted op not complete this long after posting: fail
-  std::chrono::milliseconds watchdog_period{2};      // how often the watchdog polls
+  std::chrono::milliseconds heartbeat_timeout{1000};  // no heartbeat from the connected peer this long: fail
+  std::chrono::milliseconds watchdog_period{2};      // how often the watchdog polls and beats
 };
 
 class CudaIpcLink final : public GpuLink {
