@@ -1097,6 +1097,10 @@ int main_impl(int argc, char** argv) {
 }  // namespace spade
 
 int main(int argc, char** argv) {
+  // One process, one GPU (--link ipc): the cache rank's and the inference rank's streams wait on each other through
+  // stream memory operations, which CUDA's scheduler does not see; streams sharing one of the default 8 hardware
+  // queues could then block each other. 32 queues keep every stream of this process on its own (before CUDA starts).
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   try {
     return spade::main_impl(argc, argv);
   } catch (const std::exception& e) {
