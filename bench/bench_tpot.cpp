@@ -27,7 +27,8 @@
 // timing); the greedy argmax over the logits is inside the timed step.
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
-//                   [--modes dense,oracle,async] [--nccl-ctas 16] [--delta-capacity 0,256] [--link auto|nccl|ipc]
+//                   [--modes dense,oracle,async] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
+//                   [--link auto|nccl|ipc]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
 #include <cuda_runtime_api.h>
 
@@ -93,6 +94,9 @@ struct Opts {
   // leave more SMs to scoring on the cache rank (measured: 16 of the default 32 on H200 NVLink gives the best TPOT;
   // 8 halves the link bandwidth). 0 = NCCL's default.
   int nccl_ctas = 16;
+  // The same for the selected-KV link with delta transfer (about 8x fewer bytes: fewer channels leave SMs to the
+  // scoring on the cache rank and to the model on the inference rank).
+  int nccl_ctas_delta = 8;
   // Delta transfer (kernels/selection_delta_ref.h): entries per (layer, sequence, KV head) row of each step's
   // message; 0 = the full selection every step. One async run per (pack size, capacity).
   std::vector<int> delta_capacities = {0};
@@ -572,7 +576,9 @@ class AsyncCacheRank {
         totals_(sh.cap > 0 ? kernels::kDeltaTotalsFields * 8 : 0, "delta totals"),
         window_(2 * static_cast<size_t>(L_) * B_ * cfg.q_dim() * cap_ * 2, "query windows"),
         window_len_(static_cast<size_t>(sh.P) * B_ * 4, "window lengths"),
-        q_tmp_(static_cast<size_t>(B_) * cfg.q_dim() * 2, "roped q"),
+        q_tmp_(static_cast<size_t>(sh.P) * B_ * cfg.q_dim() * 2, "roped q of a pack"),
+        append_pos_(static_cast<size_t>(plan.total_steps) * sh.P * B_ * 4, "append positions"),
+        append_rows_(static_cast<size_t>(sh.P) * B_ * 4, "append rows"),
         q_hat_(static_cast<size_t>(sh.P) * B_ * cfg.q_dim() * 4, "predicted queries"),
         lbt_(static_cast<size_t>(L_) * B_ * plan.max_pages * 4, "layer-batched block table"),
         sel_lens_(static_cast<size_t>(plan.total_steps + 1) * sh.P * B_ * 4, "selectable lengths"),
@@ -597,6 +603,14 @@ class AsyncCacheRank {
     for (int l = 0; l < L_; ++l)
       for (size_t i = 0; i < table.size(); ++i) lbt[static_cast<size_t>(l) * table.size() + i] = table[i] + l * plan.full_pages();
     cuda_check(cudaMemcpy(lbt_.get(), lbt.data(), lbt.size() * 4, cudaMemcpyHostToDevice), "upload");
+    // The pack's append rows (layer j, sequence b) = row j * B + b of the layer-batched block table; each step's
+    // token position repeated for every layer of the pack.
+    std::vector<int32_t> rows_idx(static_cast<size_t>(sh.P) * B_), pos;
+    for (size_t i = 0; i < rows_idx.size(); ++i) rows_idx[i] = static_cast<int32_t>(i);
+    for (int t = 0; t < plan.total_steps; ++t)
+      for (int r = 0; r < sh.P * B_; ++r) pos.push_back(plan.seq_len(t) - 1);
+    cuda_check(cudaMemcpy(append_rows_.get(), rows_idx.data(), rows_idx.size() * 4, cudaMemcpyHostToDevice), "upload");
+    cuda_check(cudaMemcpy(append_pos_.get(), pos.data(), pos.size() * 4, cudaMemcpyHostToDevice), "upload");
     // Selectable lengths of the step each selection is for: positions < seq_len(step) - local_window.
     std::vector<int32_t> sl;
     for (int t = 0; t <= plan.total_steps; ++t)
@@ -656,42 +670,41 @@ class AsyncCacheRank {
   char* window(int parity, int layer) const {
     return window_.as<char>() + ((static_cast<size_t>(parity) * L_ + layer) * B_ * cfg_.q_dim() * cap_) * 2;
   }
-  // Step t's K/V append and query-window push for the layers of pack p (window parity (t+1) % 2 becomes current).
+  // Step t's K/V append and query-window push for the layers of pack p (window parity (t+1) % 2 becomes current), in
+  // three launches for the whole pack: its (layer, sequence) rows are one RoPE + append over the layer-batched block
+  // table (global page l * pages + page), and its windows one contiguous block of (layer, sequence, head) rows.
   void append_pack(int t, int p, const GpuBatch& b) {
-    const int Hq = cfg_.num_q_heads, D = cfg_.head_dim;
-    const size_t row_bytes = sh_.up_bytes_pack / sh_.P;
-    for (int j = 0; j < pack_layers(p); ++j) {
-      const int l = p * sh_.P + j;
-      kernels::RopeKvAppendParams r;
-      r.qkv = up_.as<char>() + p * sh_.up_bytes_pack + j * row_bytes;
-      r.q_out = q_tmp_.get();
-      r.k_cache = pool_.k(l);
-      r.v_cache = pool_.v(l);
-      r.positions = b.positions;
-      r.seq_idx = b.seq_idx;
-      r.block_table = b.block_table;
-      r.tokens = B_;
-      r.num_q_heads = Hq;
-      r.num_kv_heads = cfg_.num_kv_heads;
-      r.head_dim = D;
-      r.rot_dim = cfg_.rope_dim();
-      r.batch = B_;
-      r.max_pages_per_seq = b.max_pages;
-      r.page_size = o_.page_size;
-      r.num_pages = pool_.num_pages();
-      r.theta = cfg_.rope_theta;
-      // The cache rank holds no q/k-norm weights in this benchmark: it normalises with unit weights (same cost).
-      cuda_check(kernels::rope_kv_append(r, stream_), "cache rank KV append");
-      const size_t row = static_cast<size_t>(cap_) * D * 2;  // one (sequence, head) window
-      char* src = window(t % 2, l);
-      char* dst = window((t + 1) % 2, l);
-      cuda_check(cudaMemcpy2DAsync(dst, row, src + D * 2, row, (cap_ - 1) * D * 2, static_cast<size_t>(B_) * Hq,
-                                   cudaMemcpyDeviceToDevice, stream_),
-                 "window shift");
-      cuda_check(cudaMemcpy2DAsync(dst + (cap_ - 1) * D * 2, row, q_tmp_.get(), D * 2, D * 2,
-                                   static_cast<size_t>(B_) * Hq, cudaMemcpyDeviceToDevice, stream_),
-                 "window push");
-    }
+    const int Hq = cfg_.num_q_heads, D = cfg_.head_dim, n = pack_layers(p), rows = n * B_;
+    kernels::RopeKvAppendParams r;
+    r.qkv = up_.as<char>() + p * sh_.up_bytes_pack;  // [P][B][qkv] rows of the pack
+    r.q_out = q_tmp_.get();
+    r.k_cache = pool_.k(0);
+    r.v_cache = pool_.v(0);
+    r.positions = append_pos_.as<int32_t>() + static_cast<size_t>(t) * sh_.P * B_;
+    r.seq_idx = append_rows_.as<int32_t>();
+    r.block_table = lbt_.as<int32_t>() + static_cast<size_t>(p) * sh_.P * B_ * plan_.max_pages;
+    r.tokens = rows;
+    r.num_q_heads = Hq;
+    r.num_kv_heads = cfg_.num_kv_heads;
+    r.head_dim = D;
+    r.rot_dim = cfg_.rope_dim();
+    r.batch = rows;
+    r.max_pages_per_seq = b.max_pages;
+    r.page_size = o_.page_size;
+    r.num_pages = pool_.num_pages() * L_;
+    r.theta = cfg_.rope_theta;
+    // The cache rank holds no q/k-norm weights in this benchmark (RoPE and append only; the norms cost the same).
+    cuda_check(kernels::rope_kv_append(r, stream_), "cache rank KV append");
+    const size_t row = static_cast<size_t>(cap_) * D * 2;  // one (layer, sequence, head) window
+    char* src = window(t % 2, p * sh_.P);
+    char* dst = window((t + 1) % 2, p * sh_.P);
+    const size_t wrows = static_cast<size_t>(rows) * Hq;
+    cuda_check(cudaMemcpy2DAsync(dst, row, src + D * 2, row, (cap_ - 1) * D * 2, wrows, cudaMemcpyDeviceToDevice,
+                                 stream_),
+               "window shift");
+    cuda_check(cudaMemcpy2DAsync(dst + (cap_ - 1) * D * 2, row, q_tmp_.get(), D * 2, D * 2, wrows,
+                                 cudaMemcpyDeviceToDevice, stream_),
+               "window push");
   }
   // Predict, score, top-k and gather the selection of step `for_step` for pack p, then send it.
   void select_and_send(int for_step, int p) {
@@ -757,7 +770,8 @@ class AsyncCacheRank {
   const Plan& plan_;
   int L_, B_, cap_;
   GpuKvPool pool_;
-  DeviceBuffer up_, send_, init_, mirror_, totals_, window_, window_len_, q_tmp_, q_hat_, lbt_, sel_lens_;
+  DeviceBuffer up_, send_, init_, mirror_, totals_, window_, window_len_, q_tmp_, append_pos_, append_rows_, q_hat_,
+      lbt_, sel_lens_;
   Selector sel_;
   GpuStepBuffers steps_;
   EventGrid qkv_ready_, cm_start_, cm_end_, send_start_, send_end_;
@@ -836,7 +850,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   sh.cache_device = ipc ? 0 : 1;
   LinkPair links;
   links.ipc = ipc;
-  links.nccl_ctas = o.nccl_ctas;
+  links.nccl_ctas = delta_cap > 0 ? o.nccl_ctas_delta : o.nccl_ctas;
   if (!ipc) links.nccl_address = NcclLink::new_address();
   std::unique_ptr<AsyncCacheRank> cache;
   std::vector<double> cm, sendms;
@@ -927,7 +941,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r = result_row(o, cfg, mode, tpot);
   r["pack"] = pack;
   r["link"] = ipc ? "cuda_ipc (both ranks on GPU 0: checks the pipeline, not its speed)" : "nccl";
-  if (!ipc) r["nccl_max_ctas"] = o.nccl_ctas;
+  if (!ipc) r["nccl_max_ctas"] = links.nccl_ctas;
   r["packs"] = sh.packs;
   r["link_bytes_up_measured"] = lc.bytes_sent;        // whole run, incl. warm-up
   r["link_bytes_down_measured"] = lc.bytes_received;
@@ -1027,6 +1041,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--warmup") o.warmup = std::stoi(next());
     else if (a == "--local-window") o.local_window = std::stoi(next());
     else if (a == "--nccl-ctas") o.nccl_ctas = std::stoi(next());
+    else if (a == "--nccl-ctas-delta") o.nccl_ctas_delta = std::stoi(next());
     else if (a == "--delta-capacity") o.delta_capacities = parse_ints(next());
     else if (a == "--link") o.link = next();
     else fail("unknown argument {} (see the header of bench/bench_tpot.cpp)", a);
