@@ -9,7 +9,9 @@
 #include "common/safetensors.h"
 #include "kernels/causal_conv1d_ref.h"
 #include "kernels/gated_rmsnorm_ref.h"
+#include "kernels/gdn_gating_ref.h"
 #include "kernels/gdn_ref.h"
+#include "kernels/output_gate_ref.h"
 #include "kernels/linear_ref.h"
 #include "kernels/paged_attention_ref.h"
 #include "kernels/rmsnorm_ref.h"
@@ -172,15 +174,6 @@ size_t Model::num_params() const {
   return n;
 }
 
-namespace {
-
-float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
-
-// torch.nn.functional.softplus with beta = 1, threshold = 20 (linear above the threshold).
-float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
-
-}  // namespace
-
 // Full attention: out = o_proj(attn(q, k, v) [* sigmoid(gate)]), h = the normed input [T, hidden].
 void Model::attention_layer(int layer, int attn_layer, const ForwardBatch& batch, AttentionBackend& attention,
                             const float* h, float* out) const {
@@ -203,13 +196,8 @@ void Model::attention_layer(int layer, int attn_layer, const ForwardBatch& batch
   kernels::rope_ref(q.data(), batch.positions.data(), T, cfg_.num_q_heads, D, cfg_.rope_dim(), cfg_.rope_theta);
   kernels::rope_ref(k.data(), batch.positions.data(), T, cfg_.num_kv_heads, D, cfg_.rope_dim(), cfg_.rope_theta);
   attention.attend(attn_layer, batch, q.data(), k.data(), v.data(), attn.data());
-  if (G > 0) {  // Qwen3.5: attn_output * sigmoid(gate), gate laid out like the attention output [T, heads, D]
-    for (int t = 0; t < T; ++t) {
-      const float* gate = &qkv[static_cast<size_t>(t) * QKV + Q + 2 * KV];
-      float* o = &attn[static_cast<size_t>(t) * Q];
-      for (int i = 0; i < Q; ++i) o[i] *= sigmoid(gate[i]);
-    }
-  }
+  if (G > 0)  // Qwen3.5: attn_output * sigmoid(gate), gate laid out like the attention output [T, heads, D]
+    kernels::output_gate_ref(attn.data(), qkv.data() + Q + 2 * KV, QKV, T, Q);
   kernels::linear_ref(attn.data(), L.o_w.data(), L.o_b.empty() ? nullptr : L.o_b.data(), out, T, H, Q);
 }
 
@@ -231,14 +219,10 @@ void Model::gdn_layer(int layer, int gdn_idx, const ForwardBatch& batch, GdnStat
     const float* row = &proj[static_cast<size_t>(t) * P];
     std::memcpy(&mixed[static_cast<size_t>(t) * C], row, C * sizeof(float));
     std::memcpy(&z[static_cast<size_t>(t) * value_dim], row + C, value_dim * sizeof(float));
-    const float* b = row + C + value_dim;
-    const float* a = b + Hv;
-    for (int hv = 0; hv < Hv; ++hv) {
-      beta[static_cast<size_t>(t) * Hv + hv] = sigmoid(b[hv]);
-      // g = -exp(A_log) * softplus(a + dt_bias), in fp32 as transformers computes it
-      g[static_cast<size_t>(t) * Hv + hv] = -std::exp(L.A_log[hv]) * softplus(a[hv] + L.dt_bias[hv]);
-    }
   }
+  // beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), in fp32 as transformers computes them
+  kernels::gdn_gating_ref(proj.data() + C + value_dim, proj.data() + C + value_dim + Hv, P, L.A_log.data(),
+                          L.dt_bias.data(), beta.data(), g.data(), T, Hv);
 
   kernels::CausalConv1dParams cp;
   cp.x = mixed.data();
