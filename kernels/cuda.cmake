@@ -13,7 +13,8 @@ add_library(spade_kernels_cuda STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/decode_attention.cu    # paged + token-sparse split-K flash-decoding
   ${CMAKE_CURRENT_SOURCE_DIR}/prefill_attention.cu   # causal FlashAttention-2-style prefill
   ${CMAKE_CURRENT_SOURCE_DIR}/selection.cu          # predictor, scoring, top-k, gather
-  ${CMAKE_CURRENT_SOURCE_DIR}/gdn.cu)               # Gated DeltaNet decoding forms (recurrent, buffered, verify)
+  ${CMAKE_CURRENT_SOURCE_DIR}/gdn.cu                # Gated DeltaNet decoding forms (recurrent, buffered, verify)
+  ${CMAKE_CURRENT_SOURCE_DIR}/hybrid_ops.cu)        # conv1d + state, GDN gating, gated RMSNorm, output gate, reset
 # Headers only from common/ (dtype.h): no link dependency on spade_common.
 target_link_libraries(spade_kernels_cuda PUBLIC CUDA::cudart PRIVATE spade_warnings)
 # Layer ops of the GPU inference rank (embedding, RMSNorm, RoPE + KV append, SwiGLU, sampling) and the cuBLASLt
