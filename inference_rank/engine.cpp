@@ -67,8 +67,9 @@ Engine::Engine(const ModelConfig& cfg, EngineOptions opt, ForwardFn forward)
       attention_(std::make_unique<DensePagedAttention>(*attn_cfg_, *cache_)),
       alloc_(opt_.num_pages, opt_.page_size) {
   SPADE_CHECK(forward_ != nullptr, "Engine: no forward pass given");
-  SPADE_CHECK(!cfg.is_hybrid(), "Engine: an external forward pass serves dense models only ('{}' is hybrid)",
-              cfg.model_type);
+  // Hybrid models: the external forward pass holds the GDN states; the engine hands out their slot ids.
+  if (cfg.is_hybrid())
+    for (int i = opt_.max_num_seqs - 1; i >= 0; --i) free_state_slots_.push_back(i);
 }
 
 Engine::Engine(const ModelConfig& cfg, EngineOptions opt, ForwardSampleFn forward)
@@ -129,7 +130,11 @@ void Engine::finish(Seq& s, FinishReason r, const std::string& error) {
   reserved_pages_ -= s.reserved_pages - static_cast<int>(alloc_.block_table(s.id).size());
   alloc_.release(s.id);
   if (s.state_slot >= 0) {
-    states_->release(s.state_slot);
+    if (states_) {
+      states_->release(s.state_slot);
+    } else {
+      free_state_slots_.push_back(s.state_slot);
+    }
     s.state_slot = -1;
   }
   attention_->on_release(s.id);
@@ -147,7 +152,12 @@ bool Engine::admit_waiting() {
     const int need = alloc_.pages_for(static_cast<int>(s.req.prompt_ids.size()) + s.req.max_tokens);
     if (alloc_.num_free_pages() - reserved_pages_ < need) break;  // FIFO: wait for memory
     // Hybrid: one recurrent-state slot per running sequence; the pool has max_num_seqs slots, so one is free here.
-    if (states_) s.state_slot = states_->allocate();
+    if (states_) {
+      s.state_slot = states_->allocate();
+    } else if (cfg_.is_hybrid()) {
+      s.state_slot = free_state_slots_.back();
+      free_state_slots_.pop_back();
+    }
     alloc_.admit(s.id);
     s.reserved_pages = need;
     reserved_pages_ += need;
@@ -189,7 +199,7 @@ bool Engine::step() {
     batch.cu_q_lens.push_back(batch.cu_q_lens.back() + n);
     batch.seq_lens.push_back(s->num_computed + n);
     batch.seq_ids.push_back(s->id);
-    if (states_) batch.state_slots.push_back(s->state_slot);
+    if (cfg_.is_hybrid()) batch.state_slots.push_back(s->state_slot);
     s->num_computed += n;
     if (s->num_computed == static_cast<int>(s->tokens.size())) {  // last token known: sample the next one
       batch.logit_rows.push_back(batch.cu_q_lens.back() - 1);

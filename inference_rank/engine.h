@@ -113,9 +113,10 @@ class Engine {
  public:
   /// `make_attention`: nullptr = dense paged attention over the engine's own KvCache.
   Engine(const Model& model, EngineOptions opt, const BackendFactory& make_attention = nullptr);
-  /// An engine over an external forward pass of a dense (non-hybrid) model of `cfg`; attention happens inside
-  /// `forward`, over a KV pool of options().num_pages pages (the normalised value: build the pool from options()
-  /// before the first step). Throws spade::Error for a hybrid cfg.
+  /// An engine over an external forward pass of a model of `cfg`; attention happens inside `forward`, over a KV pool
+  /// of options().num_pages pages (the normalised value: build the pool from options() before the first step). For
+  /// a hybrid cfg the forward pass holds the GDN states: the engine gives each running sequence a slot id in
+  /// [0, max_num_seqs) (ForwardBatch::state_slots); a sequence whose step starts at position 0 must get fresh states.
   Engine(const ModelConfig& cfg, EngineOptions opt, ForwardFn forward);
   /// The same over a forward pass that samples on its device (ForwardSampleFn).
   Engine(const ModelConfig& cfg, EngineOptions opt, ForwardSampleFn forward);
@@ -169,7 +170,8 @@ class Engine {
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<AttentionBackend> attention_;
   PageAllocator alloc_;
-  std::unique_ptr<GdnStatePool> states_;  // hybrid models only
+  std::unique_ptr<GdnStatePool> states_;  // hybrid models on the CPU model only
+  std::vector<int> free_state_slots_;      // hybrid models behind an external forward pass: free GDN state slot ids
   uint64_t next_id_ = 1;
   int reserved_pages_ = 0;  // pages promised to running sequences but not yet allocated
   std::deque<std::unique_ptr<Seq>> waiting_;

@@ -30,17 +30,19 @@ GpuEngineOptions gpu_engine_options(const EngineOptions& e, bool cuda_graphs) {
 
 GpuModelOptions GpuEngineForward::model_options(const GpuEngineOptions& opt) {
   const int rows = std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs));
-  return GpuModelOptions{rows, rows};
+  // GDN state slots: the engine's max_num_seqs, plus one scratch slot for the padding rows of graph buckets.
+  return GpuModelOptions{rows, rows, opt.max_num_seqs + 1};
 }
 
 GpuEngineForward::GpuEngineForward(std::unique_ptr<GpuModel> model, const GpuEngineOptions& opt)
     : model_(std::move(model)), opt_(opt),
       max_pages_((std::max(opt.max_model_len, 1) + opt.page_size - 1) / opt.page_size),
-      kv_(model_->config().num_layers, opt.num_pages + 1, opt.page_size, model_->config().num_kv_heads,
+      kv_(model_->config().num_attention_layers(), opt.num_pages + 1, opt.page_size, model_->config().num_kv_heads,
           model_->config().head_dim),
       attention_(model_->config(), opt.page_size, bucket_for(opt.max_num_seqs)),
       steps_(std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs)), bucket_for(opt.max_num_seqs),
-             max_pages_, std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs)), opt.num_pages + 1) {
+             max_pages_, std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs)), opt.num_pages + 1,
+             model_->config().is_hybrid() ? opt.max_num_seqs + 1 : 0) {
   SPADE_CHECK(opt.num_pages > 0 && opt.max_model_len > 0, "GPU engine: num_pages and max_model_len must be set");
   max_rows_ = model_options(opt).max_logit_rows;
   sample_params_ = DeviceBuffer(static_cast<size_t>(max_rows_) * 28, "GPU engine sampling parameters");
@@ -69,6 +71,7 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
   h.cu_q_lens = fb.cu_q_lens;
   h.seq_lens = fb.seq_lens;
   h.logit_rows = fb.logit_rows;
+  h.state_slots = fb.state_slots;
   h.max_pages = max_pages_;
   h.block_table.assign(static_cast<size_t>(rows) * max_pages_, -1);
   for (int b = 0; b < B; ++b) {
@@ -77,7 +80,10 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
               h.block_table.begin() + static_cast<long>(b) * max_pages_);
     for (int t = fb.cu_q_lens[b]; t < fb.cu_q_lens[b + 1]; ++t) h.seq_idx.push_back(b);
   }
-  for (int b = B; b < rows; ++b) {  // padding: one token at position 0 on the scratch page (logits ignored)
+  // Padding: one token at position 0 on the scratch page (logits ignored); hybrid models: the scratch state slot
+  // max_num_seqs, shared by the padding rows (their states are garbage nobody reads).
+  for (int b = B; b < rows; ++b) {
+    if (!h.state_slots.empty()) h.state_slots.push_back(opt_.max_num_seqs);
     h.logit_rows.push_back(static_cast<int32_t>(h.tokens.size()));
     h.tokens.push_back(0);
     h.positions.push_back(0);

@@ -11,8 +11,12 @@
 // rmsnorm with residual_dtype F32), norm weights fp32; logits fp32. Agrees with the CPU fp32 path (model.h) to bf16
 // round-off (tests/inference_rank/test_gpu_model.cu states the bounds).
 //
-// Not on the GPU path yet: hybrid Qwen3.5 (linear-attention layers, the attention output gate) -- the GDN kernels
-// exist (kernels/gdn.cuh) but are not wired into this forward; GpuModel throws spade::Error naming the model type.
+// Hybrid Qwen3.5 (qwen3_5_text) runs too: Gated DeltaNet layers (in_proj GEMM, GDN gating, causal conv1d with its
+// per-sequence state, the recurrent form of kernels/gdn.cuh, gated RMSNorm, out_proj) and gated full-attention layers
+// (partial RoPE, sigmoid output gate), with the conv and recurrent states of every GDN layer in fp32 pools on the GPU,
+// indexed by GpuBatch::state_slots (a sequence whose step starts at position 0 gets zeroed states first). The KV pool
+// then holds the full-attention layers only (GpuKvPool of attention_view().num_layers). The GDN head dims must be
+// kernels/gdn.cuh's kGdnHeadDims (64, 128), the attention head dim one of the attention kernels'.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -93,6 +97,7 @@ struct GpuBatch {
   const int32_t* seq_lens = nullptr;    // [batch] int32 context length after this step.
   const int32_t* block_table = nullptr; // [batch, max_pages] int32 page ids (-1 = no page: padding rows).
   const int32_t* logit_rows = nullptr;  // [num_logit_rows] int32 token rows whose logits are computed, in order.
+  const int32_t* state_slots = nullptr; // [batch] int32 GDN state slot of each sequence (hybrid models; else null).
   int32_t* error_flag = nullptr;        // [1] int32, set to 1 by a bad token id / position / page (zero it first).
   int num_tokens = 0;
   int batch = 0;
@@ -106,16 +111,18 @@ struct GpuBatch {
 /// Host-side image of a step, as the engine builds it (model.h ForwardBatch plus the bounds).
 struct GpuStepHost {
   std::vector<int32_t> tokens, positions, seq_idx, cu_q_lens, seq_lens, block_table, logit_rows;
+  std::vector<int32_t> state_slots;  // [batch] for hybrid models, else empty
   int max_pages = 0;
   int max_seq_len = 0;  // 0: max(seq_lens)
 };
 
 /// Fixed device buffers of steps of up to max_tokens tokens / max_batch sequences over a KV pool of num_pages pages,
 /// and a pinned host staging copy: upload() writes a step into the same device addresses every time (so a captured
-/// graph reads the new step).
+/// graph reads the new step). num_state_slots > 0: steps carry state_slots in [0, num_state_slots) (hybrid models).
 class GpuStepBuffers {
  public:
-  GpuStepBuffers(int max_tokens, int max_batch, int max_pages, int max_logit_rows, int num_pages);
+  GpuStepBuffers(int max_tokens, int max_batch, int max_pages, int max_logit_rows, int num_pages,
+                 int num_state_slots = 0);
   ~GpuStepBuffers();
   GpuStepBuffers(const GpuStepBuffers&) = delete;
   GpuStepBuffers& operator=(const GpuStepBuffers&) = delete;
@@ -126,7 +133,7 @@ class GpuStepBuffers {
   int32_t* error_flag() const;
 
  private:
-  int max_tokens_, max_batch_, max_pages_, max_logit_rows_, num_pages_;
+  int max_tokens_, max_batch_, max_pages_, max_logit_rows_, num_pages_, num_state_slots_;
   size_t words_ = 0;
   DeviceBuffer dev_;
   int32_t* pinned_ = nullptr;
@@ -137,8 +144,10 @@ class GpuStepBuffers {
 /// Device pointers of one layer's step, handed to the attention hook.
 struct GpuLayerStep {
   int layer = 0;                // attention-layer index (every layer of a dense model)
-  const void* qkv = nullptr;    // [num_tokens, (Hq + 2 Hkv) * D] bf16: the raw fused projection (before q/k norm
-                                // and RoPE): what the disaggregated path ships to the cache rank
+  const void* qkv = nullptr;    // [num_tokens, qkv_stride] bf16: the raw fused projection (before q/k norm and
+                                // RoPE), q | k | v in the first (Hq + 2 Hkv) * D columns (then Qwen3.5's output
+                                // gate): what the disaggregated path ships to the cache rank
+  int qkv_stride = 0;           // elements between rows of qkv
   const void* q = nullptr;      // [num_tokens, Hq, D] bf16 after q-norm and RoPE
   void* k_cache = nullptr;      // this layer's [num_pages, page_size, Hkv, D] bf16 (the step's K/V already appended)
   void* v_cache = nullptr;
@@ -190,6 +199,7 @@ class GpuDenseAttention : public GpuAttention {
 struct GpuModelOptions {
   int max_tokens = 512;      // largest num_tokens of a step (activation buffers are sized by it)
   int max_logit_rows = 256;  // largest num_logit_rows
+  int max_state_slots = 0;   // hybrid models: GDN state slots (sequences running at once + scratch), >= 1
 };
 
 class GpuModel {
@@ -208,18 +218,32 @@ class GpuModel {
   /// Bytes of all weights on the GPU (what one decode step must read once).
   size_t weight_bytes() const { return weight_bytes_; }
 
-  /// Runs the step through every layer: appends each layer's K/V to `kv` (positions / block table of `batch`),
-  /// calls `attention` per layer, and writes logits() for batch.logit_rows. Asynchronous on `stream`.
+  /// Runs the step through every layer: appends each full-attention layer's K/V to `kv` (positions / block table of
+  /// `batch`), calls `attention` per full-attention layer (GpuLayerStep::layer = its index among them), runs the GDN
+  /// layers on the state slots of `batch`, and writes logits() for batch.logit_rows. Asynchronous on `stream`.
   /// Throws spade::Error when the batch exceeds the options, max_seq_len exceeds the block table's reach
-  /// (max_pages * page_size), or the KV pool's geometry does not match the model.
+  /// (max_pages * page_size), the KV pool's geometry does not match the model, or a hybrid batch has no
+  /// state_slots.
   void forward(const GpuBatch& batch, GpuKvPool& kv, GpuAttention& attention, cudaStream_t stream);
   /// [max_logit_rows, vocab] fp32; the first batch.num_logit_rows rows hold the last forward's logits.
   const float* logits() const { return logits_.as<float>(); }
   /// Greedy tokens of the last forward's logit rows into out[rows] (device int32).
   void argmax(int rows, int32_t* out, cudaStream_t stream) const;
+  /// Bytes of the GDN state pools (0 for a dense model).
+  size_t state_bytes() const { return conv_pool_.bytes() + rec_pool_.bytes(); }
 
  private:
   struct Layer {
+    LayerType type = LayerType::FullAttention;
+    int index = 0;  // among the layers of its type (attention layer / GDN layer)
+    // GDN layers
+    void* in_proj_w = nullptr;   // [conv_dim + value_dim + 2 Hv, hidden] bf16
+    float* conv_w = nullptr;     // [conv_dim, K] fp32
+    float* a_log = nullptr;      // [Hv] fp32
+    float* dt_bias = nullptr;    // [Hv] fp32
+    float* gated_norm = nullptr; // [d_v] fp32
+    void* out_proj_w = nullptr;  // [hidden, value_dim] bf16
+    // every layer
     float* attn_norm = nullptr;
     float* mlp_norm = nullptr;
     float* q_norm = nullptr;
@@ -236,6 +260,9 @@ class GpuModel {
   GpuModel(const ModelConfig& cfg, GpuModelOptions opts);
   void allocate_weights();
   void allocate_activations();
+  // A full-attention layer after its qkv projection: q/k norm + RoPE + KV append, the attention hook, the output gate.
+  void kv_layer(const Layer& L, const GpuBatch& b, GpuKvPool& kv, GpuAttention& attention, int qkv_cols,
+                cudaStream_t stream);
 
   ModelConfig cfg_;
   GpuModelOptions opts_;
@@ -247,6 +274,9 @@ class GpuModel {
   float* final_norm_ = nullptr;
   // activations
   DeviceBuffer residual_, x_, h_, qkv_, q_, attn_, gate_up_, act_, sel_, logits_;
+  // GDN layers: fused in_proj output, conv outputs q / k / v, beta / g, core output, its gated norm; state pools
+  // [gdn layers, max_state_slots, ...] fp32
+  DeviceBuffer gproj_, gq_, gk_, gv_, gbeta_, gg_, gcore_, gnormed_, conv_pool_, rec_pool_;
   struct Gemm;
   std::unique_ptr<Gemm> gemm_;
 };

@@ -23,7 +23,11 @@
 //   steps with new data copied into the same GpuStepBuffers equals eager forwards of the same steps on an
 //   identical setup within 1e-6 relative (same kernels and split-K grid: max_seq_len fixed at 256 for both).
 // - GpuModel::random: same seed -> bitwise-identical finite logits; another seed -> different logits.
-// - Bad input: unsupported head_dim / GQA group / hybrid config throw spade::Error naming the cause;
+// - Hybrid Qwen3.5-like (qwen35_like: 3 GDN layers + 1 gated full-attention layer): the same parity bound and
+//   argmax rule, the chunked-prefill check (conv and recurrent states carried across steps), and the GPU engine
+//   against the CPU engine (the engine's state slot ids index the GPU state pools).
+// - Bad input: unsupported head_dim / GQA group / GDN head dims / hybrid without state slots throw spade::Error
+//   naming the cause;
 //   malformed steps are rejected by GpuStepBuffers::upload (oversized ones by forward); an out-of-vocabulary
 //   token id sets the device error flag without a CUDA error.
 #include <cuda_runtime_api.h>
@@ -57,7 +61,8 @@ constexpr int kPageSize = 16;
 constexpr int kMaxTokens = 128;
 constexpr int kMaxLogitRows = 64;
 constexpr int kMaxPagesPerSeq = 16;  // 256 tokens: room for the graph test's fixed max_seq_len bound
-constexpr GpuModelOptions kOpts{kMaxTokens, kMaxLogitRows};
+constexpr int kStateSlots = 5;  // hybrid models: GDN state slots of the test pools
+constexpr GpuModelOptions kOpts{kMaxTokens, kMaxLogitRows, kStateSlots};
 constexpr double kParityTol = 0.05;
 
 ModelConfig qwen3_like() {
@@ -99,6 +104,28 @@ ModelConfig llama_biased() {
   c.attention_bias = true;
   c.o_proj_bias = true;
   c.mlp_bias = true;
+  return c;
+}
+
+// Hybrid Qwen3.5-like (qwen3_5_text): Gated DeltaNet layers 0, 1, 3 (GDN head dims 64, the kernels' smallest; 2 key
+// heads, 4 value heads, conv kernel 4) and a gated full-attention layer 2 (q/k norm, partial RoPE over 16 of 64
+// dims, sigmoid output gate), zero-centred norms folded by the loader.
+ModelConfig qwen35_like() {
+  ModelConfig c = qwen3_like();
+  c.model_type = "qwen3_5_text";
+  c.arch = ModelArch::Qwen3_5;
+  c.num_layers = 4;
+  c.layer_types = {LayerType::LinearAttention, LayerType::LinearAttention, LayerType::FullAttention,
+                   LayerType::LinearAttention};
+  c.attn_output_gate = true;
+  c.norm_unit_offset = true;
+  c.rotary_dim = 16;
+  c.rope_theta = 1e7;
+  c.linear_conv_kernel_dim = 4;
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 4;
+  c.linear_key_head_dim = 64;
+  c.linear_value_head_dim = 64;
   return c;
 }
 
@@ -144,8 +171,9 @@ struct Step {
   GpuStepHost gpu;
 };
 
+// `slots`: hybrid models, the GDN state slot of each sequence id (null for dense models).
 Step make_step(Seqs& s, const std::vector<int>& which, const std::vector<std::vector<int32_t>>& chunks,
-               bool all_rows, int max_seq_len = 0) {
+               bool all_rows, int max_seq_len = 0, const std::vector<int32_t>* slots = nullptr) {
   Step st;
   st.which = which;
   ForwardBatch& f = st.cpu;
@@ -165,6 +193,7 @@ Step make_step(Seqs& s, const std::vector<int>& which, const std::vector<std::ve
     f.seq_lens.push_back(s.len[q]);
     f.block_table.insert(f.block_table.end(), s.table[q].begin(), s.table[q].end());
     f.seq_ids.push_back(q + 1);
+    if (slots != nullptr) f.state_slots.push_back((*slots)[q]);
   }
   GpuStepHost& g = st.gpu;
   g.tokens = f.tokens;
@@ -173,6 +202,7 @@ Step make_step(Seqs& s, const std::vector<int>& which, const std::vector<std::ve
   g.seq_lens = f.seq_lens;
   g.block_table = f.block_table;
   g.logit_rows = f.logit_rows;
+  g.state_slots = f.state_slots;
   g.max_pages = f.max_pages;
   g.max_seq_len = max_seq_len;
   return st;
@@ -193,9 +223,9 @@ class GpuRunner {
  public:
   GpuRunner(std::unique_ptr<GpuModel> model, int num_pages, int max_batch)
       : model_(std::move(model)),
-        kv_(cfg().num_layers, num_pages, kPageSize, cfg().num_kv_heads, cfg().head_dim),
+        kv_(cfg().num_attention_layers(), num_pages, kPageSize, cfg().num_kv_heads, cfg().head_dim),
         attn_(cfg(), kPageSize, max_batch),
-        bufs_(kMaxTokens, max_batch, kMaxPagesPerSeq, kMaxLogitRows, num_pages),
+        bufs_(kMaxTokens, max_batch, kMaxPagesPerSeq, kMaxLogitRows, num_pages, cfg().is_hybrid() ? kStateSlots : 0),
         top_(kMaxLogitRows * sizeof(int32_t), "argmax output") {
     cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   }
@@ -306,16 +336,27 @@ void check_parity(const ModelConfig& cfg, uint64_t seed) {
     for (float& x : w.embed) x *= 0.02f;
   GpuRunner gpu(GpuModel::upload(cfg, w, kOpts), seqs.num_pages, 3);
   const Model cpu(cfg, std::move(w));
-  KvCache cache(cfg, seqs.num_pages, kPageSize);
-  DensePagedAttention cpu_attn(cfg, cache);
+  const ModelConfig view = cfg.attention_view();  // the KV cache holds the full-attention layers
+  KvCache cache(view, seqs.num_pages, kPageSize);
+  DensePagedAttention cpu_attn(view, cache);
+  // Hybrid: the CPU pool's slots; the GPU pools use the same ids (slot 0 stays unused on the GPU after a first
+  // allocation elsewhere would not matter: ids are just indices into both pools).
+  std::unique_ptr<GdnStatePool> states;
+  std::vector<int32_t> slot_of;
+  if (cfg.is_hybrid()) {
+    states = std::make_unique<GdnStatePool>(cfg, kStateSlots);
+    states->allocate();  // burn slot 0, so sequence i's slot is not simply i
+    for (int i = 0; i < 3; ++i) slot_of.push_back(states->allocate());
+  }
+  const std::vector<int32_t>* slots = cfg.is_hybrid() ? &slot_of : nullptr;
 
   Step step = make_step(seqs, {0, 1, 2},
                         {random_tokens(13, V, rng), random_tokens(29, V, rng), random_tokens(7, V, rng)},
-                        /*all_rows=*/true);
+                        /*all_rows=*/true, 0, slots);
   ParityStats st;
   std::vector<float> ref;
   for (int s = 0; s <= kDecodeSteps; ++s) {
-    cpu.forward(step.cpu, cpu_attn, ref);
+    cpu.forward(step.cpu, cpu_attn, ref, states.get());
     const std::vector<float> got = gpu.run(step.gpu);
     const std::vector<int32_t> top = gpu.argmax(static_cast<int>(step.cpu.logit_rows.size()));
     compare_rows(ref, got, top, V,
@@ -326,7 +367,7 @@ void check_parity(const ModelConfig& cfg, uint64_t seed) {
     const std::vector<int> order = {s % 3, (s + 1) % 3, (s + 2) % 3};
     std::vector<std::vector<int32_t>> chunks;
     for (int q : order) chunks.push_back({next[static_cast<size_t>(q)]});
-    step = make_step(seqs, order, chunks, false);
+    step = make_step(seqs, order, chunks, false, 0, slots);
   }
   std::printf(
       "[ parity   ] %s: %d logit rows, worst max|gpu-cpu|/max|cpu| = %.5f (bound %.2f), %d rows with a "
@@ -341,24 +382,30 @@ TEST(GpuModelParity, Qwen3LikeQkNormGqa2UntiedHead) {
   check_parity(qwen3_like(), 101);
 }
 
+TEST(GpuModelParity, Qwen35LikeHybridGdnAndGatedAttention) {
+  check_parity(qwen35_like(), 303);
+}
+
 TEST(GpuModelParity, LlamaLikeAllBiasesGqa8TiedEmbeddings) {
   check_parity(llama_biased(), 202);
 }
 
-TEST(GpuModel, ChunkedPrefillMatchesOneStepPrefill) {
-  const ModelConfig cfg = qwen3_like();
+// Dense and hybrid: chunked prefill carries the KV (and, hybrid, the conv and recurrent states) across steps.
+void check_chunked_prefill(const ModelConfig& cfg) {
   const int V = cfg.vocab_size;
   std::mt19937_64 rng(7);
   Seqs seqs = make_seqs(3, 2, 4, rng);
   GpuRunner gpu(GpuModel::random(cfg, 11, kOpts), seqs.num_pages, 3);
+  const std::vector<int32_t> slot_of = {4, 2, 0};
+  const std::vector<int32_t>* slots = cfg.is_hybrid() ? &slot_of : nullptr;
   const std::vector<int32_t> prompt = random_tokens(29, V, rng);
-  const std::vector<float> one = gpu.run(make_step(seqs, {0}, {prompt}, false).gpu);
+  const std::vector<float> one = gpu.run(make_step(seqs, {0}, {prompt}, false, 0, slots).gpu);
 
   // Sequence 1 gets the same prompt in chunks; sequence 2 prefills and decodes alongside it.
   const auto cut = [&](int a, int b) { return std::vector<int32_t>(prompt.begin() + a, prompt.begin() + b); };
-  gpu.run(make_step(seqs, {1, 2}, {cut(0, 10), random_tokens(5, V, rng)}, false).gpu);
-  gpu.run(make_step(seqs, {2, 1}, {random_tokens(1, V, rng), cut(10, 20)}, false).gpu);
-  const std::vector<float> chunked = gpu.run(make_step(seqs, {1}, {cut(20, 29)}, false).gpu);
+  gpu.run(make_step(seqs, {1, 2}, {cut(0, 10), random_tokens(5, V, rng)}, false, 0, slots).gpu);
+  gpu.run(make_step(seqs, {2, 1}, {random_tokens(1, V, rng), cut(10, 20)}, false, 0, slots).gpu);
+  const std::vector<float> chunked = gpu.run(make_step(seqs, {1}, {cut(20, 29)}, false, 0, slots).gpu);
 
   ASSERT_EQ(one.size(), static_cast<size_t>(V));
   ASSERT_EQ(chunked.size(), one.size());
@@ -366,8 +413,13 @@ TEST(GpuModel, ChunkedPrefillMatchesOneStepPrefill) {
   const double mag = max_abs(one.data(), one.size()),
                err = max_abs_diff(chunked.data(), one.data(), one.size());
   ASSERT_GT(mag, 0.1);
-  EXPECT_LE(err / mag, 1e-2) << "chunked vs one-step prefill: max diff " << err << ", max logit " << mag;
+  EXPECT_LE(err / mag, 1e-2) << cfg.model_type << " chunked vs one-step prefill: max diff " << err
+                             << ", max logit " << mag;
 }
+
+TEST(GpuModel, ChunkedPrefillMatchesOneStepPrefill) { check_chunked_prefill(qwen3_like()); }
+
+TEST(GpuModel, HybridChunkedPrefillCarriesTheGdnStates) { check_chunked_prefill(qwen35_like()); }
 
 TEST(GpuModel, CudaGraphReplayMatchesEagerDecode) {
   const ModelConfig cfg = qwen3_like();
@@ -455,20 +507,34 @@ TEST(GpuModelBadInput, UnsupportedConfigsThrow) {
   c.num_kv_heads = 1;  // GQA group 16 > 8
   expect_error([&] { GpuModel::random(c, 1, kOpts); }, "GQA");
 
-  c = qwen3_like();  // hybrid Qwen3.5 text model: GDN layers are not on the GPU path yet
-  c.model_type = "qwen3_5_text";
-  c.arch = ModelArch::Qwen3_5;
-  c.layer_types = {LayerType::LinearAttention, LayerType::LinearAttention, LayerType::FullAttention};
-  c.attn_output_gate = true;
-  c.norm_unit_offset = true;
-  c.rotary_dim = 16;
-  c.linear_conv_kernel_dim = 4;
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 4;
-  c.linear_key_head_dim = 64;
-  c.linear_value_head_dim = 64;
+  c = qwen35_like();  // GDN head dims the kernels lack (the tiny transformers fixture's 16)
+  c.linear_key_head_dim = 16;
+  c.linear_value_head_dim = 16;
   ASSERT_TRUE(c.is_hybrid());
-  expect_error([&] { GpuModel::random(c, 1, kOpts); }, "qwen3_5_text");
+  expect_error([&] { GpuModel::random(c, 1, kOpts); }, "Gated DeltaNet head dims k 16 / v 16");
+
+  c = qwen35_like();  // hybrid without state slots
+  expect_error([&] { GpuModel::random(c, 1, GpuModelOptions{kMaxTokens, kMaxLogitRows, 0}); }, "max_state_slots");
+}
+
+TEST(GpuModelBadInput, HybridStepsNeedValidStateSlots) {
+  std::mt19937_64 rng(19);
+  Seqs seqs = make_seqs(1, 2, 4, rng);
+  GpuRunner hybrid(GpuModel::random(qwen35_like(), 3, kOpts), seqs.num_pages, 2);
+  Step st = make_step(seqs, {0}, {random_tokens(4, 1024, rng)}, false);
+  expect_error([&] { hybrid.upload(st.gpu); }, "state slots");
+  st.gpu.state_slots = {kStateSlots};
+  expect_error([&] { hybrid.upload(st.gpu); }, "state slot 5");
+  // A step uploaded without slots (another buffer set) reaches forward without them.
+  GpuStepBuffers plain(kMaxTokens, 2, kMaxPagesPerSeq, kMaxLogitRows, seqs.num_pages);
+  st.gpu.state_slots.clear();
+  const GpuBatch b = plain.upload(st.gpu, hybrid.stream());
+  expect_error([&] { hybrid.forward(b); }, "state_slots");
+  // A dense model's buffers refuse slots.
+  GpuRunner dense(GpuModel::random(qwen3_like(), 3, kOpts), seqs.num_pages, 2);
+  st.gpu.state_slots = {0};
+  expect_error([&] { dense.upload(st.gpu); }, "without GDN layers");
+  cudaStreamSynchronize(hybrid.stream());
 }
 
 TEST(GpuModelBadInput, MalformedStepsAreRejected) {
@@ -583,8 +649,9 @@ EngineOptions small_engine_options() {
   return eo;
 }
 
-TEST(GpuEngine, ContinuousBatchingAgreesWithTheCpuEngine) {
-  const ModelConfig cfg = qwen3_like();
+// The Engine over the GPU forward pass against the CPU engine on run_engine's workload (dense and, with the GDN
+// states on the GPU indexed by the engine's slot ids, hybrid).
+void check_engine_agrees(const ModelConfig& cfg) {
   const ModelWeights w = load_weights(cfg, random_source(21));
   const EngineOptions eo = small_engine_options();
   Model cpu_model(cfg, w);
@@ -606,9 +673,10 @@ TEST(GpuEngine, ContinuousBatchingAgreesWithTheCpuEngine) {
       matched_prefix += k;
       first_match += k > 0;
     }
-    std::printf("[ engine   ] graphs=%d: %zu of %zu greedy tokens agree with the CPU engine before the first "
+    std::printf("[ engine   ] %s graphs=%d: %zu of %zu greedy tokens agree with the CPU engine before the first "
                 "divergence; first token agrees for %zu of 5 requests; %llu graph / %llu eager steps\n",
-                graphs, matched_prefix, total, first_match, static_cast<unsigned long long>(gpu.graph_steps()),
+                cfg.model_type.c_str(), graphs, matched_prefix, total, first_match,
+                static_cast<unsigned long long>(gpu.graph_steps()),
                 static_cast<unsigned long long>(gpu.eager_steps()));
     // bf16 may flip a near-tie (then the sequences legitimately diverge), but a row mix-up or a stale KV page
     // would break agreement from the first decode step on.
@@ -622,6 +690,10 @@ TEST(GpuEngine, ContinuousBatchingAgreesWithTheCpuEngine) {
     }
   }
 }
+
+TEST(GpuEngine, ContinuousBatchingAgreesWithTheCpuEngine) { check_engine_agrees(qwen3_like()); }
+
+TEST(GpuEngine, HybridContinuousBatchingAgreesWithTheCpuEngine) { check_engine_agrees(qwen35_like()); }
 
 // inference_rank --device cuda samples on the device (GpuEngineForward::sample): greedy gives exactly the tokens of
 // host sampling over the same GPU logits; seeded sampling is a function of the seed (same seed, same text; another
