@@ -30,8 +30,8 @@ GpuEngineOptions gpu_engine_options(const EngineOptions& e, bool cuda_graphs) {
 
 GpuModelOptions GpuEngineForward::model_options(const GpuEngineOptions& opt) {
   const int rows = std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs));
-  // GDN state slots: the engine's max_num_seqs, plus one scratch slot for the padding rows of graph buckets.
-  return GpuModelOptions{rows, rows, opt.max_num_seqs + 1};
+  // GDN state slots: one per sequence the engine runs at once (graph padding rows use none: slot -1).
+  return GpuModelOptions{rows, rows, opt.max_num_seqs};
 }
 
 GpuEngineForward::GpuEngineForward(std::unique_ptr<GpuModel> model, const GpuEngineOptions& opt)
@@ -42,7 +42,11 @@ GpuEngineForward::GpuEngineForward(std::unique_ptr<GpuModel> model, const GpuEng
       attention_(model_->config(), opt.page_size, bucket_for(opt.max_num_seqs)),
       steps_(std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs)), bucket_for(opt.max_num_seqs),
              max_pages_, std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs)), opt.num_pages + 1,
-             model_->config().is_hybrid() ? opt.max_num_seqs + 1 : 0) {
+             model_->config().is_hybrid() ? opt.max_num_seqs : 0) {
+  SPADE_CHECK(!model_->config().is_hybrid() || model_->options().max_state_slots >= opt.max_num_seqs,
+              "GPU engine: the model holds {} GDN state slots for {} sequences at once (build it with "
+              "model_options())",
+              model_->options().max_state_slots, opt.max_num_seqs);
   SPADE_CHECK(opt.num_pages > 0 && opt.max_model_len > 0, "GPU engine: num_pages and max_model_len must be set");
   max_rows_ = model_options(opt).max_logit_rows;
   sample_params_ = DeviceBuffer(static_cast<size_t>(max_rows_) * 28, "GPU engine sampling parameters");
@@ -80,10 +84,10 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
               h.block_table.begin() + static_cast<long>(b) * max_pages_);
     for (int t = fb.cu_q_lens[b]; t < fb.cu_q_lens[b + 1]; ++t) h.seq_idx.push_back(b);
   }
-  // Padding: one token at position 0 on the scratch page (logits ignored); hybrid models: the scratch state slot
-  // max_num_seqs, shared by the padding rows (their states are garbage nobody reads).
+  // Padding: one token at position 0 on the scratch page (logits ignored); hybrid models: state slot -1 (a zero state
+  // in, nothing stored).
   for (int b = B; b < rows; ++b) {
-    if (!h.state_slots.empty()) h.state_slots.push_back(opt_.max_num_seqs);
+    if (!h.state_slots.empty()) h.state_slots.push_back(-1);
     h.logit_rows.push_back(static_cast<int32_t>(h.tokens.size()));
     h.tokens.push_back(0);
     h.positions.push_back(0);

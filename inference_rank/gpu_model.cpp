@@ -139,10 +139,16 @@ GpuBatch GpuStepBuffers::upload(const GpuStepHost& h, cudaStream_t stream) {
   if (num_state_slots_ > 0) {
     SPADE_CHECK(static_cast<int>(h.state_slots.size()) == B, "step: {} state slots for a batch of {} (hybrid model)",
                 h.state_slots.size(), B);
-    for (int b = 0; b < B; ++b)
-      SPADE_CHECK(h.state_slots[b] >= 0 && h.state_slots[b] < num_state_slots_,
-                  "step: sequence {} names state slot {} (the pools hold 0..{})", b, h.state_slots[b],
+    std::vector<int32_t> seen;
+    for (int b = 0; b < B; ++b) {
+      SPADE_CHECK(h.state_slots[b] >= -1 && h.state_slots[b] < num_state_slots_,
+                  "step: sequence {} names state slot {} (the pools hold 0..{}; -1 = padding)", b, h.state_slots[b],
                   num_state_slots_ - 1);
+      if (h.state_slots[b] >= 0) seen.push_back(h.state_slots[b]);
+    }
+    std::sort(seen.begin(), seen.end());
+    SPADE_CHECK(std::adjacent_find(seen.begin(), seen.end()) == seen.end(),
+                "step: two sequences share a state slot");
   } else {
     SPADE_CHECK(h.state_slots.empty(), "step: state slots given for a model without GDN layers");
   }
@@ -150,7 +156,7 @@ GpuBatch GpuStepBuffers::upload(const GpuStepHost& h, cudaStream_t stream) {
   if (pending_) cuda_check(cudaEventSynchronize(copied_), "step upload: previous copy");
   int32_t* p = pinned_;
   auto put = [&](const std::vector<int32_t>& v, size_t cap) {
-    std::memcpy(p, v.data(), v.size() * 4);
+    if (!v.empty()) std::memcpy(p, v.data(), v.size() * 4);
     int32_t* at = p;
     p += cap;
     return static_cast<size_t>(at - pinned_);
@@ -243,6 +249,9 @@ void check_supported(const ModelConfig& cfg) {
                 cfg.model_type, dk, dv);
     SPADE_CHECK(cfg.linear_conv_kernel_dim >= 1 && cfg.linear_conv_kernel_dim <= kernels::kMaxConvKernel,
                 "GPU path: conv kernel width {} outside 1..{}", cfg.linear_conv_kernel_dim, kernels::kMaxConvKernel);
+    SPADE_CHECK(cfg.linear_num_key_heads > 0 && cfg.linear_num_value_heads % cfg.linear_num_key_heads == 0,
+                "GPU path: {} GDN value heads are not a multiple of {} key heads", cfg.linear_num_value_heads,
+                cfg.linear_num_key_heads);
     SPADE_CHECK(cfg.num_attention_layers() >= 1, "GPU path: model '{}' has no full-attention layer", cfg.model_type);
   }
 }
@@ -265,6 +274,9 @@ GpuModel::GpuModel(const ModelConfig& cfg, GpuModelOptions opts) : cfg_(cfg), op
   SPADE_CHECK(opts.max_tokens > 0 && opts.max_logit_rows > 0, "GpuModelOptions: bounds must be positive");
   SPADE_CHECK(!cfg_.is_hybrid() || opts.max_state_slots >= 1,
               "GpuModelOptions: model '{}' has Gated DeltaNet layers and needs max_state_slots >= 1", cfg_.model_type);
+  SPADE_CHECK(!cfg_.is_hybrid() || opts.max_tokens <= 65535,
+              "GpuModelOptions: max_tokens {} > 65535, the most tokens a hybrid step's conv1d launch covers",
+              opts.max_tokens);
   gemm_ = std::make_unique<Gemm>();
   cuda_check(gemm_->runner.init(), "cuBLASLt init");
 }

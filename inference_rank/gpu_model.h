@@ -97,7 +97,8 @@ struct GpuBatch {
   const int32_t* seq_lens = nullptr;    // [batch] int32 context length after this step.
   const int32_t* block_table = nullptr; // [batch, max_pages] int32 page ids (-1 = no page: padding rows).
   const int32_t* logit_rows = nullptr;  // [num_logit_rows] int32 token rows whose logits are computed, in order.
-  const int32_t* state_slots = nullptr; // [batch] int32 GDN state slot of each sequence (hybrid models; else null).
+  const int32_t* state_slots = nullptr; // [batch] int32 GDN state slot of each sequence (hybrid models; else null);
+                                        // -1: a padding row without state (zero state in, nothing stored).
   int32_t* error_flag = nullptr;        // [1] int32, set to 1 by a bad token id / position / page (zero it first).
   int num_tokens = 0;
   int batch = 0;
@@ -118,7 +119,8 @@ struct GpuStepHost {
 
 /// Fixed device buffers of steps of up to max_tokens tokens / max_batch sequences over a KV pool of num_pages pages,
 /// and a pinned host staging copy: upload() writes a step into the same device addresses every time (so a captured
-/// graph reads the new step). num_state_slots > 0: steps carry state_slots in [0, num_state_slots) (hybrid models).
+/// graph reads the new step). num_state_slots > 0: steps carry distinct state_slots in [0, num_state_slots), or -1
+/// for padding rows (hybrid models).
 class GpuStepBuffers {
  public:
   GpuStepBuffers(int max_tokens, int max_batch, int max_pages, int max_logit_rows, int num_pages,
@@ -215,6 +217,7 @@ class GpuModel {
   ~GpuModel();
 
   const ModelConfig& config() const { return cfg_; }
+  const GpuModelOptions& options() const { return opts_; }
   /// Bytes of all weights on the GPU (what one decode step must read once).
   size_t weight_bytes() const { return weight_bytes_; }
 

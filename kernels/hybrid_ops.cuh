@@ -9,8 +9,8 @@
 // element type at each 16-bit output; states are fp32. Conventions as layer_ops.cuh: plain params struct +
 // cudaStream_t, asynchronous, cudaSuccess / cudaErrorInvalidValue (launch_error_detail() of attention.cuh names the
 // field) / the launch's CUDA error; zero tokens or sequences is a no-op; device pointers; `dtype` BF16 or F16.
-// Device-side slots are the caller's contract; a slot outside [0, num_state_slots) is never read or written (its
-// sequence's outputs then use a zero state). Plain C++ header: includable from host code compiled by g++.
+// Device-side slots are the caller's contract; a slot outside [0, num_state_slots) (e.g. -1 for the padding rows of
+// a CUDA-graph bucket) is never read or written: its sequence's outputs use a zero state. Plain C++ header: includable from host code compiled by g++.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -339,13 +339,13 @@ void check_parity(const ModelConfig& cfg, uint64_t seed) {
   const ModelConfig view = cfg.attention_view();  // the KV cache holds the full-attention layers
   KvCache cache(view, seqs.num_pages, kPageSize);
   DensePagedAttention cpu_attn(view, cache);
-  // Hybrid: the CPU pool's slots; the GPU pools use the same ids (slot 0 stays unused on the GPU after a first
-  // allocation elsewhere would not matter: ids are just indices into both pools).
+  // Hybrid: the CPU pool hands out the slot ids and the GPU pools use the same ids (slot 0 is taken first, so
+  // sequence i's slot is not simply i).
   std::unique_ptr<GdnStatePool> states;
   std::vector<int32_t> slot_of;
   if (cfg.is_hybrid()) {
     states = std::make_unique<GdnStatePool>(cfg, kStateSlots);
-    states->allocate();  // burn slot 0, so sequence i's slot is not simply i
+    states->allocate();
     for (int i = 0; i < 3; ++i) slot_of.push_back(states->allocate());
   }
   const std::vector<int32_t>* slots = cfg.is_hybrid() ? &slot_of : nullptr;
@@ -525,6 +525,8 @@ TEST(GpuModelBadInput, HybridStepsNeedValidStateSlots) {
   expect_error([&] { hybrid.upload(st.gpu); }, "state slots");
   st.gpu.state_slots = {kStateSlots};
   expect_error([&] { hybrid.upload(st.gpu); }, "state slot 5");
+  st.gpu.state_slots = {-2};
+  expect_error([&] { hybrid.upload(st.gpu); }, "state slot -2");
   // A step uploaded without slots (another buffer set) reaches forward without them.
   GpuStepBuffers plain(kMaxTokens, 2, kMaxPagesPerSeq, kMaxLogitRows, seqs.num_pages);
   st.gpu.state_slots.clear();
@@ -770,10 +772,30 @@ TEST(GpuEngine, OverlongRequestIsRejectedAndNothingIsLost) {
   engine.run_until_idle();
   EXPECT_EQ(n, 4);
   EXPECT_EQ(reason, FinishReason::Length);
-  // A hybrid model cannot use an external forward pass.
-  ModelConfig hybrid = cfg;
-  hybrid.layer_types.assign(static_cast<size_t>(cfg.num_layers), LayerType::LinearAttention);
-  EXPECT_THROW(Engine(hybrid, eo, [](const ForwardBatch&, std::vector<float>&) {}), Error);
+  // A hybrid model behind an external forward pass gets GDN state slot ids from the engine, distinct per running
+  // sequence and in [0, max_num_seqs).
+  const ModelConfig hybrid = qwen35_like();
+  std::vector<std::vector<int32_t>> slots_seen;
+  Engine he(hybrid, eo, [&](const ForwardBatch& b, std::vector<float>& l) {
+    slots_seen.push_back(b.state_slots);
+    l.assign(b.logit_rows.size() * static_cast<size_t>(hybrid.vocab_size), 0.f);
+  });
+  std::mt19937_64 rng(3);
+  for (int i = 0; i < 4; ++i) {
+    GenerateRequest r;
+    r.prompt_ids = random_tokens(3 + i, hybrid.vocab_size, rng);
+    r.max_tokens = 3;
+    r.ignore_eos = true;
+    he.submit(r, [](const TokenEvent&) {});
+  }
+  he.run_until_idle();
+  ASSERT_FALSE(slots_seen.empty());
+  for (const auto& step : slots_seen) {
+    std::vector<int32_t> sorted = step;
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end()) << "two sequences share a slot";
+    for (int32_t s : step) EXPECT_TRUE(s >= 0 && s < eo.max_num_seqs) << "slot " << s;
+  }
 }
 
 // The binary: `inference_rank --device cuda --random-weights` on a config.json of any size (here a small Qwen3 with
