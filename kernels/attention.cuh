@@ -123,10 +123,16 @@ struct SparsePackedDecodeParams {
   int page_size = 0;
   int max_pages_per_seq = 0;
   int packed_capacity = 0;  // row capacity of packed_k / packed_v; host-side bound of num_packed.
-  int local_window = 0;     // >= 0 tokens.
+  int local_window = 0;     // >= 0 tokens; with local_windows: the host-side bound of every local_windows[b].
   float scale = 0.f;
   int num_splits = 0;
   DecodeWorkspace workspace;
+  // Optional per-sequence variants, for a serving batch that mixes sparse and dense sequences in one launch (so the
+  // mix is data, not graph structure):
+  const int32_t* local_windows = nullptr;  // [batch] int32 window of sequence b, 0..local_window (a dense sequence:
+                                           // num_packed 0 and window = seq_len).
+  const int32_t* packed_rows = nullptr;    // [batch] int32 row of packed_k / packed_v holding sequence b's
+                                           // selection (default b), e.g. its slot in per-slot held tables.
 };
 
 cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cudaStream_t stream);

@@ -75,6 +75,8 @@ struct DecodeArgs {
   const void* packed_k;
   const void* packed_v;
   const int32_t* num_packed;
+  const int32_t* local_windows;  // optional per-sequence windows (packed)
+  const int32_t* packed_rows;    // optional per-sequence packed rows (packed)
   void* out;
   float* lse;
   float* ws_o;
@@ -143,7 +145,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   } else {
     const int seq_len = a.seq_lens[b];
     n_sel = a.num_packed[b];
-    const int wl = min(a.local_window, seq_len);
+    const int wl = min(a.local_windows != nullptr ? a.local_windows[b] : a.local_window, seq_len);
     wstart = seq_len - wl;
     L = n_sel + wl;
   }
@@ -188,7 +190,8 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   const T* pk = nullptr;
   const T* pv = nullptr;
   if constexpr (SRC == KvSource::kPacked) {
-    const size_t base = (static_cast<size_t>(b) * a.hkv + kvh) * a.packed_capacity * D;
+    const int prow = a.packed_rows != nullptr ? a.packed_rows[b] : b;
+    const size_t base = (static_cast<size_t>(prow) * a.hkv + kvh) * a.packed_capacity * D;
     pk = static_cast<const T*>(a.packed_k) + base;
     pv = static_cast<const T*>(a.packed_v) + base;
   }
@@ -674,6 +677,8 @@ cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cu
   a.packed_k = p.packed_k;
   a.packed_v = p.packed_v;
   a.num_packed = p.num_packed;
+  a.local_windows = p.local_windows;
+  a.packed_rows = p.packed_rows;
   a.packed_capacity = p.packed_capacity;
   a.local_window = p.local_window;
   const DecodeShape sh{p.batch,     p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size,

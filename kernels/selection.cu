@@ -963,6 +963,7 @@ struct ApplyArgs {
   void* held_k;
   void* held_v;
   int32_t* held_positions;
+  const int32_t* held_rows;
   int k;
   int capacity;
   int head_dim;
@@ -979,14 +980,16 @@ __global__ void __launch_bounds__(kApplyThreads) apply_delta_kernel(const ApplyA
   const size_t e = static_cast<size_t>(row) * a.capacity + j;
   const int slot = __ldg(a.delta_slots + e);
   if (slot < 0 || slot >= a.k) return;
+  const int hrow = a.held_rows != nullptr ? __ldg(a.held_rows + row) : row;
+  if (hrow < 0) return;
   const size_t src = e * a.head_dim + col * 8;
-  const size_t dst = (static_cast<size_t>(row) * a.k + slot) * a.head_dim + col * 8;
+  const size_t dst = (static_cast<size_t>(hrow) * a.k + slot) * a.head_dim + col * 8;
   const uint4 kv = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.delta_k) + src));
   const uint4 vv = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.delta_v) + src));
   *reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.held_k) + dst) = kv;
   *reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.held_v) + dst) = vv;
   if (a.held_positions != nullptr && col == 0)
-    a.held_positions[static_cast<size_t>(row) * a.k + slot] = __ldg(a.delta_positions + e);
+    a.held_positions[static_cast<size_t>(hrow) * a.k + slot] = __ldg(a.delta_positions + e);
 }
 
 }  // namespace
@@ -1161,8 +1164,8 @@ cudaError_t apply_selection_delta(const ApplySelectionDeltaParams& p, cudaStream
   }
   if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " not supported");
   if (p.rows == 0) return cudaSuccess;
-  ApplyArgs a{p.delta_slots, p.delta_positions, p.delta_k,  p.delta_v,  p.held_k,
-              p.held_v,      p.held_positions,  p.k,        p.capacity, p.head_dim, 0};
+  ApplyArgs a{p.delta_slots, p.delta_positions, p.delta_k,  p.delta_v,   p.held_k,   p.held_v,
+              p.held_positions, p.held_rows,    p.k,        p.capacity,  p.head_dim, 0};
   constexpr int kMaxGridY = 65535;
   for (int r0 = 0; r0 < p.rows; r0 += kMaxGridY) {
     a.row0 = r0;

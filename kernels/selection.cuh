@@ -135,7 +135,9 @@ struct ApplySelectionDeltaParams {
   const void* delta_v = nullptr;             // [rows, capacity, head_dim] dtype.
   void* held_k = nullptr;                    // [rows, k, head_dim] dtype in/out.
   void* held_v = nullptr;                    // [rows, k, head_dim] dtype in/out.
-  int32_t* held_positions = nullptr;         // optional [rows, k] int32 in/out.
+  int32_t* held_positions = nullptr;         // optional [held rows, k] int32 in/out.
+  const int32_t* held_rows = nullptr;        // optional [rows] int32: held-table row of delta row r (default r;
+                                             // negative: the row is skipped).
   int rows = 0;
   int k = 0;
   int capacity = 0;

@@ -100,12 +100,14 @@ void apply_selection_delta_ref(const ApplySelectionDeltaRefParams& p) {
               "{}: rows {} / k {} / capacity {} / head_dim {} invalid", what, p.rows, p.k, p.capacity, p.head_dim);
   const size_t D = static_cast<size_t>(p.head_dim);
   for (int r = 0; r < p.rows; ++r) {
+    const int32_t hr = p.held_rows != nullptr ? p.held_rows[r] : r;
+    SPADE_CHECK(hr >= 0, "{}: held_rows[{}] = {} is negative", what, r, hr);
     for (int j = 0; j < p.capacity; ++j) {
       const size_t e = static_cast<size_t>(r) * p.capacity + j;
       const int32_t s = p.delta_slots[e];
       if (s < 0) continue;
       SPADE_CHECK(s < p.k, "{}: row {} entry {}: slot {} outside [0, {})", what, r, j, s, p.k);
-      const size_t h = static_cast<size_t>(r) * p.k + s;
+      const size_t h = static_cast<size_t>(hr) * p.k + s;
       std::memcpy(p.held_k + h * D, p.delta_k + e * D, D * sizeof(float));
       std::memcpy(p.held_v + h * D, p.delta_v + e * D, D * sizeof(float));
       if (p.held_positions != nullptr) p.held_positions[h] = p.delta_positions[e];

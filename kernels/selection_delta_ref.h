@@ -28,8 +28,9 @@
 // or two slots < n holding the same token (the mirror is corrupt); bad parameters.
 //
 // ---- apply_selection_delta_ref: the holder's side ----
-// For every row r and j < capacity with delta_slots[r][j] >= 0: held_k[r][slot] = delta_k[r][j] (likewise V, and
-// held_positions[r][slot] = delta_positions[r][j] when held_positions is set). Errors: a slot >= k.
+// For every row r and j < capacity with delta_slots[r][j] >= 0: held_k[h][slot] = delta_k[r][j] with h = held_rows[r]
+// (or r), likewise V, and held_positions[h][slot] = delta_positions[r][j] when held_positions is set. Errors: a
+// slot >= k, a negative held row.
 //
 // Row order is the caller's; the GPU kernels (selection.cuh selection_delta / apply_selection_delta) take rows as
 // [layer-batched sequence][KV head], the order of topk_select / gather_kv.
@@ -67,7 +68,9 @@ struct ApplySelectionDeltaRefParams {
   const float* delta_v = nullptr;            // [rows, capacity, head_dim] fp32.
   float* held_k = nullptr;                   // [rows, k, head_dim] fp32 in/out: the holder's slot table.
   float* held_v = nullptr;                   // [rows, k, head_dim] fp32 in/out.
-  int32_t* held_positions = nullptr;         // optional [rows, k] int32 in/out.
+  int32_t* held_positions = nullptr;         // optional [held rows, k] int32 in/out.
+  const int32_t* held_rows = nullptr;        // optional [rows] int32: the held-table row of delta row r (default r;
+                                             // e.g. per-slot tables [slot][layer][KV head]).
   int rows = 0;
   int k = 0;
   int capacity = 0;

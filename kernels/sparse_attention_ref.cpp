@@ -103,9 +103,15 @@ void sparse_packed_attention_ref(const SparsePackedAttentionRefParams& p) {
                 p.packed_capacity);
     const int seq_len = p.seq_lens[b];
     SPADE_CHECK(seq_len >= 0, "{}: seq_lens[{}] = {} is negative", what, b, seq_len);
-    const int wl = std::min(p.local_window, seq_len);
+    const int window = p.local_windows != nullptr ? p.local_windows[b] : p.local_window;
+    SPADE_CHECK(window >= 0, "{}: local_windows[{}] = {} is negative", what, b, window);
+    SPADE_CHECK(window == 0 || (p.k_cache != nullptr && p.v_cache != nullptr && p.block_table != nullptr),
+                "{}: k_cache, v_cache and block_table must be set for a window", what);
+    const int wl = std::min(window, seq_len);
+    const int prow = p.packed_rows != nullptr ? p.packed_rows[b] : b;
+    SPADE_CHECK(prow >= 0, "{}: packed_rows[{}] = {} is negative", what, b, prow);
     for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
-      const size_t base = (static_cast<size_t>(b) * p.num_kv_heads + kvh) * p.packed_capacity;
+      const size_t base = (static_cast<size_t>(prow) * p.num_kv_heads + kvh) * p.packed_capacity;
       ks.clear();
       vs.clear();
       for (int j = 0; j < n; ++j) {

@@ -55,6 +55,12 @@ struct SparsePackedAttentionRefParams {
   int packed_capacity = 0;
   int local_window = 0;  // the last min(local_window, seq_len) positions come from the paged cache.
   float scale = 0.f;
+  // Optional per-sequence variants (a serving batch mixing sparse and dense sequences):
+  const int32_t* local_windows = nullptr;  // [batch] window of sequence b (>= 0), overriding local_window; a dense
+                                           // sequence: num_packed 0 and window seq_len.
+  const int32_t* packed_rows = nullptr;    // [batch] row of packed_k / packed_v holding sequence b's selection
+                                           // (default b: packed_k is then [rows, num_kv_heads, packed_capacity,
+                                           // head_dim] with rows > every packed_rows[b]).
 };
 
 /// Attention over the packed rows followed by the local window of the paged cache.

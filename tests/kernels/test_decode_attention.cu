@@ -279,10 +279,14 @@ TEST(SparseIndexedDecodeGpu, LongBf16D128Page16Group4) {
 
 // ---- token-sparse: packed gathered buffer + local window ----
 
+// `windows` / `rows` (optional, per sequence): the serving variant that mixes sparse and dense sequences in one
+// launch -- per-sequence windows (window = the host-side bound) and packed rows from per-slot held tables.
 void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::vector<int>& lens,
-                       const std::vector<int>& counts, int capacity, int window, uint64_t seed) {
+                       const std::vector<int>& counts, int capacity, int window, uint64_t seed,
+                       const std::vector<int32_t>& windows = {}, const std::vector<int32_t>& rows = {}) {
   SCOPED_TRACE(std::string(spade::test::dtype_str(dtype)) + " D=" + std::to_string(D) + " ps=" + std::to_string(ps) +
-               " cap=" + std::to_string(capacity) + " window=" + std::to_string(window));
+               " cap=" + std::to_string(capacity) + " window=" + std::to_string(window) +
+               (windows.empty() ? "" : " per-sequence windows") + (rows.empty() ? "" : " packed rows"));
   std::mt19937_64 rng(seed);
   const int batch = static_cast<int>(lens.size());
   PagedCache cache;
@@ -290,7 +294,8 @@ void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::v
   std::vector<float> q32, pk32, pv32;
   DevBuf<uint16_t> q, pk, pv;
   q.upload(spade::test::random_half(dtype, static_cast<size_t>(batch) * hq * D, 1.f, rng, &q32));
-  const size_t packed_n = static_cast<size_t>(batch) * hkv * capacity * D;
+  const int packed_rows = rows.empty() ? batch : *std::max_element(rows.begin(), rows.end()) + 1;
+  const size_t packed_n = static_cast<size_t>(packed_rows) * hkv * capacity * D;
   pk.upload(spade::test::random_half(dtype, packed_n, 1.f, rng, &pk32));
   pv.upload(spade::test::random_half(dtype, packed_n, 1.f, rng, &pv32));
   DevBuf<int32_t> d_cnt, d_lens;
@@ -321,7 +326,12 @@ void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::v
   rp.packed_capacity = capacity;
   rp.local_window = window;
   rp.scale = 1.f / std::sqrt(static_cast<float>(D));
+  rp.local_windows = windows.empty() ? nullptr : windows.data();
+  rp.packed_rows = rows.empty() ? nullptr : rows.data();
   sparse_packed_attention_ref(rp);
+  DevBuf<int32_t> d_windows, d_rows;
+  if (!windows.empty()) d_windows.upload(windows);
+  if (!rows.empty()) d_rows.upload(rows);
 
   SparsePackedDecodeParams p;
   p.dtype = dtype;
@@ -345,6 +355,8 @@ void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::v
   p.local_window = window;
   p.scale = rp.scale;
   p.workspace = ws.get();
+  p.local_windows = windows.empty() ? nullptr : d_windows.get();
+  p.packed_rows = rows.empty() ? nullptr : d_rows.get();
   out.poison();
   lse.poison();
   SPADE_CUDA_OK(sparse_decode_attention_packed(p, nullptr));
@@ -365,6 +377,15 @@ TEST(SparsePackedDecodeGpu, Fp16D64Page32Group8Window17) {
 }
 TEST(SparsePackedDecodeGpu, Bf16D256Page64Group1NoWindow) {
   run_sparse_packed(DType::BF16, 256, 64, 2, 2, {64, 64}, {1000, 999}, 1000, 0, 33);
+}
+// A serving batch: sequences 0 and 2 sparse (selection + window 32), 1 and 3 dense (no selection, the whole context
+// as the window), selections held in per-slot tables (rows 5, -, 2, -; dense rows point anywhere valid).
+TEST(SparsePackedDecodeGpu, Bf16D128MixedSparseAndDensePerSequence) {
+  run_sparse_packed(DType::BF16, 128, 16, 32, 8, {4000, 700, 3000, 65}, {512, 0, 300, 0}, 512, 4000, 34,
+                    {32, 700, 32, 65}, {5, 0, 2, 6});
+}
+TEST(SparsePackedDecodeGpu, Fp16D64PerSequenceWindowsWithinTheBound) {
+  run_sparse_packed(DType::F16, 64, 32, 16, 2, {900, 40, 2}, {100, 7, 0}, 128, 64, 35, {64, 0, 2}, {});
 }
 
 }  // namespace

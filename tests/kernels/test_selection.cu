@@ -554,9 +554,15 @@ TEST(DeltaGpu, RefusesCorruptRowsAndLeavesTheirMirrorAlone) {
 TEST(DeltaGpu, ApplyMatchesReference) {
   for (DType dtype : {DType::BF16, DType::F16}) {
     for (int D : {64, 128, 256}) {
-      SCOPED_TRACE(std::string(spade::test::dtype_str(dtype)) + " D=" + std::to_string(D));
+     for (bool mapped : {false, true}) {
+      SCOPED_TRACE(std::string(spade::test::dtype_str(dtype)) + " D=" + std::to_string(D) +
+                   (mapped ? " held_rows" : ""));
       std::mt19937_64 rng(95 + D);
       const int rows = 70, k = 100, cap = 24;
+      // held_rows: delta row r lands in held row (r * 37 + 11) % 97 of a larger table (per-slot tables).
+      const int held = mapped ? 97 : rows;
+      std::vector<int32_t> held_rows;
+      for (int r = 0; r < rows && mapped; ++r) held_rows.push_back((r * 37 + 11) % 97);
       std::vector<int32_t> slots(static_cast<size_t>(rows) * cap, -1), pos(slots.size(), -1);
       for (int r = 0; r < rows; ++r) {
         std::vector<int32_t> perm(k);
@@ -571,9 +577,9 @@ TEST(DeltaGpu, ApplyMatchesReference) {
       std::vector<float> dk32, dv32, hk32, hv32;
       const std::vector<uint16_t> dk = spade::test::random_half(dtype, slots.size() * D, 1.f, rng, &dk32);
       const std::vector<uint16_t> dv = spade::test::random_half(dtype, slots.size() * D, 1.f, rng, &dv32);
-      const std::vector<uint16_t> hk = spade::test::random_half(dtype, static_cast<size_t>(rows) * k * D, 1.f, rng, &hk32);
+      const std::vector<uint16_t> hk = spade::test::random_half(dtype, static_cast<size_t>(held) * k * D, 1.f, rng, &hk32);
       const std::vector<uint16_t> hv = spade::test::random_half(dtype, hk.size(), 1.f, rng, &hv32);
-      std::vector<int32_t> hpos(static_cast<size_t>(rows) * k, 7);
+      std::vector<int32_t> hpos(static_cast<size_t>(held) * k, 7);
       ApplySelectionDeltaRefParams rp;
       rp.delta_slots = slots.data();
       rp.delta_positions = pos.data();
@@ -582,13 +588,15 @@ TEST(DeltaGpu, ApplyMatchesReference) {
       rp.held_k = hk32.data();
       rp.held_v = hv32.data();
       rp.held_positions = hpos.data();
+      rp.held_rows = mapped ? held_rows.data() : nullptr;
       rp.rows = rows;
       rp.k = k;
       rp.capacity = cap;
       rp.head_dim = D;
       apply_selection_delta_ref(rp);
 
-      DevBuf<int32_t> d_slots, d_pos, d_hpos;
+      DevBuf<int32_t> d_slots, d_pos, d_hpos, d_held_rows;
+      if (mapped) d_held_rows.upload(held_rows);
       d_slots.upload(slots);
       d_pos.upload(pos);
       d_hpos.upload(std::vector<int32_t>(hpos.size(), 7));
@@ -606,6 +614,7 @@ TEST(DeltaGpu, ApplyMatchesReference) {
       p.held_k = d_hk.get();
       p.held_v = d_hv.get();
       p.held_positions = d_hpos.get();
+      p.held_rows = mapped ? d_held_rows.get() : nullptr;
       p.rows = rows;
       p.k = k;
       p.capacity = cap;
@@ -615,6 +624,7 @@ TEST(DeltaGpu, ApplyMatchesReference) {
       EXPECT_EQ(spade::test::to_f32(dtype, d_hk.download()), hk32);
       EXPECT_EQ(spade::test::to_f32(dtype, d_hv.download()), hv32);
       EXPECT_EQ(d_hpos.download(), hpos);
+     }
     }
   }
 }

@@ -1,5 +1,6 @@
 // CPU tests of kernels/sparse_attention_ref.h: sparse attention over all tokens equals dense paged decode
-// (paged_attention_ref), for both the index-list and the packed + local-window forms.
+// (paged_attention_ref), for both the index-list and the packed + local-window forms (also with per-sequence windows
+// and packed rows, a serving batch mixing sparse and dense sequences).
 #include "kernels/sparse_attention_ref.h"
 
 #include <gtest/gtest.h>
@@ -152,6 +153,26 @@ TEST(SparsePackedRef, GatheredPrefixPlusWindowEqualsDense) {
   sparse_packed_attention_ref(p);
   for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ref[i], 1e-5) << i;
   for (size_t i = 0; i < lse.size(); ++i) EXPECT_NEAR(lse[i], ref_lse[i], 1e-5) << i;
+
+  // Per-sequence variants: sequence 0 stays sparse (its selection moved to packed row 1), sequence 1 is dense (no
+  // selection, its whole context as the window): both still equal dense attention.
+  std::vector<float> pk2(pk.size() * 2, std::nanf("")), pv2(pk2.size(), std::nanf(""));
+  const size_t row = static_cast<size_t>(f.hkv) * cap * f.D;
+  std::copy(pk.begin(), pk.begin() + static_cast<long>(row), pk2.begin() + static_cast<long>(row));
+  std::copy(pv.begin(), pv.begin() + static_cast<long>(row), pv2.begin() + static_cast<long>(row));
+  const std::vector<int32_t> windows = {window, f.lens[1]}, rows = {1, 3}, counts = {num_packed[0], 0};
+  p.packed_k = pk2.data();
+  p.packed_v = pv2.data();
+  p.num_packed = counts.data();
+  p.local_window = f.lens[1];  // the bound
+  p.local_windows = windows.data();
+  p.packed_rows = rows.data();
+  std::fill(out.begin(), out.end(), 0.f);
+  sparse_packed_attention_ref(p);
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], ref[i], 1e-5) << "per-sequence variant " << i;
+  const std::vector<int32_t> bad = {-1, 3};
+  p.local_windows = bad.data();
+  EXPECT_THROW(sparse_packed_attention_ref(p), Error);
 }
 
 }  // namespace
