@@ -1049,6 +1049,8 @@ int main_impl(int argc, char** argv) {
   SPADE_CHECK(!o.config.empty(), "--config DIR (a config.json directory) is required");
   SPADE_CHECK(o.warmup >= 1 && o.steps >= 2, "--warmup >= 1 and --steps >= 2");
   const ModelConfig cfg = load_model_config(o.config);
+  SPADE_CHECK(!cfg.is_hybrid(), "bench_tpot runs dense decoders (the pipeline ships every layer's q|k|v rows); '{}' "
+              "has Gated DeltaNet layers", cfg.model_type);
   if (o.label.empty()) o.label = cfg.model_type;
   int ngpu = 0;
   cuda_check(cudaGetDeviceCount(&ngpu), "cudaGetDeviceCount");
