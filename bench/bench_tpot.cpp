@@ -6,11 +6,12 @@
 //           Quest/TOVA-style selection with exact queries, the upper bound of inline selection;
 //   async   AsyncSpade disaggregated over two GPUs (Algorithm 1, Sec. 4): GPU 0 runs the inference rank, GPU 1 the
 //           cache rank, joined by NCCL point-to-point (NcclLink); on a one-GPU machine both ranks run on GPU 0 joined
-//           by CudaIpcLink (checks the pipeline; its timing is not the disaggregated one). After each layer pack the inference rank sends the pack's raw
-//           qkv rows; the cache rank appends K/V, pushes the query into its window, predicts the next query (ridge
-//           regression), scores every key, selects top-k per KV head, gathers and sends the selected K/V for the
-//           NEXT step. The inference rank attends over what it received plus its local window, which is all the KV
-//           it holds.
+//           by CudaIpcLink (checks the pipeline; its timing is not the disaggregated one). After each layer pack
+//           the inference rank sends the pack's q | k | v rows, normed and rotated as it appended them (its q/k
+//           norm + RoPE kernel writes them straight into the send buffer); the cache rank appends K/V, pushes the
+//           query into its window, predicts the next query (ridge regression), scores every key, selects top-k per
+//           KV head, gathers and sends the selected K/V for the NEXT step. The inference rank attends over what it
+//           received plus its local window, which is all the KV it holds.
 // Both ranks run in this process as two threads, one per GPU, with two NCCL communicators (up: qkv, down: selected
 // KV) so that neither direction queues behind the other; no host synchronisation inside a step on either side
 // (the inference thread waits once per step for the step's end event, as a server waits for the sampled tokens).
@@ -499,7 +500,6 @@ class AsyncInferenceAttention : public GpuAttention {
       cuda_check(cudaEventRecord(arrive_(t, p), stream), "record");
       cuda_check(cudaStreamWaitEvent(stream, recv_done_(t, p), 0), "wait");
       cuda_check(cudaEventRecord(ready_(t, p), stream), "record");
-      if (t >= 1) cuda_check(cudaStreamWaitEvent(stream, sent_(t - 1, p), 0), "wait");  // send buffer reuse
     }
     const char *pk = nullptr, *pv = nullptr;
     if (sh_.cap > 0) {
@@ -511,16 +511,20 @@ class AsyncInferenceAttention : public GpuAttention {
       pv = recv_buf(t, p) + half + j * layer_half;
     }
     packed_attention(cfg_, o_, s, b, pk, pv, lens_.as<int32_t>(), ws_, stream);
-    const size_t row_bytes = sh_.up_bytes_pack / sh_.P;
-    cuda_check(cudaMemcpyAsync(up_.as<char>() + p * sh_.up_bytes_pack + j * row_bytes, s.qkv, row_bytes,
-                               cudaMemcpyDeviceToDevice, stream),
-               "qkv to send buffer");
     if (j == sh_.P - 1 || s.layer == cfg_.num_layers - 1) {
       cuda_check(cudaEventRecord(pack_end_(t, p), stream), "record");
       cuda_check(cudaStreamWaitEvent(up_stream_, pack_end_(t, p), 0), "wait");
       link_.send(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
       cuda_check(cudaEventRecord(sent_(t, p), up_stream_), "record");
     }
+  }
+  // The layer's processed q | k | v rows (after q/k norm and RoPE, as appended here) go straight into the pack's
+  // send buffer; its first layer waits for the previous step's send of that buffer.
+  void* rows_out(int layer, cudaStream_t stream, int* stride) override {
+    const int p = layer / sh_.P, j = layer % sh_.P, t = step_;
+    if (j == 0 && t >= 1) cuda_check(cudaStreamWaitEvent(stream, sent_(t - 1, p), 0), "wait");  // buffer reuse
+    *stride = 0;
+    return up_.as<char>() + p * sh_.up_bytes_pack + j * (sh_.up_bytes_pack / sh_.P);
   }
   // Per (step, pack): stall (ms the pack waited for its KV), inference time (ready -> pack end).
   void pack_times(int t, int p, double* stall_ms, double* infer_ms) const {
@@ -687,13 +691,12 @@ class AsyncCacheRank {
     r.num_q_heads = Hq;
     r.num_kv_heads = cfg_.num_kv_heads;
     r.head_dim = D;
-    r.rot_dim = cfg_.rope_dim();
+    r.rot_dim = 0;  // the rows arrive normed and rotated (the inference rank's rows_out): a plain append
     r.batch = rows;
     r.max_pages_per_seq = b.max_pages;
     r.page_size = o_.page_size;
     r.num_pages = pool_.num_pages() * L_;
     r.theta = cfg_.rope_theta;
-    // The cache rank holds no q/k-norm weights in this benchmark (RoPE and append only; the norms cost the same).
     cuda_check(kernels::rope_kv_append(r, stream_), "cache rank KV append");
     const size_t row = static_cast<size_t>(cap_) * D * 2;  // one (layer, sequence, head) window
     char* src = window(t % 2, p * sh_.P);

@@ -723,6 +723,7 @@ void GpuModel::kv_layer(const Layer& L, const GpuBatch& b, GpuKvPool& kv, GpuAtt
   r.num_pages = kv.num_pages();
   r.theta = cfg_.rope_theta;
   r.norm_eps = cfg_.rms_norm_eps;
+  r.row_out = attention.rows_out(a, stream, &r.row_out_stride);
   cuda_check(kernels::rope_kv_append(r, stream), "q/k norm + RoPE + KV append");
   GpuLayerStep s;
   s.layer = a;

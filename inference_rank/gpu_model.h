@@ -162,6 +162,16 @@ class GpuAttention {
  public:
   virtual ~GpuAttention() = default;
   virtual void attend(const GpuLayerStep& step, const GpuBatch& batch, cudaStream_t stream) = 0;
+  /// Optional, called (host, while enqueuing) right before full-attention layer `layer`'s q/k norm + RoPE + append:
+  /// where that kernel also writes each token's processed q | k | v row (RopeKvAppendParams::row_out), e.g. a layer
+  /// pack's send buffer of the disaggregated path, with `*stride` elements between rows (0 = packed). The hook may
+  /// enqueue waits on `stream` (the buffer's previous send). Default: nowhere.
+  virtual void* rows_out(int layer, cudaStream_t stream, int* stride) {
+    (void)layer;
+    (void)stream;
+    *stride = 0;
+    return nullptr;
+  }
 };
 
 /// Fills the fields the paged attention launchers share (kernels/attention.cuh PagedDecodeParams,

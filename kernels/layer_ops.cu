@@ -242,6 +242,8 @@ struct RopeArgs {
   const void* q_norm;
   const void* k_norm;
   int32_t* error_flag;
+  T* row_out;
+  int row_out_stride;
   int num_q_heads;
   int num_kv_heads;
   int head_dim;
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kv_append_kernel(const Rope
   const int heads = a.num_q_heads + a.num_kv_heads;
   for (int hh = warp; hh < heads; hh += kRopeWarps) {
     const bool is_q = hh < a.num_q_heads;
-    if (!is_q && kv_row < 0) continue;  // warp-uniform
+    if (!is_q && kv_row < 0 && a.row_out == nullptr) continue;  // warp-uniform
     const T* src = src_row + static_cast<size_t>(hh) * D;
     float v[kHeadRegs];
 #pragma unroll
@@ -325,7 +327,9 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kv_append_kernel(const Rope
     }
     __syncwarp();
     T* dst = is_q ? a.q_out + (static_cast<size_t>(t) * a.num_q_heads + hh) * D
-                  : a.k_cache + kv_row + static_cast<long long>(hh - a.num_q_heads) * D;
+                  : (kv_row >= 0 ? a.k_cache + kv_row + static_cast<long long>(hh - a.num_q_heads) * D : nullptr);
+    T* row = a.row_out != nullptr ? a.row_out + static_cast<size_t>(t) * a.row_out_stride + static_cast<size_t>(hh) * D
+                                  : nullptr;
 #pragma unroll
     for (int k = 0; k < kHeadRegs; ++k) {
       const int d = lane + 32 * k;
@@ -336,15 +340,21 @@ __global__ void __launch_bounds__(kRopeThreads) rope_kv_append_kernel(const Rope
       } else if (d < 2 * half) {  // x1 = buf[d], x0 = buf[d - half]: x1 c + x0 s
         y = __fadd_rn(__fmul_rn(buf[d], s_cos[d - half]), __fmul_rn(buf[d - half], s_sin[d - half]));
       }
-      dst[d] = from_f<T>(y);
+      const T out = from_f<T>(y);
+      if (dst != nullptr) dst[d] = out;
+      if (row != nullptr) row[d] = out;
     }
     __syncwarp();  // buf is reused by this warp's next head
   }
+  const T* vsrc = src_row + static_cast<size_t>(heads) * D;
+  const int n = a.num_kv_heads * D;
   if (kv_row >= 0) {
-    const T* vsrc = src_row + static_cast<size_t>(heads) * D;
     T* vdst = a.v_cache + kv_row;
-    const int n = a.num_kv_heads * D;
     for (int i = threadIdx.x; i < n; i += kRopeThreads) vdst[i] = vsrc[i];
+  }
+  if (a.row_out != nullptr) {
+    T* vrow = a.row_out + static_cast<size_t>(t) * a.row_out_stride + static_cast<size_t>(heads) * D;
+    for (int i = threadIdx.x; i < n; i += kRopeThreads) vrow[i] = vsrc[i];
   }
 }
 
@@ -844,12 +854,14 @@ cudaError_t rope_kv_append(const RopeKvAppendParams& p, cudaStream_t stream) {
                             p.num_kv_heads);
   if (p.head_dim < 2 || p.head_dim > kMaxLayerOpsHeadDim || p.head_dim % 2 != 0)
     return invalid_argument(w, "head_dim = ", p.head_dim, " must be even and in 2..", kMaxLayerOpsHeadDim);
-  if (p.rot_dim < 2 || p.rot_dim > p.head_dim || p.rot_dim % 2 != 0)
-    return invalid_argument(w, "rot_dim = ", p.rot_dim, " must be even and in 2..head_dim = ", p.head_dim);
+  if (p.rot_dim < 0 || p.rot_dim > p.head_dim || p.rot_dim % 2 != 0)
+    return invalid_argument(w, "rot_dim = ", p.rot_dim, " must be even and in 0..head_dim = ", p.head_dim);
   const long long row = static_cast<long long>(p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
   if (row > 0x7fffffff) return invalid_argument(w, "qkv row too large");
   const int qs = p.qkv_stride == 0 ? static_cast<int>(row) : p.qkv_stride;
   if (qs < row) return invalid_argument(w, "qkv_stride = ", qs, " < (num_q_heads + 2 * num_kv_heads) * head_dim = ", row);
+  const int os = p.row_out_stride == 0 ? static_cast<int>(row) : p.row_out_stride;
+  if (os < row) return invalid_argument(w, "row_out_stride = ", os, " < ", row);
   if (p.batch <= 0) return invalid_argument(w, "batch = ", p.batch, " must be > 0");
   if (p.max_pages_per_seq <= 0) return invalid_argument(w, "max_pages_per_seq = ", p.max_pages_per_seq, " must be > 0");
   if (p.page_size <= 0) return invalid_argument(w, "page_size = ", p.page_size, " must be > 0");
@@ -884,6 +896,8 @@ cudaError_t rope_kv_append(const RopeKvAppendParams& p, cudaStream_t stream) {
     a.q_norm = p.q_norm_weight;
     a.k_norm = p.k_norm_weight;
     a.error_flag = p.error_flag;
+    a.row_out = static_cast<T*>(p.row_out);
+    a.row_out_stride = os;
     a.num_q_heads = p.num_q_heads;
     a.num_kv_heads = p.num_kv_heads;
     a.head_dim = p.head_dim;

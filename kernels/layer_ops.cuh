@@ -108,6 +108,7 @@ cudaError_t rmsnorm_heads(const RmsNormHeadsParams& p, cudaStream_t stream);
 ///   q, k <- per-head RMSNorm (optional: q_norm_weight / k_norm_weight set; Qwen3 applies it before RoPE)
 ///   q, k <- rotate_half RoPE at positions[t] over the leading rot_dim dims of each head (kernels/rope_ref.h)
 ///   q_out[t] = q;  k_cache / v_cache slot of (seq_idx[t], positions[t]) = k, v   (kernels/kv_append_ref.h)
+///   row_out[t] = q | k | v   (optional)
 /// fp32 in between, each output rounded once. qkv itself is not modified.
 ///
 /// Angles: inv_freq[i] = 1 / powf(float(theta), float(2i) / float(rot_dim)) is computed ON THE HOST by the
@@ -138,7 +139,8 @@ struct RopeKvAppendParams {
   int num_q_heads = 0;
   int num_kv_heads = 0;   // divides num_q_heads.
   int head_dim = 0;       // even, 2..kMaxLayerOpsHeadDim.
-  int rot_dim = 0;        // even, 2..head_dim (partial RoPE rotates the leading rot_dim dims; the rest pass through).
+  int rot_dim = 0;        // even, 0..head_dim (partial RoPE rotates the leading rot_dim dims; the rest pass through;
+                          // 0: no rotation, a plain append of rows that are already rotated, e.g. on the cache rank).
   int qkv_stride = 0;     // elements between rows of qkv; 0 = (num_q_heads + 2 * num_kv_heads) * head_dim.
   int batch = 0;          // rows of block_table.
   int max_pages_per_seq = 0;
@@ -147,6 +149,11 @@ struct RopeKvAppendParams {
   double theta = 10000.0; // rope_theta (> 0).
   float norm_eps = 1e-6f;
   bool norm_unit_offset = false;  // (1 + w) norm weights (Qwen3.5).
+  // Optional copy of each token's processed row, q | k | v after the norms and RoPE (exactly the values written to
+  // q_out and the caches), for the disaggregated path: the rows a layer pack ships to the cache rank, which then
+  // appends them with rot_dim 0. Written for every token, padding tokens included.
+  void* row_out = nullptr;  // [tokens, row_out_stride] dtype
+  int row_out_stride = 0;   // elements between rows of row_out; 0 = (num_q_heads + 2 * num_kv_heads) * head_dim
 };
 
 cudaError_t rope_kv_append(const RopeKvAppendParams& p, cudaStream_t stream);

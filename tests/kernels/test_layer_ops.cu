@@ -341,6 +341,7 @@ struct RopeCase {
   int page_size;
   std::vector<std::vector<int>> seq_positions;  // per sequence: positions of its tokens in this batch
   int context;  // positions in the block table per sequence (>= max position + 1)
+  bool row_out = false;  // also write each token's processed q | k | v row (the disaggregated path's send rows)
 };
 
 void run_rope(const RopeCase& c, uint64_t seed) {
@@ -488,10 +489,34 @@ void run_rope(const RopeCase& c, uint64_t seed) {
   p.page_size = c.page_size;
   p.num_pages = num_pages;
   p.theta = c.theta;
+  const int out_stride = Q + 2 * KV + 24;
+  DevBuf<uint16_t> rows;
+  if (c.row_out) {
+    rows.alloc(static_cast<size_t>(tokens) * out_stride);
+    rows.poison();
+    p.row_out = rows.get();
+    p.row_out_stride = out_stride;
+  }
   SPADE_CUDA_OK(rope_kv_append(p, nullptr));
   SPADE_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(flag.download()[0], 0);
   EXPECT_EQ(d_qkv.download(), qkvb) << "qkv must not be modified";
+  if (c.row_out) {
+    // Rows: q equals q_out bit for bit, k the values appended to the cache, v the input bits; the 24 pad columns
+    // stay poisoned.
+    const std::vector<uint16_t> r = rows.download(), qo = q_out.download(), kg = kc.download();
+    for (int t = 0; t < tokens; ++t) {
+      const uint16_t* row = &r[static_cast<size_t>(t) * out_stride];
+      for (int i = 0; i < Q; ++i) ASSERT_EQ(row[i], qo[static_cast<size_t>(t) * Q + i]) << "row_out q token " << t;
+      const int page = bt[static_cast<size_t>(seq_idx[t]) * max_pages + positions[t] / c.page_size];
+      const size_t slot = static_cast<size_t>(page) * c.page_size + positions[t] % c.page_size;
+      for (int i = 0; i < KV; ++i) {
+        ASSERT_EQ(row[Q + i], kg[slot * KV + i]) << "row_out k token " << t;
+        ASSERT_EQ(row[Q + KV + i], qkvb[static_cast<size_t>(t) * stride + Q + KV + i]) << "row_out v token " << t;
+      }
+      for (int i = Q + 2 * KV; i < out_stride; ++i) ASSERT_EQ(row[i], 0xFFFF) << "row_out pad token " << t;
+    }
+  }
 
   // q: per head, |err| <= rel |ref| + 1e-5 * max |ref| of the head (fp32 cancellation in the rotation).
   auto check_heads = [&](const std::vector<float>& got, const std::vector<float>& ref, const char* what) {
@@ -553,6 +578,17 @@ TEST(RopeKvAppendGpu, Qwen35PartialRotaryGateColumnsUnitOffset) {
             262144},
            42);
 }
+// The disaggregated path: the inference rank's append also writes the processed rows it ships; the cache rank
+// appends those rows again without norms or rotation (rot_dim 0), which must reproduce its caches bit for bit.
+TEST(RopeKvAppendGpu, RowOutAndPlainAppendOfShippedRows) {
+  RopeCase c{DType::BF16, 8, 2, 128, 128, 1e6, true, false, false, 0, 16, {range(0, 21), {300}, {77}}, 512};
+  c.row_out = true;
+  run_rope(c, 45);
+  RopeCase plain{DType::F16, 4, 4, 64, 0, 1e4, false, false, false, 0, 32, {range(5, 40), {2}}, 64};
+  plain.row_out = true;
+  run_rope(plain, 46);  // rot_dim 0 and no norms: a plain copy (rope_ref with rot 0 is the identity)
+}
+
 TEST(RopeKvAppendGpu, LlamaNoNormGroup1Head64) {
   run_rope({DType::F16, 4, 4, 64, 64, 5e5, false, false, false, 0, 64, {range(7, 200), {1}, {0}}, 8192}, 43);
 }
