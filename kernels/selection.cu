@@ -720,6 +720,7 @@ struct DeltaArgs {
   const int32_t* indices;
   const float* scores;
   int32_t* mirror;
+  const int32_t* mirror_rows;
   int32_t* delta_slots;
   int32_t* delta_positions;
   int32_t* row_info;
@@ -761,10 +762,25 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const DeltaArgs a)
   const int row = blockIdx.x;
   const int tid = threadIdx.x;
   const int32_t* in = a.indices + static_cast<size_t>(row) * k;
-  int32_t* mir = a.mirror + static_cast<size_t>(row) * k;
+  const int mrow = a.mirror_rows != nullptr ? __ldg(a.mirror_rows + row) : row;
+  int32_t* mir = a.mirror + static_cast<size_t>(mrow < 0 ? 0 : mrow) * k;
   int32_t* ds = a.delta_slots + static_cast<size_t>(row) * a.capacity;
   int32_t* dp = a.delta_positions + static_cast<size_t>(row) * a.capacity;
   int32_t* info = a.row_info + static_cast<size_t>(row) * kDeltaInfoFields;
+  if (mrow < 0) {  // no mirror row: refused (block-uniform)
+    for (int j = tid; j < a.capacity; j += kDeltaThreads) {
+      ds[j] = -1;
+      dp[j] = -1;
+    }
+    if (tid == 0) {
+      info[kDeltaCount] = 0;
+      info[kDeltaEntering] = -1;
+      info[kDeltaEntries] = 0;
+      info[kDeltaHoles] = 0;
+      if (a.totals != nullptr) atomicAdd(a.totals + kDeltaInfoFields, 1ull);
+    }
+    return;
+  }
 
   if (tid == 0) {
     s_n = 0;
@@ -1144,8 +1160,8 @@ cudaError_t selection_delta(const SelectionDeltaParams& p, cudaStream_t stream) 
     return invalid_argument(what, "capacity ", p.capacity, " < k needs scores and score_stride >= 1");
   }
   if (p.rows == 0) return cudaSuccess;
-  const DeltaArgs a{p.indices, p.scores, p.mirror, p.delta_slots, p.delta_positions, p.row_info, p.totals,
-                    p.k,       p.capacity, p.score_stride};
+  const DeltaArgs a{p.indices, p.scores,   p.mirror,      p.mirror_rows, p.delta_slots, p.delta_positions,
+                    p.row_info, p.totals,  p.k,           p.capacity,    p.score_stride};
   delta_kernel<<<p.rows, kDeltaThreads, delta_smem_bytes(p.k), stream>>>(a);
   return cudaGetLastError();
 }

@@ -111,7 +111,8 @@ inline constexpr int kDeltaTotalsFields = kDeltaInfoFields + 1;
 struct SelectionDeltaParams {
   const int32_t* indices = nullptr;     // [rows, k] int32 topk_select output: ascending positions, then -1.
   const float* scores = nullptr;        // [rows, score_stride] fp32 topk_select's input; read for overflowing rows.
-  int32_t* mirror = nullptr;            // [rows, k] int32 in/out: position held in each slot, -1 empty.
+  int32_t* mirror = nullptr;            // [mirror rows, k] int32 in/out: position held in each slot, -1 empty.
+  const int32_t* mirror_rows = nullptr; // optional [rows] int32: mirror row of row r (default r); must be distinct.
   int32_t* delta_slots = nullptr;       // [rows, capacity] int32 out: slot of entry j, -1 past the entries.
   int32_t* delta_positions = nullptr;   // [rows, capacity] int32 out: position of entry j, -1 past the entries.
   int32_t* row_info = nullptr;          // [rows, kDeltaInfoFields] int32 out: {n, E, m, holes} (E = -1: refused).

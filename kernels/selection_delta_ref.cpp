@@ -21,7 +21,9 @@ void selection_delta_ref(const SelectionDeltaRefParams& p) {
   std::vector<int32_t> free_slots, entering, sent;
   for (int r = 0; r < p.rows; ++r) {
     const int32_t* sel = p.indices + static_cast<size_t>(r) * p.k;
-    int32_t* m = p.mirror + static_cast<size_t>(r) * p.k;
+    const int32_t mr = p.mirror_rows != nullptr ? p.mirror_rows[r] : r;
+    SPADE_CHECK(mr >= 0, "{}: mirror_rows[{}] = {} is negative", what, r, mr);
+    int32_t* m = p.mirror + static_cast<size_t>(mr) * p.k;
     int n = 0;
     while (n < p.k && sel[n] >= 0) ++n;
     for (int i = 0; i < p.k; ++i) {

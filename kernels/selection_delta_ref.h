@@ -48,7 +48,9 @@ struct SelectionDeltaRefParams {
   const int32_t* indices = nullptr;    // [rows, k] int32 new selection: ascending positions, then -1.
   const float* scores = nullptr;       // [rows, score_stride] fp32 scores the selection ranked; read only for rows
                                        // with more entering tokens than `capacity` (may be null if none has).
-  int32_t* mirror = nullptr;           // [rows, k] int32 in/out: position held in each slot, -1 empty.
+  int32_t* mirror = nullptr;           // [mirror rows, k] int32 in/out: position held in each slot, -1 empty.
+  const int32_t* mirror_rows = nullptr;  // optional [rows] int32: the mirror row of row r (default r; e.g. per-slot
+                                         // mirrors [slot][layer][KV head] of a serving cache rank).
   int32_t* delta_slots = nullptr;      // [rows, capacity] int32 out: slot of entry j, -1 past the entries.
   int32_t* delta_positions = nullptr;  // [rows, capacity] int32 out: token position of entry j, -1 past the entries.
   int32_t* row_info = nullptr;         // [rows, kDeltaInfoFields] int32 out: {n, E, m, holes}.

@@ -361,12 +361,19 @@ std::vector<int32_t> delta_selection(std::mt19937_64& rng, int rows, int k, int 
   return sel;
 }
 
+// `mapped`: row r's mirror is row 2r + 1 of a table twice as tall (per-slot mirrors of a serving cache rank); the
+// other rows must stay untouched.
 void run_delta_stream(int rows, int k, int capacity, int steps, double keep, int levels, uint64_t seed,
-                      bool specials = false) {
-  SCOPED_TRACE("rows=" + std::to_string(rows) + " k=" + std::to_string(k) + " capacity=" + std::to_string(capacity));
+                      bool specials = false, bool mapped = false) {
+  SCOPED_TRACE("rows=" + std::to_string(rows) + " k=" + std::to_string(k) + " capacity=" + std::to_string(capacity) +
+               (mapped ? " mirror_rows" : ""));
   std::mt19937_64 rng(seed);
   const int context = 3 * k + 17;
-  std::vector<int32_t> mirror_ref(static_cast<size_t>(rows) * k, -1), prev;
+  std::vector<int32_t> mirror_rows;
+  for (int r = 0; r < rows && mapped; ++r) mirror_rows.push_back(2 * r + 1);
+  DevBuf<int32_t> d_mirror_rows;
+  if (mapped) d_mirror_rows.upload(mirror_rows);
+  std::vector<int32_t> mirror_ref(static_cast<size_t>(mapped ? 2 * rows : rows) * k, -1), prev;
   DevBuf<int32_t> mirror, d_sel, ds(static_cast<size_t>(rows) * capacity), dp(ds.size()),
       info(static_cast<size_t>(rows) * kDeltaInfoFields);
   mirror.upload(mirror_ref);
@@ -391,6 +398,7 @@ void run_delta_stream(int rows, int k, int capacity, int steps, double keep, int
     rp.indices = sel.data();
     rp.scores = scores.data();
     rp.mirror = mirror_ref.data();
+    rp.mirror_rows = mapped ? mirror_rows.data() : nullptr;
     rp.delta_slots = rds.data();
     rp.delta_positions = rdp.data();
     rp.row_info = rinfo.data();
@@ -409,6 +417,7 @@ void run_delta_stream(int rows, int k, int capacity, int steps, double keep, int
     p.indices = d_sel.get();
     p.scores = d_scores.get();
     p.mirror = mirror.get();
+    p.mirror_rows = mapped ? d_mirror_rows.get() : nullptr;
     p.delta_slots = ds.get();
     p.delta_positions = dp.get();
     p.row_info = info.get();
@@ -440,6 +449,7 @@ TEST(DeltaGpu, CapacityOneMatchesReference) { run_delta_stream(12, 33, 1, 20, 0.
 TEST(DeltaGpu, OverflowWithNanSignedZerosAndInfinitiesMatchesReference) {
   run_delta_stream(16, 300, 20, 10, 0.6, 4, 97, true);
 }
+TEST(DeltaGpu, MirrorRowsMatchReference) { run_delta_stream(20, 128, 16, 10, 0.8, 8, 98, false, true); }
 
 TEST(DeltaGpu, ApplySplitsLaunchesPast65535Rows) {
   const int rows = 70001, k = 3, cap = 1, D = 64;

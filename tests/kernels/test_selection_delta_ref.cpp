@@ -221,6 +221,42 @@ TEST(SelectionDeltaRef, OverflowSendsTheBestScoredEnteringTokensFillsEmptySlotsF
   EXPECT_EQ(g.held_set(0, 2), std::set<int32_t>({0, 10}));
 }
 
+// mirror_rows: the same plan with each row's mirror stored elsewhere in a taller table (other rows untouched).
+TEST(SelectionDeltaRef, MirrorRowsGiveTheSamePlan) {
+  const int rows = 3, k = 6;
+  const std::vector<int32_t> sel = {1, 3, 5, 7, -1, -1, 2, 4, 6, 8, 10, 12, 0, -1, -1, -1, -1, -1};
+  std::vector<int32_t> direct(static_cast<size_t>(rows) * k, -1), tall(static_cast<size_t>(2 * rows) * k, -7);
+  const std::vector<int32_t> map = {4, 0, 2};
+  for (int r = 0; r < rows; ++r) std::fill_n(tall.begin() + static_cast<long>(map[r]) * k, k, -1);
+  std::vector<int32_t> ds1(rows * k), dp1(rows * k), in1(rows * 4), ds2(rows * k), dp2(rows * k), in2(rows * 4);
+  SelectionDeltaRefParams p;
+  p.indices = sel.data();
+  p.rows = rows;
+  p.k = k;
+  p.capacity = k;
+  p.mirror = direct.data();
+  p.delta_slots = ds1.data();
+  p.delta_positions = dp1.data();
+  p.row_info = in1.data();
+  selection_delta_ref(p);
+  p.mirror = tall.data();
+  p.mirror_rows = map.data();
+  p.delta_slots = ds2.data();
+  p.delta_positions = dp2.data();
+  p.row_info = in2.data();
+  selection_delta_ref(p);
+  EXPECT_EQ(ds1, ds2);
+  EXPECT_EQ(dp1, dp2);
+  EXPECT_EQ(in1, in2);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < k; ++i)
+      EXPECT_EQ(tall[static_cast<size_t>(map[r]) * k + i], direct[static_cast<size_t>(r) * k + i]);
+  for (int i = 0; i < k; ++i) {
+    EXPECT_EQ(tall[static_cast<size_t>(1) * k + i], -7) << "an unmapped row was written";
+    EXPECT_EQ(tall[static_cast<size_t>(3) * k + i], -7);
+  }
+}
+
 TEST(SelectionDeltaRef, BadInputIsRefused) {
   const int k = 4;
   std::vector<int32_t> mirror(k, -1), ds(k), dp(k), info(4);
