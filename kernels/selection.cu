@@ -1008,6 +1008,50 @@ __global__ void __launch_bounds__(kApplyThreads) apply_delta_kernel(const ApplyA
     a.held_positions[static_cast<size_t>(hrow) * a.k + slot] = __ldg(a.delta_positions + e);
 }
 
+
+// =====================================================================================================================
+// Query windows: one CTA per row; each thread owns a few columns of every entry of every head, so the in-place shift
+// (entry e takes entry e + drop, e ascending) never reads an entry it already overwrote.
+// =====================================================================================================================
+
+constexpr int kWindowThreads = 128;
+
+struct WindowArgs {
+  uint16_t* windows;
+  int32_t* window_len;
+  const int32_t* window_idx;
+  const uint16_t* q;
+  const int32_t* cu_tokens;
+  const int32_t* reset;
+  int num_windows, num_heads, capacity, head_dim;
+};
+
+__global__ void __launch_bounds__(kWindowThreads) push_window_kernel(const WindowArgs a) {
+  const int r = blockIdx.x;
+  const int w = __ldg(a.window_idx + r);
+  if (w < 0 || w >= a.num_windows) return;
+  const int t0 = __ldg(a.cu_tokens + r);
+  const int n = max(0, __ldg(a.cu_tokens + r + 1) - t0);
+  int len = (a.reset != nullptr && __ldg(a.reset + r) != 0) ? 0 : a.window_len[w];
+  len = min(max(len, 0), a.capacity);
+  const int keep = min(a.capacity, len + n);
+  const int drop = len + n - keep;  // leading entries of [window | new queries] that fall out
+  const int D = a.head_dim;
+  __syncthreads();  // every thread read window_len before thread 0 rewrites it
+  for (int h = 0; h < a.num_heads; ++h) {
+    uint16_t* win = a.windows + (static_cast<size_t>(w) * a.num_heads + h) * a.capacity * D;
+    for (int e = 0; e < keep; ++e) {
+      const int src = drop + e;  // index into [window (len) | new queries (n)]
+      for (int d = threadIdx.x; d < D; d += kWindowThreads) {
+        const uint16_t v = src < len ? win[static_cast<size_t>(src) * D + d]
+                                     : a.q[(static_cast<size_t>(t0 + src - len) * a.num_heads + h) * D + d];
+        win[static_cast<size_t>(e) * D + d] = v;
+      }
+    }
+  }
+  if (threadIdx.x == 0) a.window_len[w] = keep;
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -1192,6 +1236,26 @@ cudaError_t apply_selection_delta(const ApplySelectionDeltaParams& p, cudaStream
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
+}
+
+cudaError_t push_query_window(const PushQueryWindowParams& p, cudaStream_t stream) {
+  using namespace detail;
+  const char* what = "push_query_window";
+  if (p.dtype != DType::BF16 && p.dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
+  if (p.rows < 0 || p.num_windows < 1 || p.num_heads < 1 || p.capacity < 1 ||
+      p.capacity > kMaxPredictorWindow + 1 || p.head_dim < 2 || p.head_dim % 2 != 0) {
+    return invalid_argument(what, "rows ", p.rows, " / num_windows ", p.num_windows, " / num_heads ", p.num_heads,
+                            " / capacity ", p.capacity, " / head_dim ", p.head_dim, " invalid");
+  }
+  if (p.rows == 0) return cudaSuccess;
+  if (p.windows == nullptr || p.window_len == nullptr || p.window_idx == nullptr || p.q == nullptr ||
+      p.cu_tokens == nullptr) {
+    return invalid_argument(what, "windows, window_len, window_idx, q and cu_tokens must be set");
+  }
+  const WindowArgs a{static_cast<uint16_t*>(p.windows), p.window_len, p.window_idx, static_cast<const uint16_t*>(p.q),
+                     p.cu_tokens, p.reset, p.num_windows, p.num_heads, p.capacity, p.head_dim};
+  push_window_kernel<<<p.rows, kWindowThreads, 0, stream>>>(a);
+  return cudaGetLastError();
 }
 
 }  // namespace spade::kernels

@@ -17,6 +17,7 @@
 
 #include "common/dtype.h"
 #include "kernels/attention.cuh"
+#include "kernels/query_window_ref.h"
 #include "kernels/selection_delta_ref.h"
 #include "kernels/selection_ref.h"
 
@@ -95,6 +96,25 @@ struct GatherKvParams {
 };
 
 cudaError_t gather_kv(const GatherKvParams& p, cudaStream_t stream);
+
+/// The cache rank's query windows: push_query_window_ref's rule (kernels/query_window_ref.h) on the device, one CTA
+/// per row; the elements are moved as 16-bit words (no conversion).
+struct PushQueryWindowParams {
+  DType dtype = DType::BF16;            // BF16 or F16: windows and q.
+  void* windows = nullptr;              // [num_windows, num_heads, capacity, head_dim] dtype in/out, oldest first.
+  int32_t* window_len = nullptr;        // [num_windows] int32 in/out.
+  const int32_t* window_idx = nullptr;  // [rows] int32 window of row r (distinct; outside [0, num_windows): skipped).
+  const void* q = nullptr;              // [tokens, num_heads, head_dim] dtype.
+  const int32_t* cu_tokens = nullptr;   // [rows + 1] int32 token ranges of the rows in q.
+  const int32_t* reset = nullptr;       // optional [rows] int32: non-zero empties the window first.
+  int num_windows = 0;
+  int rows = 0;                         // >= 0 (0: nothing is launched)
+  int num_heads = 0;
+  int capacity = 0;                     // 1..kMaxPredictorWindow + 1
+  int head_dim = 0;                     // even
+};
+
+cudaError_t push_query_window(const PushQueryWindowParams& p, cudaStream_t stream);
 
 /// Largest token budget (slots per row) selection_delta supports.
 inline constexpr int kMaxDeltaBudget = 4096;

@@ -755,5 +755,85 @@ TEST(DeltaGpu, TopkDeltaGatherApplyKeepsTheHeldTableEqualToTheMirror) {
   }
 }
 
+// ---- query windows (push_query_window vs push_query_window_ref) ----
+
+TEST(QueryWindowGpu, MatchesReferenceOverStepsWithResets) {
+  for (DType dtype : {DType::BF16, DType::F16}) {
+    SCOPED_TRACE(spade::test::dtype_str(dtype));
+    std::mt19937_64 rng(99);
+    const int windows = 11, heads = 8, cap = 9, D = 128;
+    std::vector<float> win32;
+    std::vector<uint16_t> win16 =
+        spade::test::random_half(dtype, static_cast<size_t>(windows) * heads * cap * D, 1.f, rng, &win32);
+    std::vector<int32_t> len(windows);
+    std::uniform_int_distribution<int> ulen(0, cap);
+    for (int32_t& l : len) l = ulen(rng);
+    DevBuf<uint16_t> d_win;
+    d_win.upload(win16);
+    DevBuf<int32_t> d_len;
+    d_len.upload(len);
+    for (int step = 0; step < 6; ++step) {
+      // A permutation of 7 of the windows; tokens per row 0..12 (a prefill chunk longer than the window too).
+      std::vector<int32_t> perm(windows);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      const int rows = 7;
+      std::vector<int32_t> idx(perm.begin(), perm.begin() + rows), cu = {0}, reset(rows);
+      std::uniform_int_distribution<int> un(0, 12);
+      for (int r = 0; r < rows; ++r) {
+        cu.push_back(cu.back() + (r == 0 ? 1 : un(rng)));
+        reset[r] = (step + r) % 5 == 0;
+      }
+      std::vector<float> q32;
+      const std::vector<uint16_t> q16 =
+          spade::test::random_half(dtype, static_cast<size_t>(std::max(cu.back(), 1)) * heads * D, 1.f, rng, &q32);
+      PushQueryWindowRefParams rp;
+      rp.windows = win32.data();
+      rp.window_len = len.data();
+      rp.window_idx = idx.data();
+      rp.q = q32.data();
+      rp.cu_tokens = cu.data();
+      rp.reset = reset.data();
+      rp.num_windows = windows;
+      rp.rows = rows;
+      rp.num_heads = heads;
+      rp.capacity = cap;
+      rp.head_dim = D;
+      push_query_window_ref(rp);
+      DevBuf<int32_t> d_idx, d_cu, d_reset;
+      d_idx.upload(idx);
+      d_cu.upload(cu);
+      d_reset.upload(reset);
+      DevBuf<uint16_t> d_q;
+      d_q.upload(q16);
+      PushQueryWindowParams p;
+      p.dtype = dtype;
+      p.windows = d_win.get();
+      p.window_len = d_len.get();
+      p.window_idx = d_idx.get();
+      p.q = d_q.get();
+      p.cu_tokens = d_cu.get();
+      p.reset = d_reset.get();
+      p.num_windows = windows;
+      p.rows = rows;
+      p.num_heads = heads;
+      p.capacity = cap;
+      p.head_dim = D;
+      SPADE_CUDA_OK(push_query_window(p, nullptr));
+      SPADE_CUDA_OK(cudaDeviceSynchronize());
+      ASSERT_EQ(d_len.download(), len) << "step " << step;
+      // Valid entries equal the reference's (exact: moved as words); entries past the length are not compared.
+      const std::vector<float> got = spade::test::to_f32(dtype, d_win.download());
+      for (int w = 0; w < windows; ++w)
+        for (int h = 0; h < heads; ++h)
+          for (int e = 0; e < len[w]; ++e)
+            for (int d = 0; d < D; ++d) {
+              const size_t i = ((static_cast<size_t>(w) * heads + h) * cap + e) * D + d;
+              ASSERT_EQ(got[i], win32[i]) << "step " << step << " window " << w << " head " << h << " entry " << e;
+            }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace spade::kernels
