@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "bench/run_stamp.h"
+#include "cache_rank/gpu_plan.h"
 #include "common/config.h"
 #include "common/error.h"
 #include "inference_rank/gpu_model.h"
@@ -415,23 +416,8 @@ std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel
 // CudaIpcLink, which checks the pipeline but not its speed (the ranks then share the GPU's SMs and HBM).
 // ---------------------------------------------------------------------------------------------------------------
 
-/// Byte layout of one layer pack's delta message (kernels/selection_delta_ref.h): rows = layers x batch x KV heads,
-/// `cap` entries per row: [slots rows*cap int32][positions rows*cap int32][row info rows*4 int32][K rows*cap*D bf16]
-/// [V rows*cap*D bf16], each section (and the message, so consecutive packs' messages too) 256-byte aligned for the
-/// 16-byte vector accesses of gather_kv / apply_selection_delta.
-struct DeltaLayout {
-  size_t slots = 0, positions = 0, info = 0, k = 0, v = 0, bytes = 0;
-  DeltaLayout() = default;
-  DeltaLayout(size_t rows, int cap, int head_dim) {
-    auto up = [](size_t x) { return (x + 255) / 256 * 256; };
-    const size_t e = rows * static_cast<size_t>(cap);
-    positions = up(slots + e * 4);
-    info = up(positions + e * 4);
-    k = up(info + rows * kernels::kDeltaInfoFields * 4);
-    v = up(k + e * head_dim * 2);
-    bytes = up(v + e * head_dim * 2);
-  }
-};
+/// One layer pack's delta message: cache_rank/gpu_plan.h DeltaLayout (the serving protocol's layout).
+using cache::DeltaLayout;
 
 struct AsyncShared {
   int P = 0, packs = 0;

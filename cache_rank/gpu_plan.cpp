@@ -1,0 +1,143 @@
+// The GPU data plane's per-step plan (see gpu_plan.h).
+#include "cache_rank/gpu_plan.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+#include "kernels/selection_delta_ref.h"
+
+namespace spade::cache {
+
+namespace {
+
+constexpr uint32_t kPlanMagic = 0x4e4c5047;  // "GPLN"
+constexpr uint32_t kPlanVersion = 1;
+constexpr size_t kHeaderBytes = 4 + 4 + 8 + 4 + 4;  // magic, version, step, rows, released
+constexpr size_t kRowBytes = 16;
+
+template <typename T>
+void put(std::vector<uint8_t>& b, size_t& off, T v) {
+  std::memcpy(b.data() + off, &v, sizeof(T));
+  off += sizeof(T);
+}
+template <typename T>
+T get(const uint8_t* d, size_t& off) {
+  T v;
+  std::memcpy(&v, d + off, sizeof(T));
+  off += sizeof(T);
+  return v;
+}
+
+size_t up(size_t x) { return (x + 255) / 256 * 256; }
+
+}  // namespace
+
+int GpuStepPlan::total_tokens() const {
+  int n = 0;
+  for (const GpuPlanRow& r : rows) n += r.q_len;
+  return n;
+}
+
+std::vector<int> GpuStepPlan::steady_rows() const {
+  std::vector<int> out;
+  for (size_t i = 0; i < rows.size(); ++i)
+    if ((rows[i].flags & kRowSelect) != 0 && (rows[i].flags & kRowFirstSelect) == 0) out.push_back(static_cast<int>(i));
+  return out;
+}
+
+std::vector<int> GpuStepPlan::first_rows() const {
+  std::vector<int> out;
+  for (size_t i = 0; i < rows.size(); ++i)
+    if ((rows[i].flags & kRowFirstSelect) != 0) out.push_back(static_cast<int>(i));
+  return out;
+}
+
+int gpu_plan_max_rows() { return static_cast<int>((kGpuPlanBytes - kHeaderBytes) / (kRowBytes + 4)); }
+
+std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p) {
+  SPADE_CHECK(static_cast<int>(p.rows.size()) <= gpu_plan_max_rows() &&
+                  static_cast<int>(p.released.size()) <= gpu_plan_max_rows(),
+              "GPU plan: {} rows / {} released slots exceed the {} a plan carries", p.rows.size(), p.released.size(),
+              gpu_plan_max_rows());
+  std::vector<uint8_t> b(kGpuPlanBytes, 0);
+  size_t off = 0;
+  put(b, off, kPlanMagic);
+  put(b, off, kPlanVersion);
+  put(b, off, p.step);
+  put(b, off, static_cast<uint32_t>(p.rows.size()));
+  put(b, off, static_cast<uint32_t>(p.released.size()));
+  for (const GpuPlanRow& r : p.rows) {
+    put(b, off, r.slot);
+    put(b, off, r.q_len);
+    put(b, off, r.ctx_len);
+    put(b, off, r.flags);
+  }
+  for (int32_t s : p.released) put(b, off, s);
+  return b;
+}
+
+GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, const std::string& peer) {
+  SPADE_CHECK(data != nullptr && len == kGpuPlanBytes, "{}: GPU plan of {} bytes, expected {}", peer, len,
+              kGpuPlanBytes);
+  size_t off = 0;
+  const uint32_t magic = get<uint32_t>(data, off), version = get<uint32_t>(data, off);
+  SPADE_CHECK(magic == kPlanMagic && version == kPlanVersion, "{}: not a GPU plan (magic {:#x}, version {})", peer,
+              magic, version);
+  GpuStepPlan p;
+  p.step = get<int64_t>(data, off);
+  const uint32_t nrows = get<uint32_t>(data, off), nrel = get<uint32_t>(data, off);
+  SPADE_CHECK(nrows <= static_cast<uint32_t>(gpu_plan_max_rows()) && nrel <= static_cast<uint32_t>(gpu_plan_max_rows()) &&
+                  kHeaderBytes + nrows * kRowBytes + nrel * 4 <= len,
+              "{}: GPU plan of step {} claims {} rows and {} released slots", peer, p.step, nrows, nrel);
+  std::vector<char> used(static_cast<size_t>(std::max(max_slots, 0)), 0);
+  for (uint32_t i = 0; i < nrows; ++i) {
+    GpuPlanRow r;
+    r.slot = get<int32_t>(data, off);
+    r.q_len = get<int32_t>(data, off);
+    r.ctx_len = get<int32_t>(data, off);
+    r.flags = get<uint32_t>(data, off);
+    SPADE_CHECK(r.slot >= 0 && r.slot < max_slots && !used[static_cast<size_t>(r.slot)],
+                "{}: GPU plan of step {} row {}: slot {} outside 0..{} or used twice", peer, p.step, i, r.slot,
+                max_slots - 1);
+    used[static_cast<size_t>(r.slot)] = 1;
+    SPADE_CHECK(r.q_len >= 1 && r.ctx_len >= r.q_len, "{}: GPU plan of step {} row {}: {} tokens for context {}",
+                peer, p.step, i, r.q_len, r.ctx_len);
+    SPADE_CHECK((r.flags & ~(kRowFresh | kRowSelect | kRowFirstSelect)) == 0 &&
+                    ((r.flags & kRowFirstSelect) == 0 || (r.flags & kRowSelect) != 0),
+                "{}: GPU plan of step {} row {}: bad flags {:#x}", peer, p.step, i, r.flags);
+    SPADE_CHECK((r.flags & kRowFresh) == 0 || r.ctx_len == r.q_len,
+                "{}: GPU plan of step {} row {}: a fresh sequence with context {} after {} tokens", peer, p.step, i,
+                r.ctx_len, r.q_len);
+    p.rows.push_back(r);
+  }
+  for (uint32_t i = 0; i < nrel; ++i) {
+    const int32_t s = get<int32_t>(data, off);
+    SPADE_CHECK(s >= 0 && s < max_slots, "{}: GPU plan of step {}: released slot {} outside 0..{}", peer, p.step, s,
+                max_slots - 1);
+    p.released.push_back(s);
+  }
+  return p;
+}
+
+DeltaLayout::DeltaLayout(size_t n_rows, int capacity, int head_dim) : rows(n_rows), cap(capacity) {
+  const size_t e = rows * static_cast<size_t>(cap);
+  positions = up(slots + e * 4);
+  info = up(positions + e * 4);
+  k = up(info + rows * kernels::kDeltaInfoFields * 4);
+  v = up(k + e * head_dim * 2);
+  bytes = up(v + e * head_dim * 2);
+}
+
+GpuPackSizes gpu_pack_sizes(const GpuStepPlan& p, int pack_layers, const ModelConfig& attn_cfg, int budget,
+                            int capacity) {
+  GpuPackSizes s;
+  const size_t row_elems = static_cast<size_t>(attn_cfg.num_q_heads + 2 * attn_cfg.num_kv_heads) * attn_cfg.head_dim;
+  s.up_bytes = static_cast<size_t>(pack_layers) * p.total_tokens() * row_elems * 2;
+  const size_t per_seq = static_cast<size_t>(pack_layers) * attn_cfg.num_kv_heads;
+  s.steady = DeltaLayout(per_seq * p.steady_rows().size(), capacity, attn_cfg.head_dim);
+  s.first = DeltaLayout(per_seq * p.first_rows().size(), budget, attn_cfg.head_dim);
+  return s;
+}
+
+}  // namespace spade::cache

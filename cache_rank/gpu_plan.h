@@ -1,0 +1,82 @@
+// The per-step protocol of the GPU data plane between an inference rank and its GPU cache rank (issue #7), over one
+// GpuLink (transport/gpu_link.h). Both ranks derive every message size from the step's plan, so each NCCL send has a
+// receive of the same size and no size travels separately.
+//
+// Per decode / prefill step t, in this order on the link:
+//   up    plan(t)                   kGpuPlanBytes: the step's rows (slot, tokens, context, flags) and released slots
+//   up    rows(t, p) per pack p     [layers of p][tokens of t][q | k | v] bf16: each token's rows after q/k norm and
+//                                   RoPE, as the inference rank appended them (RopeKvAppendParams::row_out)
+//   down  steady(t, p), first(t, p) per pack p, each only if its group is not empty: the selections for step t + 1
+//                                   of the plan's SELECT rows as delta messages (DeltaLayout), capacity C for rows
+//                                   whose table the inference rank already holds ("steady"), the full budget for
+//                                   FIRST rows (a sequence's first selection, or its first after a reset)
+// The cache rank reads the plan on its host (it may wait; the inference rank never does), appends every token of
+// every row to its full KV pool and its query windows, and runs the selection pipeline for the SELECT rows.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+
+namespace spade::cache {
+
+/// Row flags of a plan.
+enum GpuRowFlags : uint32_t {
+  kRowFresh = 1u,        // the sequence starts in this step (position 0): empty its windows and pages first
+  kRowSelect = 2u,       // compute its selection for the next step
+  kRowFirstSelect = 4u,  // ... as a full selection (implies kRowSelect): the holder's table starts over
+};
+
+struct GpuPlanRow {
+  int32_t slot = -1;    // the sequence's slot, 0..max_slots-1, the same on both ranks
+  int32_t q_len = 0;    // tokens of this step (>= 1)
+  int32_t ctx_len = 0;  // context length after this step (>= q_len)
+  uint32_t flags = 0;   // GpuRowFlags
+};
+
+struct GpuStepPlan {
+  int64_t step = 0;
+  std::vector<GpuPlanRow> rows;   // batch order = the order of the step's tokens
+  std::vector<int32_t> released;  // slots whose sequences ended since the previous plan (freed before this step)
+  int total_tokens() const;
+  std::vector<int> steady_rows() const;  // indices of SELECT rows without FIRST, batch order
+  std::vector<int> first_rows() const;   // indices of FIRST rows, batch order
+};
+
+/// Size of a plan message on the link.
+inline constexpr size_t kGpuPlanBytes = 16384;
+/// Most rows (and, separately, released slots) a plan carries.
+int gpu_plan_max_rows();
+
+/// The plan as exactly kGpuPlanBytes bytes. Throws spade::Error for too many rows or released slots.
+std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p);
+/// Parses and validates a plan (magic, version, counts, slots in [0, max_slots) and distinct among rows, q_len >= 1,
+/// ctx_len >= q_len, a FRESH row's ctx_len == q_len, known flags, FIRST only with SELECT). Throws spade::Error
+/// naming `peer`.
+GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, const std::string& peer);
+
+/// Byte layout of one delta message (kernels/selection_delta_ref.h): rows = (layer, sequence, KV head) rows, `cap`
+/// entries each: [slots rows*cap int32][positions rows*cap int32][row info rows*4 int32][K rows*cap*D][V rows*cap*D]
+/// (16-bit K / V), every section and the whole message 256-byte aligned (16-byte vector accesses of gather_kv and
+/// apply_selection_delta, and consecutive messages in one buffer).
+struct DeltaLayout {
+  size_t rows = 0;
+  int cap = 0;
+  size_t slots = 0, positions = 0, info = 0, k = 0, v = 0, bytes = 0;
+  DeltaLayout() = default;
+  DeltaLayout(size_t rows, int cap, int head_dim);
+};
+
+/// The messages of one layer pack of `pack_layers` layers in a step with plan `p`.
+struct GpuPackSizes {
+  size_t up_bytes = 0;  // q | k | v rows: pack_layers x total_tokens x (Hq + 2 Hkv) x head_dim x 2
+  DeltaLayout steady;   // pack_layers x |steady rows| x Hkv rows, `capacity` entries (rows 0: not sent)
+  DeltaLayout first;    // pack_layers x |first rows| x Hkv rows, `budget` entries (rows 0: not sent)
+};
+GpuPackSizes gpu_pack_sizes(const GpuStepPlan& p, int pack_layers, const ModelConfig& attn_cfg, int budget,
+                            int capacity);
+
+}  // namespace spade::cache
