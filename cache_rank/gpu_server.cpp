@@ -1,0 +1,475 @@
+// The GPU cache rank's per-step server (see gpu_server.h).
+#include "cache_rank/gpu_server.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "common/error.h"
+#include "common/page_allocator.h"
+#include "inference_rank/gpu_model.h"
+#include "kernels/layer_ops.cuh"
+#include "kernels/selection.cuh"
+
+namespace spade::cache {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "GPU cache rank: event"); }
+  ~Event() {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+// The two selection groups of a step: steady rows (delta capacity C) and first rows (the full budget).
+enum Group { kSteady = 0, kFirst = 1 };
+
+}  // namespace
+
+struct GpuCacheServer::State {
+  ModelConfig cfg;
+  GpuCacheOptions o;
+  transport::GpuLink& link;
+  std::string peer;
+  int L = 0, Hq = 0, Hkv = 0, D = 0, P = 0, packs = 0, cap_w = 0, k = 0, stride = 0;
+  size_t row_elems = 0;  // (Hq + 2 Hkv) * D per token and layer
+  cudaStream_t up = nullptr, work = nullptr, down = nullptr;
+
+  GpuKvPool pool;
+  DeviceBuffer windows;  // [slots][L][Hq][cap_w][D] bf16
+  DeviceBuffer mirror;   // [slots][L][Hkv][k] int32
+  DeviceBuffer window_len;  // [slots * L] int32 (the kernel's counts; the host keeps its own copy)
+  DeviceBuffer plan_dev;
+  uint8_t* plan_host = nullptr;  // pinned
+  DeviceBuffer rows;     // [packs][P * max_step_tokens * row_elems] bf16: pack p's message, [layers][T][row]
+  DeviceBuffer q_out;    // [max_step_tokens][Hq][D] bf16: one layer's queries
+  // Step arrays (int32), one upload per step: see fill_meta().
+  DeviceBuffer meta;
+  int32_t* meta_host = nullptr;  // pinned
+  size_t meta_words = 0;
+  Event meta_copied;
+  bool meta_pending = false;
+  // Selection scratch (per group, reused pack after pack on the work stream).
+  DeviceBuffer win_scratch, q_hat, scores, indices;
+  DeviceBuffer msg[2][2];  // [group][pack parity]: outgoing messages
+  std::vector<std::unique_ptr<Event>> rows_ready, appended, sel_done[2], sent[2];  // per pack
+  Event plan_ready;
+  bool plan_posted = false;
+
+  PageAllocator alloc;
+  std::vector<int> host_wlen;  // per slot: window entries (the same in every layer)
+  std::vector<char> live;      // per slot: admitted in alloc
+
+  // Offsets (words) of this step's arrays in meta.
+  struct Meta {
+    size_t tok_pos = 0, tok_row = 0, bt = 0, cu = 0, win_idx = 0, reset = 0;
+    size_t g_bt[2] = {0, 0}, g_lens[2] = {0, 0}, g_wlen[2] = {0, 0}, g_mrows[2] = {0, 0};
+  } m;
+  std::vector<int> group_rows[2];  // plan row indices of each group
+
+  State(const ModelConfig& c, const GpuCacheOptions& opts, transport::GpuLink& l, std::string pr)
+      : cfg(c), o(opts), link(l), peer(std::move(pr)), L(c.num_layers), Hq(c.num_q_heads), Hkv(c.num_kv_heads),
+        D(c.head_dim), P(opts.layers_per_pack), packs((c.num_layers + opts.layers_per_pack - 1) / opts.layers_per_pack),
+        cap_w(opts.selection.query_window + 1), k(opts.selection.token_budget),
+        stride(opts.max_pages_per_seq * opts.page_size),
+        row_elems(static_cast<size_t>(c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim),
+        pool(c.num_layers, opts.num_pages, opts.page_size, c.num_kv_heads, c.head_dim),
+        alloc(opts.num_pages, opts.page_size), host_wlen(static_cast<size_t>(opts.max_slots), 0),
+        live(static_cast<size_t>(opts.max_slots), 0) {}
+  ~State() {
+    for (cudaStream_t s : {up, work, down})
+      if (s != nullptr) cudaStreamDestroy(s);
+    if (plan_host != nullptr) cudaFreeHost(plan_host);
+    if (meta_host != nullptr) cudaFreeHost(meta_host);
+  }
+
+  int pack_layers(int p) const { return std::min(P, L - p * P); }
+  uint16_t* pack_rows(int p) const {
+    return rows.as<uint16_t>() + static_cast<size_t>(p) * P * o.max_step_tokens * row_elems;
+  }
+  size_t win_elems() const { return static_cast<size_t>(Hq) * cap_w * D; }
+
+  void post_plan_recv() {
+    link.recv(plan_dev.get(), kGpuPlanBytes, up, "the next step's plan", transport::GpuLink::kNoTimeout);
+    cuda_check(cudaMemcpyAsync(plan_host, plan_dev.get(), kGpuPlanBytes, cudaMemcpyDeviceToHost, up), "plan copy");
+    cuda_check(cudaEventRecord(plan_ready.e, up), "plan event");
+    plan_posted = true;
+  }
+
+  // Frees a slot's pages and forgets its window and mirror (work stream).
+  void forget(int slot) {
+    if (live[static_cast<size_t>(slot)]) alloc.release(static_cast<uint64_t>(slot));
+    live[static_cast<size_t>(slot)] = 0;
+    host_wlen[static_cast<size_t>(slot)] = 0;
+    const size_t mirror_slot = static_cast<size_t>(L) * Hkv * k;
+    cuda_check(cudaMemsetAsync(mirror.as<int32_t>() + static_cast<size_t>(slot) * mirror_slot, 0xFF, mirror_slot * 4,
+                               work),
+               "mirror reset");
+  }
+
+  // Builds and uploads the step's arrays (one pinned staging buffer, one copy on the work stream).
+  void fill_meta(const GpuStepPlan& plan) {
+    const int B = static_cast<int>(plan.rows.size()), T = plan.total_tokens();
+    const int maxp = o.max_pages_per_seq;
+    std::vector<int32_t> w;
+    auto take = [&](size_t n) {
+      const size_t at = w.size();
+      w.resize(at + n, 0);
+      return at;
+    };
+    m.tok_pos = take(static_cast<size_t>(T));
+    m.tok_row = take(static_cast<size_t>(T));
+    m.bt = take(static_cast<size_t>(B) * maxp);
+    m.cu = take(static_cast<size_t>(B) + 1);
+    m.win_idx = take(static_cast<size_t>(L) * B);
+    m.reset = take(static_cast<size_t>(B));
+    int t = 0;
+    for (int b = 0; b < B; ++b) {
+      const GpuPlanRow& r = plan.rows[static_cast<size_t>(b)];
+      const std::vector<int32_t>& pages = alloc.block_table(static_cast<uint64_t>(r.slot));
+      SPADE_CHECK(static_cast<int>(pages.size()) <= maxp, "{}: slot {} holds {} pages, the table has {}", peer, r.slot,
+                  pages.size(), maxp);
+      std::fill(w.begin() + static_cast<long>(m.bt + static_cast<size_t>(b) * maxp),
+                w.begin() + static_cast<long>(m.bt + static_cast<size_t>(b + 1) * maxp), -1);
+      std::copy(pages.begin(), pages.end(), w.begin() + static_cast<long>(m.bt + static_cast<size_t>(b) * maxp));
+      w[m.cu + static_cast<size_t>(b)] = t;
+      for (int i = 0; i < r.q_len; ++i, ++t) {
+        w[m.tok_pos + static_cast<size_t>(t)] = r.ctx_len - r.q_len + i;
+        w[m.tok_row + static_cast<size_t>(t)] = b;
+      }
+      for (int l = 0; l < L; ++l) w[m.win_idx + static_cast<size_t>(l) * B + b] = r.slot * L + l;
+      w[m.reset + static_cast<size_t>(b)] = (r.flags & kRowFresh) != 0 ? 1 : 0;
+    }
+    w[m.cu + static_cast<size_t>(B)] = t;
+    for (int g = 0; g < 2; ++g) {
+      const std::vector<int>& rows_g = group_rows[g];
+      const int S = static_cast<int>(rows_g.size());
+      m.g_bt[g] = take(static_cast<size_t>(S) * maxp);
+      m.g_lens[g] = take(static_cast<size_t>(P) * S);
+      m.g_wlen[g] = take(static_cast<size_t>(P) * S);
+      m.g_mrows[g] = take(static_cast<size_t>(L) * S * Hkv);
+      for (int s = 0; s < S; ++s) {
+        const int b = rows_g[static_cast<size_t>(s)];
+        const GpuPlanRow& r = plan.rows[static_cast<size_t>(b)];
+        std::copy_n(w.begin() + static_cast<long>(m.bt + static_cast<size_t>(b) * maxp), maxp,
+                    w.begin() + static_cast<long>(m.g_bt[g] + static_cast<size_t>(s) * maxp));
+        // The next step's context is ctx_len + 1; its last R positions are the inference rank's local window.
+        const int selectable = std::max(0, r.ctx_len + 1 - o.selection.local_window);
+        for (int j = 0; j < P; ++j) {
+          w[m.g_lens[g] + static_cast<size_t>(j) * S + s] = std::min(selectable, r.ctx_len);
+          w[m.g_wlen[g] + static_cast<size_t>(j) * S + s] = host_wlen[static_cast<size_t>(r.slot)];
+        }
+        for (int l = 0; l < L; ++l)
+          for (int h = 0; h < Hkv; ++h)
+            w[m.g_mrows[g] + (static_cast<size_t>(l) * S + s) * Hkv + h] = (r.slot * L + l) * Hkv + h;
+      }
+    }
+    SPADE_CHECK(w.size() <= meta_words, "{}: step arrays of {} words exceed the {} reserved", peer, w.size(),
+                meta_words);
+    if (meta_pending) cuda_check(cudaEventSynchronize(meta_copied.e), "GPU cache rank: previous upload");
+    std::memcpy(meta_host, w.data(), w.size() * 4);
+    cuda_check(cudaMemcpyAsync(meta.get(), meta_host, w.size() * 4, cudaMemcpyHostToDevice, work), "step upload");
+    cuda_check(cudaEventRecord(meta_copied.e, work), "step upload");
+    meta_pending = true;
+  }
+
+  const int32_t* md(size_t off) const { return meta.as<int32_t>() + off; }
+
+  void append_pack(const GpuStepPlan& plan, int p) {
+    const int B = static_cast<int>(plan.rows.size()), T = plan.total_tokens(), n = pack_layers(p);
+    cuda_check(cudaStreamWaitEvent(work, rows_ready[static_cast<size_t>(p)]->e, 0), "wait rows");
+    for (int j = 0; j < n; ++j) {
+      const int l = p * P + j;
+      kernels::RopeKvAppendParams r;
+      r.qkv = pack_rows(p) + static_cast<size_t>(j) * T * row_elems;
+      r.q_out = q_out.get();
+      r.k_cache = pool.k(l);
+      r.v_cache = pool.v(l);
+      r.positions = md(m.tok_pos);
+      r.seq_idx = md(m.tok_row);
+      r.block_table = md(m.bt);
+      r.tokens = T;
+      r.num_q_heads = Hq;
+      r.num_kv_heads = Hkv;
+      r.head_dim = D;
+      r.rot_dim = 0;  // normed and rotated by the inference rank
+      r.batch = B;
+      r.max_pages_per_seq = o.max_pages_per_seq;
+      r.page_size = o.page_size;
+      r.num_pages = o.num_pages;
+      cuda_check(kernels::rope_kv_append(r, work), "GPU cache rank: KV append");
+      kernels::PushQueryWindowParams w;
+      w.windows = windows.get();
+      w.window_len = window_len.as<int32_t>();
+      w.window_idx = md(m.win_idx + static_cast<size_t>(l) * B);
+      w.q = q_out.get();
+      w.cu_tokens = md(m.cu);
+      w.reset = md(m.reset);
+      w.num_windows = o.max_slots * L;
+      w.rows = B;
+      w.num_heads = Hq;
+      w.capacity = cap_w;
+      w.head_dim = D;
+      cuda_check(kernels::push_query_window(w, work), "GPU cache rank: query windows");
+    }
+    cuda_check(cudaEventRecord(appended[static_cast<size_t>(p)]->e, work), "appended event");
+  }
+
+  void select_pack(const GpuStepPlan& plan, int p, int g, const DeltaLayout& lay) {
+    const int S = static_cast<int>(group_rows[g].size()), n = pack_layers(p);
+    if (S == 0) return;
+    const int cap = g == kSteady ? o.delta_capacity : k;
+    char* out = msg[g][p % 2].as<char>();
+    // The message buffer of this parity was last sent for pack p - 2 (this step) or by the previous step.
+    cuda_check(cudaStreamWaitEvent(work, sent[g][static_cast<size_t>(p % 2)]->e, 0), "wait send");
+    // 1. windows of the group's rows for the pack's layers, rows (j, s)
+    for (int j = 0; j < n; ++j)
+      for (int s = 0; s < S; ++s) {
+        const int slot = plan.rows[static_cast<size_t>(group_rows[g][static_cast<size_t>(s)])].slot;
+        cuda_check(cudaMemcpyAsync(win_scratch.as<uint16_t>() + (static_cast<size_t>(j) * S + s) * win_elems(),
+                                   windows.as<uint16_t>() + (static_cast<size_t>(slot) * L + p * P + j) * win_elems(),
+                                   win_elems() * 2, cudaMemcpyDeviceToDevice, work),
+                   "window gather");
+      }
+    // 2. next-query prediction
+    kernels::PredictQueryParams pq;
+    pq.window_dtype = DType::BF16;
+    pq.window = win_scratch.get();
+    pq.window_len = md(m.g_wlen[g]);
+    pq.q_hat = q_hat.as<float>();
+    pq.batch = n * S;
+    pq.num_heads = Hq;
+    pq.window_capacity = cap_w;
+    pq.head_dim = D;
+    pq.max_regressors = o.selection.query_window;
+    pq.eps = o.selection.ridge_eps;
+    cuda_check(kernels::predict_next_query(pq, work), "GPU cache rank: predict");
+    // 3. scores of every selectable key, per layer
+    for (int j = 0; j < n; ++j) {
+      kernels::ScoreTokensParams sp;
+      sp.q_hat = q_hat.as<float>() + static_cast<size_t>(j) * S * Hq * D;
+      sp.k_cache = pool.k(p * P + j);
+      sp.block_table = md(m.g_bt[g]);
+      sp.num_tokens = md(m.g_lens[g]);
+      sp.scores = scores.as<float>() + static_cast<size_t>(j) * S * Hkv * stride;
+      sp.batch = S;
+      sp.num_q_heads = Hq;
+      sp.num_kv_heads = Hkv;
+      sp.head_dim = D;
+      sp.page_size = o.page_size;
+      sp.max_pages_per_seq = o.max_pages_per_seq;
+      sp.score_stride = stride;
+      sp.rule = o.selection.gqa_rule;
+      cuda_check(kernels::score_tokens(sp, work), "GPU cache rank: score");
+    }
+    // 4. top-k per (layer, sequence, KV head)
+    kernels::TopkParams tp;
+    tp.scores = scores.as<float>();
+    tp.row_lens = md(m.g_lens[g]);
+    tp.indices = indices.as<int32_t>();
+    tp.batch = n * S;
+    tp.rows_per_batch = Hkv;
+    tp.score_stride = stride;
+    tp.k = k;
+    cuda_check(kernels::topk_select(tp, work), "GPU cache rank: top-k");
+    // 5. the slot plan against the per-slot mirrors, into the message
+    kernels::SelectionDeltaParams dp;
+    dp.indices = indices.as<int32_t>();
+    dp.scores = scores.as<float>();
+    dp.mirror = mirror.as<int32_t>();
+    dp.mirror_rows = md(m.g_mrows[g] + static_cast<size_t>(p) * P * S * Hkv);
+    dp.delta_slots = reinterpret_cast<int32_t*>(out + lay.slots);
+    dp.delta_positions = reinterpret_cast<int32_t*>(out + lay.positions);
+    dp.row_info = reinterpret_cast<int32_t*>(out + lay.info);
+    dp.rows = n * S * Hkv;
+    dp.k = k;
+    dp.capacity = cap;
+    dp.score_stride = stride;
+    cuda_check(kernels::selection_delta(dp, work), "GPU cache rank: selection delta");
+    // 6. the entries' K / V, per layer
+    for (int j = 0; j < n; ++j) {
+      const size_t first = static_cast<size_t>(j) * S * Hkv * cap;
+      kernels::GatherKvParams gp;
+      gp.k_cache = pool.k(p * P + j);
+      gp.v_cache = pool.v(p * P + j);
+      gp.block_table = md(m.g_bt[g]);
+      gp.indices = reinterpret_cast<const int32_t*>(out + lay.positions) + first;
+      gp.packed_k = out + lay.k + first * D * 2;
+      gp.packed_v = out + lay.v + first * D * 2;
+      gp.batch = S;
+      gp.num_kv_heads = Hkv;
+      gp.head_dim = D;
+      gp.page_size = o.page_size;
+      gp.max_pages_per_seq = o.max_pages_per_seq;
+      gp.k = cap;
+      cuda_check(kernels::gather_kv(gp, work), "GPU cache rank: gather");
+    }
+    cuda_check(cudaEventRecord(sel_done[g][static_cast<size_t>(p)]->e, work), "selection event");
+    cuda_check(cudaStreamWaitEvent(down, sel_done[g][static_cast<size_t>(p)]->e, 0), "wait selection");
+    link.send(out, lay.bytes, down, g == kSteady ? "steady selections of a pack" : "first selections of a pack");
+    cuda_check(cudaEventRecord(sent[g][static_cast<size_t>(p % 2)]->e, down), "sent event");
+    stats_bytes_sent += lay.bytes;
+  }
+  uint64_t stats_bytes_sent = 0;
+};
+
+GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts, transport::GpuLink& link,
+                               std::string peer) {
+  SPADE_CHECK(!attn_cfg.is_hybrid(), "GPU cache rank: pass the model's attention view (no GDN layers)");
+  validate(opts.selection);
+  SPADE_CHECK(opts.max_slots >= 1 && opts.max_step_tokens >= 1 && opts.num_pages >= 1 && opts.page_size >= 1 &&
+                  opts.max_pages_per_seq >= 1 && opts.layers_per_pack >= 1,
+              "GPU cache rank: max_slots {}, max_step_tokens {}, num_pages {}, page_size {}, max_pages_per_seq {}, "
+              "layers_per_pack {} must be positive",
+              opts.max_slots, opts.max_step_tokens, opts.num_pages, opts.page_size, opts.max_pages_per_seq,
+              opts.layers_per_pack);
+  SPADE_CHECK(opts.delta_capacity >= 1 && opts.delta_capacity <= opts.selection.token_budget &&
+                  opts.selection.token_budget <= kernels::kMaxDeltaBudget,
+              "GPU cache rank: delta capacity {} must be in 1..token budget {} (<= {})", opts.delta_capacity,
+              opts.selection.token_budget, kernels::kMaxDeltaBudget);
+  SPADE_CHECK(opts.max_slots <= gpu_plan_max_rows(), "GPU cache rank: {} slots exceed a plan's {} rows",
+              opts.max_slots, gpu_plan_max_rows());
+  cuda_check(cudaSetDevice(opts.device), "GPU cache rank: cudaSetDevice");
+  st_ = std::make_unique<State>(attn_cfg, opts, link, std::move(peer));
+  State& s = *st_;
+  for (cudaStream_t* x : {&s.up, &s.work, &s.down})
+    cuda_check(cudaStreamCreateWithFlags(x, cudaStreamNonBlocking), "GPU cache rank: stream");
+  const size_t S = static_cast<size_t>(opts.max_slots), Lz = static_cast<size_t>(s.L), P = static_cast<size_t>(s.P);
+  s.windows = DeviceBuffer(S * Lz * s.win_elems() * 2, "GPU cache rank: query windows");
+  s.mirror = DeviceBuffer(S * Lz * s.Hkv * s.k * 4, "GPU cache rank: slot table mirrors");
+  cuda_check(cudaMemset(s.mirror.get(), 0xFF, s.mirror.bytes()), "mirror init");
+  s.window_len = DeviceBuffer(S * Lz * 4, "GPU cache rank: window lengths");
+  cuda_check(cudaMemset(s.window_len.get(), 0, s.window_len.bytes()), "window init");
+  s.plan_dev = DeviceBuffer(kGpuPlanBytes, "GPU cache rank: plan");
+  cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.plan_host), kGpuPlanBytes), "GPU cache rank: pinned plan");
+  s.rows = DeviceBuffer(static_cast<size_t>(s.packs) * P * opts.max_step_tokens * s.row_elems * 2,
+                        "GPU cache rank: received rows");
+  s.q_out = DeviceBuffer(static_cast<size_t>(opts.max_step_tokens) * s.Hq * s.D * 2, "GPU cache rank: queries");
+  const size_t T = opts.max_step_tokens, maxp = opts.max_pages_per_seq;
+  s.meta_words = 2 * T + S * maxp + S + 1 + Lz * S + S + 2 * (S * maxp + 2 * P * S + Lz * S * s.Hkv);
+  s.meta = DeviceBuffer(s.meta_words * 4, "GPU cache rank: step arrays");
+  cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.meta_host), s.meta_words * 4), "GPU cache rank: pinned");
+  s.win_scratch = DeviceBuffer(P * S * s.win_elems() * 2, "GPU cache rank: window scratch");
+  s.q_hat = DeviceBuffer(P * S * s.Hq * s.D * 4, "GPU cache rank: predicted queries");
+  s.scores = DeviceBuffer(P * S * s.Hkv * static_cast<size_t>(s.stride) * 4, "GPU cache rank: scores");
+  s.indices = DeviceBuffer(P * S * s.Hkv * s.k * 4, "GPU cache rank: top-k");
+  for (int g = 0; g < 2; ++g) {
+    const DeltaLayout most(P * S * s.Hkv, g == kSteady ? opts.delta_capacity : s.k, s.D);
+    for (auto& b : s.msg[g]) b = DeviceBuffer(most.bytes, "GPU cache rank: selection messages");
+  }
+  for (int p = 0; p < s.packs; ++p) {
+    s.rows_ready.push_back(std::make_unique<Event>());
+    s.appended.push_back(std::make_unique<Event>());
+    for (int g = 0; g < 2; ++g) s.sel_done[g].push_back(std::make_unique<Event>());
+  }
+  for (int g = 0; g < 2; ++g)
+    for (int i = 0; i < 2; ++i) s.sent[g].push_back(std::make_unique<Event>());
+  cuda_check(cudaDeviceSynchronize(), "GPU cache rank: init");
+  s.post_plan_recv();
+}
+
+GpuCacheServer::~GpuCacheServer() {
+  if (st_ != nullptr && !st_->link.failed()) {
+    for (cudaStream_t x : {st_->work, st_->down}) cudaStreamSynchronize(x);
+  }
+}
+
+void GpuCacheServer::synchronize() {
+  for (cudaStream_t x : {st_->work, st_->down})
+    cuda_check(cudaStreamSynchronize(x), "GPU cache rank: synchronize");
+}
+
+size_t GpuCacheServer::device_bytes() const {
+  const State& s = *st_;
+  size_t b = s.pool.bytes();
+  for (const DeviceBuffer* x : {&s.windows, &s.mirror, &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta,
+                                &s.win_scratch, &s.q_hat, &s.scores, &s.indices})
+    b += x->bytes();
+  for (const auto& g : s.msg)
+    for (const auto& m : g) b += m.bytes();
+  return b;
+}
+
+bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
+  State& s = *st_;
+  cuda_check(cudaSetDevice(s.o.device), "GPU cache rank: cudaSetDevice");
+  // 1. the plan
+  const auto deadline = Clock::now() + wait;
+  for (;;) {
+    SPADE_CHECK(!s.link.failed(), "{}", s.link.failure());
+    const cudaError_t q = cudaEventQuery(s.plan_ready.e);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) cuda_check(q, "GPU cache rank: plan");
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  SPADE_CHECK(!s.link.failed(), "{}", s.link.failure());  // a released receive completes on garbage
+  const GpuStepPlan plan = decode_gpu_plan(s.plan_host, kGpuPlanBytes, s.o.max_slots, s.peer);
+  s.plan_posted = false;
+  const int B = static_cast<int>(plan.rows.size()), T = plan.total_tokens();
+  SPADE_CHECK(T <= s.o.max_step_tokens, "{}: step {} has {} tokens, this rank holds {}", s.peer, plan.step, T,
+              s.o.max_step_tokens);
+
+  // 2. bookkeeping
+  for (int32_t slot : plan.released) s.forget(slot);
+  for (const GpuPlanRow& r : plan.rows) {
+    const size_t slot = static_cast<size_t>(r.slot);
+    if ((r.flags & kRowFresh) != 0) s.forget(r.slot);
+    if (!s.live[slot]) {
+      s.alloc.admit(static_cast<uint64_t>(r.slot));
+      s.live[slot] = 1;
+    }
+    SPADE_CHECK(s.alloc.seq_len(static_cast<uint64_t>(r.slot)) == r.ctx_len - r.q_len,
+                "{}: step {}: slot {} continues at position {} but this rank holds {} of its tokens", s.peer,
+                plan.step, r.slot, r.ctx_len - r.q_len, s.alloc.seq_len(static_cast<uint64_t>(r.slot)));
+    SPADE_CHECK(s.alloc.append(static_cast<uint64_t>(r.slot), r.q_len),
+                "{}: step {}: the KV pool ({} pages) cannot hold slot {}'s {} new tokens", s.peer, plan.step,
+                s.o.num_pages, r.slot, r.q_len);
+    if ((r.flags & kRowFirstSelect) != 0) {
+      const size_t mirror_slot = static_cast<size_t>(s.L) * s.Hkv * s.k;
+      cuda_check(cudaMemsetAsync(s.mirror.as<int32_t>() + slot * mirror_slot, 0xFF, mirror_slot * 4, s.work),
+                 "mirror reset");
+    }
+  }
+  s.group_rows[kSteady] = plan.steady_rows();
+  s.group_rows[kFirst] = plan.first_rows();
+  // The windows hold, after this step's push, min(W + 1, len + q_len) queries: the predictor reads that.
+  for (const GpuPlanRow& r : plan.rows) {
+    int& wl = s.host_wlen[static_cast<size_t>(r.slot)];
+    wl = std::min(s.cap_w, ((r.flags & kRowFresh) != 0 ? 0 : wl) + r.q_len);
+  }
+  s.fill_meta(plan);
+
+  // 3. the packs' rows, then per pack: append, windows, selections
+  for (int p = 0; p < s.packs; ++p) {
+    const size_t bytes = static_cast<size_t>(s.pack_layers(p)) * T * s.row_elems * 2;
+    // One message per pack, [layers][T][row]; its buffer is free once the previous step appended it.
+    cuda_check(cudaStreamWaitEvent(s.up, s.appended[static_cast<size_t>(p)]->e, 0), "wait append");
+    s.link.recv(s.pack_rows(p), bytes, s.up, "q|k|v rows of a pack");
+    cuda_check(cudaEventRecord(s.rows_ready[static_cast<size_t>(p)]->e, s.up), "rows event");
+    stats_.bytes_received += bytes;
+  }
+  for (int p = 0; p < s.packs; ++p) {
+    s.append_pack(plan, p);
+    const GpuPackSizes sizes = gpu_pack_sizes(plan, s.pack_layers(p), s.cfg, s.k, s.o.delta_capacity);
+    s.select_pack(plan, p, kSteady, sizes.steady);
+    s.select_pack(plan, p, kFirst, sizes.first);
+  }
+  // 4. the next plan
+  s.post_plan_recv();
+  ++stats_.steps;
+  stats_.tokens_appended += static_cast<uint64_t>(T);
+  stats_.selections += s.group_rows[kSteady].size() + s.group_rows[kFirst].size();
+  stats_.first_selections += s.group_rows[kFirst].size();
+  stats_.bytes_sent = s.stats_bytes_sent;
+  (void)B;
+  return true;
+}
+
+}  // namespace spade::cache

@@ -1,0 +1,87 @@
+// The GPU cache rank (issue #7; AsyncSpade Sec. 4.1-4.3, Algorithm 1): the full paged KV cache, the query windows and
+// the selection pipeline of one inference rank's sequences on one GPU, driven step by step by the plans the inference
+// rank sends over a GpuLink (protocol: cache_rank/gpu_plan.h).
+//
+// Per step (serve_step):
+//   1. the plan arrives (this host waits for it; the inference rank never waits for this host);
+//   2. bookkeeping: released / fresh slots lose their pages, windows and mirrors; every row's new tokens get pages
+//      (a PageAllocator per rank, keyed by slot, over a pool of the inference rank's size, so it never runs out where
+//      the inference rank did not); one upload of the step's arrays;
+//   3. per layer pack p, once its rows arrived: per layer, the rows are appended to the pool (no rotation: they come
+//      normed and rotated) and their queries pushed into the (slot, layer) windows; for the plan's SELECT rows, in
+//      two groups (steady rows: delta capacity C; first rows: the full budget): their windows gathered, next-query
+//      prediction, scoring of every selectable key (positions < context + 1 - local window: the next step's), top-k,
+//      the slot plan against the per-slot mirrors (selection_delta), the gather of the entries, one message per
+//      non-empty group;
+//   4. the next plan's receive is posted.
+// Everything of a step is enqueued without waiting on the GPU (one host wait: the plan). Streams: `up` (receives),
+// `work` (compute), `down` (sends); events order them.
+//
+// Differences from the CPU cache rank (cache_rank/selector.h), as on the GPU benchmark path: sink tokens are not
+// special-cased (they compete in the top-k); the selection is exact top-k on the GPU scores (bf16 keys, fp32 queries
+// split hi + lo). Errors (spade::Error naming the peer): a malformed plan, a link failure, a CUDA error. The server
+// is then unusable (the inference rank fails its sparse sequences and goes on densely).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache_rank/gpu_plan.h"
+#include "cache_rank/selector.h"
+#include "common/config.h"
+#include "transport/gpu_link.h"
+
+namespace spade::cache {
+
+struct GpuCacheOptions {
+  int device = 0;
+  int max_slots = 64;            // sequences at once: the inference rank's max_num_seqs (plan slots 0..max_slots-1)
+  int max_step_tokens = 2048;    // tokens per step: its max_num_batched_tokens
+  int num_pages = 0;             // KV pool pages per layer: its KV pool's (> 0)
+  int page_size = 16;
+  int max_pages_per_seq = 0;     // ceil(max_model_len / page_size) (> 0)
+  int layers_per_pack = 4;       // P
+  SelectionConfig selection;     // budget k, local window R, query window W, ridge eps, GQA rule (sinks unused)
+  int delta_capacity = 256;      // C: entries per steady row of a step (1..budget)
+};
+
+struct GpuCacheStats {
+  uint64_t steps = 0;
+  uint64_t tokens_appended = 0;
+  uint64_t selections = 0;        // (sequence, step) selections computed
+  uint64_t first_selections = 0;  // of them, full ones
+  uint64_t bytes_received = 0, bytes_sent = 0;
+};
+
+class GpuCacheServer {
+ public:
+  /// `attn_cfg`: the model's attention view (full-attention layers only). `link`: the cache side of the pair, kept
+  /// alive by the caller. `peer`: names the inference rank in errors. Throws spade::Error for bad options (named) or
+  /// an allocation failure (the bytes wanted).
+  GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts, transport::GpuLink& link, std::string peer);
+  ~GpuCacheServer();
+  GpuCacheServer(const GpuCacheServer&) = delete;
+  GpuCacheServer& operator=(const GpuCacheServer&) = delete;
+
+  /// Waits up to `wait` for the next plan; false if none came (nothing enqueued). Otherwise enqueues the whole step
+  /// and returns true without waiting for the GPU. Throws spade::Error (see the file comment).
+  bool serve_step(std::chrono::milliseconds wait);
+  /// Waits until everything enqueued has run (tests, shutdown).
+  void synchronize();
+
+  const GpuCacheStats& stats() const { return stats_; }
+  /// Bytes of device memory the server holds.
+  size_t device_bytes() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> st_;
+  GpuCacheStats stats_;
+};
+
+}  // namespace spade::cache
