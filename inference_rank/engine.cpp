@@ -52,6 +52,7 @@ Engine::Engine(const Model& model, EngineOptions opt, const BackendFactory& make
       cache_(std::make_unique<KvCache>(*attn_cfg_, opt_.num_pages, opt_.page_size)),
       attention_(make_attention ? make_attention(*attn_cfg_, *cache_)
                                 : std::make_unique<DensePagedAttention>(*attn_cfg_, *cache_)),
+      hooks_(attention_.get()),
       alloc_(opt_.num_pages, opt_.page_size) {
   if (model.config().is_hybrid()) states_ = std::make_unique<GdnStatePool>(model.config(), opt_.max_num_seqs);
 }
@@ -65,6 +66,7 @@ Engine::Engine(const ModelConfig& cfg, EngineOptions opt, ForwardFn forward)
       // the engine keeps it so kv_cache() / backends have the same shape on both paths.
       cache_(std::make_unique<KvCache>(*attn_cfg_, opt_.num_pages, opt_.page_size)),
       attention_(std::make_unique<DensePagedAttention>(*attn_cfg_, *cache_)),
+      hooks_(attention_.get()),
       alloc_(opt_.num_pages, opt_.page_size) {
   SPADE_CHECK(forward_ != nullptr, "Engine: no forward pass given");
   // Hybrid models: the external forward pass holds the GDN states; the engine hands out their slot ids.
@@ -137,7 +139,7 @@ void Engine::finish(Seq& s, FinishReason r, const std::string& error) {
     }
     s.state_slot = -1;
   }
-  attention_->on_release(s.id);
+  hooks_->on_release(s.id);
   if (observer_)
     observer_->on_finished(r, seconds_since(s.arrival), static_cast<int>(s.req.prompt_ids.size()), s.generated);
   if (r == FinishReason::Abort || r == FinishReason::Error) {
@@ -243,7 +245,7 @@ bool Engine::step() {
     return true;
   }
   ++stats_.steps;
-  const auto failures = attention_->take_failures();
+  const auto failures = hooks_->take_failures();
   auto failed = [&](uint64_t id) {
     for (const auto& f : failures)
       if (f.first == id) return true;
@@ -292,7 +294,7 @@ bool Engine::step() {
   }
   // Sparse sequences keep only sink tokens + local window locally: free the pages in between.
   for (auto& [id, s] : running_) {
-    const auto [begin, end] = attention_->droppable_range(id, alloc_.seq_len(id));
+    const auto [begin, end] = hooks_->droppable_range(id, alloc_.seq_len(id));
     if (end > begin) alloc_.drop_range(id, begin, end);
   }
   return true;

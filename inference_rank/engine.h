@@ -140,7 +140,11 @@ class Engine {
   const EngineOptions& options() const { return opt_; }
   const KvCache& kv_cache() const { return *cache_; }
   const PageAllocator& pages() const { return alloc_; }
-  AttentionBackend& attention() { return *attention_; }
+  /// The backend the engine asks for on_release / take_failures / droppable_range: by default the one it attends
+  /// with. An engine over an external forward pass whose attention has per-sequence state (the GPU path's
+  /// GpuSparseController) registers it here; not owned, must outlive the engine's steps. nullptr restores the default.
+  void set_attention_hooks(AttentionBackend* hooks) { hooks_ = hooks != nullptr ? hooks : attention_.get(); }
+  AttentionBackend& attention() { return *hooks_; }
   /// The recurrent-state pool of a hybrid model (nullptr for dense models).
   const GdnStatePool* gdn_states() const { return states_.get(); }
 
@@ -169,6 +173,7 @@ class Engine {
   EngineOptions opt_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<AttentionBackend> attention_;
+  AttentionBackend* hooks_ = nullptr;  // attention_, or the external forward pass's (set_attention_hooks)
   PageAllocator alloc_;
   std::unique_ptr<GdnStatePool> states_;  // hybrid models on the CPU model only
   std::vector<int> free_state_slots_;      // hybrid models behind an external forward pass: free GDN state slot ids

@@ -62,12 +62,15 @@ GpuEngineForward::~GpuEngineForward() {
   }
 }
 
+int GpuEngineForward::max_batch() const { return bucket_for(opt_.max_num_seqs); }
+
 void GpuEngineForward::run(const ForwardBatch& fb) {
   const int T = fb.total_tokens(), B = fb.batch();
   SPADE_CHECK(fb.max_pages <= max_pages_, "GPU engine: block table of {} pages exceeds max_model_len's {}",
               fb.max_pages, max_pages_);
   const bool decode = T == B && static_cast<int>(fb.logit_rows.size()) == B;
-  const int rows = decode && opt_.cuda_graphs ? bucket_for(B) : B;  // graph bucket: pad with scratch sequences
+  const bool graphs = opt_.cuda_graphs && (sparse_ == nullptr || sparse_->link_failed());
+  const int rows = decode && graphs ? bucket_for(B) : B;  // graph bucket: pad with scratch sequences
   const int scratch_page = opt_.num_pages;
   GpuStepHost h;
   h.tokens = fb.tokens;
@@ -96,20 +99,23 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
     h.seq_lens.push_back(1);
     h.block_table[static_cast<size_t>(b) * max_pages_] = scratch_page;
   }
-  if (decode && opt_.cuda_graphs) h.max_seq_len = max_pages_ * opt_.page_size;
+  if (decode && graphs) h.max_seq_len = max_pages_ * opt_.page_size;
   const GpuBatch batch = steps_.upload(h, stream_);
-  if (decode && opt_.cuda_graphs) {
+  if (sparse_ != nullptr) sparse_->begin_step(fb, batch, stream_);
+  GpuAttention& attention = sparse_ != nullptr ? static_cast<GpuAttention&>(*sparse_) : attention_;
+  if (decode && graphs) {
     auto& g = graphs_[rows];
     if (!g) {
       g = std::make_unique<GpuGraph>();
-      g->capture(stream_, [&](cudaStream_t s) { model_->forward(batch, kv_, attention_, s); });
+      g->capture(stream_, [&](cudaStream_t s) { model_->forward(batch, kv_, attention, s); });
     }
     g->launch(stream_);
     ++graph_steps_;
   } else {
-    model_->forward(batch, kv_, attention_, stream_);
+    model_->forward(batch, kv_, attention, stream_);
     ++eager_steps_;
   }
+  if (sparse_ != nullptr) sparse_->end_step(stream_);
 }
 
 void GpuEngineForward::finish(const ForwardBatch& fb) {

@@ -18,6 +18,7 @@
 
 #include "inference_rank/engine.h"
 #include "inference_rank/gpu_model.h"
+#include "inference_rank/gpu_sparse.h"
 
 namespace spade {
 
@@ -48,7 +49,14 @@ class GpuEngineForward {
   /// engine.h ForwardSampleFn: the step, then kernels::sample_rows over its logits on the device; only the sampled
   /// token ids (4 bytes per row) come back. What `inference_rank --device cuda` runs.
   void sample(const ForwardBatch& batch, const std::vector<RowSampling>& rows, std::vector<int32_t>& tokens);
+  /// Sparse decoding through a cache rank (gpu_sparse.h), not owned; nullptr = dense. Set before the first step.
+  /// While its link is up, every step runs eagerly (no CUDA graph: the layer packs' sends and the selection
+  /// receives are enqueued per step); after a link failure the controller attends densely and graphs resume.
+  void set_sparse(GpuSparseController* sparse) { sparse_ = sparse; }
   const GpuModel& model() const { return *model_; }
+  /// Rows of the largest step it runs (max_num_seqs rounded up to its graph bucket): the `max_batch` of a
+  /// GpuSparseController paired with it.
+  int max_batch() const;
   size_t kv_bytes() const { return kv_.bytes(); }
   /// Decode steps served by a captured graph / run eagerly (tests, stats).
   uint64_t graph_steps() const { return graph_steps_; }
@@ -65,6 +73,7 @@ class GpuEngineForward {
   int max_pages_;
   GpuKvPool kv_;
   GpuDenseAttention attention_;
+  GpuSparseController* sparse_ = nullptr;
   GpuStepBuffers steps_;
   cudaStream_t stream_ = nullptr;
   std::map<int, std::unique_ptr<GpuGraph>> graphs_;  // by batch bucket

@@ -1,0 +1,374 @@
+// Sparse decoding on the GPU inference rank (see gpu_sparse.h).
+#include "inference_rank/gpu_sparse.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+#include "kernels/attention.cuh"
+#include "kernels/selection.cuh"
+
+namespace spade {
+
+namespace {
+
+struct Event {
+  cudaEvent_t e = nullptr;
+  Event() { cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "GPU sparse: event"); }
+  ~Event() {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+enum class Phase { Dense, Sparse, Failed };
+
+struct SeqState {
+  int slot = -1;   // plan slot
+  int table = -1;  // held-table slot while sparse
+  Phase phase = Phase::Dense;
+  bool sel_requested = false;  // the last plan asked for its selection of the next step
+  bool force_dense = false;
+  int threshold = 0;  // 0: the rank's
+};
+
+}  // namespace
+
+struct GpuSparseController::State {
+  ModelConfig cfg;
+  GpuSparseOptions o;
+  transport::GpuLink& link;
+  int L = 0, Hq = 0, Hkv = 0, D = 0, P = 0, packs = 0, k = 0, page_size = 0, max_batch = 0;
+  size_t row_elems = 0;
+  cudaStream_t up = nullptr, down = nullptr;
+  GpuDenseAttention dense;
+  DeviceBuffer held;        // K then V: [max_sparse][L][Hkv][k][D] bf16 each
+  DeviceBuffer send;        // [packs][P * max_step_tokens * row_elems] bf16
+  DeviceBuffer recv[2][2];  // [group][parity]: all packs' messages of a step, pack p at p * per_pack[g]
+  size_t recv_per_pack[2] = {0, 0};
+  DeviceBuffer plan_dev;
+  uint8_t* plan_pinned = nullptr;
+  Event plan_copied;
+  bool plan_pending = false;
+  // Per-row arrays + held-row maps, per step parity: [num_packed B][windows B][packed_rows B][maps g0][maps g1]
+  DeviceBuffer arrays[2];
+  int32_t* arrays_pinned = nullptr;
+  size_t array_words = 0;
+  Event arrays_copied;
+  bool arrays_pending = false;
+  size_t off_maps[2] = {0, 0};
+  DeviceBuffer ws;
+  std::vector<std::unique_ptr<Event>> pack_end, sent, applied;
+
+  std::unordered_map<uint64_t, SeqState> seqs;
+  std::vector<int> free_slots, free_tables;
+  std::vector<int32_t> pending_release;
+  std::vector<std::pair<uint64_t, std::string>> failures;
+  bool failed_handled = false;
+  bool active = false;  // this step has a plan on the link
+  int64_t step = 0;
+  int parity = 0;
+  int T = 0;
+  cache::GpuStepPlan plan;
+  std::vector<int> group_tables[2];  // table slot of each group row
+
+  State(const ModelConfig& c, const GpuSparseOptions& opts, transport::GpuLink& l, int ps, int mb)
+      : cfg(c), o(opts), link(l), L(c.num_layers), Hq(c.num_q_heads), Hkv(c.num_kv_heads), D(c.head_dim),
+        P(opts.layers_per_pack), packs((c.num_layers + opts.layers_per_pack - 1) / opts.layers_per_pack),
+        k(opts.token_budget), page_size(ps), max_batch(mb),
+        row_elems(static_cast<size_t>(c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim), dense(c, ps, mb) {}
+  ~State() {
+    for (cudaStream_t s : {up, down})
+      if (s != nullptr) cudaStreamDestroy(s);
+    if (plan_pinned != nullptr) cudaFreeHost(plan_pinned);
+    if (arrays_pinned != nullptr) cudaFreeHost(arrays_pinned);
+  }
+  int pack_layers(int p) const { return std::min(P, L - p * P); }
+  size_t table_elems() const { return static_cast<size_t>(L) * Hkv * k * D; }
+  char* held_k() const { return held.as<char>(); }
+  char* held_v() const { return held.as<char>() + static_cast<size_t>(o.max_sparse_seqs) * table_elems() * 2; }
+  uint16_t* send_buf(int p) const {
+    return send.as<uint16_t>() + static_cast<size_t>(p) * P * o.max_step_tokens * row_elems;
+  }
+  const int32_t* arr(size_t off) const { return arrays[parity].as<int32_t>() + off; }
+};
+
+GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseOptions o, transport::GpuLink& link,
+                                         int page_size, int max_batch) {
+  SPADE_CHECK(!attn_cfg.is_hybrid(), "GPU sparse: pass the model's attention view");
+  SPADE_CHECK(o.sparse_threshold >= 1 && o.layers_per_pack >= 1 && o.token_budget >= 1 &&
+                  o.token_budget <= kernels::kMaxDeltaBudget && o.local_window >= 0 && o.delta_capacity >= 1 &&
+                  o.delta_capacity <= o.token_budget && o.max_first_per_step >= 1 && o.max_sparse_seqs >= 1 &&
+                  o.max_slots >= 1 && o.max_slots <= cache::gpu_plan_max_rows() && o.max_step_tokens >= 1,
+              "GPU sparse: options out of range (threshold {}, pack {}, budget {} <= {}, window {}, capacity {}, "
+              "first {}, sparse {}, slots {} <= {}, step tokens {})",
+              o.sparse_threshold, o.layers_per_pack, o.token_budget, kernels::kMaxDeltaBudget, o.local_window,
+              o.delta_capacity, o.max_first_per_step, o.max_sparse_seqs, o.max_slots, cache::gpu_plan_max_rows(),
+              o.max_step_tokens);
+  cuda_check(cudaSetDevice(link.device()), "GPU sparse: cudaSetDevice");
+  st_ = std::make_unique<State>(attn_cfg, o, link, page_size, max_batch);
+  State& s = *st_;
+  for (cudaStream_t* x : {&s.up, &s.down})
+    cuda_check(cudaStreamCreateWithFlags(x, cudaStreamNonBlocking), "GPU sparse: stream");
+  s.held = DeviceBuffer(2 * static_cast<size_t>(o.max_sparse_seqs) * s.table_elems() * 2, "GPU sparse: held tables");
+  s.send = DeviceBuffer(static_cast<size_t>(s.packs) * s.P * o.max_step_tokens * s.row_elems * 2,
+                        "GPU sparse: send buffers");
+  const size_t rows_steady = static_cast<size_t>(s.P) * o.max_sparse_seqs * s.Hkv;
+  const size_t rows_first = static_cast<size_t>(s.P) * std::min(o.max_first_per_step, o.max_sparse_seqs) * s.Hkv;
+  s.recv_per_pack[0] = cache::DeltaLayout(rows_steady, o.delta_capacity, s.D).bytes;
+  s.recv_per_pack[1] = cache::DeltaLayout(rows_first, s.k, s.D).bytes;
+  for (int g = 0; g < 2; ++g)
+    for (auto& b : s.recv[g]) b = DeviceBuffer(static_cast<size_t>(s.packs) * s.recv_per_pack[g], "GPU sparse: receive");
+  s.plan_dev = DeviceBuffer(cache::kGpuPlanBytes, "GPU sparse: plan");
+  cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.plan_pinned), cache::kGpuPlanBytes), "GPU sparse: pinned");
+  const size_t B = static_cast<size_t>(max_batch);
+  s.off_maps[0] = 3 * B;
+  s.off_maps[1] = s.off_maps[0] + static_cast<size_t>(s.L) * o.max_sparse_seqs * s.Hkv;
+  s.array_words = s.off_maps[1] + static_cast<size_t>(s.L) * std::min(o.max_first_per_step, o.max_sparse_seqs) * s.Hkv;
+  for (auto& a : s.arrays) a = DeviceBuffer(s.array_words * 4, "GPU sparse: per-row arrays");
+  cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.arrays_pinned), s.array_words * 4), "GPU sparse: pinned");
+  s.ws = DeviceBuffer(kernels::decode_workspace_bytes(max_batch, s.Hq, s.Hkv, s.D), "GPU sparse: workspace");
+  cuda_check(kernels::decode_workspace_init({s.ws.get(), s.ws.bytes()}, nullptr), "GPU sparse: workspace init");
+  for (int p = 0; p < s.packs; ++p) {
+    s.pack_end.push_back(std::make_unique<Event>());
+    s.sent.push_back(std::make_unique<Event>());
+    s.applied.push_back(std::make_unique<Event>());
+  }
+  for (int i = o.max_slots - 1; i >= 0; --i) s.free_slots.push_back(i);
+  for (int i = o.max_sparse_seqs - 1; i >= 0; --i) s.free_tables.push_back(i);
+  cuda_check(cudaDeviceSynchronize(), "GPU sparse: init");
+}
+
+GpuSparseController::~GpuSparseController() {
+  if (st_ != nullptr && !st_->link.failed())
+    for (cudaStream_t x : {st_->up, st_->down}) cudaStreamSynchronize(x);
+}
+
+void GpuSparseController::attend(int, const ForwardBatch&, const float*, const float*, const float*, float*) {
+  fail("GPU sparse: the CPU attention hook is not used on the GPU path");
+}
+
+bool GpuSparseController::link_failed() const { return st_->link.failed(); }
+
+void GpuSparseController::set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold) {
+  SPADE_CHECK(sparse_threshold >= 0, "sparse_threshold {} must be >= 0", sparse_threshold);
+  SeqState& s = st_->seqs[seq_id];
+  s.force_dense = force_dense;
+  s.threshold = sparse_threshold;
+}
+
+void GpuSparseController::on_release(uint64_t seq_id) {
+  State& st = *st_;
+  auto it = st.seqs.find(seq_id);
+  if (it == st.seqs.end()) return;
+  if (it->second.slot >= 0) {
+    st.pending_release.push_back(it->second.slot);
+    st.free_slots.push_back(it->second.slot);
+  }
+  if (it->second.table >= 0) st.free_tables.push_back(it->second.table);
+  st.seqs.erase(it);
+}
+
+void GpuSparseController::fail_link(const std::string& why) {
+  State& st = *st_;
+  if (st.failed_handled) return;
+  st.failed_handled = true;
+  for (auto& [id, s] : st.seqs) {
+    if (s.phase == Phase::Sparse) {
+      st.failures.emplace_back(id, "its cache rank failed: " + why);
+      s.phase = Phase::Failed;
+      ++stats_.failed_seqs;
+    }
+    if (s.table >= 0) st.free_tables.push_back(s.table);
+    s.table = -1;
+    s.sel_requested = false;
+  }
+}
+
+std::vector<std::pair<uint64_t, std::string>> GpuSparseController::take_failures() {
+  if (st_->link.failed()) fail_link(st_->link.failure());
+  std::vector<std::pair<uint64_t, std::string>> out;
+  out.swap(st_->failures);
+  return out;
+}
+
+void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, cudaStream_t stream) {
+  State& st = *st_;
+  (void)b;
+  sparse_now_ = false;
+  st.active = false;
+  ++stats_.steps;
+  if (st.link.failed()) {
+    fail_link(st.link.failure());
+    return;
+  }
+  const int B = fb.batch();
+  const bool decode_only = fb.total_tokens() == B;
+  SPADE_CHECK(B <= st.max_batch, "GPU sparse: batch {} exceeds {}", B, st.max_batch);
+  st.T = fb.total_tokens();
+  SPADE_CHECK(st.T <= st.o.max_step_tokens, "GPU sparse: step of {} tokens exceeds {}", st.T, st.o.max_step_tokens);
+  cache::GpuStepPlan& plan = st.plan;
+  plan = cache::GpuStepPlan{};
+  plan.step = st.step++;
+  plan.released.swap(st.pending_release);
+  st.parity ^= 1;
+  std::vector<int32_t> num_packed(static_cast<size_t>(B), 0), windows(static_cast<size_t>(B), 0),
+      prows(static_cast<size_t>(B), 0);
+  for (auto& g : st.group_tables) g.clear();
+  int firsts = 0;
+  for (int r = 0; r < B; ++r) {
+    const uint64_t id = r < static_cast<int>(fb.seq_ids.size()) ? fb.seq_ids[static_cast<size_t>(r)]
+                                                                  : static_cast<uint64_t>(r);
+    SeqState& s = st.seqs[id];
+    if (s.slot < 0) {
+      SPADE_CHECK(!st.free_slots.empty(), "GPU sparse: more than {} sequences at once", st.o.max_slots);
+      s.slot = st.free_slots.back();
+      st.free_slots.pop_back();
+    }
+    const int q_len = fb.cu_q_lens[static_cast<size_t>(r) + 1] - fb.cu_q_lens[static_cast<size_t>(r)];
+    const int ctx = fb.seq_lens[static_cast<size_t>(r)];
+    cache::GpuPlanRow row{s.slot, q_len, ctx, 0u};
+    if (ctx == q_len) row.flags |= cache::kRowFresh;
+    // This step: sparse when the previous plan asked for its selection (it was applied before this pack starts).
+    const bool sparse_here = decode_only && s.phase == Phase::Sparse && s.sel_requested && s.table >= 0;
+    if (sparse_here) {
+      num_packed[static_cast<size_t>(r)] = std::min(st.k, std::max(0, ctx - st.o.local_window));
+      windows[static_cast<size_t>(r)] = st.o.local_window;
+      prows[static_cast<size_t>(r)] = s.table * st.L;
+      sparse_now_ = true;
+      ++stats_.sparse_seq_steps;
+    } else {
+      windows[static_cast<size_t>(r)] = ctx;
+    }
+    // The next step's selection.
+    const int threshold = s.threshold > 0 ? s.threshold : st.o.sparse_threshold;
+    if (s.phase == Phase::Sparse && s.table >= 0) {
+      row.flags |= cache::kRowSelect;
+      st.group_tables[0].push_back(s.table);
+    } else if (s.phase == Phase::Dense && q_len == 1 && !s.force_dense && ctx >= threshold &&
+               firsts < st.o.max_first_per_step && !st.free_tables.empty()) {
+      s.table = st.free_tables.back();
+      st.free_tables.pop_back();
+      s.phase = Phase::Sparse;
+      row.flags |= cache::kRowSelect | cache::kRowFirstSelect;
+      st.group_tables[1].push_back(s.table);
+      ++firsts;
+      ++stats_.switches;
+    }
+    s.sel_requested = (row.flags & cache::kRowSelect) != 0;
+    plan.rows.push_back(row);
+  }
+  if (sparse_now_) ++stats_.sparse_steps;
+  // The plan, on the up stream (before this step's packs).
+  const std::vector<uint8_t> bytes = cache::encode_gpu_plan(plan);
+  if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
+  std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
+  cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
+             "GPU sparse: plan upload");
+  cuda_check(cudaEventRecord(st.plan_copied.e, st.up), "GPU sparse: plan event");
+  st.plan_pending = true;
+  st.link.send(st.plan_dev.get(), cache::kGpuPlanBytes, st.up, "a step's plan");
+  stats_.bytes_sent += cache::kGpuPlanBytes;
+  // Per-row arrays and the held-row maps of the two groups ([L][S][Hkv] -> (table * L + l) * Hkv + h).
+  std::vector<int32_t> w(st.array_words, 0);
+  std::copy(num_packed.begin(), num_packed.end(), w.begin());
+  std::copy(windows.begin(), windows.end(), w.begin() + st.max_batch);
+  std::copy(prows.begin(), prows.end(), w.begin() + 2 * static_cast<long>(st.max_batch));
+  for (int g = 0; g < 2; ++g) {
+    const int S = static_cast<int>(st.group_tables[g].size());
+    for (int l = 0; l < st.L; ++l)
+      for (int si = 0; si < S; ++si)
+        for (int h = 0; h < st.Hkv; ++h)
+          w[st.off_maps[g] + (static_cast<size_t>(l) * S + si) * st.Hkv + h] =
+              (st.group_tables[g][static_cast<size_t>(si)] * st.L + l) * st.Hkv + h;
+  }
+  if (st.arrays_pending) cuda_check(cudaEventSynchronize(st.arrays_copied.e), "GPU sparse: previous arrays copy");
+  std::memcpy(st.arrays_pinned, w.data(), w.size() * 4);
+  cuda_check(cudaMemcpyAsync(st.arrays[st.parity].get(), st.arrays_pinned, w.size() * 4, cudaMemcpyHostToDevice,
+                             stream),
+             "GPU sparse: arrays upload");
+  cuda_check(cudaEventRecord(st.arrays_copied.e, stream), "GPU sparse: arrays event");
+  st.arrays_pending = true;
+  st.active = true;
+}
+
+void* GpuSparseController::rows_out(int layer, cudaStream_t stream, int* stride) {
+  State& st = *st_;
+  *stride = 0;
+  if (!st.active) return nullptr;
+  const int p = layer / st.P, j = layer % st.P;
+  if (j == 0) cuda_check(cudaStreamWaitEvent(stream, st.sent[static_cast<size_t>(p)]->e, 0), "wait send");
+  return st.send_buf(p) + static_cast<size_t>(j) * st.T * st.row_elems;
+}
+
+void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) {
+  State& st = *st_;
+  const int p = s.layer / st.P, j = s.layer % st.P;
+  if (sparse_now_) {
+    if (j == 0) cuda_check(cudaStreamWaitEvent(stream, st.applied[static_cast<size_t>(p)]->e, 0), "wait selection");
+    kernels::SparsePackedDecodeParams a;
+    fill_attention_params(a, st.cfg, s, b, st.page_size);
+    const size_t layer_off = static_cast<size_t>(s.layer) * st.Hkv * st.k * st.D * 2;
+    a.packed_k = st.held_k() + layer_off;
+    a.packed_v = st.held_v() + layer_off;
+    a.num_packed = st.arr(0);
+    a.local_windows = st.arr(static_cast<size_t>(st.max_batch));
+    a.packed_rows = st.arr(2 * static_cast<size_t>(st.max_batch));
+    a.packed_capacity = st.k;
+    a.local_window = std::max(b.max_seq_len, st.o.local_window);  // the bound of the per-sequence windows
+    a.workspace = {st.ws.get(), st.ws.bytes()};
+    cuda_check(kernels::sparse_decode_attention_packed(a, stream), "GPU sparse: attention");
+  } else {
+    st.dense.attend(s, b, stream);
+  }
+  if (st.active && (j == st.P - 1 || s.layer == st.L - 1)) {
+    const size_t bytes = static_cast<size_t>(st.pack_layers(p)) * st.T * st.row_elems * 2;
+    cuda_check(cudaEventRecord(st.pack_end[static_cast<size_t>(p)]->e, stream), "pack end");
+    cuda_check(cudaStreamWaitEvent(st.up, st.pack_end[static_cast<size_t>(p)]->e, 0), "wait pack");
+    st.link.send(st.send_buf(p), bytes, st.up, "q|k|v rows of a pack");
+    cuda_check(cudaEventRecord(st.sent[static_cast<size_t>(p)]->e, st.up), "sent");
+    stats_.bytes_sent += bytes;
+  }
+}
+
+void GpuSparseController::end_step(cudaStream_t stream) {
+  State& st = *st_;
+  (void)stream;
+  if (!st.active) return;
+  for (int p = 0; p < st.packs; ++p) {
+    const int n = st.pack_layers(p);
+    const cache::GpuPackSizes sizes = cache::gpu_pack_sizes(st.plan, n, st.cfg, st.k, st.o.delta_capacity);
+    const cache::DeltaLayout* lay[2] = {&sizes.steady, &sizes.first};
+    char* bufs[2] = {nullptr, nullptr};
+    for (int g = 0; g < 2; ++g) {
+      if (lay[g]->rows == 0) continue;
+      SPADE_CHECK(lay[g]->bytes <= st.recv_per_pack[g], "GPU sparse: a selection message of {} bytes exceeds {}",
+                  lay[g]->bytes, st.recv_per_pack[g]);
+      bufs[g] = st.recv[g][st.parity].as<char>() + static_cast<size_t>(p) * st.recv_per_pack[g];
+      st.link.recv(bufs[g], lay[g]->bytes, st.down, g == 0 ? "steady selections of a pack" : "first selections");
+      stats_.bytes_received += lay[g]->bytes;
+    }
+    // This step's pack p has read the tables: apply the next step's deltas.
+    cuda_check(cudaStreamWaitEvent(st.down, st.pack_end[static_cast<size_t>(p)]->e, 0), "wait pack end");
+    for (int g = 0; g < 2; ++g) {
+      if (bufs[g] == nullptr) continue;
+      const int S = static_cast<int>(st.group_tables[g].size());
+      kernels::ApplySelectionDeltaParams a;
+      a.delta_slots = reinterpret_cast<const int32_t*>(bufs[g] + lay[g]->slots);
+      a.delta_k = bufs[g] + lay[g]->k;
+      a.delta_v = bufs[g] + lay[g]->v;
+      a.held_k = st.held_k();
+      a.held_v = st.held_v();
+      a.held_rows = st.arr(st.off_maps[g] + static_cast<size_t>(p) * st.P * S * st.Hkv);
+      a.rows = n * S * st.Hkv;
+      a.k = st.k;
+      a.capacity = lay[g]->cap;
+      a.head_dim = st.D;
+      cuda_check(kernels::apply_selection_delta(a, st.down), "GPU sparse: apply");
+    }
+    cuda_check(cudaEventRecord(st.applied[static_cast<size_t>(p)]->e, st.down), "applied");
+  }
+}
+
+}  // namespace spade

@@ -1,0 +1,107 @@
+// Sparse decoding on the GPU inference rank (issue #7; AsyncSpade Sec. 4.1): the inference rank's half of the GPU data
+// plane of cache_rank/gpu_plan.h, paired with a GpuCacheServer over a GpuLink.
+//
+// GpuSparseController plugs into the GPU engine in two roles:
+//   * GpuAttention of GpuModel::forward: rows_out() puts each full-attention layer's processed q | k | v rows
+//     straight into its layer pack's send buffer; attend() runs, in decode-only steps with sparse sequences, one
+//     token-sparse launch over the whole batch (kernels/attention.cuh sparse_decode_attention_packed with
+//     per-sequence windows and packed rows: a sparse sequence attends its held selection + the last local_window
+//     tokens, a dense one its whole context), else dense attention; after a pack's last layer it ships the pack.
+//   * AttentionBackend of the Engine (on_release, take_failures) and the per-step hooks GpuEngineForward calls:
+//     begin_step() decides every sequence's phase, sends the step's plan and uploads the per-row arrays;
+//     end_step() posts the receives of the selections the cache rank computes during this step (for the next one)
+//     and, on the receive stream, applies each pack's deltas to the held tables once this step's pack has read them.
+//
+// Per sequence: dense while its context is below the sparse threshold (prefill is always dense); on its first decode
+// step at or past it, the plan asks for a full ("first") selection, and from the next step on it decodes sparsely,
+// with a steady delta (capacity C) per step. At most max_first_per_step sequences switch per step, and at most
+// max_sparse_seqs are sparse at once (their held tables: [table slot][layer][KV head][budget][head_dim] K and V).
+// Every token of every sequence is shipped, so the cache rank holds every context in full; this rank also keeps its
+// full KV (v1: it does not drop pages), so mixed prefill/decode steps simply attend densely.
+//
+// Failure: when the link fails, every sparse (or switching) sequence fails with the link's reason (take_failures);
+// the others, and all later requests, decode densely; no plan is sent any more. A step that overlapped the failure
+// waits at most the link's op_timeout (its streams are released).
+//
+// v1 limits (docs/ARCHITECTURE.md): no CUDA graph for steps with sparse sequences (they run eagerly); sink tokens
+// are not special-cased; the token budget is the rank's for every request.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cache_rank/gpu_plan.h"
+#include "inference_rank/gpu_model.h"
+#include "inference_rank/model.h"
+#include "transport/gpu_link.h"
+
+namespace spade {
+
+struct GpuSparseOptions {
+  int sparse_threshold = 256;   // context length at which a sequence switches to sparse decoding
+  int layers_per_pack = 4;      // P (the cache rank's)
+  int token_budget = 2048;      // k (the cache rank's)
+  int local_window = 32;        // R (the cache rank's)
+  int delta_capacity = 256;     // C (the cache rank's)
+  int max_first_per_step = 4;   // sequences that may switch per step
+  int max_sparse_seqs = 16;     // sequences sparse at once (held tables)
+  int max_slots = 64;           // plan slots: the engine's max_num_seqs (the cache rank's max_slots)
+  int max_step_tokens = 2048;   // the engine's max_num_batched_tokens
+};
+
+struct GpuSparseStats {
+  uint64_t steps = 0;
+  uint64_t sparse_steps = 0;          // decode-only steps that attended sparsely
+  uint64_t sparse_seq_steps = 0;      // (sequence, step) pairs decoded sparsely
+  uint64_t switches = 0;              // first selections requested
+  uint64_t failed_seqs = 0;           // sequences failed with the link
+  uint64_t bytes_sent = 0, bytes_received = 0;
+};
+
+class GpuSparseController : public AttentionBackend, public GpuAttention {
+ public:
+  /// `attn_cfg`: the model's attention view. `link`: the inference side of the pair, kept alive by the caller.
+  /// `page_size`, `max_batch`: the engine's (dense attention and workspace sizing). Throws spade::Error for bad
+  /// options or an allocation failure.
+  GpuSparseController(const ModelConfig& attn_cfg, GpuSparseOptions opts, transport::GpuLink& link, int page_size,
+                      int max_batch);
+  ~GpuSparseController() override;
+
+  // ---- Engine side (AttentionBackend) ----
+  /// Not used: the GPU forward pass attends through GpuAttention. Throws.
+  void attend(int layer, const ForwardBatch& batch, const float* q, const float* k, const float* v,
+              float* out) override;
+  void on_release(uint64_t seq_id) override;
+  std::vector<std::pair<uint64_t, std::string>> take_failures() override;
+  /// Per-request overrides, set before the request's first step: `force_dense` keeps it dense; `sparse_threshold`
+  /// > 0 replaces the rank's.
+  void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);
+
+  // ---- GPU forward side ----
+  /// Before the step's forward: phases, the plan (sent on the link's up stream), the per-row arrays (uploaded on
+  /// `stream`). `fb` is the engine's step, `b` its device view.
+  void begin_step(const ForwardBatch& fb, const GpuBatch& b, cudaStream_t stream);
+  void attend(const GpuLayerStep& step, const GpuBatch& batch, cudaStream_t stream) override;
+  void* rows_out(int layer, cudaStream_t stream, int* stride) override;
+  /// After the step's forward was enqueued: the receives and applies of the next step's selections.
+  void end_step(cudaStream_t stream);
+  /// True when this step attends sparsely somewhere (the engine then runs it without a CUDA graph).
+  bool sparse_this_step() const { return sparse_now_; }
+
+  bool link_failed() const;
+  const GpuSparseStats& stats() const { return stats_; }
+
+ private:
+  struct State;
+  void fail_link(const std::string& why);
+  std::unique_ptr<State> st_;
+  GpuSparseStats stats_;
+  bool sparse_now_ = false;
+};
+
+}  // namespace spade

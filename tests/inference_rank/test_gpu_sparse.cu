@@ -1,0 +1,325 @@
+// Sparse decoding on the GPU path (inference_rank/gpu_sparse.h) against a GPU cache rank (cache_rank/gpu_server.h)
+// in the same process, both on GPU 0, over a CudaIpcLink; the cache rank serves steps on its own thread. Label gpu.
+//
+// What is checked:
+// - Budget >= every context: the selection is every token outside the local window, so sparse decoding is dense
+//   decoding up to summation order. Per engine step, the logits of the sparse run match the dense run's (same
+//   weights, same scheduling, no CUDA graphs on either) until the first greedy token that differs; at least 40
+//   (sequence, step) pairs were decoded sparsely before it, every request switched to sparse, and the cache rank
+//   computed first and steady selections.
+// - Budget < context (k 32, capacity 8): selections churn through the slot plan; every request finishes with its
+//   full length, the logits stay finite, and the token agreement with dense decoding is printed (approximate).
+// - The cache rank dies mid-run (its link aborted): the sparse requests end with FinishReason::Error naming the cache
+//   rank, dense ones finish, later requests decode densely and the GPU stays usable.
+// - Bad options are refused by name.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cache_rank/gpu_server.h"
+#include "common/error.h"
+#include "inference_rank/engine.h"
+#include "inference_rank/gpu_engine.h"
+#include "inference_rank/gpu_sparse.h"
+#include "transport/cuda_ipc/cuda_ipc_link.h"
+
+namespace spade {
+namespace {
+
+using transport::CudaIpcLink;
+using transport::CudaIpcLinkOptions;
+
+ModelConfig qwen3_like() {
+  ModelConfig c;
+  c.model_type = "qwen3";
+  c.arch = ModelArch::Qwen3;
+  c.hidden_size = 256;
+  c.intermediate_size = 512;
+  c.num_layers = 6;
+  c.num_q_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.vocab_size = 1024;
+  c.max_position_embeddings = 4096;
+  c.rms_norm_eps = 1e-6f;
+  c.rope_theta = 1e6;
+  c.tie_word_embeddings = false;
+  c.qk_norm = true;
+  return c;
+}
+
+EngineOptions engine_options() {
+  EngineOptions eo;
+  eo.page_size = 16;
+  eo.num_pages = 96;
+  eo.max_num_seqs = 3;
+  eo.max_num_batched_tokens = 64;
+  eo.max_model_len = 512;
+  return eo;
+}
+
+struct Sparse {
+  int budget, window, capacity, threshold;
+};
+
+// Records every step's logits (the engine's ForwardFn) on top of the GPU forward pass.
+struct Recorder {
+  std::vector<std::vector<float>> steps;
+};
+
+struct RunResult {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<FinishReason> reasons;
+  std::vector<std::string> errors;
+  Recorder rec;
+  GpuSparseStats sparse;
+  cache::GpuCacheStats cache;
+  std::string server_error;
+};
+
+const int kPrompt[3] = {40, 70, 24};
+const int kMaxTokens[3] = {48, 40, 56};
+
+std::vector<int32_t> prompt(int i, int vocab) {
+  std::mt19937_64 rng(100 + static_cast<uint64_t>(i));
+  std::vector<int32_t> p(static_cast<size_t>(kPrompt[i]));
+  for (auto& t : p) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
+  return p;
+}
+
+// Three greedy requests; `sparse` nullptr: dense. `kill_after_steps` > 0: the cache rank's link is aborted after that
+// many engine steps, and a fourth request is submitted once the first three ended.
+RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
+  const ModelConfig cfg = qwen3_like();
+  const EngineOptions eo = engine_options();
+  GpuEngineOptions go = gpu_engine_options(eo, /*cuda_graphs=*/false);
+  GpuEngineForward gpu(GpuModel::random(cfg, 31, GpuEngineForward::model_options(go)), go);
+  RunResult out;
+  Engine engine(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) {
+    gpu(b, l);
+    out.rec.steps.push_back(l);
+  });
+
+  std::unique_ptr<CudaIpcLink> inf_link, cache_link;
+  std::unique_ptr<GpuSparseController> ctl;
+  std::unique_ptr<cache::GpuCacheServer> server;
+  std::thread server_thread;
+  std::atomic<bool> stop{false};
+  if (sparse != nullptr) {
+    CudaIpcLinkOptions lo;
+    lo.op_timeout = std::chrono::milliseconds(5000);
+    inf_link = CudaIpcLink::create("cache rank (test thread)", lo);
+    cache_link = CudaIpcLink::open(inf_link->address(), "inference rank (test thread)", lo);
+    inf_link->connect();
+    const ModelConfig attn = cfg.attention_view();
+    cache::GpuCacheOptions co;
+    co.max_slots = eo.max_num_seqs;
+    co.max_step_tokens = eo.max_num_batched_tokens;
+    co.num_pages = engine.options().num_pages;
+    co.page_size = eo.page_size;
+    co.max_pages_per_seq = (engine.options().max_model_len + eo.page_size - 1) / eo.page_size;
+    co.layers_per_pack = 2;
+    co.selection.token_budget = sparse->budget;
+    co.selection.local_window = sparse->window;
+    co.selection.query_window = 4;
+    co.delta_capacity = sparse->capacity;
+    server = std::make_unique<cache::GpuCacheServer>(attn, co, *cache_link, "inference rank (test thread)");
+    GpuSparseOptions so;
+    so.sparse_threshold = sparse->threshold;
+    so.layers_per_pack = co.layers_per_pack;
+    so.token_budget = sparse->budget;
+    so.local_window = sparse->window;
+    so.delta_capacity = sparse->capacity;
+    so.max_slots = eo.max_num_seqs;
+    so.max_sparse_seqs = eo.max_num_seqs;
+    so.max_step_tokens = eo.max_num_batched_tokens;
+    ctl = std::make_unique<GpuSparseController>(attn, so, *inf_link, eo.page_size, gpu.max_batch());
+    gpu.set_sparse(ctl.get());
+    engine.set_attention_hooks(ctl.get());
+    server_thread = std::thread([&] {
+      try {
+        // After stop: serve what is still queued, then leave once no plan came for 500 ms.
+        for (;;) {
+          const bool served = server->serve_step(std::chrono::milliseconds(stop ? 500 : 20));
+          if (stop && !served) break;
+        }
+        server->synchronize();
+      } catch (const std::exception& e) {
+        out.server_error = e.what();
+      }
+    });
+  }
+
+  const int n = 3;
+  out.tokens.resize(4);
+  out.reasons.assign(4, FinishReason::None);
+  out.errors.resize(4);
+  auto submit = [&](int i, const std::vector<int32_t>& ids, int max_tokens) {
+    GenerateRequest r;
+    r.prompt_ids = ids;
+    r.max_tokens = max_tokens;
+    r.sampling.temperature = 0.f;
+    r.ignore_eos = true;
+    engine.submit(r, [&out, i](const TokenEvent& ev) {
+      if (ev.token >= 0) out.tokens[static_cast<size_t>(i)].push_back(ev.token);
+      if (ev.finished) {
+        out.reasons[static_cast<size_t>(i)] = ev.reason;
+        out.errors[static_cast<size_t>(i)] = ev.error;
+      }
+    });
+  };
+  for (int i = 0; i < n; ++i) submit(i, prompt(i, cfg.vocab_size), kMaxTokens[i]);
+  int steps = 0;
+  while (engine.step()) {
+    if (++steps == kill_after_steps) cache_link->abort("test: the cache rank went down");
+  }
+  if (kill_after_steps > 0) {
+    submit(3, prompt(0, cfg.vocab_size), 8);
+    engine.run_until_idle();
+  }
+  if (server_thread.joinable()) {
+    stop = true;
+    server_thread.join();
+    out.cache = server->stats();
+  }
+  if (ctl) out.sparse = ctl->stats();
+  gpu.set_sparse(nullptr);
+  engine.set_attention_hooks(nullptr);
+  return out;
+}
+
+float max_abs(const std::vector<float>& v) {
+  float m = 0.f;
+  for (float x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+TEST(GpuSparse, FullBudgetMatchesDenseDecoding) {
+  const RunResult dense = run(nullptr);
+  const Sparse sp{/*budget=*/512, /*window=*/16, /*capacity=*/64, /*threshold=*/32};
+  const RunResult got = run(&sp);
+  ASSERT_EQ(got.server_error, "");
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(got.reasons[i], FinishReason::Length) << "request " << i << ": " << got.errors[i];
+    ASSERT_EQ(got.tokens[i].size(), static_cast<size_t>(kMaxTokens[i]));
+  }
+  // Steps agree while every request's tokens agree.
+  size_t agree = 0;
+  for (int i = 0; i < 3; ++i) {
+    size_t k = 0;
+    while (k < got.tokens[i].size() && got.tokens[i][k] == dense.tokens[i][k]) ++k;
+    agree += k;
+  }
+  size_t compared = 0;
+  float worst = 0.f;
+  const size_t steps = std::min(got.rec.steps.size(), dense.rec.steps.size());
+  for (size_t s = 0; s < steps; ++s) {
+    const auto& a = got.rec.steps[s];
+    const auto& b = dense.rec.steps[s];
+    if (a.size() != b.size()) break;  // scheduling diverged (a request ended earlier): stop comparing
+    float d = 0.f;
+    for (size_t j = 0; j < a.size(); ++j) d = std::max(d, std::fabs(a[j] - b[j]));
+    const float tol = 0.02f * max_abs(b) + 1e-3f;
+    worst = std::max(worst, d / std::max(max_abs(b), 1e-6f));
+    bool same_tokens = true;
+    // Compare only up to the first step whose greedy tokens differ somewhere.
+    const int V = qwen3_like().vocab_size;
+    for (size_t r = 0; r * V < a.size(); ++r) {
+      const auto ia = std::max_element(a.begin() + static_cast<long>(r * V), a.begin() + static_cast<long>((r + 1) * V));
+      const auto ib = std::max_element(b.begin() + static_cast<long>(r * V), b.begin() + static_cast<long>((r + 1) * V));
+      same_tokens &= (ia - a.begin()) == (ib - b.begin());
+    }
+    EXPECT_LE(d, tol) << "step " << s;
+    ++compared;
+    if (!same_tokens) break;
+  }
+  std::printf("[ sparse   ] full budget: %zu steps compared (worst |diff| %.2e of max |logit|), %zu of %d tokens agree "
+              "before the first divergence; %llu sparse (sequence, step) pairs, %llu switches; cache rank: %llu "
+              "selections (%llu first), %llu tokens appended\n",
+              compared, static_cast<double>(worst), agree, kMaxTokens[0] + kMaxTokens[1] + kMaxTokens[2],
+              static_cast<unsigned long long>(got.sparse.sparse_seq_steps),
+              static_cast<unsigned long long>(got.sparse.switches),
+              static_cast<unsigned long long>(got.cache.selections),
+              static_cast<unsigned long long>(got.cache.first_selections),
+              static_cast<unsigned long long>(got.cache.tokens_appended));
+  EXPECT_EQ(got.sparse.switches, 3u);
+  EXPECT_EQ(got.cache.first_selections, 3u);
+  EXPECT_GT(got.cache.selections, got.cache.first_selections);
+  EXPECT_GE(got.sparse.sparse_seq_steps, 40u);
+  EXPECT_GE(compared, 20u);
+  EXPECT_EQ(got.sparse.failed_seqs, 0u);
+  // Every token of every sequence reached the cache rank.
+  size_t tokens = 0;
+  for (int i = 0; i < 3; ++i) tokens += static_cast<size_t>(kPrompt[i] + kMaxTokens[i] - 1);
+  EXPECT_EQ(got.cache.tokens_appended, tokens);
+}
+
+TEST(GpuSparse, SmallBudgetChurnsThroughDeltas) {
+  const RunResult dense = run(nullptr);
+  const Sparse sp{/*budget=*/32, /*window=*/16, /*capacity=*/8, /*threshold=*/32};
+  const RunResult got = run(&sp);
+  ASSERT_EQ(got.server_error, "");
+  size_t agree = 0;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(got.reasons[i], FinishReason::Length) << "request " << i << ": " << got.errors[i];
+    ASSERT_EQ(got.tokens[i].size(), static_cast<size_t>(kMaxTokens[i]));
+    size_t k = 0;
+    while (k < got.tokens[i].size() && got.tokens[i][k] == dense.tokens[i][k]) ++k;
+    agree += k;
+  }
+  for (const auto& s : got.rec.steps)
+    for (float x : s) ASSERT_TRUE(std::isfinite(x));
+  std::printf("[ sparse   ] k 32, C 8: %zu of %d greedy tokens agree with dense decoding before the first divergence; "
+              "%llu sparse (sequence, step) pairs; %llu bytes up, %llu bytes down\n",
+              agree, kMaxTokens[0] + kMaxTokens[1] + kMaxTokens[2],
+              static_cast<unsigned long long>(got.sparse.sparse_seq_steps),
+              static_cast<unsigned long long>(got.sparse.bytes_sent),
+              static_cast<unsigned long long>(got.sparse.bytes_received));
+  EXPECT_GE(got.sparse.sparse_seq_steps, 40u);
+  EXPECT_EQ(got.sparse.switches, 3u);
+}
+
+TEST(GpuSparse, DeadCacheRankFailsOnlyTheSparseRequests) {
+  const Sparse sp{/*budget=*/64, /*window=*/16, /*capacity=*/16, /*threshold=*/60};
+  // Request 1 (70-token prompt) is sparse from its first decode step; request 0 (40) switches at step ~20 of its
+  // decode, request 2 (24) at ~36. Kill after a few decode steps: only request 1 is sparse then.
+  const RunResult got = run(&sp, /*kill_after_steps=*/8);
+  EXPECT_NE(got.server_error, "");  // the server saw the abort
+  EXPECT_EQ(got.reasons[1], FinishReason::Error);
+  EXPECT_NE(got.errors[1].find("cache rank"), std::string::npos) << got.errors[1];
+  EXPECT_EQ(got.reasons[0], FinishReason::Length) << got.errors[0];
+  EXPECT_EQ(got.reasons[2], FinishReason::Length) << got.errors[2];
+  EXPECT_EQ(got.tokens[0].size(), static_cast<size_t>(kMaxTokens[0]));
+  EXPECT_EQ(got.reasons[3], FinishReason::Length) << got.errors[3];  // submitted after the failure: dense
+  EXPECT_EQ(got.sparse.failed_seqs, 1u);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+TEST(GpuSparseBadInput, OptionsAreRefusedByName) {
+  const ModelConfig attn = qwen3_like().attention_view();
+  CudaIpcLinkOptions lo;
+  auto inf = CudaIpcLink::create("cache rank (test)", lo);
+  auto cache = CudaIpcLink::open(inf->address(), "inference rank (test)", lo);
+  inf->connect();
+  GpuSparseOptions o;
+  o.delta_capacity = o.token_budget + 1;
+  try {
+    GpuSparseController c(attn, o, *inf, 16, 4);
+    FAIL() << "capacity above the budget was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("capacity"), std::string::npos) << e.what();
+  }
+  o = GpuSparseOptions{};
+  o.max_slots = cache::gpu_plan_max_rows() + 1;
+  EXPECT_THROW(GpuSparseController(attn, o, *inf, 16, 4), Error);
+}
+
+}  // namespace
+}  // namespace spade
