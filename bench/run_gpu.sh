@@ -20,6 +20,8 @@
 #   SPADE_BENCHES         benchmarks to run (default "kernels gdn": bench_kernels + SDPA peer, bench_gdn; "tpot":
 #                         bench_tpot, the issue-#7 TPOT table -- dense / oracle on GPU 0, AsyncSpade over GPUs 0+1
 #                         (on a one-GPU machine both ranks on GPU 0 over CUDA IPC), with and without delta transfer)
+#                         "serve": inference_rank --device cuda dense vs --selection predicted (in-process GPU
+#                         cache rank), TPOT lines in serve_demo.txt
 #   SPADE_TPOT_ARGS       extra bench_tpot arguments for every configuration (e.g. "--steps 64")
 #   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default "8b-b8 8b-b16 32b-b8")
 #   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
@@ -209,6 +211,25 @@ if want bench && bench_wanted tpot; then
       || STATUS=1
   done
   [ -f "${OUT}/bench_tpot.jsonl" ] && cp "${OUT}/bench_tpot.jsonl" "${ROOT}/bench/results/bench_tpot-$(date -u +%Y%m%dT%H%M%SZ).jsonl"
+fi
+# "serve": the inference rank's own GPU path end to end (inference_rank --device cuda, Qwen3-8B shape with random
+# weights, 8 long prompts, 1024 generated tokens each): dense, then AsyncSpade with the GPU cache rank in the same
+# process (cache_rank/gpu_local.h). The TPOT / tokens/s lines of both go to serve_demo.txt. One GPU shared by both
+# ranks: a functional end-to-end run, not the overlap measurement (bench_tpot is).
+if want bench && bench_wanted serve; then
+  IR_BIN="${BUILD}/inference_rank/inference_rank"
+  DATA="${SPADE_DATA_DIR:-${ROOT}/../shared/data}"
+  PROMPT="$(python3 -c 'import json,sys; print(" ".join(json.loads(l)["problem"] for l in list(open(sys.argv[1]))[:12]))' "${DATA}/prompts/aime24.jsonl" 2>/dev/null || echo "Solve the following problem step by step.")"
+  demo=(--model "${DATA}/configs/qwen3-8b" --random-weights --tokenizer "${DATA}/tokenizers/qwen2" --device cuda
+        --max-tokens 1024 --ignore-eos --temperature 0 --max-num-seqs 8 --max-num-batched-tokens 2048 --kv-cache-gib 8)
+  for i in 1 2 3 4 5 6 7 8; do demo+=(--prompt "${PROMPT}"); done
+  : >"${OUT}/serve_demo.txt"
+  for sel in dense predicted; do
+    log "inference_rank --device cuda --selection ${sel}"
+    with_deps "${IR_BIN}" "${demo[@]}" --selection "${sel}" --sparse-threshold 512 --token-budget 256 \
+      --local-window 64 --delta-capacity 64 2>&1 >/dev/null | grep -E '^\[spade\]|error' | sed "s/^/${sel}: /" \
+      | tee -a "${OUT}/serve_demo.txt" || STATUS=1
+  done
 fi
 if want bench && bench_wanted kernels; then
   QUICK=()

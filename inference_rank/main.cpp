@@ -3,7 +3,9 @@
 //   inference_rank --model DIR --prompt TEXT --max-tokens N [--temperature T --top-p P --top-k K --seed S]
 //                  [--selection dense|oracle|predicted --sparse-threshold N --token-budget K ...]
 //   inference_rank --model DIR --device cuda [--random-weights] [--tokenizer DIR] [--no-cuda-graphs]
-//                  [--host-sampling] --prompt TEXT ...   (sampling runs on the GPU unless --host-sampling)
+//                  [--host-sampling] [--selection predicted --delta-capacity C ...] --prompt TEXT ...
+//                  (sampling runs on the GPU unless --host-sampling; with --selection predicted a GPU cache rank
+//                  runs in this process on the same GPU, cache_rank/gpu_local.h)
 //   inference_rank --serve --model DIR [launch flags / RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT / OMPI_*] [...]
 //
 // Standalone (--prompt): the generated text streams to stdout; TTFT, TPOT and tokens/s go to stderr at the end.
@@ -27,7 +29,9 @@
 #ifdef SPADE_HAVE_GPU_PATH
 #include <cuda_runtime_api.h>
 
+#include "cache_rank/gpu_local.h"
 #include "inference_rank/gpu_engine.h"
+#include "inference_rank/gpu_sparse.h"
 #endif
 
 namespace {
@@ -111,13 +115,17 @@ int main(int argc, char** argv) {
   double kv_gib = 0;
   uint64_t weights_seed = 0;
   app.add_option("--weights-seed", weights_seed, "seed of --random-weights");
-  app.add_option("--device", device, "cpu (fp32) | cuda (bf16 on GPU 0; dense attention, standalone only)");
+  app.add_option("--device", device, "cpu (fp32) | cuda (bf16 on GPU 0, standalone; --selection predicted runs the GPU cache rank in this process)");
   app.add_flag("--random-weights", random_weights,
                "deterministic random weights for the config.json in --model (no safetensors needed)");
   app.add_option("--tokenizer", tokenizer_dir, "directory with tokenizer.json (default: --model)");
   app.add_option("--kv-cache-gib", kv_gib, "KV-cache budget in GiB (default 1; counted in fp32 bytes)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-cuda-graphs", no_cuda_graphs, "--device cuda: run decode steps eagerly");
+  int delta_capacity = 256;
+  app.add_option("--delta-capacity", delta_capacity,
+                 "--device cuda --selection predicted: selection entries a steady step may change per (layer, KV head)")
+      ->check(CLI::PositiveNumber);
   bool host_sampling = false;
   app.add_flag("--host-sampling", host_sampling,
                "--device cuda: copy the logits back and sample on the host (the CPU path's sampler) instead of on the "
@@ -164,12 +172,16 @@ int main(int argc, char** argv) {
     std::unique_ptr<spade::Model> model;
     std::unique_ptr<spade::Engine> engine_ptr;
 #ifdef SPADE_HAVE_GPU_PATH
+    // Destroyed in reverse: the controller before the cache rank (whose link it uses), both after the engine's steps.
+    std::unique_ptr<spade::ModelConfig> gpu_attn_cfg;
+    std::unique_ptr<spade::cache::LocalGpuCacheRank> gpu_cache;
+    std::unique_ptr<spade::GpuSparseController> gpu_sparse;
     std::unique_ptr<spade::GpuEngineForward> gpu;
 #endif
     if (device == "cuda") {
 #ifdef SPADE_HAVE_GPU_PATH
-      if (so.mode != spade::SelectionMode::Dense)
-        spade::fail("--device cuda runs dense attention only (the sparse GPU pipeline is bench/bench_tpot for now)");
+      if (so.mode == spade::SelectionMode::Oracle)
+        spade::fail("--device cuda: --selection oracle is CPU only (use dense or predicted)");
       if (host_sampling) {
         engine_ptr = std::make_unique<spade::Engine>(
             cfg, eo, [&](const spade::ForwardBatch& b, std::vector<float>& l) { (*gpu)(b, l); });
@@ -188,6 +200,40 @@ int main(int argc, char** argv) {
         gm = spade::GpuModel::upload(ckpt->config(), ckpt->weights(), mo);
       }
       gpu = std::make_unique<spade::GpuEngineForward>(std::move(gm), go);
+      if (so.mode == spade::SelectionMode::Predicted) {
+        // AsyncSpade on one GPU: the cache rank runs in this process on its own thread, over a CudaIpcLink.
+        const spade::EngineOptions& en = engine_ptr->options();
+        gpu_attn_cfg = std::make_unique<spade::ModelConfig>(cfg.attention_view());
+        spade::cache::GpuCacheOptions co;
+        co.max_slots = en.max_num_seqs;
+        co.max_step_tokens = en.max_num_batched_tokens;
+        co.num_pages = en.num_pages;
+        co.page_size = en.page_size;
+        co.max_pages_per_seq = (en.max_model_len + en.page_size - 1) / en.page_size;
+        co.layers_per_pack = so.layers_per_pack;
+        co.selection = so.selection;
+        co.delta_capacity = std::min(delta_capacity, so.selection.token_budget);
+        gpu_cache = std::make_unique<spade::cache::LocalGpuCacheRank>(*gpu_attn_cfg, co, so.selection_deadline);
+        spade::GpuSparseOptions gso;
+        gso.sparse_threshold = so.sparse_threshold;
+        gso.layers_per_pack = so.layers_per_pack;
+        gso.token_budget = so.selection.token_budget;
+        gso.local_window = so.selection.local_window;
+        gso.delta_capacity = co.delta_capacity;
+        gso.max_slots = en.max_num_seqs;
+        gso.max_sparse_seqs = en.max_num_seqs;
+        gso.max_first_per_step = std::min(4, en.max_num_seqs);
+        gso.max_step_tokens = en.max_num_batched_tokens;
+        gpu_sparse = std::make_unique<spade::GpuSparseController>(*gpu_attn_cfg, gso, gpu_cache->inference_link(),
+                                                                  en.page_size, gpu->max_batch());
+        gpu->set_sparse(gpu_sparse.get());
+        engine_ptr->set_attention_hooks(gpu_sparse.get());
+        if (so.selection.sink_tokens > 0)
+          spdlog::info("--device cuda: sink tokens are not special-cased on the GPU path (they compete in the top-k)");
+        spdlog::info("GPU sparse decoding: threshold {}, budget {}, local window {}, delta capacity {}, {} layers per "
+                     "pack; cache rank in this process",
+                     gso.sparse_threshold, gso.token_budget, gso.local_window, gso.delta_capacity, gso.layers_per_pack);
+      }
       spdlog::info("GPU model: {:.2f} GB weights, {:.2f} GB KV pool ({} pages) in {:.1f} ms",
                    gpu->model().weight_bytes() / 1e9, gpu->kv_bytes() / 1e9, go.num_pages, ms(Clock::now() - t_load));
 #else
@@ -292,6 +338,21 @@ int main(int argc, char** argv) {
                  outs.size(), outs[0].prompt_tokens, generated, ok ? ttft_sum / ok : 0.0,
                  tpot_n ? tpot_sum / tpot_n : 0.0, total_s > 0 ? generated / total_s : 0.0,
                  spade::finish_reason_name(outs[0].reason));
+#ifdef SPADE_HAVE_GPU_PATH
+    if (gpu_sparse) {
+      const auto& st = gpu_sparse->stats();
+      gpu_cache->stop();
+      const auto cs = gpu_cache->stats();
+      std::fprintf(stderr,
+                   "[spade] selection=predicted device=cuda sparse_seq_steps=%llu switches=%llu failed=%llu "
+                   "cache_selections=%llu bytes_up=%llu bytes_down=%llu%s%s\n",
+                   static_cast<unsigned long long>(st.sparse_seq_steps), static_cast<unsigned long long>(st.switches),
+                   static_cast<unsigned long long>(st.failed_seqs), static_cast<unsigned long long>(cs.selections),
+                   static_cast<unsigned long long>(st.bytes_sent), static_cast<unsigned long long>(st.bytes_received),
+                   gpu_cache->error().empty() ? "" : " cache_rank_error=", gpu_cache->error().c_str());
+      return failed ? 1 : 0;
+    }
+#endif
     if (so.mode != spade::SelectionMode::Dense) {
       const auto& st = backend->stats();
       std::fprintf(stderr,

@@ -1,5 +1,5 @@
-// Sparse decoding on the GPU path (inference_rank/gpu_sparse.h) against a GPU cache rank (cache_rank/gpu_server.h)
-// in the same process, both on GPU 0, over a CudaIpcLink; the cache rank serves steps on its own thread. Label gpu.
+// Sparse decoding on the GPU path (inference_rank/gpu_sparse.h) against a GPU cache rank in the same process
+// (cache_rank/gpu_local.h: a GpuCacheServer on its own thread, over a CudaIpcLink, both on GPU 0). Label gpu.
 //
 // What is checked:
 // - Budget >= every context: the selection is every token outside the local window, so sparse decoding is dense
@@ -15,15 +15,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "cache_rank/gpu_server.h"
+#include "cache_rank/gpu_local.h"
 #include "common/error.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/gpu_engine.h"
@@ -107,17 +105,9 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
     out.rec.steps.push_back(l);
   });
 
-  std::unique_ptr<CudaIpcLink> inf_link, cache_link;
+  std::unique_ptr<cache::LocalGpuCacheRank> cache_rank;
   std::unique_ptr<GpuSparseController> ctl;
-  std::unique_ptr<cache::GpuCacheServer> server;
-  std::thread server_thread;
-  std::atomic<bool> stop{false};
   if (sparse != nullptr) {
-    CudaIpcLinkOptions lo;
-    lo.op_timeout = std::chrono::milliseconds(5000);
-    inf_link = CudaIpcLink::create("cache rank (test thread)", lo);
-    cache_link = CudaIpcLink::open(inf_link->address(), "inference rank (test thread)", lo);
-    inf_link->connect();
     const ModelConfig attn = cfg.attention_view();
     cache::GpuCacheOptions co;
     co.max_slots = eo.max_num_seqs;
@@ -130,7 +120,7 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
     co.selection.local_window = sparse->window;
     co.selection.query_window = 4;
     co.delta_capacity = sparse->capacity;
-    server = std::make_unique<cache::GpuCacheServer>(attn, co, *cache_link, "inference rank (test thread)");
+    cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, co, std::chrono::milliseconds(5000));
     GpuSparseOptions so;
     so.sparse_threshold = sparse->threshold;
     so.layers_per_pack = co.layers_per_pack;
@@ -140,21 +130,10 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
     so.max_slots = eo.max_num_seqs;
     so.max_sparse_seqs = eo.max_num_seqs;
     so.max_step_tokens = eo.max_num_batched_tokens;
-    ctl = std::make_unique<GpuSparseController>(attn, so, *inf_link, eo.page_size, gpu.max_batch());
+    ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size,
+                                                gpu.max_batch());
     gpu.set_sparse(ctl.get());
     engine.set_attention_hooks(ctl.get());
-    server_thread = std::thread([&] {
-      try {
-        // After stop: serve what is still queued, then leave once no plan came for 500 ms.
-        for (;;) {
-          const bool served = server->serve_step(std::chrono::milliseconds(stop ? 500 : 20));
-          if (stop && !served) break;
-        }
-        server->synchronize();
-      } catch (const std::exception& e) {
-        out.server_error = e.what();
-      }
-    });
   }
 
   const int n = 3;
@@ -178,16 +157,16 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
   for (int i = 0; i < n; ++i) submit(i, prompt(i, cfg.vocab_size), kMaxTokens[i]);
   int steps = 0;
   while (engine.step()) {
-    if (++steps == kill_after_steps) cache_link->abort("test: the cache rank went down");
+    if (++steps == kill_after_steps) cache_rank->cache_link().abort("test: the cache rank went down");
   }
   if (kill_after_steps > 0) {
     submit(3, prompt(0, cfg.vocab_size), 8);
     engine.run_until_idle();
   }
-  if (server_thread.joinable()) {
-    stop = true;
-    server_thread.join();
-    out.cache = server->stats();
+  if (cache_rank) {
+    cache_rank->stop();
+    out.cache = cache_rank->stats();
+    out.server_error = cache_rank->error();
   }
   if (ctl) out.sparse = ctl->stats();
   gpu.set_sparse(nullptr);

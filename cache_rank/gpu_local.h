@@ -1,0 +1,58 @@
+// A GPU cache rank inside the inference rank's process (issue #7): `inference_rank --device cuda --selection
+// predicted` and the gpu tests. A GpuCacheServer on its own thread, paired with the caller over a CudaIpcLink on the
+// same GPU (both ends in this process), serving the plans the caller's GpuSparseController sends.
+//
+// The split into two ranks stays real on the wire (the same plan / rows / delta messages as between two processes
+// or two GPUs), but both ranks share one GPU's SMs and HBM: this is the single-GPU deployment, not the overlap
+// measurement (bench/bench_tpot --link for that).
+//
+// Errors: the constructor throws spade::Error for bad options (GpuCacheServer's) or a link that cannot be set up.
+// A server failure (malformed plan, CUDA error, link abort) ends the thread; error() then names it and the link is
+// aborted with it, so the inference side fails its sparse sequences and goes on densely.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "cache_rank/gpu_server.h"
+#include "transport/cuda_ipc/cuda_ipc_link.h"
+
+namespace spade::cache {
+
+class LocalGpuCacheRank {
+ public:
+  /// `attn_cfg`: the model's attention view; `opts.device`: the GPU of both ends. `op_timeout`: the link's deadline
+  /// per posted transfer.
+  LocalGpuCacheRank(const ModelConfig& attn_cfg, GpuCacheOptions opts,
+                    std::chrono::milliseconds op_timeout = std::chrono::milliseconds(10000));
+  /// Serves what the inference side already sent (until no plan comes for 500 ms), then stops the thread.
+  ~LocalGpuCacheRank();
+  LocalGpuCacheRank(const LocalGpuCacheRank&) = delete;
+  LocalGpuCacheRank& operator=(const LocalGpuCacheRank&) = delete;
+
+  /// The inference side's end of the link (give it to a GpuSparseController).
+  transport::GpuLink& inference_link() { return *inf_; }
+  /// The cache side's end (tests abort it to simulate a dead cache rank).
+  transport::GpuLink& cache_link() { return *cache_; }
+  /// Stops serving: the pending steps are served first (see the destructor). Idempotent.
+  void stop();
+  /// The server's failure, empty while healthy.
+  std::string error() const;
+  /// Server counters (after stop(): final; before: racy snapshot for logs only).
+  GpuCacheStats stats() const;
+
+ private:
+  void serve_loop();
+  std::unique_ptr<transport::CudaIpcLink> inf_, cache_;
+  std::unique_ptr<GpuCacheServer> server_;
+  std::atomic<bool> stop_{false};
+  mutable std::mutex mu_;
+  std::string error_;
+  GpuCacheStats stats_;
+  std::thread thread_;
+};
+
+}  // namespace spade::cache
