@@ -24,31 +24,38 @@ namespace spade::cache {
 
 class LocalGpuCacheRank {
  public:
-  /// `attn_cfg`: the model's attention view; `opts.device`: the GPU of both ends. `op_timeout`: the link's deadline
-  /// per posted transfer.
-  LocalGpuCacheRank(const ModelConfig& attn_cfg, GpuCacheOptions opts,
-                    std::chrono::milliseconds op_timeout = std::chrono::milliseconds(10000));
+  /// `attn_cfg`: the model's attention view. `selection`: the cache rank's own knobs (query window, ridge eps, GQA
+  /// rule; budget and window come from the hello). The server thread starts at once and waits up to
+  /// `hello_timeout` for the inference side's hello (send_gpu_hello on inference_link()), which sizes the server.
+  /// `op_timeout`: the link's deadline per posted transfer. Throws spade::Error if the link cannot be set up.
+  LocalGpuCacheRank(const ModelConfig& attn_cfg, SelectionConfig selection, int device,
+                    std::chrono::milliseconds op_timeout = std::chrono::milliseconds(10000),
+                    std::chrono::milliseconds hello_timeout = std::chrono::milliseconds(30000));
   /// Serves what the inference side already sent (until no plan comes for 500 ms), then stops the thread.
   ~LocalGpuCacheRank();
   LocalGpuCacheRank(const LocalGpuCacheRank&) = delete;
   LocalGpuCacheRank& operator=(const LocalGpuCacheRank&) = delete;
 
-  /// The inference side's end of the link (give it to a GpuSparseController).
+  /// The inference side's end of the link (send the hello on it, then give it to a GpuSparseController).
   transport::GpuLink& inference_link() { return *inf_; }
   /// The cache side's end (tests abort it to simulate a dead cache rank).
   transport::GpuLink& cache_link() { return *cache_; }
   /// Stops serving: the pending steps are served first (see the destructor). Idempotent.
   void stop();
-  /// The server's failure, empty while healthy.
+  /// The server's failure (including a bad or missing hello), empty while healthy.
   std::string error() const;
-  /// Server counters (after stop(): final; before: racy snapshot for logs only).
+  /// Server counters (after stop(): final; before: a snapshot after the last served step).
   GpuCacheStats stats() const;
 
  private:
-  void serve_loop();
+  void serve_loop(std::chrono::milliseconds hello_timeout);
+  ModelConfig cfg_;
+  SelectionConfig selection_;
+  int device_ = 0;
   std::unique_ptr<transport::CudaIpcLink> inf_, cache_;
   std::unique_ptr<GpuCacheServer> server_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> serving_{false};  // the hello came and the server exists
   mutable std::mutex mu_;
   std::string error_;
   GpuCacheStats stats_;

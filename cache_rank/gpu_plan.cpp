@@ -53,6 +53,67 @@ std::vector<int> GpuStepPlan::first_rows() const {
   return out;
 }
 
+namespace {
+constexpr uint32_t kHelloMagic = 0x4c454847;  // "GHEL"
+constexpr uint32_t kHelloVersion = 1;
+constexpr int kHelloFields = 13;
+}  // namespace
+
+std::vector<uint8_t> encode_gpu_hello(const GpuPairHello& h) {
+  std::vector<uint8_t> b(kGpuHelloBytes, 0);
+  size_t off = 0;
+  put(b, off, kHelloMagic);
+  put(b, off, kHelloVersion);
+  for (int32_t v : {h.num_layers, h.num_q_heads, h.num_kv_heads, h.head_dim, h.layers_per_pack, h.token_budget,
+                    h.local_window, h.delta_capacity, h.max_slots, h.max_step_tokens, h.num_pages, h.page_size,
+                    h.max_pages_per_seq})
+    put(b, off, v);
+  return b;
+}
+
+GpuPairHello decode_gpu_hello(const uint8_t* data, size_t len, const ModelConfig& attn_cfg, const std::string& peer) {
+  SPADE_CHECK(data != nullptr && len == kGpuHelloBytes, "{}: GPU pair hello of {} bytes, expected {}", peer, len,
+              kGpuHelloBytes);
+  size_t off = 0;
+  const uint32_t magic = get<uint32_t>(data, off), version = get<uint32_t>(data, off);
+  SPADE_CHECK(magic == kHelloMagic && version == kHelloVersion,
+              "{}: not a GPU pair hello (magic {:#x}, version {}; expected version {})", peer, magic, version,
+              kHelloVersion);
+  int32_t v[kHelloFields];
+  for (int32_t& x : v) x = get<int32_t>(data, off);
+  GpuPairHello h;
+  h.num_layers = v[0];
+  h.num_q_heads = v[1];
+  h.num_kv_heads = v[2];
+  h.head_dim = v[3];
+  h.layers_per_pack = v[4];
+  h.token_budget = v[5];
+  h.local_window = v[6];
+  h.delta_capacity = v[7];
+  h.max_slots = v[8];
+  h.max_step_tokens = v[9];
+  h.num_pages = v[10];
+  h.page_size = v[11];
+  h.max_pages_per_seq = v[12];
+  const auto same = [&](const char* what, int32_t theirs, int ours) {
+    SPADE_CHECK(theirs == ours,
+                "{} serves a model with {} {}, this cache rank's model has {} (give both ranks the same --model)",
+                peer, theirs, what, ours);
+  };
+  same("full-attention layers", h.num_layers, attn_cfg.num_layers);
+  same("query heads", h.num_q_heads, attn_cfg.num_q_heads);
+  same("KV heads", h.num_kv_heads, attn_cfg.num_kv_heads);
+  same("head_dim", h.head_dim, attn_cfg.head_dim);
+  SPADE_CHECK(h.layers_per_pack >= 1 && h.token_budget >= 1 && h.local_window >= 0 && h.delta_capacity >= 1 &&
+                  h.delta_capacity <= h.token_budget && h.max_slots >= 1 && h.max_slots <= gpu_plan_max_rows() &&
+                  h.max_step_tokens >= 1 && h.num_pages >= 1 && h.page_size >= 1 && h.max_pages_per_seq >= 1,
+              "{}: GPU pair hello out of range (layers per pack {}, budget {}, local window {}, delta capacity {}, "
+              "slots {} of at most {}, step tokens {}, pages {}, page size {}, pages per sequence {})",
+              peer, h.layers_per_pack, h.token_budget, h.local_window, h.delta_capacity, h.max_slots,
+              gpu_plan_max_rows(), h.max_step_tokens, h.num_pages, h.page_size, h.max_pages_per_seq);
+  return h;
+}
+
 int gpu_plan_max_rows() { return static_cast<int>((kGpuPlanBytes - kHeaderBytes) / (kRowBytes + 4)); }
 
 std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p) {

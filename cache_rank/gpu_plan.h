@@ -23,6 +23,32 @@
 
 namespace spade::cache {
 
+/// The first message on a GPU pair's link, inference -> cache, before any plan: the inference rank's shapes and
+/// limits. The cache rank sizes its server from it (gpu_cache_options in gpu_server.h), so the two ranks cannot
+/// disagree on a message size; only the cache-side knobs (query window, ridge eps, GQA rule) are the cache rank's own.
+struct GpuPairHello {
+  int32_t num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;  // the model's attention view
+  int32_t layers_per_pack = 0;    // P
+  int32_t token_budget = 0;       // k
+  int32_t local_window = 0;       // R
+  int32_t delta_capacity = 0;     // C (1..k)
+  int32_t max_slots = 0;          // plan slots (the engine's max_num_seqs)
+  int32_t max_step_tokens = 0;    // the engine's max_num_batched_tokens
+  int32_t num_pages = 0;          // the engine's KV pages
+  int32_t page_size = 0;
+  int32_t max_pages_per_seq = 0;  // ceil(max_model_len / page_size)
+};
+
+/// Size of the hello message on the link.
+inline constexpr size_t kGpuHelloBytes = 256;
+
+/// The hello as exactly kGpuHelloBytes bytes.
+std::vector<uint8_t> encode_gpu_hello(const GpuPairHello& h);
+/// Parses and validates a hello: magic and version, every limit positive, C <= k, max_slots <= gpu_plan_max_rows(),
+/// and the attention shapes equal to `attn_cfg`'s (the cache rank's model). Throws spade::Error naming `peer` and the
+/// field that differs.
+GpuPairHello decode_gpu_hello(const uint8_t* data, size_t len, const ModelConfig& attn_cfg, const std::string& peer);
+
 /// Row flags of a plan.
 enum GpuRowFlags : uint32_t {
   kRowFresh = 1u,        // the sequence starts in this step (position 0): empty its windows and pages first

@@ -472,4 +472,63 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   return true;
 }
 
+void send_gpu_hello(transport::GpuLink& link, const GpuPairHello& hello) {
+  const std::vector<uint8_t> bytes = encode_gpu_hello(hello);
+  cuda_check(cudaSetDevice(link.device()), "GPU pair hello: cudaSetDevice");
+  DeviceBuffer buf(kGpuHelloBytes, "GPU pair hello");
+  cudaStream_t stream = nullptr;
+  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "GPU pair hello: stream");
+  std::string err;
+  try {
+    cuda_check(cudaMemcpyAsync(buf.get(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice, stream),
+               "GPU pair hello: upload");
+    link.send(buf.get(), kGpuHelloBytes, stream, "the pair hello");
+    // The watchdog releases the stream by op_timeout if the peer never receives.
+    cuda_check(cudaStreamSynchronize(stream), "GPU pair hello: send");
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  cudaStreamDestroy(stream);
+  if (err.empty() && link.failed()) err = link.failure();
+  SPADE_CHECK(err.empty(), "sending the pair hello to {}: {}", link.peer_name(), err);
+}
+
+GpuPairHello recv_gpu_hello(transport::GpuLink& link, const ModelConfig& attn_cfg, const std::string& peer,
+                            std::chrono::milliseconds timeout) {
+  cuda_check(cudaSetDevice(link.device()), "GPU pair hello: cudaSetDevice");
+  DeviceBuffer buf(kGpuHelloBytes, "GPU pair hello");
+  std::vector<uint8_t> host(kGpuHelloBytes, 0);
+  cudaStream_t stream = nullptr;
+  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "GPU pair hello: stream");
+  std::string err;
+  try {
+    link.recv(buf.get(), kGpuHelloBytes, stream, "the pair hello", timeout);
+    cuda_check(cudaMemcpyAsync(host.data(), buf.get(), kGpuHelloBytes, cudaMemcpyDeviceToHost, stream),
+               "GPU pair hello: download");
+    cuda_check(cudaStreamSynchronize(stream), "GPU pair hello: receive");
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  cudaStreamDestroy(stream);
+  if (err.empty() && link.failed()) err = link.failure();
+  SPADE_CHECK(err.empty(), "waiting for the pair hello of {}: {}", peer, err);
+  return decode_gpu_hello(host.data(), host.size(), attn_cfg, peer);
+}
+
+GpuCacheOptions gpu_cache_options(const GpuPairHello& h, SelectionConfig selection, int device) {
+  GpuCacheOptions o;
+  o.device = device;
+  o.max_slots = h.max_slots;
+  o.max_step_tokens = h.max_step_tokens;
+  o.num_pages = h.num_pages;
+  o.page_size = h.page_size;
+  o.max_pages_per_seq = h.max_pages_per_seq;
+  o.layers_per_pack = h.layers_per_pack;
+  selection.token_budget = h.token_budget;
+  selection.local_window = h.local_window;
+  o.selection = selection;
+  o.delta_capacity = h.delta_capacity;
+  return o;
+}
+
 }  // namespace spade::cache

@@ -84,4 +84,15 @@ class GpuCacheServer {
   GpuCacheStats stats_;
 };
 
+/// The pair's first exchange (gpu_plan.h GpuPairHello). Inference side: sends `hello` as the link's first up message
+/// and waits until it left (at most the link's op_timeout). Throws spade::Error naming the peer if the link fails.
+void send_gpu_hello(transport::GpuLink& link, const GpuPairHello& hello);
+/// Cache side: receives the hello, waiting up to `timeout` for the inference rank, and validates it against
+/// `attn_cfg` (decode_gpu_hello). Throws spade::Error naming `peer` (timeout, link failure, invalid hello).
+GpuPairHello recv_gpu_hello(transport::GpuLink& link, const ModelConfig& attn_cfg, const std::string& peer,
+                            std::chrono::milliseconds timeout);
+/// The server options a hello implies, on `device`. `selection` supplies the cache rank's own knobs (query window,
+/// ridge eps, GQA rule); budget and local window come from the hello.
+GpuCacheOptions gpu_cache_options(const GpuPairHello& hello, SelectionConfig selection, int device);
+
 }  // namespace spade::cache

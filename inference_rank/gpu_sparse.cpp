@@ -94,6 +94,25 @@ struct GpuSparseController::State {
   const int32_t* arr(size_t off) const { return arrays[parity].as<int32_t>() + off; }
 };
 
+cache::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
+                                        const EngineOptions& engine) {
+  cache::GpuPairHello h;
+  h.num_layers = attn_cfg.num_layers;
+  h.num_q_heads = attn_cfg.num_q_heads;
+  h.num_kv_heads = attn_cfg.num_kv_heads;
+  h.head_dim = attn_cfg.head_dim;
+  h.layers_per_pack = o.layers_per_pack;
+  h.token_budget = o.token_budget;
+  h.local_window = o.local_window;
+  h.delta_capacity = o.delta_capacity;
+  h.max_slots = o.max_slots;
+  h.max_step_tokens = o.max_step_tokens;
+  h.num_pages = engine.num_pages;
+  h.page_size = engine.page_size;
+  h.max_pages_per_seq = (engine.max_model_len + engine.page_size - 1) / engine.page_size;
+  return h;
+}
+
 GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseOptions o, transport::GpuLink& link,
                                          int page_size, int max_batch) {
   SPADE_CHECK(!attn_cfg.is_hybrid(), "GPU sparse: pass the model's attention view");

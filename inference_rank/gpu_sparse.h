@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "cache_rank/gpu_plan.h"
+#include "inference_rank/engine.h"
 #include "inference_rank/gpu_model.h"
 #include "inference_rank/model.h"
 #include "transport/gpu_link.h"
@@ -62,6 +63,12 @@ struct GpuSparseStats {
   uint64_t failed_seqs = 0;           // sequences failed with the link
   uint64_t bytes_sent = 0, bytes_received = 0;
 };
+
+/// The pair hello (cache_rank/gpu_plan.h) for a controller with options `o` behind an engine with the normalised
+/// options `engine` (Engine::options()): send it on the link (cache_rank/gpu_server.h send_gpu_hello) before the
+/// controller's first step.
+cache::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
+                                        const EngineOptions& engine);
 
 class GpuSparseController : public AttentionBackend, public GpuAttention {
  public:

@@ -204,26 +204,20 @@ int main(int argc, char** argv) {
         // AsyncSpade on one GPU: the cache rank runs in this process on its own thread, over a CudaIpcLink.
         const spade::EngineOptions& en = engine_ptr->options();
         gpu_attn_cfg = std::make_unique<spade::ModelConfig>(cfg.attention_view());
-        spade::cache::GpuCacheOptions co;
-        co.max_slots = en.max_num_seqs;
-        co.max_step_tokens = en.max_num_batched_tokens;
-        co.num_pages = en.num_pages;
-        co.page_size = en.page_size;
-        co.max_pages_per_seq = (en.max_model_len + en.page_size - 1) / en.page_size;
-        co.layers_per_pack = so.layers_per_pack;
-        co.selection = so.selection;
-        co.delta_capacity = std::min(delta_capacity, so.selection.token_budget);
-        gpu_cache = std::make_unique<spade::cache::LocalGpuCacheRank>(*gpu_attn_cfg, co, so.selection_deadline);
         spade::GpuSparseOptions gso;
         gso.sparse_threshold = so.sparse_threshold;
         gso.layers_per_pack = so.layers_per_pack;
         gso.token_budget = so.selection.token_budget;
         gso.local_window = so.selection.local_window;
-        gso.delta_capacity = co.delta_capacity;
+        gso.delta_capacity = std::min(delta_capacity, so.selection.token_budget);
         gso.max_slots = en.max_num_seqs;
         gso.max_sparse_seqs = en.max_num_seqs;
         gso.max_first_per_step = std::min(4, en.max_num_seqs);
         gso.max_step_tokens = en.max_num_batched_tokens;
+        gpu_cache = std::make_unique<spade::cache::LocalGpuCacheRank>(*gpu_attn_cfg, so.selection, 0,
+                                                                      so.selection_deadline);
+        spade::cache::send_gpu_hello(gpu_cache->inference_link(),
+                                     spade::make_gpu_pair_hello(*gpu_attn_cfg, gso, en));
         gpu_sparse = std::make_unique<spade::GpuSparseController>(*gpu_attn_cfg, gso, gpu_cache->inference_link(),
                                                                   en.page_size, gpu->max_batch());
         gpu->set_sparse(gpu_sparse.get());

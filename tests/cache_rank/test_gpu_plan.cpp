@@ -1,5 +1,5 @@
-// The GPU data plane's plan (cache_rank/gpu_plan.h): round trip, the selection groups, message sizes, and every
-// validation rule naming the peer.
+// The GPU data plane's plan and pair hello (cache_rank/gpu_plan.h): round trips, the selection groups, message sizes,
+// and every validation rule naming the peer.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -110,6 +110,99 @@ TEST(GpuPlan, MalformedPlansAreRefused) {
   GpuStepPlan big;
   big.rows.resize(static_cast<size_t>(gpu_plan_max_rows()) + 1, GpuPlanRow{0, 1, 1, 0});
   EXPECT_THROW(encode_gpu_plan(big), Error);
+}
+
+
+ModelConfig hello_model() {
+  ModelConfig c;
+  c.num_layers = 36;
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  return c;
+}
+
+GpuPairHello sample_hello() {
+  GpuPairHello h;
+  h.num_layers = 36;
+  h.num_q_heads = 32;
+  h.num_kv_heads = 8;
+  h.head_dim = 128;
+  h.layers_per_pack = 6;
+  h.token_budget = 2048;
+  h.local_window = 32;
+  h.delta_capacity = 256;
+  h.max_slots = 64;
+  h.max_step_tokens = 2048;
+  h.num_pages = 40000;
+  h.page_size = 16;
+  h.max_pages_per_seq = 2560;
+  return h;
+}
+
+TEST(GpuPairHello, RoundTrips) {
+  const std::vector<uint8_t> b = encode_gpu_hello(sample_hello());
+  ASSERT_EQ(b.size(), kGpuHelloBytes);
+  const GpuPairHello h = decode_gpu_hello(b.data(), b.size(), hello_model(), "inference rank 1");
+  const GpuPairHello w = sample_hello();
+  EXPECT_EQ(h.num_layers, w.num_layers);
+  EXPECT_EQ(h.num_q_heads, w.num_q_heads);
+  EXPECT_EQ(h.num_kv_heads, w.num_kv_heads);
+  EXPECT_EQ(h.head_dim, w.head_dim);
+  EXPECT_EQ(h.layers_per_pack, w.layers_per_pack);
+  EXPECT_EQ(h.token_budget, w.token_budget);
+  EXPECT_EQ(h.local_window, w.local_window);
+  EXPECT_EQ(h.delta_capacity, w.delta_capacity);
+  EXPECT_EQ(h.max_slots, w.max_slots);
+  EXPECT_EQ(h.max_step_tokens, w.max_step_tokens);
+  EXPECT_EQ(h.num_pages, w.num_pages);
+  EXPECT_EQ(h.page_size, w.page_size);
+  EXPECT_EQ(h.max_pages_per_seq, w.max_pages_per_seq);
+}
+
+void expect_hello_error(const GpuPairHello& h, const ModelConfig& m, const std::string& needle) {
+  const std::vector<uint8_t> b = encode_gpu_hello(h);
+  try {
+    decode_gpu_hello(b.data(), b.size(), m, "inference rank 1 (#0)");
+    ADD_FAILURE() << "accepted; wanted an error with '" << needle << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    EXPECT_NE(msg.find("inference rank 1 (#0)"), std::string::npos) << msg;
+  }
+}
+
+TEST(GpuPairHello, MismatchedModelsAndBadLimitsAreRefusedByName) {
+  ModelConfig other = hello_model();
+  other.num_layers = 28;
+  expect_hello_error(sample_hello(), other, "full-attention layers");
+  other = hello_model();
+  other.num_kv_heads = 4;
+  expect_hello_error(sample_hello(), other, "KV heads");
+  other = hello_model();
+  other.head_dim = 64;
+  expect_hello_error(sample_hello(), other, "head_dim");
+  GpuPairHello h = sample_hello();
+  h.delta_capacity = h.token_budget + 1;
+  expect_hello_error(h, hello_model(), "delta capacity");
+  h = sample_hello();
+  h.max_slots = gpu_plan_max_rows() + 1;
+  expect_hello_error(h, hello_model(), "slots");
+  h = sample_hello();
+  h.num_pages = 0;
+  expect_hello_error(h, hello_model(), "pages");
+  // Not a hello: a plan, a short message, a future version.
+  const std::vector<uint8_t> plan = encode_gpu_plan(sample());
+  EXPECT_THROW(decode_gpu_hello(plan.data(), kGpuHelloBytes, hello_model(), "x"), Error);
+  std::vector<uint8_t> b = encode_gpu_hello(sample_hello());
+  EXPECT_THROW(decode_gpu_hello(b.data(), b.size() - 1, hello_model(), "x"), Error);
+  b[4] = 9;
+  try {
+    decode_gpu_hello(b.data(), b.size(), hello_model(), "inference rank 7");
+    ADD_FAILURE() << "accepted version 9";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("version 9"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cache_rank/gpu_local.h"
@@ -60,6 +61,12 @@ EngineOptions engine_options() {
   eo.max_num_seqs = 3;
   eo.max_num_batched_tokens = 64;
   eo.max_model_len = 512;
+  return eo;
+}
+
+EngineOptions engine_options_normalised() {
+  EngineOptions eo = engine_options();
+  eo.num_pages = 96;
   return eo;
 }
 
@@ -109,27 +116,20 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
   std::unique_ptr<GpuSparseController> ctl;
   if (sparse != nullptr) {
     const ModelConfig attn = cfg.attention_view();
-    cache::GpuCacheOptions co;
-    co.max_slots = eo.max_num_seqs;
-    co.max_step_tokens = eo.max_num_batched_tokens;
-    co.num_pages = engine.options().num_pages;
-    co.page_size = eo.page_size;
-    co.max_pages_per_seq = (engine.options().max_model_len + eo.page_size - 1) / eo.page_size;
-    co.layers_per_pack = 2;
-    co.selection.token_budget = sparse->budget;
-    co.selection.local_window = sparse->window;
-    co.selection.query_window = 4;
-    co.delta_capacity = sparse->capacity;
-    cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, co, std::chrono::milliseconds(5000));
     GpuSparseOptions so;
     so.sparse_threshold = sparse->threshold;
-    so.layers_per_pack = co.layers_per_pack;
+    so.layers_per_pack = 2;
     so.token_budget = sparse->budget;
     so.local_window = sparse->window;
     so.delta_capacity = sparse->capacity;
     so.max_slots = eo.max_num_seqs;
     so.max_sparse_seqs = eo.max_num_seqs;
     so.max_step_tokens = eo.max_num_batched_tokens;
+    cache::SelectionConfig sel;
+    sel.query_window = 4;
+    cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
+    // The hello sizes the cache rank from this side's options (the path a separate cache_rank process takes too).
+    cache::send_gpu_hello(cache_rank->inference_link(), make_gpu_pair_hello(attn, so, engine.options()));
     ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size,
                                                 gpu.max_batch());
     gpu.set_sparse(ctl.get());
@@ -279,6 +279,23 @@ TEST(GpuSparse, DeadCacheRankFailsOnlyTheSparseRequests) {
   EXPECT_EQ(got.reasons[3], FinishReason::Length) << got.errors[3];  // submitted after the failure: dense
   EXPECT_EQ(got.sparse.failed_seqs, 1u);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+TEST(GpuSparseBadInput, AHelloForAnotherModelFailsTheCacheRankByName) {
+  ModelConfig other = qwen3_like();
+  other.num_layers = 4;  // the cache rank loaded a different model
+  cache::LocalGpuCacheRank local(other.attention_view(), cache::SelectionConfig{}, 0, std::chrono::milliseconds(2000));
+  GpuSparseOptions so;
+  so.max_slots = 3;
+  so.max_step_tokens = 64;
+  cache::send_gpu_hello(local.inference_link(), make_gpu_pair_hello(qwen3_like().attention_view(), so,
+                                                                    engine_options_normalised()));
+  for (int i = 0; i < 200 && local.error().empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_NE(local.error().find("full-attention layers"), std::string::npos) << local.error();
+  // The cache rank's failure reaches the inference side's link.
+  for (int i = 0; i < 200 && !local.inference_link().failed(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_TRUE(local.inference_link().failed());
 }
 
 TEST(GpuSparseBadInput, OptionsAreRefusedByName) {
