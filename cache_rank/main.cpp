@@ -4,6 +4,9 @@
 //   cache_rank --model DIR [--token-budget K --local-window R --sink-tokens S --query-window W --ridge-eps E
 //               --gqa-rule max|mean --kv-pages N --page-size 16 --overlap-sample-every N --delta-transfer on|off]
 //              [--metrics-port P] [launch flags | RANK/WORLD_SIZE/MASTER_* | OMPI_*]
+//   cache_rank --model DIR --device cuda [--gpu N --query-window W --ridge-eps E --gqa-rule R] [launch flags]
+//              (the GPU cache rank, cache_rank/gpu_server.h: the budget, local window, pack size, delta capacity and
+//              pool size come from the paired inference rank's hello; metrics: transfer bytes, steps, selections)
 //
 // Metrics (--metrics-port, GET /metrics; /health = serving loop alive, /ready = paired inference rank connected):
 //   spade_selection_time_seconds          histogram  cache-rank time per layer-pack update (append+predict+score+top-k+gather)
@@ -35,6 +38,16 @@
 #include "coordinator/client.h"
 #if SPADE_HAVE_UCX
 #include "transport/ucx.h"
+#endif
+#ifdef SPADE_HAVE_GPU_CACHE
+#include <cuda_runtime_api.h>
+
+#include "cache_rank/gpu_server.h"
+#include "inference_rank/gpu_model.h"
+#include "transport/cuda_ipc/cuda_ipc_link.h"
+#ifdef SPADE_HAVE_NCCL_LINK
+#include "transport/nccl/nccl_link.h"
+#endif
 #endif
 
 namespace {
@@ -79,6 +92,12 @@ int main(int argc, char** argv) {
                  "measure the predicted-vs-oracle overlap ratio every N steps (0 = off)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  std::string device = "cpu";
+  int gpu_index = 0;
+  app.add_option("--device", device,
+                 "cpu (the CPU selector over UCX) | cuda (the GPU server over NCCL / CUDA IPC, paired with "
+                 "inference_rank --serve --device cuda; its shapes and limits come from the inference rank's hello)");
+  app.add_option("--gpu", gpu_index, "--device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   try {
     spade::init_logging("cache_rank", log_level);
@@ -107,6 +126,99 @@ int main(int argc, char** argv) {
                                 return connected ? "" : "waiting for the world and the paired inference rank";
                               }});
       spdlog::info("{}: metrics on {}:{}/metrics", self, metrics_host, status_server->port());
+    }
+    if (device != "cpu" && device != "cuda") spade::fail("--device must be cpu or cuda, got '{}'", device);
+    if (device == "cuda") {
+#ifdef SPADE_HAVE_GPU_CACHE
+      // ---- the GPU cache rank: GpuCacheServer over the link the inference rank published ----
+      spade::cuda_check(cudaSetDevice(gpu_index), "cache rank: cudaSetDevice");
+      spade::coord::ClientOptions co = spade::coord::client_options_for(env);
+      co.device = fmt::format("cuda:{}", gpu_index);
+      spade::coord::CoordinatorClient cc(co);
+      const auto deadline = spade::coord::Clock::now() + std::chrono::milliseconds(rendezvous_ms);
+      const spade::proto::ClusterView view = cc.rendezvous(deadline);
+      SPADE_CHECK(view.peers_size() > 0, "{}: the coordinator paired no inference rank with us", self);
+      const spade::proto::RankInfo& peer = view.peers(0);
+      const std::string peer_name =
+          fmt::format("inference rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
+      const auto left = [&] {
+        return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                          deadline - spade::coord::Clock::now()));
+      };
+      std::unique_ptr<spade::transport::GpuLink> link;
+      const auto kind = peer.transport().kind();
+      if (kind == spade::proto::TRANSPORT_CUDA_IPC) {
+        spade::transport::CudaIpcLinkOptions lo;
+        lo.device = gpu_index;
+        link = spade::transport::CudaIpcLink::open(peer.transport().address(), peer_name, lo);
+      } else if (kind == spade::proto::TRANSPORT_NCCL) {
+#ifdef SPADE_HAVE_NCCL_LINK
+        spade::transport::NcclLinkOptions no;
+        no.device = gpu_index;
+        no.connect_timeout = left();
+        link = std::make_unique<spade::transport::NcclLink>(peer.transport().address(),
+                                                            spade::transport::PairRole::kCache, peer_name, no);
+#else
+        spade::fail("{}: {} offers an NCCL link, but this build has no NCCL", self, peer_name);
+#endif
+      } else {
+        spade::fail("{}: {} offers no GPU link (transport kind {}); start it with --serve --device cuda "
+                    "--selection predicted, or run this cache rank with --device cpu",
+                    self, peer_name, spade::proto::TransportKind_Name(kind));
+      }
+      const spade::cache::GpuPairHello hello = spade::cache::recv_gpu_hello(*link, cfg, peer_name, left());
+      spade::cache::GpuCacheServer server(cfg, spade::cache::gpu_cache_options(hello, sc, gpu_index), *link,
+                                          peer_name);
+      spdlog::info("{}: serving {} on GPU {} ({} MB of device memory: {} pages x {} tokens, budget {}, local window "
+                   "{}, delta capacity {}, {} layers per pack)",
+                   self, peer_name, gpu_index, server.device_bytes() >> 20, hello.num_pages, hello.page_size,
+                   hello.token_budget, hello.local_window, hello.delta_capacity, hello.layers_per_pack);
+      std::atomic<int> exit_code{0};
+      cc.set_event_callback([&](const spade::coord::ClientEvent& ev) {
+        if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer.rank()) return;
+        spdlog::info("{}: {}", self, ev.message);
+        if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown)
+          link->abort(fmt::format("{} is down: {}", peer_name, ev.peer_down.reason()));
+        exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
+        g_stop = true;
+      });
+      auto& bytes = registry.counter("spade_transfer_bytes_total",
+                                     "Data-plane bytes moved, by direction and transport.", {"direction", "transport"});
+      const char* tname = kind == spade::proto::TRANSPORT_NCCL ? "nccl" : "cuda_ipc";
+      auto& bytes_in = bytes.with({"recv", tname});
+      auto& bytes_out = bytes.with({"send", tname});
+      auto& steps = registry.counter("spade_cache_steps_total", "Decode / prefill steps served (GPU cache rank).").with();
+      auto& selections = registry.counter("spade_cache_selections_total",
+                                          "(sequence, step) selections computed (GPU cache rank).")
+                             .with();
+      connected = true;
+      spade::cache::GpuCacheStats seen;
+      std::string err;
+      try {
+        while (!g_stop) {
+          heartbeat.tick();
+          if (!server.serve_step(std::chrono::milliseconds(100))) continue;
+          const spade::cache::GpuCacheStats& now = server.stats();
+          bytes_in.inc(static_cast<double>(now.bytes_received - seen.bytes_received));
+          bytes_out.inc(static_cast<double>(now.bytes_sent - seen.bytes_sent));
+          steps.inc(static_cast<double>(now.steps - seen.steps));
+          selections.inc(static_cast<double>(now.selections - seen.selections));
+          seen = now;
+        }
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+      const spade::cache::GpuCacheStats& st = server.stats();
+      spdlog::info("{}: {} steps, {} selections ({} first), {:.1f} MB in, {:.1f} MB out", self, st.steps,
+                   st.selections, st.first_selections, st.bytes_received / 1e6, st.bytes_sent / 1e6);
+      if (!err.empty()) {
+        spdlog::error("{}: GPU data plane to {} failed: {}", self, peer_name, err);
+        return g_stop ? exit_code.load() : 1;
+      }
+      return exit_code;
+#else
+      spade::fail("{}: --device cuda: this build has no GPU cache rank (configure with CUDA)", self);
+#endif
     }
 #if !SPADE_HAVE_UCX
     spade::fail("{}: this build has no UCX transport", self);

@@ -524,6 +524,7 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
   } else {
     sp->set_seed(std::random_device{}());
   }
+  if (auto ie = get_bool(body, "ignore_eos")) g.set_ignore_eos(*ie);  // vLLM's extension
   for (const char* f : {"presence_penalty", "frequency_penalty"})
     if (auto v = get_number(body, f, -2, 2); v && *v != 0) bad(fmt::format("'{}' is not supported", f), f);
 

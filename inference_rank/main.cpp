@@ -7,6 +7,7 @@
 //                  (sampling runs on the GPU unless --host-sampling; with --selection predicted a GPU cache rank
 //                  runs in this process on the same GPU, cache_rank/gpu_local.h)
 //   inference_rank --serve --model DIR [launch flags / RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT / OMPI_*] [...]
+//                  [--device cuda --gpu N --gpu-link nccl|ipc]   (pairs with cache_rank --device cuda)
 //
 // Standalone (--prompt): the generated text streams to stdout; TTFT, TPOT and tokens/s go to stderr at the end.
 // `--prompt ""` means the BOS token alone. Several --prompt flags run as one continuously batched workload. With
@@ -115,13 +116,18 @@ int main(int argc, char** argv) {
   double kv_gib = 0;
   uint64_t weights_seed = 0;
   app.add_option("--weights-seed", weights_seed, "seed of --random-weights");
-  app.add_option("--device", device, "cpu (fp32) | cuda (bf16 on GPU 0, standalone; --selection predicted runs the GPU cache rank in this process)");
+  app.add_option("--device", device, "cpu (fp32) | cuda (bf16; standalone on GPU 0 with --selection predicted running the GPU cache rank in this process; --serve pairs with cache_rank --device cuda)");
   app.add_flag("--random-weights", random_weights,
                "deterministic random weights for the config.json in --model (no safetensors needed)");
   app.add_option("--tokenizer", tokenizer_dir, "directory with tokenizer.json (default: --model)");
   app.add_option("--kv-cache-gib", kv_gib, "KV-cache budget in GiB (default 1; counted in fp32 bytes)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-cuda-graphs", no_cuda_graphs, "--device cuda: run decode steps eagerly");
+  int gpu_index = 0;
+  std::string gpu_link = "nccl";
+  app.add_option("--gpu", gpu_index, "--serve --device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
+  app.add_option("--gpu-link", gpu_link,
+                 "--serve --device cuda: the data plane to the cache rank: nccl (another GPU) | ipc (the same GPU)");
   int delta_capacity = 256;
   app.add_option("--delta-capacity", delta_capacity,
                  "--device cuda --selection predicted: selection entries a steady step may change per (layer, KV head)")
@@ -156,6 +162,11 @@ int main(int argc, char** argv) {
       sv.rendezvous_timeout = std::chrono::milliseconds(rendezvous_ms);
       sv.metrics_host = metrics_host;
       sv.metrics_port = metrics_port;
+      sv.device = device;
+      sv.gpu = gpu_index;
+      sv.gpu_link = gpu_link;
+      sv.delta_capacity = delta_capacity;
+      sv.cuda_graphs = !no_cuda_graphs;
       return spade::run_serve(sv);
     }
     if (prompts.empty()) spade::fail("give --prompt TEXT (standalone) or --serve (cluster)");

@@ -18,6 +18,15 @@
 #if SPADE_HAVE_UCX
 #include "transport/ucx.h"
 #endif
+#ifdef SPADE_HAVE_GPU_PATH
+#include "cache_rank/gpu_server.h"
+#include "inference_rank/gpu_engine.h"
+#include "inference_rank/gpu_sparse.h"
+#include "transport/cuda_ipc/cuda_ipc_link.h"
+#ifdef SPADE_HAVE_NCCL_LINK
+#include "transport/nccl/nccl_link.h"
+#endif
+#endif
 
 namespace spade {
 namespace {
@@ -70,14 +79,49 @@ int run_serve(const ServeOptions& opt) {
                      }});
     spdlog::info("{}: metrics on {}:{}/metrics", self, opt.metrics_host, status_server->port());
   }
+  SPADE_CHECK(opt.device == "cpu" || opt.device == "cuda", "{}: --device must be cpu or cuda, got '{}'", self,
+              opt.device);
+  const bool on_gpu = opt.device == "cuda";
   auto model = Model::load(opt.model_dir);
   auto tok = Tokenizer::from_dir(opt.model_dir);
   const GenerationConfig gen = load_generation_config(opt.model_dir, model->config());
+  const ModelConfig model_cfg = model->config();
 
   std::unique_ptr<transport::Transport> net;
   coord::ClientOptions co = coord::client_options_for(env);
   co.device = "cpu";
-  if (env.num_cache > 0) {
+#ifdef SPADE_HAVE_GPU_PATH
+  // GPU path: the link's end exists before registering (its address is what the coordinator forwards).
+  std::unique_ptr<transport::CudaIpcLink> ipc;
+  std::string nccl_address;
+  if (on_gpu) {
+    co.device = fmt::format("cuda:{}", opt.gpu);
+    if (env.num_cache > 0 && opt.sparse.mode == SelectionMode::Predicted) {
+      if (opt.gpu_link == "ipc") {
+        transport::CudaIpcLinkOptions lo;
+        lo.device = opt.gpu;
+        lo.op_timeout = opt.sparse.selection_deadline;
+        lo.connect_timeout = opt.rendezvous_timeout;
+        ipc = transport::CudaIpcLink::create("its cache rank", lo);
+        co.transport_kind = proto::TRANSPORT_CUDA_IPC;
+        co.transport_address = ipc->address();
+      } else if (opt.gpu_link == "nccl") {
+#ifdef SPADE_HAVE_NCCL_LINK
+        nccl_address = transport::NcclLink::new_address();
+        co.transport_kind = proto::TRANSPORT_NCCL;
+        co.transport_address = nccl_address;
+#else
+        fail("{}: --gpu-link nccl: this build has no NCCL", self);
+#endif
+      } else {
+        fail("{}: --gpu-link must be nccl or ipc, got '{}'", self, opt.gpu_link);
+      }
+    }
+  }
+#else
+  SPADE_CHECK(!on_gpu, "{}: --device cuda: this build has no CUDA", self);
+#endif
+  if (env.num_cache > 0 && !on_gpu) {
 #if SPADE_HAVE_UCX
     transport::UcxOptions uo;
     uo.name = self;
@@ -99,7 +143,38 @@ int run_serve(const ServeOptions& opt) {
   std::string cache_name;
   uint32_t cache_rank = 0;
   SparseOptions sparse = opt.sparse;
-  if (net && view.peers_size() > 0) {
+#ifdef SPADE_HAVE_GPU_PATH
+  std::unique_ptr<transport::CudaIpcLink>& ipc_link = ipc;
+  transport::GpuLink* gpu_link = nullptr;  // ipc, or nccl_link
+#ifdef SPADE_HAVE_NCCL_LINK
+  std::unique_ptr<transport::NcclLink> nccl_link;
+#endif
+  if (on_gpu && (ipc_link || !nccl_address.empty()) && view.peers_size() > 0) {
+    const proto::RankInfo& peer = view.peers(0);
+    cache_rank = peer.rank();
+    cache_name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
+    set_stage("connecting the GPU data plane to " + cache_name);
+    if (ipc_link) {
+      ipc_link->connect();
+      gpu_link = ipc_link.get();
+    } else {
+#ifdef SPADE_HAVE_NCCL_LINK
+      transport::NcclLinkOptions no;
+      no.device = opt.gpu;
+      no.op_timeout = opt.sparse.selection_deadline;
+      no.connect_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      nccl_link = std::make_unique<transport::NcclLink>(nccl_address, transport::PairRole::kInference, cache_name, no);
+      gpu_link = nccl_link.get();
+#endif
+    }
+    spdlog::info("{}: GPU data plane to {} over {}", self, cache_name, ipc_link ? "CUDA IPC" : "NCCL");
+  } else if (on_gpu && sparse.mode == SelectionMode::Predicted) {
+    spdlog::warn("{}: no cache rank in the world: predicted selection unavailable, decoding densely", self);
+    sparse.mode = SelectionMode::Dense;
+  }
+  SPADE_CHECK(!on_gpu || sparse.mode != SelectionMode::Oracle, "{}: --selection oracle is CPU only", self);
+#endif
+  if (!on_gpu && net && view.peers_size() > 0) {
     const proto::RankInfo& peer = view.peers(0);
     cache_rank = peer.rank();
     cache_name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
@@ -113,13 +188,81 @@ int run_serve(const ServeOptions& opt) {
     sparse.mode = SelectionMode::Dense;
   }
   SparseAttention* backend = nullptr;
-  Engine engine(*model, opt.engine, [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
-    auto b = std::make_unique<SparseAttention>(cfg, kv, sparse, std::move(link));
-    backend = b.get();
-    return b;
-  });
+  std::unique_ptr<Engine> engine_ptr;
+#ifdef SPADE_HAVE_GPU_PATH
+  // Destroyed in reverse order: the controller before the forward pass, both after the engine stops stepping.
+  std::unique_ptr<GpuEngineForward> gpu;
+  std::unique_ptr<ModelConfig> gpu_attn_cfg;
+  std::unique_ptr<GpuSparseController> gpu_sparse;
+#endif
+  if (on_gpu) {
+#ifdef SPADE_HAVE_GPU_PATH
+    cuda_check(cudaSetDevice(opt.gpu), "inference rank: cudaSetDevice");
+    engine_ptr = std::make_unique<Engine>(
+        model_cfg, opt.engine,
+        ForwardSampleFn([&](const ForwardBatch& b, const std::vector<RowSampling>& r, std::vector<int32_t>& t) {
+          gpu->sample(b, r, t);
+        }));
+    const GpuEngineOptions go = gpu_engine_options(engine_ptr->options(), opt.cuda_graphs);
+    gpu = std::make_unique<GpuEngineForward>(
+        GpuModel::upload(model_cfg, model->weights(), GpuEngineForward::model_options(go)), go);
+    model.reset();  // the host fp32 copy is no longer needed
+    spdlog::info("{}: GPU {}: {:.2f} GB weights, {:.2f} GB KV pool ({} pages)", self, opt.gpu,
+                 gpu->model().weight_bytes() / 1e9, gpu->kv_bytes() / 1e9, go.num_pages);
+    if (gpu_link != nullptr) {
+      const EngineOptions& en = engine_ptr->options();
+      gpu_attn_cfg = std::make_unique<ModelConfig>(model_cfg.attention_view());
+      GpuSparseOptions gso;
+      gso.sparse_threshold = sparse.sparse_threshold;
+      gso.layers_per_pack = sparse.layers_per_pack;
+      gso.token_budget = sparse.selection.token_budget;
+      gso.local_window = sparse.selection.local_window;
+      gso.delta_capacity = std::min(opt.delta_capacity, sparse.selection.token_budget);
+      gso.max_slots = en.max_num_seqs;
+      gso.max_sparse_seqs = en.max_num_seqs;
+      gso.max_first_per_step = std::min(4, en.max_num_seqs);
+      gso.max_step_tokens = en.max_num_batched_tokens;
+      cache::send_gpu_hello(*gpu_link, make_gpu_pair_hello(*gpu_attn_cfg, gso, en));
+      gpu_sparse = std::make_unique<GpuSparseController>(*gpu_attn_cfg, gso, *gpu_link, en.page_size, gpu->max_batch());
+      gpu->set_sparse(gpu_sparse.get());
+      engine_ptr->set_attention_hooks(gpu_sparse.get());
+      spdlog::info("{}: GPU sparse decoding: threshold {}, budget {}, local window {}, delta capacity {}, {} layers per "
+                   "pack", self, gso.sparse_threshold, gso.token_budget, gso.local_window, gso.delta_capacity,
+                   gso.layers_per_pack);
+    }
+#endif
+  } else {
+    engine_ptr = std::make_unique<Engine>(*model, opt.engine,
+                                          [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
+                                            auto b = std::make_unique<SparseAttention>(cfg, kv, sparse, std::move(link));
+                                            backend = b.get();
+                                            return b;
+                                          });
+  }
+  Engine& engine = *engine_ptr;
+  // The GPU path's counters in the CPU path's shapes (metrics and coordinator stats).
+  auto gpu_stats = [&](SparseStats& s, cache::LinkStats& l) -> bool {
+#ifdef SPADE_HAVE_GPU_PATH
+    if (!gpu_sparse) return false;
+    const GpuSparseStats& g = gpu_sparse->stats();
+    s.steps = g.steps;
+    s.sparse_seq_steps = g.sparse_seq_steps;
+    s.switches = g.switches;
+    s.failed_seqs = g.failed_seqs;
+    l.bytes_sent = g.bytes_sent;
+    l.bytes_received = g.bytes_received;
+    l.updates = g.steps;
+    return true;
+#else
+    (void)s;
+    (void)l;
+    return false;
+#endif
+  };
 
-  const std::string transport_name = net ? net->kind() : std::string("none");
+  const std::string transport_name =
+      on_gpu ? (cache_name.empty() ? std::string("none") : std::string(opt.gpu_link == "ipc" ? "cuda_ipc" : "nccl"))
+             : (net ? net->kind() : std::string("none"));
   InferenceMetrics rank_metrics(registry, sparse, transport_name.c_str());
   engine.set_observer(&rank_metrics);
   set_stage("");  // ready: weights loaded, world complete, data plane connected
@@ -145,6 +288,10 @@ int run_serve(const ServeOptions& opt) {
         spdlog::error("{}: {}", self, ev->message);
         if (endpoint && ev->peer_down.rank() == cache_rank)
           endpoint->abort(fmt::format("{} is down: {}", cache_name, ev->peer_down.reason()));
+#ifdef SPADE_HAVE_GPU_PATH
+        if (gpu_link != nullptr && ev->peer_down.rank() == cache_rank)
+          gpu_link->abort(fmt::format("{} is down: {}", cache_name, ev->peer_down.reason()));
+#endif
       } else {
         spdlog::info("{}: {}", self, ev->message);
         exit_code = ev->kind == coord::ClientEvent::Kind::kShutdown && !ev->shutdown.is_error() ? 0 : 1;
@@ -184,6 +331,7 @@ int run_serve(const ServeOptions& opt) {
           g.prompt_ids = tok.encode(req->text(), true);
         }
         g.max_tokens = static_cast<int>(req->max_tokens());
+        g.ignore_eos = req->ignore_eos();
         g.sampling.temperature = req->sampling().temperature();
         g.sampling.top_p = req->sampling().top_p() > 0 ? req->sampling().top_p() : 1.f;
         g.sampling.top_k = static_cast<int>(req->sampling().top_k());
@@ -191,6 +339,9 @@ int run_serve(const ServeOptions& opt) {
         g.stop_token_ids = gen.eos_token_ids;
         for (uint32_t s : req->sampling().stop_token_ids()) g.stop_token_ids.push_back(static_cast<int>(s));
         const int budget = static_cast<int>(req->sparse().token_budget());
+        if (on_gpu && budget > 0 && budget != sparse.selection.token_budget)
+          fail("spade.token_budget {}: on the GPU path the budget is the rank's ({})", budget,
+               sparse.selection.token_budget);
         if (backend && budget > backend->options().selection.token_budget)
           fail("spade.token_budget {} is above this rank's --token-budget {}", budget,
                backend->options().selection.token_budget);
@@ -220,6 +371,11 @@ int run_serve(const ServeOptions& opt) {
         if (backend && (req->sparse().force_dense() || req->sparse().sparse_threshold() > 0 || budget > 0))
           backend->set_request_options(eid, req->sparse().force_dense(),
                                        static_cast<int>(req->sparse().sparse_threshold()), budget);
+#ifdef SPADE_HAVE_GPU_PATH
+        if (gpu_sparse && (req->sparse().force_dense() || req->sparse().sparse_threshold() > 0))
+          gpu_sparse->set_request_options(eid, req->sparse().force_dense(),
+                                          static_cast<int>(req->sparse().sparse_threshold()));
+#endif
       } catch (const Error& e) {
         reject(fmt::format("invalid request: {}", e.what()));  // the API answers these with 400
       }
@@ -232,8 +388,23 @@ int run_serve(const ServeOptions& opt) {
       cc.set_stat("selection_stalls", static_cast<double>(s.stalls));
       cc.set_stat("dense_fallbacks", static_cast<double>(s.dense_fallbacks));
     }
-    rank_metrics.update(engine.stats(), backend ? &backend->stats() : nullptr,
-                        backend && backend->link() ? &backend->link()->stats() : nullptr);
+    SparseStats gs;
+    cache::LinkStats gl;
+    if (gpu_stats(gs, gl)) {
+      cc.set_stat("sparse_seq_steps", static_cast<double>(gs.sparse_seq_steps));
+      rank_metrics.update(engine.stats(), &gs, &gl);
+    } else {
+      rank_metrics.update(engine.stats(), backend ? &backend->stats() : nullptr,
+                          backend && backend->link() ? &backend->link()->stats() : nullptr);
+    }
+  }
+  {
+    SparseStats gs;
+    cache::LinkStats gl;
+    if (gpu_stats(gs, gl))
+      spdlog::info("{}: {} steps, {} sparse sequence-steps, {} switches, {} failed, {:.1f} MB up, {:.1f} MB down", self,
+                   gs.steps, gs.sparse_seq_steps, gs.switches, gs.failed_seqs, gl.bytes_sent / 1e6,
+                   gl.bytes_received / 1e6);
   }
   if (backend) {
     const SparseStats& s = backend->stats();
@@ -241,6 +412,7 @@ int run_serve(const ServeOptions& opt) {
                  s.steps, s.sparse_seq_steps, s.stalls, s.stall_ms, s.failed_seqs, s.dense_fallbacks);
     if (auto* l = dynamic_cast<cache::TransportLink*>(backend->link())) l->shutdown();
   }
+  engine.set_attention_hooks(nullptr);  // the GPU controller goes before the engine
   return exit_code;
 }
 

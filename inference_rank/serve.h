@@ -5,7 +5,8 @@
 // its own threshold through SparseParams); with no cache rank in the world, or after the cache rank died, requests
 // are decoded densely. A CancelRequest ends its request (FINISH_CANCELLED) and frees its KV here and on the cache
 // rank. With metrics_port set it serves Prometheus metrics (inference_rank/rank_metrics.h), /health (main loop
-// alive) and /ready (weights loaded, rendezvous done, data plane connected).
+// alive) and /ready (weights loaded, rendezvous done, data plane connected). With device "cuda" the forward pass runs
+// on one GPU and the data plane is a GpuLink (see ServeOptions); per-request token budgets are not supported there.
 #pragma once
 
 #include <string>
@@ -25,6 +26,15 @@ struct ServeOptions {
   std::string metrics_host = "0.0.0.0";
   int metrics_port = 0;  // > 0: serve /metrics, /health, /ready there (common/status_endpoint.h)
   std::chrono::milliseconds health_timeout{30000};  // /health fails when the main loop stalls this long
+  // GPU path (device "cuda"): the model in bf16 on GPU `gpu`, AsyncSpade over a GpuLink to a `cache_rank --device
+  // cuda` (inference_rank/gpu_sparse.h). `gpu_link`: "nccl" (the cache rank on another GPU, NcclLink) or "ipc" (on the
+  // same GPU, CudaIpcLink). The link's address goes through the coordinator (TRANSPORT_NCCL / TRANSPORT_CUDA_IPC);
+  // the pair hello then sizes the cache rank from this rank's options.
+  std::string device = "cpu";
+  int gpu = 0;
+  std::string gpu_link = "nccl";
+  int delta_capacity = 256;  // C
+  bool cuda_graphs = true;   // dense steps (and every step once the link failed)
 };
 
 /// Runs until the coordinator shuts the world down (returns 0) or a fatal error (returns non-zero, message on

@@ -258,6 +258,8 @@ TEST_F(OpenAiApi, BadRequestsGetOpenAiErrorsAndNeverReachTheEngine) {
        "'max_tokens' must be at least 1"},
       {"max_tokens string", "POST", "/v1/completions", "{" + m + R"(,"prompt":"hi","max_tokens":"ten"})", 400,
        "invalid_request_error", "'max_tokens' must be an integer"},
+      {"ignore_eos string", "POST", "/v1/completions", "{" + m + R"(,"prompt":"hi","ignore_eos":"yes"})", 400,
+       "invalid_request_error", "'ignore_eos' must be a boolean"},
       {"over the context", "POST", "/v1/completions", "{" + m + R"(,"prompt":"Once upon a time","max_tokens":600})",
        400, "invalid_request_error",
        "This model's maximum context length is 512 tokens and your request has 605 tokens (5 in the prompt, 600 "

@@ -306,7 +306,8 @@ class ImageFacts:
 
     def check_runtime_packages(self, source_dir, binaries):
         script = os.path.join(source_dir, "deploy/docker/runtime-packages.sh")
-        # A CUDA build's inference_rank links the CUDA runtime and cuBLASLt (its --device cuda path). The image
+        # A CUDA build's inference_rank and cache_rank link the CUDA runtime, cuBLASLt and NCCL (their --device cuda
+        # paths). The image
         # that ships such binaries (Dockerfile.cuda) starts from nvidia/cuda's runtime image, which provides those
         # libraries, and says so with the same SPADE_RUNTIME_PROVIDED list; the CPU image builds without CUDA.
         provided = re.search(r'SPADE_RUNTIME_PROVIDED="([^"]*)"',

@@ -1,0 +1,189 @@
+// Multi-process test of the GPU serving path (label gpu, one GPU): a real coordinator, `inference_rank --serve
+// --device cuda --gpu-link ipc` and `cache_rank --device cuda` as separate processes on GPU 0, joined by a
+// CudaIpcLink whose address goes through the coordinator, the cache rank sized by the inference rank's pair hello.
+// The model is a make_demo_checkpoint Qwen3 checkpoint with head_dim 64 (the GPU kernels' smallest; stories260K's
+// head_dim 8 runs on the CPU path only).
+//
+// - Sparse decoding with a budget above every context reproduces the standalone dense GPU run's text for the first
+//   tokens (the first 31 are dense on both: the threshold is 32), the request finishes with its full length, both
+//   ranks log sparse work, and the world shuts down cleanly.
+// - A cache rank killed mid-request fails that request naming the cache rank, within a bounded time; the inference
+//   rank stays up and serves the next request densely.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <regex>
+#include <thread>
+
+#include "coordinator/client.h"
+#include "tests/test_util.h"
+
+namespace spade {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+using test::ChildProcess;
+using Clock = std::chrono::steady_clock;
+
+std::string bin(const std::string& rel) { return test::binary_dir() + "/" + rel; }
+
+// A Qwen3 demo checkpoint the GPU kernels accept (head_dim 64), written once per test binary.
+const std::string& checkpoint() {
+  static const std::string dir = [] {
+    const std::string d = test::make_temp_dir("spade_gpu_cluster") + "/ckpt";
+    ChildProcess mk(bin("inference_rank/make_demo_checkpoint"),
+                    {"--out", d, "--hidden", "256", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--head-dim",
+                     "64", "--intermediate", "512", "--seed", "5"},
+                    {}, "make_demo_checkpoint");
+    if (mk.wait_exit(60s) != 0) throw std::runtime_error("make_demo_checkpoint failed:\n" + mk.log());
+    return d;
+  }();
+  return dir;
+}
+
+struct Cluster {
+  int port = test::free_port();
+  std::unique_ptr<ChildProcess> coord, inf, cache;
+
+  std::map<std::string, std::string> env(int rank) {
+    return {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}, {"RANK", std::to_string(rank)},
+            {"WORLD_SIZE", "3"}, {"CUDA_DEVICE_MAX_CONNECTIONS", "32"}};
+  }
+  void start(const std::vector<std::string>& sparse_flags) {
+    coord = std::make_unique<ChildProcess>(
+        bin("coordinator/coordinator"),
+        std::vector<std::string>{"--port", std::to_string(port), "--http-port", "0", "--num-inference", "1",
+                                 "--num-cache", "1", "--rendezvous-timeout-ms", "60000", "--heartbeat-interval-ms",
+                                 "200", "--heartbeat-timeout-ms", "1000"},
+        env(0), "coordinator");
+    std::vector<std::string> a = {"--serve", "--model", checkpoint(), "--num-inference", "1", "--num-cache", "1",
+                                  "--rendezvous-timeout-ms", "60000", "--device", "cuda", "--gpu-link", "ipc",
+                                  "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--log-level", "info"};
+    a.insert(a.end(), sparse_flags.begin(), sparse_flags.end());
+    inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), a, env(1), "inference rank");
+    cache = std::make_unique<ChildProcess>(
+        bin("cache_rank/cache_rank"),
+        std::vector<std::string>{"--model", checkpoint(), "--num-inference", "1", "--num-cache", "1",
+                                 "--rendezvous-timeout-ms", "60000", "--device", "cuda", "--query-window", "4"},
+        env(2), "cache rank");
+  }
+  std::string logs() const {
+    std::string s;
+    for (auto* p : {coord.get(), inf.get(), cache.get()})
+      if (p) s += "---- " + p->name() + " ----\n" + p->log();
+    return s;
+  }
+};
+
+std::unique_ptr<coord::CoordinatorClient> client(int port) {
+  coord::ClientOptions o;
+  o.coordinator_port = static_cast<uint16_t>(port);
+  o.role = proto::CLIENT;
+  auto c = std::make_unique<coord::CoordinatorClient>(o);
+  c->rendezvous(Clock::now() + 60s);
+  for (auto until = Clock::now() + 90s; Clock::now() < until; std::this_thread::sleep_for(50ms))
+    if (c->query_status(Clock::now() + 5s).world_complete()) return c;
+  throw std::runtime_error("world never complete");
+}
+
+struct Outcome {
+  std::vector<uint32_t> ids;
+  std::string text;
+  proto::FinishReason reason = proto::FINISH_NONE;
+  std::string error;
+};
+
+Outcome generate(coord::CoordinatorClient& c, const std::string& prompt, int max_tokens,
+                 const std::function<void(size_t)>& on_tokens = nullptr) {
+  proto::GenerateRequest r;
+  r.set_text(prompt);
+  r.set_max_tokens(max_tokens);
+  r.set_ignore_eos(true);
+  r.mutable_sampling()->set_temperature(0);
+  const uint64_t id = c.submit(r);
+  Outcome o;
+  for (auto until = Clock::now() + 120s; Clock::now() < until;) {
+    auto ch = c.next_chunk(until);
+    if (!ch) break;
+    if (ch->request_id() != id) continue;
+    for (auto t : ch->token_ids()) o.ids.push_back(t);
+    o.text += ch->text();
+    if (on_tokens) on_tokens(o.ids.size());
+    if (ch->finished()) {
+      o.reason = ch->finish_reason();
+      o.error = ch->error();
+      return o;
+    }
+  }
+  o.error = "no final chunk within 120 s";
+  return o;
+}
+
+// The number logged before `what` in the last line that has it, e.g. "123 sparse sequence-steps".
+long long logged(const std::string& log, const std::string& what) {
+  std::smatch m;
+  long long v = -1;
+  const std::regex re("([0-9]+) " + what);
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator(); ++it)
+    v = std::stoll((*it)[1].str());
+  return v;
+}
+
+TEST(GpuCluster, SparseDecodingAcrossProcessesOverCudaIpc) {
+  // Reference: the standalone dense GPU run of the same checkpoint.
+  ChildProcess ref(bin("inference_rank/inference_rank"),
+                   {"--model", checkpoint(), "--device", "cuda", "--prompt", "Once upon a time", "--max-tokens", "200",
+                    "--temperature", "0", "--ignore-eos", "--log-level", "warn"},
+                   {}, "dense reference");
+  ASSERT_EQ(ref.wait_exit(120s), 0) << ref.log();
+  Cluster cl;
+  cl.start({"--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "512", "--layers-per-pack", "2",
+            "--local-window", "16", "--delta-capacity", "64"});
+  auto c = client(cl.port);
+  const Outcome o = generate(*c, "Once upon a time", 200);
+  ASSERT_EQ(o.reason, proto::FINISH_LENGTH) << o.error << cl.logs();
+  EXPECT_EQ(o.ids.size(), 200u);
+  // The reference's stdout is the generated text (streamed), then a newline; the log also holds its stderr lines.
+  const std::string ref_log = ref.log();
+  size_t common = 0;
+  while (common < o.text.size() && common < ref_log.size() && o.text[common] == ref_log[common]) ++common;
+  std::printf("[ cluster  ] %zu leading bytes of the sparse cluster's text match the standalone dense GPU run\n",
+              common);
+  EXPECT_GE(common, 16u) << "sparse: " << o.text.substr(0, 64) << "\ndense: " << ref_log.substr(0, 64);
+  c->request_shutdown("test done");
+  EXPECT_EQ(cl.inf->wait_exit(30s), 0) << cl.logs();
+  EXPECT_EQ(cl.cache->wait_exit(30s), 0) << cl.logs();
+  EXPECT_EQ(cl.coord->wait_exit(30s), 0) << cl.logs();
+  EXPECT_GT(logged(cl.inf->log(), "sparse sequence-steps"), 100) << cl.inf->log();
+  EXPECT_GT(logged(cl.cache->log(), "selections"), 100) << cl.cache->log();
+}
+
+TEST(GpuCluster, KilledGpuCacheRankFailsTheSparseRequestAndServiceContinuesDensely) {
+  Cluster cl;
+  cl.start({"--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "64", "--layers-per-pack", "2",
+            "--local-window", "16", "--delta-capacity", "16", "--selection-deadline-ms", "3000"});
+  auto c = client(cl.port);
+  const auto t0 = Clock::now();
+  bool killed = false;
+  const Outcome o = generate(*c, "Once upon a time", 400, [&](size_t n) {
+    if (!killed && n >= 60) {  // well past the threshold: the request is sparse now
+      cl.cache->signal(SIGKILL);
+      killed = true;
+    }
+  });
+  ASSERT_TRUE(killed) << o.error << cl.logs();
+  EXPECT_EQ(o.reason, proto::FINISH_ERROR) << cl.logs();
+  EXPECT_THAT(o.error, HasSubstr("cache rank")) << "the error names the dead rank";
+  EXPECT_LT(Clock::now() - t0, 30s) << "bounded failure time";
+  const Outcome d = generate(*c, "", 120);
+  EXPECT_EQ(d.reason, proto::FINISH_LENGTH) << d.error << cl.logs();
+  EXPECT_EQ(d.ids.size(), 120u);
+  EXPECT_TRUE(cl.inf->running());
+  c->request_shutdown("test done");
+  EXPECT_EQ(cl.inf->wait_exit(30s), 0) << cl.logs();
+}
+
+}  // namespace
+}  // namespace spade
