@@ -1107,6 +1107,9 @@ int main(int argc, char** argv) {
   // stream memory operations, which CUDA's scheduler does not see; streams sharing one of the default 8 hardware
   // queues could then block each other. 32 queues keep every stream of this process on its own (before CUDA starts).
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  // ... and load every kernel up front: a lazy first launch may synchronise the context, waiting for the other
+  // rank's pending receive (cuda_ipc_link.h).
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   try {
     return spade::main_impl(argc, argv);
   } catch (const std::exception& e) {

@@ -2,6 +2,9 @@
 #include "cache_rank/gpu_local.h"
 
 #include <cuda_runtime_api.h>
+#include <spdlog/spdlog.h>
+
+#include <cstdlib>
 
 #include "common/error.h"
 #include "inference_rank/gpu_model.h"
@@ -11,6 +14,16 @@ namespace spade::cache {
 LocalGpuCacheRank::LocalGpuCacheRank(const ModelConfig& attn_cfg, SelectionConfig selection, int device,
                                      std::chrono::milliseconds op_timeout, std::chrono::milliseconds hello_timeout)
     : cfg_(attn_cfg), selection_(selection), device_(device) {
+  const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (conn == nullptr || std::atoi(conn) < 16)
+    spdlog::warn("in-process cache rank: CUDA_DEVICE_MAX_CONNECTIONS is {} (set it to 32 before CUDA starts): the "
+                 "two ranks' streams may serialise on shared hardware queues",
+                 conn == nullptr ? "unset" : conn);
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  if (loading == nullptr || std::string(loading) != "EAGER")
+    spdlog::warn("in-process cache rank: CUDA_MODULE_LOADING is {} (set it to EAGER before CUDA starts): a lazy "
+                 "kernel load may synchronise the context while the other rank waits on this thread",
+                 loading == nullptr ? "unset (lazy)" : loading);
   transport::CudaIpcLinkOptions lo;
   lo.device = device;
   lo.op_timeout = op_timeout;
@@ -32,8 +45,16 @@ void LocalGpuCacheRank::serve_loop(std::chrono::milliseconds hello_timeout) {
     cuda_check(cudaSetDevice(device_), "in-process cache rank: cudaSetDevice");
     const std::string peer = "inference rank (in-process)";
     const GpuPairHello hello = recv_gpu_hello(*cache_, cfg_, peer, hello_timeout);
-    server_ = std::make_unique<GpuCacheServer>(cfg_, gpu_cache_options(hello, selection_, device_), *cache_, peer);
-    serving_ = true;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      SPADE_CHECK(!stop_, "the in-process cache rank was stopped before it started serving");
+    }
+    auto server = std::make_unique<GpuCacheServer>(cfg_, gpu_cache_options(hello, selection_, device_), *cache_, peer);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      server_ = std::move(server);
+      serving_ = true;
+    }
     for (;;) {
       const bool stopping = stop_.load();
       const bool served = server_->serve_step(std::chrono::milliseconds(stopping ? 500 : 20));
@@ -41,9 +62,11 @@ void LocalGpuCacheRank::serve_loop(std::chrono::milliseconds hello_timeout) {
         std::lock_guard<std::mutex> lk(mu_);
         stats_ = server_->stats();
       }
-      if (stopping && !served) break;
+      if (server_->closed() || (stopping && !served)) break;
     }
     server_->synchronize();
+    // Still a receive pending (no close plan came): release it, or every later device-wide sync would wait on it.
+    if (!server_->closed()) cache_->abort("the in-process cache rank stopped without the inference side's close");
   } catch (const std::exception& e) {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -55,10 +78,27 @@ void LocalGpuCacheRank::serve_loop(std::chrono::milliseconds hello_timeout) {
   if (server_) stats_ = server_->stats();
 }
 
+void LocalGpuCacheRank::wait_ready(std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      SPADE_CHECK(error_.empty(), "{}", error_);
+      if (serving_) return;
+    }
+    SPADE_CHECK(std::chrono::steady_clock::now() < until, "the in-process cache rank did not start within {} ms",
+                timeout.count());
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 void LocalGpuCacheRank::stop() {
-  stop_ = true;
-  // Still waiting for a hello that will not come: end the wait now rather than at its deadline.
-  if (!serving_ && thread_.joinable()) cache_->abort("the in-process cache rank was stopped before the pair hello");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+    // Still waiting for a hello that will not come: end the wait now rather than at its deadline.
+    if (!serving_ && thread_.joinable()) cache_->abort("the in-process cache rank was stopped before the pair hello");
+  }
   if (thread_.joinable()) thread_.join();
 }
 

@@ -6,6 +6,10 @@
 // or two GPUs), but both ranks share one GPU's SMs and HBM: this is the single-GPU deployment, not the overlap
 // measurement (bench/bench_tpot --link for that).
 //
+// Both ends in one process need CUDA_DEVICE_MAX_CONNECTIONS >= 16 and CUDA_MODULE_LOADING=EAGER in the environment
+// before CUDA starts (transport/cuda_ipc/cuda_ipc_link.h); inference_rank sets both, the constructor warns when they
+// are missing.
+//
 // Errors: the constructor throws spade::Error for bad options (GpuCacheServer's) or a link that cannot be set up.
 // A server failure (malformed plan, CUDA error, link abort) ends the thread; error() then names it and the link is
 // aborted with it, so the inference side fails its sparse sequences and goes on densely.
@@ -40,7 +44,14 @@ class LocalGpuCacheRank {
   transport::GpuLink& inference_link() { return *inf_; }
   /// The cache side's end (tests abort it to simulate a dead cache rank).
   transport::GpuLink& cache_link() { return *cache_; }
-  /// Stops serving: the pending steps are served first (see the destructor). Idempotent.
+  /// Waits until the hello came and the server is up (or failed: throws its error); call after the inference side's
+  /// send_hello and before its first step. In one process, no CUDA call that synchronises the whole device may run
+  /// while the server's receive of the next plan is pending: it would wait for that receive, and so for this
+  /// process's own next plan. So the inference side allocates before the hello, and closes the stream
+  /// (GpuSparseController::close) before it frees anything.
+  void wait_ready(std::chrono::milliseconds timeout);
+  /// Stops serving: the steps already sent are served first, until the close plan or 500 ms without a plan; a
+  /// receive still pending then is released by aborting the link. Idempotent.
   void stop();
   /// The server's failure (including a bad or missing hello), empty while healthy.
   std::string error() const;

@@ -104,7 +104,7 @@ GpuPairHello decode_gpu_hello(const uint8_t* data, size_t len, const ModelConfig
   same("query heads", h.num_q_heads, attn_cfg.num_q_heads);
   same("KV heads", h.num_kv_heads, attn_cfg.num_kv_heads);
   same("head_dim", h.head_dim, attn_cfg.head_dim);
-  SPADE_CHECK(h.layers_per_pack >= 1 && h.token_budget >= 1 && h.local_window >= 0 && h.delta_capacity >= 1 &&
+  SPADE_CHECK(h.layers_per_pack >= 1 && h.token_budget >= 1 && h.local_window >= 1 && h.delta_capacity >= 1 &&
                   h.delta_capacity <= h.token_budget && h.max_slots >= 1 && h.max_slots <= gpu_plan_max_rows() &&
                   h.max_step_tokens >= 1 && h.num_pages >= 1 && h.page_size >= 1 && h.max_pages_per_seq >= 1,
               "{}: GPU pair hello out of range (layers per pack {}, budget {}, local window {}, delta capacity {}, "
@@ -151,6 +151,9 @@ GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, cons
   SPADE_CHECK(nrows <= static_cast<uint32_t>(gpu_plan_max_rows()) && nrel <= static_cast<uint32_t>(gpu_plan_max_rows()) &&
                   kHeaderBytes + nrows * kRowBytes + nrel * 4 <= len,
               "{}: GPU plan of step {} claims {} rows and {} released slots", peer, p.step, nrows, nrel);
+  SPADE_CHECK(p.step >= 0 || (p.step == GpuStepPlan::kCloseStep && nrows == 0 && nrel == 0),
+              "{}: GPU plan with step {} ({} rows, {} released slots): only the close plan (step -1, empty) may have "
+              "a negative step", peer, p.step, nrows, nrel);
   std::vector<char> used(static_cast<size_t>(std::max(max_slots, 0)), 0);
   for (uint32_t i = 0; i < nrows; ++i) {
     GpuPlanRow r;

@@ -64,6 +64,16 @@ struct GpuPlanRow {
 };
 
 struct GpuStepPlan {
+  /// The end of the pair's stream (encoded as step -1, no rows): the inference rank sends it when it stops using
+  /// the link (GpuSparseController::close); the cache rank then posts no further receive, so nothing stays pending
+  /// on either GPU (a pending stream wait would block every device-wide synchronisation, cudaFree included).
+  static constexpr int64_t kCloseStep = -1;
+  static GpuStepPlan close_plan() {
+    GpuStepPlan p;
+    p.step = kCloseStep;
+    return p;
+  }
+  bool is_close() const { return step == kCloseStep; }
   int64_t step = 0;
   std::vector<GpuPlanRow> rows;   // batch order = the order of the step's tokens
   std::vector<int32_t> released;  // slots whose sequences ended since the previous plan (freed before this step)
@@ -80,7 +90,8 @@ int gpu_plan_max_rows();
 /// The plan as exactly kGpuPlanBytes bytes. Throws spade::Error for too many rows or released slots.
 std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p);
 /// Parses and validates a plan (magic, version, counts, slots in [0, max_slots) and distinct among rows, q_len >= 1,
-/// ctx_len >= q_len, a FRESH row's ctx_len == q_len, known flags, FIRST only with SELECT). Throws spade::Error
+/// ctx_len >= q_len, a FRESH row's ctx_len == q_len, known flags, FIRST only with SELECT, a negative step only as
+/// the close plan: step -1 with no rows and no released slots). Throws spade::Error
 /// naming `peer`.
 GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, const std::string& peer);
 

@@ -61,6 +61,7 @@ struct GpuCacheServer::State {
   std::vector<std::unique_ptr<Event>> rows_ready, appended, sel_done[2], sent[2];  // per pack
   Event plan_ready;
   bool plan_posted = false;
+  bool closed = false;  // the close plan came
 
   PageAllocator alloc;
   std::vector<int> host_wlen;  // per slot: window entries (the same in every layer)
@@ -380,6 +381,8 @@ GpuCacheServer::~GpuCacheServer() {
   }
 }
 
+bool GpuCacheServer::closed() const { return st_->closed; }
+
 void GpuCacheServer::synchronize() {
   for (cudaStream_t x : {st_->work, st_->down})
     cuda_check(cudaStreamSynchronize(x), "GPU cache rank: synchronize");
@@ -400,6 +403,7 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   State& s = *st_;
   cuda_check(cudaSetDevice(s.o.device), "GPU cache rank: cudaSetDevice");
   // 1. the plan
+  if (s.closed) return false;
   const auto deadline = Clock::now() + wait;
   for (;;) {
     SPADE_CHECK(!s.link.failed(), "{}", s.link.failure());
@@ -412,6 +416,10 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   SPADE_CHECK(!s.link.failed(), "{}", s.link.failure());  // a released receive completes on garbage
   const GpuStepPlan plan = decode_gpu_plan(s.plan_host, kGpuPlanBytes, s.o.max_slots, s.peer);
   s.plan_posted = false;
+  if (plan.is_close()) {  // the inference rank is done with the link: post nothing more
+    s.closed = true;
+    return false;
+  }
   const int B = static_cast<int>(plan.rows.size()), T = plan.total_tokens();
   SPADE_CHECK(T <= s.o.max_step_tokens, "{}: step {} has {} tokens, this rank holds {}", s.peer, plan.step, T,
               s.o.max_step_tokens);
@@ -470,27 +478,6 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   stats_.bytes_sent = s.stats_bytes_sent;
   (void)B;
   return true;
-}
-
-void send_gpu_hello(transport::GpuLink& link, const GpuPairHello& hello) {
-  const std::vector<uint8_t> bytes = encode_gpu_hello(hello);
-  cuda_check(cudaSetDevice(link.device()), "GPU pair hello: cudaSetDevice");
-  DeviceBuffer buf(kGpuHelloBytes, "GPU pair hello");
-  cudaStream_t stream = nullptr;
-  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "GPU pair hello: stream");
-  std::string err;
-  try {
-    cuda_check(cudaMemcpyAsync(buf.get(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice, stream),
-               "GPU pair hello: upload");
-    link.send(buf.get(), kGpuHelloBytes, stream, "the pair hello");
-    // The watchdog releases the stream by op_timeout if the peer never receives.
-    cuda_check(cudaStreamSynchronize(stream), "GPU pair hello: send");
-  } catch (const std::exception& e) {
-    err = e.what();
-  }
-  cudaStreamDestroy(stream);
-  if (err.empty() && link.failed()) err = link.failure();
-  SPADE_CHECK(err.empty(), "sending the pair hello to {}: {}", link.peer_name(), err);
 }
 
 GpuPairHello recv_gpu_hello(transport::GpuLink& link, const ModelConfig& attn_cfg, const std::string& peer,

@@ -13,7 +13,7 @@
 //      prediction, scoring of every selectable key (positions < context + 1 - local window: the next step's), top-k,
 //      the slot plan against the per-slot mirrors (selection_delta), the gather of the entries, one message per
 //      non-empty group;
-//   4. the next plan's receive is posted.
+//   4. the next plan's receive is posted (not after the close plan, which ends the stream).
 // Everything of a step is enqueued without waiting on the GPU (one host wait: the plan). Streams: `up` (receives),
 // `work` (compute), `down` (sends); events order them.
 //
@@ -68,11 +68,14 @@ class GpuCacheServer {
   GpuCacheServer(const GpuCacheServer&) = delete;
   GpuCacheServer& operator=(const GpuCacheServer&) = delete;
 
-  /// Waits up to `wait` for the next plan; false if none came (nothing enqueued). Otherwise enqueues the whole step
-  /// and returns true without waiting for the GPU. Throws spade::Error (see the file comment).
+  /// Waits up to `wait` for the next plan; false if none came or it was the close plan (nothing enqueued; see
+  /// closed()). Otherwise enqueues the whole step and returns true without waiting for the GPU. Throws spade::Error (see the file comment).
   bool serve_step(std::chrono::milliseconds wait);
   /// Waits until everything enqueued has run (tests, shutdown).
   void synchronize();
+  /// True once the inference rank's close plan came (gpu_plan.h): serve_step returns false from then on and nothing
+  /// is pending on the link. Until then a receive of the next plan is always posted, with no deadline.
+  bool closed() const;
 
   const GpuCacheStats& stats() const { return stats_; }
   /// Bytes of device memory the server holds.
@@ -84,9 +87,8 @@ class GpuCacheServer {
   GpuCacheStats stats_;
 };
 
-/// The pair's first exchange (gpu_plan.h GpuPairHello). Inference side: sends `hello` as the link's first up message
-/// and waits until it left (at most the link's op_timeout). Throws spade::Error naming the peer if the link fails.
-void send_gpu_hello(transport::GpuLink& link, const GpuPairHello& hello);
+/// The pair's first exchange (gpu_plan.h GpuPairHello); the inference side sends it with
+/// GpuSparseController::send_hello (inference_rank/gpu_sparse.h).
 /// Cache side: receives the hello, waiting up to `timeout` for the inference rank, and validates it against
 /// `attn_cfg` (decode_gpu_hello). Throws spade::Error naming `peer` (timeout, link failure, invalid hello).
 GpuPairHello recv_gpu_hello(transport::GpuLink& link, const ModelConfig& attn_cfg, const std::string& peer,

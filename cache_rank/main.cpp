@@ -197,7 +197,11 @@ int main(int argc, char** argv) {
       try {
         while (!g_stop) {
           heartbeat.tick();
-          if (!server.serve_step(std::chrono::milliseconds(100))) continue;
+          if (!server.serve_step(std::chrono::milliseconds(100))) {
+            // The inference rank closed the stream (it is shutting down): wait for the coordinator's shutdown.
+            if (server.closed()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            continue;
+          }
           const spade::cache::GpuCacheStats& now = server.stats();
           bytes_in.inc(static_cast<double>(now.bytes_received - seen.bytes_received));
           bytes_out.inc(static_cast<double>(now.bytes_sent - seen.bytes_sent));

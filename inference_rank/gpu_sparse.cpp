@@ -60,6 +60,8 @@ struct GpuSparseController::State {
   size_t off_maps[2] = {0, 0};
   DeviceBuffer ws;
   std::vector<std::unique_ptr<Event>> pack_end, sent, applied;
+  Event arrays_free[2];  // the receive stream's last read of arrays[parity] (the held-row maps of its applies)
+  bool hello_sent = false, closed = false;
 
   std::unordered_map<uint64_t, SeqState> seqs;
   std::vector<int> free_slots, free_tables;
@@ -117,7 +119,7 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
                                          int page_size, int max_batch) {
   SPADE_CHECK(!attn_cfg.is_hybrid(), "GPU sparse: pass the model's attention view");
   SPADE_CHECK(o.sparse_threshold >= 1 && o.layers_per_pack >= 1 && o.token_budget >= 1 &&
-                  o.token_budget <= kernels::kMaxDeltaBudget && o.local_window >= 0 && o.delta_capacity >= 1 &&
+                  o.token_budget <= kernels::kMaxDeltaBudget && o.local_window >= 1 && o.delta_capacity >= 1 &&
                   o.delta_capacity <= o.token_budget && o.max_first_per_step >= 1 && o.max_sparse_seqs >= 1 &&
                   o.max_slots >= 1 && o.max_slots <= cache::gpu_plan_max_rows() && o.max_step_tokens >= 1,
               "GPU sparse: options out of range (threshold {}, pack {}, budget {} <= {}, window {}, capacity {}, "
@@ -148,7 +150,7 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
   for (auto& a : s.arrays) a = DeviceBuffer(s.array_words * 4, "GPU sparse: per-row arrays");
   cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.arrays_pinned), s.array_words * 4), "GPU sparse: pinned");
   s.ws = DeviceBuffer(kernels::decode_workspace_bytes(max_batch, s.Hq, s.Hkv, s.D), "GPU sparse: workspace");
-  cuda_check(kernels::decode_workspace_init({s.ws.get(), s.ws.bytes()}, nullptr), "GPU sparse: workspace init");
+  cuda_check(kernels::decode_workspace_init({s.ws.get(), s.ws.bytes()}, s.up), "GPU sparse: workspace init");
   for (int p = 0; p < s.packs; ++p) {
     s.pack_end.push_back(std::make_unique<Event>());
     s.sent.push_back(std::make_unique<Event>());
@@ -156,11 +158,53 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
   }
   for (int i = o.max_slots - 1; i >= 0; --i) s.free_slots.push_back(i);
   for (int i = o.max_sparse_seqs - 1; i >= 0; --i) s.free_tables.push_back(i);
-  cuda_check(cudaDeviceSynchronize(), "GPU sparse: init");
+  cuda_check(cudaStreamSynchronize(s.up), "GPU sparse: init");  // not the device: see send_hello
+}
+
+void GpuSparseController::send_hello(const cache::GpuPairHello& hello) {
+  State& st = *st_;
+  SPADE_CHECK(!st.hello_sent, "GPU sparse: the pair hello was already sent");
+  const std::vector<uint8_t> bytes = cache::encode_gpu_hello(hello);
+  cuda_check(cudaSetDevice(st.link.device()), "GPU sparse: cudaSetDevice");
+  std::string err;
+  try {
+    std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
+    cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
+               "GPU sparse: hello upload");
+    st.link.send(st.plan_dev.get(), cache::kGpuHelloBytes, st.up, "the pair hello");
+    cuda_check(cudaStreamSynchronize(st.up), "GPU sparse: hello");  // the watchdog releases it by op_timeout
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  if (err.empty() && st.link.failed()) err = st.link.failure();
+  SPADE_CHECK(err.empty(), "sending the pair hello to {}: {}", st.link.peer_name(), err);
+  st.hello_sent = true;
+}
+
+void GpuSparseController::close() {
+  State& st = *st_;
+  if (st.closed) return;
+  st.closed = true;
+  if (!st.hello_sent || st.link.failed()) return;
+  try {
+    cuda_check(cudaSetDevice(st.link.device()), "GPU sparse: cudaSetDevice");
+    if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
+    st.plan_pending = false;
+    const std::vector<uint8_t> bytes = cache::encode_gpu_plan(cache::GpuStepPlan::close_plan());
+    std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
+    cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
+               "GPU sparse: close plan upload");
+    st.link.send(st.plan_dev.get(), cache::kGpuPlanBytes, st.up, "the close plan");
+    for (cudaStream_t x : {st.up, st.down}) cuda_check(cudaStreamSynchronize(x), "GPU sparse: close");
+  } catch (const std::exception& e) {
+    fail_link(std::string("closing the link: ") + e.what());
+  }
 }
 
 GpuSparseController::~GpuSparseController() {
-  if (st_ != nullptr && !st_->link.failed())
+  if (st_ == nullptr) return;
+  close();
+  if (!st_->link.failed())
     for (cudaStream_t x : {st_->up, st_->down}) cudaStreamSynchronize(x);
 }
 
@@ -222,6 +266,8 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, 
     fail_link(st.link.failure());
     return;
   }
+  if (st.closed) return;  // dense from now on
+  SPADE_CHECK(st.hello_sent, "GPU sparse: send_hello() before the first step");
   const int B = fb.batch();
   const bool decode_only = fb.total_tokens() == B;
   SPADE_CHECK(B <= st.max_batch, "GPU sparse: batch {} exceeds {}", B, st.max_batch);
@@ -287,7 +333,12 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, 
              "GPU sparse: plan upload");
   cuda_check(cudaEventRecord(st.plan_copied.e, st.up), "GPU sparse: plan event");
   st.plan_pending = true;
-  st.link.send(st.plan_dev.get(), cache::kGpuPlanBytes, st.up, "a step's plan");
+  try {
+    st.link.send(st.plan_dev.get(), cache::kGpuPlanBytes, st.up, "a step's plan");
+  } catch (const Error& e) {
+    fail_link(e.what());  // this step's sparse rows fail (take_failures); the rest runs densely
+    return;
+  }
   stats_.bytes_sent += cache::kGpuPlanBytes;
   // Per-row arrays and the held-row maps of the two groups ([L][S][Hkv] -> (table * L + l) * Hkv + h).
   std::vector<int32_t> w(st.array_words, 0);
@@ -303,6 +354,8 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, 
               (st.group_tables[g][static_cast<size_t>(si)] * st.L + l) * st.Hkv + h;
   }
   if (st.arrays_pending) cuda_check(cudaEventSynchronize(st.arrays_copied.e), "GPU sparse: previous arrays copy");
+  // arrays[parity] was last read by the applies of two steps ago on the receive stream.
+  cuda_check(cudaStreamWaitEvent(stream, st.arrays_free[st.parity].e, 0), "GPU sparse: wait arrays free");
   std::memcpy(st.arrays_pinned, w.data(), w.size() * 4);
   cuda_check(cudaMemcpyAsync(st.arrays[st.parity].get(), st.arrays_pinned, w.size() * 4, cudaMemcpyHostToDevice,
                              stream),
@@ -345,7 +398,13 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
     const size_t bytes = static_cast<size_t>(st.pack_layers(p)) * st.T * st.row_elems * 2;
     cuda_check(cudaEventRecord(st.pack_end[static_cast<size_t>(p)]->e, stream), "pack end");
     cuda_check(cudaStreamWaitEvent(st.up, st.pack_end[static_cast<size_t>(p)]->e, 0), "wait pack");
-    st.link.send(st.send_buf(p), bytes, st.up, "q|k|v rows of a pack");
+    try {
+      st.link.send(st.send_buf(p), bytes, st.up, "q|k|v rows of a pack");
+    } catch (const Error& e) {
+      fail_link(e.what());
+      st.active = false;  // no more link operations this step
+      return;
+    }
     cuda_check(cudaEventRecord(st.sent[static_cast<size_t>(p)]->e, st.up), "sent");
     stats_.bytes_sent += bytes;
   }
@@ -365,7 +424,13 @@ void GpuSparseController::end_step(cudaStream_t stream) {
       SPADE_CHECK(lay[g]->bytes <= st.recv_per_pack[g], "GPU sparse: a selection message of {} bytes exceeds {}",
                   lay[g]->bytes, st.recv_per_pack[g]);
       bufs[g] = st.recv[g][st.parity].as<char>() + static_cast<size_t>(p) * st.recv_per_pack[g];
-      st.link.recv(bufs[g], lay[g]->bytes, st.down, g == 0 ? "steady selections of a pack" : "first selections");
+      try {
+        st.link.recv(bufs[g], lay[g]->bytes, st.down, g == 0 ? "steady selections of a pack" : "first selections");
+      } catch (const Error& e) {
+        fail_link(e.what());
+        st.active = false;
+        return;
+      }
       stats_.bytes_received += lay[g]->bytes;
     }
     // This step's pack p has read the tables: apply the next step's deltas.
@@ -388,6 +453,7 @@ void GpuSparseController::end_step(cudaStream_t stream) {
     }
     cuda_check(cudaEventRecord(st.applied[static_cast<size_t>(p)]->e, st.down), "applied");
   }
+  cuda_check(cudaEventRecord(st.arrays_free[st.parity].e, st.down), "arrays free");
 }
 
 }  // namespace spade

@@ -19,9 +19,13 @@
 // Every token of every sequence is shipped, so the cache rank holds every context in full; this rank also keeps its
 // full KV (v1: it does not drop pages), so mixed prefill/decode steps simply attend densely.
 //
-// Failure: when the link fails, every sparse (or switching) sequence fails with the link's reason (take_failures);
-// the others, and all later requests, decode densely; no plan is sent any more. A step that overlapped the failure
-// waits at most the link's op_timeout (its streams are released).
+// Failure: when the link fails (also in the middle of a step: a send or receive that throws is caught), every sparse
+// (or switching) sequence fails with the link's reason (take_failures); the others, and all later requests, decode
+// densely; no plan is sent any more. A step that overlapped the failure waits at most the link's op_timeout (its
+// streams are released).
+//
+// Lifetime on the link: send_hello() first, then one plan per step, then close() (the close plan), after which the
+// cache rank leaves nothing pending.
 //
 // v1 limits (docs/ARCHITECTURE.md): no CUDA graph for steps with sparse sequences (they run eagerly); sink tokens
 // are not special-cased; the token budget is the rank's for every request.
@@ -88,6 +92,15 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   /// Per-request overrides, set before the request's first step: `force_dense` keeps it dense; `sparse_threshold`
   /// > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);
+
+  /// Sends the pair hello (make_gpu_pair_hello) as the link's first message and waits until it left (at most the
+  /// link's op_timeout). Call once, after construction and before the first step: every CUDA call that synchronises
+  /// the whole device (allocation of this controller included) must happen before the cache rank can post its first
+  /// receive when both ranks share a process. Throws spade::Error naming the peer if the link fails.
+  void send_hello(const cache::GpuPairHello& hello);
+  /// Ends the stream (the close plan) so that the cache rank posts nothing more, and waits for this side's
+  /// transfers. Idempotent; a no-op on a failed link; the destructor calls it. Later steps decode densely.
+  void close();
 
   // ---- GPU forward side ----
   /// Before the step's forward: phases, the plan (sent on the link's up stream), the per-row arrays (uploaded on

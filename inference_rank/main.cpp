@@ -52,6 +52,12 @@ struct Output {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --device cuda with the cache rank in this process (--selection predicted) or on this GPU (--gpu-link ipc): the
+  // two ends' streams wait on each other through stream memory operations (transport/cuda_ipc/cuda_ipc_link.h), so
+  // every stream needs its own hardware queue and every kernel must be loaded before the first step (a lazy load may
+  // synchronise the context). Set before CUDA starts; an explicit environment wins.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   CLI::App app{"Spade inference rank: generation from a Hugging Face checkpoint (CPU fp32, or GPU bf16 with --device cuda)"};
   std::string model_dir, log_level = "warn";
   std::vector<std::string> prompts;
@@ -227,10 +233,11 @@ int main(int argc, char** argv) {
         gso.max_step_tokens = en.max_num_batched_tokens;
         gpu_cache = std::make_unique<spade::cache::LocalGpuCacheRank>(*gpu_attn_cfg, so.selection, 0,
                                                                       so.selection_deadline);
-        spade::cache::send_gpu_hello(gpu_cache->inference_link(),
-                                     spade::make_gpu_pair_hello(*gpu_attn_cfg, gso, en));
         gpu_sparse = std::make_unique<spade::GpuSparseController>(*gpu_attn_cfg, gso, gpu_cache->inference_link(),
                                                                   en.page_size, gpu->max_batch());
+        // Everything is allocated: now the cache rank may start (see cache_rank/gpu_local.h).
+        gpu_sparse->send_hello(spade::make_gpu_pair_hello(*gpu_attn_cfg, gso, en));
+        gpu_cache->wait_ready(std::chrono::milliseconds(60000));
         gpu->set_sparse(gpu_sparse.get());
         engine_ptr->set_attention_hooks(gpu_sparse.get());
         if (so.selection.sink_tokens > 0)
@@ -346,6 +353,7 @@ int main(int argc, char** argv) {
 #ifdef SPADE_HAVE_GPU_PATH
     if (gpu_sparse) {
       const auto& st = gpu_sparse->stats();
+      gpu_sparse->close();
       gpu_cache->stop();
       const auto cs = gpu_cache->stats();
       std::fprintf(stderr,

@@ -19,7 +19,6 @@
 #include "transport/ucx.h"
 #endif
 #ifdef SPADE_HAVE_GPU_PATH
-#include "cache_rank/gpu_server.h"
 #include "inference_rank/gpu_engine.h"
 #include "inference_rank/gpu_sparse.h"
 #include "transport/cuda_ipc/cuda_ipc_link.h"
@@ -222,8 +221,8 @@ int run_serve(const ServeOptions& opt) {
       gso.max_sparse_seqs = en.max_num_seqs;
       gso.max_first_per_step = std::min(4, en.max_num_seqs);
       gso.max_step_tokens = en.max_num_batched_tokens;
-      cache::send_gpu_hello(*gpu_link, make_gpu_pair_hello(*gpu_attn_cfg, gso, en));
       gpu_sparse = std::make_unique<GpuSparseController>(*gpu_attn_cfg, gso, *gpu_link, en.page_size, gpu->max_batch());
+      gpu_sparse->send_hello(make_gpu_pair_hello(*gpu_attn_cfg, gso, en));
       gpu->set_sparse(gpu_sparse.get());
       engine_ptr->set_attention_hooks(gpu_sparse.get());
       spdlog::info("{}: GPU sparse decoding: threshold {}, budget {}, local window {}, delta capacity {}, {} layers per "
@@ -412,6 +411,9 @@ int run_serve(const ServeOptions& opt) {
                  s.steps, s.sparse_seq_steps, s.stalls, s.stall_ms, s.failed_seqs, s.dense_fallbacks);
     if (auto* l = dynamic_cast<cache::TransportLink*>(backend->link())) l->shutdown();
   }
+#ifdef SPADE_HAVE_GPU_PATH
+  if (gpu_sparse) gpu_sparse->close();  // the close plan: the cache rank posts nothing more
+#endif
   engine.set_attention_hooks(nullptr);  // the GPU controller goes before the engine
   return exit_code;
 }

@@ -191,6 +191,9 @@ TEST(GpuPairHello, MismatchedModelsAndBadLimitsAreRefusedByName) {
   h = sample_hello();
   h.num_pages = 0;
   expect_hello_error(h, hello_model(), "pages");
+  h = sample_hello();
+  h.local_window = 0;  // the server's selection needs R >= 1
+  expect_hello_error(h, hello_model(), "local window 0");
   // Not a hello: a plan, a short message, a future version.
   const std::vector<uint8_t> plan = encode_gpu_plan(sample());
   EXPECT_THROW(decode_gpu_hello(plan.data(), kGpuHelloBytes, hello_model(), "x"), Error);
@@ -202,6 +205,28 @@ TEST(GpuPairHello, MismatchedModelsAndBadLimitsAreRefusedByName) {
     ADD_FAILURE() << "accepted version 9";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("version 9"), std::string::npos) << e.what();
+  }
+}
+
+
+TEST(GpuPlan, TheClosePlanEndsTheStreamAndNoOtherPlanHasANegativeStep) {
+  const std::vector<uint8_t> b = encode_gpu_plan(GpuStepPlan::close_plan());
+  const GpuStepPlan p = decode_gpu_plan(b.data(), b.size(), 8, "inference rank 1");
+  EXPECT_TRUE(p.is_close());
+  EXPECT_TRUE(p.rows.empty());
+  EXPECT_FALSE(sample().is_close());
+  GpuStepPlan bad = GpuStepPlan::close_plan();
+  bad.rows = {{0, 1, 1, kRowFresh}};
+  std::vector<uint8_t> e = encode_gpu_plan(bad);
+  EXPECT_THROW(decode_gpu_plan(e.data(), e.size(), 8, "inference rank 1"), Error);
+  bad = sample();
+  bad.step = -7;
+  e = encode_gpu_plan(bad);
+  try {
+    decode_gpu_plan(e.data(), e.size(), 8, "inference rank 1");
+    ADD_FAILURE() << "a negative step was accepted";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("step -7"), std::string::npos) << err.what();
   }
 }
 

@@ -49,7 +49,7 @@ struct Cluster {
 
   std::map<std::string, std::string> env(int rank) {
     return {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}, {"RANK", std::to_string(rank)},
-            {"WORLD_SIZE", "3"}, {"CUDA_DEVICE_MAX_CONNECTIONS", "32"}};
+            {"WORLD_SIZE", "3"}, {"CUDA_DEVICE_MAX_CONNECTIONS", "32"}, {"CUDA_MODULE_LOADING", "EAGER"}};
   }
   void start(const std::vector<std::string>& sparse_flags) {
     coord = std::make_unique<ChildProcess>(

@@ -128,10 +128,11 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
     cache::SelectionConfig sel;
     sel.query_window = 4;
     cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
-    // The hello sizes the cache rank from this side's options (the path a separate cache_rank process takes too).
-    cache::send_gpu_hello(cache_rank->inference_link(), make_gpu_pair_hello(attn, so, engine.options()));
     ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size,
                                                 gpu.max_batch());
+    // The hello sizes the cache rank from this side's options (the path a separate cache_rank process takes too).
+    ctl->send_hello(make_gpu_pair_hello(attn, so, engine.options()));
+    cache_rank->wait_ready(std::chrono::milliseconds(30000));
     gpu.set_sparse(ctl.get());
     engine.set_attention_hooks(ctl.get());
   }
@@ -163,6 +164,7 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
     submit(3, prompt(0, cfg.vocab_size), 8);
     engine.run_until_idle();
   }
+  if (ctl) ctl->close();  // the close plan: the cache rank leaves nothing pending
   if (cache_rank) {
     cache_rank->stop();
     out.cache = cache_rank->stats();
@@ -288,8 +290,10 @@ TEST(GpuSparseBadInput, AHelloForAnotherModelFailsTheCacheRankByName) {
   GpuSparseOptions so;
   so.max_slots = 3;
   so.max_step_tokens = 64;
-  cache::send_gpu_hello(local.inference_link(), make_gpu_pair_hello(qwen3_like().attention_view(), so,
-                                                                    engine_options_normalised()));
+  const ModelConfig attn = qwen3_like().attention_view();
+  GpuSparseController ctl(attn, so, local.inference_link(), 16, 4);
+  ctl.send_hello(make_gpu_pair_hello(attn, so, engine_options_normalised()));
+  EXPECT_THROW(local.wait_ready(std::chrono::milliseconds(5000)), Error);
   for (int i = 0; i < 200 && local.error().empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_NE(local.error().find("full-attention layers"), std::string::npos) << local.error();
   // The cache rank's failure reaches the inference side's link.

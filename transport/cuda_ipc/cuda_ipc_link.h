@@ -34,7 +34,9 @@
 // Both ends in ONE process: their streams wait on each other through stream memory operations, which CUDA's
 // scheduler does not see, so two streams sharing a hardware queue could block each other (cuda.h's warning on
 // cuStreamWaitValue32). Set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (bench_tpot and the tests do) and keep
-// the process's streams fewer than that. Two processes have separate queues.
+// the process's streams fewer than that. Also set CUDA_MODULE_LOADING=EAGER: with lazy loading (CUDA's default) the
+// first launch of a kernel may synchronise the context, i.e. wait for the other end's pending receive, whose data
+// this very thread was about to send. Two processes have separate queues and contexts.
 //
 // Cost: every byte is copied twice on the device (into the ring and out of it), a device-to-device copy each; this
 // link exists for correctness on one GPU, where both ranks share the HBM anyway, not for speed.
