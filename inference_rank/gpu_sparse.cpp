@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "kernels/attention.cuh"
 #include "kernels/selection.cuh"
+#include "inference_rank/sparse_planner.h"
 
 namespace spade {
 
@@ -20,17 +21,6 @@ struct Event {
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
-};
-
-enum class Phase { Dense, Sparse, Failed };
-
-struct SeqState {
-  int slot = -1;   // plan slot
-  int table = -1;  // held-table slot while sparse
-  Phase phase = Phase::Dense;
-  bool sel_requested = false;  // the last plan asked for its selection of the next step
-  bool force_dense = false;
-  int threshold = 0;  // 0: the rank's
 };
 
 }  // namespace
@@ -63,23 +53,22 @@ struct GpuSparseController::State {
   Event arrays_free[2];  // the receive stream's last read of arrays[parity] (the held-row maps of its applies)
   bool hello_sent = false, closed = false;
 
-  std::unordered_map<uint64_t, SeqState> seqs;
-  std::vector<int> free_slots, free_tables;
-  std::vector<int32_t> pending_release;
+  SparseStepPlanner planner;
   std::vector<std::pair<uint64_t, std::string>> failures;
   bool failed_handled = false;
   bool active = false;  // this step has a plan on the link
   int64_t step = 0;
   int parity = 0;
   int T = 0;
-  cache::GpuStepPlan plan;
-  std::vector<int> group_tables[2];  // table slot of each group row
+  StepDecision dec;  // this step's
 
   State(const ModelConfig& c, const GpuSparseOptions& opts, transport::GpuLink& l, int ps, int mb)
       : cfg(c), o(opts), link(l), L(c.num_layers), Hq(c.num_q_heads), Hkv(c.num_kv_heads), D(c.head_dim),
         P(opts.layers_per_pack), packs((c.num_layers + opts.layers_per_pack - 1) / opts.layers_per_pack),
         k(opts.token_budget), page_size(ps), max_batch(mb),
-        row_elems(static_cast<size_t>(c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim), dense(c, ps, mb) {}
+        row_elems(static_cast<size_t>(c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim), dense(c, ps, mb),
+        planner(SparsePlannerOptions{opts.sparse_threshold, opts.token_budget, opts.local_window,
+                                     opts.max_first_per_step, opts.max_sparse_seqs, opts.max_slots}) {}
   ~State() {
     for (cudaStream_t s : {up, down})
       if (s != nullptr) cudaStreamDestroy(s);
@@ -156,8 +145,6 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
     s.sent.push_back(std::make_unique<Event>());
     s.applied.push_back(std::make_unique<Event>());
   }
-  for (int i = o.max_slots - 1; i >= 0; --i) s.free_slots.push_back(i);
-  for (int i = o.max_sparse_seqs - 1; i >= 0; --i) s.free_tables.push_back(i);
   cuda_check(cudaStreamSynchronize(s.up), "GPU sparse: init");  // not the device: see send_hello
 }
 
@@ -215,37 +202,18 @@ void GpuSparseController::attend(int, const ForwardBatch&, const float*, const f
 bool GpuSparseController::link_failed() const { return st_->link.failed(); }
 
 void GpuSparseController::set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold) {
-  SPADE_CHECK(sparse_threshold >= 0, "sparse_threshold {} must be >= 0", sparse_threshold);
-  SeqState& s = st_->seqs[seq_id];
-  s.force_dense = force_dense;
-  s.threshold = sparse_threshold;
+  st_->planner.set_request_options(seq_id, force_dense, sparse_threshold);
 }
 
-void GpuSparseController::on_release(uint64_t seq_id) {
-  State& st = *st_;
-  auto it = st.seqs.find(seq_id);
-  if (it == st.seqs.end()) return;
-  if (it->second.slot >= 0) {
-    st.pending_release.push_back(it->second.slot);
-    st.free_slots.push_back(it->second.slot);
-  }
-  if (it->second.table >= 0) st.free_tables.push_back(it->second.table);
-  st.seqs.erase(it);
-}
+void GpuSparseController::on_release(uint64_t seq_id) { st_->planner.on_release(seq_id); }
 
 void GpuSparseController::fail_link(const std::string& why) {
   State& st = *st_;
   if (st.failed_handled) return;
   st.failed_handled = true;
-  for (auto& [id, s] : st.seqs) {
-    if (s.phase == Phase::Sparse) {
-      st.failures.emplace_back(id, "its cache rank failed: " + why);
-      s.phase = Phase::Failed;
-      ++stats_.failed_seqs;
-    }
-    if (s.table >= 0) st.free_tables.push_back(s.table);
-    s.table = -1;
-    s.sel_requested = false;
+  for (uint64_t id : st.planner.fail_all()) {
+    st.failures.emplace_back(id, "its cache rank failed: " + why);
+    ++stats_.failed_seqs;
   }
 }
 
@@ -269,62 +237,17 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, 
   if (st.closed) return;  // dense from now on
   SPADE_CHECK(st.hello_sent, "GPU sparse: send_hello() before the first step");
   const int B = fb.batch();
-  const bool decode_only = fb.total_tokens() == B;
   SPADE_CHECK(B <= st.max_batch, "GPU sparse: batch {} exceeds {}", B, st.max_batch);
   st.T = fb.total_tokens();
   SPADE_CHECK(st.T <= st.o.max_step_tokens, "GPU sparse: step of {} tokens exceeds {}", st.T, st.o.max_step_tokens);
-  cache::GpuStepPlan& plan = st.plan;
-  plan = cache::GpuStepPlan{};
-  plan.step = st.step++;
-  plan.released.swap(st.pending_release);
   st.parity ^= 1;
-  std::vector<int32_t> num_packed(static_cast<size_t>(B), 0), windows(static_cast<size_t>(B), 0),
-      prows(static_cast<size_t>(B), 0);
-  for (auto& g : st.group_tables) g.clear();
-  int firsts = 0;
-  for (int r = 0; r < B; ++r) {
-    const uint64_t id = r < static_cast<int>(fb.seq_ids.size()) ? fb.seq_ids[static_cast<size_t>(r)]
-                                                                  : static_cast<uint64_t>(r);
-    SeqState& s = st.seqs[id];
-    if (s.slot < 0) {
-      SPADE_CHECK(!st.free_slots.empty(), "GPU sparse: more than {} sequences at once", st.o.max_slots);
-      s.slot = st.free_slots.back();
-      st.free_slots.pop_back();
-    }
-    const int q_len = fb.cu_q_lens[static_cast<size_t>(r) + 1] - fb.cu_q_lens[static_cast<size_t>(r)];
-    const int ctx = fb.seq_lens[static_cast<size_t>(r)];
-    cache::GpuPlanRow row{s.slot, q_len, ctx, 0u};
-    if (ctx == q_len) row.flags |= cache::kRowFresh;
-    // This step: sparse when the previous plan asked for its selection (it was applied before this pack starts).
-    const bool sparse_here = decode_only && s.phase == Phase::Sparse && s.sel_requested && s.table >= 0;
-    if (sparse_here) {
-      num_packed[static_cast<size_t>(r)] = std::min(st.k, std::max(0, ctx - st.o.local_window));
-      windows[static_cast<size_t>(r)] = st.o.local_window;
-      prows[static_cast<size_t>(r)] = s.table * st.L;
-      sparse_now_ = true;
-      ++stats_.sparse_seq_steps;
-    } else {
-      windows[static_cast<size_t>(r)] = ctx;
-    }
-    // The next step's selection.
-    const int threshold = s.threshold > 0 ? s.threshold : st.o.sparse_threshold;
-    if (s.phase == Phase::Sparse && s.table >= 0) {
-      row.flags |= cache::kRowSelect;
-      st.group_tables[0].push_back(s.table);
-    } else if (s.phase == Phase::Dense && q_len == 1 && !s.force_dense && ctx >= threshold &&
-               firsts < st.o.max_first_per_step && !st.free_tables.empty()) {
-      s.table = st.free_tables.back();
-      st.free_tables.pop_back();
-      s.phase = Phase::Sparse;
-      row.flags |= cache::kRowSelect | cache::kRowFirstSelect;
-      st.group_tables[1].push_back(s.table);
-      ++firsts;
-      ++stats_.switches;
-    }
-    s.sel_requested = (row.flags & cache::kRowSelect) != 0;
-    plan.rows.push_back(row);
-  }
+  st.dec = st.planner.plan_step(fb, st.step++);
+  const StepDecision& d = st.dec;
+  sparse_now_ = d.sparse_now;
+  for (int32_t t : d.tables) stats_.sparse_seq_steps += t >= 0 ? 1 : 0;
+  stats_.switches += static_cast<uint64_t>(d.switches);
   if (sparse_now_) ++stats_.sparse_steps;
+  const cache::GpuStepPlan& plan = d.plan;
   // The plan, on the up stream (before this step's packs).
   const std::vector<uint8_t> bytes = cache::encode_gpu_plan(plan);
   if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
@@ -336,22 +259,25 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, 
   try {
     st.link.send(st.plan_dev.get(), cache::kGpuPlanBytes, st.up, "a step's plan");
   } catch (const Error& e) {
-    fail_link(e.what());  // this step's sparse rows fail (take_failures); the rest runs densely
+    fail_link(e.what());  // this step's sparse rows fail (take_failures); the whole step runs densely
+    sparse_now_ = false;
     return;
   }
   stats_.bytes_sent += cache::kGpuPlanBytes;
   // Per-row arrays and the held-row maps of the two groups ([L][S][Hkv] -> (table * L + l) * Hkv + h).
   std::vector<int32_t> w(st.array_words, 0);
-  std::copy(num_packed.begin(), num_packed.end(), w.begin());
-  std::copy(windows.begin(), windows.end(), w.begin() + st.max_batch);
-  std::copy(prows.begin(), prows.end(), w.begin() + 2 * static_cast<long>(st.max_batch));
+  std::copy(d.num_packed.begin(), d.num_packed.end(), w.begin());
+  std::copy(d.windows.begin(), d.windows.end(), w.begin() + st.max_batch);
+  for (int r = 0; r < B; ++r)  // packed row of sequence r: its table's layer-0 row (dense rows read none)
+    w[2 * static_cast<size_t>(st.max_batch) + static_cast<size_t>(r)] =
+        std::max(0, d.tables[static_cast<size_t>(r)]) * st.L;
   for (int g = 0; g < 2; ++g) {
-    const int S = static_cast<int>(st.group_tables[g].size());
+    const int S = static_cast<int>(d.group_tables[g].size());
     for (int l = 0; l < st.L; ++l)
       for (int si = 0; si < S; ++si)
         for (int h = 0; h < st.Hkv; ++h)
           w[st.off_maps[g] + (static_cast<size_t>(l) * S + si) * st.Hkv + h] =
-              (st.group_tables[g][static_cast<size_t>(si)] * st.L + l) * st.Hkv + h;
+              (d.group_tables[g][static_cast<size_t>(si)] * st.L + l) * st.Hkv + h;
   }
   if (st.arrays_pending) cuda_check(cudaEventSynchronize(st.arrays_copied.e), "GPU sparse: previous arrays copy");
   // arrays[parity] was last read by the applies of two steps ago on the receive stream.
@@ -416,7 +342,7 @@ void GpuSparseController::end_step(cudaStream_t stream) {
   if (!st.active) return;
   for (int p = 0; p < st.packs; ++p) {
     const int n = st.pack_layers(p);
-    const cache::GpuPackSizes sizes = cache::gpu_pack_sizes(st.plan, n, st.cfg, st.k, st.o.delta_capacity);
+    const cache::GpuPackSizes sizes = cache::gpu_pack_sizes(st.dec.plan, n, st.cfg, st.k, st.o.delta_capacity);
     const cache::DeltaLayout* lay[2] = {&sizes.steady, &sizes.first};
     char* bufs[2] = {nullptr, nullptr};
     for (int g = 0; g < 2; ++g) {
@@ -437,7 +363,7 @@ void GpuSparseController::end_step(cudaStream_t stream) {
     cuda_check(cudaStreamWaitEvent(st.down, st.pack_end[static_cast<size_t>(p)]->e, 0), "wait pack end");
     for (int g = 0; g < 2; ++g) {
       if (bufs[g] == nullptr) continue;
-      const int S = static_cast<int>(st.group_tables[g].size());
+      const int S = static_cast<int>(st.dec.group_tables[g].size());
       kernels::ApplySelectionDeltaParams a;
       a.delta_slots = reinterpret_cast<const int32_t*>(bufs[g] + lay[g]->slots);
       a.delta_k = bufs[g] + lay[g]->k;

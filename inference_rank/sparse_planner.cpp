@@ -1,0 +1,116 @@
+// Host bookkeeping of GPU sparse decoding (see sparse_planner.h).
+#include "inference_rank/sparse_planner.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+
+namespace spade {
+
+SparseStepPlanner::SparseStepPlanner(SparsePlannerOptions o) : o_(o) {
+  SPADE_CHECK(o.sparse_threshold >= 1, "sparse planner: sparse_threshold {} must be >= 1", o.sparse_threshold);
+  SPADE_CHECK(o.token_budget >= 1, "sparse planner: token_budget {} must be >= 1", o.token_budget);
+  SPADE_CHECK(o.local_window >= 1, "sparse planner: local_window {} must be >= 1", o.local_window);
+  SPADE_CHECK(o.max_first_per_step >= 1, "sparse planner: max_first_per_step {} must be >= 1", o.max_first_per_step);
+  SPADE_CHECK(o.max_sparse_seqs >= 1, "sparse planner: max_sparse_seqs {} must be >= 1", o.max_sparse_seqs);
+  SPADE_CHECK(o.max_slots >= 1 && o.max_slots <= cache::gpu_plan_max_rows(),
+              "sparse planner: max_slots {} must be in [1, {}]", o.max_slots, cache::gpu_plan_max_rows());
+  for (int i = o.max_slots - 1; i >= 0; --i) free_slots_.push_back(i);
+  for (int i = o.max_sparse_seqs - 1; i >= 0; --i) free_tables_.push_back(i);
+}
+
+void SparseStepPlanner::set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold) {
+  SPADE_CHECK(sparse_threshold >= 0, "sparse_threshold {} must be >= 0", sparse_threshold);
+  Seq& s = seqs_[seq_id];
+  s.force_dense = force_dense;
+  s.threshold = sparse_threshold;
+}
+
+void SparseStepPlanner::on_release(uint64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
+  if (it->second.slot >= 0) {
+    pending_release_.push_back(it->second.slot);
+    free_slots_.push_back(it->second.slot);
+  }
+  if (it->second.table >= 0) free_tables_.push_back(it->second.table);
+  seqs_.erase(it);
+}
+
+std::vector<uint64_t> SparseStepPlanner::fail_all() {
+  std::vector<uint64_t> out;
+  failed_ = true;
+  for (auto& [id, s] : seqs_) {
+    if (s.phase == Phase::Sparse) {
+      out.push_back(id);
+      s.phase = Phase::Failed;
+    }
+    if (s.table >= 0) free_tables_.push_back(s.table);
+    s.table = -1;
+    s.sel_requested = false;
+  }
+  return out;
+}
+
+StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) {
+  const int B = fb.batch();
+  SPADE_CHECK(static_cast<int>(fb.seq_ids.size()) == B, "sparse planner: the step has {} rows but {} sequence ids", B,
+              fb.seq_ids.size());
+  const bool decode_only = fb.total_tokens() == B;
+  StepDecision d;
+  d.plan.step = step;
+  d.plan.released.swap(pending_release_);
+  d.num_packed.assign(static_cast<size_t>(B), 0);
+  d.windows.assign(static_cast<size_t>(B), 0);
+  d.tables.assign(static_cast<size_t>(B), -1);
+  for (int r = 0; r < B; ++r) {
+    const uint64_t id = fb.seq_ids[static_cast<size_t>(r)];
+    Seq& s = seqs_[id];
+    if (s.slot < 0) {
+      SPADE_CHECK(!free_slots_.empty(), "GPU sparse: more than {} sequences at once (the cache rank's plan slots)",
+                  o_.max_slots);
+      s.slot = free_slots_.back();
+      free_slots_.pop_back();
+    }
+    const int q_len = fb.cu_q_lens[static_cast<size_t>(r) + 1] - fb.cu_q_lens[static_cast<size_t>(r)];
+    const int ctx = fb.seq_lens[static_cast<size_t>(r)];
+    cache::GpuPlanRow row{s.slot, q_len, ctx, 0u};
+    if (ctx == q_len) {
+      row.flags |= cache::kRowFresh;
+      // Starting over: the cache rank forgets this slot, so its selection starts over too.
+      if (s.table >= 0) free_tables_.push_back(s.table);
+      s.table = -1;
+      s.sel_requested = false;
+      if (s.phase == Phase::Sparse) s.phase = Phase::Dense;
+    }
+    // This step: sparse when the previous plan asked for this sequence's selection (applied before this step's
+    // packs read their tables).
+    if (decode_only && s.phase == Phase::Sparse && s.sel_requested && s.table >= 0) {
+      d.num_packed[static_cast<size_t>(r)] = std::min(o_.token_budget, std::max(0, ctx - o_.local_window));
+      d.windows[static_cast<size_t>(r)] = o_.local_window;
+      d.tables[static_cast<size_t>(r)] = s.table;
+      d.sparse_now = true;
+    } else {
+      d.windows[static_cast<size_t>(r)] = ctx;
+    }
+    // The next step's selection.
+    const int threshold = s.threshold > 0 ? s.threshold : o_.sparse_threshold;
+    if (s.phase == Phase::Sparse && s.table >= 0) {
+      row.flags |= cache::kRowSelect;
+      d.group_tables[0].push_back(s.table);
+    } else if (!failed_ && s.phase == Phase::Dense && q_len == 1 && !s.force_dense && ctx >= threshold &&
+               d.switches < o_.max_first_per_step && !free_tables_.empty()) {
+      s.table = free_tables_.back();
+      free_tables_.pop_back();
+      s.phase = Phase::Sparse;
+      row.flags |= cache::kRowSelect | cache::kRowFirstSelect;
+      d.group_tables[1].push_back(s.table);
+      ++d.switches;
+    }
+    s.sel_requested = (row.flags & cache::kRowSelect) != 0;
+    d.plan.rows.push_back(row);
+  }
+  return d;
+}
+
+}  // namespace spade

@@ -1,0 +1,223 @@
+// The host bookkeeping of GPU sparse decoding (inference_rank/sparse_planner.h): phases, switching limits, held
+// tables, plan slots and their release, fresh restarts, per-request options, the cache rank's failure, bad input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "inference_rank/sparse_planner.h"
+
+namespace spade {
+namespace {
+
+using cache::kRowFirstSelect;
+using cache::kRowFresh;
+using cache::kRowSelect;
+
+struct Row {
+  uint64_t id;
+  int q_len;
+  int ctx;  // after the step
+};
+
+ForwardBatch batch(const std::vector<Row>& rows) {
+  ForwardBatch b;
+  b.cu_q_lens.push_back(0);
+  for (const Row& r : rows) {
+    for (int t = 0; t < r.q_len; ++t) {
+      b.tokens.push_back(1);
+      b.positions.push_back(r.ctx - r.q_len + t);
+    }
+    b.cu_q_lens.push_back(b.cu_q_lens.back() + r.q_len);
+    b.seq_lens.push_back(r.ctx);
+    b.seq_ids.push_back(r.id);
+    b.logit_rows.push_back(b.cu_q_lens.back() - 1);
+  }
+  return b;
+}
+
+SparsePlannerOptions opts() {
+  SparsePlannerOptions o;
+  o.sparse_threshold = 100;
+  o.token_budget = 64;
+  o.local_window = 16;
+  o.max_first_per_step = 2;
+  o.max_sparse_seqs = 3;
+  o.max_slots = 8;
+  return o;
+}
+
+TEST(SparsePlanner, ASequenceSwitchesWithAFirstSelectionThenDecodesSparsely) {
+  SparseStepPlanner p(opts());
+  // Prefill of 98 tokens: dense, fresh, no selection.
+  StepDecision d = p.plan_step(batch({{7, 98, 98}}), 0);
+  ASSERT_EQ(d.plan.rows.size(), 1u);
+  EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowFresh));
+  EXPECT_EQ(d.plan.rows[0].q_len, 98);
+  EXPECT_FALSE(d.sparse_now);
+  EXPECT_EQ(d.windows[0], 98);
+  EXPECT_EQ(d.tables[0], -1);
+  const int slot = d.plan.rows[0].slot;
+  // Decode below the threshold: dense.
+  d = p.plan_step(batch({{7, 1, 99}}), 1);
+  EXPECT_EQ(d.plan.rows[0].flags, 0u);
+  EXPECT_EQ(d.plan.rows[0].slot, slot) << "a sequence keeps its slot";
+  // At the threshold: the plan asks for the first selection; this step is still dense.
+  d = p.plan_step(batch({{7, 1, 100}}), 2);
+  EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowSelect | kRowFirstSelect));
+  EXPECT_EQ(d.switches, 1);
+  ASSERT_EQ(d.group_tables[1].size(), 1u);
+  EXPECT_TRUE(d.group_tables[0].empty());
+  EXPECT_FALSE(d.sparse_now);
+  EXPECT_EQ(d.windows[0], 100);
+  const int table = d.group_tables[1][0];
+  EXPECT_EQ(p.free_tables(), 2);
+  // Next step: sparse over the table (min(k, ctx - R) entries) + the local window; a steady selection follows.
+  d = p.plan_step(batch({{7, 1, 101}}), 3);
+  EXPECT_TRUE(d.sparse_now);
+  EXPECT_EQ(d.tables[0], table);
+  EXPECT_EQ(d.num_packed[0], std::min(64, 101 - 16));
+  EXPECT_EQ(d.windows[0], 16);
+  EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowSelect));
+  ASSERT_EQ(d.group_tables[0].size(), 1u);
+  EXPECT_EQ(d.group_tables[0][0], table);
+  EXPECT_EQ(d.plan.step, 3);
+  EXPECT_EQ(d.plan.rows[0].ctx_len, 101);
+}
+
+TEST(SparsePlanner, NumPackedIsTheSelectablePrefixBoundedByTheBudget) {
+  SparsePlannerOptions o = opts();
+  o.sparse_threshold = 10;
+  o.local_window = 16;
+  SparseStepPlanner p(o);
+  p.plan_step(batch({{1, 9, 9}}), 0);
+  p.plan_step(batch({{1, 1, 10}}), 1);  // switch
+  StepDecision d = p.plan_step(batch({{1, 1, 11}}), 2);
+  EXPECT_TRUE(d.sparse_now);
+  EXPECT_EQ(d.num_packed[0], 0) << "context 11 < local window 16: nothing outside the window";
+  for (int ctx = 12; ctx < 200; ++ctx) d = p.plan_step(batch({{1, 1, ctx}}), ctx);
+  EXPECT_EQ(d.num_packed[0], 64) << "bounded by the budget";
+}
+
+TEST(SparsePlanner, MixedStepsAttendDenselyButKeepTheSelectionGoing) {
+  SparseStepPlanner p(opts());
+  p.plan_step(batch({{1, 100, 100}}), 0);
+  p.plan_step(batch({{1, 1, 101}}), 1);  // switch
+  // A new request's prefill joins: the step is not decode-only.
+  StepDecision d = p.plan_step(batch({{1, 1, 102}, {2, 30, 30}}), 2);
+  EXPECT_FALSE(d.sparse_now);
+  EXPECT_EQ(d.windows[0], 102);
+  EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowSelect));
+  EXPECT_EQ(d.plan.rows[1].flags, static_cast<uint32_t>(kRowFresh));
+  EXPECT_NE(d.plan.rows[0].slot, d.plan.rows[1].slot);
+  d = p.plan_step(batch({{1, 1, 103}, {2, 1, 31}}), 3);
+  EXPECT_TRUE(d.sparse_now);
+  EXPECT_GE(d.tables[0], 0);
+  EXPECT_EQ(d.tables[1], -1);
+  EXPECT_EQ(d.windows[1], 31) << "a dense row of a sparse step attends its whole context";
+  EXPECT_EQ(d.num_packed[1], 0);
+}
+
+TEST(SparsePlanner, SwitchesPerStepAndHeldTablesAreBounded) {
+  SparseStepPlanner p(opts());  // 2 switches per step, 3 tables
+  std::vector<Row> rows;
+  for (uint64_t id = 1; id <= 5; ++id) rows.push_back({id, 120, 120});
+  p.plan_step(batch(rows), 0);
+  for (auto& r : rows) r = {r.id, 1, r.ctx + 1};
+  StepDecision d = p.plan_step(batch(rows), 1);
+  EXPECT_EQ(d.switches, 2);
+  for (auto& r : rows) r.ctx += 1;
+  d = p.plan_step(batch(rows), 2);
+  EXPECT_EQ(d.switches, 1) << "only one table left";
+  EXPECT_EQ(p.free_tables(), 0);
+  for (auto& r : rows) r.ctx += 1;
+  d = p.plan_step(batch(rows), 3);
+  EXPECT_EQ(d.switches, 0);
+  EXPECT_EQ(d.group_tables[0].size(), 3u);
+  int sparse = 0;
+  for (int t : d.tables) sparse += t >= 0;
+  EXPECT_EQ(sparse, 3) << "two switched at step 1, the third at step 2: its first selection serves step 3";
+  // A sparse sequence leaves: its table and slot come back; its slot is released in the next plan.
+  const uint64_t gone = rows[0].id;
+  int gone_slot = -1;
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (rows[i].id == gone) gone_slot = d.plan.rows[i].slot;
+  p.on_release(gone);
+  rows.erase(rows.begin());
+  for (auto& r : rows) r.ctx += 1;
+  d = p.plan_step(batch(rows), 4);
+  EXPECT_EQ(d.plan.released, std::vector<int32_t>{gone_slot});
+  EXPECT_EQ(d.switches, 1) << "a waiting sequence takes the freed table";
+  d = p.plan_step(batch({{9, 4, 4}}), 5);
+  EXPECT_TRUE(d.plan.released.empty()) << "released once";
+}
+
+TEST(SparsePlanner, PerRequestOptions) {
+  SparseStepPlanner p(opts());
+  p.set_request_options(1, /*force_dense=*/true, 0);
+  p.set_request_options(2, false, /*sparse_threshold=*/20);
+  p.plan_step(batch({{1, 120, 120}, {2, 30, 30}, {3, 30, 30}}), 0);
+  StepDecision d = p.plan_step(batch({{1, 1, 121}, {2, 1, 31}, {3, 1, 31}}), 1);
+  EXPECT_EQ(d.plan.rows[0].flags, 0u) << "force_dense";
+  EXPECT_EQ(d.plan.rows[1].flags, static_cast<uint32_t>(kRowSelect | kRowFirstSelect)) << "its own threshold 20";
+  EXPECT_EQ(d.plan.rows[2].flags, 0u) << "the rank's threshold 100";
+  EXPECT_THROW(p.set_request_options(4, false, -1), Error);
+}
+
+TEST(SparsePlanner, AFreshRestartDropsTheSelection) {
+  SparseStepPlanner p(opts());
+  p.plan_step(batch({{1, 110, 110}}), 0);
+  p.plan_step(batch({{1, 1, 111}}), 1);  // switch
+  EXPECT_EQ(p.free_tables(), 2);
+  StepDecision d = p.plan_step(batch({{1, 50, 50}}), 2);  // starts over at position 0
+  EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowFresh));
+  EXPECT_EQ(p.free_tables(), 3);
+  d = p.plan_step(batch({{1, 1, 51}}), 3);
+  EXPECT_FALSE(d.sparse_now);
+  EXPECT_EQ(d.plan.rows[0].flags, 0u);
+}
+
+TEST(SparsePlanner, TheCacheRanksFailureFailsTheSparseSequencesOnce) {
+  SparseStepPlanner p(opts());
+  p.plan_step(batch({{1, 120, 120}, {2, 10, 10}}), 0);
+  p.plan_step(batch({{1, 1, 121}, {2, 1, 11}}), 1);  // 1 switches
+  EXPECT_EQ(p.fail_all(), std::vector<uint64_t>{1});
+  EXPECT_TRUE(p.fail_all().empty()) << "reported once";
+  EXPECT_EQ(p.free_tables(), 3);
+  // Nothing switches any more, nothing is sparse.
+  StepDecision d = p.plan_step(batch({{2, 1, 200}}), 2);
+  EXPECT_FALSE(d.sparse_now);
+  EXPECT_EQ(d.plan.rows[0].flags, 0u);
+}
+
+TEST(SparsePlannerBadInput, OptionsSlotsAndBatches) {
+  SparsePlannerOptions o = opts();
+  o.local_window = 0;
+  try {
+    SparseStepPlanner p(o);
+    FAIL() << "local_window 0 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("local_window"), std::string::npos) << e.what();
+  }
+  o = opts();
+  o.max_slots = cache::gpu_plan_max_rows() + 1;
+  EXPECT_THROW(SparseStepPlanner{o}, Error);
+  o = opts();
+  o.max_slots = 2;
+  SparseStepPlanner p(o);
+  try {
+    p.plan_step(batch({{1, 3, 3}, {2, 3, 3}, {3, 3, 3}}), 0);
+    FAIL() << "three sequences in two slots";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 2 sequences"), std::string::npos) << e.what();
+  }
+  SparseStepPlanner q(opts());
+  ForwardBatch b = batch({{1, 3, 3}});
+  b.seq_ids.clear();
+  EXPECT_THROW(q.plan_step(b, 0), Error);
+}
+
+}  // namespace
+}  // namespace spade
