@@ -30,7 +30,9 @@ LocalGpuCacheRank::LocalGpuCacheRank(const ModelConfig& attn_cfg, SelectionConfi
   inf_ = transport::CudaIpcLink::create("cache rank (in-process, GPU " + std::to_string(device) + ")", lo);
   cache_ = transport::CudaIpcLink::open(inf_->address(), "inference rank (in-process)", lo);
   inf_->connect();
-  thread_ = std::thread([this, hello_timeout] { serve_loop(hello_timeout); });
+  hello_timeout_ = hello_timeout;
+  // The thread starts in wait_ready(): its first act is a receive that stays posted until the hello comes, and
+  // the inference side still allocates (GpuSparseController) before it sends the hello.
 }
 
 LocalGpuCacheRank::~LocalGpuCacheRank() {
@@ -79,6 +81,11 @@ void LocalGpuCacheRank::serve_loop(std::chrono::milliseconds hello_timeout) {
 }
 
 void LocalGpuCacheRank::wait_ready(std::chrono::milliseconds timeout) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    SPADE_CHECK(!stop_, "the in-process cache rank was stopped");
+    if (!thread_.joinable()) thread_ = std::thread([this] { serve_loop(hello_timeout_); });
+  }
   const auto until = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     {

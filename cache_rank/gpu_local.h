@@ -29,8 +29,8 @@ namespace spade::cache {
 class LocalGpuCacheRank {
  public:
   /// `attn_cfg`: the model's attention view. `selection`: the cache rank's own knobs (query window, ridge eps, GQA
-  /// rule; budget and window come from the hello). The server thread starts at once and waits up to
-  /// `hello_timeout` for the inference side's hello (send_gpu_hello on inference_link()), which sizes the server.
+  /// rule; budget and window come from the hello). The server thread starts in wait_ready() and waits up to
+  /// `hello_timeout` for the inference side's hello (GpuSparseController::send_hello), which sizes the server.
   /// `op_timeout`: the link's deadline per posted transfer. Throws spade::Error if the link cannot be set up.
   LocalGpuCacheRank(const ModelConfig& attn_cfg, SelectionConfig selection, int device,
                     std::chrono::milliseconds op_timeout = std::chrono::milliseconds(10000),
@@ -44,8 +44,8 @@ class LocalGpuCacheRank {
   transport::GpuLink& inference_link() { return *inf_; }
   /// The cache side's end (tests abort it to simulate a dead cache rank).
   transport::GpuLink& cache_link() { return *cache_; }
-  /// Waits until the hello came and the server is up (or failed: throws its error); call after the inference side's
-  /// send_hello and before its first step. In one process, no CUDA call that synchronises the whole device may run
+  /// Starts the server thread and waits until the hello came and the server is up (or failed: throws its error);
+  /// call after the inference side's send_hello and before its first step. In one process, no CUDA call that synchronises the whole device may run
   /// while the server's receive of the next plan is pending: it would wait for that receive, and so for this
   /// process's own next plan. So the inference side allocates before the hello, and closes the stream
   /// (GpuSparseController::close) before it frees anything.
@@ -70,6 +70,7 @@ class LocalGpuCacheRank {
   mutable std::mutex mu_;
   std::string error_;
   GpuCacheStats stats_;
+  std::chrono::milliseconds hello_timeout_{30000};
   std::thread thread_;
 };
 

@@ -406,20 +406,34 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   if (s.closed) return false;
   const auto deadline = Clock::now() + wait;
   for (;;) {
-    SPADE_CHECK(!s.link.failed(), "{}", s.link.failure());
     const cudaError_t q = cudaEventQuery(s.plan_ready.e);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) cuda_check(q, "GPU cache rank: plan");
+    SPADE_CHECK(!s.link.failed(), "{}", s.link.failure());
     if (Clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  SPADE_CHECK(!s.link.failed(), "{}", s.link.failure());  // a released receive completes on garbage
-  const GpuStepPlan plan = decode_gpu_plan(s.plan_host, kGpuPlanBytes, s.o.max_slots, s.peer);
   s.plan_posted = false;
+  if (s.link.failed()) {
+    // A released receive completes on garbage, but the close plan may have arrived just before the peer's
+    // teardown failed the link: only that exact message counts, anything else is the failure.
+    GpuStepPlan last;
+    try {
+      last = decode_gpu_plan(s.plan_host, kGpuPlanBytes, s.o.max_slots, s.peer);
+    } catch (const Error&) {
+    }
+    if (last.is_close()) {
+      s.closed = true;
+      return false;
+    }
+    fail("{}", s.link.failure());
+  }
+  const GpuStepPlan plan = decode_gpu_plan(s.plan_host, kGpuPlanBytes, s.o.max_slots, s.peer);
   if (plan.is_close()) {  // the inference rank is done with the link: post nothing more
     s.closed = true;
     return false;
   }
+  stats_.bytes_received += kGpuPlanBytes;  // as the inference rank counts it
   const int B = static_cast<int>(plan.rows.size()), T = plan.total_tokens();
   SPADE_CHECK(T <= s.o.max_step_tokens, "{}: step {} has {} tokens, this rank holds {}", s.peer, plan.step, T,
               s.o.max_step_tokens);

@@ -98,6 +98,11 @@ int main(int argc, char** argv) {
                  "cpu (the CPU selector over UCX) | cuda (the GPU server over NCCL / CUDA IPC, paired with "
                  "inference_rank --serve --device cuda; its shapes and limits come from the inference rank's hello)");
   app.add_option("--gpu", gpu_index, "--device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
+  int hello_timeout_ms = 600000;
+  app.add_option("--hello-timeout-ms", hello_timeout_ms,
+                 "--device cuda: longest wait for the inference rank's pair hello (it loads its weights first)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     spade::init_logging("cache_rank", log_level);
@@ -145,19 +150,25 @@ int main(int argc, char** argv) {
         return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
                                                           deadline - spade::coord::Clock::now()));
       };
-      std::unique_ptr<spade::transport::GpuLink> link;
+      // The link lives as long as the control-plane callback that may abort it (the callback can still be running
+      // on the client's I/O thread when this scope ends).
+      struct Shared {
+        std::shared_ptr<spade::transport::GpuLink> link;
+        std::atomic<int> exit_code{0};
+      };
+      auto shared = std::make_shared<Shared>();
       const auto kind = peer.transport().kind();
       if (kind == spade::proto::TRANSPORT_CUDA_IPC) {
         spade::transport::CudaIpcLinkOptions lo;
         lo.device = gpu_index;
-        link = spade::transport::CudaIpcLink::open(peer.transport().address(), peer_name, lo);
+        shared->link = spade::transport::CudaIpcLink::open(peer.transport().address(), peer_name, lo);
       } else if (kind == spade::proto::TRANSPORT_NCCL) {
 #ifdef SPADE_HAVE_NCCL_LINK
         spade::transport::NcclLinkOptions no;
         no.device = gpu_index;
-        no.connect_timeout = left();
-        link = std::make_unique<spade::transport::NcclLink>(peer.transport().address(),
-                                                            spade::transport::PairRole::kCache, peer_name, no);
+        no.connect_timeout = std::max(std::chrono::milliseconds(1000), left());
+        shared->link = std::make_shared<spade::transport::NcclLink>(
+            peer.transport().address(), spade::transport::PairRole::kCache, peer_name, no);
 #else
         spade::fail("{}: {} offers an NCCL link, but this build has no NCCL", self, peer_name);
 #endif
@@ -166,22 +177,26 @@ int main(int argc, char** argv) {
                     "--selection predicted, or run this cache rank with --device cpu",
                     self, peer_name, spade::proto::TransportKind_Name(kind));
       }
-      const spade::cache::GpuPairHello hello = spade::cache::recv_gpu_hello(*link, cfg, peer_name, left());
-      spade::cache::GpuCacheServer server(cfg, spade::cache::gpu_cache_options(hello, sc, gpu_index), *link,
+      spade::transport::GpuLink& link = *shared->link;
+      // Control-plane events, from before the hello wait on: a dead inference rank ends it (the link is aborted).
+      const uint32_t peer_rank = peer.rank();
+      cc.set_event_callback([shared, peer_rank, peer_name, self](const spade::coord::ClientEvent& ev) {
+        if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return;
+        spdlog::info("{}: {}", self, ev.message);
+        if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown)
+          shared->link->abort(fmt::format("{} is down: {}", peer_name, ev.peer_down.reason()));
+        shared->exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
+        g_stop = true;
+      });
+      // The inference rank uploads its weights after the rendezvous, then sends the hello: wait that long.
+      const spade::cache::GpuPairHello hello =
+          spade::cache::recv_gpu_hello(link, cfg, peer_name, std::chrono::milliseconds(hello_timeout_ms));
+      spade::cache::GpuCacheServer server(cfg, spade::cache::gpu_cache_options(hello, sc, gpu_index), link,
                                           peer_name);
       spdlog::info("{}: serving {} on GPU {} ({} MB of device memory: {} pages x {} tokens, budget {}, local window "
                    "{}, delta capacity {}, {} layers per pack)",
                    self, peer_name, gpu_index, server.device_bytes() >> 20, hello.num_pages, hello.page_size,
                    hello.token_budget, hello.local_window, hello.delta_capacity, hello.layers_per_pack);
-      std::atomic<int> exit_code{0};
-      cc.set_event_callback([&](const spade::coord::ClientEvent& ev) {
-        if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer.rank()) return;
-        spdlog::info("{}: {}", self, ev.message);
-        if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown)
-          link->abort(fmt::format("{} is down: {}", peer_name, ev.peer_down.reason()));
-        exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
-        g_stop = true;
-      });
       auto& bytes = registry.counter("spade_transfer_bytes_total",
                                      "Data-plane bytes moved, by direction and transport.", {"direction", "transport"});
       const char* tname = kind == spade::proto::TRANSPORT_NCCL ? "nccl" : "cuda_ipc";
@@ -193,33 +208,42 @@ int main(int argc, char** argv) {
                              .with();
       connected = true;
       spade::cache::GpuCacheStats seen;
+      auto count = [&] {
+        const spade::cache::GpuCacheStats& now = server.stats();
+        bytes_in.inc(static_cast<double>(now.bytes_received - seen.bytes_received));
+        bytes_out.inc(static_cast<double>(now.bytes_sent - seen.bytes_sent));
+        steps.inc(static_cast<double>(now.steps - seen.steps));
+        selections.inc(static_cast<double>(now.selections - seen.selections));
+        seen = now;
+      };
       std::string err;
       try {
         while (!g_stop) {
           heartbeat.tick();
-          if (!server.serve_step(std::chrono::milliseconds(100))) {
+          if (server.serve_step(std::chrono::milliseconds(100))) {
+            count();
+          } else if (server.closed()) {
             // The inference rank closed the stream (it is shutting down): wait for the coordinator's shutdown.
-            if (server.closed()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-            continue;
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
           }
-          const spade::cache::GpuCacheStats& now = server.stats();
-          bytes_in.inc(static_cast<double>(now.bytes_received - seen.bytes_received));
-          bytes_out.inc(static_cast<double>(now.bytes_sent - seen.bytes_sent));
-          steps.inc(static_cast<double>(now.steps - seen.steps));
-          selections.inc(static_cast<double>(now.selections - seen.selections));
-          seen = now;
         }
+        // Stopping: serve what the inference rank still sends until its close plan, for a bounded time.
+        for (auto until = spade::coord::Clock::now() + std::chrono::seconds(2);
+             !server.closed() && !link.failed() && spade::coord::Clock::now() < until;)
+          if (server.serve_step(std::chrono::milliseconds(100))) count();
       } catch (const std::exception& e) {
         err = e.what();
       }
+      // Nothing may stay pending when the server frees its memory (cudaFree would wait for the receive forever).
+      if (!server.closed()) link.abort(fmt::format("{} is shutting down", self));
       const spade::cache::GpuCacheStats& st = server.stats();
       spdlog::info("{}: {} steps, {} selections ({} first), {:.1f} MB in, {:.1f} MB out", self, st.steps,
                    st.selections, st.first_selections, st.bytes_received / 1e6, st.bytes_sent / 1e6);
       if (!err.empty()) {
         spdlog::error("{}: GPU data plane to {} failed: {}", self, peer_name, err);
-        return g_stop ? exit_code.load() : 1;
+        return g_stop ? shared->exit_code.load() : 1;
       }
-      return exit_code;
+      return shared->exit_code.load();
 #else
       spade::fail("{}: --device cuda: this build has no GPU cache rank (configure with CUDA)", self);
 #endif
@@ -246,11 +270,12 @@ int main(int argc, char** argv) {
     spdlog::info("{}: serving {} ({} pages x {} tokens, budget {}, window W={}, eps={})", self, peer_name, kv_pages,
                  page_size, sc.token_budget, sc.query_window, sc.ridge_eps);
     // Control-plane events stop the data-plane loop.
-    std::atomic<int> exit_code{0};
-    cc.set_event_callback([&](const spade::coord::ClientEvent& ev) {
-      if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer.rank()) return;
+    // Captured by value: the callback may still run on the client's I/O thread while this scope unwinds.
+    auto exit_code = std::make_shared<std::atomic<int>>(0);
+    cc.set_event_callback([exit_code, peer_rank = peer.rank(), self](const spade::coord::ClientEvent& ev) {
+      if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return;
       spdlog::info("{}: {}", self, ev.message);
-      exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
+      *exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
       g_stop = true;
     });
     auto& select_time = registry
@@ -332,7 +357,7 @@ int main(int argc, char** argv) {
     }
     // A clean end of the link (the inference rank said shutdown) or a stop: wait for the world's shutdown briefly.
     for (int i = 0; i < 50 && !g_stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    return exit_code;
+    return exit_code->load();
 #endif
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cache_rank: error: %s\n", e.what());

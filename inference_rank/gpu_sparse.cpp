@@ -212,7 +212,7 @@ void GpuSparseController::fail_link(const std::string& why) {
   if (st.failed_handled) return;
   st.failed_handled = true;
   for (uint64_t id : st.planner.fail_all()) {
-    st.failures.emplace_back(id, "its cache rank failed: " + why);
+    st.failures.emplace_back(id, st.o.cache_name + " failed: " + why);
     ++stats_.failed_seqs;
   }
 }

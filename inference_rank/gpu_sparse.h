@@ -57,6 +57,7 @@ struct GpuSparseOptions {
   int max_sparse_seqs = 16;     // sequences sparse at once (held tables)
   int max_slots = 64;           // plan slots: the engine's max_num_seqs (the cache rank's max_slots)
   int max_step_tokens = 2048;   // the engine's max_num_batched_tokens
+  std::string cache_name = "its cache rank";  // names the cache rank in the errors of the requests it fails
 };
 
 struct GpuSparseStats {

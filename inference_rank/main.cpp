@@ -189,11 +189,13 @@ int main(int argc, char** argv) {
     std::unique_ptr<spade::Model> model;
     std::unique_ptr<spade::Engine> engine_ptr;
 #ifdef SPADE_HAVE_GPU_PATH
-    // Destroyed in reverse: the controller before the cache rank (whose link it uses), both after the engine's steps.
+    // Destroyed in reverse, also on an error: the controller first (its destructor sends the close plan), then the
+    // cache rank (which then has no receive pending), then the forward pass, whose cudaFree would otherwise wait
+    // for that receive forever (cache_rank/gpu_local.h).
+    std::unique_ptr<spade::GpuEngineForward> gpu;
     std::unique_ptr<spade::ModelConfig> gpu_attn_cfg;
     std::unique_ptr<spade::cache::LocalGpuCacheRank> gpu_cache;
     std::unique_ptr<spade::GpuSparseController> gpu_sparse;
-    std::unique_ptr<spade::GpuEngineForward> gpu;
 #endif
     if (device == "cuda") {
 #ifdef SPADE_HAVE_GPU_PATH
@@ -231,6 +233,7 @@ int main(int argc, char** argv) {
         gso.max_sparse_seqs = en.max_num_seqs;
         gso.max_first_per_step = std::min(4, en.max_num_seqs);
         gso.max_step_tokens = en.max_num_batched_tokens;
+        gso.cache_name = "the in-process cache rank";
         gpu_cache = std::make_unique<spade::cache::LocalGpuCacheRank>(*gpu_attn_cfg, so.selection, 0,
                                                                       so.selection_deadline);
         gpu_sparse = std::make_unique<spade::GpuSparseController>(*gpu_attn_cfg, gso, gpu_cache->inference_link(),

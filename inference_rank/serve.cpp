@@ -161,7 +161,8 @@ int run_serve(const ServeOptions& opt) {
       transport::NcclLinkOptions no;
       no.device = opt.gpu;
       no.op_timeout = opt.sparse.selection_deadline;
-      no.connect_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      no.connect_timeout = std::max(std::chrono::milliseconds(1000), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                          deadline - Clock::now()));
       nccl_link = std::make_unique<transport::NcclLink>(nccl_address, transport::PairRole::kInference, cache_name, no);
       gpu_link = nccl_link.get();
 #endif
@@ -182,7 +183,7 @@ int run_serve(const ServeOptions& opt) {
     endpoint = ep.get();
     link = std::make_unique<cache::TransportLink>(std::move(ep), cache::pack_shape(model->config(), sparse.selection));
     spdlog::info("{}: data plane to {} over {}", self, cache_name, net->kind());
-  } else if (sparse.mode == SelectionMode::Predicted) {
+  } else if (!on_gpu && sparse.mode == SelectionMode::Predicted) {
     spdlog::warn("{}: no cache rank in the world: predicted selection unavailable, decoding densely", self);
     sparse.mode = SelectionMode::Dense;
   }
@@ -221,6 +222,7 @@ int run_serve(const ServeOptions& opt) {
       gso.max_sparse_seqs = en.max_num_seqs;
       gso.max_first_per_step = std::min(4, en.max_num_seqs);
       gso.max_step_tokens = en.max_num_batched_tokens;
+      gso.cache_name = cache_name;
       gpu_sparse = std::make_unique<GpuSparseController>(*gpu_attn_cfg, gso, *gpu_link, en.page_size, gpu->max_batch());
       gpu_sparse->send_hello(make_gpu_pair_hello(*gpu_attn_cfg, gso, en));
       gpu->set_sparse(gpu_sparse.get());

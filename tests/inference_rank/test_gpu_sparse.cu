@@ -125,6 +125,7 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
     so.max_slots = eo.max_num_seqs;
     so.max_sparse_seqs = eo.max_num_seqs;
     so.max_step_tokens = eo.max_num_batched_tokens;
+    so.cache_name = "cache rank (test thread)";
     cache::SelectionConfig sel;
     sel.query_window = 4;
     cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
@@ -274,7 +275,7 @@ TEST(GpuSparse, DeadCacheRankFailsOnlyTheSparseRequests) {
   const RunResult got = run(&sp, /*kill_after_steps=*/8);
   EXPECT_NE(got.server_error, "");  // the server saw the abort
   EXPECT_EQ(got.reasons[1], FinishReason::Error);
-  EXPECT_NE(got.errors[1].find("cache rank"), std::string::npos) << got.errors[1];
+  EXPECT_NE(got.errors[1].find("cache rank (test thread) failed"), std::string::npos) << got.errors[1];
   EXPECT_EQ(got.reasons[0], FinishReason::Length) << got.errors[0];
   EXPECT_EQ(got.reasons[2], FinishReason::Length) << got.errors[2];
   EXPECT_EQ(got.tokens[0].size(), static_cast<size_t>(kMaxTokens[0]));
