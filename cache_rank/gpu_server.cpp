@@ -17,15 +17,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Event {
-  cudaEvent_t e = nullptr;
-  Event() { cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "GPU cache rank: event"); }
-  ~Event() {
-    if (e != nullptr) cudaEventDestroy(e);
-  }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-};
+using Event = CudaEvent;
 
 // The two selection groups of a step: steady rows (delta capacity C) and first rows (the full budget).
 enum Group { kSteady = 0, kFirst = 1 };

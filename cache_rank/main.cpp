@@ -53,6 +53,20 @@
 namespace {
 std::atomic<bool> g_stop{false};
 void on_signal(int) { g_stop = true; }
+
+// The world after the rendezvous, and the inference rank this cache rank serves (named for errors and logs).
+struct Paired {
+  spade::proto::ClusterView view;
+  std::string peer_name;
+};
+Paired rendezvous_with_inference(spade::coord::CoordinatorClient& cc, spade::coord::Deadline deadline,
+                                 const std::string& self) {
+  Paired p{cc.rendezvous(deadline), {}};
+  SPADE_CHECK(p.view.peers_size() > 0, "{}: the coordinator paired no inference rank with us", self);
+  const spade::proto::RankInfo& peer = p.view.peers(0);
+  p.peer_name = fmt::format("inference rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
+  return p;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,11 +155,9 @@ int main(int argc, char** argv) {
       co.device = fmt::format("cuda:{}", gpu_index);
       spade::coord::CoordinatorClient cc(co);
       const auto deadline = spade::coord::Clock::now() + std::chrono::milliseconds(rendezvous_ms);
-      const spade::proto::ClusterView view = cc.rendezvous(deadline);
-      SPADE_CHECK(view.peers_size() > 0, "{}: the coordinator paired no inference rank with us", self);
-      const spade::proto::RankInfo& peer = view.peers(0);
-      const std::string peer_name =
-          fmt::format("inference rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
+      const Paired paired = rendezvous_with_inference(cc, deadline, self);
+      const spade::proto::RankInfo& peer = paired.view.peers(0);
+      const std::string& peer_name = paired.peer_name;
       const auto left = [&] {
         return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
                                                           deadline - spade::coord::Clock::now()));
@@ -260,11 +272,9 @@ int main(int argc, char** argv) {
     co.transport_address = net->local_address();
     spade::coord::CoordinatorClient cc(co);
     const auto deadline = spade::coord::Clock::now() + std::chrono::milliseconds(rendezvous_ms);
-    const spade::proto::ClusterView view = cc.rendezvous(deadline);
-    SPADE_CHECK(view.peers_size() > 0, "{}: the coordinator paired no inference rank with us", self);
-    const spade::proto::RankInfo& peer = view.peers(0);
-    const std::string peer_name =
-        fmt::format("inference rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
+    const Paired paired = rendezvous_with_inference(cc, deadline, self);
+    const spade::proto::RankInfo& peer = paired.view.peers(0);
+    const std::string& peer_name = paired.peer_name;
     auto ep = net->connect(peer.transport().address(), peer_name, deadline);
     spade::cache::Selector sel(cfg, sc, kv_pages, page_size);
     spdlog::info("{}: serving {} ({} pages x {} tokens, budget {}, window W={}, eps={})", self, peer_name, kv_pages,

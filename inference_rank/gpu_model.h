@@ -38,6 +38,20 @@ namespace spade {
 /// Throws spade::Error "<what>: <cuda error> (<launch detail>)" when e != cudaSuccess.
 void cuda_check(cudaError_t e, const char* what);
 
+/// Owning CUDA event without timing (cross-stream ordering). Throws spade::Error naming `what` when it cannot be
+/// created. Not copyable.
+struct CudaEvent {
+  cudaEvent_t e = nullptr;
+  explicit CudaEvent(const char* what = "cudaEventCreate") {
+    cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), what);
+  }
+  ~CudaEvent() {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+};
+
 /// Owning device allocation (cudaMalloc / cudaFree). Moves only.
 class DeviceBuffer {
  public:

@@ -13,15 +13,7 @@ namespace spade {
 
 namespace {
 
-struct Event {
-  cudaEvent_t e = nullptr;
-  Event() { cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "GPU sparse: event"); }
-  ~Event() {
-    if (e != nullptr) cudaEventDestroy(e);
-  }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-};
+using Event = CudaEvent;
 
 }  // namespace
 

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "coordinator/client.h"
+#include "tests/inference_rank/cluster_client.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -18,10 +19,11 @@ namespace {
 
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
+using test::bin;
 using test::ChildProcess;
+using test::generate;
+using test::Outcome;
 using Clock = std::chrono::steady_clock;
-
-std::string bin(const std::string& rel) { return test::binary_dir() + "/" + rel; }
 
 struct Cluster {
   int port = test::free_port();
@@ -63,48 +65,7 @@ struct Cluster {
   }
 };
 
-std::unique_ptr<coord::CoordinatorClient> client(int port) {
-  coord::ClientOptions o;
-  o.coordinator_port = static_cast<uint16_t>(port);
-  o.role = proto::CLIENT;
-  auto c = std::make_unique<coord::CoordinatorClient>(o);
-  c->rendezvous(Clock::now() + 20s);
-  for (auto until = Clock::now() + 30s; Clock::now() < until; std::this_thread::sleep_for(50ms))
-    if (c->query_status(Clock::now() + 5s).world_complete()) return c;
-  throw std::runtime_error("world never complete");
-}
-
-struct Outcome {
-  std::vector<uint32_t> ids;
-  std::string text;
-  proto::FinishReason reason = proto::FINISH_NONE;
-  std::string error;
-};
-
-Outcome generate(coord::CoordinatorClient& c, const std::string& prompt, int max_tokens,
-                 const std::function<void(size_t)>& on_tokens = nullptr) {
-  proto::GenerateRequest r;
-  r.set_text(prompt);
-  r.set_max_tokens(max_tokens);
-  r.mutable_sampling()->set_temperature(0);
-  const uint64_t id = c.submit(r);
-  Outcome o;
-  for (auto until = Clock::now() + 60s; Clock::now() < until;) {
-    auto ch = c.next_chunk(until);
-    if (!ch) break;
-    if (ch->request_id() != id) continue;
-    for (auto t : ch->token_ids()) o.ids.push_back(t);
-    o.text += ch->text();
-    if (on_tokens) on_tokens(o.ids.size());
-    if (ch->finished()) {
-      o.reason = ch->finish_reason();
-      o.error = ch->error();
-      return o;
-    }
-  }
-  o.error = "no final chunk within 60 s";
-  return o;
-}
+std::unique_ptr<coord::CoordinatorClient> client(int port) { return test::cluster_client(port); }
 
 const std::vector<std::string> kFullBudget = {"--selection", "predicted", "--sparse-threshold", "32", "--token-budget",
                                               "512", "--layers-per-pack", "2", "--local-window", "16"};

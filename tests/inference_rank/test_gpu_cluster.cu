@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "coordinator/client.h"
+#include "tests/inference_rank/cluster_client.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -25,10 +26,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
+using test::bin;
 using test::ChildProcess;
+using test::Outcome;
 using Clock = std::chrono::steady_clock;
-
-std::string bin(const std::string& rel) { return test::binary_dir() + "/" + rel; }
 
 // A Qwen3 demo checkpoint the GPU kernels accept (head_dim 64), written once per test binary.
 const std::string& checkpoint() {
@@ -79,47 +80,13 @@ struct Cluster {
 };
 
 std::unique_ptr<coord::CoordinatorClient> client(int port) {
-  coord::ClientOptions o;
-  o.coordinator_port = static_cast<uint16_t>(port);
-  o.role = proto::CLIENT;
-  auto c = std::make_unique<coord::CoordinatorClient>(o);
-  c->rendezvous(Clock::now() + 60s);
-  for (auto until = Clock::now() + 90s; Clock::now() < until; std::this_thread::sleep_for(50ms))
-    if (c->query_status(Clock::now() + 5s).world_complete()) return c;
-  throw std::runtime_error("world never complete");
+  return test::cluster_client(port, std::chrono::seconds(60), std::chrono::seconds(90));
 }
 
-struct Outcome {
-  std::vector<uint32_t> ids;
-  std::string text;
-  proto::FinishReason reason = proto::FINISH_NONE;
-  std::string error;
-};
-
+// Greedy, past EOS (noise weights may emit it early), with room for a first CUDA start.
 Outcome generate(coord::CoordinatorClient& c, const std::string& prompt, int max_tokens,
                  const std::function<void(size_t)>& on_tokens = nullptr) {
-  proto::GenerateRequest r;
-  r.set_text(prompt);
-  r.set_max_tokens(max_tokens);
-  r.set_ignore_eos(true);
-  r.mutable_sampling()->set_temperature(0);
-  const uint64_t id = c.submit(r);
-  Outcome o;
-  for (auto until = Clock::now() + 120s; Clock::now() < until;) {
-    auto ch = c.next_chunk(until);
-    if (!ch) break;
-    if (ch->request_id() != id) continue;
-    for (auto t : ch->token_ids()) o.ids.push_back(t);
-    o.text += ch->text();
-    if (on_tokens) on_tokens(o.ids.size());
-    if (ch->finished()) {
-      o.reason = ch->finish_reason();
-      o.error = ch->error();
-      return o;
-    }
-  }
-  o.error = "no final chunk within 120 s";
-  return o;
+  return test::generate(c, prompt, max_tokens, on_tokens, test::GenerateOptions{true, std::chrono::seconds(120)});
 }
 
 // The number logged before `what` in the last line that has it, e.g. "123 sparse sequence-steps".

@@ -49,6 +49,7 @@
 #include "common/error.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/gpu_engine.h"
+#include "tests/inference_rank/gpu_test_models.h"
 #include "inference_rank/gpu_model.h"
 #include "inference_rank/model.h"
 #include "inference_rank/weights.h"
@@ -65,24 +66,7 @@ constexpr int kStateSlots = 5;  // hybrid models: GDN state slots of the test po
 constexpr GpuModelOptions kOpts{kMaxTokens, kMaxLogitRows, kStateSlots};
 constexpr double kParityTol = 0.05;
 
-ModelConfig qwen3_like() {
-  ModelConfig c;
-  c.model_type = "qwen3";
-  c.arch = ModelArch::Qwen3;
-  c.hidden_size = 256;
-  c.intermediate_size = 512;
-  c.num_layers = 3;
-  c.num_q_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 1024;
-  c.max_position_embeddings = 4096;
-  c.rms_norm_eps = 1e-6f;
-  c.rope_theta = 1e6;
-  c.tie_word_embeddings = false;
-  c.qk_norm = true;
-  return c;
-}
+using test::qwen3_like;
 
 // Llama with attention_bias (q/k/v and o_proj bias, as config.cpp maps it for llama) and mlp_bias: every bias
 // buffer of the GPU path is exercised.

@@ -27,6 +27,7 @@
 #include "inference_rank/engine.h"
 #include "inference_rank/gpu_engine.h"
 #include "inference_rank/gpu_sparse.h"
+#include "tests/inference_rank/gpu_test_models.h"
 #include "transport/cuda_ipc/cuda_ipc_link.h"
 
 namespace spade {
@@ -35,22 +36,10 @@ namespace {
 using transport::CudaIpcLink;
 using transport::CudaIpcLinkOptions;
 
+// The shared Qwen3-like test model with 6 layers: 3 layer packs of 2.
 ModelConfig qwen3_like() {
-  ModelConfig c;
-  c.model_type = "qwen3";
-  c.arch = ModelArch::Qwen3;
-  c.hidden_size = 256;
-  c.intermediate_size = 512;
+  ModelConfig c = test::qwen3_like();
   c.num_layers = 6;
-  c.num_q_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 1024;
-  c.max_position_embeddings = 4096;
-  c.rms_norm_eps = 1e-6f;
-  c.rope_theta = 1e6;
-  c.tie_word_embeddings = false;
-  c.qk_norm = true;
   return c;
 }
 

@@ -233,6 +233,18 @@ Header* map_header(const std::string& name, bool create, const std::string& who)
   return static_cast<Header*>(p);
 }
 
+// Registers the mapped header for device access (stream memory operations read and write it) and records its
+// device view in `m`.
+void register_header(Mapping& m, const std::string& who) {
+  cudaError_t e = cudaHostRegister(m.h, kHeaderBytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  SPADE_CHECK(e == cudaSuccess, "{}: cudaHostRegister of the shared header: {}", who, cudaGetErrorString(e));
+  m.registered = true;
+  void* dh = nullptr;
+  e = cudaHostGetDevicePointer(&dh, m.h, 0);
+  SPADE_CHECK(e == cudaSuccess, "{}: cudaHostGetDevicePointer: {}", who, cudaGetErrorString(e));
+  m.dh = static_cast<Header*>(dh);
+}
+
 }  // namespace
 
 struct CudaIpcLink::State {
@@ -370,15 +382,9 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::create(std::string peer_name, CudaIpcL
   m->shm_name = fmt::format("/spade-ipc-{}-{:016x}", ::getpid(), id);
   m->h = map_header(m->shm_name, true, st.who);
   std::memset(static_cast<void*>(m->h), 0, kHeaderBytes);
-  cudaError_t e = cudaHostRegister(m->h, kHeaderBytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
-  SPADE_CHECK(e == cudaSuccess, "{}: cudaHostRegister of the shared header: {}", st.who, cudaGetErrorString(e));
-  m->registered = true;
-  void* dh = nullptr;
-  e = cudaHostGetDevicePointer(&dh, m->h, 0);
-  SPADE_CHECK(e == cudaSuccess, "{}: cudaHostGetDevicePointer: {}", st.who, cudaGetErrorString(e));
-  m->dh = static_cast<Header*>(dh);
+  register_header(*m, st.who);
   const size_t total = 2 * static_cast<size_t>(st.slots) * st.chunk_bytes;
-  e = cudaMalloc(reinterpret_cast<void**>(&m->ring), total);
+  cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&m->ring), total);
   SPADE_CHECK(e == cudaSuccess, "{}: cudaMalloc of {} bytes on device {}: {}", st.who, total, opts.device,
               cudaGetErrorString(e));
   m->ring_owned = true;
@@ -445,16 +451,10 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::open(const std::string& address, std::
     m->device = opts.device;
     m->shm_name = a.shm_name;
     m->h = map_header(m->shm_name, false, st.who);
-    cudaError_t e = cudaHostRegister(m->h, kHeaderBytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
-    SPADE_CHECK(e == cudaSuccess, "{}: cudaHostRegister of the shared header: {}", st.who, cudaGetErrorString(e));
-    m->registered = true;
-    void* dh = nullptr;
-    e = cudaHostGetDevicePointer(&dh, m->h, 0);
-    SPADE_CHECK(e == cudaSuccess, "{}: cudaHostGetDevicePointer: {}", st.who, cudaGetErrorString(e));
-    m->dh = static_cast<Header*>(dh);
+    register_header(*m, st.who);
     SPADE_CHECK(a.handle_ok == 1, "{}: the creator could not export its memory (cudaIpcGetMemHandle failed)", st.who);
     void* p = nullptr;
-    e = cudaIpcOpenMemHandle(&p, a.handle, cudaIpcMemLazyEnablePeerAccess);
+    cudaError_t e = cudaIpcOpenMemHandle(&p, a.handle, cudaIpcMemLazyEnablePeerAccess);
     SPADE_CHECK(e == cudaSuccess, "{}: cudaIpcOpenMemHandle of the creator's memory (GPU {}) on device {} (GPU {}): {}",
                 st.who, a.bus_id, opts.device, bus_id(opts.device), cudaGetErrorString(e));
     m->ring = static_cast<char*>(p);

@@ -1,0 +1,80 @@
+// Helpers of the multi-process cluster tests (test_cluster.cpp: CPU over UCX; test_gpu_cluster.cu: GPU over a
+// GpuLink): a client of the coordinator once the world is complete, and one greedy request streamed to its end.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "coordinator/client.h"
+#include "tests/test_util.h"
+
+namespace spade::test {
+
+/// A program of this build, e.g. "cache_rank/cache_rank".
+inline std::string bin(const std::string& rel) { return binary_dir() + "/" + rel; }
+
+/// A CLIENT of the coordinator on 127.0.0.1:`port`, returned once the world is complete (registration within
+/// `rendezvous`, completion within `complete`); throws std::runtime_error otherwise.
+inline std::unique_ptr<coord::CoordinatorClient> cluster_client(int port,
+                                                                std::chrono::milliseconds rendezvous = std::chrono::seconds(20),
+                                                                std::chrono::milliseconds complete = std::chrono::seconds(30)) {
+  using Clock = std::chrono::steady_clock;
+  coord::ClientOptions o;
+  o.coordinator_port = static_cast<uint16_t>(port);
+  o.role = proto::CLIENT;
+  auto c = std::make_unique<coord::CoordinatorClient>(o);
+  c->rendezvous(Clock::now() + rendezvous);
+  for (auto until = Clock::now() + complete; Clock::now() < until;
+       std::this_thread::sleep_for(std::chrono::milliseconds(50)))
+    if (c->query_status(Clock::now() + std::chrono::seconds(5)).world_complete()) return c;
+  throw std::runtime_error("world never complete");
+}
+
+struct Outcome {
+  std::vector<uint32_t> ids;
+  std::string text;
+  proto::FinishReason reason = proto::FINISH_NONE;
+  std::string error;
+};
+
+struct GenerateOptions {
+  bool ignore_eos = false;
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);  // for the final chunk
+};
+
+/// One greedy request of `max_tokens` for `prompt`, its chunks gathered until the final one; `on_tokens` sees the
+/// token count after every chunk. On a timeout, `error` says so and `reason` stays FINISH_NONE.
+inline Outcome generate(coord::CoordinatorClient& c, const std::string& prompt, int max_tokens,
+                        const std::function<void(size_t)>& on_tokens = nullptr, GenerateOptions opt = {}) {
+  using Clock = std::chrono::steady_clock;
+  proto::GenerateRequest r;
+  r.set_text(prompt);
+  r.set_max_tokens(static_cast<uint32_t>(max_tokens));
+  r.set_ignore_eos(opt.ignore_eos);
+  r.mutable_sampling()->set_temperature(0);
+  const uint64_t id = c.submit(r);
+  Outcome o;
+  for (auto until = Clock::now() + opt.timeout; Clock::now() < until;) {
+    auto ch = c.next_chunk(until);
+    if (!ch) break;
+    if (ch->request_id() != id) continue;
+    for (auto t : ch->token_ids()) o.ids.push_back(t);
+    o.text += ch->text();
+    if (on_tokens) on_tokens(o.ids.size());
+    if (ch->finished()) {
+      o.reason = ch->finish_reason();
+      o.error = ch->error();
+      return o;
+    }
+  }
+  o.error = "no final chunk within " + std::to_string(opt.timeout.count() / 1000) + " s";
+  return o;
+}
+
+}  // namespace spade::test
