@@ -17,13 +17,14 @@
 #                         skipped unless "bgbuild" is asked for (a low-priority build in the background, checked at
 #                         the end, so the device build is still verified while the prebuilt binaries run)
 #   SPADE_CTEST_REGEX     only the gpu tests whose ctest name matches (ctest -R; default: all); the build builds those
+#   SPADE_CTEST_TIMEOUT   per-test ctest timeout in seconds (default 1800)
 #   SPADE_BENCHES         benchmarks to run (default "kernels gdn": bench_kernels + SDPA peer, bench_gdn; "tpot":
 #                         bench_tpot, the issue-#7 TPOT table -- dense / oracle on GPU 0, AsyncSpade over GPUs 0+1
 #                         (on a one-GPU machine both ranks on GPU 0 over CUDA IPC), with and without delta transfer)
 #                         "serve": inference_rank --device cuda dense vs --selection predicted (in-process GPU
 #                         cache rank), TPOT lines in serve_demo.txt
 #   SPADE_TPOT_ARGS       extra bench_tpot arguments for every configuration (e.g. "--steps 64")
-#   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default "8b-b8 8b-b16 32b-b8")
+#   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default "8b-b8 8b-b16 32b-b8"; one GPU: "8b-b8-1gpu 8b-b8-16k-ipc")
 #   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
 #                         the same code paths at 128k tokens and take minutes under the sanitizer)
 # Dependencies: on a machine without Spade's Debian packages (the lent GPU machines), carry build-device-deps/
@@ -121,7 +122,7 @@ fi
 if want test; then
   if [ -z "${PREBUILT}" ]; then
     log "ctest -L gpu"
-    (cd "${BUILD}" && with_deps ctest -L gpu ${CTEST_R[@]+"${CTEST_R[@]}"} --output-on-failure --timeout 1800) \
+    (cd "${BUILD}" && with_deps ctest -L gpu ${CTEST_R[@]+"${CTEST_R[@]}"} --output-on-failure --timeout "${SPADE_CTEST_TIMEOUT:-1800}") \
       >"${OUT}/tests.log" 2>&1 || STATUS=1
     grep -E "tests passed|Passed|Failed|\*\*\*|Total Test" "${OUT}/tests.log" | tail -30
   else
@@ -204,6 +205,10 @@ if want bench && bench_wanted tpot; then
       8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256) ;;
       8b-b16) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k --batch 16 --context 16384 --budget 1024 --packs 6) ;;
       32b-b8) args=(--config "${DATA}/configs/qwen3-32b" --label qwen3-32b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 8) ;;
+      # One-GPU variants (nvidia-h100-x1): the 32k baselines (dense, oracle) fit beside the weights; the async
+      # pipeline holds the KV twice on one GPU (inference rank + cache rank), so it runs at 16k over CUDA IPC.
+      8b-b8-1gpu) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-1gpu --batch 8 --context 32768 --budget 2048 --modes dense,oracle) ;;
+      8b-b8-16k-ipc) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-16k-ipc --batch 8 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128 --link ipc) ;;
       *) log "unknown SPADE_TPOT_CONFIGS entry $c"; STATUS=1; continue ;;
     esac
     log "bench_tpot $c"
@@ -214,7 +219,8 @@ if want bench && bench_wanted tpot; then
 fi
 # "serve": the inference rank's own GPU path end to end (inference_rank --device cuda, Qwen3-8B shape with random
 # weights, 8 long prompts, 1024 generated tokens each): dense, then AsyncSpade with the GPU cache rank in the same
-# process (cache_rank/gpu_local.h). The TPOT / tokens/s lines of both go to serve_demo.txt. One GPU shared by both
+# process (cache_rank/gpu_local.h). The TPOT / tokens/s lines of both go to serve_demo.txt, the whole logs to
+# serve.log. One GPU shared by both
 # ranks: a functional end-to-end run, not the overlap measurement (bench_tpot is).
 if want bench && bench_wanted serve; then
   IR_BIN="${BUILD}/inference_rank/inference_rank"
@@ -223,12 +229,13 @@ if want bench && bench_wanted serve; then
   demo=(--model "${DATA}/configs/qwen3-8b" --random-weights --tokenizer "${DATA}/tokenizers/qwen2" --device cuda
         --max-tokens 1024 --ignore-eos --temperature 0 --max-num-seqs 8 --max-num-batched-tokens 2048 --kv-cache-gib 8)
   for i in 1 2 3 4 5 6 7 8; do demo+=(--prompt "${PROMPT}"); done
-  : >"${OUT}/serve_demo.txt"
+  : >"${OUT}/serve_demo.txt"; : >"${OUT}/serve.log"
   for sel in dense predicted; do
     log "inference_rank --device cuda --selection ${sel}"
     with_deps "${IR_BIN}" "${demo[@]}" --selection "${sel}" --sparse-threshold 512 --token-budget 256 \
-      --local-window 64 --delta-capacity 64 2>&1 >/dev/null | grep -E '^\[spade\]|error' | sed "s/^/${sel}: /" \
-      | tee -a "${OUT}/serve_demo.txt" || STATUS=1
+      --local-window 64 --delta-capacity 64 2>&1 >/dev/null | sed "s/^/${sel}: /" | tee -a "${OUT}/serve.log" \
+      | grep -E ': \[spade\]|error' | tee -a "${OUT}/serve_demo.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || STATUS=1
   done
 fi
 if want bench && bench_wanted kernels; then

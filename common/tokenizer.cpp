@@ -787,11 +787,13 @@ struct Tokenizer::Impl {
                    std::vector<std::tuple<size_t, size_t, int32_t>>& out) const;
 
   // ---- decoding ----
-  const std::string& token_of(int32_t id) const {
-    if (id < 0 || static_cast<size_t>(id) >= id_kind.size() || id_kind[id] == 0) {
-      fail("{}: token id {} is not in the vocabulary (vocab_size {})", source, id, id_kind.size());
-    }
-    return id_to_tok[id];
+  // The token string of `id`, or nullptr for an id >= 0 that names no token: the library's decode drops those
+  // (filter_map over id_to_token), and a model's embedding is often padded past the tokenizer (Qwen2/3: 151936
+  // rows, 151665 tokens), so a sampled id may fall there. A negative id is a caller's bug and throws.
+  const std::string* token_of(int32_t id) const {
+    if (id < 0) fail("{}: token id {} is negative", source, id);
+    if (static_cast<size_t>(id) >= id_kind.size() || id_kind[id] == 0) return nullptr;
+    return &id_to_tok[id];
   }
   bool is_special(int32_t id) const {
     return id >= 0 && static_cast<size_t>(id) < special_ids.size() && special_ids[id] != 0;
@@ -1658,9 +1660,9 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
   std::vector<std::string> tokens;
   tokens.reserve(ids.size());
   for (int32_t id : ids) {
-    const std::string& tok = t.token_of(id);
-    if (skip_special_tokens && t.is_special(id)) continue;
-    tokens.push_back(tok);
+    const std::string* tok = t.token_of(id);
+    if (tok == nullptr || (skip_special_tokens && t.is_special(id))) continue;
+    tokens.push_back(*tok);
   }
   if (!t.has_decoder) {
     std::string out;
@@ -1998,9 +2000,9 @@ StreamingDecoder::StreamingDecoder(StreamingDecoder&&) noexcept = default;
 StreamingDecoder& StreamingDecoder::operator=(StreamingDecoder&&) noexcept = default;
 
 std::string StreamingDecoder::push(int32_t id) {
-  const std::string& tok = impl_->token_of(id);
-  if (skip_special_ && impl_->is_special(id)) return std::string();
-  state_->feed(0, tok);
+  const std::string* tok = impl_->token_of(id);
+  if (tok == nullptr || (skip_special_ && impl_->is_special(id))) return std::string();
+  state_->feed(0, *tok);
   std::string out;
   out.swap(state_->out);
   return out;

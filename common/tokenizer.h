@@ -102,7 +102,9 @@ class Tokenizer {
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = true) const;
 
   /// Text of `ids` through the decoder chain. Ids of special added tokens are dropped when
-  /// skip_special_tokens. Throws spade::Error for an id that is neither in the vocabulary nor an added token.
+  /// skip_special_tokens. An id >= 0 that is neither in the vocabulary nor an added token is dropped, as the
+  /// library's decode drops it (models pad their embedding past the tokenizer: a sampled id may land there);
+  /// a negative id throws spade::Error.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
 
   /// Added tokens first, then the model vocabulary (the library's order). std::nullopt when unknown.
@@ -162,7 +164,7 @@ class StreamingDecoder {
   StreamingDecoder(StreamingDecoder&&) noexcept;
   StreamingDecoder& operator=(StreamingDecoder&&) noexcept;
 
-  /// Throws spade::Error for an unknown id (as decode does).
+  /// An id the tokenizer lacks gives "" and a negative id throws spade::Error (as decode does).
   std::string push(int32_t id);
   /// Flushes everything held back. The decoder is then reset for a new sequence.
   std::string finish();

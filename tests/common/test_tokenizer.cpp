@@ -260,7 +260,7 @@ TEST(Qwen2Tokenizer, SpecialTokensInTextAreSingleIds) {
   EXPECT_EQ(t.decode(partial), "<|im_start|");
 }
 
-TEST(Qwen2Tokenizer, RejectsInvalidUtf8AndUnknownIds) {
+TEST(Qwen2Tokenizer, RejectsInvalidUtf8AndNegativeIdsAndDropsIdsPastTheVocabulary) {
   try {
     qwen2().encode("ab\xFF", false);
     FAIL() << "expected an error";
@@ -268,14 +268,24 @@ TEST(Qwen2Tokenizer, RejectsInvalidUtf8AndUnknownIds) {
     EXPECT_THAT(e.what(), HasSubstr("not valid UTF-8 (byte 2 of 3)"));
     EXPECT_THAT(e.what(), HasSubstr("tokenizer.json"));
   }
-  const std::vector<int32_t> bad = {9707, 151646};
+  // Ids past the tokenizer (the model's padded embedding rows, 151646..151935 for Qwen2) are dropped, as the
+  // library's decode drops them; the text around them is unchanged. Negative ids are errors.
+  const std::vector<int32_t> padded = {9707, 151646, 151919, 11, 1879};
+  const std::vector<int32_t> known = {9707, 11, 1879};
+  EXPECT_EQ(qwen2().decode(padded), qwen2().decode(known));
+  EXPECT_EQ(qwen2().decode(padded), "Hello, world");
   try {
-    qwen2().decode(bad);
+    qwen2().decode(std::vector<int32_t>{9707, -3});
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("token id 151646 is not in the vocabulary (vocab_size 151646)"));
+    EXPECT_THAT(e.what(), HasSubstr("token id -3 is negative"));
+    EXPECT_THAT(e.what(), HasSubstr("tokenizer.json"));
   }
   StreamingDecoder sd(qwen2());
+  std::string streamed;
+  for (int32_t id : padded) streamed += sd.push(id);
+  streamed += sd.finish();
+  EXPECT_EQ(streamed, "Hello, world");
   EXPECT_THROW(sd.push(-1), Error);
 }
 
