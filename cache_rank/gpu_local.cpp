@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "inference_rank/gpu_model.h"
+#include "kernels/selection.cuh"
 
 namespace spade::cache {
 
@@ -28,6 +29,8 @@ LocalGpuCacheRank::LocalGpuCacheRank(const ModelConfig& attn_cfg, SelectionConfi
   lo.device = device;
   lo.op_timeout = op_timeout;
   inf_ = transport::CudaIpcLink::create("cache rank (in-process, GPU " + std::to_string(device) + ")", lo);
+  // Kernel set-up on this thread, while nothing is pending on the link (kernels/selection.cuh).
+  cuda_check(kernels::prepare_selection_kernels(), "in-process cache rank: selection kernels set-up");
   cache_ = transport::CudaIpcLink::open(inf_->address(), "inference rank (in-process)", lo);
   inf_->connect();
   hello_timeout_ = hello_timeout;

@@ -329,6 +329,8 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
   SPADE_CHECK(opts.max_slots <= gpu_plan_max_rows(), "GPU cache rank: {} slots exceed a plan's {} rows",
               opts.max_slots, gpu_plan_max_rows());
   cuda_check(cudaSetDevice(opts.device), "GPU cache rank: cudaSetDevice");
+  // The selection kernels' shared-memory limits now, before the first receive is posted (kernels/selection.cuh).
+  cuda_check(kernels::prepare_selection_kernels(), "GPU cache rank: selection kernels set-up");
   st_ = std::make_unique<State>(attn_cfg, opts, link, std::move(peer));
   State& s = *st_;
   for (cudaStream_t* x : {&s.up, &s.work, &s.down})

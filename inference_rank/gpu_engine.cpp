@@ -64,6 +64,47 @@ GpuEngineForward::~GpuEngineForward() {
 
 int GpuEngineForward::max_batch() const { return bucket_for(opt_.max_num_seqs); }
 
+int GpuEngineForward::warm_up() {
+  SPADE_CHECK(sparse_ == nullptr, "GPU engine: warm_up() runs before set_sparse()");
+  const int scratch = opt_.num_pages, max_len = max_pages_ * opt_.page_size;
+  const bool hybrid = model_->config().is_hybrid();
+  // `lens[b]` tokens of sequence b at positions 0.., every block-table entry on the scratch page; logits of the last
+  // token of each sequence.
+  const auto step = [&](const std::vector<int>& lens) {
+    ForwardBatch fb;
+    fb.max_pages = max_pages_;
+    fb.cu_q_lens.push_back(0);
+    for (size_t b = 0; b < lens.size(); ++b) {
+      for (int t = 0; t < lens[b]; ++t) {
+        fb.tokens.push_back(0);
+        fb.positions.push_back(lens[b] == 1 ? 0 : t);
+      }
+      fb.cu_q_lens.push_back(static_cast<int32_t>(fb.tokens.size()));
+      fb.seq_lens.push_back(lens[b]);
+      fb.seq_ids.push_back(b);
+      if (hybrid) fb.state_slots.push_back(-1);
+      fb.logit_rows.push_back(static_cast<int32_t>(fb.tokens.size()) - 1);
+    }
+    fb.block_table.assign(lens.size() * static_cast<size_t>(max_pages_), scratch);
+    run(fb);
+    finish(fb);
+  };
+  int steps = 0;
+  // The largest prompt step: max_num_batched_tokens tokens over as few sequences as max_model_len allows.
+  const int T = opt_.max_num_batched_tokens;
+  const int seqs = std::min(opt_.max_num_seqs, (T + max_len - 1) / max_len);
+  std::vector<int> lens(static_cast<size_t>(seqs), std::min(max_len, T / seqs));
+  if (lens[0] > 1) {
+    step(lens);
+    ++steps;
+  }
+  for (int b = 1; b <= max_batch(); b *= 2) {
+    step(std::vector<int>(static_cast<size_t>(std::min(b, opt_.max_num_seqs)), 1));
+    ++steps;
+  }
+  return steps;
+}
+
 void GpuEngineForward::run(const ForwardBatch& fb) {
   const int T = fb.total_tokens(), B = fb.batch();
   SPADE_CHECK(fb.max_pages <= max_pages_, "GPU engine: block table of {} pages exceeds max_model_len's {}",

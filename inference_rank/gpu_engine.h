@@ -53,6 +53,13 @@ class GpuEngineForward {
   /// While its link is up, every step runs eagerly (no CUDA graph: the layer packs' sends and the selection
   /// receives are enqueued per step); after a link failure the controller attends densely and graphs resume.
   void set_sparse(GpuSparseController* sparse) { sparse_ = sparse; }
+  /// Start-up pass (vLLM's profile run, in spirit): one eager step of max_num_batched_tokens prompt tokens, then one
+  /// decode step per graph bucket (capturing its graph when graphs are on), all on the scratch page, so that every
+  /// library's first-use set-up (cuBLASLt kernels and their attributes for these shapes) happens before a cache
+  /// rank shares the process: once a cache rank's receive is pending, a call that synchronises with pending copies
+  /// stalls until that receive's deadline. Call before set_sparse and before the pair hello. Writes only the scratch
+  /// page (the KV pool's extra page) and no GDN state (slot -1). Returns the number of steps run.
+  int warm_up();
   const GpuModel& model() const { return *model_; }
   /// Rows of the largest step it runs (max_num_seqs rounded up to its graph bucket): the `max_batch` of a
   /// GpuSparseController paired with it.

@@ -195,6 +195,10 @@ GpuBatch GpuStepBuffers::upload(const GpuStepHost& h, cudaStream_t stream) {
 
 GpuDenseAttention::GpuDenseAttention(const ModelConfig& cfg, int page_size, int max_batch)
     : cfg_(cfg), page_size_(page_size), max_batch_(max_batch) {
+  // Every attention kernel's shared-memory limit now, not at its first launch (kernels/attention.cuh: a first
+  // launch while a cache rank's receive is pending in this process would stall on cudaFuncSetAttribute).
+  cuda_check(kernels::prepare_decode_attention_kernels(), "decode attention kernels: set-up");
+  cuda_check(kernels::prepare_prefill_attention_kernels(), "prefill attention kernels: set-up");
   workspace_ = DeviceBuffer(kernels::decode_workspace_bytes(max_batch, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim),
                             "decode workspace");
   cuda_check(kernels::decode_workspace_init({workspace_.get(), workspace_.bytes()}, nullptr), "decode workspace init");

@@ -219,6 +219,11 @@ int main(int argc, char** argv) {
         gm = spade::GpuModel::upload(ckpt->config(), ckpt->weights(), mo);
       }
       gpu = std::make_unique<spade::GpuEngineForward>(std::move(gm), go);
+      {
+        const auto t_warm = Clock::now();
+        const int n = gpu->warm_up();  // before the in-process cache rank exists (gpu_engine.h)
+        spdlog::info("GPU warm-up: {} steps in {:.1f} ms", n, ms(Clock::now() - t_warm));
+      }
       if (so.mode == spade::SelectionMode::Predicted) {
         // AsyncSpade on one GPU: the cache rank runs in this process on its own thread, over a CudaIpcLink.
         const spade::EngineOptions& en = engine_ptr->options();

@@ -207,6 +207,12 @@ int run_serve(const ServeOptions& opt) {
     gpu = std::make_unique<GpuEngineForward>(
         GpuModel::upload(model_cfg, model->weights(), GpuEngineForward::model_options(go)), go);
     model.reset();  // the host fp32 copy is no longer needed
+    {
+      const auto t_warm = std::chrono::steady_clock::now();
+      const int n = gpu->warm_up();  // before the pair hello (gpu_engine.h)
+      spdlog::info("{}: GPU warm-up: {} steps in {:.1f} ms", self, n,
+                   std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_warm).count());
+    }
     spdlog::info("{}: GPU {}: {:.2f} GB weights, {:.2f} GB KV pool ({} pages)", self, opt.gpu,
                  gpu->model().weight_bytes() / 1e9, gpu->kv_bytes() / 1e9, go.num_pages);
     if (gpu_link != nullptr) {

@@ -162,6 +162,16 @@ struct PagedPrefillParams {
 
 cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t stream);
 
+/// One-time setup of the attention kernels on the CURRENT device: the dynamic shared-memory limit of every compiled
+/// (dtype, head_dim, KV source) instantiation, which the launchers otherwise set on first use. Call it at start-up,
+/// before any stream of the process waits on another process's or thread's progress: cudaFuncSetAttribute
+/// synchronises with pending copies, so a first launch while a CudaIpcLink receive is pending (both ranks in one
+/// process) stalls until that receive's deadline (transport/cuda_ipc/cuda_ipc_link.h). Idempotent and thread-safe.
+/// Returns the first CUDA error.
+cudaError_t prepare_decode_attention_kernels();
+/// The same for the prefill kernel (every dtype and head_dim).
+cudaError_t prepare_prefill_attention_kernels();
+
 /// Human-readable reason of the last cudaErrorInvalidValue returned by a launcher of this file or selection.cuh on
 /// the calling thread ("" if none).
 const char* launch_error_detail();

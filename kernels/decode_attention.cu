@@ -457,14 +457,29 @@ struct DecodeShape {
   int batch, hq, hkv, head_dim, page_size, max_len, forced_splits, forced_heads_per_cta;
 };
 
+// The dynamic shared-memory limit of decode_kernel<T, D, SRC> on the current device, set once (launch or prepare).
+template <typename T, int D, KvSource SRC>
+cudaError_t decode_smem_attribute() {
+  static std::atomic<uint64_t> smem_done{0};
+  return ensure_smem_attribute(decode_kernel<T, D, SRC>, DecodeConfig<D, SRC>::kSmemBytes, smem_done);
+}
+
+template <typename T, int D>
+cudaError_t decode_smem_attributes() {
+  for (const cudaError_t e : {decode_smem_attribute<T, D, KvSource::kPaged>(),
+                              decode_smem_attribute<T, D, KvSource::kIndexed>(),
+                              decode_smem_attribute<T, D, KvSource::kPacked>()})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
 template <typename T, int D, KvSource SRC>
 cudaError_t launch_decode_typed(DecodeArgs args, const DecodeShape& sh, const DecodeWorkspace& ws,
                                 cudaStream_t stream) {
   using Cfg = DecodeConfig<D, SRC>;
   constexpr int kTableEntries = Cfg::kTableEntries;
   auto kernel = decode_kernel<T, D, SRC>;
-  static std::atomic<uint64_t> smem_done{0};
-  cudaError_t e = ensure_smem_attribute(kernel, Cfg::kSmemBytes, smem_done);
+  cudaError_t e = decode_smem_attribute<T, D, SRC>();
   if (e != cudaSuccess) return e;
 
   int hpc_forced = sh.forced_heads_per_cta;
@@ -684,6 +699,16 @@ cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cu
   const DecodeShape sh{p.batch,     p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size,
                        p.packed_capacity + p.local_window, p.num_splits, 1};
   return launch_decode<KvSource::kPacked>(p.dtype, a, sh, p.workspace, stream);
+}
+
+cudaError_t prepare_decode_attention_kernels() {
+  cudaError_t e = cudaSuccess;
+#define SPADE_PREPARE_CASE(D)                                                             \
+  if (e == cudaSuccess) e = detail::decode_smem_attributes<__nv_bfloat16, D>();           \
+  if (e == cudaSuccess) e = detail::decode_smem_attributes<__half, D>();
+  SPADE_FOR_EACH_HEAD_DIM(SPADE_PREPARE_CASE)
+#undef SPADE_PREPARE_CASE
+  return e;
 }
 
 }  // namespace spade::kernels

@@ -257,12 +257,18 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
   }
 }
 
+// The dynamic shared-memory limit of prefill_kernel<T, D> on the current device, set once (launch or prepare).
+template <typename T, int D>
+cudaError_t prefill_smem_attribute() {
+  static std::atomic<uint64_t> done{0};
+  return ensure_smem_attribute(prefill_kernel<T, D>, PrefillConfig<D>::kSmemBytes, done);
+}
+
 template <typename T, int D>
 cudaError_t launch_prefill_typed(const PrefillArgs& a, int batch, int max_q_len, cudaStream_t stream) {
   using Cfg = PrefillConfig<D>;
   auto kernel = prefill_kernel<T, D>;
-  static std::atomic<uint64_t> done{0};
-  cudaError_t e = ensure_smem_attribute(kernel, Cfg::kSmemBytes, done);
+  cudaError_t e = prefill_smem_attribute<T, D>();
   if (e != cudaSuccess) return e;
   const dim3 grid(ceil_div(static_cast<long long>(max_q_len) * a.group, kPfRows), a.hkv, batch);
   kernel<<<grid, kPfThreads, Cfg::kSmemBytes, stream>>>(a);
@@ -332,6 +338,16 @@ cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t st
     }
   }
   return invalid_argument(what, "head_dim ", p.head_dim, " is not compiled");
+}
+
+cudaError_t prepare_prefill_attention_kernels() {
+  cudaError_t e = cudaSuccess;
+#define SPADE_PREPARE_CASE(D)                                                   \
+  if (e == cudaSuccess) e = detail::prefill_smem_attribute<__nv_bfloat16, D>(); \
+  if (e == cudaSuccess) e = detail::prefill_smem_attribute<__half, D>();
+  SPADE_FOR_EACH_HEAD_DIM(SPADE_PREPARE_CASE)
+#undef SPADE_PREPARE_CASE
+  return e;
 }
 
 }  // namespace spade::kernels

@@ -270,12 +270,18 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
   }
 }
 
+// The dynamic shared-memory limits of the selection kernels on the current device, set once (launch or prepare).
+template <typename TW, int D>
+cudaError_t predict_smem_attribute() {
+  static std::atomic<uint64_t> done{0};
+  return ensure_smem_attribute(predict_kernel<TW, D>, kPredMaxPerCta * PredictSlot<D>::kBytes, done);
+}
+
 template <typename TW, int D>
 cudaError_t launch_predict_typed(PredictArgs a, int rows, cudaStream_t stream) {
   using Slot = PredictSlot<D>;
   auto kernel = predict_kernel<TW, D>;
-  static std::atomic<uint64_t> done{0};
-  cudaError_t e = ensure_smem_attribute(kernel, kPredMaxPerCta * Slot::kBytes, done);
+  cudaError_t e = predict_smem_attribute<TW, D>();
   if (e != cudaSuccess) return e;
   const int two_per_sm = 2 * std::max(1, current_sm_count());
   a.rows = rows;
@@ -480,11 +486,16 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
 }
 
 template <typename T, int D>
+cudaError_t score_smem_attribute() {
+  static std::atomic<uint64_t> done{0};
+  return ensure_smem_attribute(score_kernel<T, D>, ScoreConfig<D>::kSmemBytes, done);
+}
+
+template <typename T, int D>
 cudaError_t launch_score_typed(ScoreArgs a, int batch, int page_size, int max_len, cudaStream_t stream) {
   using Cfg = ScoreConfig<D>;
   auto kernel = score_kernel<T, D>;
-  static std::atomic<uint64_t> done{0};
-  cudaError_t e = ensure_smem_attribute(kernel, Cfg::kSmemBytes, done);
+  cudaError_t e = score_smem_attribute<T, D>();
   if (e != cudaSuccess) return e;
   int occ = 0;
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kScoreThreads, Cfg::kSmemBytes);
@@ -1052,6 +1063,11 @@ __global__ void __launch_bounds__(kWindowThreads) push_window_kernel(const Windo
   if (threadIdx.x == 0) a.window_len[w] = keep;
 }
 
+cudaError_t topk_smem_attribute() {
+  static std::atomic<uint64_t> done{0};
+  return ensure_smem_attribute(topk_kernel, kTopkSmemBytes, done);
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -1159,8 +1175,7 @@ cudaError_t topk_select(const TopkParams& p, cudaStream_t stream) {
   }
   if (p.k < 1) return invalid_argument(what, "k ", p.k, " must be >= 1");
   const TopkArgs a{p.scores, p.row_lens, p.indices, p.counts, p.rows_per_batch, p.score_stride, p.k};
-  static std::atomic<uint64_t> done{0};
-  const cudaError_t e = ensure_smem_attribute(topk_kernel, kTopkSmemBytes, done);
+  const cudaError_t e = topk_smem_attribute();
   if (e != cudaSuccess) return e;
   topk_kernel<<<p.batch * p.rows_per_batch, kTopkThreads, kTopkSmemBytes, stream>>>(a);
   return cudaGetLastError();
@@ -1256,6 +1271,20 @@ cudaError_t push_query_window(const PushQueryWindowParams& p, cudaStream_t strea
                      p.cu_tokens, p.reset, p.num_windows, p.num_heads, p.capacity, p.head_dim};
   push_window_kernel<<<p.rows, kWindowThreads, 0, stream>>>(a);
   return cudaGetLastError();
+}
+
+cudaError_t prepare_selection_kernels() {
+  using namespace detail;
+  cudaError_t e = topk_smem_attribute();
+#define SPADE_PREPARE_CASE(D)                                                  \
+  if (e == cudaSuccess) e = predict_smem_attribute<float, D>();                \
+  if (e == cudaSuccess) e = predict_smem_attribute<__nv_bfloat16, D>();        \
+  if (e == cudaSuccess) e = predict_smem_attribute<__half, D>();               \
+  if (e == cudaSuccess) e = score_smem_attribute<__nv_bfloat16, D>();          \
+  if (e == cudaSuccess) e = score_smem_attribute<__half, D>();
+  SPADE_FOR_EACH_HEAD_DIM(SPADE_PREPARE_CASE)
+#undef SPADE_PREPARE_CASE
+  return e;
 }
 
 }  // namespace spade::kernels

@@ -167,4 +167,10 @@ struct ApplySelectionDeltaParams {
 
 cudaError_t apply_selection_delta(const ApplySelectionDeltaParams& p, cudaStream_t stream);
 
+/// One-time setup of the selection kernels (predict, score, top-k) on the CURRENT device: their dynamic
+/// shared-memory limits, otherwise set on first launch. Call it at start-up, before the cache rank posts any
+/// receive (see prepare_decode_attention_kernels in kernels/attention.cuh for why). Idempotent and thread-safe.
+/// Returns the first CUDA error.
+cudaError_t prepare_selection_kernels();
+
 }  // namespace spade::kernels

@@ -42,6 +42,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -799,13 +800,12 @@ TEST(GpuEngine, OverlongRequestIsRejectedAndNothingIsLost) {
   }
 }
 
-// The binary: `inference_rank --device cuda --random-weights` on a config.json of any size (here a small Qwen3 with
-// the real Qwen2 tokenizer's vocabulary), streaming tokens and reporting TPOT.
-TEST(GpuEngine, InferenceRankBinaryRunsRandomWeightsOnTheGpu) {
-  const std::string dir = make_temp_dir("gpu_cli");
+// A small Qwen3 config.json with the real Qwen2 tokenizer's vocabulary (head_dim 64: the GPU kernels' smallest).
+std::string write_small_qwen3(const std::string& name) {
+  const std::string dir = make_temp_dir(name);
   {
     std::FILE* f = std::fopen((dir + "/config.json").c_str(), "w");
-    ASSERT_NE(f, nullptr);
+    SPADE_CHECK(f != nullptr, "cannot write {}/config.json", dir);
     std::fputs(R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
       "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
       "head_dim": 64, "vocab_size": 151936, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
@@ -813,31 +813,73 @@ TEST(GpuEngine, InferenceRankBinaryRunsRandomWeightsOnTheGpu) {
                f);
     std::fclose(f);
   }
-  const std::string tok = data_path("tokenizers/qwen2");
-  const std::string cmd = binary_dir() + "/inference_rank/inference_rank --model " + dir +
-                          " --device cuda --random-weights --tokenizer " + tok +
-                          " --prompt 'The capital of France is' --prompt 'One two three' --max-tokens 24 "
-                          "--ignore-eos 2>&1";
+  return dir;
+}
+
+std::string run_command(const std::string& cmd, int* rc) {
   std::FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
+  if (p == nullptr) {
+    *rc = -1;
+    return "popen failed: " + cmd;
+  }
   std::string out;
   char buf[4096];
   while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
-  const int rc = pclose(p);
+  *rc = pclose(p);
+  return out;
+}
+
+// The binary: `inference_rank --device cuda --random-weights` on a config.json of any size, streaming tokens and
+// reporting TPOT.
+TEST(GpuEngine, InferenceRankBinaryRunsRandomWeightsOnTheGpu) {
+  const std::string dir = write_small_qwen3("gpu_cli");
+  const std::string tok = data_path("tokenizers/qwen2");
+  int rc = 0;
+  const std::string out = run_command(binary_dir() + "/inference_rank/inference_rank --model " + dir +
+                                          " --device cuda --random-weights --tokenizer " + tok +
+                                          " --prompt 'The capital of France is' --prompt 'One two three' "
+                                          "--max-tokens 24 --ignore-eos 2>&1",
+                                      &rc);
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("generated_tokens=48"), std::string::npos) << out;
   EXPECT_NE(out.find("=== prompt 1 ==="), std::string::npos) << out;
   // Bad input: a selection mode the GPU path lacks (oracle is CPU only) is refused with a clear error.
-  std::FILE* q = popen((binary_dir() + "/inference_rank/inference_rank --model " + dir +
-                        " --device cuda --random-weights --tokenizer " + tok +
-                        " --prompt hi --selection oracle 2>&1")
-                           .c_str(),
-                       "r");
-  ASSERT_NE(q, nullptr);
-  std::string err;
-  while (std::fgets(buf, sizeof buf, q) != nullptr) err += buf;
-  EXPECT_NE(pclose(q), 0);
+  const std::string err = run_command(binary_dir() + "/inference_rank/inference_rank --model " + dir +
+                                          " --device cuda --random-weights --tokenizer " + tok +
+                                          " --prompt hi --selection oracle 2>&1",
+                                      &rc);
+  EXPECT_NE(rc, 0);
   EXPECT_NE(err.find("--selection oracle is CPU only"), std::string::npos) << err;
+}
+
+// AsyncSpade in the binary: `--selection predicted` pairs the GPU forward pass with the in-process GPU cache rank
+// (CudaIpcLink). The prompts pass the sparse threshold during prefill, so the very first step already ships its
+// q|k|v rows while the cache rank's receives are pending: the first launch of any kernel then (a
+// cudaFuncSetAttribute, a library's first use) would stall until the link's deadline and fail the pair. Kernel
+// set-up and the warm-up pass happen before the hello, so the run must decode sparsely with no cache-rank error.
+TEST(GpuEngine, InferenceRankBinaryDecodesSparselyWithTheInProcessCacheRank) {
+  const std::string dir = write_small_qwen3("gpu_cli_sparse");
+  const std::string tok = data_path("tokenizers/qwen2");
+  std::string prompt;
+  for (int i = 0; i < 12; ++i) prompt += "The quick brown fox jumps over the lazy dog near the river bank. ";
+  int rc = 0;
+  const std::string out = run_command(
+      binary_dir() + "/inference_rank/inference_rank --model " + dir + " --device cuda --random-weights --tokenizer " +
+          tok + " --prompt '" + prompt + "' --prompt '" + prompt + "A second one.' --max-tokens 64 --ignore-eos " +
+          "--selection predicted --sparse-threshold 96 --token-budget 64 --local-window 16 --delta-capacity 16 " +
+          "--layers-per-pack 1 2>&1",
+      &rc);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("generated_tokens=128"), std::string::npos) << out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("sparse_seq_steps=(\\d+) switches=(\\d+) failed=(\\d+) "
+                                                   "cache_selections=(\\d+)")))
+      << out;
+  EXPECT_GE(std::stoll(m[1].str()), 2 * 48) << out;  // both sequences decode sparsely for most of their tokens
+  EXPECT_EQ(m[3].str(), "0") << out;
+  EXPECT_GT(std::stoll(m[4].str()), 0) << out;
+  EXPECT_EQ(out.find("cache_rank_error"), std::string::npos) << out;
+  EXPECT_EQ(out.find("not complete"), std::string::npos) << out;
 }
 
 }  // namespace
