@@ -805,7 +805,7 @@ std::string write_small_qwen3(const std::string& name) {
   const std::string dir = make_temp_dir(name);
   {
     std::FILE* f = std::fopen((dir + "/config.json").c_str(), "w");
-    SPADE_CHECK(f != nullptr, "cannot write {}/config.json", dir);
+    if (f == nullptr) throw Error("cannot write " + dir + "/config.json");
     std::fputs(R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
       "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
       "head_dim": 64, "vocab_size": 151936, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
