@@ -89,6 +89,8 @@ int GpuEngineForward::warm_up() {
     run(fb);
     finish(fb);
   };
+  // Every cuBLASLt kernel a step of up to max_num_batched_tokens rows can pick (chunked prefill makes any count).
+  model_->warm_up_gemms(stream_);
   int steps = 0;
   // The largest prompt step: max_num_batched_tokens tokens over as few sequences as max_model_len allows.
   const int T = opt_.max_num_batched_tokens;

@@ -53,7 +53,8 @@ class GpuEngineForward {
   /// While its link is up, every step runs eagerly (no CUDA graph: the layer packs' sends and the selection
   /// receives are enqueued per step); after a link failure the controller attends densely and graphs resume.
   void set_sparse(GpuSparseController* sparse) { sparse_ = sparse; }
-  /// Start-up pass (vLLM's profile run, in spirit): one eager step of max_num_batched_tokens prompt tokens, then one
+  /// Start-up pass (vLLM's profile run, in spirit): every cuBLASLt kernel a step of 1..max_num_batched_tokens rows
+  /// can pick, launched once (GpuModel::warm_up_gemms), one eager step of max_num_batched_tokens prompt tokens, then one
   /// decode step per graph bucket (capturing its graph when graphs are on), all on the scratch page, so that every
   /// library's first-use set-up (cuBLASLt kernels and their attributes for these shapes) happens before a cache
   /// rank shares the process: once a cache rank's receive is pending, a call that synchronises with pending copies

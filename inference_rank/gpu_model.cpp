@@ -522,6 +522,46 @@ std::unique_ptr<GpuModel> GpuModel::random(const ModelConfig& cfg, uint64_t seed
   return m;
 }
 
+int GpuModel::warm_up_gemms(cudaStream_t stream) {
+  const int T = opts_.max_tokens, R = opts_.max_logit_rows, H = cfg_.hidden_size, I = cfg_.intermediate_size;
+  int total = 0;
+  auto warm = [&](const void* x, const void* w, const void* bias, void* y, int max_m, int n, int k, DType out,
+                  const char* what) {
+    kernels::GemmParams g;
+    g.out_dtype = out;
+    g.x = x;
+    g.w = w;
+    g.bias = bias;
+    g.y = y;
+    g.n = n;
+    g.k = k;
+    int launched = 0;
+    cuda_check(gemm_->runner.warm_up_rows(g, max_m, stream, &launched), what);
+    total += launched;
+  };
+  bool gdn_done = false, attn_done = false;
+  for (const Layer& L : layers_) {  // the shapes (and biases) of the first layer of each kind
+    if (L.type == LayerType::LinearAttention && !gdn_done) {
+      warm(h_.get(), L.in_proj_w, nullptr, gproj_.get(), T, static_cast<int>(gdn_proj_rows_of(cfg_)), H, DType::BF16,
+           "warm-up: linear_attn.in_proj");
+      warm(gnormed_.get(), L.out_proj_w, nullptr, x_.get(), T, H, cfg_.linear_value_dim(), DType::BF16,
+           "warm-up: linear_attn.out_proj");
+      gdn_done = true;
+    } else if (L.type != LayerType::LinearAttention && !attn_done) {
+      warm(h_.get(), L.qkv_w, L.qkv_b, qkv_.get(), T, static_cast<int>(qkv_rows_of(cfg_)), H, DType::BF16,
+           "warm-up: qkv_proj");
+      warm(attn_.get(), L.o_w, L.o_b, x_.get(), T, H, cfg_.q_dim(), DType::BF16, "warm-up: o_proj");
+      attn_done = true;
+    }
+  }
+  const Layer& L0 = layers_.front();
+  warm(h_.get(), L0.gate_up_w, L0.gate_up_b, gate_up_.get(), T, 2 * I, H, DType::BF16, "warm-up: gate_up_proj");
+  warm(act_.get(), L0.down_w, L0.down_b, x_.get(), T, H, I, DType::BF16, "warm-up: down_proj");
+  warm(sel_.get(), lm_head_, nullptr, logits_.get(), R, cfg_.vocab_size, H, DType::F32, "warm-up: lm_head");
+  cuda_check(cudaStreamSynchronize(stream), "GEMM warm-up");
+  return total;
+}
+
 void GpuModel::forward(const GpuBatch& b, GpuKvPool& kv, GpuAttention& attention, cudaStream_t stream) {
   SPADE_CHECK(b.num_tokens >= 1 && b.num_tokens <= opts_.max_tokens, "GPU forward: {} tokens (buffers hold 1..{})",
               b.num_tokens, opts_.max_tokens);

@@ -252,6 +252,10 @@ class GpuModel {
   /// (max_pages * page_size), the KV pool's geometry does not match the model, or a hybrid batch has no
   /// state_slots.
   void forward(const GpuBatch& batch, GpuKvPool& kv, GpuAttention& attention, cudaStream_t stream);
+  /// Launches each cuBLASLt kernel that any step of up to max_tokens rows (max_logit_rows for lm_head) would use
+  /// once, on the activation buffers (kernels/gemm.cuh GemmRunner::warm_up_rows: a first launch mid-step may stall
+  /// while another rank of this process has a receive pending), and waits for `stream`. Returns the launches.
+  int warm_up_gemms(cudaStream_t stream);
   /// [max_logit_rows, vocab] fp32; the first batch.num_logit_rows rows hold the last forward's logits.
   const float* logits() const { return logits_.as<float>(); }
   /// Greedy tokens of the last forward's logit rows into out[rows] (device int32).

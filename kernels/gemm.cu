@@ -1,7 +1,10 @@
 // cuBLASLt wrapper for the dense layers: y = x · W^T (+ bias). API and mapping: kernels/gemm.cuh.
 #include <cublasLt.h>
 
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <set>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -114,8 +117,11 @@ cudaError_t fail(const GemmParams& p, const char* what, cublasStatus_t s) {
 
 }  // namespace
 
+using AlgoKey = std::array<uint64_t, 9>;
+
 struct GemmRunner::Impl {
   cublasLtHandle_t handle = nullptr;
+  std::set<AlgoKey> launched;  // kernels (dtypes, epilogue, algorithm) that ran at least once
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
@@ -223,7 +229,27 @@ cudaError_t GemmRunner::init(size_t workspace_bytes) {
 
 size_t GemmRunner::cached_plans() const { return impl_ == nullptr ? 0 : impl_->plans.size(); }
 
+size_t GemmRunner::launched_algorithms() const { return impl_ == nullptr ? 0 : impl_->launched.size(); }
+
+cudaError_t GemmRunner::warm_up_rows(const GemmParams& p, int max_m, cudaStream_t stream, int* launches) {
+  int n = 0;
+  for (int m = 1; m <= max_m; ++m) {
+    GemmParams q = p;
+    q.m = m;
+    bool fresh = false;
+    const cudaError_t e = run_impl(q, stream, /*launch_only_if_new=*/true, &fresh);
+    if (e != cudaSuccess) return e;
+    n += fresh ? 1 : 0;
+  }
+  if (launches != nullptr) *launches = n;
+  return cudaSuccess;
+}
+
 cudaError_t GemmRunner::run(const GemmParams& p, cudaStream_t stream) {
+  return run_impl(p, stream, /*launch_only_if_new=*/false, nullptr);
+}
+
+cudaError_t GemmRunner::run_impl(const GemmParams& p, cudaStream_t stream, bool launch_only_if_new, bool* fresh) {
   const std::string shape = "gemm " + describe(p);
   if (impl_ == nullptr) return detail::invalid_argument(shape.c_str(), "GemmRunner::init was not called");
   if (p.in_dtype != DType::BF16 && p.in_dtype != DType::F16)
@@ -246,6 +272,15 @@ cudaError_t GemmRunner::run(const GemmParams& p, cudaStream_t stream) {
     it = impl_->plans.emplace(key, plan).first;
   }
   Plan& plan = it->second;
+  // The kernel identity: dtypes, epilogue and the algorithm's opaque configuration.
+  AlgoKey id{};
+  id[0] = static_cast<uint64_t>(p.in_dtype) | static_cast<uint64_t>(p.out_dtype) << 8 |
+          static_cast<uint64_t>(p.bias != nullptr) << 16;
+  static_assert(sizeof(plan.algo) <= sizeof(uint64_t) * (std::tuple_size_v<AlgoKey> - 1));
+  std::memcpy(id.data() + 1, &plan.algo, sizeof(plan.algo));
+  const bool is_new = impl_->launched.insert(id).second;
+  if (fresh != nullptr) *fresh = is_new;
+  if (launch_only_if_new && !is_new) return cudaSuccess;
   if (p.bias != nullptr) {
     const void* bias = p.bias;
     const cublasStatus_t s =

@@ -58,10 +58,20 @@ class GemmRunner {
   /// y = x · w^T (+ bias) on `stream`.
   cudaError_t run(const GemmParams& p, cudaStream_t stream);
 
+  /// Start-up pass over every row count m in [1, max_m] of the GEMM `p` describes (p.m is ignored; x and y must
+  /// hold max_m rows): plans each shape on the host (the heuristic, cached as run() caches it) and launches it once
+  /// on `stream` when its cuBLASLt algorithm (with its dtypes and epilogue) has not run on this runner yet. A
+  /// cuBLASLt kernel's first launch sets its function attributes, which synchronises with the copies pending on the
+  /// device; in a process whose streams wait on another thread's progress (both ranks in one process, CudaIpcLink)
+  /// that first launch must not happen mid-step. `launches` (optional): how many GEMMs ran. Errors as run().
+  cudaError_t warm_up_rows(const GemmParams& p, int max_m, cudaStream_t stream, int* launches = nullptr);
   /// Number of cached shape plans (tests / diagnostics).
   size_t cached_plans() const;
+  /// Number of distinct (dtypes, epilogue, algorithm) combinations launched so far (tests / diagnostics).
+  size_t launched_algorithms() const;
 
  private:
+  cudaError_t run_impl(const GemmParams& p, cudaStream_t stream, bool launch_only_if_new, bool* fresh);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

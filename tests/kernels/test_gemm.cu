@@ -164,6 +164,41 @@ TEST_F(GemmGpu, PlanCachePerShape) {
   EXPECT_EQ(runner_.cached_plans(), 3u);
 }
 
+// warm_up_rows plans every row count up to max_m and launches each distinct cuBLASLt kernel once; afterwards no
+// row count in range brings a kernel that has not run (what the in-process GPU pair relies on), and the results of
+// later calls are still right.
+TEST_F(GemmGpu, WarmUpRowsLaunchesEveryAlgorithmOfTheRangeOnce) {
+  const int max_m = 300, n = 1024, k = 512;
+  DevBuf<uint16_t> x, w, y;
+  std::mt19937_64 rng(22);
+  std::vector<float> unused;
+  x.upload(random_half(DType::BF16, static_cast<size_t>(max_m) * k, 1.f, rng, &unused));
+  w.upload(random_half(DType::BF16, static_cast<size_t>(n) * k, 0.05f, rng, &unused));
+  y.alloc(static_cast<size_t>(max_m) * n);
+  GemmParams p;
+  p.x = x.get();
+  p.w = w.get();
+  p.y = y.get();
+  p.n = n;
+  p.k = k;
+  int launches = -1;
+  SPADE_CUDA_OK(runner_.warm_up_rows(p, max_m, nullptr, &launches));
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(runner_.cached_plans(), static_cast<size_t>(max_m));
+  EXPECT_GE(launches, 1);
+  EXPECT_LE(launches, max_m);
+  EXPECT_EQ(runner_.launched_algorithms(), static_cast<size_t>(launches));
+  int again = -1;
+  SPADE_CUDA_OK(runner_.warm_up_rows(p, max_m, nullptr, &again));
+  EXPECT_EQ(again, 0);
+  for (int m : {1, 7, 64, 129, 255, 300}) {
+    run_gemm(runner_, {DType::BF16, DType::BF16, m, n, k, false}, 100 + static_cast<uint64_t>(m));
+  }
+  EXPECT_EQ(runner_.launched_algorithms(), static_cast<size_t>(launches)) << "a row count in the warmed range "
+                                                                               "picked a kernel that had not run";
+  std::printf("[ gemm     ] m 1..%d, n %d, k %d: %d distinct cuBLASLt kernels\n", max_m, n, k, launches);
+}
+
 TEST_F(GemmGpu, GraphCaptureReplays) {
   const int m = 4, n = 512, k = 256;
   std::mt19937_64 rng(21);
