@@ -474,11 +474,11 @@ int main(int argc, char** argv) {
     for (double s : sp[i]) std::printf("%7.2fx", s);
     std::printf("\n");
   }
-  std::printf("\ntile groups per CTA (tg=0: automatic = 2 here):\n");
+  std::printf("\ntile groups per CTA (tg=0: automatic = 2 at batch < 128, 4 (one CTA per head) from 128):\n");
   for (int B : {64, 256}) {
     const double rb = B == 64 ? rec_b64 : rec.back();
     for (int L : {8, 16})
-      for (int tg : {1, 4}) bench_chunkwise(b, B, L, rb, tg);
+      for (int tg : {1, 2, 4}) bench_chunkwise(b, B, L, rb, tg);
   }
   std::printf("\n");
   for (int B : b.quick ? std::vector<int>{1, 64} : std::vector<int>{1, 16, 64, 256})

@@ -675,11 +675,13 @@ cudaError_t launch_buffered(const GdnBufferedGpuParams& p, bool verify, cudaStre
   return cudaGetLastError();
 }
 
-/// Tile groups per CTA: the caller's choice, else 2 (bench_gdn: best or within 1% for chunkwise decode at L <= 16)
-/// or one CTA per head for multi-token steps (verification: 2-3% faster at T = 8) and for rings longer than 32 tokens
-/// (KV-only: the k^ staging of up to d_k entries is then shared by all columns), clamped to D / 32.
+/// Tile groups per CTA: the caller's choice, else 2 (bench_gdn: best or within 1% for chunkwise decode at L <= 16
+/// up to batch 64) or one CTA per head for multi-token steps (verification: 2-3% faster at T = 8), for rings longer
+/// than 32 tokens (KV-only: the k^ staging of up to d_k entries is then shared by all columns) and for batches of
+/// 128 or more (H100, batch 256, L = 8 / 16: 249 us vs 256 / 262 us with 2), clamped to D / 32.
 int tile_groups(const GdnBufferedGpuParams& p) {
-  const int want = p.tile_groups > 0 ? p.tile_groups : (p.max_ring_capacity > 32 || p.tok.max_tokens > 1 ? 4 : 2);
+  const bool one_per_head = p.max_ring_capacity > 32 || p.tok.max_tokens > 1 || p.tok.batch >= 128;
+  const int want = p.tile_groups > 0 ? p.tile_groups : (one_per_head ? 4 : 2);
   return std::min(want, p.dims.head_k_dim / 32);
 }
 

@@ -100,7 +100,8 @@ struct GdnBufferedGpuParams {
   // max_ring_capacity: host bound on every used ring_capacity[slot] (sizes shared memory; <= 256 tokens).
   int max_ring_capacity = 0;
   // tile_groups: 32-column tile groups (128 threads each) per CTA: 0 = automatic (2; one CTA per head when
-  // max_ring_capacity > 32), else 1, 2 or 4, clamped to head_v_dim / 32. A tuning knob (bench_gdn sweeps it);
+  // max_ring_capacity > 32, for multi-token steps and for batches >= 128), else 1, 2 or 4, clamped to
+  // head_v_dim / 32. A tuning knob (bench_gdn sweeps it);
   // results do not depend on it.
   int tile_groups = 0;
 };
