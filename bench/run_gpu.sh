@@ -229,7 +229,9 @@ if want bench && bench_wanted serve; then
   demo=(--model "${DATA}/configs/qwen3-8b" --random-weights --tokenizer "${DATA}/tokenizers/qwen2" --device cuda
         --max-tokens 1024 --ignore-eos --temperature 0 --max-num-seqs 8 --max-num-batched-tokens 2048 --kv-cache-gib 8)
   for i in 1 2 3 4 5 6 7 8; do demo+=(--prompt "${PROMPT}"); done
-  : >"${OUT}/serve_demo.txt"; : >"${OUT}/serve.log"
+  { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) | $(date -u +%Y-%m-%dT%H:%MZ) | commit ${SPADE_COMMIT}"
+    echo "# inference_rank ${demo[*]//"${PROMPT}"/<prompt>} --sparse-threshold 512 --token-budget 256 --local-window 64 --delta-capacity 64"; } >"${OUT}/serve_demo.txt"
+  : >"${OUT}/serve.log"
   for sel in dense predicted; do
     log "inference_rank --device cuda --selection ${sel}"
     with_deps "${IR_BIN}" "${demo[@]}" --selection "${sel}" --sparse-threshold 512 --token-budget 256 \
