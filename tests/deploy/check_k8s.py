@@ -32,8 +32,9 @@ overlay) and per overlay + optional component (a component no overlay includes, 
               inference and cache ranks get the same selection settings and model; the model directory is on a
               volume that something fills (an init container writing it, or a PersistentVolumeClaim that exists)
   config      every configMapKeyRef names an existing ConfigMap key; every key of spade-config is used
-  gpu / cpu   a GPU overlay requests nvidia.com/gpu (requests == limits) on inference and cache containers and
-              runs the -cuda image; a CPU overlay requests no GPU anywhere and runs the -cpu image
+  gpu / cpu   a GPU overlay requests nvidia.com/gpu (requests == limits) on inference and cache containers, runs
+              them with --device cuda and runs the -cuda image; a CPU overlay requests no GPU anywhere, runs the
+              ranks with --device cpu (or no --device) and runs the -cpu image
   monitoring  prometheus.io/scrape/port/path annotations point at the port serving /metrics; a PodMonitor
               selects the Spade pods through named ports that exist
   images      deploy/docker/Dockerfile{,.cuda}: installs the build packages with setup_deps.sh --build-only (and
@@ -1157,6 +1158,13 @@ class OverlayCheck:
                     if req is not None or lim is not None:
                         self.err(where, "a CPU overlay must not request nvidia.com/gpu")
                     continue
+        want_device = "cuda" if self.is_gpu else "cpu"
+        for role in ("inference", "cache"):
+            for vals, where, w, c, env in role_vals.get(role, []):
+                if str(vals.get("--device", "cpu")) != want_device:
+                    self.err(where, f"--device {vals.get('--device', 'cpu (default)')}: a "
+                                    f"{'GPU' if self.is_gpu else 'CPU'} overlay runs its ranks with --device "
+                                    f"{want_device}")
         if self.is_gpu:
             for role in ("inference", "cache"):
                 for vals, where, w, c, env in role_vals.get(role, []):
@@ -1511,6 +1519,8 @@ SOURCE_MUTATIONS = [
      r"kubectl kustomize overlays/\w+ failed: .*cannot decode !!str `zero` as a !!int"),
     ("pod identity from the wrong downward-API field", "base/cache.yaml", "fieldPath: metadata.name}",
      "fieldPath: metadata.namespace}", r"POD_NAME='spade' has no -<ordinal> suffix"),
+    ("GPU overlay left on the CPU device", "overlays/gpu/kustomization.yaml", "      - SPADE_DEVICE=cuda\n", "",
+     r"--device cpu: a GPU overlay runs its ranks with --device cuda"),
 ]
 
 
