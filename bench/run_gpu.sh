@@ -227,7 +227,7 @@ if want bench && bench_wanted serve; then
   DATA="${SPADE_DATA_DIR:-${ROOT}/../shared/data}"
   PROMPT="$(python3 -c 'import json,sys; print(" ".join(json.loads(l)["problem"] for l in list(open(sys.argv[1]))[:12]))' "${DATA}/prompts/aime24.jsonl" 2>/dev/null || echo "Solve the following problem step by step.")"
   demo=(--model "${DATA}/configs/qwen3-8b" --random-weights --tokenizer "${DATA}/tokenizers/qwen2" --device cuda
-        --max-tokens 1024 --ignore-eos --temperature 0 --max-num-seqs 8 --max-num-batched-tokens 2048 --kv-cache-gib 8)
+        --max-tokens 1024 --ignore-eos --temperature 0 --max-num-seqs 8 --max-num-batched-tokens 2048 --kv-cache-gib 8 --log-level info)
   for i in 1 2 3 4 5 6 7 8; do demo+=(--prompt "${PROMPT}"); done
   { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) | $(date -u +%Y-%m-%dT%H:%MZ) | commit ${SPADE_COMMIT}"
     echo "# inference_rank ${demo[*]//"${PROMPT}"/<prompt>} --sparse-threshold 512 --token-budget 256 --local-window 64 --delta-capacity 64"; } >"${OUT}/serve_demo.txt"
