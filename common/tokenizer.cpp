@@ -788,8 +788,9 @@ struct Tokenizer::Impl {
 
   // ---- decoding ----
   // The token string of `id`, or nullptr for an id >= 0 that names no token: the library's decode drops those
-  // (filter_map over id_to_token), and a model's embedding is often padded past the tokenizer (Qwen2/3: 151936
-  // rows, 151665 tokens), so a sampled id may fall there. A negative id is a caller's bug and throws.
+  // (filter_map over id_to_token), and a model's embedding is often padded past the tokenizer (Qwen2 configs:
+  // vocab_size 151936 for a tokenizer of 151646 ids), so a sampled id may fall there. A negative id is a caller's
+  // bug and throws.
   const std::string* token_of(int32_t id) const {
     if (id < 0) fail("{}: token id {} is negative", source, id);
     if (static_cast<size_t>(id) >= id_kind.size() || id_kind[id] == 0) return nullptr;
