@@ -89,6 +89,7 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  bool counted = false;  // its kernel is in GemmRunner::Impl::launched (checked once per plan, not per call)
 
   void destroy() {
     if (op != nullptr) cublasLtMatmulDescDestroy(op);
@@ -272,13 +273,18 @@ cudaError_t GemmRunner::run_impl(const GemmParams& p, cudaStream_t stream, bool 
     it = impl_->plans.emplace(key, plan).first;
   }
   Plan& plan = it->second;
-  // The kernel identity: dtypes, epilogue and the algorithm's opaque configuration.
-  AlgoKey id{};
-  id[0] = static_cast<uint64_t>(p.in_dtype) | static_cast<uint64_t>(p.out_dtype) << 8 |
-          static_cast<uint64_t>(p.bias != nullptr) << 16;
-  static_assert(sizeof(plan.algo) <= sizeof(uint64_t) * (std::tuple_size_v<AlgoKey> - 1));
-  std::memcpy(id.data() + 1, &plan.algo, sizeof(plan.algo));
-  const bool is_new = impl_->launched.insert(id).second;
+  // The first use of a plan records its kernel: dtypes, epilogue and the algorithm's opaque configuration. Later
+  // calls of the plan only launch (the kernel has run, or runs in the call that recorded it).
+  bool is_new = false;
+  if (!plan.counted) {
+    AlgoKey id{};
+    id[0] = static_cast<uint64_t>(p.in_dtype) | static_cast<uint64_t>(p.out_dtype) << 8 |
+            static_cast<uint64_t>(p.bias != nullptr) << 16;
+    static_assert(sizeof(plan.algo) <= sizeof(uint64_t) * (std::tuple_size_v<AlgoKey> - 1));
+    std::memcpy(id.data() + 1, &plan.algo, sizeof(plan.algo));
+    is_new = impl_->launched.insert(id).second;
+    plan.counted = true;
+  }
   if (fresh != nullptr) *fresh = is_new;
   if (launch_only_if_new && !is_new) return cudaSuccess;
   if (p.bias != nullptr) {
