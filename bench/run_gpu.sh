@@ -28,7 +28,9 @@
 #   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
 #                         the same code paths at 128k tokens and take minutes under the sanitizer)
 # Dependencies: on a machine without Spade's Debian packages (the lent GPU machines), carry build-device-deps/
-# (made by bench/pack_device_deps.sh); it is unpacked into a private prefix, never into /.
+# (made by bench/device_prep.sh: the packages via bench/pack_device_deps.sh, the test data, the commit id); the
+# packages are unpacked into a private prefix, never into /, the data into /tmp/spade-data.
+# A device call (the tool's run, carry ["build-device-deps"]):   bench/run_gpu.sh build test bench
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,6 +58,16 @@ fi
 BENCHES="${SPADE_BENCHES:-kernels gdn}"
 bench_wanted() { case " ${BENCHES} " in *" $1 "*) return 0 ;; esac; return 1; }
 
+# The device copy of the tree may carry a stale .git: bench/device_prep.sh records the development machine's commit.
+if [ -z "${SPADE_COMMIT:-}" ] && [ -f "${ROOT}/build-device-deps/COMMIT" ]; then
+  SPADE_COMMIT="$(cat "${ROOT}/build-device-deps/COMMIT")"
+fi
+# Test data: ../shared/data does not travel to the device; bench/device_prep.sh packs what the tests and benches read.
+if [ -z "${SPADE_DATA_DIR:-}" ] && [ ! -d "${ROOT}/../shared/data" ] && [ -f "${ROOT}/build-device-deps/shared-data.tar.xz" ]; then
+  mkdir -p /tmp/spade-data && tar -xJf "${ROOT}/build-device-deps/shared-data.tar.xz" -C /tmp/spade-data
+  export SPADE_DATA_DIR=/tmp/spade-data/data
+  echo "[run_gpu] test data from build-device-deps/shared-data.tar.xz (SPADE_DATA_DIR=${SPADE_DATA_DIR})"
+fi
 if [ -z "${SPADE_COMMIT:-}" ]; then
   SPADE_COMMIT="$(git -C "${ROOT}" rev-parse --verify -q HEAD 2>/dev/null || true)"
   if [ -n "${SPADE_COMMIT}" ] && [ -n "$(git -C "${ROOT}" status --porcelain -- kernels bench tests/kernels 2>/dev/null)" ]; then
