@@ -1,6 +1,9 @@
-// Multi-process test of the GPU serving path (label gpu, one GPU): a real coordinator, `inference_rank --serve
-// --device cuda --gpu-link ipc` and `cache_rank --device cuda` as separate processes on GPU 0, joined by a
-// CudaIpcLink whose address goes through the coordinator, the cache rank sized by the inference rank's pair hello.
+// Multi-process test of the GPU serving path: a real coordinator, `inference_rank --serve --device cuda` and
+// `cache_rank --device cuda` as separate processes, the link's address going through the coordinator and the cache
+// rank sized by the inference rank's pair hello. Two data planes, the same cases:
+//   CudaIpcOneGpu  both ranks on GPU 0, `--gpu-link ipc` (ctest inference_rank_test_gpu_cluster_gpu, label gpu);
+//   Nccl2Gpu       inference rank on GPU 0, cache rank on GPU 1, `--gpu-link nccl` (ctest
+//                  inference_rank_test_gpu_cluster_2gpu_gpu, labels gpu + gpu2: two GPUs).
 // The model is a make_demo_checkpoint Qwen3 checkpoint with head_dim 64 (the GPU kernels' smallest; stories260K's
 // head_dim 8 runs on the CPU path only).
 //
@@ -45,13 +48,25 @@ const std::string& checkpoint() {
   return dir;
 }
 
+// The pair's data plane: the inference rank's --gpu-link and the cache rank's GPU.
+struct LinkSetup {
+  const char* name;
+  const char* gpu_link;
+  int cache_gpu;
+};
+void PrintTo(const LinkSetup& l, std::ostream* os) { *os << l.name; }
+
 struct Cluster {
+  explicit Cluster(LinkSetup l) : link(l) {}
+  LinkSetup link;
   int port = test::free_port();
   std::unique_ptr<ChildProcess> coord, inf, cache;
 
   std::map<std::string, std::string> env(int rank) {
+    // NVLink multicast stays off in NCCL (shared machines: deploy and device notes).
     return {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}, {"RANK", std::to_string(rank)},
-            {"WORLD_SIZE", "3"}, {"CUDA_DEVICE_MAX_CONNECTIONS", "32"}, {"CUDA_MODULE_LOADING", "EAGER"}};
+            {"WORLD_SIZE", "3"}, {"CUDA_DEVICE_MAX_CONNECTIONS", "32"}, {"CUDA_MODULE_LOADING", "EAGER"},
+            {"NCCL_NVLS_ENABLE", "0"}};
   }
   void start(const std::vector<std::string>& sparse_flags) {
     coord = std::make_unique<ChildProcess>(
@@ -61,14 +76,15 @@ struct Cluster {
                                  "200", "--heartbeat-timeout-ms", "1000"},
         env(0), "coordinator");
     std::vector<std::string> a = {"--serve", "--model", checkpoint(), "--num-inference", "1", "--num-cache", "1",
-                                  "--rendezvous-timeout-ms", "60000", "--device", "cuda", "--gpu-link", "ipc",
+                                  "--rendezvous-timeout-ms", "60000", "--device", "cuda", "--gpu-link", link.gpu_link,
                                   "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--log-level", "info"};
     a.insert(a.end(), sparse_flags.begin(), sparse_flags.end());
     inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), a, env(1), "inference rank");
     cache = std::make_unique<ChildProcess>(
         bin("cache_rank/cache_rank"),
         std::vector<std::string>{"--model", checkpoint(), "--num-inference", "1", "--num-cache", "1",
-                                 "--rendezvous-timeout-ms", "60000", "--device", "cuda", "--query-window", "4"},
+                                 "--rendezvous-timeout-ms", "60000", "--device", "cuda", "--gpu",
+                                 std::to_string(link.cache_gpu), "--query-window", "4"},
         env(2), "cache rank");
   }
   std::string logs() const {
@@ -99,7 +115,9 @@ long long logged(const std::string& log, const std::string& what) {
   return v;
 }
 
-TEST(GpuCluster, SparseDecodingAcrossProcessesOverCudaIpc) {
+class GpuCluster : public ::testing::TestWithParam<LinkSetup> {};
+
+TEST_P(GpuCluster, SparseDecodingAcrossProcesses) {
   // Reference: the standalone dense GPU run of the same checkpoint.
   ChildProcess ref(bin("inference_rank/inference_rank"),
                    {"--model", checkpoint(), "--device", "cuda", "--prompt", "Once upon a time", "--max-tokens", "200",
@@ -107,7 +125,7 @@ TEST(GpuCluster, SparseDecodingAcrossProcessesOverCudaIpc) {
                     "4", "--max-num-batched-tokens", "256"},
                    {}, "dense reference");
   ASSERT_EQ(ref.wait_exit(120s), 0) << ref.log();
-  Cluster cl;
+  Cluster cl(GetParam());
   cl.start({"--selection", "predicted", "--sparse-threshold", "64", "--token-budget", "512", "--layers-per-pack", "2",
             "--local-window", "16", "--delta-capacity", "64"});
   auto c = client(cl.port);
@@ -129,8 +147,8 @@ TEST(GpuCluster, SparseDecodingAcrossProcessesOverCudaIpc) {
   EXPECT_GT(logged(cl.cache->log(), "selections"), 100) << cl.cache->log();
 }
 
-TEST(GpuCluster, KilledGpuCacheRankFailsTheSparseRequestAndServiceContinuesDensely) {
-  Cluster cl;
+TEST_P(GpuCluster, KilledGpuCacheRankFailsTheSparseRequestAndServiceContinuesDensely) {
+  Cluster cl(GetParam());
   cl.start({"--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "64", "--layers-per-pack", "2",
             "--local-window", "16", "--delta-capacity", "16", "--selection-deadline-ms", "3000"});
   auto c = client(cl.port);
@@ -153,6 +171,10 @@ TEST(GpuCluster, KilledGpuCacheRankFailsTheSparseRequestAndServiceContinuesDense
   c->request_shutdown("test done");
   EXPECT_EQ(cl.inf->wait_exit(30s), 0) << cl.logs();
 }
+
+INSTANTIATE_TEST_SUITE_P(Links, GpuCluster,
+                         ::testing::Values(LinkSetup{"CudaIpcOneGpu", "ipc", 0}, LinkSetup{"Nccl2Gpu", "nccl", 1}),
+                         [](const ::testing::TestParamInfo<LinkSetup>& i) { return std::string(i.param.name); });
 
 }  // namespace
 }  // namespace spade
