@@ -217,8 +217,8 @@ if want bench && bench_wanted tpot; then
   for c in ${SPADE_TPOT_CONFIGS:-8b-b8 8b-b16 32b-b8}; do
     case "$c" in
       8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256) ;;
-      8b-b16) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k --batch 16 --context 16384 --budget 1024 --packs 6) ;;
-      32b-b8) args=(--config "${DATA}/configs/qwen3-32b" --label qwen3-32b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 8) ;;
+      8b-b16) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128) ;;
+      32b-b8) args=(--config "${DATA}/configs/qwen3-32b" --label qwen3-32b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 8 --delta-capacity 0,256) ;;
       # One-GPU variants (nvidia-h100-x1): the 32k baselines (dense, oracle) fit beside the weights; the async
       # pipeline holds the KV twice on one GPU (inference rank + cache rank), so it runs at 16k over CUDA IPC.
       8b-b8-1gpu) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-1gpu --batch 8 --context 32768 --budget 2048 --modes dense,oracle) ;;
