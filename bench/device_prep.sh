@@ -5,6 +5,8 @@
 #   shared-data.tar.xz   the parts of ../shared/data the gpu tests and benches read (configs, tiny models,
 #                        the Qwen2 tokenizer, the AIME24 prompts): ../shared does not travel with the tree
 #   COMMIT               this checkout's commit (+ "-dirty" with uncommitted changes): the device's .git may be stale
+#   FILES, TREE          the tracked files and a hash of their contents: run_gpu.sh trusts COMMIT only when the tree it
+#                        runs on hashes the same (a COMMIT left over from an earlier device_prep is not used)
 # Usage (repo root): bench/device_prep.sh        Environment: SPADE_DATA_DIR (default ../shared/data).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,4 +22,8 @@ tar -cJf "${OUT_DIR}/shared-data.tar.xz" -C "$(dirname "${DATA}")" --transform "
 commit="$(git -C "${ROOT}" rev-parse HEAD)"
 [ -z "$(git -C "${ROOT}" status --porcelain --untracked-files=no)" ] || commit="${commit}-dirty"
 echo "${commit}" >"${OUT_DIR}/COMMIT"
+git -C "${ROOT}" ls-files >"${OUT_DIR}/FILES"
+# The same function is in bench/run_gpu.sh.
+tree_hash() { (cd "$1" && while IFS= read -r f; do [ -f "$f" ] && sha256sum "$f"; done <"$2" | sha256sum | cut -c1-64); }
+tree_hash "${ROOT}" "${OUT_DIR}/FILES" >"${OUT_DIR}/TREE"
 du -sh "${OUT_DIR}"/* | sed 's/^/device_prep: /'

@@ -17,7 +17,8 @@
 #                         skipped unless "bgbuild" is asked for (a low-priority build in the background, checked at
 #                         the end, so the device build is still verified while the prebuilt binaries run)
 #   SPADE_CTEST_REGEX     only the gpu tests whose ctest name matches (ctest -R; default: all); the build builds those
-#   SPADE_CTEST_TIMEOUT   per-test ctest timeout in seconds (default 1800)
+#   SPADE_CTEST_TIMEOUT   per-test timeout of the gpu tests in seconds (default 1800; set at configure time as
+#                         SPADE_GPU_TEST_TIMEOUT, the tests' TIMEOUT property, which ctest --timeout cannot override)
 #   SPADE_BENCHES         benchmarks to run (default "kernels gdn": bench_kernels + SDPA peer, bench_gdn; "tpot":
 #                         bench_tpot, the issue-#7 TPOT table -- dense / oracle on GPU 0, AsyncSpade over GPUs 0+1
 #                         (on a one-GPU machine both ranks on GPU 0 over CUDA IPC), with and without delta transfer)
@@ -59,8 +60,16 @@ BENCHES="${SPADE_BENCHES:-kernels gdn}"
 bench_wanted() { case " ${BENCHES} " in *" $1 "*) return 0 ;; esac; return 1; }
 
 # The device copy of the tree may carry a stale .git: bench/device_prep.sh records the development machine's commit.
-if [ -z "${SPADE_COMMIT:-}" ] && [ -f "${ROOT}/build-device-deps/COMMIT" ]; then
-  SPADE_COMMIT="$(cat "${ROOT}/build-device-deps/COMMIT")"
+# The same function is in bench/device_prep.sh.
+tree_hash() { (cd "$1" && while IFS= read -r f; do [ -f "$f" ] && sha256sum "$f"; done <"$2" | sha256sum | cut -c1-64); }
+DEPDIR="${ROOT}/build-device-deps"
+if [ -z "${SPADE_COMMIT:-}" ] && [ -f "${DEPDIR}/COMMIT" ]; then
+  if [ -f "${DEPDIR}/FILES" ] && [ "$(tree_hash "${ROOT}" "${DEPDIR}/FILES")" = "$(cat "${DEPDIR}/TREE" 2>/dev/null)" ]; then
+    SPADE_COMMIT="$(cat "${DEPDIR}/COMMIT")"
+  else
+    echo "[run_gpu] build-device-deps/COMMIT does not describe this tree (run bench/device_prep.sh after committing)"
+    SPADE_COMMIT="unknown-stale-device-prep-of-$(cat "${DEPDIR}/COMMIT")"
+  fi
 fi
 # Test data: ../shared/data does not travel to the device; bench/device_prep.sh packs what the tests and benches read.
 if [ -z "${SPADE_DATA_DIR:-}" ] && [ ! -d "${ROOT}/../shared/data" ] && [ -f "${ROOT}/build-device-deps/shared-data.tar.xz" ]; then
@@ -102,10 +111,11 @@ with_deps() { if [ -n "${DEPLIB}" ]; then LD_LIBRARY_PATH="${DEPLIB}${LD_LIBRARY
 do_build() {
   log "configure"
   with_deps cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPADE_ENABLE_CUDA=ON \
-    -DSPADE_ENABLE_UCX=OFF -DCMAKE_CUDA_ARCHITECTURES=90a >"${OUT}/build.log" 2>&1 || { tail -40 "${OUT}/build.log"; exit 1; }
-  # The executables of the selected gpu tests (a ctest entry may run another entry's binary with a gtest filter).
+    -DSPADE_ENABLE_UCX=OFF -DCMAKE_CUDA_ARCHITECTURES=90a -DSPADE_GPU_TEST_TIMEOUT="${SPADE_CTEST_TIMEOUT:-1800}" >"${OUT}/build.log" 2>&1 || { tail -40 "${OUT}/build.log"; exit 1; }
+  # The build targets of the selected gpu tests (bench/gpu_test_targets.py: also on a fresh build folder, and for a
+  # ctest entry that runs another entry's binary with a gtest filter).
   GPU_TESTS=$(cd "${BUILD}" && ctest --show-only=json-v1 -L gpu ${CTEST_R[@]+"${CTEST_R[@]}"} |
-    python3 -c 'import json, os, sys; print("\n".join(sorted({os.path.basename(t["command"][0]) for t in json.load(sys.stdin)["tests"]})))')
+    python3 "${ROOT}/bench/gpu_test_targets.py") || { log "cannot list the gpu test targets"; return 1; }
   log "build: bench_kernels bench_gdn bench_tpot ${GPU_TESTS//$'\n'/ }"
   # shellcheck disable=SC2086
   with_deps cmake --build "${BUILD}" -j "$(nproc)" --target bench_kernels bench_gdn bench_tpot ${GPU_TESTS} >>"${OUT}/build.log" 2>&1 \
@@ -136,7 +146,7 @@ fi
 if want test; then
   if [ -z "${PREBUILT}" ]; then
     log "ctest -L gpu"
-    (cd "${BUILD}" && with_deps ctest -L gpu ${CTEST_R[@]+"${CTEST_R[@]}"} --output-on-failure --timeout "${SPADE_CTEST_TIMEOUT:-1800}") \
+    (cd "${BUILD}" && with_deps ctest -L gpu ${CTEST_R[@]+"${CTEST_R[@]}"} --output-on-failure) \
       >"${OUT}/tests.log" 2>&1 || STATUS=1
     grep -E "tests passed|Passed|Failed|\*\*\*|Total Test" "${OUT}/tests.log" | tail -30
   else

@@ -29,7 +29,8 @@ LocalGpuCacheRank::LocalGpuCacheRank(const ModelConfig& attn_cfg, SelectionConfi
   lo.device = device;
   lo.op_timeout = op_timeout;
   inf_ = transport::CudaIpcLink::create("cache rank (in-process, GPU " + std::to_string(device) + ")", lo);
-  // Kernel set-up on this thread, while nothing is pending on the link (kernels/selection.cuh).
+  // Kernel set-up on this rank's device, while nothing is pending on the link (kernels/selection.cuh).
+  cuda_check(cudaSetDevice(device), "in-process cache rank: cudaSetDevice");
   cuda_check(kernels::prepare_selection_kernels(), "in-process cache rank: selection kernels set-up");
   cache_ = transport::CudaIpcLink::open(inf_->address(), "inference rank (in-process)", lo);
   inf_->connect();

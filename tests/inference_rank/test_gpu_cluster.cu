@@ -13,6 +13,7 @@
 //   with its full length, both ranks log sparse work, and the world shuts down cleanly.
 // - A cache rank killed mid-request fails that request naming the cache rank, within a bounded time; the inference
 //   rank stays up and serves the next request densely.
+#include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -115,7 +116,17 @@ long long logged(const std::string& log, const std::string& what) {
   return v;
 }
 
-class GpuCluster : public ::testing::TestWithParam<LinkSetup> {};
+class GpuCluster : public ::testing::TestWithParam<LinkSetup> {
+ protected:
+  void SetUp() override {
+    int n = 0;
+    ASSERT_EQ(cudaGetDeviceCount(&n), cudaSuccess);
+    ASSERT_GT(n, GetParam().cache_gpu) << GetParam().name << " puts the cache rank on GPU " << GetParam().cache_gpu
+                                       << " and this machine has " << n
+                                       << " GPU(s): its ctest entry is labelled gpu2 (bench/run_gpu.sh leaves it out on "
+                                          "one GPU and says so)";
+  }
+};
 
 TEST_P(GpuCluster, SparseDecodingAcrossProcesses) {
   // Reference: the standalone dense GPU run of the same checkpoint.

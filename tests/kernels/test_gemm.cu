@@ -164,9 +164,10 @@ TEST_F(GemmGpu, PlanCachePerShape) {
   EXPECT_EQ(runner_.cached_plans(), 3u);
 }
 
-// warm_up_rows plans every row count up to max_m and launches each distinct cuBLASLt kernel once; afterwards no
-// row count in range brings a kernel that has not run (what the in-process GPU pair relies on), and the results of
-// later calls are still right.
+// warm_up_rows plans every row count up to max_m and launches each distinct cuBLASLt kernel once (the launch count
+// equals the distinct kernels recorded, and a second pass launches nothing). Afterwards, calls over the range use
+// the warmed plans (same shapes and 256-byte alignment: what the forward pass does with its buffers), so they add no
+// kernel, which the in-process GPU pair relies on, and their results are still right.
 TEST_F(GemmGpu, WarmUpRowsLaunchesEveryAlgorithmOfTheRangeOnce) {
   const int max_m = 300, n = 1024, k = 512;
   DevBuf<uint16_t> x, w, y;

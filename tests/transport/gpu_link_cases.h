@@ -132,6 +132,13 @@ inline void echo_across_processes_case(LinkKind kind, int peer_device) {
     echo_once(*link, buf.s, buf.up, buf.down, i);
     total += echo_bytes(i);
     ASSERT_EQ(child.read_line(10000ms), "ECHOED " + std::to_string(i));
+    if (i == kN / 2) {
+      // Bad input mid-stream, while the child waits for the next message: clear errors, and the link stays healthy
+      // (the echoes that follow check that it still works).
+      EXPECT_THROW(link->send(nullptr, 16, buf.s, "null"), spade::Error);
+      EXPECT_THROW(link->recv(buf.down, 0, buf.s, "empty"), spade::Error);
+      EXPECT_FALSE(link->failed()) << link->failure();
+    }
   }
   EXPECT_EQ(child.read_line(10000ms), "DONE");
   trace("child done");
@@ -156,7 +163,7 @@ inline void echo_across_processes_case(LinkKind kind, int peer_device) {
     }
   };
   expect_state_after_close();
-  // Bad input: clear errors that leave the link's state as it was.
+  // Bad input after the close: still clear errors, and the link's state is as it was.
   EXPECT_THROW(link->send(nullptr, 16, buf.s, "null"), spade::Error);
   EXPECT_THROW(link->recv(buf.down, 0, buf.s, "empty"), spade::Error);
   expect_state_after_close();
