@@ -10,7 +10,7 @@
 //               phases (sequence b at h = b mod L), every step is timed, the per-step medians of each cycle position
 //               are averaged over the L positions. Speedup = recurrent time / cycle-average time.
 //   verify      T = 1..8 drafts: parallel verification (one T x T solve, flush one window early, ring
-//               L = max(16, 2T), (T + 1) / 2 drafts accepted per round) + its device commit, vs the recurrent
+//               L = max(16, 4T), (T + 1) / 2 drafts accepted per round) + its device commit, vs the recurrent
 //               verification with T per-draft state snapshots + its swap commit ([RS] Algorithm 7), batch 1..256.
 //   kv_only     KV-only parallel form (no state) at short contexts c (h = c - 1 buffered entries) vs the chunkwise
 //               cycle average (L = 16) and the recurrent step, batch 64.
@@ -19,7 +19,8 @@
 // Every timed launch is preceded by an L2 flush (a 256 MiB memset outside the timed region): between two steps of
 // one layer a real model runs all its other layers, so the state never starts in L2. Each launch has its own pair of
 // CUDA events; medians over >= 50 samples after warm-up. Inputs are random (never zero).
-// Usage: bench_gdn --out results.json [--quick]
+// Usage: bench_gdn --out results.json [--quick] [--only TABLES] [--batches LIST]   (TABLES: comma-separated of
+//        recurrent, chunkwise, tile_groups, verify, kv_only, memory; default all. LIST: batch sizes, e.g. 64,256)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -55,6 +56,12 @@ constexpr size_t kTokenIoBytes = size_t{kHk} * kD * 2 * 2 + size_t{kHv} * kD * 2
 
 struct Bench {
   bool quick = false;
+  std::string only;            // comma-separated tables to run (--only), empty = all
+  std::vector<int> batch_list; // --batches: overrides the batch list of every table
+  int verify_ring = 0;          // --verify-ring: ring size L of the parallel verification (0: max(16, 4T))
+  bool wants(const char* table) const {
+    return only.empty() || ("," + only + ",").find("," + std::string(table) + ",") != std::string::npos;
+  }
   std::string out;
   cudaDeviceProp prop{};
   double copy_gbps = 0;
@@ -150,7 +157,7 @@ struct Layer {
     max_tokens = tokens_per_seq;
     cap = cap_;
     block = block_;
-    blocks_per_seq = cap / block;
+    blocks_per_seq = (cap + block - 1) / block;
     num_state_slots = batch * (1 + extra_state_slots);
     const size_t toks = size_t{static_cast<size_t>(batch)} * tokens_per_seq;
     q = dalloc<char>(toks * kHk * kD * 2);
@@ -341,9 +348,10 @@ double bench_chunkwise(Bench& b, int batch, int cap, double recurrent_us, int ti
 }
 
 void bench_verify(Bench& b, int batch, int T, int tile_groups = 0) {
-  // L = 2T (>= 16): measured best; L = 4T halves the flushes but the 8 h warp dot products of the history grow with h
-  // (T = 8, batch 256: 944 us at L = 32 vs 808 us at L = 16, 2026-11-21).
-  const int cap = std::max(16, 2 * T);
+  // L = 4T (>= 16): one flush every (2T) / a + 1 rounds instead of every round at L = 2T. Since the history dot
+  // products went from one warp per (token, entry) pair to one warp per entry (2026-11-24), L = 4T is the faster:
+  // T = 8, batch 256: 529 us at L = 32 vs 633 us at L = 16 (H100; before: 944 vs 808 us).
+  const int cap = b.verify_ring > 0 ? std::max(b.verify_ring, 2 * T) : std::max(16, 4 * T);
   // Parallel verification: committed entries at staggered phases below the early-flush threshold region.
   Layer P;
   P.init(batch, T, cap, 16, 0, true, [cap, T](int s) { return s % (cap - T + 1); });
@@ -435,8 +443,26 @@ int main(int argc, char** argv) {
       b.out = argv[++i];
     } else if (a == "--quick") {
       b.quick = true;
+    } else if (a == "--only" && i + 1 < argc) {
+      b.only = argv[++i];
+    } else if (a == "--verify-ring" && i + 1 < argc) {
+      b.verify_ring = std::atoi(argv[++i]);
+    } else if (a == "--batches" && i + 1 < argc) {
+      for (const char* c = argv[++i]; *c != '\0';) {
+        char* end = nullptr;
+        const long v = std::strtol(c, &end, 10);
+        if (end == c || v < 1 || v > 65535) {
+          std::fprintf(stderr, "--batches: expected a comma-separated list of batch sizes, got %s\n", argv[i]);
+          return 2;
+        }
+        b.batch_list.push_back(static_cast<int>(v));
+        c = *end == ',' ? end + 1 : end;
+      }
     } else {
-      std::fprintf(stderr, "usage: %s [--out file.json] [--quick]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--out file.json] [--quick] [--only recurrent,chunkwise,tile_groups,verify,kv_only,memory]"
+                   " [--batches 64,256] [--verify-ring L]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -447,48 +473,66 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&b.l2_scratch, b.l2_scratch_bytes));
   b.copy_gbps = measure_copy(b);
 
-  const std::vector<int> batches = b.quick ? std::vector<int>{1, 64, 256} : std::vector<int>{1, 4, 16, 64, 128, 256};
+  const std::vector<int> batches = !b.batch_list.empty() ? b.batch_list
+                                   : b.quick             ? std::vector<int>{1, 64, 256}
+                                                         : std::vector<int>{1, 4, 16, 64, 128, 256};
   const std::vector<int> caps = b.quick ? std::vector<int>{8, 16, 32} : std::vector<int>{4, 8, 16, 32, 64};
+  // The recurrent times are the denominators of the chunkwise and KV-only tables: measured whenever those run.
+  const bool need_rec = b.wants("recurrent") || b.wants("chunkwise") || b.wants("tile_groups") || b.wants("kv_only");
   std::vector<double> rec(batches.size());
   double chunk16_b64 = 0, rec_b64 = 0;
-  for (size_t i = 0; i < batches.size(); ++i) {
+  for (size_t i = 0; i < batches.size() && need_rec; ++i) {
     rec[i] = bench_recurrent(b, batches[i]);
     if (batches[i] == 64) rec_b64 = rec[i];
   }
-  std::printf("\nchunkwise / recurrent speedup (cycle average, incl. flush):\n%8s", "B \\ L");
-  for (int L : caps) std::printf("%8d", L);
-  std::printf("\n");
-  std::vector<std::vector<double>> sp(batches.size());
-  for (size_t i = 0; i < batches.size(); ++i) {
-    for (int L : caps) {
-      const double t = bench_chunkwise(b, batches[i], L, rec[i]);
-      sp[i].push_back(rec[i] / t);
-      if (batches[i] == 64 && L == 16) chunk16_b64 = t;
+  if (b.wants("chunkwise") || b.wants("kv_only")) {
+    std::printf("\nchunkwise / recurrent speedup (cycle average, incl. flush):\n");
+    std::vector<std::vector<double>> sp(batches.size());
+    for (size_t i = 0; i < batches.size(); ++i) {
+      for (int L : caps) {
+        if (!b.wants("chunkwise") && !(batches[i] == 64 && L == 16)) continue;
+        const double t = bench_chunkwise(b, batches[i], L, rec[i]);
+        sp[i].push_back(rec[i] / t);
+        if (batches[i] == 64 && L == 16) chunk16_b64 = t;
+      }
+    }
+    if (b.wants("chunkwise")) {
+      std::printf("\n%8s", "B \\ L");
+      for (int L : caps) std::printf("%8d", L);
+      std::printf("\n");
+      for (size_t i = 0; i < batches.size(); ++i) {
+        std::printf("%8d", batches[i]);
+        for (double s : sp[i]) std::printf("%7.2fx", s);
+        std::printf("\n");
+      }
     }
   }
-  std::printf("\n%8s", "B \\ L");
-  for (int L : caps) std::printf("%8d", L);
-  std::printf("\n");
-  for (size_t i = 0; i < batches.size(); ++i) {
-    std::printf("%8d", batches[i]);
-    for (double s : sp[i]) std::printf("%7.2fx", s);
+  if (b.wants("tile_groups")) {
+    std::printf("\ntile groups per CTA (tg=0: automatic = 2 at batch < 128, 4 (one CTA per head) from 128):\n");
+    for (size_t i = 0; i < batches.size(); ++i) {
+      if (batches[i] != 64 && batches[i] != 256) continue;
+      for (int L : {8, 16})
+        for (int tg : {1, 2, 4}) bench_chunkwise(b, batches[i], L, rec[i], tg);
+    }
+  }
+  if (b.wants("verify")) {
     std::printf("\n");
+    const std::vector<int> vb = !b.batch_list.empty() ? b.batch_list
+                                : b.quick             ? std::vector<int>{1, 64}
+                                                      : std::vector<int>{1, 16, 64, 256};
+    for (int B : vb)
+      for (int T : {1, 2, 4, 8}) bench_verify(b, B, T);
+    if (std::find(vb.begin(), vb.end(), 256) != vb.end())
+      for (int tg : {1, 4}) bench_verify(b, 256, 8, tg);
   }
-  std::printf("\ntile groups per CTA (tg=0: automatic = 2 at batch < 128, 4 (one CTA per head) from 128):\n");
-  for (int B : {64, 256}) {
-    const double rb = B == 64 ? rec_b64 : rec.back();
-    for (int L : {8, 16})
-      for (int tg : {1, 2, 4}) bench_chunkwise(b, B, L, rb, tg);
-  }
-  std::printf("\n");
-  for (int B : b.quick ? std::vector<int>{1, 64} : std::vector<int>{1, 16, 64, 256})
-    for (int T : {1, 2, 4, 8}) bench_verify(b, B, T);
-  for (int tg : {1, 4}) bench_verify(b, 256, 8, tg);
-  std::printf("\n");
-  if (rec_b64 > 0 && chunk16_b64 > 0)
+  if (b.wants("kv_only") && rec_b64 > 0 && chunk16_b64 > 0) {
+    std::printf("\n");
     for (int c : {8, 16, 32, 64, 96, 120}) bench_kv_only(b, 64, c, chunk16_b64, rec_b64);
-  std::printf("\n");
-  memory_table(b);
+  }
+  if (b.wants("memory")) {
+    std::printf("\n");
+    memory_table(b);
+  }
 
   json doc;
   doc["benchmark"] = "bench_gdn";

@@ -55,11 +55,14 @@ __device__ __forceinline__ void store_state(float* head, const float4 (&S)[D / 1
   for (int r = 0; r < D / 16; ++r) *reinterpret_cast<float4*>(head + static_cast<size_t>(r * 16 + ty) * D + col) = S[r];
 }
 
-/// Column partial sums pa = S^T kx, pc = S^T qx of the slice (kx, qx: [D] fp32 in shared memory), summed over the 4
-/// row groups of the warp (lanes 8 apart); the caller adds the warps of the tile.
+/// Column sums S^T kx and S^T qx of the slice (kx, qx: [D] fp32 in shared memory) over the 4 row groups of the warp
+/// (lanes 8 apart), reduced by transposition: two shuffle stages of 4 and 2 values (not 2 x 8) leave every lane two
+/// sums, returned as {column 4 tx + 2 hi8, column 4 tx + 2 hi8 + 1} of vector `which` (0: S^T kx, 1: S^T qx), with
+/// which = bit 4 and hi8 = bit 3 of the lane. The caller adds the warps of the tile.
 template <int D>
-__device__ __forceinline__ void readout(const float4 (&S)[D / 16], const float* kx, const float* qx, int ty,
-                                        float (&pa)[4], float (&pc)[4]) {
+__device__ __forceinline__ float2 readout(const float4 (&S)[D / 16], const float* kx, const float* qx, int ty,
+                                          int lane) {
+  float pa[4], pc[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) pa[e] = pc[e] = 0.f;
 #pragma unroll
@@ -68,13 +71,14 @@ __device__ __forceinline__ void readout(const float4 (&S)[D / 16], const float* 
     pa[0] += S[r].x * kr; pa[1] += S[r].y * kr; pa[2] += S[r].z * kr; pa[3] += S[r].w * kr;
     pc[0] += S[r].x * qr; pc[1] += S[r].y * qr; pc[2] += S[r].z * qr; pc[3] += S[r].w * qr;
   }
+  const bool hi16 = (lane & 16) != 0, hi8 = (lane & 8) != 0;
+  float keep[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    pa[e] += __shfl_xor_sync(0xffffffffu, pa[e], 8);
-    pa[e] += __shfl_xor_sync(0xffffffffu, pa[e], 16);
-    pc[e] += __shfl_xor_sync(0xffffffffu, pc[e], 8);
-    pc[e] += __shfl_xor_sync(0xffffffffu, pc[e], 16);
-  }
+  for (int e = 0; e < 4; ++e) keep[e] = (hi16 ? pc[e] : pa[e]) + __shfl_xor_sync(0xffffffffu, hi16 ? pa[e] : pc[e], 16);
+  float2 r;
+  r.x = (hi8 ? keep[2] : keep[0]) + __shfl_xor_sync(0xffffffffu, hi8 ? keep[0] : keep[2], 8);
+  r.y = (hi8 ? keep[3] : keep[1]) + __shfl_xor_sync(0xffffffffu, hi8 ? keep[1] : keep[3], 8);
+  return r;
 }
 
 /// One warp: q^ = l2norm(q) * scale, k^ = l2norm(k) ([HF] l2norm; no normalisation when !l2) of one token's key head
@@ -131,7 +135,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 8) gdn_recurrent_kernel(RecArgs a) {  // <= 64 registers: 8 CTAs per SM
   constexpr int RPT = D / 16;  // state rows per thread
   __shared__ float qn[D], kn[D], vs[kTileV], us[kTileV];
-  __shared__ float red[2][kWarps][kTileV];
+  __shared__ __align__(16) float red[2][kWarps][kTileV];
   __shared__ float sc[4];  // g, beta, k^.q^
 
   const int b = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * kTileV;
@@ -165,15 +169,8 @@ __global__ void __launch_bounds__(kThreads, 8) gdn_recurrent_kernel(RecArgs a) {
     }
     __syncthreads();
     // a = S^T k^, c = S^T q^ (old state).
-    float pa[4], pc[4];
-    readout<D>(S, kn, qn, ty, pa, pc);
-    if (lane < 8) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        red[0][warp][4 * tx + e] = pa[e];
-        red[1][warp][4 * tx + e] = pc[e];
-      }
-    }
+    const float2 part = readout<D>(S, kn, qn, ty, lane);
+    *reinterpret_cast<float2*>(&red[(lane >> 4) & 1][warp][4 * tx + 2 * ((lane >> 3) & 1)]) = part;
     __syncthreads();
     const float eg = expf(sc[0]);
     if (tid < kTileV) {
@@ -254,7 +251,7 @@ struct BufArgs {
 
 /// Shared-memory carve-up of one buffered-step CTA (offsets in bytes; every section 16-byte aligned).
 struct BufSmem {
-  int kb, ub, G, coef, tbl, qn, kn, wk, wq, Ac, Qc, vs, bt, red, R, C, qr, kr, vr, gn, total;
+  int kb, ub, G, coef, tbl, tok, qn, kn, wk, wq, Ac, Qc, vs, bt, red, R, C, qr, kr, vr, gn, total;
   __host__ __device__ BufSmem(int D, int CW, int MT, int CAP, int TBL) {
     auto al = [](int x) { return (x + 15) & ~15; };
     int o = 0;
@@ -263,6 +260,7 @@ struct BufSmem {
     G = o;    o += al(CAP * 4);                // cumulative log decay of entries 0..h+n-1
     coef = o; o += al(CAP * 4);                // flush coefficients
     tbl = o;  o += al(TBL * 4);                // the sequence's block-table row
+    tok = o;  o += al(CAP * 4);                // pool token index of ring entries 0..h+n-1
     qn = o;   o += al(MT * D * 4);
     kn = o;   o += al(MT * D * 4);
     wk = o;   o += al(MT * CAP * 4);           // e^{G_s - G_j} k^_s . k^_j
@@ -289,6 +287,7 @@ struct BufSmem {
 template <typename T, int D, int MT, int TPC>
 __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArgs a) {
   constexpr int NT = 128 * TPC, NW = NT / 32, RPT = D / 16, CH = D / 8, CW = 32 * TPC;
+  static_assert(MT >= 1 && MT <= 32 && 32 % MT == 0, "step tokens: a divisor of the warp (dot-product lanes, scan)");
   extern __shared__ __align__(16) unsigned char smem[];
   const BufSmem L(D, CW, MT, a.cap_max, a.tbl_entries);
   T* kb = reinterpret_cast<T*>(smem + L.kb);
@@ -296,6 +295,7 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
   float* G = reinterpret_cast<float*>(smem + L.G);
   float* coef = reinterpret_cast<float*>(smem + L.coef);
   int32_t* tbl = reinterpret_cast<int32_t*>(smem + L.tbl);
+  int32_t* tokx = reinterpret_cast<int32_t*>(smem + L.tok);
   float* qn = reinterpret_cast<float*>(smem + L.qn);
   float* kn = reinterpret_cast<float*>(smem + L.kn);
   float* wk = reinterpret_cast<float*>(smem + L.wk);
@@ -326,13 +326,14 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
     const T* q = static_cast<const T*>(a.q);
     const T* k = static_cast<const T*>(a.k);
     const T* v = static_cast<const T*>(a.v);
-    for (int idx = tid; idx < n * (2 * CH + UCH); idx += NT) {
-      if (idx < 2 * n * CH) {
-        const int which = idx / (n * CH), li = idx % (n * CH), s = li / CH, ch = li % CH;
-        const T* src = (which == 0 ? q : k) + (static_cast<size_t>(t0 + s) * a.hk_heads + hk) * D + ch * 8;
-        detail::cp_async_16((which == 0 ? qraw : kraw) + s * D + ch * 8, src, true);
+    for (int idx = tid; idx < n * (2 * CH + UCH); idx += NT) {  // per token: CH q chunks, CH k chunks, UCH v chunks
+      const int s = idx / (2 * CH + UCH), w = idx % (2 * CH + UCH);  // compile-time divisors
+      if (w < 2 * CH) {
+        const int ch = w < CH ? w : w - CH;
+        const T* src = (w < CH ? q : k) + (static_cast<size_t>(t0 + s) * a.hk_heads + hk) * D + ch * 8;
+        detail::cp_async_16((w < CH ? qraw : kraw) + s * D + ch * 8, src, true);
       } else {
-        const int li = idx - 2 * n * CH, s = li / UCH, ch = li % UCH;
+        const int ch = w - 2 * CH;
         detail::cp_async_16(vraw + s * CW + ch * 8, v + (static_cast<size_t>(t0 + s) * a.hv_heads + hv) * D + cb + ch * 8,
                             true);
       }
@@ -387,22 +388,19 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
   }
   for (int j = tid; j < h; j += NT) cp_async_4(G + j, a.buf_g + token_of(j) * a.hv_heads + hv);
   detail::cp_async_commit();
+  // Pool token index of every entry (read after the next barrier: new-key, u and g writes); the pool size is
+  // checked to fit int32 by the launcher.
+  for (int i = tid; i < h + n; i += NT) tokx[i] = static_cast<int32_t>(token_of(i));
 
   detail::cp_async_wait<0>();
   __syncthreads();
 
-  // ---- new tokens: q^, k^ (fp32) and v from the staged rows ----
-  for (int s = warp; s < n; s += NW) {
-    normalise_qk_warp<T, D, false>(qraw + s * D, kraw + s * D, qn + s * D, kn + s * D, a.scale, a.eps, a.l2, lane);
-#pragma unroll
-    for (int i = 0; i < TPC; ++i) vs[s * CW + lane + 32 * i] = ElemTraits<T>::to_float(vraw[s * CW + lane + 32 * i]);
-    if (lane == 0) G[h + s] = gnew[s];
-  }
-  __syncthreads();
-
-  // ---- cumulative log decay since the checkpoint over entries 0..h+n-1 (warp 0, inclusive scan) ----
+  // ---- warp 0: cumulative log decay since the checkpoint over entries 0..h+n-1 (inclusive scan), then with the
+  //      other warps: new tokens' q^, k^ (fp32) and v from the staged rows ----
   const int m = h + n;
   if (warp == 0) {
+    if (lane < n) G[h + lane] = gnew[lane];
+    __syncwarp();
     float carry = 0.f;
     for (int base = 0; base < m; base += 32) {
       float x = base + lane < m ? G[base + lane] : 0.f;
@@ -416,47 +414,76 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
       carry = __shfl_sync(0xffffffffu, x, 31);
     }
   }
+  for (int s = warp; s < n; s += NW) {
+    normalise_qk_warp<T, D, false>(qraw + s * D, kraw + s * D, qn + s * D, kn + s * D, a.scale, a.eps, a.l2, lane);
+#pragma unroll
+    for (int i = 0; i < TPC; ++i) vs[s * CW + lane + 32 * i] = ElemTraits<T>::to_float(vraw[s * CW + lane + 32 * i]);
+  }
   __syncthreads();
 
-  // ---- dot products (one warp per pair) with their decay factors; checkpoint readouts ----
-  const int npairs = n * h + n * n;
-  for (int p = warp; p < npairs; p += NW) {
-    constexpr int E = D / 32;
-    const bool hist = p < n * h;
-    const int s = hist ? p / h : (p - n * h) / n;
-    const int j = hist ? p % h : (p - n * h) % n;
-    float dk = 0.f, dq = 0.f;
+  // ---- dot products k^_s . k_j and q^_s . k_j with their decay factors; checkpoint readouts ----
+  // One warp per key j (history entries j < h in stored precision, then the new tokens in fp32); lane = (token s,
+  // part g): LPS = 32 / MT lanes per token, each over EPL = D / LPS contiguous elements read in VW-wide vectors,
+  // starting at a lane-rotated vector so the lanes of a quarter-warp hit distinct banks; log2(LPS) shuffle stages.
+  {
+    constexpr int LPS = 32 / MT, EPL = D / LPS, VW = EPL >= 4 ? 4 : EPL, NV = EPL / VW;
+    const int ls = lane / LPS, lg = lane % LPS;
+    for (int j = warp; j < m; j += NW) {
+      const bool hist = j < h;
+      float dk = 0.f, dq = 0.f;
+      if (ls < n) {
+        const float* krow = kn + ls * D + lg * EPL;
+        const float* qrow = qn + ls * D + lg * EPL;
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      const float x = hist ? ElemTraits<T>::to_float(kb[j * D + lane + 32 * i]) : kn[j * D + lane + 32 * i];
-      dk += kn[s * D + lane + 32 * i] * x;
-      dq += qn[s * D + lane + 32 * i] * x;
-    }
-    dk = detail::warp_sum_xor(dk, 1, 16);
-    dq = detail::warp_sum_xor(dq, 1, 16);
-    if (lane == 0) {
-      if (hist) {
-        const float e = expf(G[h + s] - G[j]);
-        wk[s * a.cap_max + j] = e * dk;
-        wq[s * a.cap_max + j] = e * dq;
-      } else {
-        const float e = expf(G[h + s] - G[h + j]);
-        Ac[s * MT + j] = j < s ? bt[s] * e * dk : 0.f;
-        Qc[s * MT + j] = j <= s ? e * dq : 0.f;
+        for (int v0 = 0; v0 < NV; ++v0) {
+          const int e = ((v0 + lane) % NV) * VW;
+          float x[VW], kk[VW], qq[VW];
+          if (hist) {
+            const T* src = kb + static_cast<size_t>(j) * D + lg * EPL + e;
+#pragma unroll
+            for (int i = 0; i < VW; ++i) x[i] = ElemTraits<T>::to_float(src[i]);
+          } else {
+            const float* src = kn + (j - h) * D + lg * EPL + e;
+#pragma unroll
+            for (int i = 0; i < VW; ++i) x[i] = src[i];
+          }
+#pragma unroll
+          for (int i = 0; i < VW; ++i) {
+            kk[i] = krow[e + i];
+            qq[i] = qrow[e + i];
+          }
+#pragma unroll
+          for (int i = 0; i < VW; ++i) {
+            dk += kk[i] * x[i];
+            dq += qq[i] * x[i];
+          }
+        }
+      }
+#pragma unroll
+      for (int o = 1; o < LPS; o <<= 1) {
+        dk += __shfl_xor_sync(0xffffffffu, dk, o);
+        dq += __shfl_xor_sync(0xffffffffu, dq, o);
+      }
+      if (lg == 0 && ls < n) {
+        const int s = ls;
+        if (hist) {
+          const float e = expf(G[h + s] - G[j]);
+          wk[s * a.cap_max + j] = e * dk;
+          wq[s * a.cap_max + j] = e * dq;
+        } else {
+          const int t = j - h;
+          const float e = expf(G[h + s] - G[h + t]);
+          Ac[s * MT + t] = t < s ? bt[s] * e * dk : 0.f;
+          Qc[s * MT + t] = t <= s ? e * dq : 0.f;
+        }
       }
     }
   }
   if (valid) {
     for (int s = 0; s < n; ++s) {
-      float pa[4], pc[4];
-      readout<D>(S, kn + s * D, qn + s * D, ty, pa, pc);
-      if (lane < 8) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          red[(((tg * 2 + 0) * 4 + lw) * MT + s) * 32 + 4 * tx + e] = pa[e];
-          red[(((tg * 2 + 1) * 4 + lw) * MT + s) * 32 + 4 * tx + e] = pc[e];
-        }
-      }
+      const float2 part = readout<D>(S, kn + s * D, qn + s * D, ty, lane);
+      *reinterpret_cast<float2*>(
+          &red[(((tg * 2 + ((lane >> 4) & 1)) * 4 + lw) * MT + s) * 32 + 4 * tx + 2 * ((lane >> 3) & 1)]) = part;
     }
   }
   __syncthreads();
@@ -505,7 +532,7 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
         for (int t = 0; t <= s; ++t) o += Qc[s * MT + t] * Ur[t];
         out[(static_cast<size_t>(t0 + s) * a.hv_heads + hv) * D + c] = ElemTraits<T>::from_float(o);
         const T ur = ElemTraits<T>::from_float(U);
-        const size_t tok = token_of(h + s);
+        const size_t tok = static_cast<size_t>(tokx[h + s]);
         static_cast<T*>(a.buf_u)[(tok * a.hv_heads + hv) * D + c] = ur;
         ub[(h + s) * CW + lc] = ur;  // stored precision, for the decode flush
         if (c == 0) a.buf_g[tok * a.hv_heads + hv] = a.g[static_cast<size_t>(t0 + s) * a.hv_heads + hv];
@@ -519,7 +546,7 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
       const int s = idx / D, i = idx % D;
       const T kr = ElemTraits<T>::from_float(kn[s * D + i]);
       kb[(h + s) * D + i] = kr;
-      if (writer) static_cast<T*>(a.buf_k)[(token_of(h + s) * a.hk_heads + hk) * D + i] = kr;
+      if (writer) static_cast<T*>(a.buf_k)[(static_cast<size_t>(tokx[h + s]) * a.hk_heads + hk) * D + i] = kr;
     }
   }
 
@@ -640,6 +667,25 @@ int table_entries(const GdnBufferedGpuParams& p) {
   return std::min(p.seqs.max_blocks_per_seq, (p.max_ring_capacity + p.buf.block_size - 1) / p.buf.block_size);
 }
 
+/// The dynamic shared-memory limit of a buffered-step instantiation: set once per device to the device's opt-in
+/// maximum, because the size a launch needs grows with max_ring_capacity (a limit set for the first launch's size
+/// would make a later launch with a longer ring fail with cudaErrorInvalidValue). The limit does not reserve memory:
+/// occupancy follows each launch's own size.
+template <typename Kernel>
+cudaError_t ensure_max_smem(Kernel kernel, std::atomic<uint64_t>& done_mask) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit != 0 && (done_mask.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  int optin = 0;
+  e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  if (e == cudaSuccess && bit != 0) done_mask.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
+
 template <typename T, int D, int MT, int TPC>
 cudaError_t launch_buffered(const GdnBufferedGpuParams& p, bool verify, cudaStream_t stream) {
   static std::atomic<uint64_t> smem_done{0};
@@ -647,7 +693,7 @@ cudaError_t launch_buffered(const GdnBufferedGpuParams& p, bool verify, cudaStre
   const size_t smem = BufSmem(D, 32 * TPC, MT, p.max_ring_capacity, tbl).total;
   auto kernel = gdn_buffered_kernel<T, D, MT, TPC>;
   if (smem > 48 * 1024) {
-    const cudaError_t e = detail::ensure_smem_attribute(kernel, smem, smem_done);
+    const cudaError_t e = ensure_max_smem(kernel, smem_done);
     if (e != cudaSuccess) return e;
   }
   BufArgs a{};
@@ -713,6 +759,9 @@ cudaError_t run_buffered(const char* fn, const GdnBufferedGpuParams& p, bool ver
   if (!p.buf.k || !p.buf.u || !p.buf.g || p.buf.num_blocks < 1 || p.buf.block_size < 1)
     return invalid_argument(fn, "buf.k/u/g must be non-null and num_blocks, block_size >= 1 (got ", p.buf.num_blocks,
                             ", ", p.buf.block_size, ")");
+  if (static_cast<int64_t>(p.buf.num_blocks) * p.buf.block_size > INT32_MAX)
+    return invalid_argument(fn, "buffer pool of ", p.buf.num_blocks, " blocks of ", p.buf.block_size,
+                            " tokens exceeds 2^31 - 1 tokens");
   const GdnSeqTable& s = p.seqs;
   if (!s.ring_start || !s.ring_len || !s.ring_capacity || !s.block_tables || !s.state_slots || !s.state_valid ||
       s.max_seqs < 1 || s.max_blocks_per_seq < 1)

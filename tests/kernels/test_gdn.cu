@@ -643,6 +643,13 @@ TEST(GdnParallelVerifyGpu, Bf16T2L4D64) { run_verify({DType::BF16, {2, 2, 64, 64
 TEST(GdnParallelVerifyGpu, KvOnlyCompressionDuringSpeculation) {
   run_verify({DType::BF16, {2, 4, 64, 64}, 8, 16, 16, 64, 4, 50}, 34);
 }
+// The shared-memory size of a launch grows with the ring: a longer ring after a shorter one in the same
+// instantiation (bf16, d 128, 8 tokens, one CTA per head) must launch (the limit once failed it: it was set to the
+// first launch's size).
+TEST(GdnParallelVerifyGpu, LongerRingAfterShorterRing) {
+  run_verify({DType::BF16, {2, 4, 128, 128}, 8, 16, 16, 0, 2, 30, 4}, 38);
+  run_verify({DType::BF16, {2, 4, 128, 128}, 8, 64, 16, 0, 2, 60, 4}, 39);
+}
 TEST(GdnParallelVerifyGpu, Fp16T1EveryRound) { run_verify({DType::F16, {4, 8, 128, 128}, 1, 8, 8, 0, 6, 30}, 35); }
 
 // =====================================================================================================================
