@@ -386,19 +386,25 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
                           true);
     }
   }
-  for (int j = tid; j < h; j += NT) cp_async_4(G + j, a.buf_g + token_of(j) * a.hv_heads + hv);
+  // The g rows are staged by warp 0 alone: it scans them while the other warps normalise the new tokens.
+  if (warp == 0)
+    for (int j = lane; j < h; j += 32) cp_async_4(G + j, a.buf_g + token_of(j) * a.hv_heads + hv);
   detail::cp_async_commit();
   // Pool token index of every entry (read after the next barrier: new-key, u and g writes); the pool size is
   // checked to fit int32 by the launcher.
   for (int i = tid; i < h + n; i += NT) tokx[i] = static_cast<int32_t>(token_of(i));
 
-  detail::cp_async_wait<0>();
+  // This step's rows (the first commit group) have landed once every thread waited for its own and passed the
+  // barrier; the buffered entries (second group) may still be in flight.
+  detail::cp_async_wait<1>();
   __syncthreads();
 
-  // ---- warp 0: cumulative log decay since the checkpoint over entries 0..h+n-1 (inclusive scan), then with the
-  //      other warps: new tokens' q^, k^ (fp32) and v from the staged rows ----
+  // ---- while the buffered entries land: warp 0 waits for its own g copies (all of them) and scans the cumulative
+  //      log decay since the checkpoint over entries 0..h+n-1; the other warps normalise the new tokens' q^, k^
+  //      (fp32) and convert v from the staged rows ----
   const int m = h + n;
   if (warp == 0) {
+    detail::cp_async_wait<0>();
     if (lane < n) G[h + lane] = gnew[lane];
     __syncwarp();
     float carry = 0.f;
@@ -414,11 +420,12 @@ __global__ void __launch_bounds__(128 * TPC, 8 / TPC) gdn_buffered_kernel(BufArg
       carry = __shfl_sync(0xffffffffu, x, 31);
     }
   }
-  for (int s = warp; s < n; s += NW) {
+  for (int s = warp - 1; s < n && warp > 0; s += NW - 1) {
     normalise_qk_warp<T, D, false>(qraw + s * D, kraw + s * D, qn + s * D, kn + s * D, a.scale, a.eps, a.l2, lane);
 #pragma unroll
     for (int i = 0; i < TPC; ++i) vs[s * CW + lane + 32 * i] = ElemTraits<T>::to_float(vraw[s * CW + lane + 32 * i]);
   }
+  detail::cp_async_wait<0>();
   __syncthreads();
 
   // ---- dot products k^_s . k_j and q^_s . k_j with their decay factors; checkpoint readouts ----
