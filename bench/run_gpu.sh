@@ -184,7 +184,7 @@ fi
 
 # ---- compute-sanitizer racecheck (shared-memory hazards) on a subset of the kernel tests ----
 if want racecheck; then
-  RFILTER="${SPADE_RACECHECK_FILTER:-PagedDecodeGpu.ForcedMaxSplits:PagedDecodeGpu.Fp16D128Page32Group8:SparsePackedDecodeGpu.*:PagedPrefillGpu.Bf16D256*:PredictGpu.*:TopkGpu.HeavyTies*:ScoreGpu.Fp16D64*:DeltaGpu.StreamWithOverflow*:DeltaGpu.Refuses*}"
+  RFILTER="${SPADE_RACECHECK_FILTER:-PagedDecodeGpu.ForcedMaxSplits:PagedDecodeGpu.Fp16D128Page32Group8:SparsePackedDecodeGpu.*:PagedPrefillGpu.Bf16D256*:PredictGpu.*:TopkGpu.HeavyTies*:ScoreGpu.Fp16D64*:DeltaGpu.StreamWithOverflow*:DeltaGpu.Refuses*:Gdn*TwoTileGroups*:GdnParallelVerifyGpu.Bf16T2L4D64:GdnChunkwiseGpu.RaggedBufferedPrefill}"
   : >"${OUT}/racecheck.log"
   for t in "${TEST_BINS[@]}"; do
     [ -x "$t" ] || continue
