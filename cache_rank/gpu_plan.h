@@ -34,7 +34,7 @@ struct GpuPairHello {
   int32_t delta_capacity = 0;     // C (1..k)
   int32_t max_slots = 0;          // plan slots (the engine's max_num_seqs)
   int32_t max_step_tokens = 0;    // the engine's max_num_batched_tokens
-  int32_t num_pages = 0;          // the engine's KV pages
+  int32_t num_pages = 0;          // the cache rank's KV pool: the engine's max_context_pages, else its num_pages
   int32_t page_size = 0;
   int32_t max_pages_per_seq = 0;  // ceil(max_model_len / page_size)
 };

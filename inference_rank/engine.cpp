@@ -12,6 +12,7 @@ EngineOptions normalise(EngineOptions o, const ModelConfig& cfg) {
   SPADE_CHECK(o.max_num_seqs > 0, "engine: max_num_seqs must be positive, got {}", o.max_num_seqs);
   SPADE_CHECK(o.max_num_batched_tokens > 0, "engine: max_num_batched_tokens must be positive, got {}",
               o.max_num_batched_tokens);
+  SPADE_CHECK(o.max_context_pages >= 0, "engine: max_context_pages must be >= 0, got {}", o.max_context_pages);
   if (o.max_model_len <= 0) o.max_model_len = cfg.max_position_embeddings;
   SPADE_CHECK(o.max_model_len <= cfg.max_position_embeddings,
               "engine: max_model_len {} exceeds the model's max_position_embeddings {}", o.max_model_len,
@@ -22,6 +23,7 @@ EngineOptions normalise(EngineOptions o, const ModelConfig& cfg) {
     const int64_t budget = page_bytes == 0 ? full : static_cast<int64_t>(o.kv_cache_bytes / page_bytes);
     o.num_pages = static_cast<int>(std::max<int64_t>(1, std::min(full, budget)));
   }
+  if (o.max_context_pages == 0) o.max_context_pages = o.num_pages;
   return o;
 }
 
@@ -97,6 +99,9 @@ uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
   const int pages = alloc_.pages_for(static_cast<int>(total));
   SPADE_CHECK(pages <= alloc_.num_pages(), "request needs {} KV pages but the pool has {} in all", pages,
               alloc_.num_pages());
+  SPADE_CHECK(pages <= opt_.max_context_pages,
+              "request needs {} KV pages but its cache rank holds {} in all (max_context_pages)", pages,
+              opt_.max_context_pages);
   auto s = std::make_unique<Seq>();
   s->id = next_id_++;
   s->tokens = req.prompt_ids;
@@ -130,6 +135,7 @@ void Engine::abort(uint64_t request_id) {
 
 void Engine::finish(Seq& s, FinishReason r, const std::string& error) {
   reserved_pages_ -= s.reserved_pages - static_cast<int>(alloc_.block_table(s.id).size());
+  context_pages_ -= s.reserved_pages;
   alloc_.release(s.id);
   if (s.state_slot >= 0) {
     if (states_) {
@@ -153,6 +159,7 @@ bool Engine::admit_waiting() {
     Seq& s = *waiting_.front();
     const int need = alloc_.pages_for(static_cast<int>(s.req.prompt_ids.size()) + s.req.max_tokens);
     if (alloc_.num_free_pages() - reserved_pages_ < need) break;  // FIFO: wait for memory
+    if (context_pages_ + need > opt_.max_context_pages) break;  // the cache rank's pool (full contexts)
     // Hybrid: one recurrent-state slot per running sequence; the pool has max_num_seqs slots, so one is free here.
     if (states_) {
       s.state_slot = states_->allocate();
@@ -163,6 +170,7 @@ bool Engine::admit_waiting() {
     alloc_.admit(s.id);
     s.reserved_pages = need;
     reserved_pages_ += need;
+    context_pages_ += need;
     if (observer_) observer_->on_scheduled(seconds_since(s.arrival));
     running_.emplace(s.id, std::move(waiting_.front()));
     waiting_.pop_front();
@@ -295,7 +303,7 @@ bool Engine::step() {
   // Sparse sequences keep only sink tokens + local window locally: free the pages in between.
   for (auto& [id, s] : running_) {
     const auto [begin, end] = hooks_->droppable_range(id, alloc_.seq_len(id));
-    if (end > begin) alloc_.drop_range(id, begin, end);
+    if (end > begin) stats_.dropped_pages += static_cast<uint64_t>(alloc_.drop_range(id, begin, end));
   }
   return true;
 }

@@ -57,6 +57,12 @@ struct EngineOptions {
   int max_num_seqs = 64;              // running sequences at most
   int max_num_batched_tokens = 2048;  // tokens per forward at most (prefill chunking)
   int max_model_len = 0;              // 0: max_position_embeddings
+  // Bound on the full contexts (pages of prompt + max_tokens) of the running sequences together: their cache rank
+  // holds every context in full, dropped parts included, so this is its pool (the GPU path's pair hello sends it,
+  // make_gpu_pair_hello). Page dropping (AttentionBackend::droppable_range) frees local pages of sparse sequences;
+  // admission reuses them only up to this bound. 0: num_pages (freed pages are not admitted again; the CPU path's
+  // cache rank has a pool of num_pages, so leave it 0 there).
+  int max_context_pages = 0;
 };
 
 struct EngineStats {
@@ -66,6 +72,8 @@ struct EngineStats {
   uint64_t steps = 0;
   uint64_t prompt_tokens = 0;         // processed by prefill
   uint64_t generated_tokens = 0;
+  uint64_t dropped_pages = 0;         // KV pages freed early: a sparse sequence's pages outside what it still reads
+                                      // locally (AttentionBackend::droppable_range)
 };
 
 /// Per-request timing hooks (metrics). Called on the engine's thread; must be cheap. Times in seconds.
@@ -179,6 +187,7 @@ class Engine {
   std::vector<int> free_state_slots_;      // hybrid models behind an external forward pass: free GDN state slot ids
   uint64_t next_id_ = 1;
   int reserved_pages_ = 0;  // pages promised to running sequences but not yet allocated
+  int context_pages_ = 0;   // full-context pages of the running sequences (bounded by max_context_pages)
   std::deque<std::unique_ptr<Seq>> waiting_;
   std::map<uint64_t, std::unique_ptr<Seq>> running_;  // ordered by id = arrival order
   EngineStats stats_;

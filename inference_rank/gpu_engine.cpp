@@ -112,7 +112,7 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
   SPADE_CHECK(fb.max_pages <= max_pages_, "GPU engine: block table of {} pages exceeds max_model_len's {}",
               fb.max_pages, max_pages_);
   const bool decode = T == B && static_cast<int>(fb.logit_rows.size()) == B;
-  const bool graphs = opt_.cuda_graphs && (sparse_ == nullptr || sparse_->link_failed());
+  const bool graphs = opt_.cuda_graphs && (sparse_ == nullptr || sparse_->graph_safe(fb));
   const int rows = decode && graphs ? bucket_for(B) : B;  // graph bucket: pad with scratch sequences
   const int scratch_page = opt_.num_pages;
   GpuStepHost h;

@@ -51,7 +51,8 @@ class GpuEngineForward {
   void sample(const ForwardBatch& batch, const std::vector<RowSampling>& rows, std::vector<int32_t>& tokens);
   /// Sparse decoding through a cache rank (gpu_sparse.h), not owned; nullptr = dense. Set before the first step.
   /// While its link is up, every step runs eagerly (no CUDA graph: the layer packs' sends and the selection
-  /// receives are enqueued per step); after a link failure the controller attends densely and graphs resume.
+  /// receives are enqueued per step); after a link failure the controller attends densely and graphs resume, from
+  /// the first step without a sequence whose pages were dropped (GpuSparseController::graph_safe).
   void set_sparse(GpuSparseController* sparse) { sparse_ = sparse; }
   /// Start-up pass (vLLM's profile run, in spirit): every cuBLASLt kernel a step of 1..max_num_batched_tokens rows
   /// can pick, launched once (GpuModel::warm_up_gemms), one eager step of max_num_batched_tokens prompt tokens, then one

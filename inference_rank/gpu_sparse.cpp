@@ -33,7 +33,8 @@ struct GpuSparseController::State {
   uint8_t* plan_pinned = nullptr;
   Event plan_copied;
   bool plan_pending = false;
-  // Per-row arrays + held-row maps, per step parity: [num_packed B][windows B][packed_rows B][maps g0][maps g1]
+  // Per-row arrays + held-row maps, per step parity:
+  // [num_packed B][windows B][packed_rows B][q_rows B][skip B][maps g0][maps g1]
   DeviceBuffer arrays[2];
   int32_t* arrays_pinned = nullptr;
   size_t array_words = 0;
@@ -48,7 +49,8 @@ struct GpuSparseController::State {
   SparseStepPlanner planner;
   std::vector<std::pair<uint64_t, std::string>> failures;
   bool failed_handled = false;
-  bool active = false;  // this step has a plan on the link
+  bool active = false;   // this step has a plan on the link (cleared when the link fails mid-step)
+  bool planned = false;  // this step's plan was sent: its sparse rows read the held tables
   int64_t step = 0;
   int parity = 0;
   int T = 0;
@@ -90,7 +92,9 @@ cache::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSp
   h.delta_capacity = o.delta_capacity;
   h.max_slots = o.max_slots;
   h.max_step_tokens = o.max_step_tokens;
-  h.num_pages = engine.num_pages;
+  // The cache rank holds every running context in full, also the dropped parts: its pool is the engine's bound on
+  // full contexts (page dropping lets the engine run more of them than num_pages holds).
+  h.num_pages = engine.max_context_pages > 0 ? engine.max_context_pages : engine.num_pages;
   h.page_size = engine.page_size;
   h.max_pages_per_seq = (engine.max_model_len + engine.page_size - 1) / engine.page_size;
   return h;
@@ -125,7 +129,7 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
   s.plan_dev = DeviceBuffer(cache::kGpuPlanBytes, "GPU sparse: plan");
   cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.plan_pinned), cache::kGpuPlanBytes), "GPU sparse: pinned");
   const size_t B = static_cast<size_t>(max_batch);
-  s.off_maps[0] = 3 * B;
+  s.off_maps[0] = 5 * B;
   s.off_maps[1] = s.off_maps[0] + static_cast<size_t>(s.L) * o.max_sparse_seqs * s.Hkv;
   s.array_words = s.off_maps[1] + static_cast<size_t>(s.L) * std::min(o.max_first_per_step, o.max_sparse_seqs) * s.Hkv;
   for (auto& a : s.arrays) a = DeviceBuffer(s.array_words * 4, "GPU sparse: per-row arrays");
@@ -165,6 +169,8 @@ void GpuSparseController::close() {
   if (st.closed) return;
   st.closed = true;
   if (!st.hello_sent || st.link.failed()) return;
+  // No selection will come any more: the sparse sequences cannot go on (their dropped pages are gone).
+  fail_link("the link to it was closed");
   try {
     cuda_check(cudaSetDevice(st.link.device()), "GPU sparse: cudaSetDevice");
     if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
@@ -199,6 +205,16 @@ void GpuSparseController::set_request_options(uint64_t seq_id, bool force_dense,
 
 void GpuSparseController::on_release(uint64_t seq_id) { st_->planner.on_release(seq_id); }
 
+std::pair<int, int> GpuSparseController::droppable_range(uint64_t seq_id, int seq_len) {
+  const std::pair<int, int> r = st_->planner.droppable_range(seq_id, seq_len);
+  stats_.dropped_seqs = st_->planner.dropped_seqs();
+  return r;
+}
+
+bool GpuSparseController::graph_safe(const ForwardBatch& fb) const {
+  return st_->link.failed() && !st_->planner.any_dropped(fb);
+}
+
 void GpuSparseController::fail_link(const std::string& why) {
   State& st = *st_;
   if (st.failed_handled) return;
@@ -221,48 +237,58 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, 
   (void)b;
   sparse_now_ = false;
   st.active = false;
+  st.planned = false;
   ++stats_.steps;
-  if (st.link.failed()) {
-    fail_link(st.link.failure());
-    return;
-  }
-  if (st.closed) return;  // dense from now on
-  SPADE_CHECK(st.hello_sent, "GPU sparse: send_hello() before the first step");
   const int B = fb.batch();
   SPADE_CHECK(B <= st.max_batch, "GPU sparse: batch {} exceeds {}", B, st.max_batch);
   st.T = fb.total_tokens();
-  SPADE_CHECK(st.T <= st.o.max_step_tokens, "GPU sparse: step of {} tokens exceeds {}", st.T, st.o.max_step_tokens);
-  st.parity ^= 1;
-  st.dec = st.planner.plan_step(fb, st.step++);
+  if (st.link.failed()) fail_link(st.link.failure());
+  if (st.failed_handled || st.closed) {
+    // No link (failed or closed): dense, except the rows of sequences whose pages were dropped (they are failed
+    // and end after this step): those attend only their local window, never a dropped page.
+    st.dec = st.planner.local_step(fb);
+  } else {
+    SPADE_CHECK(st.hello_sent, "GPU sparse: send_hello() before the first step");
+    SPADE_CHECK(st.T <= st.o.max_step_tokens, "GPU sparse: step of {} tokens exceeds {}", st.T, st.o.max_step_tokens);
+    st.dec = st.planner.plan_step(fb, st.step++);
+    const StepDecision& d = st.dec;
+    for (int32_t t : d.tables) stats_.sparse_seq_steps += t >= 0 ? 1 : 0;
+    stats_.switches += static_cast<uint64_t>(d.switches);
+    if (d.sparse_now) ++stats_.sparse_steps;
+    // The plan, on the up stream (before this step's packs).
+    const std::vector<uint8_t> bytes = cache::encode_gpu_plan(d.plan);
+    if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
+    std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
+    cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
+               "GPU sparse: plan upload");
+    cuda_check(cudaEventRecord(st.plan_copied.e, st.up), "GPU sparse: plan event");
+    st.plan_pending = true;
+    try {
+      st.link.send(st.plan_dev.get(), cache::kGpuPlanBytes, st.up, "a step's plan");
+      st.planned = true;
+      stats_.bytes_sent += cache::kGpuPlanBytes;
+    } catch (const Error& e) {
+      // This step's sparse rows fail (take_failures). The step still attends them through the packed kernel (their
+      // tables hold the last selection), as a dropped sequence must never be attended densely.
+      fail_link(e.what());
+    }
+  }
   const StepDecision& d = st.dec;
   sparse_now_ = d.sparse_now;
-  for (int32_t t : d.tables) stats_.sparse_seq_steps += t >= 0 ? 1 : 0;
-  stats_.switches += static_cast<uint64_t>(d.switches);
-  if (sparse_now_) ++stats_.sparse_steps;
-  const cache::GpuStepPlan& plan = d.plan;
-  // The plan, on the up stream (before this step's packs).
-  const std::vector<uint8_t> bytes = cache::encode_gpu_plan(plan);
-  if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
-  std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
-  cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
-             "GPU sparse: plan upload");
-  cuda_check(cudaEventRecord(st.plan_copied.e, st.up), "GPU sparse: plan event");
-  st.plan_pending = true;
-  try {
-    st.link.send(st.plan_dev.get(), cache::kGpuPlanBytes, st.up, "a step's plan");
-  } catch (const Error& e) {
-    fail_link(e.what());  // this step's sparse rows fail (take_failures); the whole step runs densely
-    sparse_now_ = false;
-    return;
-  }
-  stats_.bytes_sent += cache::kGpuPlanBytes;
+  if (!st.planned && !sparse_now_) return;  // dense throughout, nothing to upload (graph-capturable)
+  st.parity ^= 1;
   // Per-row arrays and the held-row maps of the two groups ([L][S][Hkv] -> (table * L + l) * Hkv + h).
+  const size_t MB = static_cast<size_t>(st.max_batch);
   std::vector<int32_t> w(st.array_words, 0);
   std::copy(d.num_packed.begin(), d.num_packed.end(), w.begin());
-  std::copy(d.windows.begin(), d.windows.end(), w.begin() + st.max_batch);
-  for (int r = 0; r < B; ++r)  // packed row of sequence r: its table's layer-0 row (dense rows read none)
-    w[2 * static_cast<size_t>(st.max_batch) + static_cast<size_t>(r)] =
-        std::max(0, d.tables[static_cast<size_t>(r)]) * st.L;
+  std::copy(d.windows.begin(), d.windows.end(), w.begin() + static_cast<long>(MB));
+  for (int r = 0; r < B; ++r) {
+    const size_t i = static_cast<size_t>(r);
+    // packed row of sequence r: its table's layer-0 row (dense and window-only rows read none)
+    w[2 * MB + i] = std::max(0, d.tables[i]) * st.L;
+    w[3 * MB + i] = d.q_rows[i];                // mixed steps: the packed kernel's rows
+    w[4 * MB + i] = d.q_rows[i] >= 0 ? 1 : 0;   // mixed steps: the rows the prefill kernel skips
+  }
   for (int g = 0; g < 2; ++g) {
     const int S = static_cast<int>(d.group_tables[g].size());
     for (int l = 0; l < st.L; ++l)
@@ -280,7 +306,7 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, 
              "GPU sparse: arrays upload");
   cuda_check(cudaEventRecord(st.arrays_copied.e, stream), "GPU sparse: arrays event");
   st.arrays_pending = true;
-  st.active = true;
+  st.active = st.planned;
 }
 
 void* GpuSparseController::rows_out(int layer, cudaStream_t stream, int* stride) {
@@ -296,18 +322,35 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
   State& st = *st_;
   const int p = s.layer / st.P, j = s.layer % st.P;
   if (sparse_now_) {
-    if (j == 0) cuda_check(cudaStreamWaitEvent(stream, st.applied[static_cast<size_t>(p)]->e, 0), "wait selection");
+    if (j == 0 && st.planned)
+      cuda_check(cudaStreamWaitEvent(stream, st.applied[static_cast<size_t>(p)]->e, 0), "wait selection");
+    const size_t MB = static_cast<size_t>(st.max_batch);
     kernels::SparsePackedDecodeParams a;
     fill_attention_params(a, st.cfg, s, b, st.page_size);
     const size_t layer_off = static_cast<size_t>(s.layer) * st.Hkv * st.k * st.D * 2;
     a.packed_k = st.held_k() + layer_off;
     a.packed_v = st.held_v() + layer_off;
     a.num_packed = st.arr(0);
-    a.local_windows = st.arr(static_cast<size_t>(st.max_batch));
-    a.packed_rows = st.arr(2 * static_cast<size_t>(st.max_batch));
+    a.local_windows = st.arr(MB);
+    a.packed_rows = st.arr(2 * MB);
     a.packed_capacity = st.k;
-    a.local_window = std::max(b.max_seq_len, st.o.local_window);  // the bound of the per-sequence windows
     a.workspace = {st.ws.get(), st.ws.bytes()};
+    if (b.decode_only()) {
+      // One launch over the whole batch: sparse rows (held table + window), dense rows (their whole context).
+      a.local_window = std::max(b.max_seq_len, st.o.local_window);  // the bound of the per-sequence windows
+    } else {
+      // Mixed step: the prefill kernel serves the prefill chunks and the dense decode rows and skips the sparse
+      // rows (whose pages outside the window may be dropped); the packed kernel serves only those, at their token
+      // rows. Which row goes where is data (q_rows / skip), not launch structure.
+      kernels::PagedPrefillParams pf;
+      fill_attention_params(pf, st.cfg, s, b, st.page_size);
+      pf.cu_q_lens = b.cu_q_lens;
+      pf.max_q_len = b.max_q_len;
+      pf.skip = st.arr(4 * MB);
+      cuda_check(kernels::paged_prefill_attention(pf, stream), "GPU sparse: prefill attention of a mixed step");
+      a.q_rows = st.arr(3 * MB);
+      a.local_window = st.o.local_window;  // sparse and window-only rows: windows <= R
+    }
     cuda_check(kernels::sparse_decode_attention_packed(a, stream), "GPU sparse: attention");
   } else {
     st.dense.attend(s, b, stream);

@@ -3,32 +3,45 @@
 //
 // GpuSparseController plugs into the GPU engine in two roles:
 //   * GpuAttention of GpuModel::forward: rows_out() puts each full-attention layer's processed q | k | v rows
-//     straight into its layer pack's send buffer; attend() runs, in decode-only steps with sparse sequences, one
-//     token-sparse launch over the whole batch (kernels/attention.cuh sparse_decode_attention_packed with
-//     per-sequence windows and packed rows: a sparse sequence attends its held selection + the last local_window
-//     tokens, a dense one its whole context), else dense attention; after a pack's last layer it ships the pack.
-//   * AttentionBackend of the Engine (on_release, take_failures) and the per-step hooks GpuEngineForward calls:
-//     begin_step() decides every sequence's phase, sends the step's plan and uploads the per-row arrays;
-//     end_step() posts the receives of the selections the cache rank computes during this step (for the next one)
-//     and, on the receive stream, applies each pack's deltas to the held tables once this step's pack has read them.
+//     straight into its layer pack's send buffer; attend() serves the sparse rows with
+//     kernels/attention.cuh sparse_decode_attention_packed (a sparse sequence attends its held selection + the last
+//     local_window tokens): in decode-only steps one launch over the whole batch (per-sequence windows and packed
+//     rows; a dense sequence attends its whole context), in mixed prefill + decode steps the prefill kernel for
+//     every other row (`skip` leaves the sparse rows out) plus the packed kernel for the sparse rows only, at their
+//     token rows (`q_rows`). The routing is per-row data uploaded by begin_step, not launch structure. Steps
+//     without sparse rows attend densely. After a pack's last layer it ships the pack.
+//   * AttentionBackend of the Engine (on_release, take_failures, droppable_range) and the per-step hooks
+//     GpuEngineForward calls: begin_step() decides every sequence's phase, sends the step's plan and uploads the
+//     per-row arrays; end_step() posts the receives of the selections the cache rank computes during this step (for
+//     the next one) and, on the receive stream, applies each pack's deltas to the held tables once this step's pack
+//     has read them.
 //
 // Per sequence: dense while its context is below the sparse threshold (prefill is always dense); on its first decode
-// step at or past it, the plan asks for a full ("first") selection, and from the next step on it decodes sparsely,
-// with a steady delta (capacity C) per step. At most max_first_per_step sequences switch per step, and at most
-// max_sparse_seqs are sparse at once (their held tables: [table slot][layer][KV head][budget][head_dim] K and V).
-// Every token of every sequence is shipped, so the cache rank holds every context in full; this rank also keeps its
-// full KV (v1: it does not drop pages), so mixed prefill/decode steps simply attend densely.
+// step at or past it, the plan asks for a full ("first") selection, and from the next step on it decodes sparsely
+// (in decode-only and mixed steps alike), with a steady delta (capacity C) per step. At most max_first_per_step
+// sequences switch per step, and at most max_sparse_seqs are sparse at once (their held tables: [table slot][layer]
+// [KV head][budget][head_dim] K and V). Every token of every sequence is shipped, so the cache rank holds every
+// context in full.
+//
+// Page dropping: from the step that requests its first selection on, droppable_range() hands the engine
+// [0, len + 1 - local_window) of a sparse sequence (the CPU path's rule without sink tokens): the engine frees the
+// pages inside it (Engine::step), so this rank keeps only the local window of a sparse sequence (its block-table
+// entries of dropped pages are -1, and the freed pages go to other requests). A dropped sequence is never attended
+// densely again: the dense kernels never see its rows (prefill `skip`, or the packed kernel in decode-only steps,
+// which reads only the window's pages).
 //
 // Failure: when the link fails (also in the middle of a step: a send or receive that throws is caught), every sparse
 // (or switching) sequence fails with the link's reason (take_failures); the others, and all later requests, decode
 // densely; no plan is sent any more. A step that overlapped the failure waits at most the link's op_timeout (its
-// streams are released).
+// streams are released). Rows of dropped sequences in that last step attend only their local window (packed kernel,
+// in-bounds reads only; their logits are discarded). close() fails the sparse sequences the same way.
 //
 // Lifetime on the link: send_hello() first, then one plan per step, then close() (the close plan), after which the
 // cache rank leaves nothing pending.
 //
-// v1 limits (docs/ARCHITECTURE.md): no CUDA graph for steps with sparse sequences (they run eagerly); sink tokens
-// are not special-cased; the token budget is the rank's for every request.
+// Limits (docs/ARCHITECTURE.md): no CUDA graph for steps with sparse sequences (they run eagerly); sink tokens are
+// not special-cased (they compete in the top-k and are dropped like any other token); the token budget is the
+// rank's for every request.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -62,16 +75,20 @@ struct GpuSparseOptions {
 
 struct GpuSparseStats {
   uint64_t steps = 0;
-  uint64_t sparse_steps = 0;          // decode-only steps that attended sparsely
+  uint64_t sparse_steps = 0;          // steps that attended some row sparsely (decode-only or mixed)
   uint64_t sparse_seq_steps = 0;      // (sequence, step) pairs decoded sparsely
   uint64_t switches = 0;              // first selections requested
-  uint64_t failed_seqs = 0;           // sequences failed with the link
+  uint64_t failed_seqs = 0;           // sequences failed with the link (or by close())
+  uint64_t dropped_seqs = 0;          // sequences whose KV outside the local window was handed to the engine to free
+                                      // (the pages it freed: EngineStats::dropped_pages)
   uint64_t bytes_sent = 0, bytes_received = 0;
 };
 
 /// The pair hello (cache_rank/gpu_plan.h) for a controller with options `o` behind an engine with the normalised
 /// options `engine` (Engine::options()): send it on the link (cache_rank/gpu_server.h send_gpu_hello) before the
-/// controller's first step.
+/// controller's first step. The cache rank's KV pool (the hello's num_pages) is engine.max_context_pages (the
+/// engine's bound on the running sequences' full contexts, which page dropping lets exceed num_pages), or
+/// engine.num_pages for options that were not normalised.
 cache::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
                                         const EngineOptions& engine);
 
@@ -90,6 +107,10 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
               float* out) override;
   void on_release(uint64_t seq_id) override;
   std::vector<std::pair<uint64_t, std::string>> take_failures() override;
+  /// [0, seq_len + 1 - local_window) (clamped at 0) for a sequence whose first selection was requested (it decodes
+  /// sparsely from its next step on), else {0, 0}; nothing once the link failed or was closed. The engine frees the
+  /// pages entirely inside it; from then on the sequence is never attended densely (gpu_sparse.h, page dropping).
+  std::pair<int, int> droppable_range(uint64_t seq_id, int seq_len) override;
   /// Per-request overrides, set before the request's first step: `force_dense` keeps it dense; `sparse_threshold`
   /// > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);
@@ -100,7 +121,9 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   /// receive when both ranks share a process. Throws spade::Error naming the peer if the link fails.
   void send_hello(const cache::GpuPairHello& hello);
   /// Ends the stream (the close plan) so that the cache rank posts nothing more, and waits for this side's
-  /// transfers. Idempotent; a no-op on a failed link; the destructor calls it. Later steps decode densely.
+  /// transfers. Idempotent; a no-op on a failed link; the destructor calls it. The sparse sequences still running
+  /// fail (take_failures: "... failed: the link to it was closed"), as their dropped pages are gone; later steps
+  /// decode densely.
   void close();
 
   // ---- GPU forward side ----
@@ -113,6 +136,9 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   void end_step(cudaStream_t stream);
   /// True when this step attends sparsely somewhere (the engine then runs it without a CUDA graph).
   bool sparse_this_step() const { return sparse_now_; }
+  /// Whether the step `fb` may run as (or be captured into) a CUDA graph: only once the link has failed (no plan,
+  /// no per-step uploads) and no sequence of `fb` had pages dropped (those rows need this step's per-row arrays).
+  bool graph_safe(const ForwardBatch& fb) const;
 
   bool link_failed() const;
   const GpuSparseStats& stats() const { return stats_; }

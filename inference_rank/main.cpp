@@ -129,6 +129,12 @@ int main(int argc, char** argv) {
   app.add_option("--kv-cache-gib", kv_gib, "KV-cache budget in GiB (default 1; counted in fp32 bytes)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--no-cuda-graphs", no_cuda_graphs, "--device cuda: run decode steps eagerly");
+  app.add_option("--max-context-pages", eo.max_context_pages,
+                 "--device cuda --selection predicted: KV pages that the running sequences' full contexts (prompt + "
+                 "max_tokens) may fill together, i.e. the GPU cache rank's pool. Set it above the local pool "
+                 "(--kv-cache-gib) so that the pages sparse decoding frees here admit more requests (default 0: the "
+                 "local pool)")
+      ->check(CLI::NonNegativeNumber);
   int gpu_index = 0;
   std::string gpu_link = "nccl";
   app.add_option("--gpu", gpu_index, "--serve --device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
@@ -156,6 +162,9 @@ int main(int argc, char** argv) {
       spade::fail("--gqa-rule must be max or mean, got '{}'", gqa_rule);
     }
     spade::cache::validate(so.selection);
+    if (eo.max_context_pages > 0 && (device != "cuda" || so.mode != spade::SelectionMode::Predicted))
+      spade::fail("--max-context-pages sizes the GPU cache rank's pool: it needs --device cuda and --selection "
+                  "predicted (the CPU cache rank's pool is the local one)");
     if (so.mode != spade::SelectionMode::Dense && eo.max_num_batched_tokens < eo.max_num_seqs)
       spade::fail("sparse decoding needs --max-num-batched-tokens ({}) >= --max-num-seqs ({})",
                   eo.max_num_batched_tokens, eo.max_num_seqs);
@@ -366,10 +375,11 @@ int main(int argc, char** argv) {
       const auto cs = gpu_cache->stats();
       std::fprintf(stderr,
                    "[spade] selection=predicted device=cuda sparse_seq_steps=%llu switches=%llu failed=%llu "
-                   "cache_selections=%llu bytes_up=%llu bytes_down=%llu%s%s\n",
+                   "cache_selections=%llu bytes_up=%llu bytes_down=%llu dropped_pages=%llu%s%s\n",
                    static_cast<unsigned long long>(st.sparse_seq_steps), static_cast<unsigned long long>(st.switches),
                    static_cast<unsigned long long>(st.failed_seqs), static_cast<unsigned long long>(cs.selections),
                    static_cast<unsigned long long>(st.bytes_sent), static_cast<unsigned long long>(st.bytes_received),
+                   static_cast<unsigned long long>(engine.stats().dropped_pages),
                    gpu_cache->error().empty() ? "" : " cache_rank_error=", gpu_cache->error().c_str());
       return failed ? 1 : 0;
     }

@@ -409,9 +409,10 @@ int run_serve(const ServeOptions& opt) {
     SparseStats gs;
     cache::LinkStats gl;
     if (gpu_stats(gs, gl))
-      spdlog::info("{}: {} steps, {} sparse sequence-steps, {} switches, {} failed, {:.1f} MB up, {:.1f} MB down", self,
-                   gs.steps, gs.sparse_seq_steps, gs.switches, gs.failed_seqs, gl.bytes_sent / 1e6,
-                   gl.bytes_received / 1e6);
+      spdlog::info("{}: {} steps, {} sparse sequence-steps, {} switches, {} failed, {:.1f} MB up, {:.1f} MB down, "
+                   "{} KV pages dropped",
+                   self, gs.steps, gs.sparse_seq_steps, gs.switches, gs.failed_seqs, gl.bytes_sent / 1e6,
+                   gl.bytes_received / 1e6, engine.stats().dropped_pages);
   }
   if (backend) {
     const SparseStats& s = backend->stats();

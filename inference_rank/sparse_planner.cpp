@@ -52,17 +52,72 @@ std::vector<uint64_t> SparseStepPlanner::fail_all() {
   return out;
 }
 
-StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) {
+namespace {
+
+StepDecision empty_decision(const ForwardBatch& fb) {
   const int B = fb.batch();
   SPADE_CHECK(static_cast<int>(fb.seq_ids.size()) == B, "sparse planner: the step has {} rows but {} sequence ids", B,
               fb.seq_ids.size());
-  const bool decode_only = fb.total_tokens() == B;
   StepDecision d;
-  d.plan.step = step;
-  d.plan.released.swap(pending_release_);
   d.num_packed.assign(static_cast<size_t>(B), 0);
   d.windows.assign(static_cast<size_t>(B), 0);
   d.tables.assign(static_cast<size_t>(B), -1);
+  d.q_rows.assign(static_cast<size_t>(B), -1);
+  return d;
+}
+
+// Row r of a dropped sequence without a selection to attend (its cache rank failed): only its local window, which
+// it still holds, through the packed kernel. Its logits are discarded (the sequence is failed).
+void window_only_row(StepDecision& d, const ForwardBatch& fb, int r, int local_window) {
+  const size_t i = static_cast<size_t>(r);
+  const int q_len = fb.cu_q_lens[i + 1] - fb.cu_q_lens[i];
+  SPADE_CHECK(q_len == 1, "sparse planner: sequence {} had its pages dropped but has {} tokens in this step",
+              fb.seq_ids[i], q_len);
+  d.num_packed[i] = 0;
+  d.windows[i] = std::min(local_window, fb.seq_lens[i]);
+  d.q_rows[i] = fb.cu_q_lens[i];
+  d.sparse_now = true;
+}
+
+}  // namespace
+
+StepDecision SparseStepPlanner::local_step(const ForwardBatch& fb) const {
+  StepDecision d = empty_decision(fb);
+  for (int r = 0; r < fb.batch(); ++r) {
+    const auto it = seqs_.find(fb.seq_ids[static_cast<size_t>(r)]);
+    if (it != seqs_.end() && it->second.dropped) {
+      window_only_row(d, fb, r, o_.local_window);
+    } else {
+      d.windows[static_cast<size_t>(r)] = fb.seq_lens[static_cast<size_t>(r)];
+    }
+  }
+  return d;
+}
+
+bool SparseStepPlanner::any_dropped(const ForwardBatch& fb) const {
+  for (uint64_t id : fb.seq_ids) {
+    const auto it = seqs_.find(id);
+    if (it != seqs_.end() && it->second.dropped) return true;
+  }
+  return false;
+}
+
+std::pair<int, int> SparseStepPlanner::droppable_range(uint64_t seq_id, int seq_len) {
+  if (failed_) return {0, 0};
+  const auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return {0, 0};
+  Seq& s = it->second;
+  if (s.phase != Phase::Sparse || s.table < 0 || !s.sel_requested) return {0, 0};
+  if (!s.dropped) ++dropped_seqs_;
+  s.dropped = true;
+  return {0, std::max(0, seq_len + 1 - o_.local_window)};
+}
+
+StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) {
+  const int B = fb.batch();
+  StepDecision d = empty_decision(fb);
+  d.plan.step = step;
+  d.plan.released.swap(pending_release_);
   for (int r = 0; r < B; ++r) {
     const uint64_t id = fb.seq_ids[static_cast<size_t>(r)];
     Seq& s = seqs_[id];
@@ -81,15 +136,20 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
       if (s.table >= 0) free_tables_.push_back(s.table);
       s.table = -1;
       s.sel_requested = false;
+      s.dropped = false;  // the engine restarted it with a new block table
       if (s.phase == Phase::Sparse) s.phase = Phase::Dense;
     }
     // This step: sparse when the previous plan asked for this sequence's selection (applied before this step's
-    // packs read their tables).
-    if (decode_only && s.phase == Phase::Sparse && s.sel_requested && s.table >= 0) {
+    // packs read their tables), in decode-only and mixed steps alike.
+    if (s.phase == Phase::Sparse && s.sel_requested && s.table >= 0) {
+      SPADE_CHECK(q_len == 1, "sparse planner: sequence {} decodes sparsely but has {} tokens in this step", id, q_len);
       d.num_packed[static_cast<size_t>(r)] = std::min(o_.token_budget, std::max(0, ctx - o_.local_window));
       d.windows[static_cast<size_t>(r)] = o_.local_window;
       d.tables[static_cast<size_t>(r)] = s.table;
+      d.q_rows[static_cast<size_t>(r)] = fb.cu_q_lens[static_cast<size_t>(r)];
       d.sparse_now = true;
+    } else if (s.dropped) {
+      window_only_row(d, fb, r, o_.local_window);  // failed after its pages were dropped: never dense
     } else {
       d.windows[static_cast<size_t>(r)] = ctx;
     }

@@ -7,15 +7,24 @@
 //   Dense  -> below its threshold, a prefill step, force_dense, or no free table / switch allowance this step;
 //   Sparse -> from its first decode step at or past the threshold: that step's plan row asks for a FIRST selection
 //             (the full budget) and the sequence owns a held table; every later step's row asks for a steady
-//             selection, and from the next step on, decode-only steps attend its table + the local window;
+//             selection, and from the next step on every step (decode-only or mixed with prefill chunks) attends its
+//             table + the local window (a "sparse row", served by the packed sparse decode kernel);
 //   Failed -> its cache rank failed while it was sparse (it is reported once through fail_all, then decodes nothing
 //             more: the engine ends it).
 // A row that starts over at position 0 (fresh) loses its table and is Dense again.
+//
+// Page dropping: once a sequence is Sparse with its first selection requested, droppable_range() gives the engine
+// [0, len + 1 - local_window), the tokens no later step of it reads locally (the selection comes from the cache
+// rank), and marks it `dropped`. A dropped sequence is never routed to dense attention again: while Sparse it is a
+// sparse row; if its cache rank fails (fail_all, or local_step() once the link is gone) its last step attends only
+// its local window (its logits are discarded: it is failed). Only a fresh row (the engine restarting it at position
+// 0 with a new block table) clears the mark.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cache_rank/gpu_plan.h"
@@ -35,11 +44,13 @@ struct SparsePlannerOptions {
 /// What one engine step does, per batch row and per selection group.
 struct StepDecision {
   cache::GpuStepPlan plan;           // rows in batch order
-  std::vector<int32_t> num_packed;   // [batch] held-table entries attended (0: dense row)
+  std::vector<int32_t> num_packed;   // [batch] held-table entries attended (0: dense or window-only row)
   std::vector<int32_t> windows;      // [batch] local window (a dense row: its whole context)
   std::vector<int32_t> tables;       // [batch] held-table slot of a sparse row, else -1
+  std::vector<int32_t> q_rows;       // [batch] token row of the query of a row the packed sparse decode kernel serves
+                                     // (a sparse row, or a dropped sequence's window-only row), else -1 (dense)
   std::vector<int> group_tables[2];  // held-table slot of each steady / first selection row, plan order
-  bool sparse_now = false;           // some row attends sparsely (decode-only steps only)
+  bool sparse_now = false;           // some row is served by the packed sparse kernel (any q_rows[b] >= 0)
   int switches = 0;                  // rows switching to sparse this step
 };
 
@@ -52,6 +63,18 @@ class SparseStepPlanner {
   /// The step `fb` (the engine's batch; seq_ids required). `step` numbers the plan. Throws spade::Error when more
   /// than max_slots sequences are live at once.
   StepDecision plan_step(const ForwardBatch& fb, int64_t step);
+  /// The step `fb` when there is no plan (the link failed or was closed): no plan rows, no state change; rows of
+  /// dropped sequences attend their local window only (packed kernel, nothing held), every other row densely.
+  /// Throws spade::Error if a dropped sequence has more than one token in the step.
+  StepDecision local_step(const ForwardBatch& fb) const;
+  /// The engine's page-dropping hook (AttentionBackend::droppable_range) for a context of `seq_len` tokens:
+  /// [0, seq_len + 1 - local_window) (clamped at 0) once the sequence is Sparse with a selection requested (it
+  /// decodes sparsely from its next step on), and the sequence is marked dropped; else {0, 0} (also after fail_all).
+  std::pair<int, int> droppable_range(uint64_t seq_id, int seq_len);
+  /// True when some sequence of `fb` had pages dropped (its rows must not be attended densely).
+  bool any_dropped(const ForwardBatch& fb) const;
+  /// Sequences marked dropped so far (each counted once, at its first droppable range).
+  uint64_t dropped_seqs() const { return dropped_seqs_; }
   /// The sequence left (finished, aborted, failed): its slot is released in the next plan, its table freed.
   void on_release(uint64_t seq_id);
   /// The cache rank is gone: every Sparse sequence turns Failed and is returned (once); tables are freed; no
@@ -68,6 +91,7 @@ class SparseStepPlanner {
     int table = -1;
     Phase phase = Phase::Dense;
     bool sel_requested = false;  // the previous plan asked for its selection of this step
+    bool dropped = false;        // droppable_range() handed out a range: never attend densely again
     bool force_dense = false;
     int threshold = 0;
   };
@@ -76,6 +100,7 @@ class SparseStepPlanner {
   std::vector<int> free_slots_, free_tables_;
   std::vector<int32_t> pending_release_;
   bool failed_ = false;
+  uint64_t dropped_seqs_ = 0;
 };
 
 }  // namespace spade

@@ -133,13 +133,22 @@ struct SparsePackedDecodeParams {
                                            // num_packed 0 and window = seq_len).
   const int32_t* packed_rows = nullptr;    // [batch] int32 row of packed_k / packed_v holding sequence b's
                                            // selection (default b), e.g. its slot in per-slot held tables.
+  // Optional, for the decode rows of a mixed (prefill + decode) step, whose token layout is the step's:
+  const int32_t* q_rows = nullptr;  // [batch] int32 row of q / out / lse holding sequence b's single decode query
+                                    // (default b; 4-byte aligned). q, out are then [rows, num_q_heads, head_dim]
+                                    // dtype and lse [rows, num_q_heads] fp32 with rows > every q_rows[b], and only
+                                    // rows named here are written. q_rows[b] < 0: sequence b is skipped (none of
+                                    // its arrays is read, nothing is written); distinct non-negative rows required.
 };
 
 cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cudaStream_t stream);
 
 /// Causal prefill (or chunked prefill) over the paged cache, FlashAttention-2 style. Query i of sequence b sits at
 /// position seq_lens[b] - q_len_b + i and attends to positions 0..itself; the cache already holds the new tokens.
-/// Same semantics as paged_attention_ref (kernels/paged_attention_ref.h).
+/// Same semantics as paged_attention_ref (kernels/paged_attention_ref.h). A sequence flagged in `skip` is left to
+/// another kernel (the sparse decode rows of a mixed step: sparse_decode_attention_packed with q_rows): the prefill
+/// kernel reads none of its block-table entries or K/V (its dropped pages are never dereferenced) and leaves its
+/// out / lse rows untouched.
 struct PagedPrefillParams {
   DType dtype = DType::BF16;
   const void* q = nullptr;              // [total_q_tokens, num_q_heads, head_dim] dtype.
@@ -158,6 +167,9 @@ struct PagedPrefillParams {
   int max_pages_per_seq = 0;
   int max_q_len = 0;  // host-side upper bound of the per-sequence query lengths (sizes the grid).
   float scale = 0.f;
+  const int32_t* skip = nullptr;  // optional [batch] int32 (4-byte aligned): nonzero = sequence b is skipped (its
+                                  // seq_lens / block_table / K / V are not read, its out / lse rows not written;
+                                  // cu_q_lens still spans its rows). nullptr: none is skipped.
 };
 
 cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t stream);

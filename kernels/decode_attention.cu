@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/attention.cuh"
 #include "kernels/kernel_common.cuh"
@@ -77,6 +78,7 @@ struct DecodeArgs {
   const int32_t* num_packed;
   const int32_t* local_windows;  // optional per-sequence windows (packed)
   const int32_t* packed_rows;    // optional per-sequence packed rows (packed)
+  const int32_t* q_rows;         // optional per-sequence q / out / lse rows, < 0 = skipped (packed)
   void* out;
   float* lse;
   float* ws_o;
@@ -125,6 +127,15 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   const int n_heads = hpc * G;
   const int head0 = kvh * G;
 
+  // Packed with q_rows: the row of q / out / lse of this sequence's query; a skipped sequence reads and writes
+  // nothing (so none of its CTAs touches the split-K counters either).
+  int qrow = b;
+  if constexpr (SRC == KvSource::kPacked) {
+    if (a.q_rows != nullptr) {
+      qrow = a.q_rows[b];
+      if (qrow < 0) return;
+    }
+  }
   // Paged: the block-table slice of the CTA's whole token range is loaded before seq_lens[b] arrives (the row has
   // max_pages entries; entries past the sequence are never used).
   const int32_t* bt = a.block_table + static_cast<size_t>(b) * a.max_pages;
@@ -150,11 +161,11 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
     L = n_sel + wl;
   }
   T* out = static_cast<T*>(a.out);
-  T* outp = out + (static_cast<size_t>(b) * a.hq + cta_head0) * D;
+  T* outp = out + (static_cast<size_t>(qrow) * a.hq + cta_head0) * D;
   if (L <= 0) {  // nothing to attend to: zeros, lse = -inf
     if (split == 0) {
       for (int idx = tid; idx < n_heads * D; idx += kThreads) outp[idx] = Tr::from_float(0.f);
-      if (a.lse != nullptr && tid < n_heads) a.lse[b * a.hq + cta_head0 + tid] = -INFINITY;
+      if (a.lse != nullptr && tid < n_heads) a.lse[qrow * a.hq + cta_head0 + tid] = -INFINITY;
     }
     return;
   }
@@ -239,7 +250,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   const int c4 = lane & 3;
   uint32_t qf[D / 16][2];
   {
-    const T* qp = static_cast<const T*>(a.q) + (static_cast<size_t>(b) * a.hq + head0 + g) * D;
+    const T* qp = static_cast<const T*>(a.q) + (static_cast<size_t>(qrow) * a.hq + head0 + g) * D;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       if (g < G) {
@@ -373,7 +384,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
     const float lse2 = M + log2f(lsum);
     if (n_splits == 1) {
       outp[idx] = Tr::from_float(val);
-      if (a.lse != nullptr && d == 0) a.lse[b * a.hq + cta_head0 + hh] = lse2 * kLn2;
+      if (a.lse != nullptr && d == 0) a.lse[qrow * a.hq + cta_head0 + hh] = lse2 * kLn2;
     } else {
       const size_t row = (static_cast<size_t>(b) * a.hq + cta_head0 + hh) * kMaxDecodeSplits + split;
       a.ws_o[row * D + d] = val;
@@ -432,7 +443,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
     packed.x = Tr::pack2(acc.x, acc.y);
     packed.y = Tr::pack2(acc.z, acc.w);
     *reinterpret_cast<uint2*>(outp + hh * D + d) = packed;
-    if (a.lse != nullptr && d == 0) a.lse[b * a.hq + cta_head0 + hh] = slse[hh] * kLn2;
+    if (a.lse != nullptr && d == 0) a.lse[qrow * a.hq + cta_head0 + hh] = slse[hh] * kLn2;
   }
 }
 
@@ -685,6 +696,13 @@ cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cu
   if (p.local_window > 0 && (p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr)) {
     return invalid_argument(what, "k_cache, v_cache and block_table must be set when local_window > 0");
   }
+  const int32_t* const per_seq[] = {p.local_windows, p.packed_rows, p.q_rows};
+  const char* const per_seq_names[] = {"local_windows", "packed_rows", "q_rows"};
+  for (int i = 0; i < 3; ++i) {
+    if ((reinterpret_cast<uintptr_t>(per_seq[i]) & 3u) != 0) {
+      return invalid_argument(what, per_seq_names[i], " must be 4-byte aligned (an int32 array)");
+    }
+  }
   DecodeArgs a = base_args(p.q, p.k_cache != nullptr ? p.k_cache : p.packed_k,
                            p.v_cache != nullptr ? p.v_cache : p.packed_v, p.block_table, p.out, p.lse, p.num_q_heads,
                            p.num_kv_heads, p.page_size, p.max_pages_per_seq, p.scale);
@@ -694,6 +712,7 @@ cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cu
   a.num_packed = p.num_packed;
   a.local_windows = p.local_windows;
   a.packed_rows = p.packed_rows;
+  a.q_rows = p.q_rows;
   a.packed_capacity = p.packed_capacity;
   a.local_window = p.local_window;
   const DecodeShape sh{p.batch,     p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size,

@@ -48,6 +48,7 @@ void paged_attention_ref(const PagedAttentionParams& p) {
   std::vector<float> scores;
   std::vector<const float*> k_rows, v_rows;
   for (int b = 0; b < p.batch; ++b) {
+    if (p.skip != nullptr && p.skip[b] != 0) continue;  // another kernel's sequence: nothing read or written
     const int q_begin = p.cu_q_lens[b];
     const int q_len = p.cu_q_lens[b + 1] - q_begin;
     const int seq_len = p.seq_lens[b];

@@ -41,6 +41,10 @@ struct PagedAttentionParams {
   int max_pages_per_seq = 0;
   // scale: softmax scale applied to q·k, normally 1/sqrt(head_dim).
   float scale = 0.f;
+  // skip: optional [batch] int32; nonzero = sequence b is skipped: its seq_lens / block_table / K / V are not read
+  // and its out / lse rows are left as they are (another kernel serves them: the sparse decode rows of a mixed step,
+  // whose dropped pages are -1 in the block table). cu_q_lens still spans its rows. nullptr: none is skipped.
+  const int32_t* skip = nullptr;
 };
 
 /// Attention of one query over an explicit list of K/V rows, in list order: two passes (max, then exp-sum and
@@ -52,8 +56,9 @@ float attention_over_rows_ref(const float* q, const float* const* k_rows, const 
                               int head_dim, float scale, float* scores, float* out);
 
 /// Causal attention: query i of sequence b (absolute position seq_lens[b] - q_len_b + i) attends to tokens
-/// 0..its position. Accumulates in fp32 with a running max (online softmax). Throws spade::Error on inconsistent
-/// parameters (num_q_heads not a multiple of num_kv_heads, q_len > seq_len, a page id < 0 inside the context).
+/// 0..its position. Accumulates in fp32 with a running max (online softmax). Sequences flagged in `skip` are left
+/// out. Throws spade::Error on inconsistent parameters (num_q_heads not a multiple of num_kv_heads, q_len > seq_len,
+/// a page id < 0 inside the context of a sequence that is not skipped).
 void paged_attention_ref(const PagedAttentionParams& p);
 
 }  // namespace spade::kernels

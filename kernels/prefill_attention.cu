@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/attention.cuh"
 #include "kernels/kernel_common.cuh"
@@ -43,6 +44,7 @@ struct PrefillArgs {
   const int32_t* block_table;
   const int32_t* cu_q_lens;
   const int32_t* seq_lens;
+  const int32_t* skip;  // optional [batch]: nonzero = the sequence is another kernel's (nothing read or written)
   void* out;
   float* lse;
   int hq;
@@ -69,6 +71,7 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
   const int g = lane >> 2;
   const int c4 = lane & 3;
   const int G = a.group;
+  if (a.skip != nullptr && a.skip[b] != 0) return;  // e.g. a sparse decode row of a mixed step: its pages may be gone
   const int q_start = a.cu_q_lens[b];
   const int q_len = a.cu_q_lens[b + 1] - q_start;
   const int seq_len = a.seq_lens[b];
@@ -300,6 +303,9 @@ cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t st
                             " must be > 0");
   }
   if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return invalid_argument(what, "scale ", p.scale, " must be > 0");
+  if ((reinterpret_cast<uintptr_t>(p.skip) & 3u) != 0) {
+    return invalid_argument(what, "skip must be 4-byte aligned (an int32 array)");
+  }
   PrefillArgs a{};
   a.q = p.q;
   a.k_cache = p.k_cache;
@@ -307,6 +313,7 @@ cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t st
   a.block_table = p.block_table;
   a.cu_q_lens = p.cu_q_lens;
   a.seq_lens = p.seq_lens;
+  a.skip = p.skip;
   a.out = p.out;
   a.lse = p.lse;
   a.hq = p.num_q_heads;

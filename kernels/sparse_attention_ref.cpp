@@ -97,7 +97,17 @@ void sparse_packed_attention_ref(const SparsePackedAttentionRefParams& p) {
   const int G = p.num_q_heads / p.num_kv_heads;
   const int D = p.head_dim;
   std::vector<const float*> ks, vs;
+  if (p.q_rows != nullptr) {
+    std::vector<int32_t> rows;
+    for (int b = 0; b < p.batch; ++b)
+      if (p.q_rows[b] >= 0) rows.push_back(p.q_rows[b]);
+    std::sort(rows.begin(), rows.end());
+    const auto dup = std::adjacent_find(rows.begin(), rows.end());
+    SPADE_CHECK(dup == rows.end(), "{}: q_rows names row {} twice", what, dup == rows.end() ? 0 : *dup);
+  }
   for (int b = 0; b < p.batch; ++b) {
+    const int qrow = p.q_rows != nullptr ? p.q_rows[b] : b;
+    if (qrow < 0) continue;  // another kernel's row (a mixed step's prefill or dense row)
     const int n = p.num_packed[b];
     SPADE_CHECK(n >= 0 && n <= p.packed_capacity, "{}: num_packed[{}] = {} outside 0..{}", what, b, n,
                 p.packed_capacity);
@@ -125,7 +135,7 @@ void sparse_packed_attention_ref(const SparsePackedAttentionRefParams& p) {
                                p.num_kv_heads, D, what));
       }
       for (int g = 0; g < G; ++g) {
-        const size_t qh = static_cast<size_t>(b) * p.num_q_heads + kvh * G + g;
+        const size_t qh = static_cast<size_t>(qrow) * p.num_q_heads + kvh * G + g;
         attend_rows(p.q + qh * D, ks, vs, D, p.scale, p.out + qh * D, p.lse != nullptr ? p.lse + qh : nullptr);
       }
     }

@@ -61,9 +61,17 @@ struct SparsePackedAttentionRefParams {
   const int32_t* packed_rows = nullptr;    // [batch] row of packed_k / packed_v holding sequence b's selection
                                            // (default b: packed_k is then [rows, num_kv_heads, packed_capacity,
                                            // head_dim] with rows > every packed_rows[b]).
+  // Optional, for the decode rows of a mixed (prefill + decode) step:
+  const int32_t* q_rows = nullptr;  // [batch] int32 row of q / out / lse holding sequence b's query (default b): q
+                                    // and out are then [rows, num_q_heads, head_dim], lse [rows, num_q_heads], rows
+                                    // > every q_rows[b]; only the rows named are written. q_rows[b] < 0: sequence b
+                                    // is skipped (nothing of it read, nothing written).
 };
 
-/// Attention over the packed rows followed by the local window of the paged cache.
+/// Attention over the packed rows followed by the local window of the paged cache. Only the window's positions
+/// are looked up in the block table (entries of dropped pages outside it may be -1). Throws spade::Error naming
+/// the field for a required pointer missing, num_packed / local_windows / packed_rows out of range, a window page
+/// id < 0, or two sequences naming the same q_rows entry.
 void sparse_packed_attention_ref(const SparsePackedAttentionRefParams& p);
 
 }  // namespace spade::kernels

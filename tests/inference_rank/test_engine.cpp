@@ -96,6 +96,57 @@ TEST(Engine, WaitsForMemoryInsteadOfFailing) {
   EXPECT_EQ(peak, 1);
 }
 
+// Hooks of a backend that drops every full page of every sequence after each step (page dropping taken to its
+// extreme; the external forward pass below reads no KV).
+class DropEverything : public AttentionBackend {
+ public:
+  void attend(int, const ForwardBatch&, const float*, const float*, const float*, float*) override {}
+  std::pair<int, int> droppable_range(uint64_t, int len) override { return {0, len}; }
+};
+
+// Returns the most sequences running at once; `dropped` gets EngineStats::dropped_pages.
+int run_dropping(const ModelConfig& cfg, EngineOptions opt, uint64_t* dropped) {
+  Engine e(cfg, opt, ForwardFn([&](const ForwardBatch& b, std::vector<float>& logits) {
+             logits.assign(b.logit_rows.size() * static_cast<size_t>(cfg.vocab_size), 0.f);
+           }));
+  DropEverything hooks;
+  e.set_attention_hooks(&hooks);
+  for (int i = 0; i < 4; ++i) e.submit(req(std::vector<int32_t>(12, 1), 4), nullptr);  // 16 tokens: 4 pages each
+  int peak = 0;
+  while (e.step()) peak = std::max(peak, e.stats().num_running);
+  EXPECT_EQ(e.pages().num_free_pages(), e.pages().num_pages()) << "pages leaked";
+  *dropped = e.stats().dropped_pages;
+  return peak;
+}
+
+// Freed (dropped) pages are admitted again only up to max_context_pages: the full contexts of the running sequences,
+// which their cache rank holds in full, never exceed it. The default (num_pages) admits nothing extra.
+TEST(Engine, DroppedPagesAreAdmittedAgainOnlyUpToMaxContextPages) {
+  const ModelConfig cfg = tiny()->config();
+  EngineOptions o;
+  o.page_size = 4;
+  o.num_pages = 8;  // two full contexts
+  uint64_t dropped = 0;
+  EXPECT_EQ(run_dropping(cfg, o, &dropped), 2);
+  EXPECT_GT(dropped, 0u);
+  EXPECT_EQ(Engine(cfg, o, ForwardFn([](const ForwardBatch&, std::vector<float>&) {})).options().max_context_pages, 8);
+  o.max_context_pages = 16;  // the cache rank holds four
+  const int peak = run_dropping(cfg, o, &dropped);
+  EXPECT_GT(peak, 2) << "dropped pages admitted a third request";
+  EXPECT_LE(peak, 4);
+  // A request longer than the cache rank's pool is refused up front.
+  o.max_context_pages = 2;
+  Engine e(cfg, o, ForwardFn([](const ForwardBatch&, std::vector<float>&) {}));
+  try {
+    e.submit(req(std::vector<int32_t>(12, 1), 4), nullptr);
+    FAIL() << "a request of 4 pages was queued for a cache rank of 2";
+  } catch (const Error& err) {
+    EXPECT_THAT(err.what(), ::testing::HasSubstr("max_context_pages"));
+  }
+  o.max_context_pages = -1;
+  EXPECT_THROW(Engine(cfg, o, ForwardFn([](const ForwardBatch&, std::vector<float>&) {})), Error);
+}
+
 TEST(Engine, SamplingIsSeededPerRequest) {
   auto m = tiny();
   auto a = run_all(*m, {}, {req(prompts()[0], 20, 1.0f, 7), req(prompts()[1], 20, 1.0f, 7)});

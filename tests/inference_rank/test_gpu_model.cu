@@ -878,6 +878,10 @@ TEST(GpuEngine, InferenceRankBinaryDecodesSparselyWithTheInProcessCacheRank) {
   EXPECT_GE(std::stoll(m[1].str()), 2 * 48) << out;  // both sequences decode sparsely for most of their tokens
   EXPECT_EQ(m[3].str(), "0") << out;
   EXPECT_GT(std::stoll(m[4].str()), 0) << out;
+  // The sparse sequences' pages outside the local window were freed (page dropping).
+  std::smatch md;
+  ASSERT_TRUE(std::regex_search(out, md, std::regex("dropped_pages=(\\d+)"))) << out;
+  EXPECT_GT(std::stoll(md[1].str()), 0) << out;
   EXPECT_EQ(out.find("cache_rank_error"), std::string::npos) << out;
   EXPECT_EQ(out.find("not complete"), std::string::npos) << out;
 }

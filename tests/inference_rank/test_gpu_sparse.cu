@@ -10,7 +10,11 @@
 // - Budget < context (k 32, capacity 8): selections churn through the slot plan; every request finishes with its
 //   full length, the logits stay finite, and the token agreement with dense decoding is printed (approximate).
 // - The cache rank dies mid-run (its link aborted): the sparse requests end with FinishReason::Error naming the cache
-//   rank, dense ones finish, later requests decode densely and the GPU stays usable.
+//   rank, dense ones finish, later requests decode densely and the GPU stays usable. The sparse request had its
+//   pages dropped: its last step attends only its window (never a dropped page).
+// - Page dropping: a sparse request's pages outside its local window are freed and a new request's prefill takes
+//   them (mixed steps: its chunks beside the sparse decode row); with a full budget, every step's logits equal those
+//   of the same run without dropping (bigger pool, no page freed), step by step.
 // - Bad options are refused by name.
 #include <gtest/gtest.h>
 
@@ -271,6 +275,169 @@ TEST(GpuSparse, DeadCacheRankFailsOnlyTheSparseRequests) {
   EXPECT_EQ(got.reasons[3], FinishReason::Length) << got.errors[3];  // submitted after the failure: dense
   EXPECT_EQ(got.sparse.failed_seqs, 1u);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// ---- page dropping ----
+
+// The engine's hooks without page dropping: the reference run keeps every page.
+class NoDropHooks : public AttentionBackend {
+ public:
+  explicit NoDropHooks(GpuSparseController& c) : c_(c) {}
+  void attend(int layer, const ForwardBatch& b, const float* q, const float* k, const float* v, float* out) override {
+    c_.attend(layer, b, q, k, v, out);
+  }
+  void on_release(uint64_t id) override { c_.on_release(id); }
+  std::vector<std::pair<uint64_t, std::string>> take_failures() override { return c_.take_failures(); }
+
+ private:
+  GpuSparseController& c_;
+};
+
+struct DropRun {
+  std::vector<std::vector<float>> steps;  // logits per engine step
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<FinishReason> reasons;
+  std::vector<std::string> errors;
+  int mixed_sparse_steps = 0;  // steps with a prefill chunk and a sparse decode row
+  int a_max_held_after_drop = 0;
+  bool b_reuses_a_pages = false;
+  uint64_t dropped_pages = 0;
+  GpuSparseStats sparse;
+  std::string server_error;
+};
+
+// Request A (200-token prompt, 40 tokens: 15 pages) decodes sparsely from its first decode step (step 5). After step
+// 29 (A's context 225), request B (100-token prompt, 12 tokens: 7 pages) arrives: its prefill runs in two mixed steps
+// beside A's sparse decode row, then both decode (B sparsely too). With `drop`, the engine's pool is 16 pages: A
+// holds 15 pages in full, so B fits only in the pages A dropped (13 of them by then), and B's first pages are A's
+// old ones (the allocator takes the lowest long free run). Without, a pool of 64 pages and no page freed. The cache
+// rank holds every context in full: 64 pages (max_context_pages) in both runs, so admission is the same.
+DropRun run_drop(bool drop) {
+  const ModelConfig cfg = qwen3_like();
+  EngineOptions eo = engine_options();
+  eo.num_pages = drop ? 16 : 64;
+  eo.max_context_pages = 64;
+  GpuEngineOptions go = gpu_engine_options(eo, /*cuda_graphs=*/false);
+  GpuEngineForward gpu(GpuModel::random(cfg, 31, GpuEngineForward::model_options(go)), go);
+  DropRun out;
+  std::unique_ptr<cache::LocalGpuCacheRank> cache_rank;  // outlives the controller (it owns the link)
+  std::unique_ptr<GpuSparseController> ctl;
+  Engine engine(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) {
+    gpu(b, l);
+    out.steps.push_back(l);
+    if (b.total_tokens() != b.batch() && ctl->sparse_this_step()) ++out.mixed_sparse_steps;
+  });
+  const ModelConfig attn = cfg.attention_view();
+  GpuSparseOptions so;
+  so.sparse_threshold = 32;
+  so.layers_per_pack = 2;
+  so.token_budget = 512;  // >= every context: sparse == dense up to summation order
+  so.local_window = 16;
+  so.delta_capacity = 64;
+  so.max_slots = eo.max_num_seqs;
+  so.max_sparse_seqs = eo.max_num_seqs;
+  so.max_step_tokens = eo.max_num_batched_tokens;
+  so.cache_name = "cache rank (test thread)";
+  cache::SelectionConfig sel;
+  sel.query_window = 4;
+  cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
+  ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size, gpu.max_batch());
+  const cache::GpuPairHello hello = make_gpu_pair_hello(attn, so, engine.options());
+  EXPECT_EQ(hello.num_pages, 64) << "the cache rank's pool is the engine's bound on full contexts";
+  ctl->send_hello(hello);
+  cache_rank->wait_ready(std::chrono::milliseconds(30000));
+  gpu.set_sparse(ctl.get());
+  NoDropHooks no_drop(*ctl);
+  engine.set_attention_hooks(drop ? static_cast<AttentionBackend*>(ctl.get()) : &no_drop);
+
+  out.tokens.resize(2);
+  out.reasons.assign(2, FinishReason::None);
+  out.errors.resize(2);
+  auto submit = [&](int i, int prompt_len, int max_tokens) {
+    std::mt19937_64 rng(200 + static_cast<uint64_t>(i));
+    GenerateRequest r;
+    r.prompt_ids.resize(static_cast<size_t>(prompt_len));
+    for (auto& t : r.prompt_ids) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(cfg.vocab_size));
+    r.max_tokens = max_tokens;
+    r.sampling.temperature = 0.f;
+    r.ignore_eos = true;
+    return engine.submit(r, [&out, i](const TokenEvent& ev) {
+      if (ev.token >= 0) out.tokens[static_cast<size_t>(i)].push_back(ev.token);
+      if (ev.finished) {
+        out.reasons[static_cast<size_t>(i)] = ev.reason;
+        out.errors[static_cast<size_t>(i)] = ev.error;
+      }
+    });
+  };
+  const uint64_t a = submit(0, 200, 40);
+  uint64_t b = 0;
+  std::vector<char> a_pages(static_cast<size_t>(eo.num_pages), 0);  // every page A ever held
+  int steps = 0;
+  while (engine.step()) {
+    ++steps;
+    const PageAllocator& pages = engine.pages();
+    if (pages.contains(a)) {
+      for (int32_t pg : pages.block_table(a))
+        if (pg >= 0) a_pages[static_cast<size_t>(pg)] = 1;
+      if (pages.held_pages(a) < static_cast<int>(pages.block_table(a).size()))
+        out.a_max_held_after_drop = std::max(out.a_max_held_after_drop, pages.held_pages(a));
+    }
+    if (b != 0 && pages.contains(b))
+      for (int32_t pg : pages.block_table(b))
+        if (pg >= 0 && a_pages[static_cast<size_t>(pg)] != 0) out.b_reuses_a_pages = true;
+    if (steps == 29) {
+      b = submit(1, 100, 12);
+      EXPECT_TRUE(pages.contains(a)) << "A still runs when B arrives";
+    }
+  }
+  ctl->close();
+  cache_rank->stop();
+  out.server_error = cache_rank->error();
+  out.sparse = ctl->stats();
+  out.dropped_pages = engine.stats().dropped_pages;
+  gpu.set_sparse(nullptr);
+  engine.set_attention_hooks(nullptr);
+  return out;
+}
+
+TEST(GpuSparse, DroppedPagesAreReusedAndTheLogitsEqualTheUndroppedRun) {
+  const DropRun kept = run_drop(false);
+  const DropRun got = run_drop(true);
+  ASSERT_EQ(got.server_error, "");
+  ASSERT_EQ(kept.server_error, "");
+  for (const DropRun* r : {&kept, &got}) {
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_EQ(r->reasons[static_cast<size_t>(i)], FinishReason::Length)
+          << "request " << i << ": " << r->errors[static_cast<size_t>(i)];
+    }
+    EXPECT_EQ(r->tokens[0].size(), 40u);
+    EXPECT_EQ(r->tokens[1].size(), 12u);
+    EXPECT_EQ(r->sparse.failed_seqs, 0u);
+    EXPECT_EQ(r->sparse.switches, 2u);
+    EXPECT_GE(r->mixed_sparse_steps, 2) << "B's two prefill chunks ran beside A's sparse decode row";
+  }
+  EXPECT_EQ(kept.dropped_pages, 0u);
+  EXPECT_GE(got.dropped_pages, 13u);
+  EXPECT_EQ(got.sparse.dropped_seqs, 2u);
+  EXPECT_GT(got.a_max_held_after_drop, 0);
+  EXPECT_LE(got.a_max_held_after_drop, 2) << "a sparse sequence keeps only the pages of its local window (16 tokens)";
+  EXPECT_TRUE(got.b_reuses_a_pages) << "B's prefill took pages A dropped";
+  // Step by step, the same logits: no dropped (or since reused) page was read.
+  ASSERT_EQ(got.steps.size(), kept.steps.size());
+  float worst = 0.f;
+  for (size_t s = 0; s < got.steps.size(); ++s) {
+    ASSERT_EQ(got.steps[s].size(), kept.steps[s].size()) << "step " << s;
+    float d = 0.f;
+    for (size_t j = 0; j < got.steps[s].size(); ++j) d = std::max(d, std::fabs(got.steps[s][j] - kept.steps[s][j]));
+    const float scale = std::max(max_abs(kept.steps[s]), 1e-6f);
+    worst = std::max(worst, d / scale);
+    EXPECT_LE(d, 1e-4f * scale) << "step " << s;
+  }
+  EXPECT_EQ(got.tokens, kept.tokens);
+  std::printf("[ sparse   ] page dropping: %zu steps, worst |diff| %.2e of max |logit|, %llu pages dropped, A held <= %d "
+              "pages after its first drop, %d mixed steps with a sparse row, B reused A's pages: %s\n",
+              got.steps.size(), static_cast<double>(worst), static_cast<unsigned long long>(got.dropped_pages),
+              got.a_max_held_after_drop, got.mixed_sparse_steps, got.b_reuses_a_pages ? "yes" : "no");
 }
 
 TEST(GpuSparseBadInput, AHelloForAnotherModelFailsTheCacheRankByName) {

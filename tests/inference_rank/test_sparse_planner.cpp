@@ -1,5 +1,7 @@
 // The host bookkeeping of GPU sparse decoding (inference_rank/sparse_planner.h): phases, switching limits, held
-// tables, plan slots and their release, fresh restarts, per-request options, the cache rank's failure, bad input.
+// tables, plan slots and their release, fresh restarts, per-request options, the cache rank's failure, bad input,
+// sparse rows inside mixed prefill + decode steps, and page dropping (droppable_range: the range, the dropped mark
+// that keeps a sequence off dense attention for good, local_step once the link is gone).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -101,23 +103,110 @@ TEST(SparsePlanner, NumPackedIsTheSelectablePrefixBoundedByTheBudget) {
   EXPECT_EQ(d.num_packed[0], 64) << "bounded by the budget";
 }
 
-TEST(SparsePlanner, MixedStepsAttendDenselyButKeepTheSelectionGoing) {
+TEST(SparsePlanner, MixedStepsAttendTheSparseRowsSparsely) {
   SparseStepPlanner p(opts());
   p.plan_step(batch({{1, 100, 100}}), 0);
-  p.plan_step(batch({{1, 1, 101}}), 1);  // switch
-  // A new request's prefill joins: the step is not decode-only.
-  StepDecision d = p.plan_step(batch({{1, 1, 102}, {2, 30, 30}}), 2);
-  EXPECT_FALSE(d.sparse_now);
-  EXPECT_EQ(d.windows[0], 102);
+  StepDecision d = p.plan_step(batch({{1, 1, 101}}), 1);  // switch
+  EXPECT_EQ(d.q_rows[0], -1) << "the switching step is still dense";
+  // A new request's prefill joins: the step is not decode-only, the sparse row is still served by the packed
+  // kernel at its token row; the prefill row is dense (the prefill kernel).
+  d = p.plan_step(batch({{1, 1, 102}, {2, 30, 30}}), 2);
+  EXPECT_TRUE(d.sparse_now);
+  EXPECT_EQ(d.q_rows[0], 0);
+  EXPECT_EQ(d.q_rows[1], -1);
+  EXPECT_GE(d.tables[0], 0);
+  EXPECT_EQ(d.num_packed[0], std::min(64, 102 - 16));
+  EXPECT_EQ(d.windows[0], 16);
+  EXPECT_EQ(d.tables[1], -1);
   EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowSelect));
   EXPECT_EQ(d.plan.rows[1].flags, static_cast<uint32_t>(kRowFresh));
   EXPECT_NE(d.plan.rows[0].slot, d.plan.rows[1].slot);
-  d = p.plan_step(batch({{1, 1, 103}, {2, 1, 31}}), 3);
+  // Any layout: the sparse row's query is wherever its token sits (here after a 30-token chunk).
+  d = p.plan_step(batch({{2, 30, 60}, {1, 1, 103}}), 3);
+  EXPECT_EQ(d.q_rows[0], -1);
+  EXPECT_EQ(d.q_rows[1], 30);
+  d = p.plan_step(batch({{1, 1, 104}, {2, 1, 61}}), 4);
   EXPECT_TRUE(d.sparse_now);
   EXPECT_GE(d.tables[0], 0);
+  EXPECT_EQ(d.q_rows[0], 0);
   EXPECT_EQ(d.tables[1], -1);
-  EXPECT_EQ(d.windows[1], 31) << "a dense row of a sparse step attends its whole context";
+  EXPECT_EQ(d.windows[1], 61) << "a dense row of a sparse decode-only step attends its whole context";
   EXPECT_EQ(d.num_packed[1], 0);
+  // A sparse sequence with more than one token in a step is a bug of the caller.
+  EXPECT_THROW(p.plan_step(batch({{1, 2, 106}}), 5), Error);
+}
+
+TEST(SparsePlanner, PagesAreDroppableOnceTheFirstSelectionIsRequested) {
+  SparseStepPlanner p(opts());  // window 16
+  p.plan_step(batch({{1, 99, 99}, {2, 120, 120}}), 0);
+  EXPECT_EQ(p.droppable_range(1, 99), std::make_pair(0, 0)) << "dense";
+  EXPECT_EQ(p.droppable_range(2, 120), std::make_pair(0, 0)) << "prefill: dense";
+  EXPECT_EQ(p.droppable_range(3, 500), std::make_pair(0, 0)) << "unknown sequence";
+  EXPECT_FALSE(p.any_dropped(batch({{1, 1, 100}, {2, 1, 121}})));
+  p.plan_step(batch({{1, 1, 100}, {2, 1, 121}}), 1);  // both switch (first selections requested)
+  // The next step reads the selection (positions < 121 + 1 - 16) and the window [106, 122).
+  EXPECT_EQ(p.droppable_range(2, 121), std::make_pair(0, 121 + 1 - 16));
+  EXPECT_TRUE(p.any_dropped(batch({{2, 1, 122}})));
+  EXPECT_EQ(p.droppable_range(2, 122), std::make_pair(0, 122 + 1 - 16)) << "every step, the range grows";
+  EXPECT_EQ(p.dropped_seqs(), 1u) << "counted once";
+  EXPECT_FALSE(p.any_dropped(batch({{7, 1, 5}})));
+  // Clamped at 0 for a context inside the window.
+  SparsePlannerOptions o = opts();
+  o.sparse_threshold = 5;
+  SparseStepPlanner q(o);
+  q.plan_step(batch({{1, 5, 5}}), 0);
+  q.plan_step(batch({{1, 1, 6}}), 1);
+  EXPECT_EQ(q.droppable_range(1, 6), std::make_pair(0, 0));
+  // force_dense never drops.
+  SparseStepPlanner f(opts());
+  f.set_request_options(1, /*force_dense=*/true, 0);
+  f.plan_step(batch({{1, 120, 120}}), 0);
+  f.plan_step(batch({{1, 1, 121}}), 1);
+  EXPECT_EQ(f.droppable_range(1, 121), std::make_pair(0, 0));
+}
+
+TEST(SparsePlanner, ADroppedSequenceIsNeverAttendedDenselyAgain) {
+  SparseStepPlanner p(opts());
+  p.plan_step(batch({{1, 120, 120}, {2, 10, 10}}), 0);
+  p.plan_step(batch({{1, 1, 121}, {2, 1, 11}}), 1);  // 1 switches
+  EXPECT_EQ(p.droppable_range(1, 121), std::make_pair(0, 106));
+  EXPECT_EQ(p.droppable_range(2, 11), std::make_pair(0, 0));
+  // The cache rank fails: 1 is failed, nothing is droppable any more, and its last step (no plan: local_step)
+  // attends only its local window, which it still holds, through the packed kernel.
+  EXPECT_EQ(p.fail_all(), std::vector<uint64_t>{1});
+  EXPECT_EQ(p.droppable_range(1, 122), std::make_pair(0, 0));
+  StepDecision d = p.local_step(batch({{1, 1, 122}, {2, 30, 41}}));
+  EXPECT_TRUE(d.sparse_now);
+  EXPECT_TRUE(d.plan.rows.empty()) << "no plan without a link";
+  EXPECT_EQ(d.q_rows[0], 0);
+  EXPECT_EQ(d.num_packed[0], 0);
+  EXPECT_EQ(d.windows[0], 16);
+  EXPECT_EQ(d.tables[0], -1);
+  EXPECT_EQ(d.q_rows[1], -1);
+  EXPECT_EQ(d.windows[1], 41);
+  // plan_step routes it the same way (a plan whose send fails after the decision).
+  d = p.plan_step(batch({{1, 1, 122}}), 2);
+  EXPECT_EQ(d.q_rows[0], 0);
+  EXPECT_EQ(d.windows[0], 16);
+  EXPECT_EQ(d.num_packed[0], 0);
+  // Without a dropped sequence, local_step is dense throughout.
+  d = p.local_step(batch({{2, 1, 42}}));
+  EXPECT_FALSE(d.sparse_now);
+  EXPECT_EQ(d.windows[0], 42);
+  EXPECT_THROW(p.local_step(batch({{1, 2, 124}})), Error) << "a dropped sequence with two tokens";
+}
+
+TEST(SparsePlanner, AFreshRestartClearsTheDroppedMark) {
+  SparseStepPlanner p(opts());
+  p.plan_step(batch({{1, 110, 110}}), 0);
+  p.plan_step(batch({{1, 1, 111}}), 1);  // switch
+  EXPECT_EQ(p.droppable_range(1, 111), std::make_pair(0, 96));
+  // The engine restarts it at position 0 (new block table): the cache rank starts over (kRowFresh), it is dense.
+  StepDecision d = p.plan_step(batch({{1, 50, 50}}), 2);
+  EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowFresh));
+  EXPECT_EQ(d.q_rows[0], -1);
+  EXPECT_FALSE(p.any_dropped(batch({{1, 1, 51}})));
+  EXPECT_EQ(p.droppable_range(1, 50), std::make_pair(0, 0));
 }
 
 TEST(SparsePlanner, SwitchesPerStepAndHeldTablesAreBounded) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -281,19 +282,34 @@ TEST(SparseIndexedDecodeGpu, LongBf16D128Page16Group4) {
 
 // `windows` / `rows` (optional, per sequence): the serving variant that mixes sparse and dense sequences in one
 // launch -- per-sequence windows (window = the host-side bound) and packed rows from per-slot held tables.
+// `q_rows` (optional, per sequence, with `num_q_rows` rows of q / out): the decode rows of a mixed prefill + decode
+// step -- sequence b's query is row q_rows[b] of the step's layout, -1 = skipped. Rows no sequence names must keep
+// their poison (bit for bit), as must every row when all are skipped. `drop_outside_window`: every block-table
+// entry of a page that lies entirely before the window is -1 (the GPU path drops those pages).
 void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::vector<int>& lens,
                        const std::vector<int>& counts, int capacity, int window, uint64_t seed,
-                       const std::vector<int32_t>& windows = {}, const std::vector<int32_t>& rows = {}) {
+                       const std::vector<int32_t>& windows = {}, const std::vector<int32_t>& rows = {},
+                       const std::vector<int32_t>& q_rows = {}, int num_q_rows = 0, bool drop_outside_window = false) {
   SCOPED_TRACE(std::string(spade::test::dtype_str(dtype)) + " D=" + std::to_string(D) + " ps=" + std::to_string(ps) +
                " cap=" + std::to_string(capacity) + " window=" + std::to_string(window) +
-               (windows.empty() ? "" : " per-sequence windows") + (rows.empty() ? "" : " packed rows"));
+               (windows.empty() ? "" : " per-sequence windows") + (rows.empty() ? "" : " packed rows") +
+               (q_rows.empty() ? "" : " q rows") + (drop_outside_window ? " dropped pages" : ""));
   std::mt19937_64 rng(seed);
   const int batch = static_cast<int>(lens.size());
+  const int qn = q_rows.empty() ? batch : num_q_rows;
   PagedCache cache;
   cache.build(dtype, lens, ps, hkv, D, rng);
+  if (drop_outside_window) {
+    for (int b = 0; b < batch; ++b) {
+      const int wl = std::min(windows.empty() ? window : windows[static_cast<size_t>(b)], lens[static_cast<size_t>(b)]);
+      for (int pg = 0; (pg + 1) * ps <= lens[static_cast<size_t>(b)] - wl; ++pg)
+        cache.block_table[static_cast<size_t>(b) * cache.max_pages + pg] = -1;
+    }
+    cache.bt.upload(cache.block_table);
+  }
   std::vector<float> q32, pk32, pv32;
   DevBuf<uint16_t> q, pk, pv;
-  q.upload(spade::test::random_half(dtype, static_cast<size_t>(batch) * hq * D, 1.f, rng, &q32));
+  q.upload(spade::test::random_half(dtype, static_cast<size_t>(qn) * hq * D, 1.f, rng, &q32));
   const int packed_rows = rows.empty() ? batch : *std::max_element(rows.begin(), rows.end()) + 1;
   const size_t packed_n = static_cast<size_t>(packed_rows) * hkv * capacity * D;
   pk.upload(spade::test::random_half(dtype, packed_n, 1.f, rng, &pk32));
@@ -301,8 +317,8 @@ void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::v
   DevBuf<int32_t> d_cnt, d_lens;
   d_cnt.upload(std::vector<int32_t>(counts.begin(), counts.end()));
   d_lens.upload(std::vector<int32_t>(lens.begin(), lens.end()));
-  DevBuf<uint16_t> out(static_cast<size_t>(batch) * hq * D);
-  DevBuf<float> lse(static_cast<size_t>(batch) * hq);
+  DevBuf<uint16_t> out(static_cast<size_t>(qn) * hq * D);
+  DevBuf<float> lse(static_cast<size_t>(qn) * hq);
   Workspace ws(batch, hq, hkv, D);
 
   std::vector<float> ref(out.size()), ref_lse(lse.size());
@@ -328,10 +344,12 @@ void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::v
   rp.scale = 1.f / std::sqrt(static_cast<float>(D));
   rp.local_windows = windows.empty() ? nullptr : windows.data();
   rp.packed_rows = rows.empty() ? nullptr : rows.data();
+  rp.q_rows = q_rows.empty() ? nullptr : q_rows.data();
   sparse_packed_attention_ref(rp);
-  DevBuf<int32_t> d_windows, d_rows;
+  DevBuf<int32_t> d_windows, d_rows, d_q_rows;
   if (!windows.empty()) d_windows.upload(windows);
   if (!rows.empty()) d_rows.upload(rows);
+  if (!q_rows.empty()) d_q_rows.upload(q_rows);
 
   SparsePackedDecodeParams p;
   p.dtype = dtype;
@@ -357,15 +375,50 @@ void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::v
   p.workspace = ws.get();
   p.local_windows = windows.empty() ? nullptr : d_windows.get();
   p.packed_rows = rows.empty() ? nullptr : d_rows.get();
+  p.q_rows = q_rows.empty() ? nullptr : d_q_rows.get();
   out.poison();
   lse.poison();
   SPADE_CUDA_OK(sparse_decode_attention_packed(p, nullptr));
   SPADE_CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<float> got = spade::test::to_f32(dtype, out.download());
-  EXPECT_LE(spade::test::max_row_rel_err(got, ref, D), spade::test::attention_tolerance(dtype));
+  if (q_rows.empty()) {
+    const std::vector<float> got = spade::test::to_f32(dtype, out.download());
+    EXPECT_LE(spade::test::max_row_rel_err(got, ref, D), spade::test::attention_tolerance(dtype));
+    const std::vector<float> got_lse = lse.download();
+    for (size_t i = 0; i < got_lse.size(); ++i) {
+      ASSERT_NEAR(got_lse[i], ref_lse[i], 1e-3 + 1e-4 * std::fabs(ref_lse[i])) << "lse row " << i;
+    }
+    return;
+  }
+  // Rows named by q_rows: the reference; every other row keeps its poison.
+  std::vector<char> named(static_cast<size_t>(qn), 0);
+  for (int32_t r : q_rows)
+    if (r >= 0) named[static_cast<size_t>(r)] = 1;
+  const std::vector<uint16_t> bits = out.download();
   const std::vector<float> got_lse = lse.download();
-  for (size_t i = 0; i < got_lse.size(); ++i) {
-    ASSERT_NEAR(got_lse[i], ref_lse[i], 1e-3 + 1e-4 * std::fabs(ref_lse[i])) << "lse row " << i;
+  const size_t row = static_cast<size_t>(hq) * D;
+  std::vector<float> got_named, ref_named;
+  for (int r = 0; r < qn; ++r) {
+    const size_t o = static_cast<size_t>(r) * row;
+    if (named[static_cast<size_t>(r)] == 0) {
+      for (size_t i = 0; i < row; ++i) ASSERT_EQ(bits[o + i], 0xFFFFu) << "unnamed q row " << r << " was written";
+      for (int h = 0; h < hq; ++h) {
+        uint32_t w = 0;
+        std::memcpy(&w, &got_lse[static_cast<size_t>(r) * hq + h], 4);
+        ASSERT_EQ(w, 0xFFFFFFFFu) << "unnamed lse row " << r << " was written";
+      }
+      continue;
+    }
+    const std::vector<uint16_t> rb(bits.begin() + static_cast<long>(o), bits.begin() + static_cast<long>(o + row));
+    const std::vector<float> rf = spade::test::to_f32(dtype, rb);
+    got_named.insert(got_named.end(), rf.begin(), rf.end());
+    ref_named.insert(ref_named.end(), ref.begin() + static_cast<long>(o), ref.begin() + static_cast<long>(o + row));
+    for (int h = 0; h < hq; ++h) {
+      const size_t i = static_cast<size_t>(r) * hq + h;
+      ASSERT_NEAR(got_lse[i], ref_lse[i], 1e-3 + 1e-4 * std::fabs(ref_lse[i])) << "lse row " << r;
+    }
+  }
+  if (!ref_named.empty()) {
+    EXPECT_LE(spade::test::max_row_rel_err(got_named, ref_named, D), spade::test::attention_tolerance(dtype));
   }
 }
 
@@ -386,6 +439,48 @@ TEST(SparsePackedDecodeGpu, Bf16D128MixedSparseAndDensePerSequence) {
 }
 TEST(SparsePackedDecodeGpu, Fp16D64PerSequenceWindowsWithinTheBound) {
   run_sparse_packed(DType::F16, 64, 32, 16, 2, {900, 40, 2}, {100, 7, 0}, 128, 64, 35, {64, 0, 2}, {});
+}
+// The sparse decode rows of a mixed prefill + decode step (q_rows): sequences 0, 2 and 3 decode sparsely at rows 7,
+// 0 and 12 of a 14-row step (the other rows are prefill chunks, left to the prefill kernel: their poison must
+// survive); sequence 1 is skipped. Long contexts, so the split-K merge runs, over block tables whose pages before
+// the window are dropped (-1: must never be read).
+TEST(SparsePackedDecodeGpu, Bf16D128QRowsOfAMixedStepOverDroppedPages) {
+  run_sparse_packed(DType::BF16, 128, 16, 32, 8, {5000, 700, 3000, 47}, {1024, 0, 512, 15}, 1024, 32, 36,
+                    {32, 32, 32, 32}, {2, 0, 1, 3}, {7, -1, 0, 12}, 14, /*drop_outside_window=*/true);
+}
+TEST(SparsePackedDecodeGpu, Fp16D64QRowsWithPerSequenceWindows) {
+  run_sparse_packed(DType::F16, 64, 32, 16, 2, {90, 40}, {20, 7}, 64, 17, 37, {17, 9}, {}, {3, 1}, 5,
+                    /*drop_outside_window=*/true);
+}
+TEST(SparsePackedDecodeGpu, EveryRowSkippedWritesNothing) {
+  run_sparse_packed(DType::BF16, 128, 16, 8, 2, {300, 20}, {64, 4}, 64, 16, 38, {}, {}, {-1, -1}, 3);
+}
+TEST(SparsePackedDecodeGpu, RejectsMisalignedPerSequenceArrays) {
+  DevBuf<int32_t> arr(8);
+  DevBuf<uint16_t> buf(1024);
+  SparsePackedDecodeParams p;
+  p.q = buf.get();
+  p.out = buf.get();
+  p.packed_k = buf.get();
+  p.packed_v = buf.get();
+  p.k_cache = buf.get();
+  p.v_cache = buf.get();
+  p.block_table = arr.get();
+  p.num_packed = arr.get();
+  p.seq_lens = arr.get();
+  p.batch = 1;
+  p.num_q_heads = 2;
+  p.num_kv_heads = 2;
+  p.head_dim = 64;
+  p.page_size = 16;
+  p.max_pages_per_seq = 1;
+  p.packed_capacity = 4;
+  p.local_window = 4;
+  p.scale = 0.125f;
+  p.q_rows = reinterpret_cast<const int32_t*>(reinterpret_cast<const char*>(arr.get()) + 2);
+  EXPECT_EQ(sparse_decode_attention_packed(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("q_rows"), std::string::npos) << launch_error_detail();
+  (void)cudaGetLastError();
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
 // GPU tests: causal paged prefill (FlashAttention-2 style) against paged_attention_ref, including chunked prefill
-// (q_len < seq_len), single-token rows and ragged batches, bf16/fp16, head dims 64/128/256, GQA groups 1/4/8.
+// (q_len < seq_len), single-token rows and ragged batches, bf16/fp16, head dims 64/128/256, GQA groups 1/4/8; and
+// `skip` (the sparse decode rows of a mixed step, whose pages outside the window are dropped): skipped rows keep
+// their poison and their -1 block-table entries are never read.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,6 +29,7 @@ struct PrefillCase {
   int num_kv_heads;
   std::vector<int> q_lens;
   std::vector<int> seq_lens;
+  std::vector<int32_t> skip = {};  // optional [batch]: nonzero = skipped (its pages are then dropped: -1)
 };
 
 void run_prefill(const PrefillCase& c, uint64_t seed) {
@@ -37,6 +41,15 @@ void run_prefill(const PrefillCase& c, uint64_t seed) {
   const int D = c.head_dim;
   PagedCache cache;
   cache.build(c.dtype, c.seq_lens, c.page_size, c.num_kv_heads, D, rng);
+  if (!c.skip.empty()) {
+    // A skipped sequence keeps only its last page (its local window, read by another kernel).
+    for (int b = 0; b < batch; ++b) {
+      if (c.skip[static_cast<size_t>(b)] == 0) continue;
+      for (int pg = 0; pg + 1 < (c.seq_lens[static_cast<size_t>(b)] + c.page_size - 1) / c.page_size; ++pg)
+        cache.block_table[static_cast<size_t>(b) * cache.max_pages + pg] = -1;
+    }
+    cache.bt.upload(cache.block_table);
+  }
   std::vector<int32_t> cu(batch + 1, 0);
   for (int b = 0; b < batch; ++b) cu[b + 1] = cu[b] + c.q_lens[b];
   const int total_q = cu[batch];
@@ -66,7 +79,10 @@ void run_prefill(const PrefillCase& c, uint64_t seed) {
   rp.page_size = c.page_size;
   rp.max_pages_per_seq = cache.max_pages;
   rp.scale = 1.f / std::sqrt(static_cast<float>(D));
+  rp.skip = c.skip.empty() ? nullptr : c.skip.data();
   paged_attention_ref(rp);
+  DevBuf<int32_t> d_skip;
+  if (!c.skip.empty()) d_skip.upload(c.skip);
 
   PagedPrefillParams p;
   p.dtype = c.dtype;
@@ -86,15 +102,49 @@ void run_prefill(const PrefillCase& c, uint64_t seed) {
   p.max_pages_per_seq = cache.max_pages;
   p.max_q_len = *std::max_element(c.q_lens.begin(), c.q_lens.end());
   p.scale = rp.scale;
+  p.skip = c.skip.empty() ? nullptr : d_skip.get();
   out.poison();
   lse.poison();
   SPADE_CUDA_OK(paged_prefill_attention(p, nullptr));
   SPADE_CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<float> got = spade::test::to_f32(c.dtype, out.download());
-  EXPECT_LE(spade::test::max_row_rel_err(got, ref, D), spade::test::attention_tolerance(c.dtype));
+  if (c.skip.empty()) {
+    const std::vector<float> got = spade::test::to_f32(c.dtype, out.download());
+    EXPECT_LE(spade::test::max_row_rel_err(got, ref, D), spade::test::attention_tolerance(c.dtype));
+    const std::vector<float> got_lse = lse.download();
+    for (size_t i = 0; i < got_lse.size(); ++i) {
+      ASSERT_NEAR(got_lse[i], ref_lse[i], 1e-3 + 1e-4 * std::fabs(ref_lse[i])) << "lse row " << i;
+    }
+    return;
+  }
+  // Rows of skipped sequences keep their poison; the others match the reference.
+  const std::vector<uint16_t> bits = out.download();
   const std::vector<float> got_lse = lse.download();
-  for (size_t i = 0; i < got_lse.size(); ++i) {
-    ASSERT_NEAR(got_lse[i], ref_lse[i], 1e-3 + 1e-4 * std::fabs(ref_lse[i])) << "lse row " << i;
+  const size_t row = static_cast<size_t>(c.num_q_heads) * D;
+  std::vector<float> got_kept, ref_kept;
+  for (int b = 0; b < batch; ++b) {
+    for (int t = cu[b]; t < cu[b + 1]; ++t) {
+      const size_t o = static_cast<size_t>(t) * row;
+      if (c.skip[static_cast<size_t>(b)] != 0) {
+        for (size_t i = 0; i < row; ++i) ASSERT_EQ(bits[o + i], 0xFFFFu) << "skipped sequence " << b << " was written";
+        for (int h = 0; h < c.num_q_heads; ++h) {
+          uint32_t w = 0;
+          std::memcpy(&w, &got_lse[static_cast<size_t>(t) * c.num_q_heads + h], 4);
+          ASSERT_EQ(w, 0xFFFFFFFFu) << "skipped sequence " << b << ": lse written";
+        }
+        continue;
+      }
+      const std::vector<uint16_t> rb(bits.begin() + static_cast<long>(o), bits.begin() + static_cast<long>(o + row));
+      const std::vector<float> rf = spade::test::to_f32(c.dtype, rb);
+      got_kept.insert(got_kept.end(), rf.begin(), rf.end());
+      ref_kept.insert(ref_kept.end(), ref.begin() + static_cast<long>(o), ref.begin() + static_cast<long>(o + row));
+      for (int h = 0; h < c.num_q_heads; ++h) {
+        const size_t i = static_cast<size_t>(t) * c.num_q_heads + h;
+        ASSERT_NEAR(got_lse[i], ref_lse[i], 1e-3 + 1e-4 * std::fabs(ref_lse[i])) << "lse row " << t;
+      }
+    }
+  }
+  if (!ref_kept.empty()) {
+    EXPECT_LE(spade::test::max_row_rel_err(got_kept, ref_kept, D), spade::test::attention_tolerance(c.dtype));
   }
 }
 
@@ -105,6 +155,14 @@ TEST(PagedPrefillGpu, Fp16D64Page32Group8) { run_prefill({DType::F16, 64, 32, 16
 TEST(PagedPrefillGpu, Bf16D256Page64Group1) { run_prefill({DType::BF16, 256, 64, 2, 2, {100, 3}, {260, 3}}, 43); }
 TEST(PagedPrefillGpu, Fp16D128Page64Group1) { run_prefill({DType::F16, 128, 64, 4, 4, {513}, {513}}, 44); }
 TEST(PagedPrefillGpu, LongBf16D128Page16Group4) { run_prefill({DType::BF16, 128, 16, 4, 1, {1024}, {3000}}, 45); }
+// A mixed step: sequences 0 and 3 are sparse decode rows (one query each, served by the packed decode kernel, their
+// pages before the last one dropped), 1 and 4 prefill chunks, 2 a dense decode row.
+TEST(PagedPrefillGpu, SkipsTheSparseDecodeRowsOfAMixedStep) {
+  run_prefill({DType::BF16, 128, 16, 8, 2, {1, 100, 1, 1, 37}, {2000, 300, 77, 500, 37}, {1, 0, 0, 1, 0}}, 46);
+}
+TEST(PagedPrefillGpu, Fp16D64EverySequenceSkipped) {
+  run_prefill({DType::F16, 64, 32, 16, 2, {1, 1}, {900, 33}, {1, 1}}, 47);
+}
 
 }  // namespace
 }  // namespace spade::kernels
