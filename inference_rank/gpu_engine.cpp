@@ -112,7 +112,11 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
   SPADE_CHECK(fb.max_pages <= max_pages_, "GPU engine: block table of {} pages exceeds max_model_len's {}",
               fb.max_pages, max_pages_);
   const bool decode = T == B && static_cast<int>(fb.logit_rows.size()) == B;
-  const bool graphs = opt_.cuda_graphs && (sparse_ == nullptr || sparse_->graph_safe(fb));
+  // The sparse controller first: its plan and per-row arrays decide whether this step may run as a graph (a dense
+  // one once the link is gone, or a link step's graph with external event nodes and the sends after the launch).
+  if (sparse_ != nullptr) sparse_->begin_step(fb, stream_);
+  const bool link_graph = decode && opt_.cuda_graphs && sparse_ != nullptr && sparse_->link_graph_ok(fb);
+  const bool graphs = opt_.cuda_graphs && (sparse_ == nullptr || sparse_->graph_safe(fb) || link_graph);
   const int rows = decode && graphs ? bucket_for(B) : B;  // graph bucket: pad with scratch sequences
   const int scratch_page = opt_.num_pages;
   GpuStepHost h;
@@ -144,16 +148,28 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
   }
   if (decode && graphs) h.max_seq_len = max_pages_ * opt_.page_size;
   const GpuBatch batch = steps_.upload(h, stream_);
-  if (sparse_ != nullptr) sparse_->begin_step(fb, batch, stream_);
+  if (sparse_ != nullptr) sparse_->set_layout_rows(rows);
   GpuAttention& attention = sparse_ != nullptr ? static_cast<GpuAttention&>(*sparse_) : attention_;
   if (decode && graphs) {
-    auto& g = graphs_[rows];
+    // Graphs by batch bucket; a link step's by bucket and controller variant (arrays parity, sparse or dense).
+    const int key = link_graph ? rows * 8 + 4 + sparse_->graph_variant() : rows * 8;
+    auto& g = graphs_[key];
     if (!g) {
       g = std::make_unique<GpuGraph>();
-      g->capture(stream_, [&](cudaStream_t s) { model_->forward(batch, kv_, attention, s); });
+      if (link_graph) sparse_->set_capturing(true);
+      try {
+        g->capture(stream_, [&](cudaStream_t s) { model_->forward(batch, kv_, attention, s); });
+      } catch (...) {
+        if (link_graph) sparse_->set_capturing(false);
+        g.reset();
+        throw;
+      }
+      if (link_graph) sparse_->set_capturing(false);
     }
     g->launch(stream_);
+    if (link_graph) sparse_->ship_graph_step();
     ++graph_steps_;
+    if (link_graph) ++link_graph_steps_;
   } else {
     model_->forward(batch, kv_, attention, stream_);
     ++eager_steps_;

@@ -50,9 +50,11 @@ class GpuEngineForward {
   /// token ids (4 bytes per row) come back. What `inference_rank --device cuda` runs.
   void sample(const ForwardBatch& batch, const std::vector<RowSampling>& rows, std::vector<int32_t>& tokens);
   /// Sparse decoding through a cache rank (gpu_sparse.h), not owned; nullptr = dense. Set before the first step.
-  /// While its link is up, every step runs eagerly (no CUDA graph: the layer packs' sends and the selection
-  /// receives are enqueued per step); after a link failure the controller attends densely and graphs resume, from
-  /// the first step without a sequence whose pages were dropped (GpuSparseController::graph_safe).
+  /// While its link is up, decode-only steps with a plan replay a graph per (bucket, controller variant): the
+  /// controller's waits and pack-end records are external event nodes inside it, and the sends are enqueued after
+  /// the launch (GpuSparseController::ship_graph_step); mixed and prefill steps run eagerly. After a link failure
+  /// the controller attends densely and the dense graphs resume, from the first step without a sequence whose pages
+  /// were dropped (GpuSparseController::graph_safe).
   void set_sparse(GpuSparseController* sparse) { sparse_ = sparse; }
   /// Start-up pass (vLLM's profile run, in spirit): every cuBLASLt kernel a step of 1..max_num_batched_tokens rows
   /// can pick, launched once (GpuModel::warm_up_gemms), one eager step of max_num_batched_tokens prompt tokens, then one
@@ -69,6 +71,8 @@ class GpuEngineForward {
   size_t kv_bytes() const { return kv_.bytes(); }
   /// Decode steps served by a captured graph / run eagerly (tests, stats).
   uint64_t graph_steps() const { return graph_steps_; }
+  /// Of graph_steps(): steps with link operations (a plan to the cache rank) replayed as graphs.
+  uint64_t link_graph_steps() const { return link_graph_steps_; }
   uint64_t eager_steps() const { return eager_steps_; }
 
  private:
@@ -86,7 +90,7 @@ class GpuEngineForward {
   GpuStepBuffers steps_;
   cudaStream_t stream_ = nullptr;
   std::map<int, std::unique_ptr<GpuGraph>> graphs_;  // by batch bucket
-  uint64_t graph_steps_ = 0, eager_steps_ = 0;
+  uint64_t graph_steps_ = 0, eager_steps_ = 0, link_graph_steps_ = 0;
 };
 
 }  // namespace spade

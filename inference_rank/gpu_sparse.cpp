@@ -27,6 +27,7 @@ struct GpuSparseController::State {
   GpuDenseAttention dense;
   DeviceBuffer held;        // K then V: [max_sparse][L][Hkv][k][D] bf16 each
   DeviceBuffer send;        // [packs][P * max_step_tokens * row_elems] bf16
+  DeviceBuffer stage;       // graph steps: one pack's rows compacted to the step's tokens, [P * max_batch * row_elems]
   DeviceBuffer recv[2][2];  // [group][parity]: all packs' messages of a step, pack p at p * per_pack[g]
   size_t recv_per_pack[2] = {0, 0};
   DeviceBuffer plan_dev;
@@ -54,6 +55,8 @@ struct GpuSparseController::State {
   int64_t step = 0;
   int parity = 0;
   int T = 0;
+  int rows_layout = 0;     // rows per layer in the send buffers (T, or the padded graph rows)
+  bool capturing = false;  // the engine is capturing this step's graph
   StepDecision dec;  // this step's
 
   State(const ModelConfig& c, const GpuSparseOptions& opts, transport::GpuLink& l, int ps, int mb)
@@ -74,7 +77,7 @@ struct GpuSparseController::State {
   char* held_k() const { return held.as<char>(); }
   char* held_v() const { return held.as<char>() + static_cast<size_t>(o.max_sparse_seqs) * table_elems() * 2; }
   uint16_t* send_buf(int p) const {
-    return send.as<uint16_t>() + static_cast<size_t>(p) * P * o.max_step_tokens * row_elems;
+    return send.as<uint16_t>() + static_cast<size_t>(p) * P * std::max(o.max_step_tokens, max_batch) * row_elems;
   }
   const int32_t* arr(size_t off) const { return arrays[parity].as<int32_t>() + off; }
 };
@@ -118,8 +121,9 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
   for (cudaStream_t* x : {&s.up, &s.down})
     cuda_check(cudaStreamCreateWithFlags(x, cudaStreamNonBlocking), "GPU sparse: stream");
   s.held = DeviceBuffer(2 * static_cast<size_t>(o.max_sparse_seqs) * s.table_elems() * 2, "GPU sparse: held tables");
-  s.send = DeviceBuffer(static_cast<size_t>(s.packs) * s.P * o.max_step_tokens * s.row_elems * 2,
+  s.send = DeviceBuffer(static_cast<size_t>(s.packs) * s.P * std::max(o.max_step_tokens, max_batch) * s.row_elems * 2,
                         "GPU sparse: send buffers");
+  s.stage = DeviceBuffer(static_cast<size_t>(s.P) * max_batch * s.row_elems * 2, "GPU sparse: graph-step staging");
   const size_t rows_steady = static_cast<size_t>(s.P) * o.max_sparse_seqs * s.Hkv;
   const size_t rows_first = static_cast<size_t>(s.P) * std::min(o.max_first_per_step, o.max_sparse_seqs) * s.Hkv;
   s.recv_per_pack[0] = cache::DeltaLayout(rows_steady, o.delta_capacity, s.D).bytes;
@@ -232,9 +236,8 @@ std::vector<std::pair<uint64_t, std::string>> GpuSparseController::take_failures
   return out;
 }
 
-void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, cudaStream_t stream) {
+void GpuSparseController::begin_step(const ForwardBatch& fb, cudaStream_t stream) {
   State& st = *st_;
-  (void)b;
   sparse_now_ = false;
   st.active = false;
   st.planned = false;
@@ -242,6 +245,7 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, 
   const int B = fb.batch();
   SPADE_CHECK(B <= st.max_batch, "GPU sparse: batch {} exceeds {}", B, st.max_batch);
   st.T = fb.total_tokens();
+  st.rows_layout = st.T;
   if (st.link.failed()) fail_link(st.link.failure());
   if (st.failed_handled || st.closed) {
     // No link (failed or closed): dense, except the rows of sequences whose pages were dropped (they are failed
@@ -309,13 +313,58 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, const GpuBatch& b, 
   st.active = st.planned;
 }
 
+bool GpuSparseController::link_graph_ok(const ForwardBatch& fb) const {
+  return st_->active && fb.total_tokens() == fb.batch() && static_cast<int>(fb.logit_rows.size()) == fb.batch();
+}
+
+int GpuSparseController::graph_variant() const { return st_->parity * 2 + (sparse_now_ ? 1 : 0); }
+
+void GpuSparseController::set_layout_rows(int rows) {
+  State& st = *st_;
+  SPADE_CHECK(rows >= st.T && rows <= std::max(st.o.max_step_tokens, st.max_batch),
+              "GPU sparse: {} layout rows for a step of {} tokens", rows, st.T);
+  st.rows_layout = rows;
+}
+
+void GpuSparseController::set_capturing(bool on) { st_->capturing = on; }
+
 void* GpuSparseController::rows_out(int layer, cudaStream_t stream, int* stride) {
   State& st = *st_;
   *stride = 0;
   if (!st.active) return nullptr;
   const int p = layer / st.P, j = layer % st.P;
-  if (j == 0) cuda_check(cudaStreamWaitEvent(stream, st.sent[static_cast<size_t>(p)]->e, 0), "wait send");
-  return st.send_buf(p) + static_cast<size_t>(j) * st.T * st.row_elems;
+  if (j == 0)
+    cuda_check(cudaStreamWaitEvent(stream, st.sent[static_cast<size_t>(p)]->e,
+                                   st.capturing ? cudaEventWaitExternal : 0),
+               "wait send");
+  return st.send_buf(p) + static_cast<size_t>(j) * st.rows_layout * st.row_elems;
+}
+
+void GpuSparseController::ship_graph_step() {
+  State& st = *st_;
+  if (!st.active) return;
+  const size_t row_bytes = st.row_elems * 2;
+  for (int p = 0; p < st.packs; ++p) {
+    const int n = st.pack_layers(p);
+    const size_t bytes = static_cast<size_t>(n) * st.T * row_bytes;
+    cuda_check(cudaStreamWaitEvent(st.up, st.pack_end[static_cast<size_t>(p)]->e, 0), "wait pack");
+    const void* src = st.send_buf(p);
+    if (st.rows_layout != st.T) {  // drop the padding rows of each layer: [n][rows_layout] -> [n][T]
+      cuda_check(cudaMemcpy2DAsync(st.stage.get(), st.T * row_bytes, st.send_buf(p), st.rows_layout * row_bytes,
+                                   st.T * row_bytes, n, cudaMemcpyDeviceToDevice, st.up),
+                 "GPU sparse: compact a pack");
+      src = st.stage.get();
+    }
+    try {
+      st.link.send(src, bytes, st.up, "q|k|v rows of a pack");
+    } catch (const Error& e) {
+      fail_link(e.what());
+      st.active = false;  // no more link operations this step
+      return;
+    }
+    cuda_check(cudaEventRecord(st.sent[static_cast<size_t>(p)]->e, st.up), "sent");
+    stats_.bytes_sent += bytes;
+  }
 }
 
 void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) {
@@ -323,7 +372,9 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
   const int p = s.layer / st.P, j = s.layer % st.P;
   if (sparse_now_) {
     if (j == 0 && st.planned)
-      cuda_check(cudaStreamWaitEvent(stream, st.applied[static_cast<size_t>(p)]->e, 0), "wait selection");
+      cuda_check(cudaStreamWaitEvent(stream, st.applied[static_cast<size_t>(p)]->e,
+                                     st.capturing ? cudaEventWaitExternal : 0),
+                 "wait selection");
     const size_t MB = static_cast<size_t>(st.max_batch);
     kernels::SparsePackedDecodeParams a;
     fill_attention_params(a, st.cfg, s, b, st.page_size);
@@ -355,7 +406,11 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
   } else {
     st.dense.attend(s, b, stream);
   }
-  if (st.active && (j == st.P - 1 || s.layer == st.L - 1)) {
+  if (st.active && (j == st.P - 1 || s.layer == st.L - 1) && st.capturing) {
+    // Graph step: the replay records the pack's end; ship_graph_step() enqueues the send after the launch.
+    cuda_check(cudaEventRecordWithFlags(st.pack_end[static_cast<size_t>(p)]->e, stream, cudaEventRecordExternal),
+               "pack end");
+  } else if (st.active && (j == st.P - 1 || s.layer == st.L - 1)) {
     const size_t bytes = static_cast<size_t>(st.pack_layers(p)) * st.T * st.row_elems * 2;
     cuda_check(cudaEventRecord(st.pack_end[static_cast<size_t>(p)]->e, stream), "pack end");
     cuda_check(cudaStreamWaitEvent(st.up, st.pack_end[static_cast<size_t>(p)]->e, 0), "wait pack");

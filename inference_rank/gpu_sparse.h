@@ -39,8 +39,13 @@
 // Lifetime on the link: send_hello() first, then one plan per step, then close() (the close plan), after which the
 // cache rank leaves nothing pending.
 //
-// Limits (docs/ARCHITECTURE.md): no CUDA graph for steps with sparse sequences (they run eagerly); sink tokens are
-// not special-cased (they compete in the top-k and are dropped like any other token); the token budget is the
+// CUDA graphs: a decode-only step with a plan on a healthy link runs as a graph per (batch bucket, per-row arrays'
+// parity, sparse or dense attention). Inside it, the waits for a pack buffer's previous send and for this step's
+// selections, and the pack-end records, are external event nodes that act at every replay; the engine then enqueues
+// the sends (ship_graph_step). Which rows are sparse, their windows and selection sizes are per-row data. Mixed and
+// prefill steps run eagerly.
+//
+// Limits (docs/ARCHITECTURE.md): sink tokens are not special-cased (they compete in the top-k and are dropped like any other token); the token budget is the
 // rank's for every request.
 #pragma once
 
@@ -127,17 +132,35 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   void close();
 
   // ---- GPU forward side ----
-  /// Before the step's forward: phases, the plan (sent on the link's up stream), the per-row arrays (uploaded on
-  /// `stream`). `fb` is the engine's step, `b` its device view.
-  void begin_step(const ForwardBatch& fb, const GpuBatch& b, cudaStream_t stream);
+  /// Before the step's forward (and its upload): phases, the plan (sent on the link's up stream), the per-row arrays
+  /// (uploaded on `stream`). `fb` is the engine's step.
+  void begin_step(const ForwardBatch& fb, cudaStream_t stream);
+  /// After begin_step: true when this decode-only step has a plan on a healthy link, so the engine may run it as a
+  /// CUDA graph (graph_variant() says which) followed by ship_graph_step().
+  bool link_graph_ok(const ForwardBatch& fb) const;
+  /// The graph a link step needs besides its batch bucket: the per-row arrays' parity (their device address) x
+  /// sparse (packed kernel) or dense attention; 0..3.
+  int graph_variant() const;
+  /// Rows per layer in the pack send buffers: the step's padded row count when it runs as a graph (default: its
+  /// tokens). Call after begin_step, before the forward.
+  void set_layout_rows(int rows);
+  /// While the engine captures a link step's graph: the waits for a pack buffer's previous send and for this step's
+  /// selections, and the pack-end records, become external event nodes (they act at each replay), and the sends are
+  /// left to ship_graph_step().
+  void set_capturing(bool on);
+  /// After a link step's graph launch: per pack, on the up stream, wait for the graph's pack-end event, compact the
+  /// pack's rows to the step's tokens (padding rows dropped) and send them; record the pack's send event. A send
+  /// that throws fails the link (take_failures), as in an eager step.
+  void ship_graph_step();
   void attend(const GpuLayerStep& step, const GpuBatch& batch, cudaStream_t stream) override;
   void* rows_out(int layer, cudaStream_t stream, int* stride) override;
   /// After the step's forward was enqueued: the receives and applies of the next step's selections.
   void end_step(cudaStream_t stream);
-  /// True when this step attends sparsely somewhere (the engine then runs it without a CUDA graph).
+  /// True when this step attends sparsely somewhere.
   bool sparse_this_step() const { return sparse_now_; }
-  /// Whether the step `fb` may run as (or be captured into) a CUDA graph: only once the link has failed (no plan,
-  /// no per-step uploads) and no sequence of `fb` had pages dropped (those rows need this step's per-row arrays).
+  /// Whether the step `fb` may run as (or be captured into) a dense CUDA graph (no link operations): once the link
+  /// has failed (no plan, no per-step uploads) and no sequence of `fb` had pages dropped (those rows need this
+  /// step's per-row arrays).
   bool graph_safe(const ForwardBatch& fb) const;
 
   bool link_failed() const;

@@ -80,6 +80,7 @@ struct RunResult {
   GpuSparseStats sparse;
   cache::GpuCacheStats cache;
   std::string server_error;
+  uint64_t graph_steps = 0, link_graph_steps = 0, eager_steps = 0;
 };
 
 const int kPrompt[3] = {40, 70, 24};
@@ -93,11 +94,12 @@ std::vector<int32_t> prompt(int i, int vocab) {
 }
 
 // Three greedy requests; `sparse` nullptr: dense. `kill_after_steps` > 0: the cache rank's link is aborted after that
-// many engine steps, and a fourth request is submitted once the first three ended.
-RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
+// many engine steps, and a fourth request is submitted once the first three ended. `graphs`: decode steps replay
+// CUDA graphs (with the link up: the link steps' graphs of GpuSparseController).
+RunResult run(const Sparse* sparse, int kill_after_steps = 0, bool graphs = false) {
   const ModelConfig cfg = qwen3_like();
   const EngineOptions eo = engine_options();
-  GpuEngineOptions go = gpu_engine_options(eo, /*cuda_graphs=*/false);
+  GpuEngineOptions go = gpu_engine_options(eo, graphs);
   GpuEngineForward gpu(GpuModel::random(cfg, 31, GpuEngineForward::model_options(go)), go);
   RunResult out;
   Engine engine(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) {
@@ -165,6 +167,9 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0) {
     out.server_error = cache_rank->error();
   }
   if (ctl) out.sparse = ctl->stats();
+  out.graph_steps = gpu.graph_steps();
+  out.link_graph_steps = gpu.link_graph_steps();
+  out.eager_steps = gpu.eager_steps();
   gpu.set_sparse(nullptr);
   engine.set_attention_hooks(nullptr);
   return out;
@@ -176,10 +181,19 @@ float max_abs(const std::vector<float>& v) {
   return m;
 }
 
-TEST(GpuSparse, FullBudgetMatchesDenseDecoding) {
+void full_budget_matches_dense(bool graphs) {
   const RunResult dense = run(nullptr);
   const Sparse sp{/*budget=*/512, /*window=*/16, /*capacity=*/64, /*threshold=*/32};
-  const RunResult got = run(&sp);
+  const RunResult got = run(&sp, 0, graphs);
+  std::printf("[ sparse   ] %s: %llu graph steps (%llu with link operations), %llu eager steps\n",
+              graphs ? "CUDA graphs" : "eager", static_cast<unsigned long long>(got.graph_steps),
+              static_cast<unsigned long long>(got.link_graph_steps), static_cast<unsigned long long>(got.eager_steps));
+  if (graphs) {
+    // Sparse and dense link steps of several batch buckets both replay graphs.
+    EXPECT_GE(got.link_graph_steps, 40u);
+  } else {
+    EXPECT_EQ(got.graph_steps, 0u);
+  }
   ASSERT_EQ(got.server_error, "");
   for (int i = 0; i < 3; ++i) {
     ASSERT_EQ(got.reasons[i], FinishReason::Length) << "request " << i << ": " << got.errors[i];
@@ -236,6 +250,13 @@ TEST(GpuSparse, FullBudgetMatchesDenseDecoding) {
   EXPECT_EQ(got.cache.tokens_appended, tokens);
 }
 
+TEST(GpuSparse, FullBudgetMatchesDenseDecoding) { full_budget_matches_dense(false); }
+
+// The same with CUDA graphs: the link steps' graphs wait for the selections and record the pack ends at every replay
+// (external event nodes); a wrong order would ship rows before they are written or attend tables before they are
+// applied, and the logits would leave dense decoding's.
+TEST(GpuSparse, FullBudgetMatchesDenseDecodingWithCudaGraphs) { full_budget_matches_dense(true); }
+
 TEST(GpuSparse, SmallBudgetChurnsThroughDeltas) {
   const RunResult dense = run(nullptr);
   const Sparse sp{/*budget=*/32, /*window=*/16, /*capacity=*/8, /*threshold=*/32};
@@ -261,11 +282,11 @@ TEST(GpuSparse, SmallBudgetChurnsThroughDeltas) {
   EXPECT_EQ(got.sparse.switches, 3u);
 }
 
-TEST(GpuSparse, DeadCacheRankFailsOnlyTheSparseRequests) {
+void dead_cache_rank_fails_only_the_sparse_requests(bool graphs) {
   const Sparse sp{/*budget=*/64, /*window=*/16, /*capacity=*/16, /*threshold=*/60};
   // Request 1 (70-token prompt) is sparse from its first decode step; request 0 (40) switches at step ~20 of its
   // decode, request 2 (24) at ~36. Kill after a few decode steps: only request 1 is sparse then.
-  const RunResult got = run(&sp, /*kill_after_steps=*/8);
+  const RunResult got = run(&sp, /*kill_after_steps=*/8, graphs);
   EXPECT_NE(got.server_error, "");  // the server saw the abort
   EXPECT_EQ(got.reasons[1], FinishReason::Error);
   EXPECT_NE(got.errors[1].find("cache rank (test thread) failed"), std::string::npos) << got.errors[1];
@@ -275,6 +296,15 @@ TEST(GpuSparse, DeadCacheRankFailsOnlyTheSparseRequests) {
   EXPECT_EQ(got.reasons[3], FinishReason::Length) << got.errors[3];  // submitted after the failure: dense
   EXPECT_EQ(got.sparse.failed_seqs, 1u);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (graphs) {
+    EXPECT_GT(got.link_graph_steps, 0u);                      // before the kill
+    EXPECT_GT(got.graph_steps, got.link_graph_steps);         // dense graphs after it
+  }
+}
+
+TEST(GpuSparse, DeadCacheRankFailsOnlyTheSparseRequests) { dead_cache_rank_fails_only_the_sparse_requests(false); }
+TEST(GpuSparse, DeadCacheRankFailsOnlyTheSparseRequestsWithCudaGraphs) {
+  dead_cache_rank_fails_only_the_sparse_requests(true);
 }
 
 // ---- page dropping ----
