@@ -148,7 +148,7 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
   }
   if (decode && graphs) h.max_seq_len = max_pages_ * opt_.page_size;
   const GpuBatch batch = steps_.upload(h, stream_);
-  if (sparse_ != nullptr) sparse_->set_layout_rows(rows);
+  if (link_graph) sparse_->set_layout_rows(rows);  // the graph's padded rows per layer in the send buffers
   GpuAttention& attention = sparse_ != nullptr ? static_cast<GpuAttention&>(*sparse_) : attention_;
   if (decode && graphs) {
     // Graphs by batch bucket; a link step's by bucket and controller variant (arrays parity, sparse or dense).
