@@ -43,6 +43,11 @@ struct GpuSparseController::State {
   bool arrays_pending = false;
   size_t off_maps[2] = {0, 0};
   DeviceBuffer ws;
+  // Per step parity and pack ([parity * packs + p]): a step of parity X records pack_end[X] and sent[X] and waits on
+  // sent[1 - X] (the previous step's send of the same buffer) and applied[X] (recorded by the previous step's
+  // end_step into the next step's parity). So no event a step waits on is recorded again before that step has
+  // ended: a CUDA graph's event wait node acts on the event's latest record when the node runs, and the host
+  // enqueues the next records right after the launch.
   std::vector<std::unique_ptr<Event>> pack_end, sent, applied;
   Event arrays_free[2];  // the receive stream's last read of arrays[parity] (the held-row maps of its applies)
   bool hello_sent = false, closed = false;
@@ -80,6 +85,11 @@ struct GpuSparseController::State {
     return send.as<uint16_t>() + static_cast<size_t>(p) * P * std::max(o.max_step_tokens, max_batch) * row_elems;
   }
   const int32_t* arr(size_t off) const { return arrays[parity].as<int32_t>() + off; }
+  cudaEvent_t pack_end_ev(int p) const { return pack_end[static_cast<size_t>(parity * packs + p)]->e; }
+  cudaEvent_t sent_ev(int p) const { return sent[static_cast<size_t>(parity * packs + p)]->e; }
+  cudaEvent_t prev_sent_ev(int p) const { return sent[static_cast<size_t>((1 - parity) * packs + p)]->e; }
+  cudaEvent_t applied_ev(int p) const { return applied[static_cast<size_t>(parity * packs + p)]->e; }
+  cudaEvent_t next_applied_ev(int p) const { return applied[static_cast<size_t>((1 - parity) * packs + p)]->e; }
 };
 
 cache::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
@@ -140,7 +150,7 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
   cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.arrays_pinned), s.array_words * 4), "GPU sparse: pinned");
   s.ws = DeviceBuffer(kernels::decode_workspace_bytes(max_batch, s.Hq, s.Hkv, s.D), "GPU sparse: workspace");
   cuda_check(kernels::decode_workspace_init({s.ws.get(), s.ws.bytes()}, s.up), "GPU sparse: workspace init");
-  for (int p = 0; p < s.packs; ++p) {
+  for (int p = 0; p < 2 * s.packs; ++p) {
     s.pack_end.push_back(std::make_unique<Event>());
     s.sent.push_back(std::make_unique<Event>());
     s.applied.push_back(std::make_unique<Event>());
@@ -334,7 +344,7 @@ void* GpuSparseController::rows_out(int layer, cudaStream_t stream, int* stride)
   if (!st.active) return nullptr;
   const int p = layer / st.P, j = layer % st.P;
   if (j == 0)
-    cuda_check(cudaStreamWaitEvent(stream, st.sent[static_cast<size_t>(p)]->e,
+    cuda_check(cudaStreamWaitEvent(stream, st.prev_sent_ev(p),
                                    st.capturing ? cudaEventWaitExternal : 0),
                "wait send");
   return st.send_buf(p) + static_cast<size_t>(j) * st.rows_layout * st.row_elems;
@@ -347,7 +357,7 @@ void GpuSparseController::ship_graph_step() {
   for (int p = 0; p < st.packs; ++p) {
     const int n = st.pack_layers(p);
     const size_t bytes = static_cast<size_t>(n) * st.T * row_bytes;
-    cuda_check(cudaStreamWaitEvent(st.up, st.pack_end[static_cast<size_t>(p)]->e, 0), "wait pack");
+    cuda_check(cudaStreamWaitEvent(st.up, st.pack_end_ev(p), 0), "wait pack");
     const void* src = st.send_buf(p);
     if (st.rows_layout != st.T) {  // drop the padding rows of each layer: [n][rows_layout] -> [n][T]
       cuda_check(cudaMemcpy2DAsync(st.stage.get(), st.T * row_bytes, st.send_buf(p), st.rows_layout * row_bytes,
@@ -362,7 +372,7 @@ void GpuSparseController::ship_graph_step() {
       st.active = false;  // no more link operations this step
       return;
     }
-    cuda_check(cudaEventRecord(st.sent[static_cast<size_t>(p)]->e, st.up), "sent");
+    cuda_check(cudaEventRecord(st.sent_ev(p), st.up), "sent");
     stats_.bytes_sent += bytes;
   }
 }
@@ -372,7 +382,7 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
   const int p = s.layer / st.P, j = s.layer % st.P;
   if (sparse_now_) {
     if (j == 0 && st.planned)
-      cuda_check(cudaStreamWaitEvent(stream, st.applied[static_cast<size_t>(p)]->e,
+      cuda_check(cudaStreamWaitEvent(stream, st.applied_ev(p),
                                      st.capturing ? cudaEventWaitExternal : 0),
                  "wait selection");
     const size_t MB = static_cast<size_t>(st.max_batch);
@@ -408,12 +418,12 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
   }
   if (st.active && (j == st.P - 1 || s.layer == st.L - 1) && st.capturing) {
     // Graph step: the replay records the pack's end; ship_graph_step() enqueues the send after the launch.
-    cuda_check(cudaEventRecordWithFlags(st.pack_end[static_cast<size_t>(p)]->e, stream, cudaEventRecordExternal),
+    cuda_check(cudaEventRecordWithFlags(st.pack_end_ev(p), stream, cudaEventRecordExternal),
                "pack end");
   } else if (st.active && (j == st.P - 1 || s.layer == st.L - 1)) {
     const size_t bytes = static_cast<size_t>(st.pack_layers(p)) * st.T * st.row_elems * 2;
-    cuda_check(cudaEventRecord(st.pack_end[static_cast<size_t>(p)]->e, stream), "pack end");
-    cuda_check(cudaStreamWaitEvent(st.up, st.pack_end[static_cast<size_t>(p)]->e, 0), "wait pack");
+    cuda_check(cudaEventRecord(st.pack_end_ev(p), stream), "pack end");
+    cuda_check(cudaStreamWaitEvent(st.up, st.pack_end_ev(p), 0), "wait pack");
     try {
       st.link.send(st.send_buf(p), bytes, st.up, "q|k|v rows of a pack");
     } catch (const Error& e) {
@@ -421,7 +431,7 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
       st.active = false;  // no more link operations this step
       return;
     }
-    cuda_check(cudaEventRecord(st.sent[static_cast<size_t>(p)]->e, st.up), "sent");
+    cuda_check(cudaEventRecord(st.sent_ev(p), st.up), "sent");
     stats_.bytes_sent += bytes;
   }
 }
@@ -450,7 +460,7 @@ void GpuSparseController::end_step(cudaStream_t stream) {
       stats_.bytes_received += lay[g]->bytes;
     }
     // This step's pack p has read the tables: apply the next step's deltas.
-    cuda_check(cudaStreamWaitEvent(st.down, st.pack_end[static_cast<size_t>(p)]->e, 0), "wait pack end");
+    cuda_check(cudaStreamWaitEvent(st.down, st.pack_end_ev(p), 0), "wait pack end");
     for (int g = 0; g < 2; ++g) {
       if (bufs[g] == nullptr) continue;
       const int S = static_cast<int>(st.dec.group_tables[g].size());
@@ -467,7 +477,7 @@ void GpuSparseController::end_step(cudaStream_t stream) {
       a.head_dim = st.D;
       cuda_check(kernels::apply_selection_delta(a, st.down), "GPU sparse: apply");
     }
-    cuda_check(cudaEventRecord(st.applied[static_cast<size_t>(p)]->e, st.down), "applied");
+    cuda_check(cudaEventRecord(st.next_applied_ev(p), st.down), "applied");
   }
   cuda_check(cudaEventRecord(st.arrays_free[st.parity].e, st.down), "arrays free");
 }
