@@ -115,7 +115,8 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
   // The sparse controller first: its plan and per-row arrays decide whether this step may run as a graph (a dense
   // one once the link is gone, or a link step's graph with external event nodes and the sends after the launch).
   if (sparse_ != nullptr) sparse_->begin_step(fb, stream_);
-  const bool link_graph = decode && opt_.cuda_graphs && sparse_ != nullptr && sparse_->link_graph_ok(fb);
+  const bool link_graph =
+      decode && opt_.cuda_graphs && opt_.link_graphs && sparse_ != nullptr && sparse_->link_graph_ok(fb);
   const bool graphs = opt_.cuda_graphs && (sparse_ == nullptr || sparse_->graph_safe(fb) || link_graph);
   const int rows = decode && graphs ? bucket_for(B) : B;  // graph bucket: pad with scratch sequences
   const int scratch_page = opt_.num_pages;

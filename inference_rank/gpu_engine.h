@@ -29,6 +29,11 @@ struct GpuEngineOptions {
   int max_num_batched_tokens = 2048;
   int max_model_len = 0;          // longest sequence: sizes the block tables and the graphs' split-K grids
   bool cuda_graphs = true;        // capture decode steps per batch bucket
+  // Also decode steps with link operations (a sparse controller whose link is up). Leave it off when the cache rank
+  // runs in this process (cache_rank/gpu_local.h): capturing a new graph mid-run may synchronise the context, i.e.
+  // wait for the in-process cache rank's pending receive, whose data this thread has yet to send (measured: 5 s
+  // link deadline stalls, about one run in two). Two processes do not share a context.
+  bool link_graphs = true;
 };
 
 /// The GPU options matching an engine's options (pass Engine::options(): the normalised num_pages / max_model_len).

@@ -218,7 +218,8 @@ int main(int argc, char** argv) {
             cfg, eo, spade::ForwardSampleFn([&](const spade::ForwardBatch& b, const std::vector<spade::RowSampling>& r,
                                                 std::vector<int32_t>& t) { gpu->sample(b, r, t); }));
       }
-      const spade::GpuEngineOptions go = spade::gpu_engine_options(engine_ptr->options(), !no_cuda_graphs);
+      spade::GpuEngineOptions go = spade::gpu_engine_options(engine_ptr->options(), !no_cuda_graphs);
+      go.link_graphs = false;  // the cache rank runs in this process (gpu_engine.h GpuEngineOptions::link_graphs)
       const spade::GpuModelOptions mo = spade::GpuEngineForward::model_options(go);
       std::unique_ptr<spade::GpuModel> gm;
       if (random_weights) {

@@ -410,9 +410,10 @@ int run_serve(const ServeOptions& opt) {
     cache::LinkStats gl;
     if (gpu_stats(gs, gl))
       spdlog::info("{}: {} steps, {} sparse sequence-steps, {} switches, {} failed, {:.1f} MB up, {:.1f} MB down, "
-                   "{} KV pages dropped",
+                   "{} KV pages dropped, {} link-step graph replays",
                    self, gs.steps, gs.sparse_seq_steps, gs.switches, gs.failed_seqs, gl.bytes_sent / 1e6,
-                   gl.bytes_received / 1e6, engine.stats().dropped_pages);
+                   gl.bytes_received / 1e6, engine.stats().dropped_pages,
+                   gpu != nullptr ? gpu->link_graph_steps() : uint64_t{0});
   }
   if (backend) {
     const SparseStats& s = backend->stats();

@@ -156,6 +156,8 @@ TEST_P(GpuCluster, SparseDecodingAcrossProcesses) {
   EXPECT_EQ(cl.coord->wait_exit(30s), 0) << cl.logs();
   EXPECT_GT(logged(cl.inf->log(), "sparse sequence-steps"), 100) << cl.inf->log();
   EXPECT_GT(logged(cl.cache->log(), "selections"), 100) << cl.cache->log();
+  // Decode steps with the link up replayed CUDA graphs (the cache rank is another process).
+  EXPECT_GT(logged(cl.inf->log(), "link-step graph replays"), 100) << cl.inf->log();
 }
 
 TEST_P(GpuCluster, KilledGpuCacheRankFailsTheSparseRequestAndServiceContinuesDensely) {
