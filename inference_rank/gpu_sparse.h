@@ -43,7 +43,8 @@
 // parity, sparse or dense attention). Inside it, the waits for a pack buffer's previous send and for this step's
 // selections, and the pack-end records, are external event nodes that act at every replay; the engine then enqueues
 // the sends (ship_graph_step). Which rows are sparse, their windows and selection sizes are per-row data. Mixed and
-// prefill steps run eagerly.
+// prefill steps run eagerly. The engine does this only when the cache rank is another process
+// (GpuEngineOptions::link_graphs).
 //
 // Limits (docs/ARCHITECTURE.md): sink tokens are not special-cased (they compete in the top-k and are dropped like any other token); the token budget is the
 // rank's for every request.
