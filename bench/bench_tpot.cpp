@@ -15,6 +15,9 @@
 // Both ranks run in this process as two threads, one per GPU, with two NCCL communicators (up: qkv, down: selected
 // KV) so that neither direction queues behind the other; no host synchronisation inside a step on either side
 // (the inference thread waits once per step for the step's end event, as a server waits for the sampled tokens).
+// async steps from the second on replay a CUDA graph per receive-buffer parity (--async-graphs 1, the default; 0:
+// eager), captured before the cache rank starts: the pack waits and pack ends are external event nodes and the sends
+// are enqueued after each launch, as on the serving path (inference_rank/gpu_sparse.h).
 // async-delta: the same with delta transfer (--delta-capacity C): the cache rank mirrors the inference rank's slot
 // tables and sends per (layer, sequence, KV head) only C entries (the tokens that entered the selection, the best
 // scored first: kernels/selection.cuh selection_delta); the inference rank applies them to its slot tables on the
@@ -29,7 +32,7 @@
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
 //                   [--modes dense,oracle,async] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
-//                   [--link auto|nccl|ipc]
+//                   [--link auto|nccl|ipc] [--async-graphs 1|0]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
 #include <cuda_runtime_api.h>
 
@@ -103,6 +106,10 @@ struct Opts {
   // message; 0 = the full selection every step. One async run per (pack size, capacity).
   std::vector<int> delta_capacities = {0};
   std::string link = "auto";  // auto: NCCL with two GPUs, else CUDA IPC on GPU 0; nccl; ipc
+  // Async inference rank: steps from the second on replay a CUDA graph per receive-buffer parity (captured before
+  // the cache rank starts), with the pack waits / pack ends as external event nodes and the sends enqueued after
+  // the launch, as the serving path does (inference_rank/gpu_sparse.h). 0: every step eagerly.
+  bool async_graphs = true;
 };
 
 struct Stats {
@@ -459,6 +466,28 @@ class AsyncInferenceAttention : public GpuAttention {
     cudaStreamDestroy(down_stream_);
   }
   void set_step(int t) { step_ = t; }
+  /// Graph mode: the step-indexed events use rows t % 2 (a graph bakes its event handles), so the pack times of step
+  /// t are read (collect) right after it ended. `capturing`: waits and pack-end records become external event nodes
+  /// and the sends are left to ship().
+  void set_graph_mode(bool on) { graph_mode_ = on; }
+  void set_capturing(bool on) { capturing_ = on; }
+  /// Graph mode, after the launch of step t: per pack, the up stream waits for the graph's pack end and sends.
+  void ship(int t) {
+    for (int p = 0; p < sh_.packs; ++p) {
+      cuda_check(cudaStreamWaitEvent(up_stream_, pack_end_(row(t), p), 0), "wait");
+      link_.send(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
+      cuda_check(cudaEventRecord(sent_(row(t), p), up_stream_), "record");
+    }
+  }
+  /// Reads step t's pack times (its events are reused two steps later in graph mode). Call after step t ended.
+  void collect(int t) {
+    if (times_.empty()) times_.assign(2 * static_cast<size_t>(arrive_.ev.size()), 0.0);
+    for (int p = 0; p < sh_.packs; ++p) {
+      const size_t i = 2 * (static_cast<size_t>(t) * sh_.packs + p);
+      times_[i] = elapsed_ms(arrive_(row(t), p), ready_(row(t), p));
+      times_[i + 1] = elapsed_ms(ready_(row(t), p), pack_end_(row(t), p));
+    }
+  }
   char* recv_buf(int t, int p) const {
     if (sh_.cap > 0 && t == 0) return init_.as<char>() + static_cast<size_t>(p) * sh_.init.bytes;
     return down_.as<char>() + (static_cast<size_t>(t % 2) * sh_.packs + p) * sh_.down_bytes(1);
@@ -467,13 +496,13 @@ class AsyncInferenceAttention : public GpuAttention {
   /// the apply of each into the slot tables after step t - 1's pack has read them.
   void post_recvs(int t) {
     for (int p = 0; p < sh_.packs; ++p) {
-      if (t >= 2) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(t - 2, p), 0), "wait");  // buffer reuse
+      if (t >= 2) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(row(t - 2), p), 0), "wait");  // buffer reuse
       link_.recv(recv_buf(t, p), sh_.down_bytes(t), down_stream_, "selected K/V of a pack");
       if (sh_.cap > 0) {
-        if (t >= 1) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(t - 1, p), 0), "wait");
+        if (t >= 1) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(row(t - 1), p), 0), "wait");
         apply(t, p);
       }
-      cuda_check(cudaEventRecord(recv_done_(t, p), down_stream_), "record");
+      cuda_check(cudaEventRecord(recv_done_(row(t), p), down_stream_), "record");
     }
   }
   void attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) override {
@@ -483,9 +512,9 @@ class AsyncInferenceAttention : public GpuAttention {
                                        stream),
                  "packed counts");
     if (j == 0) {
-      cuda_check(cudaEventRecord(arrive_(t, p), stream), "record");
-      cuda_check(cudaStreamWaitEvent(stream, recv_done_(t, p), 0), "wait");
-      cuda_check(cudaEventRecord(ready_(t, p), stream), "record");
+      record(arrive_(row(t), p), stream);
+      cuda_check(cudaStreamWaitEvent(stream, recv_done_(row(t), p), capturing_ ? cudaEventWaitExternal : 0), "wait");
+      record(ready_(row(t), p), stream);
     }
     const char *pk = nullptr, *pv = nullptr;
     if (sh_.cap > 0) {
@@ -498,27 +527,36 @@ class AsyncInferenceAttention : public GpuAttention {
     }
     packed_attention(cfg_, o_, s, b, pk, pv, lens_.as<int32_t>(), ws_, stream);
     if (j == sh_.P - 1 || s.layer == cfg_.num_layers - 1) {
-      cuda_check(cudaEventRecord(pack_end_(t, p), stream), "record");
-      cuda_check(cudaStreamWaitEvent(up_stream_, pack_end_(t, p), 0), "wait");
-      link_.send(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
-      cuda_check(cudaEventRecord(sent_(t, p), up_stream_), "record");
+      record(pack_end_(row(t), p), stream);
+      if (!capturing_) {
+        cuda_check(cudaStreamWaitEvent(up_stream_, pack_end_(row(t), p), 0), "wait");
+        link_.send(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
+        cuda_check(cudaEventRecord(sent_(row(t), p), up_stream_), "record");
+      }
     }
   }
   // The layer's processed q | k | v rows (after q/k norm and RoPE, as appended here) go straight into the pack's
   // send buffer; its first layer waits for the previous step's send of that buffer.
   void* rows_out(int layer, cudaStream_t stream, int* stride) override {
     const int p = layer / sh_.P, j = layer % sh_.P, t = step_;
-    if (j == 0 && t >= 1) cuda_check(cudaStreamWaitEvent(stream, sent_(t - 1, p), 0), "wait");  // buffer reuse
+    if (j == 0 && t >= 1)  // buffer reuse
+      cuda_check(cudaStreamWaitEvent(stream, sent_(row(t - 1), p), capturing_ ? cudaEventWaitExternal : 0), "wait");
     *stride = 0;
     return up_.as<char>() + p * sh_.up_bytes_pack + j * (sh_.up_bytes_pack / sh_.P);
   }
   // Per (step, pack): stall (ms the pack waited for its KV), inference time (ready -> pack end).
   void pack_times(int t, int p, double* stall_ms, double* infer_ms) const {
-    *stall_ms = elapsed_ms(arrive_(t, p), ready_(t, p));
-    *infer_ms = elapsed_ms(ready_(t, p), pack_end_(t, p));
+    const size_t i = 2 * (static_cast<size_t>(t) * sh_.packs + p);
+    *stall_ms = times_[i];
+    *infer_ms = times_[i + 1];
   }
 
  private:
+  int row(int t) const { return graph_mode_ ? t % 2 : t; }
+  void record(cudaEvent_t e, cudaStream_t stream) const {
+    cuda_check(capturing_ ? cudaEventRecordWithFlags(e, stream, cudaEventRecordExternal) : cudaEventRecord(e, stream),
+               "record");
+  }
   size_t layer_elems() const {
     return static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget * cfg_.head_dim;
   }
@@ -549,6 +587,8 @@ class AsyncInferenceAttention : public GpuAttention {
   EventGrid arrive_, ready_, pack_end_, recv_done_, sent_;
   cudaStream_t up_stream_ = nullptr, down_stream_ = nullptr;
   int step_ = 0;
+  bool graph_mode_ = false, capturing_ = false;
+  std::vector<double> times_;  // per (step, pack): stall ms, inference ms
 };
 
 /// The cache rank's side of the benchmark (GPU 1, or GPU 0 with the IPC link): full KV pool, query windows,
@@ -845,11 +885,16 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   std::vector<double> cm, sendms;
   std::vector<double> stage[5];
   const std::string cache_name = fmt::format("cache rank (GPU {})", sh.cache_device);
+  // Graph mode: the inference side captures its graphs before the cache rank posts its first operation (a capture
+  // may synchronise the context, i.e. wait for a pending receive of the other rank in this process).
+  std::atomic<bool> captured{!o.async_graphs};
   std::thread cache_thread([&] {
     try {
       cuda_check(cudaSetDevice(sh.cache_device), "cudaSetDevice (cache rank)");
       links.make(PairRole::kCache, sh.cache_device);
       cache = std::make_unique<AsyncCacheRank>(cfg, o, sh, *links.end[1], plan);
+      while (!captured.load() && !sh.failed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (sh.failed.load()) return;
       cache->run();
     } catch (const std::exception& e) {
       sh.error = cache_name + ": " + e.what();
@@ -871,16 +916,41 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     DeviceBuffer tokens_out(static_cast<size_t>(o.batch) * 4, "sampled tokens");
     const std::vector<int32_t> table = plan.window_table();
     EventGrid ends(plan.total_steps, 1);
+    auto body = [&](const GpuBatch& b, cudaStream_t st) {
+      model.forward(b, local, attn, st);
+      model.argmax(o.batch, tokens_out.as<int32_t>(), st);
+    };
+    // Graph mode: step 0 reads the first selection's buffers and runs eagerly; steps t >= 1 replay graph[t % 2]
+    // (the receive buffers of parity t % 2), both captured and uploaded here, before the cache rank starts.
+    GpuGraph graphs[2];
+    if (o.async_graphs) {
+      attn.set_graph_mode(true);
+      for (int t : {1, 2}) {
+        const GpuBatch b = buffers.upload(plan.step(t, table), stream);
+        attn.set_step(t);
+        attn.set_capturing(true);
+        graphs[t % 2].capture(stream, [&](cudaStream_t st) { body(b, st); });
+        attn.set_capturing(false);
+        graphs[t % 2].upload(stream);
+      }
+      cuda_check(cudaStreamSynchronize(stream), "graph upload");
+      captured = true;
+    }
     attn.post_recvs(0);
     for (int t = 0; t < plan.total_steps; ++t) {
       SPADE_CHECK(!sh.failed.load(), "{}", sh.error);
       const GpuBatch b = buffers.upload(plan.step(t, table), stream);
       attn.set_step(t);
-      model.forward(b, local, attn, stream);
-      model.argmax(o.batch, tokens_out.as<int32_t>(), stream);
+      if (o.async_graphs && t >= 1) {
+        graphs[t % 2].launch(stream);
+        attn.ship(t);
+      } else {
+        body(b, stream);
+      }
       cuda_check(cudaEventRecord(ends(t, 0), stream), "record");
       if (t + 1 <= plan.total_steps) attn.post_recvs(t + 1);
       cuda_check(cudaEventSynchronize(ends(t, 0)), "step sync");
+      attn.collect(t);
     }
     cuda_check(cudaDeviceSynchronize(), "drain");
     for (int t = o.warmup; t < plan.total_steps; ++t) {
@@ -929,6 +999,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   const std::string mode = delta_cap > 0 ? "async-delta" : "async";
   r = result_row(o, cfg, mode, tpot);
   r["pack"] = pack;
+  r["cuda_graph"] = o.async_graphs;
   r["link"] = ipc ? "cuda_ipc (both ranks on GPU 0: checks the pipeline, not its speed)" : "nccl";
   if (!ipc) r["nccl_max_ctas"] = links.nccl_ctas;
   r["packs"] = sh.packs;
@@ -985,10 +1056,10 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     SPADE_CHECK(dt[kernels::kDeltaHoles] == 0, "delta transfer left {} holes in the held tables",
                 dt[kernels::kDeltaHoles]);
   }
-  std::printf("  %-11s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms, "
+  std::printf("  %-11s %-5s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms, "
               "cache %.3f ms, send %.3f ms | down %.1f MB/step, need %.0f GB/s, got %.0f GB/s | stalls %d/%d\n",
-              mode.c_str(), pack, r["tpot_median_ms"].get<double>(), r["tpot_p99_ms"].get<double>(),
-              r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>(), inf.median, cms.median, snd.median,
+              mode.c_str(), o.async_graphs ? "graph" : "eager", pack, r["tpot_median_ms"].get<double>(),
+              r["tpot_p99_ms"].get<double>(), r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>(), inf.median, cms.median, snd.median,
               down_pack * sh.packs / 1e6, r["required_gbps"].get<double>(), r["achieved_gbps"].get<double>(),
               stall_count, static_cast<int>(stalls.size()));
   std::printf("              cache stages per pack (ms): append %.3f predict %.3f score %.3f topk %.3f gather %.3f\n",
@@ -1033,6 +1104,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--nccl-ctas-delta") o.nccl_ctas_delta = std::stoi(next());
     else if (a == "--delta-capacity") o.delta_capacities = parse_ints(next());
     else if (a == "--link") o.link = next();
+    else if (a == "--async-graphs") o.async_graphs = std::stoi(next()) != 0;
     else fail("unknown argument {} (see the header of bench/bench_tpot.cpp)", a);
   }
   SPADE_CHECK(!o.config.empty(), "--config DIR (a config.json directory) is required");

@@ -832,6 +832,11 @@ void GpuGraph::capture(cudaStream_t stream, const std::function<void(cudaStream_
   exec_ = e;
 }
 
+void GpuGraph::upload(cudaStream_t stream) const {
+  SPADE_CHECK(exec_ != nullptr, "GpuGraph: upload before capture");
+  cuda_check(cudaGraphUpload(exec_, stream), "graph upload");
+}
+
 void GpuGraph::launch(cudaStream_t stream) const {
   SPADE_CHECK(exec_ != nullptr, "GpuGraph: launch before capture");
   cuda_check(cudaGraphLaunch(exec_, stream), "graph launch");

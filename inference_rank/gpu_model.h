@@ -323,6 +323,9 @@ class GpuGraph {
   /// Captures `work(stream)` (cudaStreamCaptureModeThreadLocal) and instantiates it. Throws spade::Error.
   void capture(cudaStream_t stream, const std::function<void(cudaStream_t)>& work);
   void launch(cudaStream_t stream) const;
+  /// Uploads the instantiated graph's work to the device ahead of its first launch on `stream` (cudaGraphUpload), so
+  /// that the first launch does no set-up of its own. Throws spade::Error.
+  void upload(cudaStream_t stream) const;
   bool captured() const { return exec_ != nullptr; }
 
  private:
