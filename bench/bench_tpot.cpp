@@ -885,12 +885,22 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   std::vector<double> cm, sendms;
   std::vector<double> stage[5];
   const std::string cache_name = fmt::format("cache rank (GPU {})", sh.cache_device);
+  // Every kernel's first-use set-up (shared-memory limits, cuBLASLt kernels for these row counts) before the ranks
+  // start: a first launch may synchronise the context, i.e. wait for the other rank's pending receive in this
+  // process (the serving path's GpuEngineForward::warm_up does the same).
+  cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
+  cuda_check(kernels::prepare_decode_attention_kernels(), "prepare attention kernels");
+  cuda_check(kernels::prepare_selection_kernels(), "prepare selection kernels");
+  model.warm_up_gemms(nullptr);
+  cuda_check(cudaDeviceSynchronize(), "warm-up");
   // Graph mode: the inference side captures its graphs before the cache rank posts its first operation (a capture
   // may synchronise the context, i.e. wait for a pending receive of the other rank in this process).
   std::atomic<bool> captured{!o.async_graphs};
   std::thread cache_thread([&] {
     try {
       cuda_check(cudaSetDevice(sh.cache_device), "cudaSetDevice (cache rank)");
+      cuda_check(kernels::prepare_selection_kernels(), "prepare selection kernels (cache rank)");
+      cuda_check(kernels::prepare_decode_attention_kernels(), "prepare attention kernels (cache rank)");
       links.make(PairRole::kCache, sh.cache_device);
       cache = std::make_unique<AsyncCacheRank>(cfg, o, sh, *links.end[1], plan);
       while (!captured.load() && !sh.failed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
