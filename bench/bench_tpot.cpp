@@ -895,7 +895,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   cuda_check(cudaDeviceSynchronize(), "warm-up");
   // Graph mode: the inference side captures its graphs before the cache rank posts its first operation (a capture
   // may synchronise the context, i.e. wait for a pending receive of the other rank in this process).
-  std::atomic<bool> captured{!o.async_graphs};
+  std::atomic<bool> captured{false};
   std::thread cache_thread([&] {
     try {
       cuda_check(cudaSetDevice(sh.cache_device), "cudaSetDevice (cache rank)");
@@ -931,10 +931,12 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
       model.argmax(o.batch, tokens_out.as<int32_t>(), st);
     };
     // Graph mode: step 0 reads the first selection's buffers and runs eagerly; steps t >= 1 replay graph[t % 2]
-    // (the receive buffers of parity t % 2), both captured and uploaded here, before the cache rank starts.
+    // (the receive buffers of parity t % 2), both captured and uploaded here, before the cache rank starts. Eager
+    // mode captures them too, unused: the capture runs every launcher's first-use set-up (e.g. shared-memory
+    // limits) before the cache rank posts anything (an eager-only run stalled at its first step without it).
     GpuGraph graphs[2];
-    if (o.async_graphs) {
-      attn.set_graph_mode(true);
+    {
+      attn.set_graph_mode(o.async_graphs);
       for (int t : {1, 2}) {
         const GpuBatch b = buffers.upload(plan.step(t, table), stream);
         attn.set_step(t);
