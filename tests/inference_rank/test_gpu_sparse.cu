@@ -104,6 +104,9 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0, bool graphs = fals
   GpuEngineOptions go = gpu_engine_options(eo, graphs);
   go.link_graphs = false;
   GpuEngineForward gpu(GpuModel::random(cfg, 31, GpuEngineForward::model_options(go)), go);
+  // As the binaries do: every kernel's first-use set-up before an in-process cache rank can post a receive (a first
+  // launch mid-run may synchronise the context and wait for that receive; gpu_engine.h warm_up).
+  gpu.warm_up();
   RunResult out;
   Engine engine(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) {
     gpu(b, l);
@@ -337,6 +340,7 @@ DropRun run_drop(bool drop) {
   eo.max_context_pages = 64;
   GpuEngineOptions go = gpu_engine_options(eo, /*cuda_graphs=*/false);
   GpuEngineForward gpu(GpuModel::random(cfg, 31, GpuEngineForward::model_options(go)), go);
+  gpu.warm_up();  // before the in-process cache rank exists (see run())
   DropRun out;
   std::unique_ptr<cache::LocalGpuCacheRank> cache_rank;  // outlives the controller (it owns the link)
   std::unique_ptr<GpuSparseController> ctl;
