@@ -48,7 +48,10 @@ InferenceMetrics::InferenceMetrics(Registry& r, const SparseOptions& sparse, con
                       .with({"recv", transport})),
       select_seconds_(r.counter("spade_cache_select_seconds_total",
                                 "Cache-rank selection time reported back with the selections.")
-                          .with()) {
+                          .with()),
+      pages_dropped_(r.counter("spade_kv_pages_dropped_total",
+                               "Local KV pages freed early: sparse sequences keep only what they still attend.")
+                         .with()) {
   for (const char* reason : {"stop", "length", "abort"}) success_.with({reason});  // zero series, so rate() works
   r.gauge("spade_sparse_config_info", "The rank's sparse-decoding settings (value 1).",
           {"selection", "sparse_threshold", "token_budget", "local_window", "sink_tokens", "query_window",
@@ -82,6 +85,8 @@ void InferenceMetrics::update(const EngineStats& engine, const SparseStats* spar
   running_.set(engine.num_running);
   waiting_.set(engine.num_waiting);
   kv_usage_.set(engine.kv_cache_usage);
+  pages_dropped_.inc(static_cast<double>(engine.dropped_pages - last_pages_dropped_));
+  last_pages_dropped_ = engine.dropped_pages;
   if (sparse) {
     stalls_.inc(static_cast<double>(sparse->stalls - last_sparse_.stalls));
     stall_seconds_.inc((sparse->stall_ms - last_sparse_.stall_ms) / 1e3);

@@ -17,6 +17,7 @@
 //   spade_sparse_switches_total                    counter  sequences switched to sparse decoding (INIT bulk ships)
 //   spade_sparse_sequence_steps_total              counter  (sequence, step) pairs decoded sparsely
 //   spade_sparse_failed_sequences_total            counter  sequences failed because their cache rank failed
+//   spade_kv_pages_dropped_total                   counter  local KV pages freed early (page dropping of sparse sequences)
 //   spade_transfer_bytes_total{direction,transport} counter  data-plane bytes, direction send|recv
 //   spade_cache_select_seconds_total               counter  cache-rank selection time reported with the selections
 //   spade_sparse_config_info{...}                  gauge    1, labels = the rank's sparse settings
@@ -49,7 +50,8 @@ class InferenceMetrics : public EngineObserver {
   metrics::Family<metrics::Counter>& success_;
   metrics::Histogram &ttft_, &itl_, &e2e_, &queue_;
   metrics::Counter &stalls_, &stall_seconds_, &fallbacks_, &switches_, &sparse_steps_, &failed_seqs_;
-  metrics::Counter &bytes_sent_, &bytes_recv_, &select_seconds_;
+  metrics::Counter &bytes_sent_, &bytes_recv_, &select_seconds_, &pages_dropped_;
+  uint64_t last_pages_dropped_ = 0;
   SparseStats last_sparse_;
   cache::LinkStats last_link_;
 };

@@ -153,6 +153,8 @@ TEST_F(OpenAiApi, GreedyCompletionThroughTheSparseClusterMatchesTheReference) {
   EXPECT_EQ(after.at("spade_sparse_switches_total") - before.at("spade_sparse_switches_total"), 1)
       << "the request never went sparse";
   EXPECT_GT(after.at("spade_sparse_sequence_steps_total"), before.at("spade_sparse_sequence_steps_total") + 150);
+  EXPECT_GT(after.at("spade_kv_pages_dropped_total"), before.at("spade_kv_pages_dropped_total"))
+      << "the sparse request kept every page";
   EXPECT_EQ(after.at("spade_generation_tokens_total") - before.at("spade_generation_tokens_total"), 200);
   EXPECT_GT(after.at("spade_transfer_bytes_total{direction=\"send\",transport=\"ucx\"}"),
             before.at("spade_transfer_bytes_total{direction=\"send\",transport=\"ucx\"}"));
