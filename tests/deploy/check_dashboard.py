@@ -59,6 +59,7 @@ METRICS = {
     "spade_sent_tokens_total": ("counter", []),
     "spade_selection_stalls_total": ("counter", []),
     "spade_dense_fallbacks_total": ("counter", []),
+    "spade_kv_pages_dropped_total": ("counter", []),
     "spade_rank_up": ("gauge", ["role", "rank", "role_index"]),
     "spade_http_requests_total": ("counter", ["endpoint", "code"]),
 }
