@@ -159,5 +159,21 @@ TEST(Cluster, RankThatNeverRegistersStopsEveryoneWithItsName) {
   EXPECT_THAT(cl.inf->log(), HasSubstr("rank 2 (cache #0) never registered")) << cl.logs();
 }
 
+// --max-context-pages sizes a GPU cache rank's pool (page dropping re-admits freed pages up to it); anywhere else it
+// would oversubscribe a pool of the local size, so the binary refuses it by name before loading anything.
+TEST(InferenceRankCli, MaxContextPagesIsRefusedOffTheGpuCacheRankPath) {
+  const std::string model = test::data_path("models/stories260K");
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--selection", "predicted"},
+        std::vector<std::string>{"--device", "cuda", "--selection", "dense"}}) {
+    std::vector<std::string> args = {"--model", model, "--prompt", "Once", "--max-tokens", "4",
+                                     "--max-context-pages", "100"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ChildProcess p(bin("inference_rank/inference_rank"), args, {}, "inference rank");
+    EXPECT_NE(p.wait_exit(30s), 0) << p.log();
+    EXPECT_THAT(p.log(), HasSubstr("--max-context-pages sizes the GPU cache rank's pool")) << p.log();
+  }
+}
+
 }  // namespace
 }  // namespace spade
