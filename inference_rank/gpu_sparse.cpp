@@ -352,29 +352,31 @@ void* GpuSparseController::rows_out(int layer, cudaStream_t stream, int* stride)
 
 void GpuSparseController::ship_graph_step() {
   State& st = *st_;
-  if (!st.active) return;
+  for (int p = 0; p < st.packs && st.active; ++p) ship_pack(p);
+}
+
+void GpuSparseController::ship_pack(int p) {
+  State& st = *st_;
   const size_t row_bytes = st.row_elems * 2;
-  for (int p = 0; p < st.packs; ++p) {
-    const int n = st.pack_layers(p);
-    const size_t bytes = static_cast<size_t>(n) * st.T * row_bytes;
-    cuda_check(cudaStreamWaitEvent(st.up, st.pack_end_ev(p), 0), "wait pack");
-    const void* src = st.send_buf(p);
-    if (st.rows_layout != st.T) {  // drop the padding rows of each layer: [n][rows_layout] -> [n][T]
-      cuda_check(cudaMemcpy2DAsync(st.stage.get(), st.T * row_bytes, st.send_buf(p), st.rows_layout * row_bytes,
-                                   st.T * row_bytes, n, cudaMemcpyDeviceToDevice, st.up),
-                 "GPU sparse: compact a pack");
-      src = st.stage.get();
-    }
-    try {
-      st.link.send(src, bytes, st.up, "q|k|v rows of a pack");
-    } catch (const Error& e) {
-      fail_link(e.what());
-      st.active = false;  // no more link operations this step
-      return;
-    }
-    cuda_check(cudaEventRecord(st.sent_ev(p), st.up), "sent");
-    stats_.bytes_sent += bytes;
+  const int n = st.pack_layers(p);
+  const size_t bytes = static_cast<size_t>(n) * st.T * row_bytes;
+  cuda_check(cudaStreamWaitEvent(st.up, st.pack_end_ev(p), 0), "wait pack");
+  const void* src = st.send_buf(p);
+  if (st.rows_layout != st.T) {  // graph steps: drop the padding rows of each layer, [n][rows_layout] -> [n][T]
+    cuda_check(cudaMemcpy2DAsync(st.stage.get(), st.T * row_bytes, st.send_buf(p), st.rows_layout * row_bytes,
+                                 st.T * row_bytes, n, cudaMemcpyDeviceToDevice, st.up),
+               "GPU sparse: compact a pack");
+    src = st.stage.get();
   }
+  try {
+    st.link.send(src, bytes, st.up, "q|k|v rows of a pack");
+  } catch (const Error& e) {
+    fail_link(e.what());
+    st.active = false;  // no more link operations this step
+    return;
+  }
+  cuda_check(cudaEventRecord(st.sent_ev(p), st.up), "sent");
+  stats_.bytes_sent += bytes;
 }
 
 void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) {
@@ -421,18 +423,8 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
     cuda_check(cudaEventRecordWithFlags(st.pack_end_ev(p), stream, cudaEventRecordExternal),
                "pack end");
   } else if (st.active && (j == st.P - 1 || s.layer == st.L - 1)) {
-    const size_t bytes = static_cast<size_t>(st.pack_layers(p)) * st.T * st.row_elems * 2;
     cuda_check(cudaEventRecord(st.pack_end_ev(p), stream), "pack end");
-    cuda_check(cudaStreamWaitEvent(st.up, st.pack_end_ev(p), 0), "wait pack");
-    try {
-      st.link.send(st.send_buf(p), bytes, st.up, "q|k|v rows of a pack");
-    } catch (const Error& e) {
-      fail_link(e.what());
-      st.active = false;  // no more link operations this step
-      return;
-    }
-    cuda_check(cudaEventRecord(st.sent_ev(p), st.up), "sent");
-    stats_.bytes_sent += bytes;
+    ship_pack(p);
   }
 }
 

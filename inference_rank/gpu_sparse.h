@@ -170,6 +170,9 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
  private:
   struct State;
   void fail_link(const std::string& why);
+  /// On the up stream: wait for pack p's end, compact its rows (graph steps), send it, record its send event. A send
+  /// that throws fails the link and deactivates the step.
+  void ship_pack(int p);
   std::unique_ptr<State> st_;
   GpuSparseStats stats_;
   bool sparse_now_ = false;
