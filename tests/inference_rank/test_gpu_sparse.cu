@@ -93,6 +93,21 @@ std::vector<int32_t> prompt(int i, int vocab) {
   return p;
 }
 
+// The controller options of these tests: packs of 2 layers, every running sequence may be sparse.
+GpuSparseOptions test_sparse_options(const Sparse& sp, const EngineOptions& eo) {
+  GpuSparseOptions so;
+  so.sparse_threshold = sp.threshold;
+  so.layers_per_pack = 2;
+  so.token_budget = sp.budget;
+  so.local_window = sp.window;
+  so.delta_capacity = sp.capacity;
+  so.max_slots = eo.max_num_seqs;
+  so.max_sparse_seqs = eo.max_num_seqs;
+  so.max_step_tokens = eo.max_num_batched_tokens;
+  so.cache_name = "cache rank (test thread)";
+  return so;
+}
+
 // Three greedy requests; `sparse` nullptr: dense. `kill_after_steps` > 0: the cache rank's link is aborted after that
 // many engine steps, and a fourth request is submitted once the first three ended. `graphs`: decode steps replay
 // CUDA graphs when no link operation is in them (the cache rank is in this process: GpuEngineOptions::link_graphs
@@ -117,16 +132,7 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0, bool graphs = fals
   std::unique_ptr<GpuSparseController> ctl;
   if (sparse != nullptr) {
     const ModelConfig attn = cfg.attention_view();
-    GpuSparseOptions so;
-    so.sparse_threshold = sparse->threshold;
-    so.layers_per_pack = 2;
-    so.token_budget = sparse->budget;
-    so.local_window = sparse->window;
-    so.delta_capacity = sparse->capacity;
-    so.max_slots = eo.max_num_seqs;
-    so.max_sparse_seqs = eo.max_num_seqs;
-    so.max_step_tokens = eo.max_num_batched_tokens;
-    so.cache_name = "cache rank (test thread)";
+    const GpuSparseOptions so = test_sparse_options(*sparse, eo);
     cache::SelectionConfig sel;
     sel.query_window = 4;
     cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
@@ -350,16 +356,9 @@ DropRun run_drop(bool drop) {
     if (b.total_tokens() != b.batch() && ctl->sparse_this_step()) ++out.mixed_sparse_steps;
   });
   const ModelConfig attn = cfg.attention_view();
-  GpuSparseOptions so;
-  so.sparse_threshold = 32;
-  so.layers_per_pack = 2;
-  so.token_budget = 512;  // >= every context: sparse == dense up to summation order
-  so.local_window = 16;
-  so.delta_capacity = 64;
-  so.max_slots = eo.max_num_seqs;
-  so.max_sparse_seqs = eo.max_num_seqs;
-  so.max_step_tokens = eo.max_num_batched_tokens;
-  so.cache_name = "cache rank (test thread)";
+  // Budget 512 >= every context: sparse == dense up to summation order.
+  const GpuSparseOptions so =
+      test_sparse_options(Sparse{/*budget=*/512, /*window=*/16, /*capacity=*/64, /*threshold=*/32}, eo);
   cache::SelectionConfig sel;
   sel.query_window = 4;
   cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
