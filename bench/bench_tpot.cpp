@@ -23,6 +23,9 @@
 // scored first: kernels/selection.cuh selection_delta); the inference rank applies them to its slot tables on the
 // receive stream (apply_selection_delta) and attends over the tables. The first selection goes in full.
 //
+// solo: each rank of the async pipeline alone on GPU 0 with a null link (its peer never late, the link free): the
+// inference rank's TPOT and the cache rank's time per step with the GPU to itself, and their max, the projection of
+// the two-GPU TPOT that a one-GPU machine can give (a lower bound: the link's cost is left out).
 // Reports per configuration: TPOT median / p99 / mean over the timed steps (time between consecutive step-end
 // events, so host gaps count), the AsyncSpade Table-2 breakdown (inference time per pack, cache-management time per
 // pack, bytes per step each way, required vs achieved link bandwidth), stalls (packs whose received KV arrived after
@@ -31,7 +34,7 @@
 // timing); the greedy argmax over the logits is inside the timed step.
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
-//                   [--modes dense,oracle,async] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
+//                   [--modes dense,oracle,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
 //                   [--link auto|nccl|ipc] [--async-graphs 1|0]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
 #include <cuda_runtime_api.h>
@@ -45,6 +48,7 @@
 #include <ctime>
 #include <exception>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -466,6 +470,25 @@ class AsyncInferenceAttention : public GpuAttention {
     cudaStreamDestroy(down_stream_);
   }
   void set_step(int t) { step_ = t; }
+  /// The rank alone (NullLink, nothing is received): fills every receive buffer with a message it can use, so each
+  /// step does the work of a real one. Full transfer: zero K/V. Delta transfer: entry j of every row goes to slot j
+  /// (the apply copies `capacity` rows per table row, as in steady state).
+  void fill_solo_messages() {
+    cuda_check(cudaMemset(down_.get(), 0, down_.bytes()), "solo messages");
+    if (sh_.cap == 0) return;
+    cuda_check(cudaMemset(init_.get(), 0, init_.bytes()), "solo messages");
+    auto fill = [&](char* m, const DeltaLayout& l) {
+      std::vector<int32_t> slots(l.rows * static_cast<size_t>(l.cap));
+      for (size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<int32_t>(i % static_cast<size_t>(l.cap));
+      cuda_check(cudaMemcpy(m + l.slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice), "solo slots");
+      cuda_check(cudaMemcpy(m + l.positions, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice), "solo slots");
+    };
+    for (int p = 0; p < sh_.packs; ++p) {
+      fill(recv_buf(0, p), sh_.init);
+      fill(recv_buf(1, p), sh_.delta);
+      fill(recv_buf(2, p), sh_.delta);
+    }
+  }
   /// Graph mode: the step-indexed events use rows t % 2 (a graph bakes its event handles), so the pack times of step
   /// t are read (collect) right after it ended. `capturing`: waits and pack-end records become external event nodes
   /// and the sends are left to ship().
@@ -624,6 +647,9 @@ class AsyncCacheRank {
     pool_.fill_random(o.seed + 11, 1.f, stream_);
     cuda_check(kernels::random_fill({DType::BF16, window_.get(), window_.bytes() / 2, o.seed + 13, 1.f, 0.f}, stream_),
                "window fill");
+    // Rows a solo run never receives (NullLink) are appended as they are: random, like the model's.
+    cuda_check(kernels::random_fill({DType::BF16, up_.get(), up_.bytes() / 2, o.seed + 19, 1.f, 0.f}, stream_),
+               "qkv rows fill");
     if (sh.cap > 0) cuda_check(cudaMemsetAsync(mirror_.get(), 0xFF, mirror_.bytes(), stream_), "mirror init");
     std::vector<int32_t> wl(static_cast<size_t>(sh.P) * B_, cap_);
     cuda_check(cudaMemcpy(window_len_.get(), wl.data(), wl.size() * 4, cudaMemcpyHostToDevice), "upload");
@@ -688,6 +714,8 @@ class AsyncCacheRank {
     stage_ms[3] = elapsed_ms(after_score_(t, p), after_topk_(t, p));
     stage_ms[4] = elapsed_ms(after_topk_(t, p), cm_end_(t, p));  // gather (with delta transfer: plan + gather)
   }
+  /// ms the cache rank spent on step t (t >= 1): between the ends of the last pack's selections for steps t and t + 1.
+  double step_ms(int t) const { return elapsed_ms(cm_end_(t, sh_.packs - 1), cm_end_(t + 1, sh_.packs - 1)); }
   /// Delta transfer: sums over the timed selections of {selected n, entering E, sent m, holes, refused rows}.
   std::vector<unsigned long long> delta_totals() const {
     std::vector<unsigned long long> h(kernels::kDeltaTotalsFields, 0ull);
@@ -810,11 +838,48 @@ class AsyncCacheRank {
   cudaEvent_t uploaded_ = nullptr;
 };
 
+/// The link of a rank measured alone (--modes solo): send and receive enqueue nothing and complete at once, so the
+/// rank runs at the speed it would have with its peer on another GPU that is never late and a link that costs
+/// nothing. It counts the bytes it was asked to move.
+class NullLink : public GpuLink {
+ public:
+  NullLink(PairRole role, int device) : role_(role), device_(device) {}
+  void send(const void* buf, size_t bytes, cudaStream_t, const char* what, std::chrono::milliseconds) override {
+    SPADE_CHECK(buf != nullptr && bytes > 0, "null link: empty send of {}", what);
+    ++c_.sends;
+    c_.bytes_sent += bytes;
+  }
+  void recv(void* buf, size_t bytes, cudaStream_t, const char* what, std::chrono::milliseconds) override {
+    SPADE_CHECK(buf != nullptr && bytes > 0, "null link: empty receive of {}", what);
+    ++c_.recvs;
+    c_.bytes_received += bytes;
+  }
+  void abort(const std::string& reason) override {
+    if (failure_.empty()) failure_ = reason;
+  }
+  bool failed() const override { return !failure_.empty(); }
+  std::string failure() const override { return failure_; }
+  void on_failure(std::function<void(const std::string&)>) override {}
+  GpuLinkCounters counters() const override { return c_; }
+  size_t in_flight() const override { return 0; }
+  PairRole role() const override { return role_; }
+  int device() const override { return device_; }
+  const std::string& peer_name() const override { return peer_; }
+
+ private:
+  PairRole role_;
+  int device_;
+  GpuLinkCounters c_;
+  std::string failure_;
+  std::string peer_ = "no peer (rank measured alone)";
+};
+
 /// The pair's link ends, made on the two ranks' threads. NCCL (two GPUs): one CTA for the qkv rows (~100 KB per
 /// pack) and at most `nccl_ctas` for the selected K/V (0 = NCCL default); both ends construct concurrently.
 /// CUDA IPC (one GPU): the inference end creates, the cache end opens what it created.
 struct LinkPair {
   bool ipc = false;
+  bool null_links = false;  // solo runs: NullLink ends
   int nccl_ctas = 0;
   std::string nccl_address;
   std::unique_ptr<GpuLink> end[2];  // [0] inference, [1] cache
@@ -825,6 +890,11 @@ struct LinkPair {
 
   void make(PairRole role, int device) {
     const int i = static_cast<int>(role);
+    if (null_links) {
+      end[i] = std::make_unique<NullLink>(role, device);
+      live[i] = end[i].get();
+      return;
+    }
     const std::string peer = role == PairRole::kInference ? fmt::format("cache rank (GPU {})", ipc ? 0 : 1)
                                                           : "inference rank (GPU 0)";
     if (!ipc) {
@@ -860,8 +930,11 @@ struct LinkPair {
   }
 };
 
+/// Which rank a solo run measures (--modes solo): each alone on GPU 0 with a NullLink, the other not running.
+enum class Solo { kNone, kInference, kCache };
+
 json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack, int delta_cap, bool ipc,
-               double copy_gbps) {
+               double copy_gbps, Solo solo = Solo::kNone) {
   const Plan plan(o, cfg);
   AsyncShared sh;
   sh.P = pack;
@@ -876,11 +949,12 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     sh.delta = DeltaLayout(sh.rows_pack, delta_cap, cfg.head_dim);
     sh.init = DeltaLayout(sh.rows_pack, o.budget, cfg.head_dim);
   }
-  sh.cache_device = ipc ? 0 : 1;
+  sh.cache_device = ipc || solo != Solo::kNone ? 0 : 1;
   LinkPair links;
   links.ipc = ipc;
+  links.null_links = solo != Solo::kNone;
   links.nccl_ctas = delta_cap > 0 ? o.nccl_ctas_delta : o.nccl_ctas;
-  if (!ipc) links.nccl_address = NcclLink::new_address();
+  if (!ipc && solo == Solo::kNone) links.nccl_address = NcclLink::new_address();
   std::unique_ptr<AsyncCacheRank> cache;
   std::vector<double> cm, sendms;
   std::vector<double> stage[5];
@@ -897,6 +971,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   // may synchronise the context, i.e. wait for a pending receive of the other rank in this process).
   std::atomic<bool> captured{false};
   std::thread cache_thread([&] {
+    if (solo == Solo::kInference) return;
     try {
       cuda_check(cudaSetDevice(sh.cache_device), "cudaSetDevice (cache rank)");
       cuda_check(kernels::prepare_selection_kernels(), "prepare selection kernels (cache rank)");
@@ -915,67 +990,71 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   std::vector<double> tpot, stalls, infer;
   int stall_count = 0;
   try {
-    cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
-    links.make(PairRole::kInference, 0);
-    GpuKvPool local(cfg.num_layers, plan.window_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim);
-    cudaStream_t stream;
-    cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    local.fill_random(o.seed + 17, 1.f, stream);
-    AsyncInferenceAttention attn(cfg, o, sh, *links.end[0], plan.total_steps);
-    GpuStepBuffers buffers(o.batch, o.batch, plan.max_pages, o.batch, plan.window_pages());
-    DeviceBuffer tokens_out(static_cast<size_t>(o.batch) * 4, "sampled tokens");
-    const std::vector<int32_t> table = plan.window_table();
-    EventGrid ends(plan.total_steps, 1);
-    auto body = [&](const GpuBatch& b, cudaStream_t st) {
-      model.forward(b, local, attn, st);
-      model.argmax(o.batch, tokens_out.as<int32_t>(), st);
-    };
-    // Graph mode: step 0 reads the first selection's buffers and runs eagerly; steps t >= 1 replay graph[t % 2]
-    // (the receive buffers of parity t % 2), both captured and uploaded here, before the cache rank starts. Eager
-    // mode captures them too, unused: the capture runs every launcher's first-use set-up (e.g. shared-memory
-    // limits) before the cache rank posts anything (an eager-only run stalled at its first step without it).
-    GpuGraph graphs[2];
-    {
-      attn.set_graph_mode(o.async_graphs);
-      for (int t : {1, 2}) {
+    if (solo == Solo::kCache) captured = true;  // the cache rank alone
+    if (solo != Solo::kCache) {
+      cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
+      links.make(PairRole::kInference, 0);
+      GpuKvPool local(cfg.num_layers, plan.window_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim);
+      cudaStream_t stream;
+      cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+      local.fill_random(o.seed + 17, 1.f, stream);
+      AsyncInferenceAttention attn(cfg, o, sh, *links.end[0], plan.total_steps);
+      if (solo == Solo::kInference) attn.fill_solo_messages();
+      GpuStepBuffers buffers(o.batch, o.batch, plan.max_pages, o.batch, plan.window_pages());
+      DeviceBuffer tokens_out(static_cast<size_t>(o.batch) * 4, "sampled tokens");
+      const std::vector<int32_t> table = plan.window_table();
+      EventGrid ends(plan.total_steps, 1);
+      auto body = [&](const GpuBatch& b, cudaStream_t st) {
+        model.forward(b, local, attn, st);
+        model.argmax(o.batch, tokens_out.as<int32_t>(), st);
+      };
+      // Graph mode: step 0 reads the first selection's buffers and runs eagerly; steps t >= 1 replay graph[t % 2]
+      // (the receive buffers of parity t % 2), both captured and uploaded here, before the cache rank starts. Eager
+      // mode captures them too, unused: the capture runs every launcher's first-use set-up (e.g. shared-memory
+      // limits) before the cache rank posts anything (an eager-only run stalled at its first step without it).
+      GpuGraph graphs[2];
+      {
+        attn.set_graph_mode(o.async_graphs);
+        for (int t : {1, 2}) {
+          const GpuBatch b = buffers.upload(plan.step(t, table), stream);
+          attn.set_step(t);
+          attn.set_capturing(true);
+          graphs[t % 2].capture(stream, [&](cudaStream_t st) { body(b, st); });
+          attn.set_capturing(false);
+          graphs[t % 2].upload(stream);
+        }
+        cuda_check(cudaStreamSynchronize(stream), "graph upload");
+        captured = true;
+      }
+      attn.post_recvs(0);
+      for (int t = 0; t < plan.total_steps; ++t) {
+        SPADE_CHECK(!sh.failed.load(), "{}", sh.error);
         const GpuBatch b = buffers.upload(plan.step(t, table), stream);
         attn.set_step(t);
-        attn.set_capturing(true);
-        graphs[t % 2].capture(stream, [&](cudaStream_t st) { body(b, st); });
-        attn.set_capturing(false);
-        graphs[t % 2].upload(stream);
+        if (o.async_graphs && t >= 1) {
+          graphs[t % 2].launch(stream);
+          attn.ship(t);
+        } else {
+          body(b, stream);
+        }
+        cuda_check(cudaEventRecord(ends(t, 0), stream), "record");
+        if (t + 1 <= plan.total_steps) attn.post_recvs(t + 1);
+        cuda_check(cudaEventSynchronize(ends(t, 0)), "step sync");
+        attn.collect(t);
       }
-      cuda_check(cudaStreamSynchronize(stream), "graph upload");
-      captured = true;
-    }
-    attn.post_recvs(0);
-    for (int t = 0; t < plan.total_steps; ++t) {
-      SPADE_CHECK(!sh.failed.load(), "{}", sh.error);
-      const GpuBatch b = buffers.upload(plan.step(t, table), stream);
-      attn.set_step(t);
-      if (o.async_graphs && t >= 1) {
-        graphs[t % 2].launch(stream);
-        attn.ship(t);
-      } else {
-        body(b, stream);
+      cuda_check(cudaDeviceSynchronize(), "drain");
+      for (int t = o.warmup; t < plan.total_steps; ++t) {
+        tpot.push_back(elapsed_ms(ends(t - 1, 0), ends(t, 0)));
+        for (int p = 0; p < sh.packs; ++p) {
+          double s = 0, i = 0;
+          attn.pack_times(t, p, &s, &i);
+          stalls.push_back(s);
+          infer.push_back(i);
+          if (s > 0.020) ++stall_count;
+        }
       }
-      cuda_check(cudaEventRecord(ends(t, 0), stream), "record");
-      if (t + 1 <= plan.total_steps) attn.post_recvs(t + 1);
-      cuda_check(cudaEventSynchronize(ends(t, 0)), "step sync");
-      attn.collect(t);
+      cuda_check(cudaStreamDestroy(stream), "stream");
     }
-    cuda_check(cudaDeviceSynchronize(), "drain");
-    for (int t = o.warmup; t < plan.total_steps; ++t) {
-      tpot.push_back(elapsed_ms(ends(t - 1, 0), ends(t, 0)));
-      for (int p = 0; p < sh.packs; ++p) {
-        double s = 0, i = 0;
-        attn.pack_times(t, p, &s, &i);
-        stalls.push_back(s);
-        infer.push_back(i);
-        if (s > 0.020) ++stall_count;
-      }
-    }
-    cuda_check(cudaStreamDestroy(stream), "stream");
   } catch (const std::exception& e) {
     sh.failed = true;
     sh.error = std::string("inference rank (GPU 0): ") + e.what();
@@ -988,17 +1067,30 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   cache_thread.join();
   SPADE_CHECK(!sh.failed.load(), "async run failed: {}", sh.error);
   cuda_check(cudaSetDevice(sh.cache_device), "cudaSetDevice (cache rank)");
-  for (int t = o.warmup; t < plan.total_steps; ++t)
-    for (int p = 0; p < sh.packs; ++p) {
-      double c = 0, s = 0, st5[5];
-      cache->pack_times(t, p, &c, &s, st5);
-      cm.push_back(c);
-      sendms.push_back(s);
-      for (int i = 0; i < 5; ++i) stage[i].push_back(st5[i]);
+  std::vector<double> cache_step;  // solo cache rank: ms per step (between the last packs' ends)
+  std::vector<unsigned long long> dt(kernels::kDeltaTotalsFields, 0ull);
+  if (cache != nullptr) {
+    for (int t = o.warmup; t < plan.total_steps; ++t) {
+      for (int p = 0; p < sh.packs; ++p) {
+        double c = 0, s = 0, st5[5];
+        cache->pack_times(t, p, &c, &s, st5);
+        cm.push_back(c);
+        sendms.push_back(s);
+        for (int i = 0; i < 5; ++i) stage[i].push_back(st5[i]);
+      }
+      cache_step.push_back(cache->step_ms(t));
     }
-  const std::vector<unsigned long long> dt = cache->delta_totals();
+    dt = cache->delta_totals();
+  }
   cache.reset();
-  const GpuLinkCounters lc = links.end[0]->counters();
+  GpuLinkCounters lc;
+  if (links.end[0] != nullptr) {
+    lc = links.end[0]->counters();
+  } else if (links.end[1] != nullptr) {  // the cache rank alone: its sends are the down bytes
+    const GpuLinkCounters c = links.end[1]->counters();
+    lc.bytes_sent = c.bytes_received;
+    lc.bytes_received = c.bytes_sent;
+  }
   // Both ends tear down concurrently (as two processes would).
   std::thread close_cache([&] {
     cudaSetDevice(sh.cache_device);
@@ -1008,12 +1100,21 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   close_cache.join();
   cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
 
-  const std::string mode = delta_cap > 0 ? "async-delta" : "async";
-  r = result_row(o, cfg, mode, tpot);
+  std::string mode = delta_cap > 0 ? "async-delta" : "async";
+  if (solo == Solo::kInference) mode = delta_cap > 0 ? "solo-inference-delta" : "solo-inference";
+  if (solo == Solo::kCache) mode = delta_cap > 0 ? "solo-cache-delta" : "solo-cache";
+  // A solo cache rank has no TPOT: its row's "TPOT" is its time per step (the step rate it can sustain).
+  r = result_row(o, cfg, mode, solo == Solo::kCache ? cache_step : tpot);
+  if (solo != Solo::kNone)
+    r["solo"] = solo == Solo::kCache
+                    ? "the cache rank alone on GPU 0 (null link): tpot_* = its time per step (last packs' ends)"
+                    : "the inference rank alone on GPU 0 (null link: every selection is there when asked for)";
   r["pack"] = pack;
   r["cuda_graph"] = o.async_graphs;
-  r["link"] = ipc ? "cuda_ipc (both ranks on GPU 0: checks the pipeline, not its speed)" : "nccl";
-  if (!ipc) r["nccl_max_ctas"] = links.nccl_ctas;
+  r["link"] = solo != Solo::kNone ? "none (rank alone)"
+              : ipc                 ? "cuda_ipc (both ranks on GPU 0: checks the pipeline, not its speed)"
+                                    : "nccl";
+  if (!ipc && solo == Solo::kNone) r["nccl_max_ctas"] = links.nccl_ctas;
   r["packs"] = sh.packs;
   r["link_bytes_up_measured"] = lc.bytes_sent;        // whole run, incl. warm-up
   r["link_bytes_down_measured"] = lc.bytes_received;
@@ -1041,7 +1142,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r["floor_bytes"] = floor_bytes;
   r["floor_ms"] = floor_bytes / (copy_gbps * 1e6);
   r["tpot_over_floor"] = r["tpot_median_ms"].get<double>() / r["floor_ms"].get<double>();
-  if (delta_cap > 0) {
+  if (delta_cap > 0 && solo != Solo::kInference) {
     // Per (layer, sequence, KV head) row over the timed steps: how many tokens entered the selection, how many the
     // capacity let through, and the fraction of a full transfer's rows sent. Random weights make the selection churn
     // far more than a trained model's (docs/ARCHITECTURE.md: ~1 of 16-64 tokens per step on stories260K), so this is
@@ -1068,12 +1169,43 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     SPADE_CHECK(dt[kernels::kDeltaHoles] == 0, "delta transfer left {} holes in the held tables",
                 dt[kernels::kDeltaHoles]);
   }
-  std::printf("  %-11s %-5s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms, "
-              "cache %.3f ms, send %.3f ms | down %.1f MB/step, need %.0f GB/s, got %.0f GB/s | stalls %d/%d\n",
-              mode.c_str(), o.async_graphs ? "graph" : "eager", pack, r["tpot_median_ms"].get<double>(),
-              r["tpot_p99_ms"].get<double>(), r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>(), inf.median, cms.median, snd.median,
-              down_pack * sh.packs / 1e6, r["required_gbps"].get<double>(), r["achieved_gbps"].get<double>(),
-              stall_count, static_cast<int>(stalls.size()));
+  if (solo == Solo::kInference) {
+    std::printf("  %-20s %-5s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms"
+                " | down %.1f MB/step\n",
+                mode.c_str(), o.async_graphs ? "graph" : "eager", pack, r["tpot_median_ms"].get<double>(),
+                r["tpot_p99_ms"].get<double>(), r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>(),
+                inf.median, down_pack * sh.packs / 1e6);
+    return r;
+  }
+  if (solo == Solo::kCache) {
+    // The cache rank's floor: every selectable key read once to score it, plus the selected K/V it gathers.
+    const double score_bytes = kv_bytes(cfg, o, o.context + o.warmup + o.steps / 2.0) / 2;
+    r["cache_floor_bytes"] = score_bytes + down_pack * sh.packs;
+    r["cache_floor_ms"] = r["cache_floor_bytes"].get<double>() / (copy_gbps * 1e6);
+    r.erase("floor_bytes");
+    r.erase("floor_ms");
+    r.erase("tpot_over_floor");
+    r.erase("required_gbps");
+    r.erase("achieved_gbps");
+    r.erase("stalls");
+    r.erase("stall_checks");
+    r.erase("stall_ms_median");
+    r.erase("stall_ms_p99");
+    r.erase("inference_ms_per_pack");
+    std::printf("  %-20s       P=%-3d step  median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx; keys scored + "
+                "selection gathered) | per pack: cache %.3f ms | down %.1f MB/step\n",
+                mode.c_str(), pack, r["tpot_median_ms"].get<double>(), r["tpot_p99_ms"].get<double>(),
+                r["cache_floor_ms"].get<double>(),
+                r["tpot_median_ms"].get<double>() / r["cache_floor_ms"].get<double>(), cms.median,
+                down_pack * sh.packs / 1e6);
+  } else {
+    std::printf("  %-11s %-5s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms, "
+                "cache %.3f ms, send %.3f ms | down %.1f MB/step, need %.0f GB/s, got %.0f GB/s | stalls %d/%d\n",
+                mode.c_str(), o.async_graphs ? "graph" : "eager", pack, r["tpot_median_ms"].get<double>(),
+                r["tpot_p99_ms"].get<double>(), r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>(), inf.median, cms.median, snd.median,
+                down_pack * sh.packs / 1e6, r["required_gbps"].get<double>(), r["achieved_gbps"].get<double>(),
+                stall_count, static_cast<int>(stalls.size()));
+  }
   std::printf("              cache stages per pack (ms): append %.3f predict %.3f score %.3f topk %.3f gather %.3f\n",
               stages["append"].get<double>(), stages["predict"].get<double>(), stages["score"].get<double>(),
               stages["topk"].get<double>(), stages["gather"].get<double>());
@@ -1163,6 +1295,42 @@ int main_impl(int argc, char** argv) {
       for (int P : o.packs)
         for (int cap : o.delta_capacities) rows.push_back(run_async(o, cfg, *model, P, cap, ipc, copy_gbps));
     }
+  }
+  if (has("solo")) {
+    // Each rank alone on GPU 0: what each sustains with the whole GPU to itself, as on two GPUs. The disaggregated
+    // TPOT cannot be below the slower of the two; the link's cost (NCCL CTAs on both GPUs, its bandwidth) comes on
+    // top, so this is a projection and a lower bound, not a two-GPU measurement.
+    auto median_of = [&](const std::string& mode, bool graph) {
+      for (const json& x : rows)
+        if (x.value("mode", "") == mode && x.value("cuda_graph", !graph) == graph && x.contains("tpot_median_ms"))
+          return x["tpot_median_ms"].get<double>();
+      return 0.0;
+    };
+    const double dense = median_of("dense", true), oracle = median_of("oracle", true);
+    for (int P : o.packs)
+      for (int cap : o.delta_capacities) {
+        const json inf = run_async(o, cfg, *model, P, cap, false, copy_gbps, Solo::kInference);
+        const json cache = run_async(o, cfg, *model, P, cap, false, copy_gbps, Solo::kCache);
+        rows.push_back(inf);
+        rows.push_back(cache);
+        const double a = inf["tpot_median_ms"].get<double>(), c = cache["tpot_median_ms"].get<double>();
+        json j = {{"label", o.label}, {"mode", cap > 0 ? "solo-projection-delta" : "solo-projection"}, {"pack", P},
+                  {"delta_capacity", cap}, {"inference_alone_ms", a}, {"cache_alone_ms", c},
+                  {"projected_tpot_ms", std::max(a, c)}, {"bound", a >= c ? "inference rank" : "cache rank"},
+                  {"note", "max of the two ranks alone on one GPU; a lower bound of the two-GPU TPOT (no link cost)"}};
+        std::printf("  projection P=%d%s: max(inference alone %.3f, cache rank alone %.3f) = %.3f ms (%s-bound)",
+                    P, cap > 0 ? " delta" : "", a, c, std::max(a, c), a >= c ? "inference" : "cache");
+        if (dense > 0) {
+          j["over_dense_graph"] = std::max(a, c) / dense;
+          std::printf(", %.2fx dense graph", std::max(a, c) / dense);
+        }
+        if (oracle > 0) {
+          j["over_oracle_graph"] = std::max(a, c) / oracle;
+          std::printf(", %.2fx oracle graph", std::max(a, c) / oracle);
+        }
+        std::printf("\n");
+        rows.push_back(j);
+      }
   }
   json doc;
   doc["benchmark"] = "bench_tpot";

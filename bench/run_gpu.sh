@@ -25,7 +25,8 @@
 #                         "serve": inference_rank --device cuda dense vs --selection predicted (in-process GPU
 #                         cache rank), TPOT lines in serve_demo.txt
 #   SPADE_TPOT_ARGS       extra bench_tpot arguments for every configuration (e.g. "--steps 64")
-#   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default "8b-b8 8b-b16 32b-b8"; one GPU: "8b-b8-1gpu 8b-b8-16k-ipc")
+#   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default "8b-b8 8b-b16 32b-b8"; one GPU: "8b-b8-1gpu 8b-b8-16k-ipc";
+#                         the one-GPU projection of the two-GPU table: "8b-b8-solo 8b-b16-solo")
 #   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
 #                         the same code paths at 128k tokens and take minutes under the sanitizer)
 # Dependencies: on a machine without Spade's Debian packages (the lent GPU machines), carry build-device-deps/
@@ -233,6 +234,10 @@ if want bench && bench_wanted tpot; then
       # pipeline holds the KV twice on one GPU (inference rank + cache rank), so it runs at 16k over CUDA IPC.
       8b-b8-1gpu) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-1gpu --batch 8 --context 32768 --budget 2048 --modes dense,oracle) ;;
       8b-b8-16k-ipc) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-16k-ipc --batch 8 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128 --link ipc) ;;
+      # Each async rank alone on GPU 0 (--modes solo, null link) beside the dense / oracle baselines: the one-GPU
+      # projection of the two-GPU table (max of the two ranks' step times; a lower bound, the link's cost left out).
+      8b-b8-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-solo --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256 --modes dense,oracle,solo) ;;
+      8b-b16-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k-solo --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128 --modes dense,oracle,solo) ;;
       *) log "unknown SPADE_TPOT_CONFIGS entry $c"; STATUS=1; continue ;;
     esac
     log "bench_tpot $c"
