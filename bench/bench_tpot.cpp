@@ -35,7 +35,7 @@
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
 //                   [--modes dense,oracle,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
-//                   [--link auto|nccl|ipc] [--async-graphs 1|0]
+//                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
 #include <cuda_runtime_api.h>
 
@@ -114,6 +114,10 @@ struct Opts {
   // the cache rank starts), with the pack waits / pack ends as external event nodes and the sends enqueued after
   // the launch, as the serving path does (inference_rank/gpu_sparse.h). 0: every step eagerly.
   bool async_graphs = true;
+  // Cache rank streams: 3 pipelines the packs' selections (append + predict | score | top-k + delta + gather, the
+  // last at high priority, scratch double-buffered), so the latency-bound stages of one pack run beside the
+  // bandwidth-bound scoring of the next; 1 runs every stage of every pack in order on one stream.
+  int cache_streams = 3;
 };
 
 struct Stats {
@@ -255,6 +259,12 @@ struct Selector {
   // after_score: optional event recorded between the stages (stage timing).
   void score_topk(int rows, const float* q_hat, const void* k_cache, const int32_t* block_table, int max_pages,
                   const int32_t* sel_lens, cudaStream_t stream, cudaEvent_t after_score = nullptr) {
+    score(rows, q_hat, k_cache, block_table, max_pages, sel_lens, stream);
+    if (after_score != nullptr) cuda_check(cudaEventRecord(after_score, stream), "record");
+    topk(rows, sel_lens, stream);
+  }
+  void score(int rows, const float* q_hat, const void* k_cache, const int32_t* block_table, int max_pages,
+             const int32_t* sel_lens, cudaStream_t stream) {
     kernels::ScoreTokensParams sp;
     sp.q_hat = q_hat;
     sp.k_cache = k_cache;
@@ -269,7 +279,8 @@ struct Selector {
     sp.max_pages_per_seq = max_pages;
     sp.score_stride = stride;
     cuda_check(kernels::score_tokens(sp, stream), "score_tokens");
-    if (after_score != nullptr) cuda_check(cudaEventRecord(after_score, stream), "record");
+  }
+  void topk(int rows, const int32_t* sel_lens, cudaStream_t stream) {
     kernels::TopkParams tp;
     tp.scores = scores.as<float>();
     tp.row_lens = sel_lens;
@@ -438,6 +449,9 @@ struct AsyncShared {
   size_t rows_pack = 0;         // P x batch x KV heads
   DeltaLayout delta, init;      // per pack: steady-state delta (cap entries), first selection (budget entries)
   int cache_device = 1;
+  // Sets of qkv receive buffers the cache rank cycles through, step by step: 1; a solo cache rank (nothing is
+  // received) appends 8 different random sets, so its queries, predictions and selections change as in a real run.
+  int up_variants = 1;
   std::atomic<bool> failed{false};
   std::string error;
   // Bytes of step t's down message of one pack.
@@ -622,7 +636,7 @@ class AsyncCacheRank {
   AsyncCacheRank(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, GpuLink& link, const Plan& plan)
       : cfg_(cfg), o_(o), sh_(sh), link_(link), plan_(plan), L_(cfg.num_layers), B_(o.batch), cap_(o.query_window + 1),
         pool_(cfg.num_layers, plan.full_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim),
-        up_(static_cast<size_t>(sh.packs) * sh.up_bytes_pack, "qkv receive buffers"),
+        up_(static_cast<size_t>(sh.up_variants) * sh.packs * sh.up_bytes_pack, "qkv receive buffers"),
         send_(2 * static_cast<size_t>(sh.packs) * sh.down_bytes(1), "selected KV send buffers"),
         init_(sh.cap > 0 ? static_cast<size_t>(sh.packs) * sh.init.bytes : 0, "first-selection send buffers"),
         mirror_(sh.cap > 0 ? static_cast<size_t>(L_) * B_ * cfg.num_kv_heads * o.budget * 4 : 0, "slot table mirrors"),
@@ -632,10 +646,9 @@ class AsyncCacheRank {
         q_tmp_(static_cast<size_t>(sh.P) * B_ * cfg.q_dim() * 2, "roped q of a pack"),
         append_pos_(static_cast<size_t>(plan.total_steps) * sh.P * B_ * 4, "append positions"),
         append_rows_(static_cast<size_t>(sh.P) * B_ * 4, "append rows"),
-        q_hat_(static_cast<size_t>(sh.P) * B_ * cfg.q_dim() * 4, "predicted queries"),
         lbt_(static_cast<size_t>(L_) * B_ * plan.max_pages * 4, "layer-batched block table"),
         sel_lens_(static_cast<size_t>(plan.total_steps + 1) * sh.P * B_ * 4, "selectable lengths"),
-        sel_(cfg, o, sh.P * B_, plan.max_len), steps_(plan.o.batch, plan.o.batch, plan.max_pages, plan.o.batch, plan.full_pages()),
+        steps_(plan.o.batch, plan.o.batch, plan.max_pages, plan.o.batch, plan.full_pages()),
         qkv_ready_(plan.total_steps + 1, sh.packs), cm_start_(plan.total_steps + 1, sh.packs),
         cm_end_(plan.total_steps + 1, sh.packs), send_start_(plan.total_steps + 1, sh.packs),
         send_end_(plan.total_steps + 1, sh.packs), after_append_(plan.total_steps + 1, sh.packs),
@@ -643,6 +656,17 @@ class AsyncCacheRank {
         after_topk_(plan.total_steps + 1, sh.packs), table_(plan.full_table()) {
     for (auto* s : {&stream_, &up_stream_, &down_stream_})
       cuda_check(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking), "stream");
+    score_stream_ = sel_stream_ = stream_;
+    if (o.cache_streams == 3) {
+      int least = 0, greatest = 0;
+      cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
+      cuda_check(cudaStreamCreateWithPriority(&score_stream_, cudaStreamNonBlocking, least), "score stream");
+      cuda_check(cudaStreamCreateWithPriority(&sel_stream_, cudaStreamNonBlocking, greatest), "selection stream");
+    }
+    for (int i = 0; i < 2; ++i) {
+      q_hat_[i] = DeviceBuffer(static_cast<size_t>(sh.P) * B_ * cfg.q_dim() * 4, "predicted queries");
+      sel_[i] = std::make_unique<Selector>(cfg, o, sh.P * B_, plan.max_len);
+    }
     cuda_check(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming), "event");
     pool_.fill_random(o.seed + 11, 1.f, stream_);
     cuda_check(kernels::random_fill({DType::BF16, window_.get(), window_.bytes() / 2, o.seed + 13, 1.f, 0.f}, stream_),
@@ -676,6 +700,8 @@ class AsyncCacheRank {
   }
   ~AsyncCacheRank() {
     for (auto s : {stream_, up_stream_, down_stream_}) cudaStreamDestroy(s);
+    if (score_stream_ != stream_) cudaStreamDestroy(score_stream_);
+    if (sel_stream_ != stream_) cudaStreamDestroy(sel_stream_);
     cudaEventDestroy(uploaded_);
   }
 
@@ -686,10 +712,14 @@ class AsyncCacheRank {
       cuda_check(cudaEventRecord(uploaded_, stream_), "record");
       // Delta statistics count the timed steps' selections only.
       if (sh_.cap > 0 && t + 1 == o_.warmup)
-        cuda_check(cudaMemsetAsync(totals_.get(), 0, totals_.bytes(), stream_), "delta totals reset");
+        cuda_check(cudaMemsetAsync(totals_.get(), 0, totals_.bytes(), sel_stream_), "delta totals reset");
       for (int p = 0; p < sh_.packs; ++p) {
-        if (t >= 1) cuda_check(cudaStreamWaitEvent(up_stream_, cm_end_(t, p), 0), "wait");  // (t-1)'s use done
-        link_.recv(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
+        // The buffer's previous rows were appended (after_append_ of the selection made after appending them).
+        if (t + 1 >= sh_.up_variants) {
+          const int prev = t + 1 - sh_.up_variants;
+          cuda_check(cudaStreamWaitEvent(up_stream_, after_append_(prev, p), 0), "wait");
+        }
+        link_.recv(up_rows(t, p), sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
         cuda_check(cudaEventRecord(qkv_ready_(t, p), up_stream_), "record");
       }
       for (int p = 0; p < sh_.packs; ++p) {
@@ -701,8 +731,8 @@ class AsyncCacheRank {
       // The staging buffer of steps_ is reused by the next upload: wait for this step's copy.
       cuda_check(cudaEventSynchronize(uploaded_), "cache step sync");
     }
-    cuda_check(cudaStreamSynchronize(down_stream_), "cache rank drain");
-    cuda_check(cudaStreamSynchronize(stream_), "cache rank drain");
+    for (cudaStream_t x : {down_stream_, sel_stream_, score_stream_, stream_})
+      cuda_check(cudaStreamSynchronize(x), "cache rank drain");
   }
   /// ms of cache management (append + predict + score + top-k + gather) and of the send, for the selection of step t.
   void pack_times(int t, int p, double* cm_ms, double* send_ms, double stage_ms[5]) const {
@@ -725,6 +755,9 @@ class AsyncCacheRank {
 
  private:
   int pack_layers(int p) const { return std::min(sh_.P, L_ - p * sh_.P); }
+  char* up_rows(int t, int p) const {
+    return up_.as<char>() + (static_cast<size_t>(t % sh_.up_variants) * sh_.packs + p) * sh_.up_bytes_pack;
+  }
   char* window(int parity, int layer) const {
     return window_.as<char>() + ((static_cast<size_t>(parity) * L_ + layer) * B_ * cfg_.q_dim() * cap_) * 2;
   }
@@ -734,7 +767,7 @@ class AsyncCacheRank {
   void append_pack(int t, int p, const GpuBatch& b) {
     const int Hq = cfg_.num_q_heads, D = cfg_.head_dim, n = pack_layers(p), rows = n * B_;
     kernels::RopeKvAppendParams r;
-    r.qkv = up_.as<char>() + p * sh_.up_bytes_pack;  // [P][B][qkv] rows of the pack
+    r.qkv = up_rows(t, p);  // [P][B][qkv] rows of the pack
     r.q_out = q_tmp_.get();
     r.k_cache = pool_.k(0);
     r.v_cache = pool_.v(0);
@@ -763,16 +796,25 @@ class AsyncCacheRank {
                                  cudaMemcpyDeviceToDevice, stream_),
                "window push");
   }
-  // Predict, score, top-k and gather the selection of step `for_step` for pack p, then send it.
+  // Predict, score, top-k and gather the selection of step `for_step` for pack p, then send it. Streams (the same
+  // one with --cache-streams 1): predict on stream_ after the append; score on score_stream_; top-k, delta and
+  // gather on sel_stream_ (high priority: its latency-bound kernels take SMs as the next pack's score frees them).
+  // Scratch set seq % 2 (q_hat, scores, indices) is reused by the selection two after this one: predict waits for
+  // that one's score to have read q_hat, score for its end (cm_end) to have read scores and indices.
   void select_and_send(int for_step, int p) {
     const int n = pack_layers(p), rows = n * B_;
+    const int seq = for_step * sh_.packs + p, buf = seq % 2;
+    Selector& sel = *sel_[buf];
+    float* q_hat = q_hat_[buf].as<float>();
+    auto two_back = [&](const EventGrid& g) { return g((seq - 2) / sh_.packs, (seq - 2) % sh_.packs); };
     if (for_step == 0) cuda_check(cudaEventRecord(cm_start_(0, p), stream_), "record");
     cuda_check(cudaEventRecord(after_append_(for_step, p), stream_), "record");
+    if (seq >= 2) cuda_check(cudaStreamWaitEvent(stream_, two_back(after_score_), 0), "wait");
     kernels::PredictQueryParams pq;
     pq.window_dtype = DType::BF16;
     pq.window = window(for_step % 2, p * sh_.P);
     pq.window_len = window_len_.as<int32_t>();
-    pq.q_hat = q_hat_.as<float>();
+    pq.q_hat = q_hat;
     pq.batch = rows;
     pq.num_heads = cfg_.num_q_heads;
     pq.window_capacity = cap_;
@@ -781,25 +823,29 @@ class AsyncCacheRank {
     pq.eps = o_.ridge_eps;
     cuda_check(kernels::predict_next_query(pq, stream_), "predict_next_query");
     cuda_check(cudaEventRecord(after_predict_(for_step, p), stream_), "record");
+    const int32_t* lens = sel_lens_.as<int32_t>() + static_cast<size_t>(for_step) * sh_.P * B_;
+    const int32_t* bt = lbt_.as<int32_t>() + static_cast<size_t>(p) * sh_.P * B_ * plan_.max_pages;
+    cuda_check(cudaStreamWaitEvent(score_stream_, after_predict_(for_step, p), 0), "wait");
+    if (seq >= 2) cuda_check(cudaStreamWaitEvent(score_stream_, two_back(cm_end_), 0), "wait");
+    sel.score(rows, q_hat, pool_.k(0), bt, plan_.max_pages, lens, score_stream_);
+    cuda_check(cudaEventRecord(after_score_(for_step, p), score_stream_), "record");
+    cuda_check(cudaStreamWaitEvent(sel_stream_, after_score_(for_step, p), 0), "wait");
+    sel.topk(rows, lens, sel_stream_);
+    cuda_check(cudaEventRecord(after_topk_(for_step, p), sel_stream_), "record");
     const int par = for_step % 2;
     const size_t bytes = sh_.down_bytes(for_step);
     char* out = sh_.cap > 0 && for_step == 0 ? init_.as<char>() + static_cast<size_t>(p) * sh_.init.bytes
                                              : send_.as<char>() + (static_cast<size_t>(par) * sh_.packs + p) * bytes;
-    if (for_step >= 2) cuda_check(cudaStreamWaitEvent(stream_, send_end_(for_step - 2, p), 0), "wait");
-    const int32_t* lens = sel_lens_.as<int32_t>() + static_cast<size_t>(for_step) * sh_.P * B_;
-    const int32_t* bt = lbt_.as<int32_t>() + static_cast<size_t>(p) * sh_.P * B_ * plan_.max_pages;
+    if (for_step >= 2) cuda_check(cudaStreamWaitEvent(sel_stream_, send_end_(for_step - 2, p), 0), "wait");
     if (sh_.cap == 0) {
-      sel_.run(rows, q_hat_.as<float>(), pool_.k(0), pool_.v(0), bt, plan_.max_pages, lens, out,
-               out + sh_.P * sh_.down_bytes_layer / 2, stream_, after_score_(for_step, p), after_topk_(for_step, p));
+      sel.gather(rows, sel.indices.as<int32_t>(), o_.budget, pool_.k(0), pool_.v(0), bt, plan_.max_pages, out,
+                 out + sh_.P * sh_.down_bytes_layer / 2, sel_stream_);
     } else {
-      sel_.score_topk(rows, q_hat_.as<float>(), pool_.k(0), bt, plan_.max_pages, lens, stream_,
-                      after_score_(for_step, p));
-      cuda_check(cudaEventRecord(after_topk_(for_step, p), stream_), "record");
       const DeltaLayout& l = for_step == 0 ? sh_.init : sh_.delta;
       const int cap = for_step == 0 ? o_.budget : sh_.cap;
       kernels::SelectionDeltaParams d;
-      d.indices = sel_.indices.as<int32_t>();
-      d.scores = sel_.scores.as<float>();
+      d.indices = sel.indices.as<int32_t>();
+      d.scores = sel.scores.as<float>();
       d.mirror = mirror_.as<int32_t>() + static_cast<size_t>(p) * sh_.rows_pack * o_.budget;
       d.delta_slots = reinterpret_cast<int32_t*>(out + l.slots);
       d.delta_positions = reinterpret_cast<int32_t*>(out + l.positions);
@@ -808,12 +854,12 @@ class AsyncCacheRank {
       d.rows = rows * cfg_.num_kv_heads;
       d.k = o_.budget;
       d.capacity = cap;
-      d.score_stride = sel_.stride;
-      cuda_check(kernels::selection_delta(d, stream_), "selection_delta");
-      sel_.gather(rows, d.delta_positions, cap, pool_.k(0), pool_.v(0), bt, plan_.max_pages, out + l.k, out + l.v,
-                  stream_);
+      d.score_stride = sel.stride;
+      cuda_check(kernels::selection_delta(d, sel_stream_), "selection_delta");
+      sel.gather(rows, d.delta_positions, cap, pool_.k(0), pool_.v(0), bt, plan_.max_pages, out + l.k, out + l.v,
+                 sel_stream_);
     }
-    cuda_check(cudaEventRecord(cm_end_(for_step, p), stream_), "record");
+    cuda_check(cudaEventRecord(cm_end_(for_step, p), sel_stream_), "record");
     cuda_check(cudaStreamWaitEvent(down_stream_, cm_end_(for_step, p), 0), "wait");
     cuda_check(cudaEventRecord(send_start_(for_step, p), down_stream_), "record");
     link_.send(out, bytes, down_stream_, "selected K/V of a pack");
@@ -827,14 +873,16 @@ class AsyncCacheRank {
   const Plan& plan_;
   int L_, B_, cap_;
   GpuKvPool pool_;
-  DeviceBuffer up_, send_, init_, mirror_, totals_, window_, window_len_, q_tmp_, append_pos_, append_rows_, q_hat_,
-      lbt_, sel_lens_;
-  Selector sel_;
+  DeviceBuffer up_, send_, init_, mirror_, totals_, window_, window_len_, q_tmp_, append_pos_, append_rows_, lbt_,
+      sel_lens_;
+  DeviceBuffer q_hat_[2];                // predicted queries of scratch set 0 / 1
+  std::unique_ptr<Selector> sel_[2];     // scores and top-k indices of scratch set 0 / 1
   GpuStepBuffers steps_;
   EventGrid qkv_ready_, cm_start_, cm_end_, send_start_, send_end_;
   EventGrid after_append_, after_predict_, after_score_, after_topk_;  // stage boundaries inside cm_start..cm_end
   std::vector<int32_t> table_;
   cudaStream_t stream_ = nullptr, up_stream_ = nullptr, down_stream_ = nullptr;
+  cudaStream_t score_stream_ = nullptr, sel_stream_ = nullptr;  // = stream_ with --cache-streams 1
   cudaEvent_t uploaded_ = nullptr;
 };
 
@@ -950,6 +998,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     sh.init = DeltaLayout(sh.rows_pack, o.budget, cfg.head_dim);
   }
   sh.cache_device = ipc || solo != Solo::kNone ? 0 : 1;
+  if (solo == Solo::kCache) sh.up_variants = 8;
   LinkPair links;
   links.ipc = ipc;
   links.null_links = solo != Solo::kNone;
@@ -1249,10 +1298,12 @@ int main_impl(int argc, char** argv) {
     else if (a == "--delta-capacity") o.delta_capacities = parse_ints(next());
     else if (a == "--link") o.link = next();
     else if (a == "--async-graphs") o.async_graphs = std::stoi(next()) != 0;
+    else if (a == "--cache-streams") o.cache_streams = std::stoi(next());
     else fail("unknown argument {} (see the header of bench/bench_tpot.cpp)", a);
   }
   SPADE_CHECK(!o.config.empty(), "--config DIR (a config.json directory) is required");
   SPADE_CHECK(o.warmup >= 1 && o.steps >= 2, "--warmup >= 1 and --steps >= 2");
+  SPADE_CHECK(o.cache_streams == 1 || o.cache_streams == 3, "--cache-streams {}: 1 or 3", o.cache_streams);
   const ModelConfig cfg = load_model_config(o.config);
   SPADE_CHECK(!cfg.is_hybrid(), "bench_tpot runs dense decoders (the pipeline ships every layer's q|k|v rows); '{}' "
               "has Gated DeltaNet layers", cfg.model_type);
