@@ -32,6 +32,9 @@ struct GpuCacheServer::State {
   int L = 0, Hq = 0, Hkv = 0, D = 0, P = 0, packs = 0, cap_w = 0, k = 0, stride = 0;
   size_t row_elems = 0;  // (Hq + 2 Hkv) * D per token and layer
   cudaStream_t up = nullptr, work = nullptr, down = nullptr;
+  // Pipelined selection (GpuCacheOptions::pipeline): scoring on `score` (low priority), top-k / delta / gather on
+  // `sel` (high priority); both are `work` otherwise.
+  cudaStream_t score = nullptr, sel = nullptr;
 
   GpuKvPool pool;
   DeviceBuffer windows;  // [slots][L][Hq][cap_w][D] bf16
@@ -47,8 +50,16 @@ struct GpuCacheServer::State {
   size_t meta_words = 0;
   Event meta_copied;
   bool meta_pending = false;
-  // Selection scratch (per group, reused pack after pack on the work stream).
-  DeviceBuffer win_scratch, q_hat, scores, indices;
+  // Selection scratch, reused selection after selection (one per non-empty group and pack). win_scratch and
+  // indices are written and read on one stream each; q_hat (predict -> score) and scores (score -> top-k, delta)
+  // cross streams and alternate between two sets by the selection's number, with events: predicted[b] (q_hat[b]
+  // written), scored[b] (q_hat[b] read, scores[b] written), selected[b] (scores[b] read).
+  DeviceBuffer win_scratch, indices;
+  DeviceBuffer q_hat[2], scores[2];
+  Event predicted[2], scored[2], selected[2];
+  uint64_t selection_seq = 0;
+  Event sel_step_end;  // the sel stream's last operation of the previous step (the step arrays are rewritten after it)
+  bool sel_step_pending = false;
   DeviceBuffer msg[2][2];  // [group][pack parity]: outgoing messages
   std::vector<std::unique_ptr<Event>> rows_ready, appended, sel_done[2], sent[2];  // per pack
   Event plan_ready;
@@ -76,6 +87,8 @@ struct GpuCacheServer::State {
         alloc(opts.num_pages, opts.page_size), host_wlen(static_cast<size_t>(opts.max_slots), 0),
         live(static_cast<size_t>(opts.max_slots), 0) {}
   ~State() {
+    for (cudaStream_t s : {score, sel})
+      if (s != nullptr && s != work) cudaStreamDestroy(s);
     for (cudaStream_t s : {up, work, down})
       if (s != nullptr) cudaStreamDestroy(s);
     if (plan_host != nullptr) cudaFreeHost(plan_host);
@@ -102,7 +115,7 @@ struct GpuCacheServer::State {
     host_wlen[static_cast<size_t>(slot)] = 0;
     const size_t mirror_slot = static_cast<size_t>(L) * Hkv * k;
     cuda_check(cudaMemsetAsync(mirror.as<int32_t>() + static_cast<size_t>(slot) * mirror_slot, 0xFF, mirror_slot * 4,
-                               work),
+                               sel),
                "mirror reset");
   }
 
@@ -166,6 +179,8 @@ struct GpuCacheServer::State {
     SPADE_CHECK(w.size() <= meta_words, "{}: step arrays of {} words exceed the {} reserved", peer, w.size(),
                 meta_words);
     if (meta_pending) cuda_check(cudaEventSynchronize(meta_copied.e), "GPU cache rank: previous upload");
+    // The previous step's selections still read the arrays on the score / sel streams (sel ends after score).
+    if (sel_step_pending) cuda_check(cudaStreamWaitEvent(work, sel_step_end.e, 0), "wait previous selections");
     std::memcpy(meta_host, w.data(), w.size() * 4);
     cuda_check(cudaMemcpyAsync(meta.get(), meta_host, w.size() * 4, cudaMemcpyHostToDevice, work), "step upload");
     cuda_check(cudaEventRecord(meta_copied.e, work), "step upload");
@@ -219,8 +234,11 @@ struct GpuCacheServer::State {
     if (S == 0) return;
     const int cap = g == kSteady ? o.delta_capacity : k;
     char* out = msg[g][p % 2].as<char>();
-    // The message buffer of this parity was last sent for pack p - 2 (this step) or by the previous step.
-    cuda_check(cudaStreamWaitEvent(work, sent[g][static_cast<size_t>(p % 2)]->e, 0), "wait send");
+    const int b = static_cast<int>(selection_seq++ % 2);
+    float* qh = q_hat[o.pipeline ? b : 0].as<float>();  // one set on one stream
+    float* sc = scores[o.pipeline ? b : 0].as<float>();
+    // q_hat[b] is free once the selection two before this one was scored.
+    cuda_check(cudaStreamWaitEvent(work, scored[b].e, 0), "wait q_hat");
     // 1. windows of the group's rows for the pack's layers, rows (j, s)
     for (int j = 0; j < n; ++j)
       for (int s = 0; s < S; ++s) {
@@ -235,7 +253,7 @@ struct GpuCacheServer::State {
     pq.window_dtype = DType::BF16;
     pq.window = win_scratch.get();
     pq.window_len = md(m.g_wlen[g]);
-    pq.q_hat = q_hat.as<float>();
+    pq.q_hat = qh;
     pq.batch = n * S;
     pq.num_heads = Hq;
     pq.window_capacity = cap_w;
@@ -243,14 +261,18 @@ struct GpuCacheServer::State {
     pq.max_regressors = o.selection.query_window;
     pq.eps = o.selection.ridge_eps;
     cuda_check(kernels::predict_next_query(pq, work), "GPU cache rank: predict");
-    // 3. scores of every selectable key, per layer
+    cuda_check(cudaEventRecord(predicted[b].e, work), "predicted event");
+    // 3. scores of every selectable key, per layer (score stream), into scores[b] once the selection two before
+    // this one read them
+    cuda_check(cudaStreamWaitEvent(score, predicted[b].e, 0), "wait predict");
+    cuda_check(cudaStreamWaitEvent(score, selected[b].e, 0), "wait scores");
     for (int j = 0; j < n; ++j) {
       kernels::ScoreTokensParams sp;
-      sp.q_hat = q_hat.as<float>() + static_cast<size_t>(j) * S * Hq * D;
+      sp.q_hat = qh + static_cast<size_t>(j) * S * Hq * D;
       sp.k_cache = pool.k(p * P + j);
       sp.block_table = md(m.g_bt[g]);
       sp.num_tokens = md(m.g_lens[g]);
-      sp.scores = scores.as<float>() + static_cast<size_t>(j) * S * Hkv * stride;
+      sp.scores = sc + static_cast<size_t>(j) * S * Hkv * stride;
       sp.batch = S;
       sp.num_q_heads = Hq;
       sp.num_kv_heads = Hkv;
@@ -259,22 +281,26 @@ struct GpuCacheServer::State {
       sp.max_pages_per_seq = o.max_pages_per_seq;
       sp.score_stride = stride;
       sp.rule = o.selection.gqa_rule;
-      cuda_check(kernels::score_tokens(sp, work), "GPU cache rank: score");
+      cuda_check(kernels::score_tokens(sp, score), "GPU cache rank: score");
     }
-    // 4. top-k per (layer, sequence, KV head)
+    cuda_check(cudaEventRecord(scored[b].e, score), "scored event");
+    // 4. top-k per (layer, sequence, KV head) (sel stream, as everything after it)
+    cuda_check(cudaStreamWaitEvent(sel, scored[b].e, 0), "wait scores");
     kernels::TopkParams tp;
-    tp.scores = scores.as<float>();
+    tp.scores = sc;
     tp.row_lens = md(m.g_lens[g]);
     tp.indices = indices.as<int32_t>();
     tp.batch = n * S;
     tp.rows_per_batch = Hkv;
     tp.score_stride = stride;
     tp.k = k;
-    cuda_check(kernels::topk_select(tp, work), "GPU cache rank: top-k");
+    cuda_check(kernels::topk_select(tp, sel), "GPU cache rank: top-k");
+    // The message buffer of this parity was last sent for pack p - 2 (this step) or by the previous step.
+    cuda_check(cudaStreamWaitEvent(sel, sent[g][static_cast<size_t>(p % 2)]->e, 0), "wait send");
     // 5. the slot plan against the per-slot mirrors, into the message
     kernels::SelectionDeltaParams dp;
     dp.indices = indices.as<int32_t>();
-    dp.scores = scores.as<float>();
+    dp.scores = sc;
     dp.mirror = mirror.as<int32_t>();
     dp.mirror_rows = md(m.g_mrows[g] + static_cast<size_t>(p) * P * S * Hkv);
     dp.delta_slots = reinterpret_cast<int32_t*>(out + lay.slots);
@@ -284,7 +310,8 @@ struct GpuCacheServer::State {
     dp.k = k;
     dp.capacity = cap;
     dp.score_stride = stride;
-    cuda_check(kernels::selection_delta(dp, work), "GPU cache rank: selection delta");
+    cuda_check(kernels::selection_delta(dp, sel), "GPU cache rank: selection delta");
+    cuda_check(cudaEventRecord(selected[b].e, sel), "selected event");
     // 6. the entries' K / V, per layer
     for (int j = 0; j < n; ++j) {
       const size_t first = static_cast<size_t>(j) * S * Hkv * cap;
@@ -301,9 +328,9 @@ struct GpuCacheServer::State {
       gp.page_size = o.page_size;
       gp.max_pages_per_seq = o.max_pages_per_seq;
       gp.k = cap;
-      cuda_check(kernels::gather_kv(gp, work), "GPU cache rank: gather");
+      cuda_check(kernels::gather_kv(gp, sel), "GPU cache rank: gather");
     }
-    cuda_check(cudaEventRecord(sel_done[g][static_cast<size_t>(p)]->e, work), "selection event");
+    cuda_check(cudaEventRecord(sel_done[g][static_cast<size_t>(p)]->e, sel), "selection event");
     cuda_check(cudaStreamWaitEvent(down, sel_done[g][static_cast<size_t>(p)]->e, 0), "wait selection");
     link.send(out, lay.bytes, down, g == kSteady ? "steady selections of a pack" : "first selections of a pack");
     cuda_check(cudaEventRecord(sent[g][static_cast<size_t>(p % 2)]->e, down), "sent event");
@@ -335,6 +362,13 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
   State& s = *st_;
   for (cudaStream_t* x : {&s.up, &s.work, &s.down})
     cuda_check(cudaStreamCreateWithFlags(x, cudaStreamNonBlocking), "GPU cache rank: stream");
+  s.score = s.sel = s.work;
+  if (opts.pipeline) {
+    int least = 0, greatest = 0;
+    cuda_check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "GPU cache rank: stream priorities");
+    cuda_check(cudaStreamCreateWithPriority(&s.score, cudaStreamNonBlocking, least), "GPU cache rank: score stream");
+    cuda_check(cudaStreamCreateWithPriority(&s.sel, cudaStreamNonBlocking, greatest), "GPU cache rank: sel stream");
+  }
   const size_t S = static_cast<size_t>(opts.max_slots), Lz = static_cast<size_t>(s.L), P = static_cast<size_t>(s.P);
   s.windows = DeviceBuffer(S * Lz * s.win_elems() * 2, "GPU cache rank: query windows");
   s.mirror = DeviceBuffer(S * Lz * s.Hkv * s.k * 4, "GPU cache rank: slot table mirrors");
@@ -351,8 +385,11 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
   s.meta = DeviceBuffer(s.meta_words * 4, "GPU cache rank: step arrays");
   cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.meta_host), s.meta_words * 4), "GPU cache rank: pinned");
   s.win_scratch = DeviceBuffer(P * S * s.win_elems() * 2, "GPU cache rank: window scratch");
-  s.q_hat = DeviceBuffer(P * S * s.Hq * s.D * 4, "GPU cache rank: predicted queries");
-  s.scores = DeviceBuffer(P * S * s.Hkv * static_cast<size_t>(s.stride) * 4, "GPU cache rank: scores");
+  for (int b = 0; b < (opts.pipeline ? 2 : 1); ++b) {
+    s.q_hat[b] = DeviceBuffer(P * S * s.Hq * s.D * 4, "GPU cache rank: predicted queries");
+    s.scores[b] = DeviceBuffer(P * S * s.Hkv * static_cast<size_t>(s.stride) * 4, "GPU cache rank: scores");
+  }
+
   s.indices = DeviceBuffer(P * S * s.Hkv * s.k * 4, "GPU cache rank: top-k");
   for (int g = 0; g < 2; ++g) {
     const DeltaLayout most(P * S * s.Hkv, g == kSteady ? opts.delta_capacity : s.k, s.D);
@@ -371,14 +408,14 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
 
 GpuCacheServer::~GpuCacheServer() {
   if (st_ != nullptr && !st_->link.failed()) {
-    for (cudaStream_t x : {st_->work, st_->down}) cudaStreamSynchronize(x);
+    for (cudaStream_t x : {st_->work, st_->score, st_->sel, st_->down}) cudaStreamSynchronize(x);
   }
 }
 
 bool GpuCacheServer::closed() const { return st_->closed; }
 
 void GpuCacheServer::synchronize() {
-  for (cudaStream_t x : {st_->work, st_->down})
+  for (cudaStream_t x : {st_->work, st_->score, st_->sel, st_->down})
     cuda_check(cudaStreamSynchronize(x), "GPU cache rank: synchronize");
 }
 
@@ -386,7 +423,7 @@ size_t GpuCacheServer::device_bytes() const {
   const State& s = *st_;
   size_t b = s.pool.bytes();
   for (const DeviceBuffer* x : {&s.windows, &s.mirror, &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta,
-                                &s.win_scratch, &s.q_hat, &s.scores, &s.indices})
+                                &s.win_scratch, &s.q_hat[0], &s.q_hat[1], &s.scores[0], &s.scores[1], &s.indices})
     b += x->bytes();
   for (const auto& g : s.msg)
     for (const auto& m : g) b += m.bytes();
@@ -449,7 +486,7 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
                 s.o.num_pages, r.slot, r.q_len);
     if ((r.flags & kRowFirstSelect) != 0) {
       const size_t mirror_slot = static_cast<size_t>(s.L) * s.Hkv * s.k;
-      cuda_check(cudaMemsetAsync(s.mirror.as<int32_t>() + slot * mirror_slot, 0xFF, mirror_slot * 4, s.work),
+      cuda_check(cudaMemsetAsync(s.mirror.as<int32_t>() + slot * mirror_slot, 0xFF, mirror_slot * 4, s.sel),
                  "mirror reset");
     }
   }
@@ -477,6 +514,8 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
     s.select_pack(plan, p, kSteady, sizes.steady);
     s.select_pack(plan, p, kFirst, sizes.first);
   }
+  cuda_check(cudaEventRecord(s.sel_step_end.e, s.sel), "step end event");
+  s.sel_step_pending = true;
   // 4. the next plan
   s.post_plan_recv();
   ++stats_.steps;

@@ -15,7 +15,8 @@
 //      non-empty group;
 //   4. the next plan's receive is posted (not after the close plan, which ends the stream).
 // Everything of a step is enqueued without waiting on the GPU (one host wait: the plan). Streams: `up` (receives),
-// `work` (compute), `down` (sends); events order them.
+// `work` (append, windows, prediction), `score` (scoring, low priority), `sel` (top-k, delta, gather, mirror resets;
+// high priority), `down` (sends); events order them (GpuCacheOptions::pipeline; without it score = sel = work).
 //
 // Differences from the CPU cache rank (cache_rank/selector.h), as on the GPU benchmark path: sink tokens are not
 // special-cased (they compete in the top-k); the selection is exact top-k on the GPU scores (bf16 keys, fp32 queries
@@ -48,6 +49,11 @@ struct GpuCacheOptions {
   int layers_per_pack = 4;       // P
   SelectionConfig selection;     // budget k, local window R, query window W, ridge eps, GQA rule (sinks unused)
   int delta_capacity = 256;      // C: entries per steady row of a step (1..budget)
+  // Pipelined selection: scoring (bandwidth-bound) on its own low-priority stream, top-k / delta / gather
+  // (latency-bound) on a high-priority one, so one pack's top-k runs beside the next pack's scoring. Costs a second
+  // set of predicted queries and scores (max_slots x P x num_kv_heads x max_pages_per_seq x page_size x 4 bytes).
+  // false: every stage in order on one stream.
+  bool pipeline = true;
 };
 
 struct GpuCacheStats {
