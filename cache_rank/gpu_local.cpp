@@ -55,7 +55,9 @@ void LocalGpuCacheRank::serve_loop(std::chrono::milliseconds hello_timeout) {
       std::lock_guard<std::mutex> lk(mu_);
       SPADE_CHECK(!stop_, "the in-process cache rank was stopped before it started serving");
     }
-    auto server = std::make_unique<GpuCacheServer>(cfg_, gpu_cache_options(hello, selection_, device_), *cache_, peer);
+    GpuCacheOptions opts = gpu_cache_options(hello, selection_, device_);
+    opts.pipeline = pipeline_;
+    auto server = std::make_unique<GpuCacheServer>(cfg_, opts, *cache_, peer);
     {
       std::lock_guard<std::mutex> lk(mu_);
       server_ = std::move(server);

@@ -53,6 +53,8 @@ class LocalGpuCacheRank {
   /// Stops serving: the steps already sent are served first, until the close plan or 500 ms without a plan; a
   /// receive still pending then is released by aborting the link. Idempotent.
   void stop();
+  /// GpuCacheOptions::pipeline of the server (default true); call before wait_ready().
+  void set_pipeline(bool on) { pipeline_ = on; }
   /// The server's failure (including a bad or missing hello), empty while healthy.
   std::string error() const;
   /// Server counters (after stop(): final; before: a snapshot after the last served step).
@@ -63,6 +65,7 @@ class LocalGpuCacheRank {
   ModelConfig cfg_;
   SelectionConfig selection_;
   int device_ = 0;
+  bool pipeline_ = true;
   std::unique_ptr<transport::CudaIpcLink> inf_, cache_;
   std::unique_ptr<GpuCacheServer> server_;
   std::atomic<bool> stop_{false};

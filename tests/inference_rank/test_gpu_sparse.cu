@@ -113,7 +113,8 @@ GpuSparseOptions test_sparse_options(const Sparse& sp, const EngineOptions& eo) 
 // CUDA graphs when no link operation is in them (the cache rank is in this process: GpuEngineOptions::link_graphs
 // stays off, as in `inference_rank --selection predicted`; tests/inference_rank/test_gpu_cluster.cu covers the link
 // steps' graphs, with the cache rank in another process).
-RunResult run(const Sparse* sparse, int kill_after_steps = 0, bool graphs = false) {
+// `pipeline`: the cache rank's GpuCacheOptions::pipeline.
+RunResult run(const Sparse* sparse, int kill_after_steps = 0, bool graphs = false, bool pipeline = true) {
   const ModelConfig cfg = qwen3_like();
   const EngineOptions eo = engine_options();
   GpuEngineOptions go = gpu_engine_options(eo, graphs);
@@ -136,6 +137,7 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0, bool graphs = fals
     cache::SelectionConfig sel;
     sel.query_window = 4;
     cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
+    cache_rank->set_pipeline(pipeline);
     ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size,
                                                 gpu.max_batch());
     // The hello sizes the cache rank from this side's options (the path a separate cache_rank process takes too).
@@ -277,6 +279,22 @@ TEST(GpuSparse, SmallBudgetChurnsThroughDeltas) {
               static_cast<unsigned long long>(got.sparse.bytes_received));
   EXPECT_GE(got.sparse.sparse_seq_steps, 40u);
   EXPECT_EQ(got.sparse.switches, 3u);
+}
+
+// The pipelined cache rank (scoring and top-k / delta / gather on two more streams, double-buffered scratch) must
+// select exactly what the serial one does: every step's logits equal, bit for bit, through the churn of a small
+// budget (a missing wait between the streams would let a selection read another's queries or scores).
+TEST(GpuSparse, PipelinedCacheRankSelectsAsTheSerialOne) {
+  const Sparse sp{/*budget=*/32, /*window=*/16, /*capacity=*/8, /*threshold=*/32};
+  const RunResult serial = run(&sp, 0, false, /*pipeline=*/false);
+  const RunResult piped = run(&sp, 0, false, /*pipeline=*/true);
+  ASSERT_EQ(serial.server_error, "");
+  ASSERT_EQ(piped.server_error, "");
+  ASSERT_GE(piped.sparse.sparse_seq_steps, 40u);
+  ASSERT_EQ(piped.rec.steps.size(), serial.rec.steps.size());
+  for (size_t s = 0; s < piped.rec.steps.size(); ++s) ASSERT_EQ(piped.rec.steps[s], serial.rec.steps[s]) << "step " << s;
+  EXPECT_EQ(piped.tokens, serial.tokens);
+  EXPECT_EQ(piped.cache.selections, serial.cache.selections);
 }
 
 void dead_cache_rank_fails_only_the_sparse_requests(bool graphs) {
