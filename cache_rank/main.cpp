@@ -117,6 +117,12 @@ int main(int argc, char** argv) {
                  "--device cuda: longest wait for the inference rank's pair hello (it loads its weights first)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  int selection_streams = 3;
+  app.add_option("--selection-streams", selection_streams,
+                 "--device cuda: 3 pipelines the packs' selections (scoring beside the previous pack's top-k and "
+                 "gather; a second set of scores in device memory), 1 runs them in order on one stream")
+      ->check(CLI::IsMember({1, 3}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     spade::init_logging("cache_rank", log_level);
@@ -203,12 +209,14 @@ int main(int argc, char** argv) {
       // The inference rank uploads its weights after the rendezvous, then sends the hello: wait that long.
       const spade::cache::GpuPairHello hello =
           spade::cache::recv_gpu_hello(link, cfg, peer_name, std::chrono::milliseconds(hello_timeout_ms));
-      spade::cache::GpuCacheServer server(cfg, spade::cache::gpu_cache_options(hello, sc, gpu_index), link,
-                                          peer_name);
+      spade::cache::GpuCacheOptions gopts = spade::cache::gpu_cache_options(hello, sc, gpu_index);
+      gopts.pipeline = selection_streams == 3;
+      spade::cache::GpuCacheServer server(cfg, gopts, link, peer_name);
       spdlog::info("{}: serving {} on GPU {} ({} MB of device memory: {} pages x {} tokens, budget {}, local window "
-                   "{}, delta capacity {}, {} layers per pack)",
+                   "{}, delta capacity {}, {} layers per pack, {} selection stream{})",
                    self, peer_name, gpu_index, server.device_bytes() >> 20, hello.num_pages, hello.page_size,
-                   hello.token_budget, hello.local_window, hello.delta_capacity, hello.layers_per_pack);
+                   hello.token_budget, hello.local_window, hello.delta_capacity, hello.layers_per_pack,
+                   selection_streams, selection_streams == 1 ? "" : "s");
       auto& bytes = registry.counter("spade_transfer_bytes_total",
                                      "Data-plane bytes moved, by direction and transport.", {"direction", "transport"});
       const char* tname = kind == spade::proto::TRANSPORT_NCCL ? "nccl" : "cuda_ipc";

@@ -175,5 +175,16 @@ TEST(InferenceRankCli, MaxContextPagesIsRefusedOffTheGpuCacheRankPath) {
   }
 }
 
+// The GPU cache rank's stream layout is 1 (serial) or 3 (pipelined); anything else is refused by name at parse time.
+TEST(CacheRankCli, SelectionStreamsOtherThanOneOrThreeAreRefusedByName) {
+  const std::string model = test::data_path("models/stories260K");
+  for (const char* n : {"2", "0", "x"}) {
+    ChildProcess p(bin("cache_rank/cache_rank"), {"--model", model, "--device", "cuda", "--selection-streams", n}, {},
+                   "cache rank");
+    EXPECT_NE(p.wait_exit(30s), 0) << p.log();
+    EXPECT_THAT(p.log(), HasSubstr("--selection-streams")) << p.log();
+  }
+}
+
 }  // namespace
 }  // namespace spade
