@@ -108,7 +108,7 @@ struct GpuCacheServer::State {
     plan_posted = true;
   }
 
-  // Frees a slot's pages and forgets its window and mirror (work stream).
+  // Frees a slot's pages and forgets its window and mirror (the mirror reset on the sel stream, which uses it).
   void forget(int slot) {
     if (live[static_cast<size_t>(slot)]) alloc.release(static_cast<uint64_t>(slot));
     live[static_cast<size_t>(slot)] = 0;
