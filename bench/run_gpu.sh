@@ -25,8 +25,9 @@
 #                         "serve": inference_rank --device cuda dense vs --selection predicted (in-process GPU
 #                         cache rank), TPOT lines in serve_demo.txt
 #   SPADE_TPOT_ARGS       extra bench_tpot arguments for every configuration (e.g. "--steps 64")
-#   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default "8b-b8 8b-b16 32b-b8"; one GPU: "8b-b8-1gpu 8b-b8-16k-ipc";
-#                         the one-GPU projection of the two-GPU table: "8b-b8-solo 8b-b16-solo")
+#   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default with two GPUs "8b-b8 8b-b16 32b-b8"; with one GPU
+#                         "8b-b8-solo 8b-b16-solo 8b-b8-16k-ipc": dense / oracle baselines, each async rank alone
+#                         (the projection of the two-GPU table) and both ranks over CUDA IPC; also "8b-b8-1gpu")
 #   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
 #                         the same code paths at 128k tokens and take minutes under the sanitizer)
 # Dependencies: on a machine without Spade's Debian packages (the lent GPU machines), carry build-device-deps/
@@ -225,7 +226,10 @@ if want bench && bench_wanted tpot; then
   TPOT_BIN="$(dirname "${BENCH_BIN}")/bench_tpot"
   DATA="${SPADE_DATA_DIR:-${ROOT}/../shared/data}"
   read -r -a TPOT_EXTRA <<<"${SPADE_TPOT_ARGS:-}"
-  for c in ${SPADE_TPOT_CONFIGS:-8b-b8 8b-b16 32b-b8}; do
+  # Two GPUs: the issue-#7 table; one GPU: the baselines with each async rank alone (the projection of that table)
+  # and the pipeline with both ranks on the GPU over CUDA IPC.
+  if [ "${NGPU:-0}" -ge 2 ]; then TPOT_DEFAULT="8b-b8 8b-b16 32b-b8"; else TPOT_DEFAULT="8b-b8-solo 8b-b16-solo 8b-b8-16k-ipc"; fi
+  for c in ${SPADE_TPOT_CONFIGS:-${TPOT_DEFAULT}}; do
     case "$c" in
       8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256) ;;
       8b-b16) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128) ;;
