@@ -1336,6 +1336,7 @@ int main_impl(int argc, char** argv) {
   auto model = GpuModel::random(cfg, o.seed, mo);
   std::printf("  weights %.2f GB\n", model->weight_bytes() / 1e9);
   std::vector<json> rows;
+  bool any_failed = false;  // an async run failed: reported in the rows, and the exit status is 1
   auto has = [&](const char* m) { return o.modes.find(m) != std::string::npos; };
   for (const char* m : {"dense", "oracle"}) {
     if (!has(m)) continue;
@@ -1357,7 +1358,16 @@ int main_impl(int argc, char** argv) {
         std::printf("  async: both ranks on GPU 0 over CudaIpcLink (%d GPU%s): checks the pipeline, not its speed\n",
                     ngpu, ngpu == 1 ? "" : "s");
       for (int P : o.packs)
-        for (int cap : o.delta_capacities) rows.push_back(run_async(o, cfg, *model, P, cap, ipc, copy_gbps));
+        for (int cap : o.delta_capacities) {
+          try {  // a failed run (e.g. out of memory with both ranks on one GPU) keeps the rows already measured
+            rows.push_back(run_async(o, cfg, *model, P, cap, ipc, copy_gbps));
+          } catch (const Error& e) {
+            std::printf("  async P=%d C=%d: failed: %s\n", P, cap, e.what());
+            any_failed = true;
+            rows.push_back({{"label", o.label}, {"mode", "async"}, {"pack", P}, {"delta_capacity", cap},
+                            {"failed", e.what()}});
+          }
+        }
     }
   }
   if (has("solo")) {
@@ -1414,7 +1424,7 @@ int main_impl(int argc, char** argv) {
     f << doc.dump() << "\n";
     std::printf("  appended to %s\n", o.out.c_str());
   }
-  return 0;
+  return any_failed ? 1 : 0;
 }
 
 }  // namespace
