@@ -1239,16 +1239,9 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     const double score_bytes = kv_bytes(cfg, o, o.context + o.warmup + o.steps / 2.0) / 2;
     r["cache_floor_bytes"] = score_bytes + down_pack * sh.packs;
     r["cache_floor_ms"] = r["cache_floor_bytes"].get<double>() / (copy_gbps * 1e6);
-    r.erase("floor_bytes");
-    r.erase("floor_ms");
-    r.erase("tpot_over_floor");
-    r.erase("required_gbps");
-    r.erase("achieved_gbps");
-    r.erase("stalls");
-    r.erase("stall_checks");
-    r.erase("stall_ms_median");
-    r.erase("stall_ms_p99");
-    r.erase("inference_ms_per_pack");
+    for (const char* k : {"floor_bytes", "floor_ms", "tpot_over_floor", "required_gbps", "achieved_gbps", "stalls",
+                          "stall_checks", "stall_ms_median", "stall_ms_p99", "inference_ms_per_pack"})
+      r.erase(k);  // no inference rank: its floor, stalls and link rates do not apply
     std::printf("  %-20s       P=%-3d step  median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx; keys scored + "
                 "selection gathered) | per pack: cache %.3f ms | down %.1f MB/step\n",
                 mode.c_str(), pack, r["tpot_median_ms"].get<double>(), r["tpot_p99_ms"].get<double>(),
