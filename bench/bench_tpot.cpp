@@ -36,7 +36,10 @@
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
 //                   [--modes dense,oracle,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
 //                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1]
+//                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
+// The selection's predictor, ridge eps and successor expansion default to the cache rank's (cache::SelectionConfig);
+// the oracle mode's top-k expands successors as the async cache rank's does.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -60,6 +63,7 @@
 
 #include "bench/run_stamp.h"
 #include "cache_rank/gpu_plan.h"
+#include "cache_rank/selector.h"
 #include "common/config.h"
 #include "common/error.h"
 #include "inference_rank/gpu_model.h"
@@ -97,7 +101,10 @@ struct Opts {
   int local_window = 32;
   int query_window = 8;  // predictor regressors W (window holds W + 1 queries)
   int page_size = 16;
-  float ridge_eps = 1e-3f;
+  // Predictor and top-k settings: the cache rank's defaults (cache::SelectionConfig).
+  kernels::PredictorKind predictor = cache::SelectionConfig{}.predictor;
+  float ridge_eps = cache::SelectionConfig{}.ridge_eps;
+  bool successor_expand = cache::SelectionConfig{}.successor_expand;
   uint64_t seed = 1;
   // CTAs (channels) NCCL may use per communicator: each holds an SM of BOTH GPUs for the whole transfer, so fewer
   // leave more SMs to scoring on the cache rank (measured: 16 of the default 32 on H200 NVLink gives the best TPOT;
@@ -289,6 +296,7 @@ struct Selector {
     tp.rows_per_batch = cfg.num_kv_heads;
     tp.score_stride = stride;
     tp.k = o.budget;
+    tp.successor = o.successor_expand;
     cuda_check(kernels::topk_select(tp, stream), "topk_select");
   }
   // Gathers the K/V rows at `idx` ([rows, Hkv, k] positions, -1 = zero row) into packed [rows, Hkv, k, D].
@@ -826,6 +834,7 @@ class AsyncCacheRank {
     pq.head_dim = cfg_.head_dim;
     pq.max_regressors = o_.query_window;
     pq.eps = o_.ridge_eps;
+    pq.kind = o_.predictor;
     cuda_check(kernels::predict_next_query(pq, stream_), "predict_next_query");
     cuda_check(cudaEventRecord(after_predict_(for_step, p), stream_), "record");
     const int32_t* lens = sel_lens_.as<int32_t>() + static_cast<size_t>(for_step) * sh_.P * B_;
@@ -1305,11 +1314,15 @@ int main_impl(int argc, char** argv) {
     else if (a == "--link") o.link = next();
     else if (a == "--async-graphs") o.async_graphs = std::stoi(next()) != 0;
     else if (a == "--cache-streams") o.cache_streams = std::stoi(next());
+    else if (a == "--predictor") o.predictor = kernels::parse_predictor_kind(next().c_str());
+    else if (a == "--ridge-eps") o.ridge_eps = std::stof(next());
+    else if (a == "--successor-expand") o.successor_expand = std::stoi(next()) != 0;
     else fail("unknown argument {} (see the header of bench/bench_tpot.cpp)", a);
   }
   SPADE_CHECK(!o.config.empty(), "--config DIR (a config.json directory) is required");
   SPADE_CHECK(o.warmup >= 1 && o.steps >= 2, "--warmup >= 1 and --steps >= 2");
   SPADE_CHECK(o.cache_streams == 1 || o.cache_streams == 3, "--cache-streams {}: 1 or 3", o.cache_streams);
+  SPADE_CHECK(o.ridge_eps > 0.f && std::isfinite(o.ridge_eps), "--ridge-eps {} must be > 0", o.ridge_eps);
   const ModelConfig cfg = load_model_config(o.config);
   SPADE_CHECK(!cfg.is_hybrid(), "bench_tpot runs dense decoders (the pipeline ships every layer's q|k|v rows); '{}' "
               "has Gated DeltaNet layers", cfg.model_type);
@@ -1409,6 +1422,9 @@ int main_impl(int argc, char** argv) {
   doc["copy_gbps"] = copy_gbps;
   doc["config"] = o.config;
   doc["label"] = o.label;
+  doc["predictor"] = kernels::predictor_kind_name(o.predictor);
+  doc["ridge_eps"] = o.ridge_eps;
+  doc["successor_expand"] = o.successor_expand;
   doc["timing"] = "TPOT = time between consecutive step-end CUDA events (host gaps included), after warm-up; "
                   "floor = (weight bytes + attended KV bytes) / measured copy bandwidth";
   doc["results"] = rows;

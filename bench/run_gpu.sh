@@ -24,6 +24,9 @@
 #                         (on a one-GPU machine both ranks on GPU 0 over CUDA IPC), with and without delta transfer)
 #                         "serve": inference_rank --device cuda dense vs --selection predicted (in-process GPU
 #                         cache rank), TPOT lines in serve_demo.txt
+#                         "fidelity": pass-key accuracy of the GPU path on the trained long-context models
+#                         (bench/fidelity/passkey_gpu.py; SPADE_FIDELITY_MODELS, SPADE_FIDELITY_BUDGETS,
+#                         SPADE_FIDELITY_ARGS)
 #   SPADE_TPOT_ARGS       extra bench_tpot arguments for every configuration (e.g. "--steps 64")
 #   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default with two GPUs "8b-b8 8b-b16 32b-b8"; with one GPU
 #                         "8b-b8-solo 8b-b16-solo 8b-b8-16k-ipc": dense / oracle baselines, each async rank alone
@@ -79,6 +82,15 @@ if [ -z "${SPADE_DATA_DIR:-}" ] && [ ! -d "${ROOT}/../shared/data" ] && [ -f "${
   export SPADE_DATA_DIR=/tmp/spade-data/data
   echo "[run_gpu] test data from build-device-deps/shared-data.tar.xz (SPADE_DATA_DIR=${SPADE_DATA_DIR})"
 fi
+# Models packed apart by device_prep.sh (build-device-models/NAME.tar, too large to travel with the dependencies):
+# unpacked into the data folder when it does not have them.
+for t in "${ROOT}"/build-device-models/*.tar "${ROOT}"/build-device-models/*.tar.xz; do
+  [ -f "$t" ] || continue
+  m="$(basename "$(basename "$t" .xz)" .tar)"
+  if [ -n "${SPADE_DATA_DIR:-}" ] && [ ! -d "${SPADE_DATA_DIR}/models/${m}" ]; then
+    tar -xf "$t" -C "${SPADE_DATA_DIR}/models" && echo "[run_gpu] model ${m} from ${t}"
+  fi
+done
 if [ -z "${SPADE_COMMIT:-}" ]; then
   SPADE_COMMIT="$(git -C "${ROOT}" rev-parse --verify -q HEAD 2>/dev/null || true)"
   if [ -n "${SPADE_COMMIT}" ] && [ -n "$(git -C "${ROOT}" status --porcelain -- kernels bench tests/kernels 2>/dev/null)" ]; then
@@ -271,6 +283,26 @@ if want bench && bench_wanted serve; then
       --local-window 64 --delta-capacity 64 2>&1 >/dev/null | sed "s/^/${sel}: /" | tee -a "${OUT}/serve.log" \
       | grep -E ': \[spade\]|error' | tee -a "${OUT}/serve_demo.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || STATUS=1
+  done
+fi
+# "fidelity": pass-key accuracy of the GPU path (bf16) on the trained long-context models (bench/fidelity/
+# passkey_gpu.py over inference_rank --device cuda): every public prompt, dense and the predicted variants at absolute
+# and fractional budgets, and the delta capacity's effect. SPADE_FIDELITY_MODELS (default "longctx-22m longctx-7m").
+if want bench && bench_wanted fidelity; then
+  IR_BIN="${BUILD}/inference_rank/inference_rank"
+  stamp="$(date -u +%Y%m%dT%H%M%SZ)"
+  for m in ${SPADE_FIDELITY_MODELS:-longctx-22m longctx-7m}; do
+    mdir="${SPADE_DATA_DIR:-${ROOT}/../shared/data}/models/${m}"
+    [ -d "${mdir}" ] || mdir="${ROOT}/models/${m}"
+    log "passkey_gpu ${m}"
+    with_deps env SPADE_COMMIT="${SPADE_COMMIT}" python3 "${ROOT}/bench/fidelity/passkey_gpu.py" --inference-rank "${IR_BIN}" \
+      --model "${mdir}" --budgets "${SPADE_FIDELITY_BUDGETS:-64,128,256,512,1024,1/8,1/16,1/32,1/64}" \
+      ${SPADE_FIDELITY_ARGS:-} --json-out "${OUT}/passkey_gpu-${m}.json" --md-out "${OUT}/passkey_gpu-${m}.md" \
+      2>&1 | tee -a "${OUT}/passkey_gpu.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || STATUS=1
+    for f in json md; do
+      [ -f "${OUT}/passkey_gpu-${m}.${f}" ] && cp "${OUT}/passkey_gpu-${m}.${f}" "${ROOT}/bench/results/passkey_gpu-${m}-${stamp}.${f}"
+    done
   done
 fi
 if want bench && bench_wanted kernels; then

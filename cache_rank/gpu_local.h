@@ -28,8 +28,8 @@ namespace spade::cache {
 
 class LocalGpuCacheRank {
  public:
-  /// `attn_cfg`: the model's attention view. `selection`: the cache rank's own knobs (query window, ridge eps, GQA
-  /// rule; budget and window come from the hello). The server thread starts in wait_ready() and waits up to
+  /// `attn_cfg`: the model's attention view. `selection`: the cache rank's own knobs (query window, predictor, ridge
+  /// eps, GQA rule, successor expansion; budget and window come from the hello). The server thread starts in wait_ready() and waits up to
   /// `hello_timeout` for the inference side's hello (GpuSparseController::send_hello), which sizes the server.
   /// `op_timeout`: the link's deadline per posted transfer. Throws spade::Error if the link cannot be set up.
   LocalGpuCacheRank(const ModelConfig& attn_cfg, SelectionConfig selection, int device,

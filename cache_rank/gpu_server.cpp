@@ -260,6 +260,7 @@ struct GpuCacheServer::State {
     pq.head_dim = D;
     pq.max_regressors = o.selection.query_window;
     pq.eps = o.selection.ridge_eps;
+    pq.kind = o.selection.predictor;
     cuda_check(kernels::predict_next_query(pq, work), "GPU cache rank: predict");
     cuda_check(cudaEventRecord(predicted[b].e, work), "predicted event");
     // 3. scores of every selectable key, per layer (score stream), into scores[b] once the selection two before
@@ -294,6 +295,7 @@ struct GpuCacheServer::State {
     tp.rows_per_batch = Hkv;
     tp.score_stride = stride;
     tp.k = k;
+    tp.successor = o.selection.successor_expand;
     cuda_check(kernels::topk_select(tp, sel), "GPU cache rank: top-k");
     // The message buffer of this parity was last sent for pack p - 2 (this step) or by the previous step.
     cuda_check(cudaStreamWaitEvent(sel, sent[g][static_cast<size_t>(p % 2)]->e, 0), "wait send");

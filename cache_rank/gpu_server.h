@@ -18,9 +18,13 @@
 // `work` (append, windows, prediction), `score` (scoring, low priority), `sel` (top-k, delta, gather, mirror resets;
 // high priority), `down` (sends); events order them (GpuCacheOptions::pipeline; without it score = sel = work).
 //
-// Differences from the CPU cache rank (cache_rank/selector.h), as on the GPU benchmark path: sink tokens are not
-// special-cased (they compete in the top-k); the selection is exact top-k on the GPU scores (bf16 keys, fp32 queries
-// split hi + lo). Errors (spade::Error naming the peer): a malformed plan, a link failure, a CUDA error. The server
+// The selection follows SelectionConfig as the CPU cache rank (cache_rank/selector.h) does: predictor kind, ridge eps,
+// query window, GQA rule, successor expansion. Differences from it, as on the GPU benchmark path: sink tokens are not
+// special-cased (they compete in the top-k, and successor expansion starts at position 0, not at the first token
+// after the sinks); one token budget for every sequence (the hello's; no per-request budget); the selection is exact
+// top-k on the GPU scores (bf16 keys, fp32 queries split hi + lo: near-ties may rank differently); a steady row with
+// more entering tokens than the delta capacity C sends the C best by their own score (selection_delta's rule, not
+// successor-expanded), the rest on later steps. Errors (spade::Error naming the peer): a malformed plan, a link failure, a CUDA error. The server
 // is then unusable (the inference rank fails its sparse sequences and goes on densely).
 #pragma once
 
@@ -47,7 +51,8 @@ struct GpuCacheOptions {
   int page_size = 16;
   int max_pages_per_seq = 0;     // ceil(max_model_len / page_size) (> 0)
   int layers_per_pack = 4;       // P
-  SelectionConfig selection;     // budget k, local window R, query window W, ridge eps, GQA rule (sinks unused)
+  SelectionConfig selection;     // budget k, local window R, query window W, predictor, ridge eps, GQA rule,
+                                 // successor expansion (sinks unused)
   int delta_capacity = 256;      // C: entries per steady row of a step (1..budget)
   // Pipelined selection: scoring (bandwidth-bound) on its own low-priority stream, top-k / delta / gather
   // (latency-bound) on a high-priority one, so one pack's top-k runs beside the next pack's scoring. Costs a second
@@ -100,7 +105,7 @@ class GpuCacheServer {
 GpuPairHello recv_gpu_hello(transport::GpuLink& link, const ModelConfig& attn_cfg, const std::string& peer,
                             std::chrono::milliseconds timeout);
 /// The server options a hello implies, on `device`. `selection` supplies the cache rank's own knobs (query window,
-/// ridge eps, GQA rule); budget and local window come from the hello.
+/// predictor, ridge eps, GQA rule, successor expansion); budget and local window come from the hello.
 GpuCacheOptions gpu_cache_options(const GpuPairHello& hello, SelectionConfig selection, int device);
 
 }  // namespace spade::cache

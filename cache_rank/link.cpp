@@ -23,7 +23,7 @@ InProcessLink::InProcessLink(const ModelConfig& cfg, const SelectionConfig& sc, 
 
 void InProcessLink::send(PackUpdate&& u) {
   ++stats_.updates;
-  done_.push_back(process_pack(sel_, u));
+  done_.push_back(process_pack(sel_, u, sampler_));
   if (mirror_) mirror_->to_delta(u, done_.back());
   stats_.cache_select_ms += done_.back().select_ms;
 }

@@ -51,6 +51,8 @@ class InProcessLink : public CacheRankLink {
   const LinkStats& stats() const override { return stats_; }
   std::string peer() const override { return "in-process cache rank"; }
   Selector& selector() { return sel_; }
+  /// Online overlap / churn sampling of every answered update (pack.h OverlapSampler); not owned, nullptr = off.
+  void set_sampler(OverlapSampler* s) { sampler_ = s; }
   /// The delta-transfer mirror, or null when `delta` was false.
   const SelectionMirror* mirror() const { return mirror_.get(); }
 
@@ -59,6 +61,7 @@ class InProcessLink : public CacheRankLink {
   std::unique_ptr<SelectionMirror> mirror_;
   std::deque<PackSelection> done_;
   LinkStats stats_;
+  OverlapSampler* sampler_ = nullptr;
 };
 
 class TransportLink : public CacheRankLink {

@@ -30,6 +30,7 @@
 #include <thread>
 
 #include "cache_rank/link.h"
+#include "cache_rank/selection_flags.h"
 #include "common/config.h"
 #include "common/error.h"
 #include "common/logging.h"
@@ -71,17 +72,13 @@ Paired rendezvous_with_inference(spade::coord::CoordinatorClient& cc, spade::coo
 
 int main(int argc, char** argv) {
   CLI::App app{"Spade cache rank: full paged KV cache, query windows, AsyncSpade token selection"};
-  std::string model_dir, log_level = "info", gqa_rule = "max";
+  std::string model_dir, log_level = "info";
   spade::cache::SelectionConfig sc;
   int kv_pages = 16384, page_size = 16, rendezvous_ms = 30000;
   spade::coord::LaunchFlags lf;
   app.add_option("--model", model_dir, "checkpoint directory (config.json is read for the shapes)")->required();
-  app.add_option("--token-budget", sc.token_budget, "selected tokens per layer and KV head")->check(CLI::PositiveNumber);
-  app.add_option("--local-window", sc.local_window, "most recent tokens the inference rank attends itself");
-  app.add_option("--sink-tokens", sc.sink_tokens, "first tokens the inference rank attends itself");
-  app.add_option("--query-window", sc.query_window, "W: queries the predictor regresses on (1..32)");
-  app.add_option("--ridge-eps", sc.ridge_eps, "ridge regularisation epsilon");
-  app.add_option("--gqa-rule", gqa_rule, "max | mean");
+  spade::cache::SelectionFlagText selection_text;
+  spade::cache::add_selection_flags(app, sc, selection_text);
   app.add_option("--kv-pages", kv_pages, "KV pool size in pages (all layers)")->check(CLI::PositiveNumber);
   app.add_option("--page-size", page_size, "tokens per page")->check(CLI::PositiveNumber);
   app.add_option("--master-addr", lf.master_addr, "coordinator host (else MASTER_ADDR)");
@@ -128,11 +125,7 @@ int main(int argc, char** argv) {
     spade::init_logging("cache_rank", log_level);
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    if (gqa_rule == "mean") {
-      sc.gqa_rule = spade::kernels::GqaScoreRule::kMean;
-    } else if (gqa_rule != "max") {
-      spade::fail("--gqa-rule must be max or mean, got '{}'", gqa_rule);
-    }
+    spade::cache::resolve_selection_flags(selection_text, sc);
     // Hybrid models (Qwen3.5): only the full-attention layers have KV, so only they are stored and selected here.
     const spade::ModelConfig cfg = spade::load_model_config(model_dir).attention_view();
     const auto env = spade::coord::LaunchEnv::resolve(lf);

@@ -249,8 +249,74 @@ PackSelection decode_selection(const uint8_t* data, size_t len, const PackShape&
   return p;
 }
 
+namespace {
+
+// |a ∩ b| for two ascending position rows of `budget` entries, each valid up to its first -1 (or `nb` for b).
+int common_positions(const int32_t* a, const int32_t* b, int budget, int nb) {
+  const int na = static_cast<int>(std::find(a, a + budget, -1) - a);
+  int i = 0, j = 0, common = 0;
+  while (i < na && j < nb) {
+    if (a[i] == b[j]) {
+      ++common, ++i, ++j;
+    } else if (a[i] < b[j]) {
+      ++i;
+    } else {
+      ++j;
+    }
+  }
+  return common;
+}
+
+// |a ∩ b| / |b| per KV head (the first `count` entries of each head's row are valid), averaged over heads.
+double overlap_ratio(const std::vector<int32_t>& pred, const LayerSelection& oracle, int heads, int budget) {
+  if (oracle.count == 0) return 1.0;
+  double sum = 0;
+  for (int h = 0; h < heads; ++h) {
+    const size_t base = static_cast<size_t>(h) * budget;
+    sum += static_cast<double>(common_positions(pred.data() + base, oracle.positions.data() + base, budget,
+                                                oracle.count)) /
+           oracle.count;
+  }
+  return sum / heads;
+}
+
+}  // namespace
+
 OverlapSampler::OverlapSampler(int every) : every_(every) {
   SPADE_CHECK(every >= 1, "overlap sampling period must be >= 1 step, got {}", every);
+}
+
+void OverlapSampler::record(int layer, const std::vector<int32_t>& pred, const LayerSelection& oracle, int budget) {
+  const int heads = static_cast<int>(oracle.positions.size() / budget);
+  if (head_stats_.size() <= static_cast<size_t>(layer)) head_stats_.resize(static_cast<size_t>(layer) + 1);
+  head_stats_[layer].resize(heads);
+  if (oracle.count == 0) return;
+  for (int h = 0; h < heads; ++h) {
+    const size_t base = static_cast<size_t>(h) * budget;
+    head_stats_[layer][h].overlap_sum +=
+        static_cast<double>(common_positions(pred.data() + base, oracle.positions.data() + base, budget,
+                                             oracle.count)) /
+        oracle.count;
+    ++head_stats_[layer][h].overlap_n;
+  }
+}
+
+void OverlapSampler::record_churn(uint64_t seq, int layer, const LayerSelection& now, int budget) {
+  auto& per_layer = previous_[seq];
+  if (per_layer.size() <= static_cast<size_t>(layer)) per_layer.resize(static_cast<size_t>(layer) + 1);
+  std::vector<int32_t>& prev = per_layer[layer];
+  const int heads = static_cast<int>(now.positions.size() / budget);
+  if (!prev.empty() && now.count > 0) {
+    if (head_stats_.size() <= static_cast<size_t>(layer)) head_stats_.resize(static_cast<size_t>(layer) + 1);
+    head_stats_[layer].resize(heads);
+    for (int h = 0; h < heads; ++h) {
+      const size_t base = static_cast<size_t>(h) * budget;
+      const int kept = common_positions(prev.data() + base, now.positions.data() + base, budget, now.count);
+      head_stats_[layer][h].churn_sum += 1.0 - static_cast<double>(kept) / now.count;
+      ++head_stats_[layer][h].churn_n;
+    }
+  }
+  prev = now.positions;
 }
 
 std::vector<double> OverlapSampler::take() {
@@ -259,33 +325,6 @@ std::vector<double> OverlapSampler::take() {
   return r;
 }
 
-namespace {
-
-// |a ∩ b| / |b| per KV head (the first `count` entries of each head's row are valid), averaged over heads.
-double overlap_ratio(const std::vector<int32_t>& pred, const LayerSelection& oracle, int heads, int budget) {
-  if (oracle.count == 0) return 1.0;
-  double sum = 0;
-  for (int h = 0; h < heads; ++h) {
-    const int32_t* a = pred.data() + static_cast<size_t>(h) * budget;
-    const int32_t* b = oracle.positions.data() + static_cast<size_t>(h) * budget;
-    const int na = static_cast<int>(std::find(a, a + budget, -1) - a);
-    // Both lists are ascending: merge-count the intersection.
-    int i = 0, j = 0, common = 0;
-    while (i < na && j < oracle.count) {
-      if (a[i] == b[j]) {
-        ++common, ++i, ++j;
-      } else if (a[i] < b[j]) {
-        ++i;
-      } else {
-        ++j;
-      }
-    }
-    sum += static_cast<double>(common) / oracle.count;
-  }
-  return sum / heads;
-}
-
-}  // namespace
 
 PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* sampler) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -295,7 +334,7 @@ PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* s
   try {
     for (uint64_t id : u.released) {
       sel.release(id);
-      if (sampler) sampler->predicted_.erase(id), sampler->predicted_len_.erase(id);
+      if (sampler) sampler->predicted_.erase(id), sampler->predicted_len_.erase(id), sampler->previous_.erase(id);
     }
     for (const SeqUpdate& e : u.seqs) {
       SeqSelection ss;
@@ -325,6 +364,7 @@ PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* s
             sel.select(e.seq_id, layer, e.context_len, q, sampler->scratch_, e.token_budget);
             const int heads = static_cast<int>(sampler->scratch_.positions.size() / cfg.token_budget);
             sampler->ratios_.push_back(overlap_ratio(it->second[layer], sampler->scratch_, heads, cfg.token_budget));
+            sampler->record(layer, it->second[layer], sampler->scratch_, cfg.token_budget);
             it->second[layer].clear();
           }
         }
@@ -334,6 +374,7 @@ PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* s
           if (per_layer.size() <= static_cast<size_t>(layer)) per_layer.resize(static_cast<size_t>(layer) + 1);
           per_layer[layer] = ss.layers[i].positions;
           sampler->predicted_len_[e.seq_id] = ss.context_len;
+          if (sampler->every_ == 1) sampler->record_churn(e.seq_id, layer, ss.layers[i], sel.config().token_budget);
         }
       }
       out.seqs.push_back(std::move(ss));

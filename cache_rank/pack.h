@@ -81,13 +81,27 @@ class OverlapSampler {
   /// Overlap ratios (0..1, one per sampled (sequence, layer)) measured since the last call.
   std::vector<double> take();
 
+  /// Running sums per (layer, KV head) since construction: the overlap ratio of each sampled prediction, and the
+  /// selection churn — the share of a sampled prediction's positions that were not in the same sequence and layer's
+  /// prediction of the step before (which sizes the delta capacity). Churn is measured only with `every` == 1.
+  struct HeadStats {
+    double overlap_sum = 0, churn_sum = 0;
+    int64_t overlap_n = 0, churn_n = 0;
+  };
+  /// [layer][KV head]; empty until something was sampled.
+  const std::vector<std::vector<HeadStats>>& head_stats() const { return head_stats_; }
+
  private:
+  void record(int layer, const std::vector<int32_t>& pred, const LayerSelection& oracle, int budget);
+  void record_churn(uint64_t seq, int layer, const LayerSelection& now, int budget);
   friend PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* sampler);
   int every_;
   std::unordered_map<uint64_t, std::vector<std::vector<int32_t>>> predicted_;  // seq -> per layer [heads*budget]
   std::unordered_map<uint64_t, int32_t> predicted_len_;  // seq -> context length the prediction is for
   std::vector<double> ratios_;
   LayerSelection scratch_;
+  std::vector<std::vector<HeadStats>> head_stats_;
+  std::unordered_map<uint64_t, std::vector<std::vector<int32_t>>> previous_;  // seq -> per layer [heads*budget]
 };
 
 /// Applies an update to the selector (release, INIT, APPEND) and selects for the next step of every sequence in it.

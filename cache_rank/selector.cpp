@@ -106,6 +106,7 @@ void Selector::predict(uint64_t seq, int layer, float* q_hat) {
   p.head_dim = cfg_.head_dim;
   p.max_regressors = sc_.query_window;
   p.eps = sc_.ridge_eps;
+  p.kind = sc_.predictor;
   kernels::predict_next_query_ref(p);
 }
 
@@ -159,6 +160,7 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
   tp.rows_per_batch = Hkv;
   tp.score_stride = n;
   tp.k = Ke;
+  tp.successor = sc_.successor_expand;
   kernels::topk_ref(tp);
   out.count = std::min(Ke, n);
   for (int h = 0; h < Hkv; ++h)
@@ -178,6 +180,81 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
   gp.head_dim = D;
   gp.page_size = alloc_.page_size();
   gp.max_pages_per_seq = max_pages;
+  gp.k = K;
+  kernels::gather_kv_ref(gp);
+}
+
+void Selector::select_pages(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out,
+                            int budget) {
+  const int Hkv = cfg_.num_kv_heads, Hq = cfg_.num_q_heads, D = cfg_.head_dim, K = sc_.token_budget;
+  const int G = Hq / Hkv, P = alloc_.page_size();
+  SPADE_CHECK(query != nullptr, "sequence {}: page selection needs the true query", seq);
+  SPADE_CHECK(budget >= 0 && budget <= K, "sequence {}: token budget {} outside [1, {}] (0 = the rank's)", seq, budget,
+              K);
+  const int Ke = budget > 0 ? budget : K;
+  const int len = alloc_.seq_len(seq);
+  const int begin = sc_.sink_tokens;
+  const int end = std::min(len, context_len - sc_.local_window);  // candidates [S, end)
+  out.positions.assign(static_cast<size_t>(Hkv) * K, -1);
+  out.k.assign(static_cast<size_t>(Hkv) * K * D, 0.f);
+  out.v.assign(static_cast<size_t>(Hkv) * K * D, 0.f);
+  out.count = 0;
+  if (end <= begin) return;
+  const auto& bt = alloc_.block_table(seq);
+  const int first_page = begin / P, last_page = (end - 1) / P, npages = last_page - first_page + 1;
+  const float* kc = k_[layer].get();
+  std::vector<float> mn(D), mx(D);
+  std::vector<std::pair<float, int>> page_scores(npages);
+  std::vector<int> counts(Hkv, 0);
+  for (int h = 0; h < Hkv; ++h) {
+    for (int pi = 0; pi < npages; ++pi) {
+      const int pg = first_page + pi;
+      const int t0 = std::max(begin, pg * P), t1 = std::min(end, (pg + 1) * P);
+      std::fill(mn.begin(), mn.end(), std::numeric_limits<float>::infinity());
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+      for (int t = t0; t < t1; ++t) {
+        const float* kr = kc + ((static_cast<size_t>(bt[t / P]) * P + t % P) * Hkv + h) * D;
+        for (int d = 0; d < D; ++d) {
+          mn[d] = std::min(mn[d], kr[d]);
+          mx[d] = std::max(mx[d], kr[d]);
+        }
+      }
+      float combined = sc_.gqa_rule == kernels::GqaScoreRule::kMax ? -std::numeric_limits<float>::infinity() : 0.f;
+      for (int g = 0; g < G; ++g) {
+        const float* q = query + static_cast<size_t>(h * G + g) * D;
+        float sc = 0.f;
+        for (int d = 0; d < D; ++d) sc += std::max(q[d] * mn[d], q[d] * mx[d]);
+        combined = sc_.gqa_rule == kernels::GqaScoreRule::kMax ? std::max(combined, sc) : combined + sc / G;
+      }
+      page_scores[pi] = {combined, pg};
+    }
+    // Best pages first (ties: earlier page), taken whole until the budget is reached (the last one cut).
+    std::sort(page_scores.begin(), page_scores.end(),
+              [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
+    std::vector<int32_t> pos;
+    for (const auto& [score, pg] : page_scores) {
+      (void)score;
+      for (int t = std::max(begin, pg * P); t < std::min(end, (pg + 1) * P) && static_cast<int>(pos.size()) < Ke; ++t)
+        pos.push_back(t);
+      if (static_cast<int>(pos.size()) >= Ke) break;
+    }
+    std::sort(pos.begin(), pos.end());
+    for (size_t j = 0; j < pos.size(); ++j) out.positions[static_cast<size_t>(h) * K + j] = pos[j];
+    counts[h] = static_cast<int>(pos.size());
+  }
+  out.count = counts[0];
+  kernels::GatherKvRefParams gp;
+  gp.k_cache = k_[layer].get();
+  gp.v_cache = v_[layer].get();
+  gp.block_table = bt.data();
+  gp.indices = out.positions.data();
+  gp.packed_k = out.k.data();
+  gp.packed_v = out.v.data();
+  gp.batch = 1;
+  gp.num_kv_heads = Hkv;
+  gp.head_dim = D;
+  gp.page_size = P;
+  gp.max_pages_per_seq = static_cast<int>(bt.size());
   gp.k = K;
   kernels::gather_kv_ref(gp);
 }

@@ -30,8 +30,12 @@ struct SelectionConfig {
   int local_window = 32;   // R: most recent tokens the inference rank attends from its own KV
   int sink_tokens = 4;     // S: first tokens the inference rank attends from its own KV
   int query_window = 8;    // W: predictor regressors (window sizes 1..W), 1..kernels::kMaxPredictorWindow
-  float ridge_eps = 1e-3f; // ε added to the Gram diagonal
+  // ε added to the Gram diagonal: relative to the regressors' mean squared norm for the ridge predictor, absolute
+  // for the paper's (kernels/selection_ref.h).
+  float ridge_eps = 1e-2f;
   kernels::GqaScoreRule gqa_rule = kernels::GqaScoreRule::kMax;
+  kernels::PredictorKind predictor = kernels::PredictorKind::kRidge;
+  bool successor_expand = true;  // a token ranks by max(own score, predecessor's score) (kernels/selection_ref.h)
 };
 
 /// Throws spade::Error naming the field when a value is out of range.
@@ -68,6 +72,14 @@ class Selector {
   /// (predict the next query from the window, Algorithm 1). `budget`: tokens per KV head for this sequence, 0 = the
   /// configured token_budget, else 1..token_budget (a request's own budget); `out` keeps the configured layout.
   void select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out, int budget = 0);
+  /// Quest-style page selection (Tang et al. 2024; the AsyncSpade paper's main peer): every page of the candidates
+  /// [S, context_len - R) is scored with `query` [q_dim] (the true query) against its per-channel min/max keys,
+  /// score = Σ_d max(q_d·min_d, q_d·max_d) combined over the GQA group by the configured rule, and the best pages
+  /// are taken until `budget` tokens (0 = token_budget) are selected; positions per KV head, ascending. Pages are
+  /// the allocator's (page_size tokens, the first and last candidate pages partial). The min/max summaries are
+  /// computed from the keys at each call (a reference: a serving Quest keeps them per page).
+  void select_pages(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out,
+                    int budget = 0);
   /// The predicted next query of (seq, layer): [q_dim] (for fidelity reports).
   void predict(uint64_t seq, int layer, float* q_hat);
   /// Forgets `seq` and frees its pages; unknown sequences are ignored.

@@ -7,9 +7,11 @@
 #       serve: the API and the coordinator's /metrics on --http-port; inference #i serves /metrics on 8100+i and cache
 #       #i on 8200+i (the ports deploy/prometheus/prometheus.yml scrapes)
 #   deploy/launch_local.sh --model DIR --prompt TEXT [--max-tokens N --temperature T --top-p P --top-k K --seed S]
-#                          [--selection dense|oracle|predicted --sparse-threshold N --token-budget K
-#                           --layers-per-pack P --local-window R --sink-tokens S --query-window W]
+#                          [--chat] [--selection dense|oracle|predicted --sparse-threshold N --token-budget K
+#                                    --layers-per-pack P --local-window R --sink-tokens S --query-window W]
 #                          [--num-inference 1 --num-cache 1]
+#       --chat: send TEXT as one user message through the coordinator's OpenAI API (/v1/chat/completions, the
+#       checkpoint's chat template) instead of as raw text through spade_submit
 # Env: SPADE_BUILD_DIR (binaries, default build/), SPADE_LOG_DIR (rank logs, default a fresh temp dir),
 #      MASTER_PORT (default: a free port).
 set -euo pipefail
@@ -18,7 +20,7 @@ build="${SPADE_BUILD_DIR:-$root/build}"
 logs="${SPADE_LOG_DIR:-$(mktemp -d /tmp/spade-cluster.XXXXXX)}"
 mkdir -p "$logs"
 
-model="" ; prompt="" ; have_prompt=0 ; n_inf=1 ; n_cache=1 ; http_port="" ; metrics=1
+model="" ; prompt="" ; have_prompt=0 ; chat=0 ; n_inf=1 ; n_cache=1 ; http_port="" ; metrics=1
 gen_flags=() ; rank_flags=() ; cache_flags=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -28,23 +30,27 @@ while [ $# -gt 0 ]; do
     --num-cache) n_cache="$2"; shift 2 ;;
     --http-port) http_port="$2"; shift 2 ;;
     --no-metrics) metrics=0; shift ;;
+    --chat) chat=1; shift ;;
     --max-tokens|--temperature|--top-p|--top-k|--seed) gen_flags+=("$1" "$2"); shift 2 ;;
-    --token-budget|--local-window|--sink-tokens|--query-window|--ridge-eps|--gqa-rule)
+    --token-budget|--local-window|--sink-tokens|--query-window|--ridge-eps|--gqa-rule|--predictor|--successor-expand)
       rank_flags+=("$1" "$2"); cache_flags+=("$1" "$2"); shift 2 ;;
     --selection|--sparse-threshold|--layers-per-pack|--selection-deadline-ms|--page-size|--max-num-seqs)
       rank_flags+=("$1" "$2"); shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "launch_local: unknown flag $1" >&2; exit 2 ;;
   esac
 done
 [ -n "$model" ] || { echo "launch_local: --model DIR is required" >&2; exit 2; }
 [ -n "$http_port" ] || { [ $have_prompt -eq 1 ] && http_port=0 || http_port=8000; }
+[ $chat -eq 0 ] || [ $have_prompt -eq 1 ] || { echo "launch_local: --chat needs --prompt" >&2; exit 2; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+[ $chat -eq 0 ] || [ "$http_port" != 0 ] || http_port="$(free_port)"  # --chat goes through the HTTP API
 for b in coordinator/coordinator inference_rank/inference_rank cache_rank/cache_rank coordinator/spade_submit; do
   [ -x "$build/$b" ] || { echo "launch_local: $build/$b not built (cmake --build $build)" >&2; exit 2; }
 done
 [ "$n_cache" -eq 0 ] || [ "$n_cache" -eq "$n_inf" ] || { echo "launch_local: --num-cache must be 0 or equal --num-inference" >&2; exit 2; }
 
-port="${MASTER_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+port="${MASTER_PORT:-$(free_port)}"
 world=$((1 + n_inf + n_cache))
 export MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" WORLD_SIZE="$world"
 export UCX_LOG_LEVEL="${UCX_LOG_LEVEL:-error}"
@@ -98,9 +104,73 @@ if [ $have_prompt -eq 0 ]; then
 fi
 
 set +e
-"$build/coordinator/spade_submit" --master-addr 127.0.0.1 --master-port "$port" --prompt "$prompt" \
-  --shutdown-after "${gen_flags[@]}"
-rc=$?
+if [ $chat -eq 0 ]; then
+  "$build/coordinator/spade_submit" --master-addr 127.0.0.1 --master-port "$port" --prompt "$prompt" \
+    --shutdown-after "${gen_flags[@]}"
+  rc=$?
+else
+  # One streamed chat completion (stdlib Python); the text goes to stdout, the [spade] line as spade_submit's to stderr.
+  python3 - "$http_port" "$prompt" "${gen_flags[@]}" <<'PY'
+import http.client, json, sys, time
+port, prompt, flags = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+names = {"--max-tokens": ("max_tokens", int), "--temperature": ("temperature", float), "--top-p": ("top_p", float),
+         "--top-k": ("top_k", int), "--seed": ("seed", int)}
+body = {"max_tokens": 128, "temperature": 0.0}  # spade_submit's defaults
+for flag, value in zip(flags[::2], flags[1::2]):
+    body[names[flag][0]] = names[flag][1](value)
+def get(path):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", path)
+    r = c.getresponse()
+    return r.status, r.read()
+deadline = time.monotonic() + 60
+while True:  # the API answers once every rank has registered
+    try:
+        if get("/ready")[0] == 200:
+            break
+    except OSError:
+        pass
+    if time.monotonic() > deadline:
+        sys.exit("launch_local: the cluster was not ready within 60 s")
+    time.sleep(0.1)
+body.update(model=json.loads(get("/v1/models")[1])["data"][0]["id"], messages=[{"role": "user", "content": prompt}],
+            stream=True, stream_options={"include_usage": True})
+c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+t0 = time.monotonic()
+c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+r = c.getresponse()
+if r.status != 200:
+    sys.exit(f"launch_local: /v1/chat/completions answered {r.status}: {r.read().decode(errors='replace')}")
+first = last = None
+usage, rc = {}, 0
+for raw in r:
+    line = raw.decode().strip()
+    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+        continue
+    ev = json.loads(line[5:])
+    if "error" in ev:
+        print(f"launch_local: request failed: {ev['error'].get('message')}", file=sys.stderr)
+        rc = 1
+    for choice in ev.get("choices") or []:
+        text = (choice.get("delta") or {}).get("content")
+        if text:
+            last = time.monotonic()
+            first = first or last
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    usage = ev.get("usage") or usage
+print()
+n = usage.get("completion_tokens", 0)
+print(f"[spade] prompt_tokens={usage.get('prompt_tokens', 0)} generated_tokens={n} "
+      f"ttft_ms={(first - t0) * 1e3 if first else 0:.3f} "
+      f"tpot_ms={(last - first) * 1e3 / (n - 1) if first and n > 1 else 0:.3f} "
+      f"tokens_per_s={n / (last - t0) if first else 0:.1f}", file=sys.stderr)
+sys.exit(rc)
+PY
+  rc=$?
+  kill "$watchdog" 2>/dev/null || true
+  kill -TERM "${pids[0]}" 2>/dev/null || true  # the coordinator shuts the cluster down (as --shutdown-after)
+fi
 set -e
 kill "$watchdog" 2>/dev/null || true
 # Let the ranks finish their clean shutdown and log their summaries.

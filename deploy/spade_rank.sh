@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
     --metrics-port-base) metrics_base="$2"; shift 2 ;;
     --served-model-name|--max-num-requests|--max-model-len|--chat-template) coord+=("$1" "$2"); shift 2 ;;
     --max-tokens|--temperature|--top-p|--top-k|--seed) gen+=("$1" "$2"); shift 2 ;;
-    --token-budget|--local-window|--sink-tokens|--query-window|--ridge-eps|--gqa-rule) inf+=("$1" "$2"); cache+=("$1" "$2"); shift 2 ;;
+    --token-budget|--local-window|--sink-tokens|--query-window|--ridge-eps|--gqa-rule|--predictor|--successor-expand) inf+=("$1" "$2"); cache+=("$1" "$2"); shift 2 ;;
     --selection|--sparse-threshold|--layers-per-pack|--selection-deadline-ms|--page-size|--max-num-seqs) inf+=("$1" "$2"); shift 2 ;;
     --overlap-sample-every|--kv-pages) cache+=("$1" "$2"); shift 2 ;;
     -h|--help) sed -n '2,17p' "$0"; exit 0 ;;

@@ -19,6 +19,7 @@
 #include <iostream>
 #include <map>
 
+#include "cache_rank/selection_flags.h"
 #include "common/chat_template.h"
 #include "common/config.h"
 #include "common/error.h"
@@ -73,19 +74,13 @@ int main(int argc, char** argv) {
   auto* serve_opt = app.add_flag("--serve", serve, "run as an inference rank of a cluster (see docs/ARCHITECTURE.md)");
   prompt_opt->excludes(serve_opt);
   // Sparse decoding (AsyncSpade).
-  std::string selection = "dense", gqa_rule = "max";
+  std::string selection = "dense";
   spade::SparseOptions so;
-  app.add_option("--selection", selection, "dense | oracle | predicted (AsyncSpade)");
+  app.add_option("--selection", selection, "dense | oracle | quest (CPU: synchronous, true query) | predicted (AsyncSpade)");
   app.add_option("--sparse-threshold", so.sparse_threshold, "context length at which decoding turns sparse")
       ->check(CLI::PositiveNumber);
-  app.add_option("--token-budget", so.selection.token_budget, "selected tokens per layer and KV head")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--local-window", so.selection.local_window, "most recent tokens always attended")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--sink-tokens", so.selection.sink_tokens, "first tokens always attended")->check(CLI::NonNegativeNumber);
-  app.add_option("--query-window", so.selection.query_window, "W: queries the predictor regresses on (1..32)");
-  app.add_option("--ridge-eps", so.selection.ridge_eps, "ridge regularisation epsilon of the predictor");
-  app.add_option("--gqa-rule", gqa_rule, "how a KV head combines its query heads' scores: max | mean");
+  spade::cache::SelectionFlagText selection_text;
+  spade::cache::add_selection_flags(app, so.selection, selection_text);
   app.add_option("--layers-per-pack", so.layers_per_pack, "layers per pack message")->check(CLI::PositiveNumber);
   int deadline_ms = 10000;
   app.add_option("--selection-deadline-ms", deadline_ms, "longest wait for a late selection")->check(CLI::PositiveNumber);
@@ -154,14 +149,7 @@ int main(int argc, char** argv) {
     spade::init_logging("inference_rank", log_level);
     so.mode = spade::parse_selection_mode(selection);
     so.selection_deadline = std::chrono::milliseconds(deadline_ms);
-    if (gqa_rule == "max") {
-      so.selection.gqa_rule = spade::kernels::GqaScoreRule::kMax;
-    } else if (gqa_rule == "mean") {
-      so.selection.gqa_rule = spade::kernels::GqaScoreRule::kMean;
-    } else {
-      spade::fail("--gqa-rule must be max or mean, got '{}'", gqa_rule);
-    }
-    spade::cache::validate(so.selection);
+    spade::cache::resolve_selection_flags(selection_text, so.selection);
     if (eo.max_context_pages > 0 && (device != "cuda" || so.mode != spade::SelectionMode::Predicted))
       spade::fail("--max-context-pages sizes the GPU cache rank's pool: it needs --device cuda and --selection "
                   "predicted (the CPU cache rank's pool is the local one)");

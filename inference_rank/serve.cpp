@@ -408,12 +408,15 @@ int run_serve(const ServeOptions& opt) {
   {
     SparseStats gs;
     cache::LinkStats gl;
+    uint64_t link_graph_replays = 0;
+#ifdef SPADE_HAVE_GPU_PATH
+    if (gpu != nullptr) link_graph_replays = gpu->link_graph_steps();
+#endif
     if (gpu_stats(gs, gl))
       spdlog::info("{}: {} steps, {} sparse sequence-steps, {} switches, {} failed, {:.1f} MB up, {:.1f} MB down, "
                    "{} KV pages dropped, {} link-step graph replays",
                    self, gs.steps, gs.sparse_seq_steps, gs.switches, gs.failed_seqs, gl.bytes_sent / 1e6,
-                   gl.bytes_received / 1e6, engine.stats().dropped_pages,
-                   gpu != nullptr ? gpu->link_graph_steps() : uint64_t{0});
+                   gl.bytes_received / 1e6, engine.stats().dropped_pages, link_graph_replays);
   }
   if (backend) {
     const SparseStats& s = backend->stats();

@@ -14,7 +14,8 @@ SelectionMode parse_selection_mode(const std::string& s) {
   if (s == "dense") return SelectionMode::Dense;
   if (s == "oracle") return SelectionMode::Oracle;
   if (s == "predicted") return SelectionMode::Predicted;
-  fail("unknown selection mode '{}' (dense | oracle | predicted)", s);
+  if (s == "quest") return SelectionMode::Quest;
+  fail("unknown selection mode '{}' (dense | oracle | predicted | quest)", s);
 }
 
 const char* selection_mode_name(SelectionMode m) {
@@ -22,6 +23,7 @@ const char* selection_mode_name(SelectionMode m) {
     case SelectionMode::Dense: return "dense";
     case SelectionMode::Oracle: return "oracle";
     case SelectionMode::Predicted: return "predicted";
+    case SelectionMode::Quest: return "quest";
   }
   return "?";
 }
@@ -37,7 +39,7 @@ SparseAttention::SparseAttention(const ModelConfig& cfg, KvCache& cache, SparseO
   expect_now_.assign(num_packs_, false);
   if (opt_.mode == SelectionMode::Predicted && !link_)
     fail("selection mode 'predicted' needs a cache rank link");
-  if (opt_.mode == SelectionMode::Oracle)
+  if (synchronous())
     oracle_ = std::make_unique<cache::InProcessLink>(cfg, opt_.selection, cache.num_pages(), cache.page_size());
 }
 
@@ -273,7 +275,7 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
     // Oracle: inline selection with the true query; the selector holds its own copy of the KV.
     const cache::LayerSelection* sel = nullptr;
     cache::LayerSelection oracle_sel;
-    if (opt_.mode == SelectionMode::Oracle && (ph == Phase::Switching || ph == Phase::Sparse)) {
+    if (synchronous() && (ph == Phase::Switching || ph == Phase::Sparse)) {
       cache::Selector& os = oracle_->selector();
       const float* qr = q + static_cast<size_t>(q0) * Q;
       if (ph == Phase::Switching) {
@@ -285,7 +287,10 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
         os.init_layer(id, layer, L, kk.data(), vv.data(), static_cast<int>(qw.size() / Q), qw.data());
       } else {
         os.append_layer(id, layer, L - 1, qr, k + static_cast<size_t>(q0) * KV, v + static_cast<size_t>(q0) * KV);
-        os.select(id, layer, L, qr, oracle_sel, s.token_budget);
+        if (opt_.mode == SelectionMode::Quest)
+          os.select_pages(id, layer, L, qr, oracle_sel, s.token_budget);
+        else
+          os.select(id, layer, L, qr, oracle_sel, s.token_budget);
         sel = &oracle_sel;
       }
     } else if (ph == Phase::Sparse) {
@@ -384,7 +389,7 @@ void SparseAttention::on_release(uint64_t seq_id) {
   seqs_.erase(it);
   if (ph == Phase::Sparse || ph == Phase::Switching) {
     if (opt_.mode == SelectionMode::Predicted) released_.push_back(seq_id);
-    if (opt_.mode == SelectionMode::Oracle) oracle_->selector().release(seq_id);
+    if (synchronous()) oracle_->selector().release(seq_id);
   }
 }
 
@@ -394,7 +399,7 @@ std::pair<int, int> SparseAttention::droppable_range(uint64_t seq_id, int seq_le
   SeqState& s = it->second;
   // Switching: the INIT ship of this step carried the whole KV; from the next step on only sinks + window are read.
   if (s.phase != Phase::Sparse && s.phase != Phase::Switching) return {0, 0};
-  if (opt_.mode == SelectionMode::Oracle) return {0, 0};  // the inline selector reads its own copy; keep it simple
+  if (synchronous()) return {0, 0};  // the inline selector reads its own copy; keep it simple
   s.dropped = true;
   return {opt_.selection.sink_tokens, seq_len + 1 - opt_.selection.local_window};
 }

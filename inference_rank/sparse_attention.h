@@ -8,6 +8,9 @@
 //   dense      full attention for everyone (the baseline; the backend only counts).
 //   oracle     synchronous token-level top-k with the TRUE current query, computed inline by an in-process
 //              selector (TOVA/Quest-style at token level): the accuracy ceiling of token selection, no overlap.
+//   quest      synchronous page-level selection with the TRUE current query (Quest, Tang et al. 2024; the paper's
+//              main peer): per page the min/max keys are scored, the best pages are attended whole up to the token
+//              budget (cache::Selector::select_pages). The same inline selector as oracle.
 //   predicted  AsyncSpade: the cache rank predicts q̂(t+1) from its query window (Algorithm 1) and sends the
 //              selection for step t+1 while the inference rank is still computing step t. If the answer for a pack
 //              is not there when that pack starts, the rank waits up to the selection deadline and counts a stall.
@@ -31,8 +34,8 @@
 
 namespace spade {
 
-enum class SelectionMode { Dense, Oracle, Predicted };
-/// "dense" | "oracle" | "predicted"; throws spade::Error listing them otherwise.
+enum class SelectionMode { Dense, Oracle, Predicted, Quest };
+/// "dense" | "oracle" | "predicted" | "quest"; throws spade::Error listing them otherwise.
 SelectionMode parse_selection_mode(const std::string& s);
 const char* selection_mode_name(SelectionMode m);
 
@@ -89,6 +92,8 @@ class SparseAttention : public AttentionBackend {
 
  private:
   enum class Phase { Dense, Switching, Sparse, Failed };
+  /// Oracle and Quest: selection inline, with the true query (no cache rank).
+  bool synchronous() const { return opt_.mode == SelectionMode::Oracle || opt_.mode == SelectionMode::Quest; }
   struct SeqState {
     Phase phase = Phase::Dense;
     std::vector<std::vector<float>> queries;  // per layer: last W+1 query rows [n, q_dim], oldest first

@@ -25,6 +25,10 @@ namespace {
 // W x W matrix serves every window size: y = L^{-1} H q_t and X = L^{-1} are prefix-consistent, and the weights of
 // window size k, w^(k) = L_k^{-T} y[:k], are prefix sums over t of X[t][i] y_t. Warp 0 does all of it in registers
 // (lane i owns row i; shuffles only), so the solve has no shared-memory round trips on its critical path.
+// The Gram matrix is built without eps; the solving warp adds eps to the diagonal when it loads the rows: eps itself
+// (kPaper), or eps times the mean of the raw diagonal, i.e. of the m regressors' squared norms (kRidge), one value
+// for every window size so the leading blocks stay nested. kPaper softmaxes each window size's weights before the
+// pooling; kRidge pools the raw weights. kLastQuery skips all of it (q_hat = Q_t).
 // =====================================================================================================================
 
 constexpr int kPredThreads = 128;
@@ -40,6 +44,7 @@ struct PredictArgs {
   double eps;
   int rows;
   int per_cta;
+  PredictorKind kind;
 };
 
 template <typename TW>
@@ -90,7 +95,7 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
     float* win = slot_win(pb);
     const int n = min(a.window_len[row / a.num_heads], a.capacity);
     if (tid == 0) ints[0] = n;
-    if (n <= 1) continue;  // uniform across the CTA
+    if (n <= 1 || a.kind == PredictorKind::kLastQuery) continue;  // uniform across the CTA
     const TW* src = static_cast<const TW*>(a.window) + static_cast<size_t>(row) * a.capacity * D;
     for (int i = tid; i < n * D; i += kPredThreads) win[(i / D) * WS + i % D] = load_f32(src + i);
     const int m = min(n - 1, a.max_reg);
@@ -128,7 +133,7 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
       if (j < 0) {
         yv[i] = s;
       } else {
-        A[i * kLd + j] = (i == j) ? s + a.eps : s;
+        A[i * kLd + j] = s;  // eps is added to the diagonal in phase 2
       }
     }
   }
@@ -141,7 +146,7 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
     double* coef = yv + kMaxPredictorWindow;
     int* ints = reinterpret_cast<int*>(yv + 2 * kMaxPredictorWindow);
     const int n = ints[0];
-    const int m = n <= 1 ? 0 : min(n - 1, a.max_reg);
+    const int m = (n <= 1 || a.kind == PredictorKind::kLastQuery) ? 0 : min(n - 1, a.max_reg);
     if (m == 0) {
       if (lane == 0) ints[1] = 0;
     } else {
@@ -150,6 +155,19 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
       double lrow[kMaxPredictorWindow];  // row `lane` of the regularised Gram, then of its Cholesky factor L
 #pragma unroll
       for (int j = 0; j < kMaxPredictorWindow; ++j) lrow[j] = (lane < m && j <= lane) ? A[lane * kLd + j] : 0.0;
+      // eps on the diagonal: absolute (kPaper), or relative to the regressors' mean squared norm (kRidge: the mean of
+      // the raw Gram diagonal over the m regressors, the same eps for every window size).
+      double eps = a.eps;
+      if (a.kind == PredictorKind::kRidge) {
+        double sq = lane < m ? A[lane * kLd + lane] : 0.0;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sq += __shfl_xor_sync(kFull, sq, off);
+        eps = a.eps * (sq / m);
+      }
+#pragma unroll
+      for (int j = 0; j < kMaxPredictorWindow; ++j) {
+        if (lane < m && j == lane) lrow[j] += eps;
+      }
       double diag_inv = 1.0;  // 1 / L[lane][lane]
       int meff = m;
       // Right-looking Cholesky. A non-positive pivot at step k drops window sizes > k (their Gram contains it).
@@ -219,35 +237,47 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
         }
         x[i] = v;
       }
-      // Softmax of each window size's weights (lane l: entries 0..l); exponentials and pooling in fp32 (the weights
-      // are in [0, 1]; the fp64 part above is where cancellation can happen).
-      double mx = -INFINITY;
+      if (a.kind == PredictorKind::kPaper) {
+        // Softmax of each window size's weights (lane l: entries 0..l); exponentials and pooling in fp32 (the weights
+        // are in [0, 1]; the fp64 part above is where cancellation can happen).
+        double mx = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < kMaxPredictorWindow; ++i) {
-        if (i <= lane) mx = fmax(mx, x[i]);
-      }
-      float e[kMaxPredictorWindow];
-      float sum = 0.f;
+        for (int i = 0; i < kMaxPredictorWindow; ++i) {
+          if (i <= lane) mx = fmax(mx, x[i]);
+        }
+        float e[kMaxPredictorWindow];
+        float sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < kMaxPredictorWindow; ++i) {
-        e[i] = (i <= lane) ? __expf(static_cast<float>(x[i] - mx)) : 0.f;
-        sum += e[i];
-      }
-      const float scale = lane < meff ? 1.f / (sum * static_cast<float>(meff)) : 0.f;
-      // Average pooling: the shifted slot n-1-i gets (1/meff) sum_{k > i} w^(k)_i = sum over lanes l >= i.
+        for (int i = 0; i < kMaxPredictorWindow; ++i) {
+          e[i] = (i <= lane) ? __expf(static_cast<float>(x[i] - mx)) : 0.f;
+          sum += e[i];
+        }
+        const float scale = lane < meff ? 1.f / (sum * static_cast<float>(meff)) : 0.f;
+        // Average pooling: the shifted slot n-1-i gets (1/meff) sum_{k > i} w^(k)_i = sum over lanes l >= i.
 #pragma unroll
-      for (int i = 0; i < kMaxPredictorWindow; ++i) {
-        float v = e[i] * scale;
+        for (int i = 0; i < kMaxPredictorWindow; ++i) {
+          float v = e[i] * scale;
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
-        if (lane == 0) coef[i] = v;
+          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
+          if (lane == 0) coef[i] = v;
+        }
+      } else {
+        // kRidge: the raw weights, pooled in fp64 (they can be large and of both signs): the shifted slot n-1-i gets
+        // (1/meff) sum_{k > i} w^(k)_i = the sum over lanes l >= i (lane l holds w^(l+1), entries i <= l).
+#pragma unroll
+        for (int i = 0; i < kMaxPredictorWindow; ++i) {
+          double v = (i <= lane && lane < meff) ? x[i] : 0.0;
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
+          if (lane == 0) coef[i] = meff > 0 ? v / static_cast<double>(meff) : 0.0;
+        }
       }
       if (lane == 0) ints[1] = meff;
     }
   }
   __syncthreads();
 
-  // Phase 3: q_hat = sum_i coef_i * Q_{t-i}  (n == 0: zeros; no regression possible: Q_t).
+  // Phase 3: q_hat = sum_i coef_i * Q_{t+1-i}  (n == 0: zeros; no regression possible or kLastQuery: Q_t).
   for (int p = 0; p < np; ++p) {
     const double* coef = slot_A(p) + kMaxPredictorWindow * kLd + kMaxPredictorWindow;
     const int* ints = reinterpret_cast<const int*>(coef + kMaxPredictorWindow);
@@ -259,8 +289,11 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
       if (n <= 0) {
         out[d] = 0.f;
       } else if (n == 1 || meff == 0) {
-        out[d] = n == 1 ? load_f32(static_cast<const TW*>(a.window) + static_cast<size_t>(row0 + p) * a.capacity * D + d)
-                        : win[(n - 1) * WS + d];
+        // n == 1 and kLastQuery did not stage the window in shared memory: Q_t from global memory.
+        out[d] = (n == 1 || a.kind == PredictorKind::kLastQuery)
+                     ? load_f32(static_cast<const TW*>(a.window) +
+                                (static_cast<size_t>(row0 + p) * a.capacity + (n - 1)) * D + d)
+                     : win[(n - 1) * WS + d];
       } else {
         double acc = 0.0;
         for (int i = 0; i < meff; ++i) acc += coef[i] * static_cast<double>(win[(n - 1 - i) * WS + d]);
@@ -518,6 +551,9 @@ cudaError_t launch_score_typed(ScoreArgs a, int batch, int page_size, int max_le
 // rows are re-read (L2) on each pass. The final pass gives each warp a contiguous segment of positions: per-warp
 // counts, a scan over the 32 warps, then an ordered walk with ballots writes the selected positions in ascending
 // order, keeping the EARLIEST threshold-equal elements (topk_ref's tie rule).
+// Successor expansion (TopkArgs::successor) only changes the key read: entry i > 0 ranks by max(key(s[i]),
+// key(s[i-1])), entry 0 by its own key. The cached load takes the predecessor's key from the previous lane (lane 0
+// reads it); the uncached path reads both scores (adjacent: the same L2 lines).
 // =====================================================================================================================
 
 constexpr int kTopkThreads = 1024;
@@ -533,6 +569,7 @@ struct TopkArgs {
   int rows_per_batch;
   int score_stride;
   int k;
+  int successor;  // rank entry i > 0 by max(key(s[i]), key(s[i-1]))
 };
 
 __device__ __forceinline__ uint32_t topk_key_dev(float x) {
@@ -562,11 +599,26 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const TopkArgs a) {
     return;
   }
   const bool cached = n <= kTopkSmemKeys;
-  if (cached) {
+  const bool succ = a.successor != 0;
+  if (cached && !succ) {
 #pragma unroll 8
     for (int i = tid; i < n; i += kTopkThreads) skeys[i] = topk_key_dev(__ldcg(s + i));
+  } else if (cached) {
+    // Every lane runs every iteration (the loop bound is CTA-uniform) so the shuffle sees the whole warp.
+#pragma unroll 8
+    for (int i0 = 0; i0 < n; i0 += kTopkThreads) {
+      const int i = i0 + tid;
+      const uint32_t own = i < n ? topk_key_dev(__ldcg(s + i)) : 0u;
+      uint32_t prev = __shfl_up_sync(0xffffffffu, own, 1);
+      if (lane == 0) prev = (i > 0 && i <= n) ? topk_key_dev(__ldcg(s + i - 1)) : 0u;
+      if (i < n) skeys[i] = i > 0 ? max(own, prev) : own;
+    }
   }
-  auto key_at = [&](int i) -> uint32_t { return cached ? skeys[i] : topk_key_dev(__ldcg(s + i)); };
+  auto key_at = [&](int i) -> uint32_t {
+    if (cached) return skeys[i];
+    const uint32_t own = topk_key_dev(__ldcg(s + i));
+    return succ && i > 0 ? max(own, topk_key_dev(__ldcg(s + i - 1))) : own;
+  };
 
   uint32_t prefix = 0;
   uint32_t mask = 0;
@@ -1088,8 +1140,11 @@ cudaError_t predict_next_query(const PredictQueryParams& p, cudaStream_t stream)
   }
   if (!(p.eps > 0.f) || !std::isfinite(p.eps)) return invalid_argument(what, "eps ", p.eps, " must be > 0");
   if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " not supported");
+  if (p.kind != PredictorKind::kRidge && p.kind != PredictorKind::kPaper && p.kind != PredictorKind::kLastQuery) {
+    return invalid_argument(what, "kind ", static_cast<int>(p.kind), " is not kRidge, kPaper or kLastQuery");
+  }
   PredictArgs a{p.window,      p.window_len,    p.q_hat, p.num_heads, p.window_capacity, p.max_regressors,
-                static_cast<double>(p.eps), 0,   1};
+                static_cast<double>(p.eps), 0,   1,       p.kind};
   const int rows = p.batch * p.num_heads;
   switch (p.window_dtype) {
     case DType::F32:
@@ -1174,7 +1229,8 @@ cudaError_t topk_select(const TopkParams& p, cudaStream_t stream) {
                             p.score_stride, " must be > 0");
   }
   if (p.k < 1) return invalid_argument(what, "k ", p.k, " must be >= 1");
-  const TopkArgs a{p.scores, p.row_lens, p.indices, p.counts, p.rows_per_batch, p.score_stride, p.k};
+  const TopkArgs a{p.scores,       p.row_lens,     p.indices, p.counts,
+                   p.rows_per_batch, p.score_stride, p.k,       p.successor ? 1 : 0};
   const cudaError_t e = topk_smem_attribute();
   if (e != cudaSuccess) return e;
   topk_kernel<<<p.batch * p.rows_per_batch, kTopkThreads, kTopkSmemBytes, stream>>>(a);

@@ -23,10 +23,14 @@
 
 namespace spade::kernels {
 
-/// Next-query prediction for a batch of (sequence, head) query windows (predict_next_query_ref's math, fp64 solve).
-/// Rows = batch * num_heads. The solve is a latency-bound fp64 chain per row; for many rows several share a CTA, so
-/// launching a whole layer pack at once (batch = layers x sequences, window_len repeated per layer) is cheaper per
-/// layer than one launch per layer (docs/KERNELS.md: 51 us for one layer of 8 x 32 rows, 183 us for six).
+/// Next-query prediction for a batch of (sequence, head) query windows: predict_next_query_ref's math (AsyncSpade
+/// Algorithm 1 as read in kernels/selection_ref.h, with its three PredictorKinds), Gram matrix and Cholesky solve in
+/// fp64. kPaper: softmax over each window size's ridge coefficients, eps absolute. kRidge: the raw coefficients, eps
+/// relative (eps * the mean squared norm of the largest window's regressors, the same for every window size).
+/// kLastQuery: q_hat = Q_t. Every kind: n == 1 -> Q_t, n == 0 -> zeros. Rows = batch * num_heads.
+/// The solve is a latency-bound fp64 chain per row; for many rows several share a CTA, so launching a whole layer
+/// pack at once (batch = layers x sequences, window_len repeated per layer) is cheaper per layer than one launch per
+/// layer (docs/KERNELS.md has the measurements).
 struct PredictQueryParams {
   DType window_dtype = DType::F32;       // F32, BF16 or F16.
   const void* window = nullptr;          // [batch, num_heads, window_capacity, head_dim] window_dtype, oldest first.
@@ -37,7 +41,8 @@ struct PredictQueryParams {
   int window_capacity = 0;   // 1..kMaxPredictorWindow + 1 slots.
   int head_dim = 0;          // any of kSupportedHeadDims.
   int max_regressors = kMaxPredictorWindow;  // W: regression window sizes 1..W (1..kMaxPredictorWindow).
-  float eps = 0.f;           // ridge epsilon (> 0), absolute (added to the Gram diagonal).
+  float eps = 0.f;           // ridge epsilon (> 0): absolute (kPaper) or relative (kRidge); unused by kLastQuery.
+  PredictorKind kind = PredictorKind::kRidge;  // predictor (kernels/selection_ref.h).
 };
 
 cudaError_t predict_next_query(const PredictQueryParams& p, cudaStream_t stream);
@@ -64,7 +69,9 @@ struct ScoreTokensParams {
 
 cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream);
 
-/// Exact top-k per score row with topk_ref's order and tie rule (radix select, one CTA per row).
+/// Exact top-k per score row with topk_ref's order and tie rule (radix select, one CTA per row); with `successor`,
+/// topk_ref's successor expansion: entry i > 0 of a row ranks by max(topk_key(s[i]), topk_key(s[i-1])), entry 0 by
+/// its own key (ties at the threshold still go to the earliest positions).
 struct TopkParams {
   const float* scores = nullptr;        // [rows, score_stride] fp32, rows = batch * rows_per_batch.
   const int32_t* row_lens = nullptr;    // [batch] int32 valid entries of each row of that sequence.
@@ -74,6 +81,7 @@ struct TopkParams {
   int rows_per_batch = 0;  // e.g. num_kv_heads.
   int score_stride = 0;
   int k = 0;               // >= 1 (any size; rows longer than 44k keys are re-read from L2 on each pass).
+  bool successor = false;  // successor expansion (kernels/selection_ref.h).
 };
 
 cudaError_t topk_select(const TopkParams& p, cudaStream_t stream);

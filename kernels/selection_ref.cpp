@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "common/error.h"
@@ -62,6 +63,23 @@ uint32_t topk_key(float x) {
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 
+PredictorKind parse_predictor_kind(const char* s) {
+  const std::string v = s != nullptr ? s : "";
+  if (v == "ridge") return PredictorKind::kRidge;
+  if (v == "paper") return PredictorKind::kPaper;
+  if (v == "last") return PredictorKind::kLastQuery;
+  fail("predictor must be ridge, paper or last, got '{}'", v);
+}
+
+const char* predictor_kind_name(PredictorKind k) {
+  switch (k) {
+    case PredictorKind::kRidge: return "ridge";
+    case PredictorKind::kPaper: return "paper";
+    case PredictorKind::kLastQuery: return "last";
+  }
+  return "?";
+}
+
 void predict_next_query_ref(const PredictQueryRefParams& p) {
   SPADE_CHECK(p.window != nullptr && p.window_len != nullptr && p.q_hat != nullptr,
               "predict_next_query_ref: window, window_len and q_hat must be set");
@@ -91,9 +109,18 @@ void predict_next_query_ref(const PredictQueryRefParams& p) {
         continue;
       }
       const float* qt = win + static_cast<size_t>(n - 1) * D;  // Q_t
-      const int m = std::min(n - 1, p.max_regressors);
+      const int m = p.kind == PredictorKind::kLastQuery ? 0 : std::min(n - 1, p.max_regressors);
       std::fill(acc.begin(), acc.end(), 0.0);
       int used = 0;
+      double eps = p.eps;
+      if (p.kind == PredictorKind::kRidge && m > 0) {  // relative: eps * mean squared norm of the m regressors
+        double sq = 0.0;
+        for (int i = 0; i < m; ++i) {
+          const float* ri = win + static_cast<size_t>(n - 2 - i) * D;
+          sq += dot_f64(ri, ri, D);
+        }
+        eps = static_cast<double>(p.eps) * (sq / m);
+      }
       for (int k = 1; k <= m; ++k) {
         // Regressors Q_{t-i}, i = 1..k, live in slot n-1-i.
         gram.assign(static_cast<size_t>(k) * k, 0.0);
@@ -105,15 +132,18 @@ void predict_next_query_ref(const PredictQueryRefParams& p) {
             gram[i * k + j] = v;
             gram[j * k + i] = v;
           }
-          gram[i * k + i] += static_cast<double>(p.eps);
+          gram[i * k + i] += eps;
           omega[i] = dot_f64(ri, qt, D);
         }
         if (!cholesky_solve(gram, k, omega)) break;  // larger windows contain this one: drop them too
-        const double mx = *std::max_element(omega.begin(), omega.end());
-        double sum = 0.0;
-        for (double& w : omega) {
-          w = std::exp(w - mx);
-          sum += w;
+        double sum = 1.0;
+        if (p.kind == PredictorKind::kPaper) {  // Eq. 3: softmax over the ridge coefficients
+          const double mx = *std::max_element(omega.begin(), omega.end());
+          sum = 0.0;
+          for (double& w : omega) {
+            w = std::exp(w - mx);
+            sum += w;
+          }
         }
         // Shifted application: weight of Q_{t-i} (i = 1..k) multiplies Q_{t+1-i} (slot n-i).
         for (int i = 0; i < k; ++i) {
@@ -188,9 +218,14 @@ void topk_ref(const TopkRefParams& p) {
       order.resize(n);
       for (int i = 0; i < n; ++i) order[i] = i;
       if (n > p.k) {
-        auto better = [s](int32_t x, int32_t y) {
-          const uint32_t kx = topk_key(s[x]);
-          const uint32_t ky = topk_key(s[y]);
+        const bool succ = p.successor;
+        auto key = [s, succ](int32_t i) {
+          const uint32_t own = topk_key(s[i]);
+          return succ && i > 0 ? std::max(own, topk_key(s[i - 1])) : own;
+        };
+        auto better = [&key](int32_t x, int32_t y) {
+          const uint32_t kx = key(x);
+          const uint32_t ky = key(y);
           return kx != ky ? kx > ky : x < y;
         };
         std::nth_element(order.begin(), order.begin() + (p.k - 1), order.end(), better);

@@ -6,6 +6,14 @@
 // All pointers are host pointers. Invalid parameters throw spade::Error naming the field.
 //
 // ---- Next-query predictor (predict_next_query_ref) ----
+// Three predictors (PredictorKind). kPaper is Algorithm 1 as read below. kRidge (the default of the runtime) is the
+// same nested ridge regressions and shifted application WITHOUT the softmax (the raw ridge coefficients weight the
+// shifted window) and with eps RELATIVE to the regressors' scale: eps' = eps * (1/m) sum_{i=1..m} |Q_{t-i}|^2, one
+// eps' for every window size (so the Gram matrices stay nested leading blocks). Why: the softmax is taken over ridge
+// coefficients of magnitude ~0.2, so it is nearly uniform and turns the prediction into a moving average of the last
+// W queries that drifts toward the head's mean as W grows; and an absolute eps of 1e-3 against |q|^2 ~ 1e2 is no
+// regularisation once the softmax is gone (docs/FIDELITY.md has the measurements). kLastQuery returns Q_t (no
+// prediction: the one-step-stale true query).
 // Per (sequence, head) the window holds the n most recent query states, oldest first: slot n-1 is the current
 // query Q_t, slot n-1-i is Q_{t-i}. With m = min(n - 1, W) regressors, for every window size k = 1..m:
 //   1. regressors Q_{t-1}, ..., Q_{t-k} (the k queries before Q_t), target Q_t;
@@ -30,7 +38,7 @@
 //     weights applied to the one-token-shifted window that ends at Q_t. We implement Sec. 4.2 (one solve per k);
 //     the CUDA kernel shares one Cholesky factor across k (the Gram matrices are nested leading blocks when the
 //     regressors are ordered newest first), which is the same math.
-//   * eps is absolute (added to the Gram diagonal as in Algorithm 1 line 14), not scaled by the query norms.
+//   * kPaper: eps is absolute (added to the Gram diagonal as in Algorithm 1 line 14), not scaled by the query norms.
 //
 // ---- Scoring (score_tokens_ref) ----
 // score[b][kvh][t] = combine_{h in GQA group of kvh} ( qhat[b][h] . K[b][t][kvh] ) for t < num_tokens[b], raw dot
@@ -44,6 +52,10 @@
 // (topk_key(score) descending, position ascending), i.e. ties at the threshold go to the EARLIER positions; output
 // sorted by position ascending; if n <= k all n positions are returned and the rest of the row is -1.
 // topk_key maps fp32 to an order-preserving uint32 (-0.0 < +0.0; every NaN ranks lowest, as key 0).
+// Successor expansion (TopkRefParams::successor): entry i > 0 of a row ranks by max(key(s[i]), key(s[i-1])), entry 0
+// by its own key — a token whose predecessor scores high is selected with it. A retrieval / induction head that read
+// position p at step t reads p + 1 at step t + 1, with a query that depends on the token sampled at t, which the
+// cache rank never sees; a one-step-stale token-level selection misses p + 1, page-level selection gets it for free.
 //
 // ---- Gather (gather_kv_ref) ----
 // packed_k[b][kvh][i] = K[b][indices[b][kvh][i]][kvh] (likewise V) for i < k; index -1 gives a zero row.
@@ -55,6 +67,12 @@ namespace spade::kernels {
 
 /// Most regressors (window sizes) of the predictor; the window buffer holds up to kMaxPredictorWindow + 1 queries.
 inline constexpr int kMaxPredictorWindow = 32;
+
+/// How the next query is predicted from the query window (see the header comment).
+enum class PredictorKind : uint8_t { kRidge = 0, kPaper = 1, kLastQuery = 2 };
+/// "ridge" | "paper" | "last"; throws spade::Error listing them otherwise.
+PredictorKind parse_predictor_kind(const char* s);
+const char* predictor_kind_name(PredictorKind k);
 
 /// How a KV head combines the scores of its GQA group's query heads (see the header comment).
 enum class GqaScoreRule : uint8_t { kMax = 0, kMean = 1 };
@@ -68,7 +86,8 @@ struct PredictQueryRefParams {
   int window_capacity = 0;               // 1..kMaxPredictorWindow + 1.
   int head_dim = 0;
   int max_regressors = kMaxPredictorWindow;  // W in 1..kMaxPredictorWindow.
-  float eps = 0.f;                       // ridge epsilon, > 0.
+  float eps = 0.f;                       // ridge epsilon, > 0 (absolute for kPaper, relative for kRidge).
+  PredictorKind kind = PredictorKind::kRidge;
 };
 
 /// AsyncSpade next-query prediction (see the header comment for the exact math).
@@ -102,6 +121,7 @@ struct TopkRefParams {
   int rows_per_batch = 0;
   int score_stride = 0;
   int k = 0;                          // >= 1.
+  bool successor = false;             // successor expansion (see the header comment)
 };
 
 /// Exact top-k per row with the documented tie rule.

@@ -311,6 +311,10 @@ cache::SelectionConfig selection_config(const Variant& v, int token_budget) {
   sc.query_window = v.W;
   sc.ridge_eps = v.eps;
   sc.gqa_rule = v.rule;
+  // This report measures AsyncSpade's Algorithm 1 with plain token top-k (its own probe re-implements that top-k);
+  // the runtime's default predictor and successor expansion are measured by passkey_fidelity.
+  sc.predictor = kernels::PredictorKind::kPaper;
+  sc.successor_expand = false;
   return sc;
 }
 

@@ -36,6 +36,7 @@ TEST(Selector, OracleSelectsHighestScoringCandidatesOnly) {
   sc.token_budget = 5;
   sc.sink_tokens = 2;
   sc.local_window = 4;
+  sc.successor_expand = false;  // plain exact top-k (the expansion: SuccessorExpansionBringsTheNextToken)
   Selector sel(c, sc, 16, 4);
   std::mt19937 g(1);
   const int L = 30;
@@ -67,6 +68,79 @@ TEST(Selector, OracleSelectsHighestScoringCandidatesOnly) {
       EXPECT_EQ(out.v[(h * 5 + i) * c.head_dim + 3], v[(t * c.num_kv_heads + h) * c.head_dim + 3]);
     }
   }
+}
+
+TEST(Selector, SuccessorExpansionBringsTheNextToken) {
+  const ModelConfig c = small_cfg();
+  SelectionConfig sc;
+  sc.token_budget = 2;
+  sc.sink_tokens = 0;
+  sc.local_window = 4;
+  Selector sel(c, sc, 16, 4);
+  const int L = 30;
+  // Keys all zero except position 11, which matches the query: the expansion selects {11, 12}.
+  std::vector<float> k(static_cast<size_t>(L) * c.kv_dim(), 0.f), v(k.size(), 1.f), q(c.q_dim(), 1.f);
+  for (int d = 0; d < c.kv_dim(); ++d) k[11 * c.kv_dim() + d] = 1.f;
+  sel.init_layer(3, 0, L, k.data(), v.data(), 1, q.data());
+  LayerSelection out;
+  sel.select(3, 0, L, q.data(), out);
+  ASSERT_EQ(out.count, 2);
+  for (int h = 0; h < c.num_kv_heads; ++h) {
+    EXPECT_EQ(out.positions[h * 2], 11);
+    EXPECT_EQ(out.positions[h * 2 + 1], 12);
+  }
+}
+
+TEST(Selector, QuestPagesMatchBruteForceBoundsAndFillTheBudget) {
+  const ModelConfig c = small_cfg();
+  SelectionConfig sc;
+  sc.token_budget = 10;
+  sc.sink_tokens = 2;
+  sc.local_window = 4;
+  const int P = 4, L = 38;  // candidates [2, 34): pages 0 (partial: 2..3) to 8 (32..33)
+  Selector sel(c, sc, 16, P);
+  std::mt19937 g(4);
+  auto k = randn(static_cast<size_t>(L) * c.kv_dim(), g), v = randn(k.size(), g), q = randn(c.q_dim(), g);
+  sel.init_layer(9, 0, L, k.data(), v.data(), 1, q.data());
+  LayerSelection out;
+  sel.select_pages(9, 0, L, q.data(), out);
+  ASSERT_EQ(out.count, 10);
+  const int G = c.num_q_heads / c.num_kv_heads, D = c.head_dim;
+  for (int h = 0; h < c.num_kv_heads; ++h) {
+    // Brute force: the Quest bound of every page over its candidate tokens, max over the group.
+    std::vector<std::pair<float, int>> pages;
+    for (int pg = 0; pg * P < L - sc.local_window; ++pg) {
+      const int t0 = std::max(sc.sink_tokens, pg * P), t1 = std::min(L - sc.local_window, (pg + 1) * P);
+      float best = -1e30f;
+      for (int qh = h * G; qh < (h + 1) * G; ++qh) {
+        float s = 0;
+        for (int d = 0; d < D; ++d) {
+          float mn = 1e30f, mx = -1e30f;
+          for (int t = t0; t < t1; ++t) {
+            const float x = k[(t * c.num_kv_heads + h) * D + d];
+            mn = std::min(mn, x), mx = std::max(mx, x);
+          }
+          const float qd = q[qh * D + d];
+          s += std::max(qd * mn, qd * mx);
+        }
+        best = std::max(best, s);
+      }
+      pages.push_back({-best, pg});
+    }
+    std::sort(pages.begin(), pages.end());
+    std::vector<int> want;
+    for (const auto& [neg, pg] : pages) {
+      for (int t = std::max(sc.sink_tokens, pg * P); t < std::min(L - sc.local_window, (pg + 1) * P); ++t)
+        if (static_cast<int>(want.size()) < sc.token_budget) want.push_back(t);
+    }
+    std::sort(want.begin(), want.end());
+    std::vector<int> got(out.positions.begin() + h * sc.token_budget, out.positions.begin() + (h + 1) * sc.token_budget);
+    EXPECT_EQ(got, want) << "kv head " << h;
+    // The gathered rows are the selected tokens' K.
+    for (int j = 0; j < out.count; ++j)
+      EXPECT_EQ(out.k[(static_cast<size_t>(h) * sc.token_budget + j) * D], k[(got[j] * c.num_kv_heads + h) * D]);
+  }
+  EXPECT_THROW(sel.select_pages(9, 0, L, nullptr, out), Error);
 }
 
 TEST(Selector, FullBudgetReturnsEveryCandidateAndAppendGrows) {

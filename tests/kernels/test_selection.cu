@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <limits>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <set>
 #include <string>
@@ -24,9 +25,10 @@ using spade::test::PagedCache;
 
 // ---- predictor ----
 
-void run_predict(DType wdtype, int D, int heads, const std::vector<int>& lens, int cap, int max_reg, float eps,
-                 bool constant_rows, uint64_t seed) {
-  SCOPED_TRACE("D=" + std::to_string(D) + " cap=" + std::to_string(cap) + " W=" + std::to_string(max_reg));
+void run_predict(PredictorKind kind, DType wdtype, int D, int heads, const std::vector<int>& lens, int cap,
+                 int max_reg, float eps, bool constant_rows, uint64_t seed) {
+  SCOPED_TRACE(std::string(predictor_kind_name(kind)) + " D=" + std::to_string(D) + " cap=" + std::to_string(cap) +
+               " W=" + std::to_string(max_reg) + " eps=" + std::to_string(eps));
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   const int batch = static_cast<int>(lens.size());
@@ -65,6 +67,7 @@ void run_predict(DType wdtype, int D, int heads, const std::vector<int>& lens, i
   rp.head_dim = D;
   rp.max_regressors = max_reg;
   rp.eps = eps;
+  rp.kind = kind;
   predict_next_query_ref(rp);
 
   DevBuf<int32_t> d_lens;
@@ -82,36 +85,140 @@ void run_predict(DType wdtype, int D, int heads, const std::vector<int>& lens, i
   p.head_dim = D;
   p.max_regressors = max_reg;
   p.eps = eps;
+  p.kind = kind;
   SPADE_CUDA_OK(predict_next_query(p, nullptr));
   SPADE_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<float> got = out.download();
   for (size_t r = 0; r < static_cast<size_t>(batch) * heads; ++r) {
+    const int n = lens[r / heads];
     double num = 0.0, den = 0.0;
     for (int d = 0; d < D; ++d) {
       const float g = got[r * D + d];
-      ASSERT_TRUE(std::isfinite(g)) << "row " << r;
+      ASSERT_TRUE(std::isfinite(g)) << "row " << r << " window length " << n;
       num += (g - ref[r * D + d]) * (g - ref[r * D + d]);
       den += static_cast<double>(ref[r * D + d]) * ref[r * D + d];
     }
     if (den == 0.0) {
-      EXPECT_EQ(num, 0.0) << "row " << r;
+      EXPECT_EQ(num, 0.0) << "row " << r << " window length " << n;
     } else {
-      EXPECT_LE(std::sqrt(num / den), 1e-5) << "row " << r;
+      EXPECT_LE(std::sqrt(num / den), 1e-5) << "row " << r << " window length " << n;
+    }
+    // No regression possible, or the last-query predictor: exactly Q_t (the window's slot n - 1).
+    if (n >= 1 && (n == 1 || kind == PredictorKind::kLastQuery)) {
+      for (int d = 0; d < D; ++d)
+        ASSERT_EQ(got[r * D + d], win[(r * cap + n - 1) * D + d]) << "row " << r << " d " << d;
     }
   }
 }
 
 TEST(PredictGpu, F32D128FullAndPartialWindows) {
-  run_predict(DType::F32, 128, 5, {33, 17, 2, 1, 0}, 33, 32, 1e-3f, false, 51);
+  run_predict(PredictorKind::kPaper, DType::F32, 128, 5, {33, 17, 2, 1, 0}, 33, 32, 1e-3f, false, 51);
 }
-TEST(PredictGpu, Bf16D64W8) { run_predict(DType::BF16, 64, 4, {33, 9, 20}, 33, 8, 1e-2f, false, 52); }
-TEST(PredictGpu, Fp16D256Cap12) { run_predict(DType::F16, 256, 3, {12, 5}, 12, 32, 1e-3f, false, 53); }
-TEST(PredictGpu, ConstantWindowSingularGram) { run_predict(DType::F32, 128, 2, {33, 10}, 33, 32, 1e-4f, true, 54); }
+TEST(PredictGpu, Bf16D64W8) { run_predict(PredictorKind::kPaper, DType::BF16, 64, 4, {33, 9, 20}, 33, 8, 1e-2f, false, 52); }
+TEST(PredictGpu, Fp16D256Cap12) {
+  run_predict(PredictorKind::kPaper, DType::F16, 256, 3, {12, 5}, 12, 32, 1e-3f, false, 53);
+}
+TEST(PredictGpu, ConstantWindowSingularGram) {
+  run_predict(PredictorKind::kPaper, DType::F32, 128, 2, {33, 10}, 33, 32, 1e-4f, true, 54);
+}
 TEST(PredictGpu, ManyRowsSeveralPerCta) {
   // 24 x 32 = 768 rows: more than two CTAs per SM, so the launcher packs several problems per CTA.
   std::vector<int> lens;
   for (int b = 0; b < 24; ++b) lens.push_back(std::vector<int>{33, 0, 1, 2, 17, 33, 5, 32}[b % 8]);
-  run_predict(DType::BF16, 128, 32, lens, 33, 32, 1e-3f, false, 55);
+  run_predict(PredictorKind::kPaper, DType::BF16, 128, 32, lens, 33, 32, 1e-3f, false, 55);
+}
+
+// Every predictor kind against predict_next_query_ref: window lengths 0..33 (capacity 33), W in {1, 8, 32}; kRidge
+// over relative eps from 1e-4 to 1 (1e-2 is the cache rank's default), kPaper with absolute eps; every dtype and
+// head_dim; constant windows (a singular Gram without eps); many rows (several problems per CTA).
+struct PredictCase {
+  PredictorKind kind = PredictorKind::kRidge;
+  float eps = 1e-2f;
+  int W = 8;
+  DType dtype = DType::BF16;
+  int D = 128;
+  bool constant_rows = false;
+  bool many_rows = false;
+};
+
+std::string predict_case_name(const ::testing::TestParamInfo<PredictCase>& info) {
+  const PredictCase& c = info.param;
+  char eps[32];
+  std::snprintf(eps, sizeof(eps), "%.0e", static_cast<double>(c.eps));
+  std::string e = eps;
+  for (char& ch : e) ch = ch == '-' ? 'm' : (ch == '+' ? 'p' : ch);
+  const char* dt = c.dtype == DType::F32 ? "f32" : spade::test::dtype_str(c.dtype);
+  return std::string(predictor_kind_name(c.kind)) + "_eps" + e + "_W" + std::to_string(c.W) + "_" + dt + "_D" +
+         std::to_string(c.D) + (c.constant_rows ? "_constant" : "") + (c.many_rows ? "_manyrows" : "");
+}
+
+void PrintTo(const PredictCase& c, std::ostream* os) { *os << predict_case_name({c, 0}); }
+
+PredictCase predict_case(PredictorKind kind, float eps, int W, DType dtype = DType::BF16, int D = 128,
+                         bool constant_rows = false, bool many_rows = false) {
+  PredictCase c;
+  c.kind = kind;
+  c.eps = eps;
+  c.W = W;
+  c.dtype = dtype;
+  c.D = D;
+  c.constant_rows = constant_rows;
+  c.many_rows = many_rows;
+  return c;
+}
+
+std::vector<PredictCase> predict_cases() {
+  std::vector<PredictCase> v;
+  for (int W : {1, 8, 32}) {
+    for (float eps : {1e-4f, 1e-3f, 1e-2f, 1e-1f, 1.f}) v.push_back(predict_case(PredictorKind::kRidge, eps, W));
+    for (float eps : {1e-3f, 1e-2f}) v.push_back(predict_case(PredictorKind::kPaper, eps, W));
+    v.push_back(predict_case(PredictorKind::kLastQuery, 1e-2f, W));
+  }
+  for (PredictorKind kind : {PredictorKind::kRidge, PredictorKind::kPaper, PredictorKind::kLastQuery}) {
+    v.push_back(predict_case(kind, 1e-2f, 32, DType::F32, 64));
+    v.push_back(predict_case(kind, 1e-2f, 8, DType::F16, 256));
+    v.push_back(predict_case(kind, 1e-4f, 32, DType::F32, 128, /*constant_rows=*/true));
+    v.push_back(predict_case(kind, 1e-2f, 32, DType::BF16, 128, false, /*many_rows=*/true));
+  }
+  return v;
+}
+
+class PredictKinds : public ::testing::TestWithParam<PredictCase> {};
+
+TEST_P(PredictKinds, MatchesReference) {
+  const PredictCase& c = GetParam();
+  std::vector<int> lens;
+  int heads = 3;
+  if (c.many_rows) {  // 24 x 32 = 768 rows: several problems per CTA
+    for (int b = 0; b < 24; ++b) lens.push_back(std::vector<int>{33, 0, 1, 2, 17, 33, 5, 32}[b % 8]);
+    heads = 32;
+  } else {
+    for (int n = 0; n <= kMaxPredictorWindow + 1; ++n) lens.push_back(n);  // every window length 0..33
+  }
+  run_predict(c.kind, c.dtype, c.D, heads, lens, kMaxPredictorWindow + 1, c.W, c.eps, c.constant_rows,
+              1000 + static_cast<uint64_t>(c.W) * 7 + static_cast<uint64_t>(c.D));
+}
+
+INSTANTIATE_TEST_SUITE_P(PredictGpu, PredictKinds, ::testing::ValuesIn(predict_cases()), predict_case_name);
+
+TEST(PredictGpu, DefaultKindIsRidgeAndAnUnknownKindIsRefused) {
+  PredictQueryParams p;
+  EXPECT_EQ(p.kind, PredictorKind::kRidge);  // the runtime's default, as PredictQueryRefParams
+  DevBuf<float> win(static_cast<size_t>(2) * 128), out(128);
+  DevBuf<int32_t> lens;
+  lens.upload(std::vector<int32_t>{2});
+  p.window = win.get();
+  p.window_len = lens.get();
+  p.q_hat = out.get();
+  p.batch = 1;
+  p.num_heads = 1;
+  p.window_capacity = 2;
+  p.head_dim = 128;
+  p.max_regressors = 1;
+  p.eps = 1e-2f;
+  p.kind = static_cast<PredictorKind>(7);
+  EXPECT_EQ(predict_next_query(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("kind"), std::string::npos);
 }
 
 // ---- scoring ----
@@ -200,8 +307,9 @@ TEST(ScoreGpu, LongBf16D128Page16Group4) { run_score(DType::BF16, 128, 16, 8, 2,
 // ---- top-k ----
 
 void run_topk(const std::vector<int>& lens, int rows_per_batch, int k, int distinct_levels, bool specials,
-              uint64_t seed) {
-  SCOPED_TRACE("k=" + std::to_string(k) + " levels=" + std::to_string(distinct_levels));
+              uint64_t seed, bool successor = false) {
+  SCOPED_TRACE("k=" + std::to_string(k) + " levels=" + std::to_string(distinct_levels) +
+               (successor ? " successor" : ""));
   std::mt19937_64 rng(seed);
   const int batch = static_cast<int>(lens.size());
   const int stride = *std::max_element(lens.begin(), lens.end()) + 3;
@@ -228,6 +336,7 @@ void run_topk(const std::vector<int>& lens, int rows_per_batch, int k, int disti
   rp.rows_per_batch = rows_per_batch;
   rp.score_stride = stride;
   rp.k = k;
+  rp.successor = successor;
   topk_ref(rp);
 
   DevBuf<float> d_s;
@@ -245,6 +354,7 @@ void run_topk(const std::vector<int>& lens, int rows_per_batch, int k, int disti
   p.rows_per_batch = rows_per_batch;
   p.score_stride = stride;
   p.k = k;
+  p.successor = successor;
   SPADE_CUDA_OK(topk_select(p, nullptr));
   SPADE_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_EQ(cnt.download(), ref_cnt);
@@ -259,6 +369,117 @@ TEST(TopkGpu, HeavyTiesAndSpecials) { run_topk({20000, 4096, 9000}, 2, 4096, 16,
 TEST(TopkGpu, SmallK) { run_topk({1000, 33}, 4, 1, 0, true, 73); }
 TEST(TopkGpu, AllEqual) { run_topk({3000}, 1, 700, 1, false, 74); }
 TEST(TopkGpu, LongRows256k) { run_topk({262144, 200000}, 2, 4096, 0, false, 75); }
+
+// Successor expansion (entry i > 0 ranks by max(key(s[i]), key(s[i-1]))) against topk_ref. The cases cover rows with
+// n <= k (every position, no ranking), rows shorter than a warp and not a multiple of 32 (the cached load's
+// predecessor shuffle), heavy ties and NaN / signed zeros / infinities, rows at the shared-memory cache size
+// (44 * 1024 keys) and just past it (the uncached re-reads), and isolated peaks (sparse high scores, where the
+// expansion decides most of the selection).
+struct TopkCase {
+  std::vector<int> lens;
+  int rows_per_batch = 1;
+  int k = 1;
+  int levels = 0;  // 0: distinct normal scores; else integer levels (ties)
+  bool specials = false;
+  bool peaks = false;
+};
+
+std::string topk_case_name(const ::testing::TestParamInfo<TopkCase>& info) {
+  const TopkCase& c = info.param;
+  std::string name = "len";
+  for (size_t i = 0; i < c.lens.size(); ++i) name += (i > 0 ? "_" : "") + std::to_string(c.lens[i]);
+  name += "_rows" + std::to_string(c.rows_per_batch) + "_k" + std::to_string(c.k) + "_levels" +
+          std::to_string(c.levels);
+  if (c.specials) name += "_specials";
+  if (c.peaks) name += "_peaks";
+  return name;
+}
+
+void PrintTo(const TopkCase& c, std::ostream* os) { *os << topk_case_name({c, 0}); }
+
+TopkCase topk_case(std::vector<int> lens, int rows_per_batch, int k, int levels, bool specials, bool peaks = false) {
+  TopkCase c;
+  c.lens = std::move(lens);
+  c.rows_per_batch = rows_per_batch;
+  c.k = k;
+  c.levels = levels;
+  c.specials = specials;
+  c.peaks = peaks;
+  return c;
+}
+
+class TopkSuccessor : public ::testing::TestWithParam<TopkCase> {};
+
+TEST_P(TopkSuccessor, MatchesReference) {
+  const TopkCase& c = GetParam();
+  const uint64_t seed = 700 + static_cast<uint64_t>(c.k) + static_cast<uint64_t>(c.lens[0]);
+  if (!c.peaks) {
+    run_topk(c.lens, c.rows_per_batch, c.k, c.levels, c.specials, seed, /*successor=*/true);
+    return;
+  }
+  // Peaks: 1 % of the positions score high, the rest low (levels > 0: the peaks tie among themselves).
+  std::mt19937_64 rng(seed);
+  const int batch = static_cast<int>(c.lens.size());
+  const int stride = *std::max_element(c.lens.begin(), c.lens.end()) + 1;
+  std::vector<float> s(static_cast<size_t>(batch) * c.rows_per_batch * stride);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> u(0.f, 1.f);
+  for (float& x : s) x = u(rng) < 0.01f ? (c.levels > 0 ? 100.f : 100.f + nd(rng)) : nd(rng);
+  const size_t rows = static_cast<size_t>(batch) * c.rows_per_batch;
+  std::vector<int32_t> ref(rows * c.k);
+  TopkRefParams rp;
+  rp.scores = s.data();
+  rp.row_lens = c.lens.data();
+  rp.indices = ref.data();
+  rp.batch = batch;
+  rp.rows_per_batch = c.rows_per_batch;
+  rp.score_stride = stride;
+  rp.k = c.k;
+  rp.successor = true;
+  topk_ref(rp);
+  DevBuf<float> d_s;
+  d_s.upload(s);
+  DevBuf<int32_t> d_lens, idx(ref.size());
+  d_lens.upload(std::vector<int32_t>(c.lens.begin(), c.lens.end()));
+  idx.poison();
+  TopkParams p;
+  p.scores = d_s.get();
+  p.row_lens = d_lens.get();
+  p.indices = idx.get();
+  p.batch = batch;
+  p.rows_per_batch = c.rows_per_batch;
+  p.score_stride = stride;
+  p.k = c.k;
+  p.successor = true;
+  SPADE_CUDA_OK(topk_select(p, nullptr));
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t> got = idx.download();
+  for (size_t r = 0; r < rows; ++r) {
+    for (int i = 0; i < c.k; ++i) ASSERT_EQ(got[r * c.k + i], ref[r * c.k + i]) << "row " << r << " slot " << i;
+  }
+  // The expansion took every peak's successor (k >= 2 x peaks in these rows).
+  for (size_t r = 0; r < rows; ++r) {
+    const int n = c.lens[r / c.rows_per_batch];
+    if (n <= c.k) continue;
+    const std::set<int32_t> sel(got.begin() + static_cast<long>(r * c.k), got.begin() + static_cast<long>((r + 1) * c.k));
+    for (int i = 0; i + 1 < n; ++i) {
+      if (s[r * stride + i] >= 50.f) EXPECT_EQ(sel.count(i + 1), 1u) << "row " << r << ": successor of peak " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    TopkGpu, TopkSuccessor,
+    ::testing::Values(topk_case({1, 100, 5000, 32768}, 3, 2048, 0, false),  // n <= k rows beside long ones
+                      topk_case({20000, 4096, 9000}, 2, 4096, 16, true),    // heavy ties, specials, n == k
+                      topk_case({1000, 33, 37, 5}, 4, 1, 0, true),          // k = 1; rows shorter than a warp
+                      topk_case({1025, 31}, 2, 7, 2, false),                // two levels; one lane past a pass
+                      topk_case({3000}, 1, 700, 1, false),                  // all equal
+                      topk_case({45056, 45057}, 2, 3000, 8, true),          // at / past the cache size, ties
+                      topk_case({262144, 200000}, 2, 4096, 0, false),       // long rows: the uncached path
+                      topk_case({60000, 8000}, 2, 2048, 0, false, true),    // distinct peaks, both paths
+                      topk_case({50000, 9000}, 2, 1500, 1, false, true)),   // tied peaks, both paths
+    topk_case_name);
 
 // ---- gather ----
 

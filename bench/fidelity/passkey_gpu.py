@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Pass-key fidelity of the GPU path (bf16): the same prompts and table as passkey_fidelity (the CPU path), run
+through `inference_rank --device cuda` — the GPU model, the GPU cache rank in the same process over CUDA IPC, CUDA
+graphs — with greedy decoding.
+
+The GPU cache rank's token budget is one per run (the pair hello), so prompts are grouped by size (1000 / 2000 /
+4000 / 7600 bytes) and a fractional budget is resolved against the largest prompt of the group (rounded up). The GPU
+path has dense and predicted selection only (oracle and Quest are the CPU path's, passkey_fidelity).
+
+Variants: NAME=flags, the flags passed to inference_rank as they are, e.g.
+    predicted="--selection predicted"
+    paper="--selection predicted --predictor paper --ridge-eps 1e-3 --successor-expand false"
+    last="--selection predicted --predictor last --successor-expand false"
+    delta32="--selection predicted --delta-capacity 32"
+
+Writes a JSON (device, date, commit, every reply) and a Markdown table; with --min-accuracy VARIANT=FRACTION it exits 1
+when a variant answers fewer prompts than that (the gpu test's assertion).
+
+  bench/fidelity/passkey_gpu.py --inference-rank build-gpu/inference_rank/inference_rank \
+      --model DATA/models/longctx-22m --budgets 64,128,1/16,1/32 --json-out X.json --md-out X.md
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+DEFAULT_VARIANTS = [
+    ("dense", "--selection dense"),
+    ("predicted", "--selection predicted"),
+    ("paper", "--selection predicted --predictor paper --ridge-eps 1e-3 --successor-expand false"),
+    ("last", "--selection predicted --predictor last --successor-expand false"),
+]
+
+
+def chat_tokens(prompt):
+    # The byte-level longctx tokenizer with its ChatML template: "<|im_start|>user\n" + prompt + "<|im_end|>\n" +
+    # "<|im_start|>assistant\n", one token per byte plus the three special tokens.
+    return len(prompt.encode()) + 19
+
+
+def parse_budget(s):
+    if "/" in s:
+        a, b = s.split("/")
+        return None, float(a) / float(b)
+    return int(s), None
+
+
+def run_group(args, flags, prompts, budget):
+    cmd = [args.inference_rank, "--model", args.model, "--device", args.device, "--chat", "--temperature", "0",
+           "--max-tokens", str(args.max_new_tokens), "--sparse-threshold", str(args.sparse_threshold),
+           "--layers-per-pack", str(args.layers_per_pack), "--max-num-seqs", str(len(prompts)),
+           "--max-num-batched-tokens", "8192", "--kv-cache-gib", "16", "--log-level", "warn"]
+    if budget:
+        cmd += ["--token-budget", str(budget)]
+    cmd += shlex.split(flags)
+    for p in prompts:
+        cmd += ["--prompt", p["prompt"]]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if r.returncode != 0:
+        sys.stderr.write(r.stderr[-4000:])
+        raise RuntimeError(f"inference_rank failed ({r.returncode}): {flags} budget {budget}")
+    # "=== prompt i ===\n<text>\n" per prompt (batched output of inference_rank).
+    parts = re.split(r"^=== prompt (\d+) ===\n", r.stdout, flags=re.M)
+    replies = {}
+    for i in range(1, len(parts), 2):
+        replies[int(parts[i])] = parts[i + 1].rstrip("\n")
+    if len(replies) != len(prompts):
+        raise RuntimeError(f"{len(replies)} replies for {len(prompts)} prompts: {flags}")
+    stats = [l for l in r.stderr.splitlines() if l.startswith("[spade]")]
+    return [replies[i] for i in range(len(prompts))], stats, time.time() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--inference-rank", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", default=os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"),
+                                                      "prompts/passkey_public.jsonl"))
+    ap.add_argument("--bytes", default="", help="only these prompt sizes, e.g. 1000,2000")
+    ap.add_argument("--per-group", type=int, default=1000, help="first N prompts of each (bytes, needles) group")
+    ap.add_argument("--budgets", default="64,128,256,512,1024,1/8,1/16,1/32,1/64")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=inference_rank flags (repeatable)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--device", default="cuda", help="cuda (the GPU path); cpu only to try the script itself")
+    ap.add_argument("--sparse-threshold", type=int, default=256)
+    ap.add_argument("--layers-per-pack", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--min-accuracy", action="append", default=[],
+                    help="VARIANT@BUDGET=FRACTION: exit 1 when below (e.g. predicted@1/16=0.9)")
+    ap.add_argument("--json-out")
+    ap.add_argument("--md-out")
+    a = ap.parse_args()
+
+    if not os.path.isdir(a.model):  # a bare name: a model of the shared data
+        a.model = os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"), "models", a.model)
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        sys.exit(f"passkey_gpu: no checkpoint at {a.model} (set SPADE_DATA_DIR)")
+    if not os.path.isfile(a.prompts):
+        sys.exit(f"passkey_gpu: no pass-key prompts at {a.prompts} (set SPADE_DATA_DIR)")
+    variants = DEFAULT_VARIANTS if not a.variant else [tuple(v.split("=", 1)) for v in a.variant]
+    want = {int(b) for b in a.bytes.split(",") if b}
+    prompts, seen = [], {}
+    with open(a.prompts) as f:
+        for line in f:
+            p = json.loads(line)
+            if want and p["bytes"] not in want:
+                continue
+            key = (p["bytes"], p["needles"])
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] <= a.per_group:
+                prompts.append(p)
+    groups = {}
+    for p in prompts:
+        groups.setdefault(p["bytes"], []).append(p)
+    budgets = [b for b in a.budgets.split(",") if b]
+
+    runs, acc = [], {}
+    for vname, flags in variants:
+        dense = "--selection dense" in flags
+        for bname in (["full"] if dense else budgets):
+            tok, frac = parse_budget(bname) if not dense else (None, None)
+            # One process for every prompt when the budget is absolute (or dense); one per size group for a fraction.
+            batches = sorted(groups.items()) if frac else [("all", prompts)]
+            for size, ps in batches:
+                budget = None
+                if not dense:
+                    budget = tok if tok else max(1, math.ceil(frac * max(chat_tokens(p["prompt"]) for p in ps)))
+                replies, stats, secs = run_group(a, flags, ps, budget)
+                for p, r in zip(ps, replies):
+                    ok = p["expect"] in r
+                    c = acc.setdefault((vname, bname), {}).setdefault(p["bytes"], [0, 0])
+                    c[0] += ok
+                    c[1] += 1
+                    runs.append({"prompt_id": p["id"], "bytes": p["bytes"], "needles": p["needles"],
+                                 "variant": vname, "budget": bname, "budget_tokens": budget, "correct": ok,
+                                 "reply": r})
+                got = sum(p["expect"] in r for p, r in zip(ps, replies))
+                print(f"{vname}@{bname} {size} B (budget {budget}): {got}/{len(ps)} [{secs:.1f} s] {' '.join(stats)}",
+                      file=sys.stderr, flush=True)
+
+    sizes = sorted(groups)
+    try:
+        dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip().splitlines()
+    except OSError:
+        dev = []
+    if a.device != "cuda":
+        dev = [f"{a.device} (not the GPU path: a check of this script)"]
+    md = [f"### Pass-key accuracy, GPU (bf16, {dev[0] if dev else 'GPU'}), {a.model} ({len(prompts)} prompts)", "",
+          "| variant | budget | " + " | ".join(f"{s} B" for s in sizes) + " | all |",
+          "|---|---|" + "---:|" * (len(sizes) + 1)]
+    summary = []
+    for (vname, bname), by in acc.items():
+        c = sum(v[0] for v in by.values())
+        t = sum(v[1] for v in by.values())
+        md.append(f"| {vname} | {bname} | " + " | ".join(f"{by[s][0]}/{by[s][1]}" if s in by else "–" for s in sizes)
+                  + f" | {c}/{t} |")
+        summary.append({"variant": vname, "budget": bname, "correct": c, "total": t})
+    text = "\n".join(md) + "\n"
+    print(text)
+    out = {"tool": "passkey_gpu", "path": "gpu-bf16", "device": dev, "model": a.model, "prompts": a.prompts,
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "commit": os.environ.get("SPADE_COMMIT", "unknown"), "sparse_threshold": a.sparse_threshold,
+           "layers_per_pack": a.layers_per_pack, "max_new_tokens": a.max_new_tokens,
+           "variants": [{"name": n, "flags": f} for n, f in variants], "summary": summary, "runs": runs}
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+    if a.md_out:
+        with open(a.md_out, "w") as f:
+            f.write(text)
+    status = 0
+    for m in a.min_accuracy:
+        key, frac = m.split("=")
+        vname, bname = key.split("@")
+        c = sum(v[0] for v in acc[(vname, bname)].values())
+        t = sum(v[1] for v in acc[(vname, bname)].values())
+        if c < float(frac) * t:
+            print(f"FAIL: {vname} at budget {bname} answered {c}/{t} < {frac}", file=sys.stderr)
+            status = 1
+        else:
+            print(f"ok: {vname} at budget {bname} answered {c}/{t} >= {frac}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

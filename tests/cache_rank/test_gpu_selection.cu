@@ -1,0 +1,438 @@
+// The GPU cache rank (cache_rank/gpu_server.h, run as LocalGpuCacheRank: a GpuCacheServer on its own thread over a
+// CudaIpcLink on GPU 0) against the CPU cache rank (cache_rank/selector.h), fed the same queries and keys. Label gpu.
+//
+// This test plays the inference rank on the raw link: the pair hello, then per step the plan and each layer pack's
+// q | k | v rows (bf16, as the inference rank ships them), and it receives the selection messages (delta format,
+// cache_rank/gpu_plan.h DeltaLayout), applying them to a host copy of the holder's slot tables. The delta capacity is
+// the whole budget, so every steady row sends all its entering tokens and the held table is exactly the selection.
+// The CPU Selector gets the same rows as fp32 (the bf16 values, exact): init_layer for a prompt, append_layer for a
+// decode token, then select(query = nullptr: predicted) for the next step's context.
+//
+// Both use the default SelectionConfig (ridge predictor with relative eps, successor expansion, GQA max) except
+// sink_tokens = 0: the GPU path has no sink tokens (they compete in its top-k). Compared: the selected position sets
+// per (step, sequence, layer, KV head). The GPU scores bf16 keys with the fp32 query split into bf16 hi + lo halves,
+// so its scores differ from the CPU's fp32 ones by up to ~2^-17 of the products' magnitude sum_d |q_d k_d|; a
+// position may be selected by one side only if its (successor-expanded) CPU score ties the CPU's k-th score within
+// 1e-5 relative to that magnitude. Everything else must be identical.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cache_rank/gpu_local.h"
+#include "cache_rank/gpu_plan.h"
+#include "cache_rank/selector.h"
+#include "common/config.h"
+#include "common/dtype.h"
+#include "inference_rank/gpu_model.h"
+#include "kernels/selection_delta_ref.h"
+#include "kernels/selection_ref.h"
+
+namespace spade::cache {
+namespace {
+
+using kernels::kDeltaCount;
+using kernels::kDeltaEntering;
+using kernels::kDeltaEntries;
+using kernels::kDeltaHoles;
+using kernels::kDeltaInfoFields;
+
+constexpr int kLayers = 3, kHq = 8, kHkv = 2, kD = 128;
+constexpr int kPack = 2;        // layers per pack: packs of 2 and 1 layers
+constexpr int kBudget = 64;     // k
+constexpr int kWindow = 4;      // R: local window (short, so a 6-token prompt has candidates and a partial window)
+constexpr int kPageSize = 16;
+constexpr int kMaxSlots = 4;
+constexpr int kMaxStepTokens = 1024;
+constexpr int kNumPages = 256;
+constexpr int kMaxPagesPerSeq = 64;  // 1024 tokens
+constexpr double kTieTolerance = 1e-5;
+
+ModelConfig attn_config() {
+  ModelConfig c;
+  c.model_type = "qwen3";
+  c.hidden_size = kHq * kD;
+  c.intermediate_size = 2 * kHq * kD;
+  c.num_layers = kLayers;
+  c.num_q_heads = kHq;
+  c.num_kv_heads = kHkv;
+  c.head_dim = kD;
+  c.vocab_size = 1024;
+  c.max_position_embeddings = 4096;
+  return c;
+}
+
+float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// One sequence's token rows, per layer: q [Hq * D] (random walks per head: consecutive queries correlated, as the
+// paper observes), k and v [Hkv * D] (normal), every value bf16-exact.
+struct SeqData {
+  std::vector<std::vector<float>> q, k, v;  // [layer][token * dim]
+  std::vector<std::vector<float>> walk;     // [layer][Hq * D] the current query of each head
+  int len = 0;
+};
+
+void grow(SeqData& s, int tokens, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  if (s.q.empty()) {
+    s.q.resize(kLayers);
+    s.k.resize(kLayers);
+    s.v.resize(kLayers);
+    s.walk.assign(kLayers, std::vector<float>(static_cast<size_t>(kHq) * kD));
+    for (auto& w : s.walk)
+      for (float& x : w) x = nd(rng);
+  }
+  for (int l = 0; l < kLayers; ++l) {
+    for (int t = 0; t < tokens; ++t) {
+      for (float& x : s.walk[static_cast<size_t>(l)]) {
+        x = 0.9f * x + 0.45f * nd(rng);
+        s.q[static_cast<size_t>(l)].push_back(bf16_round(x));
+      }
+      for (int i = 0; i < kHkv * kD; ++i) s.k[static_cast<size_t>(l)].push_back(bf16_round(nd(rng)));
+      for (int i = 0; i < kHkv * kD; ++i) s.v[static_cast<size_t>(l)].push_back(bf16_round(nd(rng)));
+    }
+  }
+  s.len += tokens;
+}
+
+// The CPU side's view of one (sequence, layer, KV head) selection for the tie check: effective (successor-expanded)
+// scores, the products' magnitudes, and the k-th best effective score.
+struct CpuRanking {
+  std::vector<float> eff;     // [n] max(s[i], s[i-1]) (i > 0)
+  std::vector<double> scale;  // [n] max over the group's heads and {i, i-1} of sum_d |q_d k_d|
+  float kth = 0.f;
+  double kth_scale = 0.0;
+};
+
+CpuRanking cpu_ranking(const std::vector<float>& q_hat, const SeqData& s, int layer, int kvh, int n, int k) {
+  CpuRanking r;
+  const int G = kHq / kHkv;
+  std::vector<float> sc(static_cast<size_t>(n));
+  std::vector<double> mag(static_cast<size_t>(n));
+  for (int t = 0; t < n; ++t) {
+    const float* kr = s.k[static_cast<size_t>(layer)].data() + (static_cast<size_t>(t) * kHkv + kvh) * kD;
+    float best = -INFINITY;
+    double m = 0.0;
+    for (int g = 0; g < G; ++g) {
+      const float* q = q_hat.data() + static_cast<size_t>(kvh * G + g) * kD;
+      float dot = 0.f;
+      double a = 0.0;
+      for (int d = 0; d < kD; ++d) {
+        dot += q[d] * kr[d];
+        a += std::fabs(static_cast<double>(q[d]) * kr[d]);
+      }
+      best = std::max(best, dot);
+      m = std::max(m, a);
+    }
+    sc[static_cast<size_t>(t)] = best;
+    mag[static_cast<size_t>(t)] = m;
+  }
+  r.eff.resize(static_cast<size_t>(n));
+  r.scale.resize(static_cast<size_t>(n));
+  for (int t = 0; t < n; ++t) {
+    r.eff[static_cast<size_t>(t)] = t > 0 ? std::max(sc[static_cast<size_t>(t)], sc[static_cast<size_t>(t - 1)])
+                                          : sc[static_cast<size_t>(t)];
+    r.scale[static_cast<size_t>(t)] =
+        t > 0 ? std::max(mag[static_cast<size_t>(t)], mag[static_cast<size_t>(t - 1)]) : mag[static_cast<size_t>(t)];
+  }
+  if (n > k) {
+    std::vector<int> order(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int a, int b) {
+      return r.eff[static_cast<size_t>(a)] != r.eff[static_cast<size_t>(b)]
+                 ? r.eff[static_cast<size_t>(a)] > r.eff[static_cast<size_t>(b)]
+                 : a < b;
+    });
+    const int kth = order[static_cast<size_t>(k - 1)];
+    r.kth = r.eff[static_cast<size_t>(kth)];
+    r.kth_scale = r.scale[static_cast<size_t>(kth)];
+  }
+  return r;
+}
+
+struct Seq {
+  uint64_t id;
+  int slot;
+  int prompt;
+  int start_step;  // joins at this step with its prompt
+  int end_step;    // released before this step (-1: never)
+};
+
+TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
+  const ModelConfig cfg = attn_config();
+  SelectionConfig sc;  // the defaults: ridge predictor, relative eps, successor expansion, GQA max
+  sc.token_budget = kBudget;
+  sc.local_window = kWindow;
+  sc.sink_tokens = 0;  // the GPU path has none
+  ASSERT_EQ(sc.predictor, kernels::PredictorKind::kRidge);
+  ASSERT_TRUE(sc.successor_expand);
+  ASSERT_EQ(sc.gqa_rule, kernels::GqaScoreRule::kMax);
+  Selector cpu(cfg, sc, kNumPages, kPageSize);
+
+  // Sequences: two long prompts, a 6-token one (3 candidates, n <= k, and a query window shorter than W + 1), and a
+  // fourth that takes a new slot after the second ends; sequence 1 restarts its table (a FIRST selection) at step 5.
+  const std::vector<Seq> seqs = {{10, 0, 700, 0, -1}, {11, 1, 300, 0, 12}, {12, 2, 6, 0, -1}, {13, 3, 150, 12, -1}};
+  const int steps = 20;
+  std::mt19937_64 rng(20240611);
+  std::map<uint64_t, SeqData> data;
+
+  LocalGpuCacheRank local(cfg, sc, 0, std::chrono::milliseconds(20000));
+  transport::GpuLink& link = local.inference_link();
+  cuda_check(cudaSetDevice(0), "cudaSetDevice");
+  // Everything is allocated before the hello: no device-wide synchronisation while the server waits for a plan.
+  const size_t row_elems = static_cast<size_t>(kHq + 2 * kHkv) * kD;
+  const int packs = (kLayers + kPack - 1) / kPack;
+  const size_t rows_bytes = static_cast<size_t>(kPack) * kMaxStepTokens * row_elems * 2;
+  const DeltaLayout most(static_cast<size_t>(kPack) * kMaxSlots * kHkv, kBudget, kD);
+  DeviceBuffer plan_dev(kGpuPlanBytes, "plan");
+  std::vector<DeviceBuffer> rows_dev, msg_dev;
+  for (int p = 0; p < packs; ++p) {
+    rows_dev.emplace_back(rows_bytes, "rows");
+    for (int g = 0; g < 2; ++g) msg_dev.emplace_back(most.bytes, "selection message");
+  }
+  cudaStream_t up = nullptr, down = nullptr;
+  cuda_check(cudaStreamCreateWithFlags(&up, cudaStreamNonBlocking), "stream");
+  cuda_check(cudaStreamCreateWithFlags(&down, cudaStreamNonBlocking), "stream");
+  // On any exit (a failed assertion too) the server stops, releasing its pending receive, before the buffers above
+  // are freed (cudaFree would otherwise wait for that receive).
+  struct StopFirst {
+    LocalGpuCacheRank& rank;
+    ~StopFirst() { rank.stop(); }
+  } stop_first{local};
+
+  GpuPairHello hello;
+  hello.num_layers = kLayers;
+  hello.num_q_heads = kHq;
+  hello.num_kv_heads = kHkv;
+  hello.head_dim = kD;
+  hello.layers_per_pack = kPack;
+  hello.token_budget = kBudget;
+  hello.local_window = kWindow;
+  hello.delta_capacity = kBudget;  // every entering token is sent: the held table is the selection
+  hello.max_slots = kMaxSlots;
+  hello.max_step_tokens = kMaxStepTokens;
+  hello.num_pages = kNumPages;
+  hello.page_size = kPageSize;
+  hello.max_pages_per_seq = kMaxPagesPerSeq;
+  {
+    const std::vector<uint8_t> bytes = encode_gpu_hello(hello);
+    cuda_check(cudaMemcpyAsync(plan_dev.get(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice, up), "hello");
+    link.send(plan_dev.get(), kGpuHelloBytes, up, "the pair hello");
+    cuda_check(cudaStreamSynchronize(up), "hello sent");
+  }
+  local.wait_ready(std::chrono::milliseconds(60000));
+
+  // The holder's slot tables: [slot][layer][KV head] -> k positions.
+  std::vector<std::vector<int32_t>> held(static_cast<size_t>(kMaxSlots) * kLayers * kHkv,
+                                         std::vector<int32_t>(kBudget, -1));
+  int compared = 0, tie_mismatches = 0, bad_rows = 0, nonempty = 0, steady_rows = 0, first_rows = 0;
+  for (int step = 0; step < steps; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    GpuStepPlan plan;
+    plan.step = step;
+    std::vector<const Seq*> active;
+    for (const Seq& s : seqs) {
+      if (s.end_step == step) {
+        plan.released.push_back(s.slot);
+        cpu.release(s.id);
+      }
+      if (step >= s.start_step && (s.end_step < 0 || step < s.end_step)) active.push_back(&s);
+    }
+    // Rows and their new tokens.
+    std::vector<int> q_len;
+    for (const Seq* s : active) {
+      SeqData& d = data[s->id];
+      const bool fresh = step == s->start_step;
+      const int n = fresh ? s->prompt : 1;
+      grow(d, n, rng);
+      GpuPlanRow r;
+      r.slot = s->slot;
+      r.q_len = n;
+      r.ctx_len = d.len;
+      const bool first = fresh || (s->id == 11 && step == 5);
+      r.flags = kRowSelect | (fresh ? kRowFresh : 0u) | (first ? kRowFirstSelect : 0u);
+      plan.rows.push_back(r);
+      q_len.push_back(n);
+      if (first) {
+        for (int l = 0; l < kLayers; ++l)
+          for (int h = 0; h < kHkv; ++h)
+            std::fill(held[(static_cast<size_t>(s->slot) * kLayers + l) * kHkv + h].begin(),
+                      held[(static_cast<size_t>(s->slot) * kLayers + l) * kHkv + h].end(), -1);
+      }
+      // The CPU cache rank gets the same rows.
+      for (int l = 0; l < kLayers; ++l) {
+        const size_t L = static_cast<size_t>(l);
+        if (fresh) {
+          cpu.init_layer(s->id, l, d.len, d.k[L].data(), d.v[L].data(), d.len, d.q[L].data());
+        } else {
+          const size_t t = static_cast<size_t>(d.len - 1);
+          cpu.append_layer(s->id, l, d.len - 1, d.q[L].data() + t * cfg.q_dim(), d.k[L].data() + t * cfg.kv_dim(),
+                           d.v[L].data() + t * cfg.kv_dim());
+        }
+      }
+    }
+    const int T = plan.total_tokens();
+    ASSERT_LE(T, kMaxStepTokens);
+    // Upload and send: the plan, then each pack's rows [layers of the pack][tokens][q | k | v] bf16.
+    const std::vector<uint8_t> plan_bytes = encode_gpu_plan(plan);
+    cuda_check(cudaMemcpyAsync(plan_dev.get(), plan_bytes.data(), plan_bytes.size(), cudaMemcpyHostToDevice, up),
+               "plan upload");
+    link.send(plan_dev.get(), kGpuPlanBytes, up, "a step's plan");
+    std::vector<std::vector<uint16_t>> pack_rows(static_cast<size_t>(packs));
+    for (int p = 0; p < packs; ++p) {
+      const int nl = std::min(kPack, kLayers - p * kPack);
+      std::vector<uint16_t>& buf = pack_rows[static_cast<size_t>(p)];
+      buf.reserve(static_cast<size_t>(nl) * T * row_elems);
+      for (int j = 0; j < nl; ++j) {
+        const size_t l = static_cast<size_t>(p * kPack + j);
+        for (size_t b = 0; b < active.size(); ++b) {
+          const SeqData& d = data[active[b]->id];
+          for (int t = d.len - q_len[b]; t < d.len; ++t) {
+            for (int i = 0; i < kHq * kD; ++i)
+              buf.push_back(f32_to_bf16(d.q[l][static_cast<size_t>(t) * kHq * kD + static_cast<size_t>(i)]));
+            for (int i = 0; i < kHkv * kD; ++i)
+              buf.push_back(f32_to_bf16(d.k[l][static_cast<size_t>(t) * kHkv * kD + static_cast<size_t>(i)]));
+            for (int i = 0; i < kHkv * kD; ++i)
+              buf.push_back(f32_to_bf16(d.v[l][static_cast<size_t>(t) * kHkv * kD + static_cast<size_t>(i)]));
+          }
+        }
+      }
+      cuda_check(cudaMemcpyAsync(rows_dev[static_cast<size_t>(p)].get(), buf.data(), buf.size() * 2,
+                                 cudaMemcpyHostToDevice, up),
+                 "rows upload");
+      link.send(rows_dev[static_cast<size_t>(p)].get(), buf.size() * 2, up, "q|k|v rows of a pack");
+    }
+    // Receive the selections: per pack, steady then first, each only if its group is not empty.
+    std::vector<GpuPackSizes> sizes;
+    for (int p = 0; p < packs; ++p) {
+      sizes.push_back(gpu_pack_sizes(plan, std::min(kPack, kLayers - p * kPack), cfg, kBudget, kBudget));
+      const DeltaLayout* lay[2] = {&sizes.back().steady, &sizes.back().first};
+      for (int g = 0; g < 2; ++g)
+        if (lay[g]->rows > 0)
+          link.recv(msg_dev[static_cast<size_t>(p * 2 + g)].get(), lay[g]->bytes, down, "selections of a pack");
+    }
+    cuda_check(cudaStreamSynchronize(up), "up");
+    cuda_check(cudaStreamSynchronize(down), "down");
+    ASSERT_TRUE(local.error().empty()) << local.error();
+    ASSERT_FALSE(link.failed()) << link.failure();
+
+    const std::vector<int> groups[2] = {plan.steady_rows(), plan.first_rows()};
+    steady_rows += static_cast<int>(groups[0].size());
+    first_rows += static_cast<int>(groups[1].size());
+    for (int p = 0; p < packs; ++p) {
+      const int nl = std::min(kPack, kLayers - p * kPack);
+      const DeltaLayout* lay[2] = {&sizes[static_cast<size_t>(p)].steady, &sizes[static_cast<size_t>(p)].first};
+      for (int g = 0; g < 2; ++g) {
+        if (lay[g]->rows == 0) continue;
+        std::vector<char> msg(lay[g]->bytes);
+        cuda_check(cudaMemcpyAsync(msg.data(), msg_dev[static_cast<size_t>(p * 2 + g)].get(), msg.size(),
+                                   cudaMemcpyDeviceToHost, down),
+                   "message download");
+        cuda_check(cudaStreamSynchronize(down), "message download");
+        const int cap = lay[g]->cap;
+        const auto* slots = reinterpret_cast<const int32_t*>(msg.data() + lay[g]->slots);
+        const auto* positions = reinterpret_cast<const int32_t*>(msg.data() + lay[g]->positions);
+        const auto* info = reinterpret_cast<const int32_t*>(msg.data() + lay[g]->info);
+        const int S = static_cast<int>(groups[g].size());
+        // Rows [layer of the pack][sequence of the group][KV head].
+        for (int j = 0; j < nl; ++j) {
+          const int layer = p * kPack + j;
+          for (int si = 0; si < S; ++si) {
+            const int b = groups[g][static_cast<size_t>(si)];
+            const Seq& s = *active[static_cast<size_t>(b)];
+            const SeqData& d = data[s.id];
+            LayerSelection want;
+            cpu.select(s.id, layer, d.len + 1, nullptr, want);
+            for (int h = 0; h < kHkv; ++h) {
+              SCOPED_TRACE("sequence " + std::to_string(s.id) + " layer " + std::to_string(layer) + " KV head " +
+                           std::to_string(h) + (g == 0 ? " (steady)" : " (first)"));
+              const size_t row = (static_cast<size_t>(j) * S + si) * kHkv + h;
+              const int32_t* ri = info + row * kDeltaInfoFields;
+              ASSERT_GE(ri[kDeltaEntering], 0) << "the cache rank refused the row";
+              ASSERT_EQ(ri[kDeltaEntries], ri[kDeltaEntering]) << "capacity = budget: every entering token is sent";
+              ASSERT_EQ(ri[kDeltaHoles], 0);
+              std::vector<int32_t>& table = held[(static_cast<size_t>(s.slot) * kLayers + layer) * kHkv + h];
+              for (int e = 0; e < cap; ++e) {
+                const int32_t slot = slots[row * cap + e];
+                if (slot >= 0) table[static_cast<size_t>(slot)] = positions[row * cap + e];
+              }
+              const int n = ri[kDeltaCount];
+              ASSERT_EQ(n, want.count);
+              const std::set<int32_t> got_set(table.begin(), table.begin() + n);
+              ASSERT_EQ(static_cast<int>(got_set.size()), n) << "a token held twice";
+              const std::set<int32_t> want_set(want.positions.begin() + static_cast<long>(h) * kBudget,
+                                               want.positions.begin() + static_cast<long>(h) * kBudget + want.count);
+              ++compared;
+              nonempty += n > 0 ? 1 : 0;
+              if (got_set == want_set) continue;
+              // Only near-ties at the threshold may differ.
+              std::vector<float> q_hat(static_cast<size_t>(cfg.q_dim()));
+              cpu.predict(s.id, layer, q_hat.data());
+              const int cand = std::min(d.len, d.len + 1 - kWindow);
+              const CpuRanking rk = cpu_ranking(q_hat, d, layer, h, cand, kBudget);
+              std::vector<int32_t> diff;
+              std::set_symmetric_difference(got_set.begin(), got_set.end(), want_set.begin(), want_set.end(),
+                                            std::back_inserter(diff));
+              int not_ties = 0;
+              std::string detail;
+              for (int32_t pos : diff) {
+                ASSERT_TRUE(pos >= 0 && pos < cand) << "position " << pos << " is not a candidate";
+                const double tol =
+                    kTieTolerance * std::max(rk.scale[static_cast<size_t>(pos)], rk.kth_scale);
+                const double gap = std::fabs(static_cast<double>(rk.eff[static_cast<size_t>(pos)]) - rk.kth);
+                if (gap <= tol) continue;
+                if (++not_ties <= 3)
+                  detail += "\n  position " + std::to_string(pos) +
+                            (got_set.count(pos) ? " selected by the GPU only" : " selected by the CPU only") +
+                            ": effective score " + std::to_string(rk.eff[static_cast<size_t>(pos)]) + ", k-th " +
+                            std::to_string(rk.kth) + " (tie tolerance " + std::to_string(tol) + ")";
+              }
+              if (not_ties > 0) {
+                // One failure per row (the first rows only): a wrong setting makes most rows differ.
+                if (++bad_rows <= 5)
+                  ADD_FAILURE() << diff.size() << " positions differ, " << not_ties << " of them not at a tie:"
+                                << detail;
+              } else {
+                ++tie_mismatches;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // The end of the stream: the server posts no further receive.
+  {
+    const std::vector<uint8_t> bytes = encode_gpu_plan(GpuStepPlan::close_plan());
+    cuda_check(cudaMemcpyAsync(plan_dev.get(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice, up), "close");
+    link.send(plan_dev.get(), kGpuPlanBytes, up, "the close plan");
+    cuda_check(cudaStreamSynchronize(up), "close sent");
+  }
+  local.stop();
+  EXPECT_TRUE(local.error().empty()) << local.error();
+  cudaStreamDestroy(up);
+  cudaStreamDestroy(down);
+  std::printf("%d (step, sequence, layer, KV head) selections compared (%d non-empty; %d steady and %d first "
+              "sequence selections): %d differ only at fp32 near-ties, %d beyond\n",
+              compared, nonempty, steady_rows, first_rows, tie_mismatches, bad_rows);
+  EXPECT_EQ(bad_rows, 0) << "selections that differ beyond near-ties";
+  EXPECT_GT(steady_rows, 0);
+  EXPECT_GT(first_rows, 0);
+  EXPECT_GT(nonempty, compared / 2);
+  EXPECT_LE(tie_mismatches * 10, compared) << "near-ties should be rare";
+  const GpuCacheStats st = local.stats();
+  EXPECT_EQ(st.steps, static_cast<uint64_t>(steps));
+}
+
+}  // namespace
+}  // namespace spade::cache
