@@ -17,6 +17,7 @@
 #                         skipped unless "bgbuild" is asked for (a low-priority build in the background, checked at
 #                         the end, so the device build is still verified while the prebuilt binaries run)
 #   SPADE_CTEST_REGEX     only the gpu tests whose ctest name matches (ctest -R; default: all); the build builds those
+#   SPADE_CTEST_EXCLUDE   leave out the gpu tests whose ctest name matches (ctest -E)
 #   SPADE_CTEST_TIMEOUT   per-test timeout of the gpu tests in seconds (default 1800; set at configure time as
 #                         SPADE_GPU_TEST_TIMEOUT, the tests' TIMEOUT property, which ctest --timeout cannot override)
 #   SPADE_BENCHES         benchmarks to run (default "kernels gdn": bench_kernels + SDPA peer, bench_gdn; "tpot":
@@ -55,6 +56,7 @@ log() { echo "[run_gpu $(date -u +%H:%M:%S)] $*"; }
 STATUS=0
 CTEST_R=()
 [ -n "${SPADE_CTEST_REGEX:-}" ] && CTEST_R=(-R "${SPADE_CTEST_REGEX}")
+[ -n "${SPADE_CTEST_EXCLUDE:-}" ] && CTEST_R+=(-E "${SPADE_CTEST_EXCLUDE}")
 # Tests labelled gpu2 need two GPUs (NCCL across processes); on a one-GPU machine they are left out, loudly.
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 if [ "${NGPU:-0}" -lt 2 ]; then
