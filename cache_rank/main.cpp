@@ -146,6 +146,9 @@ int main(int argc, char** argv) {
       spdlog::info("{}: metrics on {}:{}/metrics", self, metrics_host, status_server->port());
     }
     if (device != "cpu" && device != "cuda") spade::fail("--device must be cpu or cuda, got '{}'", device);
+    if (device == "cuda" && sc.sink_tokens > 0)
+      spade::fail("--sink-tokens {}: the GPU cache rank has no sink tokens (they compete in the top-k); use 0",
+                  sc.sink_tokens);
     if (device == "cuda") {
 #ifdef SPADE_HAVE_GPU_CACHE
       // ---- the GPU cache rank: GpuCacheServer over the link the inference rank published ----

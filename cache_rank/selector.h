@@ -28,7 +28,10 @@ namespace spade::cache {
 struct SelectionConfig {
   int token_budget = 256;  // k: tokens selected per (sequence, layer, KV head)
   int local_window = 32;   // R: most recent tokens the inference rank attends from its own KV
-  int sink_tokens = 4;     // S: first tokens the inference rank attends from its own KV
+  // S: first tokens the inference rank attends from its own KV. 0 by default on both paths: the GPU path has no sink
+  // tokens (they compete in the top-k), and on the CPU path 0 and 4 answered the same pass-key prompts
+  // (docs/FIDELITY.md).
+  int sink_tokens = 0;
   int query_window = 8;    // W: predictor regressors (window sizes 1..W), 1..kernels::kMaxPredictorWindow
   // ε added to the Gram diagonal: relative to the regressors' mean squared norm for the ridge predictor, absolute
   // for the paper's (kernels/selection_ref.h).

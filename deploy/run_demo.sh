@@ -94,8 +94,10 @@ if [ -n "$ptok" ] && [ "$ptok" -gt 0 ] && [ "$(value --selection predicted)" != 
   # Per layer and KV head a decode step attends to the budget's tokens the cache rank selected + sinks + local window.
   frac="$(python3 -c 'import sys; b, p = map(int, sys.argv[1:]); print(f"{100 * b / p:.1f} % (1/{p / b:.0f})")' \
     "$budget" "$ptok")"
+  sinks="$(value --sink-tokens 0)"
+  [ "$sinks" = 0 ] && extra="" || extra="$sinks sink + "
   echo "sparse:   $ptok prompt tokens, token budget $budget = $frac per layer and KV head" \
-    "(+ $(value --sink-tokens 4) sink + $(value --local-window 32) recent tokens)"
+    "(+ ${extra}$(value --local-window 32) recent tokens)"
 fi
 echo "answer:   $answer"
 if [[ "$answer" == *"$expect"* ]]; then

@@ -90,6 +90,13 @@ struct GpuSparseStats {
   uint64_t bytes_sent = 0, bytes_received = 0;
 };
 
+/// The delta capacity C a rank runs with for a `--delta-capacity` of `requested` and a token budget `budget`: 0 means
+/// the budget (lossless: every token that enters a selection is sent the step it enters; the pass-key harness
+/// measured that a smaller C loses answers, docs/FIDELITY.md); otherwise min(requested, budget).
+inline int effective_delta_capacity(int requested, int budget) {
+  return requested <= 0 || requested > budget ? budget : requested;
+}
+
 /// The pair hello (cache_rank/gpu_plan.h) for a controller with options `o` behind an engine with the normalised
 /// options `engine` (Engine::options()): send it on the link (cache_rank/gpu_server.h send_gpu_hello) before the
 /// controller's first step. The cache rank's KV pool (the hello's num_pages) is engine.max_context_pages (the

@@ -135,10 +135,13 @@ int main(int argc, char** argv) {
   app.add_option("--gpu", gpu_index, "--serve --device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
   app.add_option("--gpu-link", gpu_link,
                  "--serve --device cuda: the data plane to the cache rank: nccl (another GPU) | ipc (the same GPU)");
-  int delta_capacity = 256;
+  int delta_capacity = 0;
   app.add_option("--delta-capacity", delta_capacity,
-                 "--device cuda --selection predicted: selection entries a steady step may change per (layer, KV head)")
-      ->check(CLI::PositiveNumber);
+                 "--device cuda --selection predicted: selection entries a steady step may change per (layer, KV "
+                 "head); 0 (default) = the token budget, lossless: a token that enters the selection is sent that "
+                 "step. Smaller values send fewer bytes but leave tokens out for a step when more enter (bounded "
+                 "staleness; its cost on pass-key accuracy is in docs/FIDELITY.md)")
+      ->check(CLI::NonNegativeNumber);
   bool host_sampling = false;
   app.add_flag("--host-sampling", host_sampling,
                "--device cuda: copy the logits back and sample on the host (the CPU path's sampler) instead of on the "
@@ -196,8 +199,12 @@ int main(int argc, char** argv) {
 #endif
     if (device == "cuda") {
 #ifdef SPADE_HAVE_GPU_PATH
-      if (so.mode == spade::SelectionMode::Oracle)
-        spade::fail("--device cuda: --selection oracle is CPU only (use dense or predicted)");
+      if (so.mode == spade::SelectionMode::Oracle || so.mode == spade::SelectionMode::Quest)
+        spade::fail("--device cuda: --selection {} is CPU only (use dense or predicted)",
+                    spade::selection_mode_name(so.mode));
+      if (so.selection.sink_tokens > 0)
+        spade::fail("--sink-tokens {}: the GPU path attends no sink tokens of its own (they compete in the top-k); "
+                    "use 0", so.selection.sink_tokens);
       if (host_sampling) {
         engine_ptr = std::make_unique<spade::Engine>(
             cfg, eo, [&](const spade::ForwardBatch& b, std::vector<float>& l) { (*gpu)(b, l); });
@@ -231,7 +238,7 @@ int main(int argc, char** argv) {
         gso.layers_per_pack = so.layers_per_pack;
         gso.token_budget = so.selection.token_budget;
         gso.local_window = so.selection.local_window;
-        gso.delta_capacity = std::min(delta_capacity, so.selection.token_budget);
+        gso.delta_capacity = spade::effective_delta_capacity(delta_capacity, so.selection.token_budget);
         gso.max_slots = en.max_num_seqs;
         gso.max_sparse_seqs = en.max_num_seqs;
         gso.max_first_per_step = std::min(4, en.max_num_seqs);
@@ -246,8 +253,6 @@ int main(int argc, char** argv) {
         gpu_cache->wait_ready(std::chrono::milliseconds(60000));
         gpu->set_sparse(gpu_sparse.get());
         engine_ptr->set_attention_hooks(gpu_sparse.get());
-        if (so.selection.sink_tokens > 0)
-          spdlog::info("--device cuda: sink tokens are not special-cased on the GPU path (they compete in the top-k)");
         spdlog::info("GPU sparse decoding: threshold {}, budget {}, local window {}, delta capacity {}, {} layers per "
                      "pack; cache rank in this process",
                      gso.sparse_threshold, gso.token_budget, gso.local_window, gso.delta_capacity, gso.layers_per_pack);

@@ -172,7 +172,11 @@ int run_serve(const ServeOptions& opt) {
     spdlog::warn("{}: no cache rank in the world: predicted selection unavailable, decoding densely", self);
     sparse.mode = SelectionMode::Dense;
   }
-  SPADE_CHECK(!on_gpu || sparse.mode != SelectionMode::Oracle, "{}: --selection oracle is CPU only", self);
+  SPADE_CHECK(!on_gpu || (sparse.mode != SelectionMode::Oracle && sparse.mode != SelectionMode::Quest),
+              "{}: --selection {} is CPU only", self, selection_mode_name(sparse.mode));
+  SPADE_CHECK(!on_gpu || sparse.selection.sink_tokens == 0,
+              "{}: --sink-tokens {}: the GPU path attends no sink tokens of its own (they compete in the top-k); use 0",
+              self, sparse.selection.sink_tokens);
 #endif
   if (!on_gpu && net && view.peers_size() > 0) {
     const proto::RankInfo& peer = view.peers(0);
@@ -223,7 +227,7 @@ int run_serve(const ServeOptions& opt) {
       gso.layers_per_pack = sparse.layers_per_pack;
       gso.token_budget = sparse.selection.token_budget;
       gso.local_window = sparse.selection.local_window;
-      gso.delta_capacity = std::min(opt.delta_capacity, sparse.selection.token_budget);
+      gso.delta_capacity = effective_delta_capacity(opt.delta_capacity, sparse.selection.token_budget);
       gso.max_slots = en.max_num_seqs;
       gso.max_sparse_seqs = en.max_num_seqs;
       gso.max_first_per_step = std::min(4, en.max_num_seqs);

@@ -33,7 +33,7 @@ struct ServeOptions {
   std::string device = "cpu";
   int gpu = 0;
   std::string gpu_link = "nccl";
-  int delta_capacity = 256;  // C
+  int delta_capacity = 0;  // C; 0 = the token budget (lossless), gpu_sparse.h effective_delta_capacity
   bool cuda_graphs = true;   // dense steps (and every step once the link failed)
 };
 
