@@ -357,9 +357,11 @@ PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* s
         if (sampler && !e.init) {  // compare the prediction made for this step with the true query's top-k
           auto it = sampler->predicted_.find(e.seq_id);
           auto lt = sampler->predicted_len_.find(e.seq_id);
+          // The prediction of THIS layer must be for this step (each layer keeps its own context length: the other
+          // layers of the update, and the other packs, have already been predicted one step further).
           if (it != sampler->predicted_.end() && lt != sampler->predicted_len_.end() &&
-              lt->second == e.context_len && static_cast<size_t>(layer) < it->second.size() &&
-              !it->second[layer].empty()) {
+              static_cast<size_t>(layer) < it->second.size() && static_cast<size_t>(layer) < lt->second.size() &&
+              lt->second[layer] == e.context_len && !it->second[layer].empty()) {
             const auto& cfg = sel.config();
             sel.select(e.seq_id, layer, e.context_len, q, sampler->scratch_, e.token_budget);
             const int heads = static_cast<int>(sampler->scratch_.positions.size() / cfg.token_budget);
@@ -373,7 +375,9 @@ PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* s
           auto& per_layer = sampler->predicted_[e.seq_id];
           if (per_layer.size() <= static_cast<size_t>(layer)) per_layer.resize(static_cast<size_t>(layer) + 1);
           per_layer[layer] = ss.layers[i].positions;
-          sampler->predicted_len_[e.seq_id] = ss.context_len;
+          auto& lens = sampler->predicted_len_[e.seq_id];
+          if (lens.size() <= static_cast<size_t>(layer)) lens.resize(static_cast<size_t>(layer) + 1, -1);
+          lens[layer] = ss.context_len;
           if (sampler->every_ == 1) sampler->record_churn(e.seq_id, layer, ss.layers[i], sel.config().token_budget);
         }
       }

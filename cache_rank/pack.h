@@ -97,7 +97,7 @@ class OverlapSampler {
   friend PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* sampler);
   int every_;
   std::unordered_map<uint64_t, std::vector<std::vector<int32_t>>> predicted_;  // seq -> per layer [heads*budget]
-  std::unordered_map<uint64_t, int32_t> predicted_len_;  // seq -> context length the prediction is for
+  std::unordered_map<uint64_t, std::vector<int32_t>> predicted_len_;  // seq -> per layer: context the prediction is for
   std::vector<double> ratios_;
   LayerSelection scratch_;
   std::vector<std::vector<HeadStats>> head_stats_;

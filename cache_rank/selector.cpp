@@ -168,20 +168,7 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
       const int32_t t = idx_[static_cast<size_t>(h) * Ke + j];
       if (t >= 0) out.positions[static_cast<size_t>(h) * K + j] = t + sc_.sink_tokens;
     }
-  kernels::GatherKvRefParams gp;
-  gp.k_cache = k_[layer].get();
-  gp.v_cache = v_[layer].get();
-  gp.block_table = bt.data();
-  gp.indices = out.positions.data();
-  gp.packed_k = out.k.data();
-  gp.packed_v = out.v.data();
-  gp.batch = 1;
-  gp.num_kv_heads = Hkv;
-  gp.head_dim = D;
-  gp.page_size = alloc_.page_size();
-  gp.max_pages_per_seq = max_pages;
-  gp.k = K;
-  kernels::gather_kv_ref(gp);
+  gather(seq, layer, out);
 }
 
 void Selector::select_pages(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out,
@@ -243,6 +230,11 @@ void Selector::select_pages(uint64_t seq, int layer, int context_len, const floa
     counts[h] = static_cast<int>(pos.size());
   }
   out.count = counts[0];
+  gather(seq, layer, out);
+}
+
+void Selector::gather(uint64_t seq, int layer, LayerSelection& out) const {
+  const auto& bt = alloc_.block_table(seq);
   kernels::GatherKvRefParams gp;
   gp.k_cache = k_[layer].get();
   gp.v_cache = v_[layer].get();
@@ -251,11 +243,11 @@ void Selector::select_pages(uint64_t seq, int layer, int context_len, const floa
   gp.packed_k = out.k.data();
   gp.packed_v = out.v.data();
   gp.batch = 1;
-  gp.num_kv_heads = Hkv;
-  gp.head_dim = D;
-  gp.page_size = P;
+  gp.num_kv_heads = cfg_.num_kv_heads;
+  gp.head_dim = cfg_.head_dim;
+  gp.page_size = alloc_.page_size();
   gp.max_pages_per_seq = static_cast<int>(bt.size());
-  gp.k = K;
+  gp.k = sc_.token_budget;
   kernels::gather_kv_ref(gp);
 }
 

@@ -101,6 +101,8 @@ class Selector {
   SeqState& state(uint64_t seq);
   void push_query(SeqState& s, int layer, const float* q);
   void write_token(uint64_t seq, int layer, int pos, const float* k, const float* v);
+  /// Fills out.k / out.v from out.positions ([num_kv_heads, token_budget], -1 = zero row).
+  void gather(uint64_t seq, int layer, LayerSelection& out) const;
 
   ModelConfig cfg_;
   SelectionConfig sc_;

@@ -168,13 +168,19 @@ std::vector<int32_t> chat_prompt_ids(const Tokenizer& tok, const std::string& us
 
 namespace {
 
-/// Runs [0, end) of `ids` (from `from`) through `be` in prefill chunks; returns the last chunk's final logits.
-void prefill(const Model& model, AttentionBackend& be, const std::vector<int32_t>& ids, int from, int end, int pages,
-             std::vector<float>& logits) {
+/// A batch of sequence 1 alone over pages 0..pages-1 (tokens, positions and lengths are the caller's).
+ForwardBatch one_sequence_batch(int pages) {
   ForwardBatch fb;
   fb.max_pages = pages;
   for (int i = 0; i < pages; ++i) fb.block_table.push_back(i);
   fb.seq_ids = {1};
+  return fb;
+}
+
+/// Runs [0, end) of `ids` (from `from`) through `be` in prefill chunks; returns the last chunk's final logits.
+void prefill(const Model& model, AttentionBackend& be, const std::vector<int32_t>& ids, int from, int end, int pages,
+             std::vector<float>& logits) {
+  ForwardBatch fb = one_sequence_batch(pages);
   for (int s = from; s < end; s += kPrefillChunk) {
     const int e = std::min(end, s + kPrefillChunk);
     fb.tokens.assign(ids.begin() + s, ids.begin() + e);
@@ -248,10 +254,7 @@ Reply PrefilledPrompt::decode(const Variant& v, int budget, const std::vector<in
   std::vector<float> logits;
   const int n = num_tokens();
   prefill(model_, *b.be, ids_, prefix_, n, pages_, logits);
-  ForwardBatch fb;
-  fb.max_pages = pages_;
-  for (int i = 0; i < pages_; ++i) fb.block_table.push_back(i);
-  fb.seq_ids = {1};
+  ForwardBatch fb = one_sequence_batch(pages_);
   fb.cu_q_lens = {0, 1};
   fb.logit_rows = {0};
   std::vector<int32_t> out;
@@ -290,10 +293,7 @@ ForcedStats teacher_forced(const Model& model, const std::vector<int32_t>& doc, 
   if (b.link) b.link->set_sampler(&sampler);
   std::vector<float> logits;
   prefill(model, *b.be, doc, 0, context, pages, logits);
-  ForwardBatch fb;
-  fb.max_pages = pages;
-  for (int i = 0; i < pages; ++i) fb.block_table.push_back(i);
-  fb.seq_ids = {1};
+  ForwardBatch fb = one_sequence_batch(pages);
   fb.cu_q_lens = {0, 1};
   fb.logit_rows = {0};
   ForcedStats st;

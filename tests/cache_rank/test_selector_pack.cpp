@@ -238,6 +238,58 @@ TEST(Pack, RoundTripAndProcessing) {
   EXPECT_THAT(process_pack(sel, bad).error, HasSubstr("unknown sequence 77"));
 }
 
+TEST(Pack, OverlapSamplerMeasuresEveryLayerOfEveryPack) {
+  ModelConfig c = small_cfg();
+  c.num_layers = 4;
+  SelectionConfig sc;
+  sc.token_budget = 3;
+  sc.local_window = 2;
+  Selector sel(c, sc, 32, 4);
+  OverlapSampler sampler(1);
+  std::mt19937 g(8);
+  int len = 12;
+  auto update = [&](int64_t step, int first_layer, bool init) {
+    PackUpdate u;
+    u.step = step;
+    u.first_layer = first_layer;
+    u.pack = first_layer / 2;
+    u.num_layers = 2;
+    SeqUpdate e;
+    e.seq_id = 1;
+    e.context_len = len;
+    e.init = init;
+    e.num_queries = init ? 3 : 1;
+    const int tokens = init ? len : 1;
+    e.q = randn(static_cast<size_t>(2) * e.num_queries * c.q_dim(), g);
+    e.k = randn(static_cast<size_t>(2) * tokens * c.kv_dim(), g);
+    e.v = randn(e.k.size(), g);
+    u.seqs.push_back(e);
+    const PackSelection p = process_pack(sel, u, &sampler);
+    ASSERT_TRUE(p.error.empty()) << p.error;
+  };
+  update(1, 0, true);
+  update(1, 2, true);
+  for (int step = 2; step <= 4; ++step) {
+    ++len;
+    update(step, 0, false);
+    update(step, 2, false);
+  }
+  // Three APPEND steps: every layer (both layers of both packs) compared its prediction three times, and its churn
+  // measured three times (the INIT's prediction is the first one).
+  const auto& st = sampler.head_stats();
+  ASSERT_EQ(st.size(), 4u);
+  for (int l = 0; l < 4; ++l) {
+    ASSERT_EQ(st[l].size(), static_cast<size_t>(c.num_kv_heads)) << "layer " << l;
+    for (const auto& h : st[l]) {
+      EXPECT_EQ(h.overlap_n, 3) << "layer " << l;
+      EXPECT_EQ(h.churn_n, 3) << "layer " << l;
+      EXPECT_GE(h.overlap_sum, 0.0);
+      EXPECT_LE(h.overlap_sum, 3.0);
+    }
+  }
+  EXPECT_EQ(sampler.take().size(), 12u);
+}
+
 TEST(Pack, MalformedMessagesNameThePeer) {
   const ModelConfig c = small_cfg();
   const PackShape s = pack_shape(c, {});
