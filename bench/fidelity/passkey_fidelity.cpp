@@ -88,6 +88,8 @@ int main(int argc, char** argv) {
   app.add_option("--prompts", prompts_path, "pass-key jsonl (default: $SPADE_DATA_DIR/prompts/passkey_public.jsonl)");
   app.add_option("--bytes", bytes_filter, "only prompts of these sizes, e.g. 1000,2000 (default: all)");
   app.add_option("--needles", needles_filter, "only prompts with these needle counts, e.g. 1,4 (default: all)");
+  std::string ids_filter;
+  app.add_option("--ids", ids_filter, "only the prompts with these ids, e.g. 63,66 (default: all)");
   app.add_option("--per-group", per_group, "first N prompts of each (bytes, needles) group")->check(CLI::PositiveNumber);
   app.add_option("--variants", variants_arg, "comma-separated variants (passkey_harness.h parse_variant)")
       ->capture_default_str();
@@ -116,7 +118,8 @@ int main(int argc, char** argv) {
     for (const auto& s : split(variants_arg)) variants.push_back(parse_variant(s, base));
     std::vector<Budget> budgets;
     for (const auto& s : split(budgets_arg)) budgets.push_back(parse_budget(s));
-    std::set<int> want_bytes, want_needles;
+    std::set<int> want_bytes, want_needles, want_ids;
+    for (const auto& s : split(ids_filter)) want_ids.insert(std::stoi(s));
     for (const auto& s : split(bytes_filter)) want_bytes.insert(std::stoi(s));
     for (const auto& s : split(needles_filter)) want_needles.insert(std::stoi(s));
 
@@ -129,6 +132,7 @@ int main(int argc, char** argv) {
     for (auto& p : load_passkey_prompts(prompts_path)) {
       if (!want_bytes.empty() && !want_bytes.count(p.bytes)) continue;
       if (!want_needles.empty() && !want_needles.count(p.needles)) continue;
+      if (!want_ids.empty() && !want_ids.count(p.id)) continue;
       if (group_count[{p.bytes, p.needles}]++ >= per_group) continue;
       prompts.push_back(std::move(p));
     }
