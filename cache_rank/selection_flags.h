@@ -25,9 +25,4 @@ void add_selection_flags(CLI::App& app, SelectionConfig& sc, SelectionFlagText& 
 /// Parses `text` into `sc` and validates it. Throws spade::Error naming the flag for a bad value.
 void resolve_selection_flags(const SelectionFlagText& text, SelectionConfig& sc);
 
-/// Names of the flags add_selection_flags registers (a mode that does not use one refuses it by name).
-inline constexpr const char* kSelectionFlagNames[] = {"--token-budget", "--local-window", "--sink-tokens",
-                                                      "--query-window", "--ridge-eps",    "--gqa-rule",
-                                                      "--predictor",    "--successor-expand"};
-
 }  // namespace spade::cache

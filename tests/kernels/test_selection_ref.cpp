@@ -294,6 +294,23 @@ TEST(TopkRef, MatchesBruteForceWithTiesAndSpecials) {
   EXPECT_EQ(std::find(idx.begin(), idx.begin() + k, 3), idx.begin() + k);
 }
 
+// topk_ref with successor expansion over one row of all of `s`.
+std::vector<int32_t> successor_topk(const std::vector<float>& s, int k) {
+  std::vector<int32_t> idx(k, 99);
+  const int32_t len = static_cast<int32_t>(s.size());
+  TopkRefParams p;
+  p.scores = s.data();
+  p.row_lens = &len;
+  p.indices = idx.data();
+  p.batch = 1;
+  p.rows_per_batch = 1;
+  p.score_stride = len;
+  p.k = k;
+  p.successor = true;
+  topk_ref(p);
+  return idx;
+}
+
 TEST(TopkRef, SuccessorExpansionMatchesBruteForceOverExpandedKeys) {
   std::mt19937_64 rng(21);
   std::uniform_int_distribution<int> lvl(0, 9);
@@ -304,38 +321,14 @@ TEST(TopkRef, SuccessorExpansionMatchesBruteForceOverExpandedKeys) {
       // The brute force ranks entry i by max(s[i], s[i-1]).
       std::vector<float> expanded(s);
       for (int i = 1; i < n; ++i) expanded[i] = std::max(s[i], s[i - 1]);
-      std::vector<int32_t> idx(k, 99);
-      const int32_t len = n;
-      TopkRefParams p;
-      p.scores = s.data();
-      p.row_lens = &len;
-      p.indices = idx.data();
-      p.batch = 1;
-      p.rows_per_batch = 1;
-      p.score_stride = n;
-      p.k = k;
-      p.successor = true;
-      topk_ref(p);
-      EXPECT_EQ(idx, brute_topk(expanded, n, k)) << "n " << n << " k " << k;
+      EXPECT_EQ(successor_topk(s, k), brute_topk(expanded, n, k)) << "n " << n << " k " << k;
     }
   }
   // A single peak brings its successor: the retrieval head's next read.
   std::vector<float> s(100, 0.f);
   s[41] = 5.f;
   s[70] = 3.f;
-  std::vector<int32_t> idx(2);
-  const int32_t len = 100;
-  TopkRefParams p;
-  p.scores = s.data();
-  p.row_lens = &len;
-  p.indices = idx.data();
-  p.batch = 1;
-  p.rows_per_batch = 1;
-  p.score_stride = 100;
-  p.k = 2;
-  p.successor = true;
-  topk_ref(p);
-  EXPECT_EQ(idx, (std::vector<int32_t>{41, 42}));
+  EXPECT_EQ(successor_topk(s, 2), (std::vector<int32_t>{41, 42}));
 }
 
 TEST(TopkRef, KeyOrder) {
