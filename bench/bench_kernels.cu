@@ -468,7 +468,7 @@ void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) 
   pp.window_capacity = window_cap;
   pp.head_dim = kD;
   pp.max_regressors = window_cap - 1;
-  pp.eps = 1e-2f;  // the cache rank's default predictor (cache::SelectionConfig): ridge, relative eps 1e-2
+  pp.eps = 1e-2f;  // the cache rank's default predictor (pair::SelectionConfig): ridge, relative eps 1e-2
   pp.kind = PredictorKind::kRidge;
   ScoreTokensParams sp;
   sp.dtype = DType::BF16;
@@ -493,7 +493,7 @@ void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) 
   tp.rows_per_batch = kHkv;
   tp.score_stride = len;
   tp.k = k;
-  tp.successor = true;  // the cache rank's default (cache::SelectionConfig::successor_expand)
+  tp.successor = true;  // the cache rank's default (pair::SelectionConfig::successor_expand)
   GatherKvParams gp;
   gp.dtype = DType::BF16;
   gp.k_cache = kv.k;
@@ -571,7 +571,7 @@ void bench_predict_pack(Ctx& c, int batch, int layers, int window_cap) {
   pp.window_capacity = window_cap;
   pp.head_dim = kD;
   pp.max_regressors = window_cap - 1;
-  pp.eps = 1e-2f;  // the cache rank's default predictor (cache::SelectionConfig): ridge, relative eps 1e-2
+  pp.eps = 1e-2f;  // the cache rank's default predictor (pair::SelectionConfig): ridge, relative eps 1e-2
   pp.kind = PredictorKind::kRidge;
   const Timing t = time_it(c.opt, 1, [&](int) { CK(predict_next_query(pp, nullptr)); });
   const double bytes = 4.0 * rows_batch * kHq * window_cap * kD + 4.0 * rows_batch * kHq * kD;

@@ -38,7 +38,7 @@
 //                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1]
 //                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
-// The selection's predictor, ridge eps and successor expansion default to the cache rank's (cache::SelectionConfig);
+// The selection's predictor, ridge eps and successor expansion default to the cache rank's (pair::SelectionConfig);
 // the oracle mode's top-k expands successors as the async cache rank's does.
 #include <cuda_runtime_api.h>
 
@@ -62,7 +62,7 @@
 #include <vector>
 
 #include "bench/run_stamp.h"
-#include "cache_rank/gpu_plan.h"
+#include "pair/gpu_plan.h"
 #include "cache_rank/selector.h"
 #include "common/config.h"
 #include "common/error.h"
@@ -101,10 +101,10 @@ struct Opts {
   int local_window = 32;
   int query_window = 8;  // predictor regressors W (window holds W + 1 queries)
   int page_size = 16;
-  // Predictor and top-k settings: the cache rank's defaults (cache::SelectionConfig).
-  kernels::PredictorKind predictor = cache::SelectionConfig{}.predictor;
-  float ridge_eps = cache::SelectionConfig{}.ridge_eps;
-  bool successor_expand = cache::SelectionConfig{}.successor_expand;
+  // Predictor and top-k settings: the cache rank's defaults (pair::SelectionConfig).
+  kernels::PredictorKind predictor = pair::SelectionConfig{}.predictor;
+  float ridge_eps = pair::SelectionConfig{}.ridge_eps;
+  bool successor_expand = pair::SelectionConfig{}.successor_expand;
   uint64_t seed = 1;
   // CTAs (channels) NCCL may use per communicator: each holds an SM of BOTH GPUs for the whole transfer, so fewer
   // leave more SMs to scoring on the cache rank (measured: 16 of the default 32 on H200 NVLink gives the best TPOT;
@@ -446,8 +446,8 @@ std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel
 // CudaIpcLink, which checks the pipeline but not its speed (the ranks then share the GPU's SMs and HBM).
 // ---------------------------------------------------------------------------------------------------------------
 
-/// One layer pack's delta message: cache_rank/gpu_plan.h DeltaLayout (the serving protocol's layout).
-using cache::DeltaLayout;
+/// One layer pack's delta message: pair/gpu_plan.h DeltaLayout (the serving protocol's layout).
+using pair::DeltaLayout;
 
 struct AsyncShared {
   int P = 0, packs = 0;

@@ -7,7 +7,7 @@
 #include <cstdlib>
 
 #include "common/error.h"
-#include "inference_rank/gpu_model.h"
+#include "kernels/device.h"
 #include "kernels/selection.cuh"
 
 namespace spade::cache {

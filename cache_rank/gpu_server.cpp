@@ -7,11 +7,24 @@
 
 #include "common/error.h"
 #include "common/page_allocator.h"
-#include "inference_rank/gpu_model.h"
+#include "kernels/device.h"
 #include "kernels/layer_ops.cuh"
 #include "kernels/selection.cuh"
 
 namespace spade::cache {
+
+using pair::DeltaLayout;
+using pair::GpuPackSizes;
+using pair::GpuPlanRow;
+using pair::GpuStepPlan;
+using pair::decode_gpu_hello;
+using pair::decode_gpu_plan;
+using pair::gpu_pack_sizes;
+using pair::gpu_plan_max_rows;
+using pair::kGpuHelloBytes;
+using pair::kGpuPlanBytes;
+using pair::kRowFirstSelect;
+using pair::kRowFresh;
 
 namespace {
 

@@ -1,6 +1,6 @@
 // The GPU cache rank (issue #7; AsyncSpade Sec. 4.1-4.3, Algorithm 1): the full paged KV cache, the query windows and
 // the selection pipeline of one inference rank's sequences on one GPU, driven step by step by the plans the inference
-// rank sends over a GpuLink (protocol: cache_rank/gpu_plan.h).
+// rank sends over a GpuLink (protocol: pair/gpu_plan.h).
 //
 // Per step (serve_step):
 //   1. the plan arrives (this host waits for it; the inference rank never waits for this host);
@@ -36,12 +36,14 @@
 #include <string>
 #include <vector>
 
-#include "cache_rank/gpu_plan.h"
+#include "pair/gpu_plan.h"
 #include "cache_rank/selector.h"
 #include "common/config.h"
 #include "transport/gpu_link.h"
 
 namespace spade::cache {
+
+using pair::GpuPairHello;
 
 struct GpuCacheOptions {
   int device = 0;

@@ -29,8 +29,9 @@
 #include <csignal>
 #include <thread>
 
-#include "cache_rank/link.h"
-#include "cache_rank/selection_flags.h"
+#include "cache_rank/pack_server.h"
+#include "pair/link.h"
+#include "pair/selection_flags.h"
 #include "common/config.h"
 #include "common/error.h"
 #include "common/logging.h"
@@ -44,7 +45,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cache_rank/gpu_server.h"
-#include "inference_rank/gpu_model.h"
+#include "kernels/device.h"
 #include "transport/cuda_ipc/cuda_ipc_link.h"
 #ifdef SPADE_HAVE_NCCL_LINK
 #include "transport/nccl/nccl_link.h"
@@ -73,12 +74,12 @@ Paired rendezvous_with_inference(spade::coord::CoordinatorClient& cc, spade::coo
 int main(int argc, char** argv) {
   CLI::App app{"Spade cache rank: full paged KV cache, query windows, AsyncSpade token selection"};
   std::string model_dir, log_level = "info";
-  spade::cache::SelectionConfig sc;
+  spade::pair::SelectionConfig sc;
   int kv_pages = 16384, page_size = 16, rendezvous_ms = 30000;
   spade::coord::LaunchFlags lf;
   app.add_option("--model", model_dir, "checkpoint directory (config.json is read for the shapes)")->required();
-  spade::cache::SelectionFlagText selection_text;
-  spade::cache::add_selection_flags(app, sc, selection_text);
+  spade::pair::SelectionFlagText selection_text;
+  spade::pair::add_selection_flags(app, sc, selection_text);
   app.add_option("--kv-pages", kv_pages, "KV pool size in pages (all layers)")->check(CLI::PositiveNumber);
   app.add_option("--page-size", page_size, "tokens per page")->check(CLI::PositiveNumber);
   app.add_option("--master-addr", lf.master_addr, "coordinator host (else MASTER_ADDR)");
@@ -97,7 +98,7 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-host", metrics_host, "address of the metrics endpoint")->capture_default_str();
   bool delta_transfer = true;
   app.add_option("--delta-transfer", delta_transfer,
-                 "send only the tokens that entered each selection, with the slot they replace (cache_rank/delta.h)")
+                 "send only the tokens that entered each selection, with the slot they replace (pair/delta.h)")
       ->capture_default_str();
   app.add_option("--overlap-sample-every", overlap_every,
                  "measure the predicted-vs-oracle overlap ratio every N steps (0 = off)")
@@ -125,7 +126,7 @@ int main(int argc, char** argv) {
     spade::init_logging("cache_rank", log_level);
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    spade::cache::resolve_selection_flags(selection_text, sc);
+    spade::pair::resolve_selection_flags(selection_text, sc);
     // Hybrid models (Qwen3.5): only the full-attention layers have KV, so only they are stored and selected here.
     const spade::ModelConfig cfg = spade::load_model_config(model_dir).attention_view();
     const auto env = spade::coord::LaunchEnv::resolve(lf);
@@ -203,7 +204,7 @@ int main(int argc, char** argv) {
         g_stop = true;
       });
       // The inference rank uploads its weights after the rendezvous, then sends the hello: wait that long.
-      const spade::cache::GpuPairHello hello =
+      const spade::pair::GpuPairHello hello =
           spade::cache::recv_gpu_hello(link, cfg, peer_name, std::chrono::milliseconds(hello_timeout_ms));
       spade::cache::GpuCacheOptions gopts = spade::cache::gpu_cache_options(hello, sc, gpu_index);
       gopts.pipeline = selection_streams == 3;
@@ -317,10 +318,10 @@ int main(int argc, char** argv) {
                                   "Selected tokens whose K/V were sent: only those that entered the selection with "
                                   "delta transfer, all of them without.")
                      .with();
-    std::unique_ptr<spade::cache::SelectionMirror> mirror;
+    std::unique_ptr<spade::pair::SelectionMirror> mirror;
     if (delta_transfer)
-      mirror = std::make_unique<spade::cache::SelectionMirror>(cfg.num_kv_heads, sc.token_budget, cfg.head_dim);
-    spade::cache::DeltaStats seen;
+      mirror = std::make_unique<spade::pair::SelectionMirror>(cfg.num_kv_heads, sc.token_budget, cfg.head_dim);
+    spade::pair::DeltaStats seen;
     auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
     auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
     std::unique_ptr<spade::cache::OverlapSampler> sampler;
@@ -329,14 +330,14 @@ int main(int argc, char** argv) {
     hooks.sampler = sampler.get();
     hooks.mirror = mirror.get();
     hooks.on_poll = [&] { heartbeat.tick(); };
-    hooks.on_pack = [&](const spade::cache::PackUpdate&, const spade::cache::PackSelection& p, size_t in, size_t out) {
+    hooks.on_pack = [&](const spade::pair::PackUpdate&, const spade::pair::PackSelection& p, size_t in, size_t out) {
       select_time.observe(p.select_ms / 1e3);
       bytes_in.inc(static_cast<double>(in));
       bytes_out.inc(static_cast<double>(out));
       updates.inc();
       if (!p.error.empty()) errors.inc();
       if (mirror) {
-        const spade::cache::DeltaStats& now = mirror->stats();
+        const spade::pair::DeltaStats& now = mirror->stats();
         selected.inc(static_cast<double>(now.selected_rows - seen.selected_rows));
         sent.inc(static_cast<double>(now.sent_rows - seen.sent_rows));
         seen = now;
@@ -356,8 +357,8 @@ int main(int argc, char** argv) {
     kv_usage.set(0);
     seqs.set(0);
     connected = true;
-    spade::cache::LinkStats stats;
-    const std::string err = spade::cache::serve_cache_rank(*ep, sel, spade::cache::pack_shape(cfg, sc), g_stop, &stats,
+    spade::pair::LinkStats stats;
+    const std::string err = spade::cache::serve_cache_rank(*ep, sel, spade::pair::pack_shape(cfg, sc), g_stop, &stats,
                                                            std::chrono::milliseconds(100), hooks);
     spdlog::info("{}: {} updates, {:.1f} MB in, {:.1f} MB out, {:.1f} ms selecting", self, stats.updates,
                  stats.bytes_received / 1e6, stats.bytes_sent / 1e6, stats.cache_select_ms);

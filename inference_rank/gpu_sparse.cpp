@@ -92,9 +92,9 @@ struct GpuSparseController::State {
   cudaEvent_t next_applied_ev(int p) const { return applied[static_cast<size_t>((1 - parity) * packs + p)]->e; }
 };
 
-cache::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
+pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
                                         const EngineOptions& engine) {
-  cache::GpuPairHello h;
+  pair::GpuPairHello h;
   h.num_layers = attn_cfg.num_layers;
   h.num_q_heads = attn_cfg.num_q_heads;
   h.num_kv_heads = attn_cfg.num_kv_heads;
@@ -119,11 +119,11 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
   SPADE_CHECK(o.sparse_threshold >= 1 && o.layers_per_pack >= 1 && o.token_budget >= 1 &&
                   o.token_budget <= kernels::kMaxDeltaBudget && o.local_window >= 1 && o.delta_capacity >= 1 &&
                   o.delta_capacity <= o.token_budget && o.max_first_per_step >= 1 && o.max_sparse_seqs >= 1 &&
-                  o.max_slots >= 1 && o.max_slots <= cache::gpu_plan_max_rows() && o.max_step_tokens >= 1,
+                  o.max_slots >= 1 && o.max_slots <= pair::gpu_plan_max_rows() && o.max_step_tokens >= 1,
               "GPU sparse: options out of range (threshold {}, pack {}, budget {} <= {}, window {}, capacity {}, "
               "first {}, sparse {}, slots {} <= {}, step tokens {})",
               o.sparse_threshold, o.layers_per_pack, o.token_budget, kernels::kMaxDeltaBudget, o.local_window,
-              o.delta_capacity, o.max_first_per_step, o.max_sparse_seqs, o.max_slots, cache::gpu_plan_max_rows(),
+              o.delta_capacity, o.max_first_per_step, o.max_sparse_seqs, o.max_slots, pair::gpu_plan_max_rows(),
               o.max_step_tokens);
   cuda_check(cudaSetDevice(link.device()), "GPU sparse: cudaSetDevice");
   st_ = std::make_unique<State>(attn_cfg, o, link, page_size, max_batch);
@@ -136,12 +136,12 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
   s.stage = DeviceBuffer(static_cast<size_t>(s.P) * max_batch * s.row_elems * 2, "GPU sparse: graph-step staging");
   const size_t rows_steady = static_cast<size_t>(s.P) * o.max_sparse_seqs * s.Hkv;
   const size_t rows_first = static_cast<size_t>(s.P) * std::min(o.max_first_per_step, o.max_sparse_seqs) * s.Hkv;
-  s.recv_per_pack[0] = cache::DeltaLayout(rows_steady, o.delta_capacity, s.D).bytes;
-  s.recv_per_pack[1] = cache::DeltaLayout(rows_first, s.k, s.D).bytes;
+  s.recv_per_pack[0] = pair::DeltaLayout(rows_steady, o.delta_capacity, s.D).bytes;
+  s.recv_per_pack[1] = pair::DeltaLayout(rows_first, s.k, s.D).bytes;
   for (int g = 0; g < 2; ++g)
     for (auto& b : s.recv[g]) b = DeviceBuffer(static_cast<size_t>(s.packs) * s.recv_per_pack[g], "GPU sparse: receive");
-  s.plan_dev = DeviceBuffer(cache::kGpuPlanBytes, "GPU sparse: plan");
-  cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.plan_pinned), cache::kGpuPlanBytes), "GPU sparse: pinned");
+  s.plan_dev = DeviceBuffer(pair::kGpuPlanBytes, "GPU sparse: plan");
+  cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.plan_pinned), pair::kGpuPlanBytes), "GPU sparse: pinned");
   const size_t B = static_cast<size_t>(max_batch);
   s.off_maps[0] = 5 * B;
   s.off_maps[1] = s.off_maps[0] + static_cast<size_t>(s.L) * o.max_sparse_seqs * s.Hkv;
@@ -158,17 +158,17 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
   cuda_check(cudaStreamSynchronize(s.up), "GPU sparse: init");  // not the device: see send_hello
 }
 
-void GpuSparseController::send_hello(const cache::GpuPairHello& hello) {
+void GpuSparseController::send_hello(const pair::GpuPairHello& hello) {
   State& st = *st_;
   SPADE_CHECK(!st.hello_sent, "GPU sparse: the pair hello was already sent");
-  const std::vector<uint8_t> bytes = cache::encode_gpu_hello(hello);
+  const std::vector<uint8_t> bytes = pair::encode_gpu_hello(hello);
   cuda_check(cudaSetDevice(st.link.device()), "GPU sparse: cudaSetDevice");
   std::string err;
   try {
     std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
     cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
                "GPU sparse: hello upload");
-    st.link.send(st.plan_dev.get(), cache::kGpuHelloBytes, st.up, "the pair hello");
+    st.link.send(st.plan_dev.get(), pair::kGpuHelloBytes, st.up, "the pair hello");
     cuda_check(cudaStreamSynchronize(st.up), "GPU sparse: hello");  // the watchdog releases it by op_timeout
   } catch (const std::exception& e) {
     err = e.what();
@@ -189,11 +189,11 @@ void GpuSparseController::close() {
     cuda_check(cudaSetDevice(st.link.device()), "GPU sparse: cudaSetDevice");
     if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
     st.plan_pending = false;
-    const std::vector<uint8_t> bytes = cache::encode_gpu_plan(cache::GpuStepPlan::close_plan());
+    const std::vector<uint8_t> bytes = pair::encode_gpu_plan(pair::GpuStepPlan::close_plan());
     std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
     cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
                "GPU sparse: close plan upload");
-    st.link.send(st.plan_dev.get(), cache::kGpuPlanBytes, st.up, "the close plan");
+    st.link.send(st.plan_dev.get(), pair::kGpuPlanBytes, st.up, "the close plan");
     for (cudaStream_t x : {st.up, st.down}) cuda_check(cudaStreamSynchronize(x), "GPU sparse: close");
   } catch (const std::exception& e) {
     fail_link(std::string("closing the link: ") + e.what());
@@ -270,7 +270,7 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, cudaStream_t stream
     stats_.switches += static_cast<uint64_t>(d.switches);
     if (d.sparse_now) ++stats_.sparse_steps;
     // The plan, on the up stream (before this step's packs).
-    const std::vector<uint8_t> bytes = cache::encode_gpu_plan(d.plan);
+    const std::vector<uint8_t> bytes = pair::encode_gpu_plan(d.plan);
     if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
     std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
     cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
@@ -278,9 +278,9 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, cudaStream_t stream
     cuda_check(cudaEventRecord(st.plan_copied.e, st.up), "GPU sparse: plan event");
     st.plan_pending = true;
     try {
-      st.link.send(st.plan_dev.get(), cache::kGpuPlanBytes, st.up, "a step's plan");
+      st.link.send(st.plan_dev.get(), pair::kGpuPlanBytes, st.up, "a step's plan");
       st.planned = true;
-      stats_.bytes_sent += cache::kGpuPlanBytes;
+      stats_.bytes_sent += pair::kGpuPlanBytes;
     } catch (const Error& e) {
       // This step's sparse rows fail (take_failures). The step still attends them through the packed kernel (their
       // tables hold the last selection), as a dropped sequence must never be attended densely.
@@ -434,8 +434,8 @@ void GpuSparseController::end_step(cudaStream_t stream) {
   if (!st.active) return;
   for (int p = 0; p < st.packs; ++p) {
     const int n = st.pack_layers(p);
-    const cache::GpuPackSizes sizes = cache::gpu_pack_sizes(st.dec.plan, n, st.cfg, st.k, st.o.delta_capacity);
-    const cache::DeltaLayout* lay[2] = {&sizes.steady, &sizes.first};
+    const pair::GpuPackSizes sizes = pair::gpu_pack_sizes(st.dec.plan, n, st.cfg, st.k, st.o.delta_capacity);
+    const pair::DeltaLayout* lay[2] = {&sizes.steady, &sizes.first};
     char* bufs[2] = {nullptr, nullptr};
     for (int g = 0; g < 2; ++g) {
       if (lay[g]->rows == 0) continue;

@@ -1,5 +1,5 @@
 // Sparse decoding on the GPU inference rank (issue #7; AsyncSpade Sec. 4.1): the inference rank's half of the GPU data
-// plane of cache_rank/gpu_plan.h, paired with a GpuCacheServer over a GpuLink.
+// plane of pair/gpu_plan.h, paired with a GpuCacheServer over a GpuLink.
 //
 // GpuSparseController plugs into the GPU engine in two roles:
 //   * GpuAttention of GpuModel::forward: rows_out() puts each full-attention layer's processed q | k | v rows
@@ -58,7 +58,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cache_rank/gpu_plan.h"
+#include "pair/gpu_plan.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/gpu_model.h"
 #include "inference_rank/model.h"
@@ -97,12 +97,12 @@ inline int effective_delta_capacity(int requested, int budget) {
   return requested <= 0 || requested > budget ? budget : requested;
 }
 
-/// The pair hello (cache_rank/gpu_plan.h) for a controller with options `o` behind an engine with the normalised
-/// options `engine` (Engine::options()): send it on the link (cache_rank/gpu_server.h send_gpu_hello) before the
+/// The pair hello (pair/gpu_plan.h) for a controller with options `o` behind an engine with the normalised
+/// options `engine` (Engine::options()): send it on the link (pair/gpu_plan.h encode_gpu_hello) before the
 /// controller's first step. The cache rank's KV pool (the hello's num_pages) is engine.max_context_pages (the
 /// engine's bound on the running sequences' full contexts, which page dropping lets exceed num_pages), or
 /// engine.num_pages for options that were not normalised.
-cache::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
+pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
                                         const EngineOptions& engine);
 
 class GpuSparseController : public AttentionBackend, public GpuAttention {
@@ -132,7 +132,7 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   /// link's op_timeout). Call once, after construction and before the first step: every CUDA call that synchronises
   /// the whole device (allocation of this controller included) must happen before the cache rank can post its first
   /// receive when both ranks share a process. Throws spade::Error naming the peer if the link fails.
-  void send_hello(const cache::GpuPairHello& hello);
+  void send_hello(const pair::GpuPairHello& hello);
   /// Ends the stream (the close plan) so that the cache rank posts nothing more, and waits for this side's
   /// transfers. Idempotent; a no-op on a failed link; the destructor calls it. The sparse sequences still running
   /// fail (take_failures: "... failed: the link to it was closed"), as their dropped pages are gone; later steps

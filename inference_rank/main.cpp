@@ -19,7 +19,7 @@
 #include <iostream>
 #include <map>
 
-#include "cache_rank/selection_flags.h"
+#include "pair/selection_flags.h"
 #include "common/chat_template.h"
 #include "common/config.h"
 #include "common/error.h"
@@ -79,8 +79,8 @@ int main(int argc, char** argv) {
   app.add_option("--selection", selection, "dense | oracle | quest (CPU: synchronous, true query) | predicted (AsyncSpade)");
   app.add_option("--sparse-threshold", so.sparse_threshold, "context length at which decoding turns sparse")
       ->check(CLI::PositiveNumber);
-  spade::cache::SelectionFlagText selection_text;
-  spade::cache::add_selection_flags(app, so.selection, selection_text);
+  spade::pair::SelectionFlagText selection_text;
+  spade::pair::add_selection_flags(app, so.selection, selection_text);
   app.add_option("--layers-per-pack", so.layers_per_pack, "layers per pack message")->check(CLI::PositiveNumber);
   int deadline_ms = 10000;
   app.add_option("--selection-deadline-ms", deadline_ms, "longest wait for a late selection")->check(CLI::PositiveNumber);
@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
     spade::init_logging("inference_rank", log_level);
     so.mode = spade::parse_selection_mode(selection);
     so.selection_deadline = std::chrono::milliseconds(deadline_ms);
-    spade::cache::resolve_selection_flags(selection_text, so.selection);
+    spade::pair::resolve_selection_flags(selection_text, so.selection);
     if (eo.max_context_pages > 0 && (device != "cuda" || so.mode != spade::SelectionMode::Predicted))
       spade::fail("--max-context-pages sizes the GPU cache rank's pool: it needs --device cuda and --selection "
                   "predicted (the CPU cache rank's pool is the local one)");
@@ -266,7 +266,7 @@ int main(int argc, char** argv) {
       model = random_weights ? spade::Model::random(cfg, weights_seed) : spade::Model::load(model_dir);
       spdlog::info("loaded {} ({} params) in {:.1f} ms", model_dir, model->num_params(), ms(Clock::now() - t_load));
       engine_ptr = std::make_unique<spade::Engine>(*model, eo, [&](const spade::ModelConfig& c, spade::KvCache& kv) {
-        std::unique_ptr<spade::cache::CacheRankLink> link;
+        std::unique_ptr<spade::pair::CacheRankLink> link;
         if (so.mode == spade::SelectionMode::Predicted)
           link = std::make_unique<spade::cache::InProcessLink>(c, so.selection, kv.num_pages(), kv.page_size());
         auto b = std::make_unique<spade::SparseAttention>(c, kv, so, std::move(link));

@@ -81,7 +81,7 @@ void InferenceMetrics::on_finished(FinishReason reason, double e2e, int, int) {
   }
 }
 
-void InferenceMetrics::update(const EngineStats& engine, const SparseStats* sparse, const cache::LinkStats* link) {
+void InferenceMetrics::update(const EngineStats& engine, const SparseStats* sparse, const pair::LinkStats* link) {
   running_.set(engine.num_running);
   waiting_.set(engine.num_waiting);
   kv_usage_.set(engine.kv_cache_usage);

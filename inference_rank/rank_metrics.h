@@ -25,7 +25,7 @@
 
 #include <cstdint>
 
-#include "cache_rank/link.h"
+#include "pair/link.h"
 #include "common/metrics.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/sparse_attention.h"
@@ -42,7 +42,7 @@ class InferenceMetrics : public EngineObserver {
   void on_finished(FinishReason reason, double e2e, int prompt_tokens, int generated) override;
 
   /// Gauges from the engine, counters from the cumulative sparse / link statistics (by difference).
-  void update(const EngineStats& engine, const SparseStats* sparse, const cache::LinkStats* link);
+  void update(const EngineStats& engine, const SparseStats* sparse, const pair::LinkStats* link);
 
  private:
   metrics::Gauge &running_, &waiting_, &kv_usage_;
@@ -53,7 +53,7 @@ class InferenceMetrics : public EngineObserver {
   metrics::Counter &bytes_sent_, &bytes_recv_, &select_seconds_, &pages_dropped_;
   uint64_t last_pages_dropped_ = 0;
   SparseStats last_sparse_;
-  cache::LinkStats last_link_;
+  pair::LinkStats last_link_;
 };
 
 }  // namespace spade

@@ -138,7 +138,7 @@ int run_serve(const ServeOptions& opt) {
   spdlog::info("{}: world of {} ({})", self, view.world_size(), view.pairing_rule());
 
   transport::Endpoint* endpoint = nullptr;
-  std::unique_ptr<cache::CacheRankLink> link;
+  std::unique_ptr<pair::CacheRankLink> link;
   std::string cache_name;
   uint32_t cache_rank = 0;
   SparseOptions sparse = opt.sparse;
@@ -185,7 +185,7 @@ int run_serve(const ServeOptions& opt) {
     set_stage("connecting the data plane to " + cache_name);
     auto ep = net->connect(peer.transport().address(), cache_name, deadline);
     endpoint = ep.get();
-    link = std::make_unique<cache::TransportLink>(std::move(ep), cache::pack_shape(model->config(), sparse.selection));
+    link = std::make_unique<pair::TransportLink>(std::move(ep), pair::pack_shape(model->config(), sparse.selection));
     spdlog::info("{}: data plane to {} over {}", self, cache_name, net->kind());
   } else if (!on_gpu && sparse.mode == SelectionMode::Predicted) {
     spdlog::warn("{}: no cache rank in the world: predicted selection unavailable, decoding densely", self);
@@ -252,7 +252,7 @@ int run_serve(const ServeOptions& opt) {
   }
   Engine& engine = *engine_ptr;
   // The GPU path's counters in the CPU path's shapes (metrics and coordinator stats).
-  auto gpu_stats = [&](SparseStats& s, cache::LinkStats& l) -> bool {
+  auto gpu_stats = [&](SparseStats& s, pair::LinkStats& l) -> bool {
 #ifdef SPADE_HAVE_GPU_PATH
     if (!gpu_sparse) return false;
     const GpuSparseStats& g = gpu_sparse->stats();
@@ -400,7 +400,7 @@ int run_serve(const ServeOptions& opt) {
       cc.set_stat("dense_fallbacks", static_cast<double>(s.dense_fallbacks));
     }
     SparseStats gs;
-    cache::LinkStats gl;
+    pair::LinkStats gl;
     if (gpu_stats(gs, gl)) {
       cc.set_stat("sparse_seq_steps", static_cast<double>(gs.sparse_seq_steps));
       rank_metrics.update(engine.stats(), &gs, &gl);
@@ -411,7 +411,7 @@ int run_serve(const ServeOptions& opt) {
   }
   {
     SparseStats gs;
-    cache::LinkStats gl;
+    pair::LinkStats gl;
     uint64_t link_graph_replays = 0;
 #ifdef SPADE_HAVE_GPU_PATH
     if (gpu != nullptr) link_graph_replays = gpu->link_graph_steps();
@@ -426,7 +426,7 @@ int run_serve(const ServeOptions& opt) {
     const SparseStats& s = backend->stats();
     spdlog::info("{}: {} steps, {} sparse sequence-steps, {} stalls ({:.1f} ms), {} failed, {} dense fallbacks", self,
                  s.steps, s.sparse_seq_steps, s.stalls, s.stall_ms, s.failed_seqs, s.dense_fallbacks);
-    if (auto* l = dynamic_cast<cache::TransportLink*>(backend->link())) l->shutdown();
+    if (auto* l = dynamic_cast<pair::TransportLink*>(backend->link())) l->shutdown();
   }
 #ifdef SPADE_HAVE_GPU_PATH
   if (gpu_sparse) gpu_sparse->close();  // the close plan: the cache rank posts nothing more

@@ -29,9 +29,9 @@ const char* selection_mode_name(SelectionMode m) {
 }
 
 SparseAttention::SparseAttention(const ModelConfig& cfg, KvCache& cache, SparseOptions opt,
-                                 std::unique_ptr<cache::CacheRankLink> link)
+                                 std::unique_ptr<pair::CacheRankLink> link)
     : cfg_(cfg), cache_(cache), opt_(opt), link_(std::move(link)) {
-  cache::validate(opt_.selection);
+  pair::validate(opt_.selection);
   SPADE_CHECK(opt_.layers_per_pack >= 1, "layers per pack must be >= 1, got {}", opt_.layers_per_pack);
   SPADE_CHECK(opt_.sparse_threshold >= 1, "sparse threshold must be >= 1, got {}", opt_.sparse_threshold);
   num_packs_ = (cfg.num_layers + opt_.layers_per_pack - 1) / opt_.layers_per_pack;
@@ -67,13 +67,13 @@ void SparseAttention::drop_unread_answers() {
     expect_reply_[p] = false;
     try {
       bool waited = false;
-      cache::PackSelection stale = link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
+      pair::PackSelection stale = link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
       SPADE_CHECK(stale.pack == p, "cache rank {}: unread answer for pack {} arrived where pack {} was expected",
                   link_->peer(), stale.pack, p);
       ++stats_.dropped_answers;
       // The engine failed the step's batch, so its sequences are gone; one that is not has lost its selection (and,
       // with delta transfer, its slot table would no longer match the cache rank's mirror): fail it.
-      for (const cache::SeqSelection& e : stale.seqs) {
+      for (const pair::SeqSelection& e : stale.seqs) {
         auto it = seqs_.find(e.seq_id);
         if (it == seqs_.end()) continue;
         SeqState& s = it->second;
@@ -129,7 +129,7 @@ void SparseAttention::begin_step(const ForwardBatch& batch) {
     bool any = false;
     for (Phase p : phase_) any = any || p == Phase::Sparse || p == Phase::Switching;
     if (!any) {  // no update would carry them this step: send a release-only update for pack 0
-      cache::PackUpdate u;
+      pair::PackUpdate u;
       u.step = step_;
       u.pack = 0;
       u.first_layer = 0;
@@ -173,7 +173,7 @@ void SparseAttention::idle_flush() {
       (void)link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
     }
     if (released_.empty()) return;
-    cache::PackUpdate u;
+    pair::PackUpdate u;
     u.step = ++step_;
     u.pack = 0;
     u.first_layer = 0;
@@ -193,7 +193,7 @@ void SparseAttention::receive_pack(int pack) {
   try {
     bool waited = false;
     const auto t0 = std::chrono::steady_clock::now();
-    cache::PackSelection p = link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
+    pair::PackSelection p = link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
     if (waited) {
       ++stats_.stalls;
       ++stats_.stalls_per_step.back();
@@ -201,18 +201,18 @@ void SparseAttention::receive_pack(int pack) {
     }
     SPADE_CHECK(p.pack == pack, "cache rank {}: answer for pack {} arrived where pack {} was expected", link_->peer(),
                 p.pack, pack);
-    for (cache::SeqSelection& e : p.seqs) {
+    for (pair::SeqSelection& e : p.seqs) {
       auto it = seqs_.find(e.seq_id);
       if (it == seqs_.end()) continue;  // finished meanwhile
       SeqState& s = it->second;
       if (s.sel.empty()) s.sel.resize(cfg_.num_layers);
       const int first = pack * opt_.layers_per_pack;
       if (p.delta) {
-        // Delta transfer: update the held slot tables in place (cache_rank/delta.h).
+        // Delta transfer: update the held slot tables in place (pair/delta.h).
         SPADE_CHECK(first + e.deltas.size() <= s.sel.size(), "cache rank {}: delta for {} layers from layer {}",
                     link_->peer(), e.deltas.size(), first);
         for (size_t i = 0; i < e.deltas.size(); ++i)
-          cache::apply_delta(e.deltas[i], s.sel[first + i], cfg_.num_kv_heads, opt_.selection.token_budget,
+          pair::apply_delta(e.deltas[i], s.sel[first + i], cfg_.num_kv_heads, opt_.selection.token_budget,
                              cfg_.head_dim, link_->peer());
       } else {
         for (size_t i = 0; i < e.layers.size(); ++i) s.sel[first + i] = std::move(e.layers[i]);
@@ -238,7 +238,7 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
   write_kv_pages(batch, k, v, cache_.k(layer), cache_.v(layer), page, KV);
   if (opt_.mode == SelectionMode::Predicted && layer == first) receive_pack(pack);
   if (layer == first) {
-    pending_ = cache::PackUpdate{};
+    pending_ = pair::PackUpdate{};
     pending_.step = step_;
     pending_.pack = pack;
     pending_.first_layer = first;
@@ -273,8 +273,8 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
     }
 
     // Oracle: inline selection with the true query; the selector holds its own copy of the KV.
-    const cache::LayerSelection* sel = nullptr;
-    cache::LayerSelection oracle_sel;
+    const pair::LayerSelection* sel = nullptr;
+    pair::LayerSelection oracle_sel;
     if (synchronous() && (ph == Phase::Switching || ph == Phase::Sparse)) {
       cache::Selector& os = oracle_->selector();
       const float* qr = q + static_cast<size_t>(q0) * Q;
@@ -302,7 +302,7 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
     // Predicted: queue this layer's part of the pack update.
     if (opt_.mode == SelectionMode::Predicted && (ph == Phase::Switching || ph == Phase::Sparse)) {
       if (layer == first) {
-        cache::SeqUpdate u;
+        pair::SeqUpdate u;
         u.seq_id = id;
         u.context_len = L;
         u.init = ph == Phase::Switching;
@@ -310,7 +310,7 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
         u.token_budget = s.token_budget;
         pending_.seqs.push_back(std::move(u));
       }
-      cache::SeqUpdate* u = nullptr;
+      pair::SeqUpdate* u = nullptr;
       for (auto& e : pending_.seqs)
         if (e.seq_id == id) u = &e;
       if (u->init) {

@@ -29,7 +29,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cache_rank/link.h"
+#include "cache_rank/pack_server.h"
+#include "pair/link.h"
 #include "inference_rank/model.h"
 
 namespace spade {
@@ -43,7 +44,7 @@ struct SparseOptions {
   SelectionMode mode = SelectionMode::Predicted;
   int sparse_threshold = 256;  // context length (tokens) at which a sequence switches to sparse decoding
   int layers_per_pack = 4;     // P: layers per pack message
-  cache::SelectionConfig selection;
+  pair::SelectionConfig selection;
   std::chrono::milliseconds selection_deadline{10000};  // longest wait for a late selection before failing
 };
 
@@ -63,7 +64,7 @@ class SparseAttention : public AttentionBackend {
  public:
   /// `link`: the cache rank (predicted mode); ignored (may be null) for dense and oracle.
   SparseAttention(const ModelConfig& cfg, KvCache& cache, SparseOptions opt,
-                  std::unique_ptr<cache::CacheRankLink> link);
+                  std::unique_ptr<pair::CacheRankLink> link);
   void attend(int layer, const ForwardBatch& batch, const float* q, const float* k, const float* v,
               float* out) override;
   void on_release(uint64_t seq_id) override;
@@ -87,7 +88,7 @@ class SparseAttention : public AttentionBackend {
 
   const SparseStats& stats() const { return stats_; }
   const SparseOptions& options() const { return opt_; }
-  cache::CacheRankLink* link() { return link_.get(); }
+  pair::CacheRankLink* link() { return link_.get(); }
   bool link_failed() const { return !link_error_.empty(); }
 
  private:
@@ -97,7 +98,7 @@ class SparseAttention : public AttentionBackend {
   struct SeqState {
     Phase phase = Phase::Dense;
     std::vector<std::vector<float>> queries;  // per layer: last W+1 query rows [n, q_dim], oldest first
-    std::vector<cache::LayerSelection> sel;   // per layer: selection for the current step (sparse phase)
+    std::vector<pair::LayerSelection> sel;   // per layer: selection for the current step (sparse phase)
     int sel_context_len = 0;
     bool dropped = false;  // local pages of the middle were freed: dense attention is no longer possible
     bool force_dense = false;
@@ -112,7 +113,7 @@ class SparseAttention : public AttentionBackend {
   const ModelConfig& cfg_;
   KvCache& cache_;
   SparseOptions opt_;
-  std::unique_ptr<cache::CacheRankLink> link_;
+  std::unique_ptr<pair::CacheRankLink> link_;
   std::unique_ptr<cache::InProcessLink> oracle_;  // oracle mode's inline selector
   std::string link_error_;
   int num_packs_;
@@ -122,7 +123,7 @@ class SparseAttention : public AttentionBackend {
   std::vector<bool> expect_reply_;            // per pack: an update of the previous step awaits its selection
   std::vector<bool> expect_now_;              // per pack: sent during this step
   std::vector<uint64_t> released_;
-  cache::PackUpdate pending_;                 // update being assembled for the current pack
+  pair::PackUpdate pending_;                 // update being assembled for the current pack
   std::vector<std::pair<uint64_t, std::string>> failures_;
   SparseStats stats_;
   std::vector<float> scores_;

@@ -13,8 +13,8 @@ SparseStepPlanner::SparseStepPlanner(SparsePlannerOptions o) : o_(o) {
   SPADE_CHECK(o.local_window >= 1, "sparse planner: local_window {} must be >= 1", o.local_window);
   SPADE_CHECK(o.max_first_per_step >= 1, "sparse planner: max_first_per_step {} must be >= 1", o.max_first_per_step);
   SPADE_CHECK(o.max_sparse_seqs >= 1, "sparse planner: max_sparse_seqs {} must be >= 1", o.max_sparse_seqs);
-  SPADE_CHECK(o.max_slots >= 1 && o.max_slots <= cache::gpu_plan_max_rows(),
-              "sparse planner: max_slots {} must be in [1, {}]", o.max_slots, cache::gpu_plan_max_rows());
+  SPADE_CHECK(o.max_slots >= 1 && o.max_slots <= pair::gpu_plan_max_rows(),
+              "sparse planner: max_slots {} must be in [1, {}]", o.max_slots, pair::gpu_plan_max_rows());
   for (int i = o.max_slots - 1; i >= 0; --i) free_slots_.push_back(i);
   for (int i = o.max_sparse_seqs - 1; i >= 0; --i) free_tables_.push_back(i);
 }
@@ -129,9 +129,9 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
     }
     const int q_len = fb.cu_q_lens[static_cast<size_t>(r) + 1] - fb.cu_q_lens[static_cast<size_t>(r)];
     const int ctx = fb.seq_lens[static_cast<size_t>(r)];
-    cache::GpuPlanRow row{s.slot, q_len, ctx, 0u};
+    pair::GpuPlanRow row{s.slot, q_len, ctx, 0u};
     if (ctx == q_len) {
-      row.flags |= cache::kRowFresh;
+      row.flags |= pair::kRowFresh;
       // Starting over: the cache rank forgets this slot, so its selection starts over too.
       if (s.table >= 0) free_tables_.push_back(s.table);
       s.table = -1;
@@ -156,18 +156,18 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
     // The next step's selection.
     const int threshold = s.threshold > 0 ? s.threshold : o_.sparse_threshold;
     if (s.phase == Phase::Sparse && s.table >= 0) {
-      row.flags |= cache::kRowSelect;
+      row.flags |= pair::kRowSelect;
       d.group_tables[0].push_back(s.table);
     } else if (!failed_ && s.phase == Phase::Dense && q_len == 1 && !s.force_dense && ctx >= threshold &&
                d.switches < o_.max_first_per_step && !free_tables_.empty()) {
       s.table = free_tables_.back();
       free_tables_.pop_back();
       s.phase = Phase::Sparse;
-      row.flags |= cache::kRowSelect | cache::kRowFirstSelect;
+      row.flags |= pair::kRowSelect | pair::kRowFirstSelect;
       d.group_tables[1].push_back(s.table);
       ++d.switches;
     }
-    s.sel_requested = (row.flags & cache::kRowSelect) != 0;
+    s.sel_requested = (row.flags & pair::kRowSelect) != 0;
     d.plan.rows.push_back(row);
   }
   return d;

@@ -1,6 +1,6 @@
 // The host-side bookkeeping of GPU sparse decoding (issue #7; AsyncSpade Sec. 4.1): which sequences are dense, which
 // switch to sparse this step, which decode sparsely, their plan slots and held-table slots, and the step's plan for
-// the cache rank (cache_rank/gpu_plan.h). Pure host code, unit-tested on the CPU; GpuSparseController
+// the cache rank (pair/gpu_plan.h). Pure host code, unit-tested on the CPU; GpuSparseController
 // (gpu_sparse.h) turns each StepDecision into uploads, sends and launches.
 //
 // Per sequence (Phase):
@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "cache_rank/gpu_plan.h"
+#include "pair/gpu_plan.h"
 #include "inference_rank/model.h"
 
 namespace spade {
@@ -43,7 +43,7 @@ struct SparsePlannerOptions {
 
 /// What one engine step does, per batch row and per selection group.
 struct StepDecision {
-  cache::GpuStepPlan plan;           // rows in batch order
+  pair::GpuStepPlan plan;           // rows in batch order
   std::vector<int32_t> num_packed;   // [batch] held-table entries attended (0: dense or window-only row)
   std::vector<int32_t> windows;      // [batch] local window (a dense row: its whole context)
   std::vector<int32_t> tables;       // [batch] held-table slot of a sparse row, else -1

@@ -78,7 +78,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cache_rank/link.h"
+#include "cache_rank/pack_server.h"
+#include "pair/link.h"
 #include "cache_rank/selector.h"
 #include "common/config.h"
 #include "common/error.h"
@@ -303,8 +304,8 @@ void gather_context(const ModelConfig& cfg, const KvCache& kv, int layer, const 
   }
 }
 
-cache::SelectionConfig selection_config(const Variant& v, int token_budget) {
-  cache::SelectionConfig sc;
+pair::SelectionConfig selection_config(const Variant& v, int token_budget) {
+  pair::SelectionConfig sc;
   sc.token_budget = std::max(1, token_budget);
   sc.local_window = v.R;
   sc.sink_tokens = v.S;
@@ -426,7 +427,7 @@ class ProbeBackend : public AttentionBackend {
     bool operator==(const TrueKey& o) const { return S == o.S && R == o.R && k == o.k && rule == o.rule; }
   };
 
-  void check_same(VariantStats& st, const cache::LayerSelection& ls, const Sel& mine, const char* what,
+  void check_same(VariantStats& st, const pair::LayerSelection& ls, const Sel& mine, const char* what,
                   int layer, int L) {
     ++st.selector_compares;
     if (ls.count == mine.count && ls.positions == mine.pos) return;
@@ -562,7 +563,7 @@ class ProbeBackend : public AttentionBackend {
   std::vector<float> kbuf_, vbuf_, q_hat_;
   std::vector<double> probs_;
   Sel pred_, pred_fixed_, lastq_;
-  cache::LayerSelection ls_;
+  pair::LayerSelection ls_;
 };
 
 // ---- sparse decoding with a growing budget ----------------------------------------------------------------
@@ -1384,7 +1385,7 @@ bool run_stories(const Options& o) {
         out = generate(
             *model, ids, N, max_len,
             [&](const ModelConfig& c, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
-              std::unique_ptr<cache::CacheRankLink> link;
+              std::unique_ptr<pair::CacheRankLink> link;
               if (so.mode == SelectionMode::Predicted)
                 link =
                     std::make_unique<cache::InProcessLink>(c, so.selection, kv.num_pages(), kv.page_size());
@@ -1430,7 +1431,7 @@ bool run_stories(const Options& o) {
       const auto out = generate(
           *model, ids, N, max_len,
           [&](const ModelConfig& c, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
-            std::unique_ptr<cache::CacheRankLink> link;
+            std::unique_ptr<pair::CacheRankLink> link;
             if (so.mode == SelectionMode::Predicted)
               link = std::make_unique<cache::InProcessLink>(c, so.selection, kv.num_pages(), kv.page_size());
             return std::make_unique<SparseAttention>(c, kv, so, std::move(link));
@@ -1655,7 +1656,7 @@ bool run_qwen(const Options& o) {
         const auto out = generate(
             *model, ids, static_cast<int>(dense_m.size()), max_len,
             [&](const ModelConfig& c, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
-              std::unique_ptr<cache::CacheRankLink> link;
+              std::unique_ptr<pair::CacheRankLink> link;
               if (so.mode == SelectionMode::Predicted)
                 link =
                     std::make_unique<cache::InProcessLink>(c, so.selection, kv.num_pages(), kv.page_size());

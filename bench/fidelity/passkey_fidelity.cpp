@@ -23,7 +23,7 @@
 
 #include "bench/fidelity/passkey_harness.h"
 #include "bench/run_stamp.h"
-#include "cache_rank/selection_flags.h"
+#include "pair/selection_flags.h"
 #include "common/config.h"
 #include "common/error.h"
 #include "common/logging.h"
@@ -80,8 +80,8 @@ int main(int argc, char** argv) {
   std::string variants_arg = "dense,oracle,quest,predicted,paper,last", budgets_arg = "128,1/16,1/32";
   int per_group = 1000;
   RunOptions ro;
-  cache::SelectionConfig base;
-  cache::SelectionFlagText text;
+  pair::SelectionConfig base;
+  pair::SelectionFlagText text;
   int heldout_docs = 0, heldout_context = 2048, heldout_forced = 64;
   std::string heldout_budget = "1/16";
   app.add_option("--model", model_dir, "checkpoint directory (longctx-7m / longctx-22m)")->required();
@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
   app.add_option("--sparse-threshold", ro.sparse_threshold, "context length at which decoding turns sparse")
       ->capture_default_str();
   app.add_option("--layers-per-pack", ro.layers_per_pack, "layers per pack")->capture_default_str();
-  cache::add_selection_flags(app, base, text);
+  pair::add_selection_flags(app, base, text);
   app.add_option("--heldout-docs", heldout_docs, "teacher-forced documents of held-out code (0 = skip)");
   app.add_option("--heldout-context", heldout_context, "teacher-forced: prefilled bytes per document")
       ->capture_default_str();
@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     init_logging("passkey_fidelity", log_level);
-    cache::resolve_selection_flags(text, base);
+    pair::resolve_selection_flags(text, base);
     if (prompts_path.empty()) prompts_path = data_dir() + "/prompts/passkey_public.jsonl";
     std::vector<Variant> variants;
     for (const auto& s : split(variants_arg)) variants.push_back(parse_variant(s, base));

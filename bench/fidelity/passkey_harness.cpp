@@ -9,7 +9,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "cache_rank/link.h"
+#include "pair/link.h"
 #include "common/chat_template.h"
 #include "common/error.h"
 
@@ -59,7 +59,7 @@ std::vector<PasskeyPrompt> load_passkey_prompts(const std::string& path) {
   return out;
 }
 
-Variant parse_variant(const std::string& spec, const cache::SelectionConfig& base) {
+Variant parse_variant(const std::string& spec, const pair::SelectionConfig& base) {
   Variant v;
   v.selection = base;
   const auto eq = spec.find('=');
@@ -123,7 +123,7 @@ Variant parse_variant(const std::string& spec, const cache::SelectionConfig& bas
            ex.what());
     }
   }
-  cache::validate(v.selection);
+  pair::validate(v.selection);
   return v;
 }
 
@@ -211,7 +211,7 @@ Backend make_backend(const ModelConfig& cfg, KvCache& kv, const Variant& v, int 
   so.layers_per_pack = opt.layers_per_pack;
   so.selection = v.selection;
   so.selection.token_budget = budget;
-  std::unique_ptr<cache::CacheRankLink> link;
+  std::unique_ptr<pair::CacheRankLink> link;
   if (v.mode == SelectionMode::Predicted) {
     auto l = std::make_unique<cache::InProcessLink>(cfg, so.selection, kv.num_pages(), kv.page_size());
     b.link = l.get();

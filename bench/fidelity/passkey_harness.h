@@ -8,20 +8,21 @@
 // `kTail` tokens; every variant then copies that KV, prefills the tail through its own attention backend (so the
 // backend sees the last W + 1 queries, as a switch from a real prefill does), and decodes greedily through
 // SparseAttention (inference_rank/sparse_attention.h) — the production CPU path, with an in-process cache rank
-// (cache_rank/link.h InProcessLink) for the asynchronous variants. A variant is a selection mode (dense, oracle =
+// (pair/link.h InProcessLink) for the asynchronous variants. A variant is a selection mode (dense, oracle =
 // true-query exact token top-k, quest = true-query page top-k, predicted = AsyncSpade one step ahead) with a
 // SelectionConfig (predictor, successor expansion, GQA rule, window, sinks).
 //
 // Teacher-forced metrics on held-out code (heldout_code_py.txt): a document's first `context` bytes prefilled, the
 // next `forced` bytes fed one decode step each; per variant the bits per byte of the true bytes, the top-1
 // agreement with dense, and for predicted variants the overlap ratio (AsyncSpade Eq. 1, per layer and KV head) and
-// the selection churn per step (cache_rank/pack.h OverlapSampler).
+// the selection churn per step (pair/pack.h OverlapSampler).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cache_rank/pack_server.h"
 #include "cache_rank/selector.h"
 #include "common/tokenizer.h"
 #include "inference_rank/model.h"
@@ -43,7 +44,7 @@ std::vector<PasskeyPrompt> load_passkey_prompts(const std::string& path);
 struct Variant {
   std::string name;
   SelectionMode mode = SelectionMode::Dense;
-  cache::SelectionConfig selection;
+  pair::SelectionConfig selection;
 };
 
 /// Parses "NAME" (a built-in: dense, oracle, quest, predicted, paper, last) or "NAME=MODE[:key=value...]" (e.g. "w16=predicted:window=16") with keys
@@ -52,7 +53,7 @@ struct Variant {
 /// oracle and quest = base without successor expansion (exact top-k / Quest with the true query); paper = Algorithm
 /// 1 as published (paper predictor, absolute eps 1e-3, no successor expansion); last = the previous step's true
 /// query (last predictor, no expansion). Throws spade::Error for an unknown name or key.
-Variant parse_variant(const std::string& spec, const cache::SelectionConfig& base);
+Variant parse_variant(const std::string& spec, const pair::SelectionConfig& base);
 
 /// A token budget: absolute tokens (per layer and KV head) or a fraction of the prompt's tokens (rounded up).
 struct Budget {

@@ -3,7 +3,7 @@
 //
 // This test plays the inference rank on the raw link: the pair hello, then per step the plan and each layer pack's
 // q | k | v rows (bf16, as the inference rank ships them), and it receives the selection messages (delta format,
-// cache_rank/gpu_plan.h DeltaLayout), applying them to a host copy of the holder's slot tables. The delta capacity is
+// pair/gpu_plan.h DeltaLayout), applying them to a host copy of the holder's slot tables. The delta capacity is
 // the whole budget, so every steady row sends all its entering tokens and the held table is exactly the selection.
 // The CPU Selector gets the same rows as fp32 (the bf16 values, exact): init_layer for a prompt, append_layer for a
 // decode token, then select(query = nullptr: predicted) for the next step's context.
@@ -30,16 +30,18 @@
 #include <vector>
 
 #include "cache_rank/gpu_local.h"
-#include "cache_rank/gpu_plan.h"
+#include "pair/gpu_plan.h"
 #include "cache_rank/selector.h"
 #include "common/config.h"
 #include "common/dtype.h"
-#include "inference_rank/gpu_model.h"
+#include "kernels/device.h"
 #include "kernels/selection_delta_ref.h"
 #include "kernels/selection_ref.h"
 
 namespace spade::cache {
 namespace {
+
+using namespace ::spade::pair;  // the pair protocol (pair/gpu_plan.h) this file drives the GPU cache rank with
 
 using kernels::kDeltaCount;
 using kernels::kDeltaEntering;

@@ -5,13 +5,16 @@
 #include <random>
 #include <set>
 
-#include "cache_rank/pack.h"
+#include "cache_rank/pack_server.h"
+#include "cache_rank/selector.h"
+#include "pair/pack.h"
 #include "common/error.h"
 
 namespace spade::cache {
 namespace {
 
 using ::testing::HasSubstr;
+using namespace ::spade::pair;  // the wire types (pair/pack.h) this file encodes, decodes and selects into
 
 ModelConfig small_cfg() {
   ModelConfig c;

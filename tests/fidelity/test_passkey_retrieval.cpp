@@ -55,7 +55,7 @@ const Tally& tally() {
   static Tally t = [] {
     Fixture& f = fixture();
     Tally r;
-    const cache::SelectionConfig defaults;
+    const pair::SelectionConfig defaults;
     const Variant dense = parse_variant("dense", defaults), oracle = parse_variant("oracle", defaults),
                   predicted = parse_variant("predicted", defaults);
     RunOptions ro;
@@ -95,7 +95,7 @@ TEST(PasskeyRetrieval, WithoutTheNeedleMostAnswersAreWrong) {
 }
 
 TEST(PasskeyRetrieval, BadVariantsAndBudgetsAreRefusedByName) {
-  const cache::SelectionConfig defaults;
+  const pair::SelectionConfig defaults;
   EXPECT_THROW(parse_variant("nonsense", defaults), Error);
   EXPECT_THROW(parse_variant("x=predicted:window=99", defaults), Error);
   EXPECT_THROW(parse_variant("x=predicted:colour=red", defaults), Error);

@@ -134,7 +134,7 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0, bool graphs = fals
   if (sparse != nullptr) {
     const ModelConfig attn = cfg.attention_view();
     const GpuSparseOptions so = test_sparse_options(*sparse, eo);
-    cache::SelectionConfig sel;
+    pair::SelectionConfig sel;
     sel.query_window = 4;
     cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
     cache_rank->set_pipeline(pipeline);
@@ -377,11 +377,11 @@ DropRun run_drop(bool drop) {
   // Budget 512 >= every context: sparse == dense up to summation order.
   const GpuSparseOptions so =
       test_sparse_options(Sparse{/*budget=*/512, /*window=*/16, /*capacity=*/64, /*threshold=*/32}, eo);
-  cache::SelectionConfig sel;
+  pair::SelectionConfig sel;
   sel.query_window = 4;
   cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
   ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size, gpu.max_batch());
-  const cache::GpuPairHello hello = make_gpu_pair_hello(attn, so, engine.options());
+  const pair::GpuPairHello hello = make_gpu_pair_hello(attn, so, engine.options());
   EXPECT_EQ(hello.num_pages, 64) << "the cache rank's pool is the engine's bound on full contexts";
   ctl->send_hello(hello);
   cache_rank->wait_ready(std::chrono::milliseconds(30000));
@@ -482,7 +482,7 @@ TEST(GpuSparse, DroppedPagesAreReusedAndTheLogitsEqualTheUndroppedRun) {
 TEST(GpuSparseBadInput, AHelloForAnotherModelFailsTheCacheRankByName) {
   ModelConfig other = qwen3_like();
   other.num_layers = 4;  // the cache rank loaded a different model
-  cache::LocalGpuCacheRank local(other.attention_view(), cache::SelectionConfig{}, 0, std::chrono::milliseconds(2000));
+  cache::LocalGpuCacheRank local(other.attention_view(), pair::SelectionConfig{}, 0, std::chrono::milliseconds(2000));
   GpuSparseOptions so;
   so.max_slots = 3;
   so.max_step_tokens = 64;
@@ -513,7 +513,7 @@ TEST(GpuSparseBadInput, OptionsAreRefusedByName) {
     EXPECT_NE(std::string(e.what()).find("capacity"), std::string::npos) << e.what();
   }
   o = GpuSparseOptions{};
-  o.max_slots = cache::gpu_plan_max_rows() + 1;
+  o.max_slots = pair::gpu_plan_max_rows() + 1;
   EXPECT_THROW(GpuSparseController(attn, o, *inf, 16, 4), Error);
 }
 

@@ -378,7 +378,7 @@ TEST_F(TinyQwen35, SparseDecodingOfTheAttentionLayersWithFullBudgetMatchesDense)
     SparseAttention* be = nullptr;
     auto f = [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
       EXPECT_EQ(cfg.num_layers, 1) << "backends see the attention layers only";
-      std::unique_ptr<cache::CacheRankLink> link;
+      std::unique_ptr<pair::CacheRankLink> link;
       if (o.mode == SelectionMode::Predicted)
         link = std::make_unique<cache::InProcessLink>(cfg, o.selection, kv.num_pages(), kv.page_size());
       auto b = std::make_unique<SparseAttention>(cfg, kv, o, std::move(link));

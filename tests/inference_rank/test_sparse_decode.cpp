@@ -9,7 +9,8 @@
 
 #include <thread>
 
-#include "cache_rank/link.h"
+#include "cache_rank/pack_server.h"
+#include "pair/link.h"
 #include "common/error.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/sparse_attention.h"
@@ -30,7 +31,7 @@ struct Result {
 // What a run leaves behind once its engine (and backend) are gone.
 struct After {
   SparseStats stats;
-  cache::LinkStats link;
+  pair::LinkStats link;
   bool link_failed = false;
 };
 
@@ -87,7 +88,7 @@ SparseOptions opts(SelectionMode mode, int budget) {
 
 BackendFactory in_process(SparseOptions o, bool delta = false) {
   return [o, delta](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
-    std::unique_ptr<cache::CacheRankLink> link;
+    std::unique_ptr<pair::CacheRankLink> link;
     if (o.mode == SelectionMode::Predicted)
       link = std::make_unique<cache::InProcessLink>(cfg, o.selection, kv.num_pages(), kv.page_size(), delta);
     return std::make_unique<SparseAttention>(cfg, kv, o, std::move(link));
@@ -104,24 +105,24 @@ struct LoopbackCacheRank {
   std::atomic<bool> stop{false};
   std::thread th;
   std::string served_error;
-  cache::LinkStats stats;
-  std::unique_ptr<cache::SelectionMirror> mirror;  // delta transfer when set
+  pair::LinkStats stats;
+  std::unique_ptr<pair::SelectionMirror> mirror;  // delta transfer when set
 
-  std::unique_ptr<cache::CacheRankLink> start(const ModelConfig& cfg, const SparseOptions& o, bool delta = false) {
+  std::unique_ptr<pair::CacheRankLink> start(const ModelConfig& cfg, const SparseOptions& o, bool delta = false) {
     const auto dl = transport::Clock::now() + std::chrono::seconds(5);
     std::unique_ptr<transport::Endpoint> ep_inf;
     std::thread c([&] { ep_cache = t_cache->connect(t_inf->local_address(), "inference rank 0", dl); });
     ep_inf = t_inf->connect(t_cache->local_address(), "cache rank 1", dl);
     c.join();
     sel = std::make_unique<cache::Selector>(cfg, o.selection, 4096, 16);
-    const cache::PackShape shape = cache::pack_shape(cfg, o.selection);
-    if (delta) mirror = std::make_unique<cache::SelectionMirror>(cfg.num_kv_heads, o.selection.token_budget, cfg.head_dim);
+    const pair::PackShape shape = pair::pack_shape(cfg, o.selection);
+    if (delta) mirror = std::make_unique<pair::SelectionMirror>(cfg.num_kv_heads, o.selection.token_budget, cfg.head_dim);
     th = std::thread([this, shape] {
       cache::ServeHooks hooks;
       hooks.mirror = mirror.get();
       served_error = cache::serve_cache_rank(*ep_cache, *sel, shape, stop, &stats, std::chrono::milliseconds(100), hooks);
     });
-    return std::make_unique<cache::TransportLink>(std::move(ep_inf), shape);
+    return std::make_unique<pair::TransportLink>(std::move(ep_inf), shape);
   }
   ~LoopbackCacheRank() {
     stop = true;
@@ -168,7 +169,7 @@ TEST_F(Stories, FullBudgetOverTransportReproducesDenseGreedyExactly) {
   EXPECT_GT(be.link.bytes_received, 0u);
 }
 
-// Delta transfer (cache_rank/delta.h) on a real trained model: the same tokens as a full transfer, bit for bit, in
+// Delta transfer (pair/delta.h) on a real trained model: the same tokens as a full transfer, bit for bit, in
 // process and over a transport, with fewer bytes down. Prints how much of a full transfer it sends.
 TEST_F(Stories, DeltaTransferIsBitIdenticalToFullTransferAndSendsLess) {
   for (int budget : {16, 64}) {
@@ -192,7 +193,7 @@ TEST_F(Stories, DeltaTransferIsBitIdenticalToFullTransferAndSendsLess) {
     };
     const auto a = over(full_cr, false), b = over(delta_cr, true);
     for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].ids, b[i].ids) << b[i].error;
-    const cache::DeltaStats& ds = delta_cr.mirror->stats();
+    const pair::DeltaStats& ds = delta_cr.mirror->stats();
     EXPECT_GT(ds.selected_rows, 0u);
     EXPECT_LT(ds.sent_rows, ds.selected_rows);
     EXPECT_LT(delta_cr.stats.bytes_sent, full_cr.stats.bytes_sent);

@@ -14,9 +14,9 @@
 namespace spade {
 namespace {
 
-using cache::kRowFirstSelect;
-using cache::kRowFresh;
-using cache::kRowSelect;
+using pair::kRowFirstSelect;
+using pair::kRowFresh;
+using pair::kRowSelect;
 
 struct Row {
   uint64_t id;
@@ -291,7 +291,7 @@ TEST(SparsePlannerBadInput, OptionsSlotsAndBatches) {
     EXPECT_NE(std::string(e.what()).find("local_window"), std::string::npos) << e.what();
   }
   o = opts();
-  o.max_slots = cache::gpu_plan_max_rows() + 1;
+  o.max_slots = pair::gpu_plan_max_rows() + 1;
   EXPECT_THROW(SparseStepPlanner{o}, Error);
   o = opts();
   o.max_slots = 2;

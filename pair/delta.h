@@ -24,9 +24,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cache_rank/selector.h"
+#include "pair/selection_config.h"
 
-namespace spade::cache {
+namespace spade::pair {
 
 struct PackUpdate;
 struct PackSelection;
@@ -85,4 +85,4 @@ class SelectionMirror {
 void apply_delta(const LayerDelta& d, LayerSelection& held, int num_kv_heads, int token_budget, int head_dim,
                  const std::string& peer);
 
-}  // namespace spade::cache
+}  // namespace spade::pair

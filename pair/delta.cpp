@@ -1,14 +1,14 @@
 // Delta transfer of selections (see delta.h).
-#include "cache_rank/delta.h"
+#include "pair/delta.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "cache_rank/pack.h"
+#include "pair/pack.h"
 #include "common/error.h"
 #include "kernels/selection_delta_ref.h"
 
-namespace spade::cache {
+namespace spade::pair {
 
 SelectionMirror::SelectionMirror(int num_kv_heads, int token_budget, int head_dim)
     : heads_(num_kv_heads), budget_(token_budget), head_dim_(head_dim) {
@@ -130,4 +130,4 @@ void apply_delta(const LayerDelta& d, LayerSelection& held, int num_kv_heads, in
   held.count = d.count;
 }
 
-}  // namespace spade::cache
+}  // namespace spade::pair

@@ -1,4 +1,4 @@
-// The selection settings' command-line flags (cache::SelectionConfig), declared once for every binary that selects
+// The selection settings' command-line flags (pair::SelectionConfig), declared once for every binary that selects
 // or attends sparsely: inference_rank, cache_rank and the fidelity harness register the same flags with the same
 // meaning and parse them the same way.
 //
@@ -10,9 +10,9 @@
 
 #include <string>
 
-#include "cache_rank/selector.h"
+#include "pair/selection_config.h"
 
-namespace spade::cache {
+namespace spade::pair {
 
 /// The flags' text values that need parsing after CLI11 has run (resolve_selection_flags).
 struct SelectionFlagText {
@@ -25,4 +25,4 @@ void add_selection_flags(CLI::App& app, SelectionConfig& sc, SelectionFlagText& 
 /// Parses `text` into `sc` and validates it. Throws spade::Error naming the flag for a bad value.
 void resolve_selection_flags(const SelectionFlagText& text, SelectionConfig& sc);
 
-}  // namespace spade::cache
+}  // namespace spade::pair

@@ -1,4 +1,4 @@
-// Delta transfer of selections (cache_rank/delta.h): the mirror's deltas applied to the inference rank's slot table
+// Delta transfer of selections (pair/delta.h): the mirror's deltas applied to the inference rank's slot table
 // reproduce every full selection exactly (as a set per KV head, with the right K/V rows), send only the entering
 // tokens, survive the wire, and bad deltas are refused with the peer's name.
 #include <gtest/gtest.h>
@@ -8,11 +8,11 @@
 #include <random>
 #include <set>
 
-#include "cache_rank/delta.h"
-#include "cache_rank/pack.h"
+#include "pair/delta.h"
+#include "pair/pack.h"
 #include "common/error.h"
 
-namespace spade::cache {
+namespace spade::pair {
 namespace {
 
 constexpr int kHeads = 3, kBudget = 24, kDim = 8;
@@ -262,4 +262,4 @@ TEST(SelectionDelta, MalformedDeltasAreRefusedNamingThePeer) {
 }
 
 }  // namespace
-}  // namespace spade::cache
+}  // namespace spade::pair

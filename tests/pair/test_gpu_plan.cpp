@@ -1,14 +1,14 @@
-// The GPU data plane's plan and pair hello (cache_rank/gpu_plan.h): round trips, the selection groups, message sizes,
+// The GPU data plane's plan and pair hello (pair/gpu_plan.h): round trips, the selection groups, message sizes,
 // and every validation rule naming the peer.
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
-#include "cache_rank/gpu_plan.h"
+#include "pair/gpu_plan.h"
 #include "common/error.h"
 
-namespace spade::cache {
+namespace spade::pair {
 namespace {
 
 GpuStepPlan sample() {
@@ -231,4 +231,4 @@ TEST(GpuPlan, TheClosePlanEndsTheStreamAndNoOtherPlanHasANegativeStep) {
 }
 
 }  // namespace
-}  // namespace spade::cache
+}  // namespace spade::pair

@@ -1,4 +1,5 @@
-// Layer-pack messages between an inference rank and its cache rank, and the cache rank's processing of them.
+// Layer-pack messages between an inference rank and its cache rank (the CPU pair's wire protocol). The cache rank's
+// processing of them is cache_rank/pack_server.h.
 //
 // Per decode step the inference rank sends one PackUpdate per layer pack (P consecutive layers) holding, for each
 // sequence in sparse mode, either the step's q/k/v of the pack's layers (APPEND) or, on the step a sequence switches
@@ -13,13 +14,13 @@
 
 #include <cstdint>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
-#include "cache_rank/delta.h"
-#include "cache_rank/selector.h"
+#include "common/config.h"
+#include "pair/delta.h"
+#include "pair/selection_config.h"
 
-namespace spade::cache {
+namespace spade::pair {
 
 struct SeqUpdate {
   uint64_t seq_id = 0;
@@ -53,7 +54,7 @@ struct PackSelection {
   int32_t pack = 0;
   double select_ms = 0;  // cache-rank time spent on this pack (append + predict + score + top-k + gather)
   std::string error;     // non-empty: the cache rank could not process the update (e.g. pool exhausted)
-  bool delta = false;    // seqs carry deltas against the inference rank's held selections (cache_rank/delta.h)
+  bool delta = false;    // seqs carry deltas against the inference rank's held selections (pair/delta.h)
   std::vector<SeqSelection> seqs;
 };
 
@@ -68,47 +69,6 @@ PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, co
 std::vector<uint8_t> encode(const PackSelection& p, const PackShape& s);
 PackSelection decode_selection(const uint8_t* data, size_t len, const PackShape& s, const std::string& peer);
 
-/// Online measurement of the overlap ratio (AsyncSpade Eq. 1: |predicted top-k ∩ oracle top-k| / |oracle top-k|, per
-/// KV head, averaged over the heads) while serving: on every `every`-th step the predicted selections of each
-/// sequence in the update are remembered; on the sequence's next APPEND update, whose query is the true one the
-/// prediction stood for, the oracle selection (top-k with that true query over the same candidates) is computed
-/// and compared. One extra scoring pass per layer on sampled steps only (cost ~ 1/every of the selection time).
-class OverlapSampler {
- public:
-  /// `every` >= 1.
-  explicit OverlapSampler(int every);
-  int every() const { return every_; }
-  /// Overlap ratios (0..1, one per sampled (sequence, layer)) measured since the last call.
-  std::vector<double> take();
-
-  /// Running sums per (layer, KV head) since construction: the overlap ratio of each sampled prediction, and the
-  /// selection churn — the share of a sampled prediction's positions that were not in the same sequence and layer's
-  /// prediction of the step before (which sizes the delta capacity). Churn is measured only with `every` == 1.
-  struct HeadStats {
-    double overlap_sum = 0, churn_sum = 0;
-    int64_t overlap_n = 0, churn_n = 0;
-  };
-  /// [layer][KV head]; empty until something was sampled.
-  const std::vector<std::vector<HeadStats>>& head_stats() const { return head_stats_; }
-
- private:
-  void record(int layer, const std::vector<int32_t>& pred, const LayerSelection& oracle, int budget);
-  void record_churn(uint64_t seq, int layer, const LayerSelection& now, int budget);
-  friend PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* sampler);
-  int every_;
-  std::unordered_map<uint64_t, std::vector<std::vector<int32_t>>> predicted_;  // seq -> per layer [heads*budget]
-  std::unordered_map<uint64_t, std::vector<int32_t>> predicted_len_;  // seq -> per layer: context the prediction is for
-  std::vector<double> ratios_;
-  LayerSelection scratch_;
-  std::vector<std::vector<HeadStats>> head_stats_;
-  std::unordered_map<uint64_t, std::vector<std::vector<int32_t>>> previous_;  // seq -> per layer [heads*budget]
-};
-
-/// Applies an update to the selector (release, INIT, APPEND) and selects for the next step of every sequence in it.
-/// Errors (pool exhausted, inconsistent lengths) are returned in PackSelection::error, never thrown.
-/// `sampler` (optional) measures the overlap ratio on sampled steps.
-PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* sampler = nullptr);
-
 /// The 16-byte frame prefix sent before each payload.
 struct FramePrefix {
   static constexpr uint32_t kMagic = 0x314b5053;  // "SPK1"
@@ -118,4 +78,4 @@ struct FramePrefix {
 };
 static_assert(sizeof(FramePrefix) == 16);
 
-}  // namespace spade::cache
+}  // namespace spade::pair

@@ -1,8 +1,8 @@
-#include "cache_rank/selection_flags.h"
+#include "pair/selection_flags.h"
 
 #include "common/error.h"
 
-namespace spade::cache {
+namespace spade::pair {
 
 void add_selection_flags(CLI::App& app, SelectionConfig& sc, SelectionFlagText& text) {
   app.add_option("--token-budget", sc.token_budget, "selected tokens per layer and KV head")
@@ -47,4 +47,4 @@ void resolve_selection_flags(const SelectionFlagText& text, SelectionConfig& sc)
   validate(sc);
 }
 
-}  // namespace spade::cache
+}  // namespace spade::pair

@@ -1,11 +1,11 @@
-#include "cache_rank/link.h"
+#include "pair/link.h"
 
 #include <cstring>
 
 #include "common/error.h"
 #include "transport/tags.h"
 
-namespace spade::cache {
+namespace spade::pair {
 
 using transport::Status;
 
@@ -13,29 +13,6 @@ uint64_t link_up_prefix_tag() { return transport::make_tag(transport::MsgKind::k
 uint64_t link_up_tag() { return transport::make_tag(transport::MsgKind::kQkvPack, 0, 0); }
 uint64_t link_down_prefix_tag() { return transport::make_tag(transport::MsgKind::kControl, 0, 2); }
 uint64_t link_down_tag() { return transport::make_tag(transport::MsgKind::kSelectedKv, 0, 0); }
-
-// ---- in-process ----
-
-InProcessLink::InProcessLink(const ModelConfig& cfg, const SelectionConfig& sc, int num_pages, int page_size,
-                             bool delta)
-    : sel_(cfg, sc, num_pages, page_size),
-      mirror_(delta ? std::make_unique<SelectionMirror>(cfg.num_kv_heads, sc.token_budget, cfg.head_dim) : nullptr) {}
-
-void InProcessLink::send(PackUpdate&& u) {
-  ++stats_.updates;
-  done_.push_back(process_pack(sel_, u, sampler_));
-  if (mirror_) mirror_->to_delta(u, done_.back());
-  stats_.cache_select_ms += done_.back().select_ms;
-}
-
-PackSelection InProcessLink::receive(transport::Deadline, bool* waited) {
-  SPADE_CHECK(!done_.empty(), "in-process cache rank: receive without a pending update");
-  if (waited) *waited = false;
-  PackSelection p = std::move(done_.front());
-  done_.pop_front();
-  if (!p.error.empty()) fail("in-process cache rank: {}", p.error);
-  return p;
-}
 
 // ---- over a transport ----
 
@@ -118,74 +95,4 @@ void TransportLink::shutdown() {
   h.wait(transport::Clock::now() + std::chrono::milliseconds(500));
 }
 
-// ---- the cache rank's side ----
-
-std::string serve_cache_rank(transport::Endpoint& ep, Selector& sel, const PackShape& shape,
-                             const std::atomic<bool>& stop, LinkStats* stats, std::chrono::milliseconds poll,
-                             const ServeHooks& hooks) {
-  std::deque<std::pair<std::unique_ptr<std::pair<FramePrefix, std::vector<uint8_t>>>,
-                       std::pair<transport::SendHandle, transport::SendHandle>>>
-      out;
-  auto reap = [&]() -> std::string {
-    while (!out.empty()) {
-      const Status a = out.front().second.first.poll(), b = out.front().second.second.poll();
-      if (a == Status::PENDING || b == Status::PENDING) break;
-      if (a == Status::FAILED) return out.front().second.first.error();
-      if (b == Status::FAILED) return out.front().second.second.error();
-      out.pop_front();
-    }
-    return "";
-  };
-  while (!stop.load()) {
-    FramePrefix f;
-    auto h = ep.post_recv(link_up_prefix_tag(), &f, sizeof(f));
-    Status s;
-    while ((s = h.wait_for(poll)) == Status::TIMEOUT) {
-      if (hooks.on_poll) hooks.on_poll();
-      if (stop.load()) {
-        h.cancel();
-        return "";
-      }
-      if (std::string e = reap(); !e.empty()) return e;
-    }
-    if (s != Status::OK) return h.error();
-    if (f.magic != FramePrefix::kMagic || (f.kind != 1 && f.kind != 3) || f.payload_bytes > (uint64_t{1} << 34))
-      return fmt::format("{}: malformed frame prefix (magic {:#x}, kind {}, {} bytes)", ep.peer_name(), f.magic,
-                         f.kind, f.payload_bytes);
-    if (f.kind == 3) return "";
-    std::vector<uint8_t> payload(f.payload_bytes);
-    auto hp = ep.post_recv(link_up_tag(), payload.data(), payload.size());
-    while ((s = hp.wait_for(poll)) == Status::TIMEOUT)
-      if (stop.load()) return "";
-    if (s != Status::OK) return hp.error();
-    PackSelection sel_out;
-    PackUpdate u;
-    try {
-      u = decode_update(payload.data(), payload.size(), shape, ep.peer_name());
-      sel_out = process_pack(sel, u, hooks.sampler);
-      if (hooks.mirror) hooks.mirror->to_delta(u, sel_out);
-    } catch (const Error& e) {
-      sel_out.error = e.what();
-    }
-    auto msg = std::make_unique<std::pair<FramePrefix, std::vector<uint8_t>>>();
-    msg->second = encode(sel_out, shape);
-    if (hooks.on_poll) hooks.on_poll();
-    if (hooks.on_pack) hooks.on_pack(u, sel_out, payload.size() + sizeof(FramePrefix),
-                                     msg->second.size() + sizeof(FramePrefix));
-    msg->first.kind = 2;
-    msg->first.payload_bytes = msg->second.size();
-    if (stats) {
-      stats->bytes_received += payload.size();
-      stats->bytes_sent += msg->second.size();
-      ++stats->updates;
-      stats->cache_select_ms += sel_out.select_ms;
-    }
-    auto s1 = ep.post_send(link_down_prefix_tag(), &msg->first, sizeof(FramePrefix));
-    auto s2 = ep.post_send(link_down_tag(), msg->second.data(), msg->second.size());
-    out.emplace_back(std::move(msg), std::make_pair(s1, s2));
-    if (std::string e = reap(); !e.empty()) return e;
-  }
-  return "";
-}
-
-}  // namespace spade::cache
+}  // namespace spade::pair

@@ -21,7 +21,7 @@
 
 #include "common/config.h"
 
-namespace spade::cache {
+namespace spade::pair {
 
 /// The first message on a GPU pair's link, inference -> cache, before any plan: the inference rank's shapes and
 /// limits. The cache rank sizes its server from it (gpu_cache_options in gpu_server.h), so the two ranks cannot
@@ -116,4 +116,4 @@ struct GpuPackSizes {
 GpuPackSizes gpu_pack_sizes(const GpuStepPlan& p, int pack_layers, const ModelConfig& attn_cfg, int budget,
                             int capacity);
 
-}  // namespace spade::cache
+}  // namespace spade::pair

@@ -1,5 +1,5 @@
 // The GPU data plane's per-step plan (see gpu_plan.h).
-#include "cache_rank/gpu_plan.h"
+#include "pair/gpu_plan.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include "common/error.h"
 #include "kernels/selection_delta_ref.h"
 
-namespace spade::cache {
+namespace spade::pair {
 
 namespace {
 
@@ -204,4 +204,4 @@ GpuPackSizes gpu_pack_sizes(const GpuStepPlan& p, int pack_layers, const ModelCo
   return s;
 }
 
-}  // namespace spade::cache
+}  // namespace spade::pair
