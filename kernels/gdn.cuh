@@ -1,4 +1,4 @@
-// CUDA kernels of the Gated DeltaNet (GDN) decoding forms (issue #5): the recurrent form (the serving baseline, with
+// CUDA kernels of the Gated DeltaNet (GDN) decoding forms: the recurrent form (the serving baseline, with
 // optional per-draft state snapshots = the recurrent speculative-verification baseline), chunkwise buffered decode
 // with a checkpoint state and a paged ring buffer (including the KV-only parallel form for short contexts), parallel
 // speculative verification with one T x T triangular solve, and the O(1) device-side commits.

@@ -1,4 +1,4 @@
-// CPU reference of the Gated DeltaNet (GDN) decoding forms of issue #5: the recurrent form (the baseline every serving
+// CPU reference of the Gated DeltaNet (GDN) decoding forms: the recurrent form (the baseline every serving
 // system uses), chunkwise buffered decode with a checkpoint state and a paged ring buffer, the KV-only parallel form
 // for short contexts, and parallel speculative verification with O(1) commit — plus the recurrent verification
 // baseline with per-draft state snapshots that the parallel form is benchmarked against.

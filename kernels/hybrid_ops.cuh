@@ -1,4 +1,4 @@
-// CUDA layer ops of the hybrid Qwen3.5 / Qwen3-Next decoder on the GPU inference rank (issue #5), around the Gated
+// CUDA layer ops of the hybrid Qwen3.5 / Qwen3-Next decoder on the GPU inference rank, around the Gated
 // DeltaNet kernels of gdn.cuh: the short causal conv1d with its per-sequence state, the GDN gating (beta, g), the
 // gated RMSNorm of the GDN output, the sigmoid output gate of the full-attention layers, and the reset of a fresh
 // sequence's states. The layer they serve: transformers models/qwen3_5/modeling_qwen3_5.py (Qwen3_5GatedDeltaNet,

@@ -1,4 +1,4 @@
-// CPU reference of delta transfer of selections (issue #7, beyond the AsyncSpade paper): the cache rank sends, per
+// CPU reference of delta transfer of selections (beyond the AsyncSpade paper): the cache rank sends, per
 // (sequence, layer, KV head) row, only the tokens that entered the selection, each with the slot of the inference
 // rank's table it goes to, instead of the whole selected K/V. Consecutive decode steps select mostly the same tokens
 // (docs/ARCHITECTURE.md "The data plane wire" measured 7-25 % of the rows entering on stories260K), so the bytes on

@@ -1,0 +1,86 @@
+// Selection, gather stage: selected K/V rows of the paged cache into the packed send buffer (kernels/selection_ref.h).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/kernel_common.cuh"
+#include "kernels/launch_util.cuh"
+#include "kernels/selection.cuh"
+
+namespace spade::kernels {
+namespace detail {
+namespace {
+
+// =====================================================================================================================
+// Gather: one thread per 16-byte chunk of a selected row; K and V in the same thread.
+// =====================================================================================================================
+
+constexpr int kGatherThreads = 256;
+
+struct GatherArgs {
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_table;
+  const int32_t* indices;
+  void* packed_k;
+  void* packed_v;
+  int hkv;
+  int page_size;
+  int log2_ps;
+  int max_pages;
+  int k;
+  int head_dim;
+};
+
+__global__ void __launch_bounds__(kGatherThreads) gather_kernel(const GatherArgs a) {
+  const int chunks = a.head_dim / 8;
+  const int idx = blockIdx.x * kGatherThreads + threadIdx.x;
+  if (idx >= a.k * chunks) return;
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int i = idx / chunks;
+  const int col = idx - i * chunks;
+  const size_t row = static_cast<size_t>(b) * a.hkv + kvh;
+  const int pos = a.indices[row * a.k + i];
+  uint4 kv = make_uint4(0u, 0u, 0u, 0u);
+  uint4 vv = kv;
+  if (pos >= 0) {
+    const int page = a.block_table[static_cast<size_t>(b) * a.max_pages + (pos >> a.log2_ps)];
+    const size_t off = ((static_cast<size_t>(page) * a.page_size + (pos & (a.page_size - 1))) * a.hkv + kvh) *
+                           a.head_dim +
+                       col * 8;
+    kv = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.k_cache) + off));
+    vv = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.v_cache) + off));
+  }
+  const size_t dst = (row * a.k + i) * a.head_dim + col * 8;
+  *reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.packed_k) + dst) = kv;
+  *reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.packed_v) + dst) = vv;
+}
+
+}  // namespace
+}  // namespace detail
+
+cudaError_t gather_kv(const GatherKvParams& p, cudaStream_t stream) {
+  using namespace detail;
+  const char* what = "gather_kv";
+  if (p.dtype != DType::BF16 && p.dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
+  if (p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr || p.indices == nullptr ||
+      p.packed_k == nullptr || p.packed_v == nullptr) {
+    return invalid_argument(what, "all pointers must be set");
+  }
+  if (p.batch <= 0 || p.num_kv_heads <= 0 || p.k <= 0 || p.max_pages_per_seq <= 0) {
+    return invalid_argument(what, "batch ", p.batch, " / num_kv_heads ", p.num_kv_heads, " / k ", p.k,
+                            " / max_pages_per_seq ", p.max_pages_per_seq, " must be > 0");
+  }
+  if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " not supported");
+  if (!is_pow2(p.page_size)) return invalid_argument(what, "page_size ", p.page_size, " must be a power of two");
+  const GatherArgs a{p.k_cache, p.v_cache, p.block_table,        p.indices, p.packed_k,
+                     p.packed_v, p.num_kv_heads, p.page_size, log2_int(p.page_size), p.max_pages_per_seq,
+                     p.k,         p.head_dim};
+  const dim3 grid(ceil_div(static_cast<long long>(p.k) * (p.head_dim / 8), kGatherThreads), p.num_kv_heads,
+                  p.batch);
+  gather_kernel<<<grid, kGatherThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace spade::kernels
