@@ -1,4 +1,4 @@
-// Gated DeltaNet decoding benchmark (issue #5; bench/run_gpu.sh runs it): the kernels of kernels/gdn.cuh at the
+// Gated DeltaNet decoding benchmark (bench/run_gpu.sh runs it): the kernels of kernels/gdn.cuh at the
 // Qwen3-Next / Qwen3.5 GDN shape (16 key heads, 32 value heads, d_k = d_v = 128, bf16 activations and buffer, fp32
 // state), per layer.
 //

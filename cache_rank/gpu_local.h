@@ -1,4 +1,4 @@
-// A GPU cache rank inside the inference rank's process (issue #7): `inference_rank --device cuda --selection
+// A GPU cache rank inside the inference rank's process: `inference_rank --device cuda --selection
 // predicted` and the gpu tests. A GpuCacheServer on its own thread, paired with the caller over a CudaIpcLink on the
 // same GPU (both ends in this process), serving the plans the caller's GpuSparseController sends.
 //

@@ -1,4 +1,4 @@
-// The GPU cache rank (issue #7; AsyncSpade Sec. 4.1-4.3, Algorithm 1): the full paged KV cache, the query windows and
+// The GPU cache rank (AsyncSpade Sec. 4.1-4.3, Algorithm 1): the full paged KV cache, the query windows and
 // the selection pipeline of one inference rank's sequences on one GPU, driven step by step by the plans the inference
 // rank sends over a GpuLink (protocol: pair/gpu_plan.h).
 //

@@ -1,4 +1,4 @@
-// Delta transfer of selections (issue #7, beyond the AsyncSpade paper): consecutive decode steps select mostly the
+// Delta transfer of selections (beyond the AsyncSpade paper): consecutive decode steps select mostly the
 // same tokens, so the cache rank sends only the tokens that entered the selection, each with the slot it replaces.
 //
 // The inference rank holds, per (sequence, layer), the selected K/V of the current step in a slot table: per KV head

@@ -1,4 +1,4 @@
-// The per-step protocol of the GPU data plane between an inference rank and its GPU cache rank (issue #7), over one
+// The per-step protocol of the GPU data plane between an inference rank and its GPU cache rank, over one
 // GpuLink (transport/gpu_link.h). Both ranks derive every message size from the step's plan, so each NCCL send has a
 // receive of the same size and no size travels separately.
 //
