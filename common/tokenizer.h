@@ -30,6 +30,8 @@
 //
 // Thread safety: a loaded Tokenizer is immutable apart from an internal, mutex-guarded BPE word cache; one
 // instance may be used from many threads. Copies are cheap and share the loaded state.
+//
+// Implementation: common/tokenizer*.cpp, by pipeline stage; the internal tokenizer_impl.h lists the units.
 #pragma once
 
 #include <array>
@@ -135,7 +137,7 @@ class Tokenizer {
   /// The file(s) it was loaded from, for messages.
   const std::string& source() const;
 
-  struct Impl;  // implementation detail (defined in tokenizer.cpp)
+  struct Impl;  // implementation detail (defined in tokenizer_impl.h)
 
  private:
   friend class StreamingDecoder;
