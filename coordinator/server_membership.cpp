@@ -1,0 +1,362 @@
+#include "coordinator/server_membership.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "coordinator/launch_env.h"
+
+namespace spade::coord {
+
+Membership::Membership(ServerContext& ctx, Connections& conns, MembershipEvents& events)
+    : ctx_(ctx), conns_(conns), events_(events) {
+  const auto& rm = ctx_.opts.role_map;
+  num_inference_ = static_cast<uint32_t>(std::count(rm.begin(), rm.end(), proto::INFERENCE));
+  num_cache_ = static_cast<uint32_t>(std::count(rm.begin(), rm.end(), proto::CACHE));
+  for (uint32_t r = 0; r < rm.size(); ++r) {
+    Member m;
+    m.info.set_role(rm[r]);
+    m.info.set_rank(r);
+    m.info.set_role_index(role_index_of(r));
+    m.state = rm[r] == proto::COORDINATOR ? proto::ALIVE : proto::MISSING;
+    if (rm[r] == proto::COORDINATOR) {
+      m.info.set_host(asio::ip::host_name());
+      m.info.set_pid(static_cast<uint32_t>(::getpid()));
+      m.info.set_device("cpu");
+    }
+    members_.push_back(std::move(m));
+  }
+}
+
+// ---- queries
+// ---------------------------------------------------------------------------------------------------
+
+uint32_t Membership::role_index_of(uint32_t r) const {
+  const auto& rm = ctx_.opts.role_map;
+  return static_cast<uint32_t>(std::count(rm.begin(), rm.begin() + r, rm[r]));
+}
+
+std::string Membership::describe(uint32_t r) const {
+  const auto& m = members_[r];
+  std::string s = fmt::format("{} rank {} (#{})", role_name(m.info.role()), r, m.info.role_index());
+  if (m.conn) s += fmt::format(" at {}", m.conn->remote);
+  if (!m.info.host().empty()) s += fmt::format(" [host {} pid {}]", m.info.host(), m.info.pid());
+  return s;
+}
+
+std::string Membership::conn_label(const Conn& c) const {
+  if (c.kind == Conn::Kind::kMember) return " (" + describe(c.rank) + ")";
+  if (c.kind == Conn::Kind::kClient) return " (client)";
+  return "";
+}
+
+std::string Membership::role_map_string() const {
+  const auto& rm = ctx_.opts.role_map;
+  std::string s;
+  for (size_t i = 0; i < rm.size(); ++i) {
+    if (i) s += ',';
+    auto r = rm[i];
+    s += r == proto::COORDINATOR ? 'c' : r == proto::INFERENCE ? 'i' : 'k';
+  }
+  return s;
+}
+
+std::vector<uint32_t> Membership::paired_ranks(uint32_t r) const {
+  // inference #i <-> cache #i
+  const auto& info = members_[r].info;
+  proto::Role other = info.role() == proto::INFERENCE ? proto::CACHE
+                      : info.role() == proto::CACHE   ? proto::INFERENCE
+                                                      : proto::ROLE_UNSPECIFIED;
+  std::vector<uint32_t> out;
+  if (other == proto::ROLE_UNSPECIFIED) return out;
+  for (uint32_t q = 0; q < members_.size(); ++q) {
+    if (members_[q].info.role() == other && members_[q].info.role_index() == info.role_index())
+      out.push_back(q);
+  }
+  return out;
+}
+
+std::vector<uint32_t> Membership::live_inference_ranks() const {
+  std::vector<uint32_t> live;
+  for (uint32_t r = 0; r < members_.size(); ++r) {
+    const auto& m = members_[r];
+    if (m.info.role() == proto::INFERENCE && m.state == proto::ALIVE && m.conn) live.push_back(r);
+  }
+  return live;
+}
+
+void Membership::count_live(uint32_t* inference, uint32_t* cache) const {
+  for (const auto& m : members_) {
+    if (m.state != proto::ALIVE || !m.conn) continue;
+    if (m.info.role() == proto::INFERENCE) ++*inference;
+    if (m.info.role() == proto::CACHE) ++*cache;
+  }
+}
+
+std::vector<std::string> Membership::missing_ranks() const {
+  std::vector<std::string> missing;
+  for (uint32_t r = 0; r < members_.size(); ++r) {
+    const auto& m = members_[r];
+    if (m.state != proto::ALIVE) {
+      missing.push_back(fmt::format("{} ({} #{})", r, role_name(m.info.role()), m.info.role_index()));
+    }
+  }
+  return missing;
+}
+
+// ---- status
+// ----------------------------------------------------------------------------------------------------
+
+proto::StatusReply Membership::build_status() const {
+  proto::StatusReply st;
+  auto now = Clock::now();
+  st.set_world_complete(world_complete_);
+  st.set_world_size(static_cast<uint32_t>(members_.size()));
+  st.set_uptime_ms(age_ms(ctx_.start_time, now));
+  st.set_shutting_down(ctx_.shutting_down);
+  st.set_session_id(ctx_.session_id);
+  for (const auto& m : members_) {
+    if (m.info.role() == proto::COORDINATOR) continue;
+    auto* rs = st.add_ranks();
+    *rs->mutable_info() = m.info;
+    rs->set_state(m.state);
+    if (m.state != proto::MISSING) rs->set_last_heartbeat_age_ms(age_ms(m.last_seen, now));
+    rs->set_heartbeat_seq(m.heartbeat_seq);
+    rs->set_dead_reason(m.dead_reason);
+    for (const auto& [k, v] : m.stats) (*rs->mutable_stats())[k] = v;
+  }
+  return st;
+}
+
+// ---- registration
+// ----------------------------------------------------------------------------------------------
+
+void Membership::reject_registration(const ConnPtr& c, const std::string& error) {
+  spdlog::warn("coordinator: registration from {} rejected: {}", c->remote, error);
+  proto::Envelope out;
+  out.mutable_register_reply()->set_error(error);
+  out.mutable_register_reply()->set_world_size(static_cast<uint32_t>(members_.size()));
+  conns_.send(c, out);
+  conns_.close_gracefully(c);
+}
+
+// The RegisterReply of an accepted registration (client or rank).
+void Membership::send_register_reply(const ConnPtr& c) {
+  proto::Envelope out;
+  auto* rep = out.mutable_register_reply();
+  rep->set_world_size(static_cast<uint32_t>(members_.size()));
+  rep->set_heartbeat_interval_ms(static_cast<uint32_t>(ctx_.opts.heartbeat_interval.count()));
+  rep->set_heartbeat_timeout_ms(static_cast<uint32_t>(ctx_.opts.heartbeat_timeout.count()));
+  rep->set_session_id(ctx_.session_id);
+  conns_.send(c, out);
+}
+
+void Membership::on_register(const ConnPtr& c, const proto::RegisterRequest& req) {
+  const auto& self = req.self();
+  if (c->kind != Conn::Kind::kUnregistered) {
+    return reject_registration(c, fmt::format("connection already registered{}", conn_label(*c)));
+  }
+  if (req.protocol_version() != proto::kProtocolVersion) {
+    return reject_registration(c, fmt::format("protocol version {} is not supported (coordinator speaks {})",
+                                              req.protocol_version(), proto::kProtocolVersion));
+  }
+  if (self.role() == proto::CLIENT) return register_client(c, self);
+  std::string who = fmt::format("{} rank {} (#{}) from {}", role_name(self.role()), self.rank(),
+                                self.role_index(), c->remote);
+  if (auto err = rank_registration_error(req, who); !err.empty()) return reject_registration(c, err);
+  register_rank(c, self);
+}
+
+void Membership::register_client(const ConnPtr& c, const proto::RankInfo& self) {
+  c->kind = Conn::Kind::kClient;
+  spdlog::info("coordinator: client registered from {} (host {} pid {})", c->remote, self.host(), self.pid());
+  send_register_reply(c);
+}
+
+std::string Membership::rank_registration_error(const proto::RegisterRequest& req,
+                                                const std::string& who) const {
+  const auto& self = req.self();
+  const uint32_t world = static_cast<uint32_t>(members_.size());
+  if (self.role() != proto::INFERENCE && self.role() != proto::CACHE) {
+    return fmt::format("{}: role {} cannot register (only inference, cache or client)", who,
+                       role_name(self.role()));
+  }
+  if (req.world_size() != 0 && req.world_size() != world) {
+    return fmt::format(
+        "{}: launched with world size {} but the coordinator's world size is "
+        "{} (role map {})",
+        who, req.world_size(), world, role_map_string());
+  }
+  if (self.rank() >= world) {
+    return fmt::format("{}: rank {} is out of range for world size {}", who, self.rank(), world);
+  }
+  const auto& m = members_[self.rank()];
+  if (m.info.role() != self.role() || m.info.role_index() != self.role_index()) {
+    return fmt::format("{}: the role map {} says rank {} is {} #{}", who, role_map_string(), self.rank(),
+                       role_name(m.info.role()), m.info.role_index());
+  }
+  if (m.state == proto::ALIVE) {
+    return fmt::format("{}: duplicate registration, rank {} is already registered by {}", who, self.rank(),
+                       describe(self.rank()));
+  }
+  if (m.state == proto::DEAD) {
+    return fmt::format("{}: rank {} was declared dead ({}); restart the world", who, self.rank(),
+                       m.dead_reason);
+  }
+  return "";
+}
+
+void Membership::register_rank(const ConnPtr& c, const proto::RankInfo& self) {
+  // Accept.
+  auto& m = members_[self.rank()];
+  proto::RankInfo info = self;
+  info.set_rank(self.rank());
+  m.info = info;
+  m.state = proto::ALIVE;
+  m.conn = c;
+  m.last_seen = Clock::now();
+  m.heartbeat_seq = 0;
+  m.stats.clear();
+  c->kind = Conn::Kind::kMember;
+  c->rank = self.rank();
+  spdlog::info("coordinator: registered {} (device {}, transport {} bytes)", describe(self.rank()),
+               self.device(), self.transport().address().size());
+  send_register_reply(c);
+  maybe_complete();
+}
+
+void Membership::maybe_complete() {
+  if (world_complete_) return;
+  for (const auto& m : members_) {
+    if (m.state != proto::ALIVE) return;
+  }
+  world_complete_ = true;
+  events_.on_world_complete();
+  spdlog::info("coordinator: world complete ({} inference + {} cache ranks) after {} ms; pairing {}",
+               num_inference_, num_cache_, age_ms(ctx_.start_time, Clock::now()), kPairingRule);
+  for (uint32_t r = 0; r < members_.size(); ++r) send_cluster_view(r);
+}
+
+void Membership::send_cluster_view(uint32_t r) {
+  const auto& m = members_[r];
+  if (!m.conn) return;
+  proto::Envelope out;
+  auto* view = out.mutable_cluster_view();
+  *view->mutable_self() = m.info;
+  for (uint32_t q : paired_ranks(r)) *view->add_peers() = members_[q].info;
+  view->set_world_size(static_cast<uint32_t>(members_.size()));
+  view->set_num_inference(num_inference_);
+  view->set_num_cache(num_cache_);
+  view->set_pairing_rule(kPairingRule);
+  view->set_session_id(ctx_.session_id);
+  conns_.send(m.conn, out);
+}
+
+// ---- liveness
+// --------------------------------------------------------------------------------------------------
+
+void Membership::touch(const ConnPtr& c) {
+  if (c->kind != Conn::Kind::kMember) return;
+  auto& m = members_[c->rank];
+  if (m.conn == c) m.last_seen = Clock::now();
+}
+
+void Membership::on_heartbeat(const ConnPtr& c, const proto::Heartbeat& hb) {
+  if (c->kind != Conn::Kind::kMember) {
+    spdlog::warn("coordinator: rejecting connection from {}: heartbeat before registration; closing it",
+                 c->remote);
+    conns_.close(c, "protocol error: heartbeat before registration");
+    return;
+  }
+  auto& m = members_[c->rank];
+  if (hb.rank() != c->rank) {
+    spdlog::warn("coordinator: heartbeat from {} carries rank {}; ignoring the field", describe(c->rank),
+                 hb.rank());
+  }
+  m.heartbeat_seq = hb.seq();
+  m.stats.clear();
+  for (const auto& [k, v] : hb.stats()) m.stats[k] = v;
+  proto::Envelope out;
+  out.mutable_heartbeat_ack()->set_seq(hb.seq());
+  conns_.send(c, out);
+}
+
+void Membership::check_heartbeats() {
+  auto now = Clock::now();
+  for (uint32_t r = 0; r < members_.size(); ++r) {
+    auto& m = members_[r];
+    if (m.state != proto::ALIVE || !m.conn) continue;
+    auto silent = age_ms(m.last_seen, now);
+    if (silent > static_cast<uint64_t>(ctx_.opts.heartbeat_timeout.count())) {
+      on_member_lost(r, fmt::format("no heartbeat for {} ms (timeout {} ms)", silent,
+                                    ctx_.opts.heartbeat_timeout.count()));
+    }
+  }
+}
+
+void Membership::on_connection_closed(const ConnPtr& c, const std::string& why) {
+  auto& m = members_[c->rank];
+  if (m.conn == c && m.state == proto::ALIVE) on_member_lost(c->rank, why);
+}
+
+// A registered rank's connection dropped or its heartbeats stopped.
+void Membership::on_member_lost(uint32_t r, const std::string& why) {
+  if (!world_complete_) return free_slot(r, why);
+  declare_dead(r, why);
+  send_peer_down(r, why);
+  events_.on_rank_dead(r, fmt::format("{} died: {}", describe(r), why));
+}
+
+// Before the world is complete a lost rank just gives its slot back; it may register again.
+void Membership::free_slot(uint32_t r, const std::string& why) {
+  auto& m = members_[r];
+  spdlog::warn("coordinator: {} lost before the world was complete ({}); its slot is free again", describe(r),
+               why);
+  ConnPtr c = m.conn;
+  m.state = proto::MISSING;
+  m.conn.reset();
+  if (c && c->open) {
+    c->kind = Conn::Kind::kUnregistered;
+    conns_.close(c, why);
+  }
+}
+
+// Marks `r` DEAD for good and tells it so (Shutdown{is_error}) when its connection is still open.
+void Membership::declare_dead(uint32_t r, const std::string& why) {
+  auto& m = members_[r];
+  m.state = proto::DEAD;
+  m.dead_reason = why;
+  spdlog::error("coordinator: {} declared dead: {}", describe(r), why);
+  ConnPtr c = m.conn;
+  m.conn.reset();
+  if (c && c->open) {
+    proto::Envelope bye;
+    bye.mutable_shutdown()->set_reason(fmt::format("coordinator declared {} dead: {}", describe(r), why));
+    bye.mutable_shutdown()->set_is_error(true);
+    conns_.send(c, bye);
+    c->kind = Conn::Kind::kUnregistered;
+    conns_.close_gracefully(c);
+  }
+}
+
+// PeerDown(r) to every live rank paired with `r`.
+void Membership::send_peer_down(uint32_t r, const std::string& why) {
+  const auto& m = members_[r];
+  for (uint32_t q : paired_ranks(r)) {
+    auto& peer = members_[q];
+    if (peer.state != proto::ALIVE || !peer.conn) continue;
+    proto::Envelope out;
+    auto* pd = out.mutable_peer_down();
+    pd->set_rank(r);
+    pd->set_role(m.info.role());
+    pd->set_role_index(m.info.role_index());
+    pd->set_host(m.info.host());
+    pd->set_reason(why);
+    conns_.send(peer.conn, out);
+    spdlog::info("coordinator: sent PeerDown({}) to {}", r, describe(q));
+  }
+}
+
+}  // namespace spade::coord

@@ -1,0 +1,190 @@
+#include "coordinator/server_routing.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace spade::coord {
+
+namespace {
+
+// The final chunk of a request that failed with `error`.
+proto::GenerateChunk error_chunk(uint64_t request_id, const std::string& error) {
+  proto::GenerateChunk ch;
+  ch.set_request_id(request_id);
+  ch.set_finished(true);
+  ch.set_finish_reason(proto::FINISH_ERROR);
+  ch.set_error(error);
+  return ch;
+}
+
+}  // namespace
+
+RequestRouter::RequestRouter(ServerContext& ctx, const Membership& membership, Connections& conns)
+    : ctx_(ctx), membership_(membership), conns_(conns) {}
+
+// ---- request routing
+// -------------------------------------------------------------------------------------------
+
+void RequestRouter::send_error_chunk(const ConnPtr& c, uint64_t request_id, const std::string& error) {
+  proto::Envelope out;
+  *out.mutable_generate_chunk() = error_chunk(request_id, error);
+  conns_.send(c, out);
+}
+
+// Picks the inference rank for `req`; "" and the rank, or the error text.
+std::string RequestRouter::pick_target(const proto::GenerateRequest& req, uint32_t* target) {
+  if (ctx_.shutting_down)
+    return fmt::format("coordinator: shutting down, cannot route request {}", req.request_id());
+  if (!membership_.world_complete())
+    return fmt::format("coordinator: world not complete yet, cannot route request {}", req.request_id());
+  std::vector<uint32_t> live = membership_.live_inference_ranks();
+  if (req.has_target_inference()) {
+    auto it = std::find_if(live.begin(), live.end(), [&](uint32_t r) {
+      return membership_.member(r).info.role_index() == req.target_inference();
+    });
+    if (it == live.end())
+      return fmt::format("coordinator: inference #{} is not alive (request {})", req.target_inference(),
+                         req.request_id());
+    *target = *it;
+    return "";
+  }
+  if (live.empty()) return fmt::format("coordinator: no live inference rank (request {})", req.request_id());
+  *target = live[rr_++ % live.size()];
+  return "";
+}
+
+void RequestRouter::forward(uint64_t routed_id, const proto::GenerateRequest& req, uint32_t target) {
+  proto::Envelope out;
+  *out.mutable_generate_request() = req;
+  out.mutable_generate_request()->set_request_id(routed_id);
+  conns_.send(membership_.member(target).conn, out);
+}
+
+void RequestRouter::on_generate_request(const ConnPtr& c, const proto::GenerateRequest& req) {
+  uint32_t target = 0;
+  if (auto err = pick_target(req, &target); !err.empty()) return send_error_chunk(c, req.request_id(), err);
+  const uint64_t routed_id = next_route_id_++;
+  routes_[routed_id] = Route{c, req.request_id(), target, nullptr};
+  forward(routed_id, req, target);
+  spdlog::debug("coordinator: routed request {} from {} to {} as {}", req.request_id(), c->remote,
+                membership_.describe(target), routed_id);
+}
+
+// In-process submission (HTTP API). `routed_id` was reserved by the caller's thread.
+void RequestRouter::on_local_request(uint64_t routed_id, const proto::GenerateRequest& req, ChunkSink sink) {
+  uint32_t target = 0;
+  if (auto err = pick_target(req, &target); !err.empty()) {
+    sink(error_chunk(routed_id, err));
+    return;
+  }
+  routes_[routed_id] = Route{{}, routed_id, target, std::move(sink)};
+  forward(routed_id, req, target);
+  spdlog::debug("coordinator: routed local request {} to {}", routed_id, membership_.describe(target));
+}
+
+// ---- cancellation
+// ----------------------------------------------------------------------------------------------
+
+void RequestRouter::send_cancel(uint32_t inference_rank, uint64_t routed_id, const std::string& reason) {
+  const auto& m = membership_.member(inference_rank);
+  if (m.state != proto::ALIVE || !m.conn) return;
+  proto::Envelope out;
+  out.mutable_cancel_request()->set_request_id(routed_id);
+  out.mutable_cancel_request()->set_reason(reason);
+  conns_.send(m.conn, out);
+}
+
+void RequestRouter::cancel_route(uint64_t routed_id, const std::string& reason) {
+  auto it = routes_.find(routed_id);
+  if (it == routes_.end()) return;
+  spdlog::info("coordinator: cancelling request {} on {}: {}", routed_id,
+               membership_.describe(it->second.inference_rank), reason);
+  send_cancel(it->second.inference_rank, routed_id, reason);
+  routes_.erase(it);  // later chunks of it are dropped
+}
+
+void RequestRouter::on_cancel_request(const ConnPtr& c, const proto::CancelRequest& cr) {
+  for (auto& [routed_id, route] : routes_) {
+    if (route.submitter.lock() == c && route.submitter_request_id == cr.request_id()) {
+      const uint64_t id = routed_id;
+      return cancel_route(id, fmt::format("cancelled by {}: {}", c->remote, cr.reason()));
+    }
+  }
+}
+
+// A submitter that went away does not want its requests any more: cancel them on their inference ranks.
+void RequestRouter::drop_routes_of_submitter(const ConnPtr& c) {
+  for (auto it = routes_.begin(); it != routes_.end();) {
+    if (it->second.local_sink) {
+      ++it;
+      continue;
+    }
+    auto sub = it->second.submitter.lock();
+    if (!sub || sub == c) {
+      send_cancel(it->second.inference_rank, it->first, fmt::format("submitter {} disconnected", c->remote));
+      it = routes_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// ---- chunks back to the submitter
+// ------------------------------------------------------------------------------
+
+void RequestRouter::on_generate_chunk(const ConnPtr& c, const proto::GenerateChunk& chunk) {
+  auto it = routes_.find(chunk.request_id());
+  if (it == routes_.end()) {
+    spdlog::debug("coordinator: chunk for unknown/finished request {} from {}; dropped", chunk.request_id(),
+                  c->remote);
+    return;
+  }
+  if (c->kind != Conn::Kind::kMember || c->rank != it->second.inference_rank) {
+    spdlog::warn("coordinator: chunk for request {} from {} which does not serve it; dropped",
+                 chunk.request_id(), c->remote + membership_.conn_label(*c));
+    return;
+  }
+  if (it->second.local_sink) {
+    proto::GenerateChunk out = chunk;
+    out.set_served_by_rank(c->rank);
+    auto sink = it->second.local_sink;  // the sink may cancel (erase) this route
+    if (chunk.finished()) routes_.erase(it);
+    sink(out);
+    return;
+  }
+  ConnPtr sub = it->second.submitter.lock();
+  if (sub && sub->open) {
+    proto::Envelope out;
+    *out.mutable_generate_chunk() = chunk;
+    out.mutable_generate_chunk()->set_request_id(it->second.submitter_request_id);
+    out.mutable_generate_chunk()->set_served_by_rank(c->rank);
+    conns_.send(sub, out);
+  }
+  if (chunk.finished()) routes_.erase(it);
+}
+
+void RequestRouter::fail_routes_of_inference(uint32_t r, const std::string& why) {
+  for (auto it = routes_.begin(); it != routes_.end();) {
+    if (it->second.inference_rank == r) {
+      if (it->second.local_sink) {
+        proto::GenerateChunk ch = error_chunk(it->first, why);
+        ch.set_served_by_rank(r);
+        auto sink = std::move(it->second.local_sink);
+        it = routes_.erase(it);
+        sink(ch);
+        continue;
+      }
+      if (auto sub = it->second.submitter.lock(); sub && sub->open) {
+        send_error_chunk(sub, it->second.submitter_request_id, why);
+      }
+      it = routes_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace spade::coord
