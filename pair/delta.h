@@ -2,7 +2,7 @@
 // same tokens, so the cache rank sends only the tokens that entered the selection, each with the slot it replaces.
 //
 // The inference rank holds, per (sequence, layer), the selected K/V of the current step in a slot table: per KV head
-// `token_budget` slots, of which the first `count` are live (LayerSelection, cache_rank/selector.h, with positions in
+// `token_budget` slots, of which the first `count` are live (LayerSelection, pair/selection_config.h, with positions in
 // slot order instead of ascending order). The cache rank keeps a mirror of every slot table (SelectionMirror). For a
 // new selection S of n tokens per head, kernels/selection_delta_ref.h plans the slots (the one rule the CPU path and
 // the GPU kernels share):
