@@ -1,4 +1,4 @@
-// GpuLink: the GPU data plane between one inference rank and its cache rank (issue #7; AsyncSpade Sec. 4.1 / 4.3):
+// GpuLink: the GPU data plane between one inference rank and its cache rank (AsyncSpade Sec. 4.1 / 4.3):
 // stream-ordered point-to-point messages in two directions, "up" (inference -> cache: the q/k/v rows of each layer
 // pack) and "down" (cache -> inference: the selected K/V). Implementations:
 //   * NcclLink (transport/nccl/nccl_link.h): two GPUs, NCCL point-to-point over NVLink / PCIe / network;
@@ -18,15 +18,20 @@
 //     buffers of aborted operations is undefined.
 //   * Thread-safe; operations of one direction reach the transport in call order. send/recv must be called with the
 //     link's device current.
+//
+// This header needs no CUDA headers (cudaStream_t is declared below exactly as the CUDA runtime declares it), so that
+// CPU-only builds can name a GpuLink, e.g. as the return type of the link factory (transport/link_factory.h).
 #pragma once
-
-#include <cuda_runtime_api.h>
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
+
+// The CUDA runtime's stream handle (driver_types.h declares the same typedef; repeating it is valid C++).
+struct CUstream_st;
+typedef struct CUstream_st* cudaStream_t;
 
 namespace spade::transport {
 

@@ -11,10 +11,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
-#include <list>
 #include <map>
 #include <mutex>
 #include <random>
@@ -23,14 +21,15 @@
 #include <vector>
 
 #include "common/error.h"
+#include "transport/gpu_link_watch.h"
 
 namespace spade::transport {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-long long ms(std::chrono::milliseconds d) { return static_cast<long long>(d.count()); }
+using detail::DeviceGuard;
+using detail::ms;
 
 // ---- the shared header (host memory, both processes; the counters are also device-mapped) ----
 constexpr size_t kHeaderBytes = 4096;
@@ -115,37 +114,6 @@ uint64_t random_u64() {
   std::random_device rd;
   return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(Clock::now().time_since_epoch().count());
 }
-
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&prev);
-    cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    if (prev >= 0) cudaSetDevice(prev);
-  }
-};
-
-// One posted operation the watchdog tracks. `recorded` is false while post() is still enqueuing its chunks (the
-// deadline runs already; the event is not recorded yet and belongs to post()).
-struct Pending {
-  uint64_t id = 0;
-  cudaEvent_t done = nullptr;
-  bool recorded = false;
-  Clock::time_point deadline;  // time_point::max(): none (GpuLink::kNoTimeout)
-  long long timeout_ms = 0;
-  std::string what;
-};
-
-// What a failure leaves to do outside the locks: release the streams, log, run the callback.
-struct Failure {
-  bool first = false;
-  std::string reason;
-  std::vector<cudaEvent_t> events;  // recorded events of the pending operations (destroyed once drained)
-  std::function<void(const std::string&)> callback;
-  bool quiet = false;  // the peer closed the link with nothing in flight: an orderly end, logged as info
-};
 
 // The memory of one link in this process: the mapped header and the device ring. Shared by the two ends when both
 // are in this process (the last one frees).
@@ -247,43 +215,24 @@ void register_header(Mapping& m, const std::string& who) {
 
 }  // namespace
 
-struct CudaIpcLink::State {
+struct CudaIpcLink::State final : detail::GpuLinkWatch {
+  State(PairRole role, Options o, std::chrono::milliseconds heartbeat)
+      : GpuLinkWatch(std::move(o)), end_role(role), heartbeat_timeout(heartbeat) {}
+  ~State() override { stop_watchdog(); }
+
+  const PairRole end_role;  // this end's
+  const std::chrono::milliseconds heartbeat_timeout;
   std::shared_ptr<Mapping> m;
   std::string address;
   size_t chunk_bytes = 0;
   int slots = 0;
-  std::string who;  // "CUDA IPC link (inference side) to cache rank 1"
 
-  std::mutex enqueue[2];                  // per direction, held while a message's chunks are enqueued
   std::atomic<uint64_t> seq[2] = {0, 0};  // chunks this end posted on direction d (as its sender or receiver)
 
-  mutable std::mutex mu;  // everything below
-  std::list<Pending> pending;
-  uint64_t next_id = 1;
-  std::vector<cudaEvent_t> free_events;
-  bool failed = false;
-  std::string failure;
-  std::function<void(const std::string&)> on_failure;
-  GpuLinkCounters counters;
-  std::thread watchdog;
-  std::condition_variable stop_cv;
-  bool stop = false;
+  // The watchdog thread's view of the peer's heartbeat.
+  uint64_t peer_beat = 0;
+  Clock::time_point peer_beat_seen;
 
-  // Marks the link failed (mu held) and hands the recorded pending operations to the returned Failure; operations
-  // still being enqueued stay with their post(), which releases them itself.
-  Failure fail_locked(const std::string& reason) {
-    Failure f;
-    if (failed) return f;
-    failed = true;
-    failure = reason;
-    f.first = true;
-    f.reason = reason;
-    for (auto& p : pending)
-      if (p.recorded) f.events.push_back(p.done);
-    pending.clear();
-    f.callback = on_failure;
-    return f;
-  }
   // What the peer signalled through the header ("" when nothing), for `role` (this end); *closed: an orderly close.
   std::string peer_signal(PairRole role, bool* closed = nullptr) const {
     Header* h = m->h;
@@ -321,7 +270,7 @@ struct CudaIpcLink::State {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     if (!done) {
-      spdlog::warn("{}: {} operation(s) still blocked {} ms after the link was released", who, events.size(),
+      spdlog::warn("{}: {} operation(s) still blocked {} ms after the link was released", who(), events.size(),
                    ms(limit));
       m->ring_drained = false;
     }
@@ -329,39 +278,72 @@ struct CudaIpcLink::State {
     events.clear();
     return done;
   }
-  // Runs a first failure's release, log and callback (no lock held).
-  void finish(Failure& f, std::chrono::milliseconds limit) {
-    if (!f.first) return;
-    release_until_drained(f.events, kAborted, limit);
-    if (f.quiet) {
-      spdlog::info("{}", f.reason);
-    } else {
-      spdlog::error("{}", f.reason);
-    }
-    if (f.callback) f.callback(f.reason);
+
+ protected:
+  // A failure releases every counter (the blocked copies of both ends run, on garbage) until the events drain.
+  void release_transfers(std::vector<cudaEvent_t>& events) override {
+    release_until_drained(events, kAborted, options().op_timeout);
   }
-  // The oldest pending operation's description (mu held).
-  std::string oldest_locked() const {
-    return pending.empty() ? std::string("no operation in flight") : "while " + pending.front().what + " was in flight";
+  // The peer's liveness counts once it is there (the creator's from the start, the opener's after its hello).
+  void watchdog_started() override {
+    peer_beat = load(&m->h->heartbeat[1 - static_cast<int>(end_role)]);
+    peer_beat_seen = Clock::now();
+  }
+  // Beats even after a failure: the creator must not free the ring while this end, failed or not, still maps it.
+  void tick_locked() override {
+    Header* h = m->h;
+    const int me = static_cast<int>(end_role);
+    store(&h->heartbeat[me], load(&h->heartbeat[me]) + 1);
+  }
+  Verdict check_locked(Clock::time_point now) override {
+    Header* h = m->h;
+    const uint64_t b = load(&h->heartbeat[1 - static_cast<int>(end_role)]);
+    if (b != peer_beat || (end_role == PairRole::kInference && load(&h->hello) == 0)) {
+      peer_beat = b;
+      peer_beat_seen = now;
+    }
+    bool closed = false;
+    const std::string signal = peer_signal(end_role, &closed);
+    // The peer closed the link with nothing in flight: an orderly end, logged as info.
+    if (!signal.empty())
+      return {fmt::format("{}: {} ({})", who(), signal, oldest_locked()), closed && pending_empty_locked()};
+    if (now - peer_beat_seen > heartbeat_timeout)
+      return {fmt::format("{}: no heartbeat from the peer for {} ms (peer process dead or stuck; {})", who(),
+                          ms(heartbeat_timeout), oldest_locked()),
+              false};
+    return {};
   }
 };
 
+namespace {
+
+// The watch of a link (see gpu_link_watch.h): every error names the role and the peer.
+detail::GpuLinkWatch::Options watch_options(PairRole role, const std::string& peer_name, const CudaIpcLinkOptions& o) {
+  detail::GpuLinkWatch::Options w;
+  w.who = fmt::format("CUDA IPC link ({} side) to {}", pair_role_name(role), peer_name);
+  w.label = w.who;
+  w.outcome = "link released";
+  w.device = o.device;
+  w.op_timeout = o.op_timeout;
+  w.watchdog_period = o.watchdog_period;
+  w.watch_after_failure = true;  // keeps beating the heartbeat
+  return w;
+}
+
+}  // namespace
+
 CudaIpcLink::CudaIpcLink(PairRole role, std::string peer_name, CudaIpcLinkOptions opts)
-    : role_(role), peer_name_(std::move(peer_name)), opts_(opts), st_(std::make_unique<State>()) {
-  st_->who = fmt::format("CUDA IPC link ({} side) to {}", pair_role_name(role_), peer_name_);
-  const std::string& who = st_->who;
+    : role_(role),
+      peer_name_(std::move(peer_name)),
+      opts_(opts),
+      st_(std::make_unique<State>(role_, watch_options(role_, peer_name_, opts_), opts_.heartbeat_timeout)) {
+  const std::string& who = st_->who();
   SPADE_CHECK(opts_.op_timeout.count() > 0 && opts_.connect_timeout.count() > 0 && opts_.watchdog_period.count() > 0 &&
                   opts_.heartbeat_timeout.count() > 0,
               "{}: timeouts must be positive", who);
   const MemOps& ops = mem_ops();
   SPADE_CHECK(ops.error.empty(), "{}: {} (stream memory operations are needed)", who, ops.error);
-  int ndev = 0;
-  const cudaError_t e = cudaGetDeviceCount(&ndev);
-  SPADE_CHECK(e == cudaSuccess, "{}: cudaGetDeviceCount: {}", who, cudaGetErrorString(e));
-  SPADE_CHECK(opts_.device >= 0 && opts_.device < ndev, "{}: device {} out of range ({} CUDA devices)", who,
-              opts_.device, ndev);
-  const cudaError_t se = cudaSetDevice(opts_.device);
-  SPADE_CHECK(se == cudaSuccess, "{}: cudaSetDevice({}): {}", who, opts_.device, cudaGetErrorString(se));
+  detail::use_device(who, opts_.device);
 }
 
 std::unique_ptr<CudaIpcLink> CudaIpcLink::create(std::string peer_name, CudaIpcLinkOptions opts) {
@@ -369,7 +351,7 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::create(std::string peer_name, CudaIpcL
   State& st = *l->st_;
   SPADE_CHECK(opts.chunk_bytes >= 256 && opts.chunk_bytes % 256 == 0 && opts.ring_slots >= 1 &&
                   opts.ring_slots <= 4096,
-              "{}: chunk_bytes {} must be a positive multiple of 256 and ring_slots {} in 1..4096", st.who,
+              "{}: chunk_bytes {} must be a positive multiple of 256 and ring_slots {} in 1..4096", st.who(),
               opts.chunk_bytes, opts.ring_slots);
   st.chunk_bytes = opts.chunk_bytes;
   st.slots = opts.ring_slots;
@@ -380,12 +362,12 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::create(std::string peer_name, CudaIpcL
   m->heartbeat_timeout = opts.heartbeat_timeout;
   const uint64_t id = random_u64();
   m->shm_name = fmt::format("/spade-ipc-{}-{:016x}", ::getpid(), id);
-  m->h = map_header(m->shm_name, true, st.who);
+  m->h = map_header(m->shm_name, true, st.who());
   std::memset(static_cast<void*>(m->h), 0, kHeaderBytes);
-  register_header(*m, st.who);
+  register_header(*m, st.who());
   const size_t total = 2 * static_cast<size_t>(st.slots) * st.chunk_bytes;
   cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&m->ring), total);
-  SPADE_CHECK(e == cudaSuccess, "{}: cudaMalloc of {} bytes on device {}: {}", st.who, total, opts.device,
+  SPADE_CHECK(e == cudaSuccess, "{}: cudaMalloc of {} bytes on device {}: {}", st.who(), total, opts.device,
               cudaGetErrorString(e));
   m->ring_owned = true;
   AddressWire a{};
@@ -402,7 +384,7 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::create(std::string peer_name, CudaIpcL
   a.handle_ok = e == cudaSuccess ? 1 : 0;
   if (e != cudaSuccess) {
     cudaGetLastError();
-    spdlog::warn("{}: cudaIpcGetMemHandle: {}; only a peer in this process can open the link", st.who,
+    spdlog::warn("{}: cudaIpcGetMemHandle: {}; only a peer in this process can open the link", st.who(),
                  cudaGetErrorString(e));
   }
   st.address.assign(reinterpret_cast<const char*>(&a), sizeof(a));
@@ -412,7 +394,7 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::create(std::string peer_name, CudaIpcL
     std::lock_guard lk(registry_mu());
     registry()[id] = m;
   }
-  l->start_watchdog();
+  st.start_watchdog();
   return l;
 }
 
@@ -420,15 +402,15 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::open(const std::string& address, std::
                                                CudaIpcLinkOptions opts) {
   std::unique_ptr<CudaIpcLink> l(new CudaIpcLink(PairRole::kCache, std::move(peer_name), opts));
   State& st = *l->st_;
-  SPADE_CHECK(address.size() == sizeof(AddressWire), "{}: address is {} bytes, expected {}", st.who, address.size(),
+  SPADE_CHECK(address.size() == sizeof(AddressWire), "{}: address is {} bytes, expected {}", st.who(), address.size(),
               sizeof(AddressWire));
   AddressWire a{};
   std::memcpy(&a, address.data(), sizeof(a));
   SPADE_CHECK(std::memcmp(a.magic, kMagic, sizeof(kMagic)) == 0 && a.version == kVersion,
-              "{}: not a CUDA IPC link address (magic / version {})", st.who, a.version);
+              "{}: not a CUDA IPC link address (magic / version {})", st.who(), a.version);
   SPADE_CHECK(a.chunk_bytes >= 256 && a.chunk_bytes % 256 == 0 && a.ring_slots >= 1 && a.ring_slots <= 4096 &&
                   a.total_bytes == 2 * static_cast<uint64_t>(a.ring_slots) * a.chunk_bytes,
-              "{}: inconsistent address (chunk {} bytes, {} slots, {} bytes in all)", st.who, a.chunk_bytes,
+              "{}: inconsistent address (chunk {} bytes, {} slots, {} bytes in all)", st.who(), a.chunk_bytes,
               a.ring_slots, a.total_bytes);
   a.shm_name[sizeof(a.shm_name) - 1] = '\0';
   a.bus_id[sizeof(a.bus_id) - 1] = '\0';
@@ -441,22 +423,22 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::open(const std::string& address, std::
     if (it != registry().end()) m = it->second.lock();
   }
   if (m != nullptr) {  // same process: share the creator's mapping
-    SPADE_CHECK(m->device == opts.device, "{}: the creator in this process uses device {}, this end device {}", st.who,
-                m->device, opts.device);
-    SPADE_CHECK(load(&m->h->hello) == 0, "{}: the link was already opened", st.who);
+    SPADE_CHECK(m->device == opts.device, "{}: the creator in this process uses device {}, this end device {}",
+                st.who(), m->device, opts.device);
+    SPADE_CHECK(load(&m->h->hello) == 0, "{}: the link was already opened", st.who());
     std::lock_guard lk(registry_mu());
     ++m->ends;
   } else {
     m = std::make_shared<Mapping>();
     m->device = opts.device;
     m->shm_name = a.shm_name;
-    m->h = map_header(m->shm_name, false, st.who);
-    register_header(*m, st.who);
-    SPADE_CHECK(a.handle_ok == 1, "{}: the creator could not export its memory (cudaIpcGetMemHandle failed)", st.who);
+    m->h = map_header(m->shm_name, false, st.who());
+    register_header(*m, st.who());
+    SPADE_CHECK(a.handle_ok == 1, "{}: the creator could not export its memory (cudaIpcGetMemHandle failed)", st.who());
     void* p = nullptr;
     cudaError_t e = cudaIpcOpenMemHandle(&p, a.handle, cudaIpcMemLazyEnablePeerAccess);
     SPADE_CHECK(e == cudaSuccess, "{}: cudaIpcOpenMemHandle of the creator's memory (GPU {}) on device {} (GPU {}): {}",
-                st.who, a.bus_id, opts.device, bus_id(opts.device), cudaGetErrorString(e));
+                st.who(), a.bus_id, opts.device, bus_id(opts.device), cudaGetErrorString(e));
     m->ring = static_cast<char*>(p);
     m->ring_mapped = true;
     m->ends = 1;
@@ -464,122 +446,46 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::open(const std::string& address, std::
   st.m = m;
   st.address = address;
   store(&m->h->hello, 1u);
-  l->start_watchdog();
+  st.start_watchdog();
   return l;
 }
 
-void CudaIpcLink::connect() {
+void CudaIpcLink::connect(std::chrono::milliseconds timeout) {
   if (role_ != PairRole::kInference) return;
-  const auto deadline = Clock::now() + opts_.connect_timeout;
+  SPADE_CHECK(timeout.count() >= 0, "{}: connect: negative timeout", st_->who());
+  if (timeout.count() == 0) timeout = opts_.connect_timeout;
+  const auto deadline = Clock::now() + timeout;
   while (load(&st_->m->h->hello) == 0) {
     SPADE_CHECK(!failed(), "{}", failure());
     if (Clock::now() > deadline)
-      fail("{}: the peer did not open the link within {} ms (device {})", st_->who, ms(opts_.connect_timeout),
-           opts_.device);
+      fail("{}: the peer did not open the link within {} ms (device {})", st_->who(), ms(timeout), opts_.device);
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   shm_unlink(st_->m->shm_name.c_str());  // both mapped: the name is no longer needed (and cannot leak now)
-  spdlog::info("{}: connected on device {} ({} x {} KiB ring per direction)", st_->who, opts_.device, st_->slots,
+  spdlog::info("{}: connected on device {} ({} x {} KiB ring per direction)", st_->who(), opts_.device, st_->slots,
                st_->chunk_bytes >> 10);
 }
 
 const std::string& CudaIpcLink::address() const { return st_->address; }
 
-void CudaIpcLink::start_watchdog() {
-  // Runs until the link is destroyed: after a failure it keeps beating (the creator must not free the ring while
-  // this end, failed or not, still maps it) but checks nothing more.
-  st_->watchdog = std::thread([this] {
-    cudaSetDevice(opts_.device);
-    State& st = *st_;
-    Header* h = st.m->h;
-    const int me = static_cast<int>(role_), peer = 1 - me;
-    uint64_t peer_beat = load(&h->heartbeat[peer]);
-    auto peer_beat_seen = Clock::now();
-    std::unique_lock lk(st.mu);
-    while (!st.stop) {
-      store(&h->heartbeat[me], load(&h->heartbeat[me]) + 1);
-      if (!st.failed) {
-        std::string reason;
-        const auto now = Clock::now();
-        // The peer's liveness counts once it is there (the creator's from the start, the opener's after its hello).
-        const uint64_t b = load(&h->heartbeat[peer]);
-        if (b != peer_beat || (role_ == PairRole::kInference && load(&h->hello) == 0)) {
-          peer_beat = b;
-          peer_beat_seen = now;
-        }
-        bool closed = false;
-        const std::string signal = st.peer_signal(role_, &closed);
-        const bool quiet = closed && st.pending.empty();
-        if (!signal.empty()) {
-          reason = fmt::format("{}: {} ({})", st.who, signal, st.oldest_locked());
-        } else if (now - peer_beat_seen > opts_.heartbeat_timeout) {
-          reason = fmt::format("{}: no heartbeat from the peer for {} ms (peer process dead or stuck; {})", st.who,
-                               ms(opts_.heartbeat_timeout), st.oldest_locked());
-        }
-        for (auto it = st.pending.begin(); reason.empty() && it != st.pending.end();) {
-          const cudaError_t e = it->recorded ? cudaEventQuery(it->done) : cudaErrorNotReady;
-          if (e == cudaSuccess) {
-            st.free_events.push_back(it->done);
-            it = st.pending.erase(it);
-          } else if (e != cudaErrorNotReady) {
-            reason = fmt::format("{}: {} failed on device {}: {}; link released", st.who, it->what, opts_.device,
-                                 cudaGetErrorString(e));
-          } else if (now > it->deadline) {
-            reason = fmt::format("{}: {} not complete {} ms after it was posted (peer dead or stalled); link released",
-                                 st.who, it->what, it->timeout_ms);
-          } else {
-            ++it;
-          }
-        }
-        if (!reason.empty()) {
-          Failure f = st.fail_locked(reason);
-          f.quiet = quiet && reason.find("the peer closed the link") != std::string::npos;
-          lk.unlock();
-          st.finish(f, opts_.op_timeout);
-          lk.lock();
-          continue;
-        }
-      }
-      st.stop_cv.wait_for(lk, opts_.watchdog_period, [&] { return st.stop; });
-    }
-  });
-}
-
 CudaIpcLink::~CudaIpcLink() {
   State& st = *st_;
-  {
-    std::lock_guard lk(st.mu);
-    st.stop = true;
-  }
-  st.stop_cv.notify_all();
-  if (st.watchdog.joinable()) {
-    if (st.watchdog.get_id() == std::this_thread::get_id()) {
-      st.watchdog.detach();  // destroyed from on_failure (forbidden by the contract): do not join ourselves
-    } else {
-      st.watchdog.join();
-    }
-  }
+  st.stop_watchdog();
   if (st.m == nullptr) return;
   DeviceGuard g(opts_.device);
   std::vector<cudaEvent_t> events;
   bool was_failed = false;
   {
-    std::lock_guard lk(st.mu);
-    was_failed = st.failed;
-    for (auto& p : st.pending)
-      if (p.recorded) events.push_back(p.done);
-    st.pending.clear();
+    std::lock_guard lk(st.mu());
+    was_failed = st.failed_locked();
+    events = st.take_pending_locked();
   }
   if (!was_failed) {
     // Let the posted operations finish (up to op_timeout); the creator then tells the opener it is closing, and
     // releases whatever is still blocked on either side.
-    const auto deadline = Clock::now() + opts_.op_timeout;
-    for (auto e : events)
-      while (cudaEventQuery(e) == cudaErrorNotReady && Clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-    bool drained = true;
-    for (auto e : events) drained = drained && cudaEventQuery(e) != cudaErrorNotReady;
-    if (!drained) spdlog::warn("{}: operations still in flight after {} ms at teardown", st.who, ms(opts_.op_timeout));
+    const bool drained = detail::GpuLinkWatch::wait_events(events, Clock::now() + opts_.op_timeout);
+    if (!drained)
+      spdlog::warn("{}: operations still in flight after {} ms at teardown", st.who(), ms(opts_.op_timeout));
     if (role_ == PairRole::kInference) {
       st.release_until_drained(events, kClosing, opts_.op_timeout);
     } else if (!drained) {
@@ -587,7 +493,7 @@ CudaIpcLink::~CudaIpcLink() {
     }
   }
   for (auto e : events) cudaEventDestroy(e);
-  for (auto e : st.free_events) cudaEventDestroy(e);
+  st.destroy_free_events();
   // A same-process opener shares the creator's mapping: say it has left (another process's opener says so when it
   // unmaps, in ~Mapping).
   if (role_ == PairRole::kCache && !st.m->ring_mapped) store(&st.m->h->closed, 1u);
@@ -604,16 +510,8 @@ CudaIpcLink::~CudaIpcLink() {
 void CudaIpcLink::post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, const char* what,
                        std::chrono::milliseconds timeout) {
   State& st = *st_;
-  const int d = (role_ == PairRole::kInference) == is_send ? 0 : 1;  // 0 = up (inference -> cache)
-  const std::string desc = fmt::format("{} of {} bytes ({})", is_send ? "send" : "receive", bytes,
-                                       what != nullptr ? what : "unnamed");
-  SPADE_CHECK(buf != nullptr && bytes > 0, "{}: {}: null buffer or zero bytes", st.who, desc);
-  int cur = -1;
-  cudaGetDevice(&cur);
-  SPADE_CHECK(cur == opts_.device, "{}: {}: current device is {}, the link's is {}", st.who, desc, cur, opts_.device);
-  SPADE_CHECK(timeout.count() >= 0, "{}: {}: negative timeout", st.who, desc);
-  const bool no_timeout = timeout == kNoTimeout;
-  if (timeout.count() == 0) timeout = opts_.op_timeout;
+  const detail::OpRequest op = st.check_post(role_, is_send, buf, bytes, what, timeout);
+  const int d = op.direction;  // 0 = up (inference -> cache)
   const MemOps& ops = mem_ops();
   CUstream s = reinterpret_cast<CUstream>(stream);
   Header* dh = st.m->dh;
@@ -622,34 +520,17 @@ void CudaIpcLink::post(bool is_send, void* buf, size_t bytes, cudaStream_t strea
   char* ring = st.m->ring + static_cast<size_t>(d) * st.slots * st.chunk_bytes;
 
   std::string reason;
-  Failure f;
+  detail::GpuLinkWatch::Failure f;
   {
-    std::lock_guard enqueue(st.enqueue[d]);
+    std::lock_guard enqueue(st.enqueue_mutex(d));
     // Register the operation (and its deadline) before enqueuing: enqueuing can block when the stream's queue is
     // full, and the watchdog must still see the operation then.
+    cudaEvent_t ev = st.take_event(op);
     uint64_t id = 0;
-    cudaEvent_t ev = nullptr;
     {
-      std::lock_guard lk(st.mu);
-      if (st.failed) fail("{} (refused {})", st.failure, desc);
-      if (!st.free_events.empty()) {
-        ev = st.free_events.back();
-        st.free_events.pop_back();
-      }
-    }
-    if (ev == nullptr) {
-      const cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
-      SPADE_CHECK(e == cudaSuccess, "{}: {}: cudaEventCreate: {}", st.who, desc, cudaGetErrorString(e));
-    }
-    {
-      std::lock_guard lk(st.mu);
-      if (st.failed) {
-        st.free_events.push_back(ev);
-        fail("{} (refused {})", st.failure, desc);
-      }
-      id = st.next_id++;
-      st.pending.push_back(Pending{id, ev, false, no_timeout ? Clock::time_point::max() : Clock::now() + timeout,
-                                   no_timeout ? -1 : static_cast<long long>(timeout.count()), desc});
+      std::lock_guard lk(st.mu());
+      st.throw_if_failed_locked(op, ev, "refused");
+      id = st.track_locked(ev, op, /*recorded=*/false);
     }
     char* p = static_cast<char*>(buf);
     for (size_t off = 0; off < bytes && reason.empty(); off += st.chunk_bytes) {
@@ -671,42 +552,31 @@ void CudaIpcLink::post(bool is_send, void* buf, size_t bytes, cudaStream_t strea
       }
       st.seq[d].store(q + 1);
       if (r != CUDA_SUCCESS || ce != cudaSuccess)
-        reason = fmt::format("{}: {}: enqueuing chunk {} failed: {}; link released", st.who, desc, q,
+        reason = fmt::format("{}: {}: enqueuing chunk {} failed: {}; link released", st.who(), op.desc, q,
                              r != CUDA_SUCCESS ? fmt::format("CUresult {}", static_cast<int>(r))
                                                : std::string(cudaGetErrorString(ce)));
     }
     // Recorded even after a partial enqueue: the drain below then waits for the chunks that were queued.
     const cudaError_t re = cudaEventRecord(ev, stream);
     if (re != cudaSuccess && reason.empty())
-      reason = fmt::format("{}: {}: cudaEventRecord: {}", st.who, desc, cudaGetErrorString(re));
-    std::lock_guard lk(st.mu);
-    if (reason.empty() && !st.failed) {
-      for (auto& pd : st.pending)
-        if (pd.id == id) pd.recorded = true;
-      if (is_send) {
-        ++st.counters.sends;
-        st.counters.bytes_sent += bytes;
-      } else {
-        ++st.counters.recvs;
-        st.counters.bytes_received += bytes;
-      }
+      reason = fmt::format("{}: {}: cudaEventRecord: {}", st.who(), op.desc, cudaGetErrorString(re));
+    std::lock_guard lk(st.mu());
+    if (reason.empty() && !st.failed_locked()) {
+      st.mark_recorded_locked(id);
+      st.count_locked(op);
       return;
     }
     // Failed, here or concurrently: the operation is no longer tracked; release it with the rest (below, after the
     // enqueue lock is dropped).
-    st.pending.remove_if([&](const Pending& pd) { return pd.id == id; });
-    if (!st.failed) {
+    st.untrack_locked(id);
+    if (!st.failed_locked()) {
       f = st.fail_locked(reason);  // this operation's failure is the link's
     } else if (reason.empty()) {
-      reason = fmt::format("{} (while enqueuing {})", st.failure, desc);
+      reason = fmt::format("{} (while enqueuing {})", st.failure_locked(), op.desc);
     }
     f.events.push_back(ev);
   }
-  st.release_until_drained(f.events, kAborted, opts_.op_timeout);
-  if (f.first) {
-    spdlog::error("{}", f.reason);
-    if (f.callback) f.callback(f.reason);
-  }
+  st.finish(f);
   throw Error(reason);
 }
 
@@ -722,42 +592,29 @@ void CudaIpcLink::recv(void* buf, size_t bytes, cudaStream_t stream, const char*
 
 void CudaIpcLink::abort(const std::string& reason) {
   DeviceGuard g(opts_.device);
-  Failure f;
-  {
-    std::lock_guard lk(st_->mu);
-    f = st_->fail_locked(fmt::format("{}: aborted: {}", st_->who, reason));
-  }
-  st_->stop_cv.notify_all();
-  st_->finish(f, opts_.op_timeout);
+  st_->abort(reason);
 }
 
 bool CudaIpcLink::failed() const {
-  std::lock_guard lk(st_->mu);
+  std::lock_guard lk(st_->mu());
   // The header is read synchronously: a receive that completed on data a failing peer spoiled is always seen with
   // the abort word already set (it is written before the peer's release), even before the watchdog polls it.
-  return st_->failed || !st_->peer_signal(role_).empty();
+  return st_->failed_locked() || !st_->peer_signal(role_).empty();
 }
 
 std::string CudaIpcLink::failure() const {
-  std::lock_guard lk(st_->mu);
-  if (st_->failed) return st_->failure;
+  std::lock_guard lk(st_->mu());
+  if (st_->failed_locked()) return st_->failure_locked();
   const std::string signal = st_->peer_signal(role_);
-  return signal.empty() ? std::string() : fmt::format("{}: {}", st_->who, signal);
+  return signal.empty() ? std::string() : fmt::format("{}: {}", st_->who(), signal);
 }
 
 void CudaIpcLink::on_failure(std::function<void(const std::string&)> callback) {
-  std::lock_guard lk(st_->mu);
-  st_->on_failure = std::move(callback);
+  st_->on_failure(std::move(callback));
 }
 
-GpuLinkCounters CudaIpcLink::counters() const {
-  std::lock_guard lk(st_->mu);
-  return st_->counters;
-}
+GpuLinkCounters CudaIpcLink::counters() const { return st_->counters(); }
 
-size_t CudaIpcLink::in_flight() const {
-  std::lock_guard lk(st_->mu);
-  return st_->pending.size();
-}
+size_t CudaIpcLink::in_flight() const { return st_->in_flight(); }
 
 }  // namespace spade::transport

@@ -1,4 +1,4 @@
-// CudaIpcLink: the GPU data plane of an inference rank and its cache rank on ONE GPU (issue #7), behind the GpuLink
+// CudaIpcLink: the GPU data plane of an inference rank and its cache rank on ONE GPU, behind the GpuLink
 // contract (transport/gpu_link.h). NCCL refuses two ranks of one communicator on the same device, so a single-GPU
 // machine (tests, development, the single-GPU variant of bench_tpot) joins the pair this way instead.
 //
@@ -29,7 +29,8 @@
 // peer and the operation and on_failure runs once. failed() also reads the abort word synchronously: it is written
 // before any release, so a receive that completed on spoiled data is never seen as healthy. The creator owns the
 // ring and frees it only after the opener unmapped it (or stopped beating); a cache rank that dies leaves the
-// inference rank's memory intact.
+// inference rank's memory intact. The pending operations, the deadline checks and the failure latch are the GPU
+// links' shared machinery (transport/gpu_link_watch.h); the heartbeat, the abort word and the release are this link's.
 //
 // Both ends in ONE process: their streams wait on each other through stream memory operations, which CUDA's
 // scheduler does not see, so two streams sharing a hardware queue could block each other (cuda.h's warning on
@@ -41,6 +42,8 @@
 // Cost: every byte is copied twice on the device (into the ring and out of it), a device-to-device copy each; this
 // link exists for correctness on one GPU, where both ranks share the HBM anyway, not for speed.
 #pragma once
+
+#include <cuda_runtime_api.h>
 
 #include <chrono>
 #include <cstddef>
@@ -73,9 +76,10 @@ class CudaIpcLink final : public GpuLink {
   static std::unique_ptr<CudaIpcLink> open(const std::string& address, std::string peer_name,
                                            CudaIpcLinkOptions opts = {});
 
-  /// Waits until the peer has opened the link (creator), up to connect_timeout; throws naming the peer otherwise.
-  /// The opener returns at once.
-  void connect();
+  /// Waits until the peer has opened the link (creator), up to `timeout` (0: the options' connect_timeout); throws
+  /// spade::Error naming the peer otherwise ("... the peer did not open the link within T ms ..."), or with
+  /// failure() if the link failed meanwhile. The opener returns at once.
+  void connect(std::chrono::milliseconds timeout = std::chrono::milliseconds::zero());
   /// Raw bytes to publish at the coordinator (creator; the opener returns the address it opened).
   const std::string& address() const;
 
@@ -100,7 +104,6 @@ class CudaIpcLink final : public GpuLink {
  private:
   struct State;
   CudaIpcLink(PairRole role, std::string peer_name, CudaIpcLinkOptions opts);
-  void start_watchdog();
   void post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, const char* what,
             std::chrono::milliseconds timeout);
 

@@ -1,29 +1,28 @@
-// NcclLink (see nccl_link.h): non-blocking NCCL communicators, a watchdog over every posted operation, abort.
+// NcclLink (see nccl_link.h): non-blocking NCCL communicators; the watchdog over every posted operation, the failure
+// latch and abort are GpuLinkWatch's (transport/gpu_link_watch.h).
 #include "transport/nccl/nccl_link.h"
 
 #include <nccl.h>
 #include <spdlog/spdlog.h>
 
-#include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "common/error.h"
+#include "transport/gpu_link_watch.h"
 
 namespace spade::transport {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using detail::ms;
 
 std::string nccl_msg(ncclResult_t r) {
   return fmt::format("{} ({})", ncclGetErrorString(r), ncclGetLastError(nullptr));
 }
-
-long long ms(std::chrono::milliseconds d) { return static_cast<long long>(d.count()); }
 
 // Aborts both communicators concurrently and clears them. ncclCommAbort sets a communicator's abort flag and then
 // waits for its kernels to exit; a kernel of one communicator may be queued on a stream behind a spinning kernel of
@@ -36,6 +35,19 @@ void abort_all(ncclComm_t (&comms)[2]) {
     spdlog::warn("NCCL link: ncclCommAbort (up) failed");
   other.join();
   comms[0] = comms[1] = nullptr;
+}
+
+// The watch of a link (see gpu_link_watch.h): watchdog errors name the role and the peer, post errors the peer.
+detail::GpuLinkWatch::Options watch_options(NcclRole role, const std::string& peer_name, const NcclLinkOptions& o) {
+  detail::GpuLinkWatch::Options w;
+  w.who = fmt::format("NCCL link ({} side) to {}", nccl_role_name(role), peer_name);
+  w.label = fmt::format("NCCL link to {}", peer_name);
+  w.outcome = "link aborted";
+  w.device = o.device;
+  w.op_timeout = o.op_timeout;
+  w.watchdog_period = o.watchdog_period;
+  w.watch_after_failure = false;  // nothing left to watch once the communicators are aborted
+  return w;
 }
 
 }  // namespace
@@ -51,84 +63,56 @@ std::string NcclLink::new_address() {
   return std::string(reinterpret_cast<const char*>(ids), sizeof(ids));
 }
 
-// One posted operation the watchdog tracks until its completion event fires.
-struct Pending {
-  cudaEvent_t done = nullptr;
-  Clock::time_point deadline;  // time_point::max(): none (NcclLink::kNoTimeout)
-  long long timeout_ms = 0;
-  std::string what;  // "send of 1048576 bytes (qkv of pack 3)"
-};
+struct NcclLink::State final : detail::GpuLinkWatch {
+  explicit State(Options o) : GpuLinkWatch(std::move(o)) {}
+  ~State() override { stop_watchdog(); }
 
-// What a failure leaves to do outside the state lock: abort the communicators (ncclCommAbort can block for long),
-// destroy the pending events, log, and run the callback. Empty when the link had already failed.
-struct Failure {
-  bool first = false;
-  std::string reason;
-  ncclComm_t comm[2] = {nullptr, nullptr};
-  std::vector<cudaEvent_t> events;
-  std::function<void(const std::string&)> callback;
-  void finish() {
-    if (!first) return;
-    abort_all(comm);
-    // The aborted NCCL kernels exit, so the recorded events complete; CUDA releases a destroyed event once it does.
-    for (auto e : events) cudaEventDestroy(e);
-    spdlog::error("{}", reason);
-    if (callback) callback(reason);
-  }
-};
-
-struct NcclLink::State {
-  // Per direction, held for a whole post(): NCCL allows no other call on a non-blocking communicator until its
-  // group reports ncclSuccess, and operations must reach NCCL in posting order. Taken before `mu`.
-  std::mutex enqueue[2];
-  mutable std::mutex mu;              // guards everything below and every NCCL call on the communicators
+  // Guarded by mu(), like every NCCL call on the communicators: NCCL allows no other call on a non-blocking
+  // communicator until its group reports ncclSuccess.
   ncclComm_t comm[2] = {nullptr, nullptr};  // [0] up (inference -> cache), [1] down (cache -> inference)
-  std::deque<Pending> pending;
-  std::vector<cudaEvent_t> free_events;
-  bool failed = false;
-  std::string failure;
-  std::function<void(const std::string&)> on_failure;
-  NcclLinkCounters counters;
+  ncclComm_t doomed[2] = {nullptr, nullptr};  // taken from `comm` by the first failure, aborted by its finish()
 
-  std::thread watchdog;
-  std::condition_variable stop_cv;
-  bool stop = false;
-
-  // Marks the link failed and hands the communicators and events to the returned Failure, whose finish() the caller
-  // runs after releasing the lock.
-  Failure fail_locked(const std::string& reason) {
-    Failure f;
-    if (failed) return f;
-    failed = true;
-    failure = reason;
-    f.first = true;
-    f.reason = reason;
+ protected:
+  // The first failure takes the communicators away from the posting path (ncclCommAbort can block for long: it runs
+  // in release_transfers(), outside the lock).
+  void on_fail_locked() override {
     for (int d = 0; d < 2; ++d) {
-      f.comm[d] = comm[d];
+      doomed[d] = comm[d];
       comm[d] = nullptr;
     }
-    for (auto& p : pending) f.events.push_back(p.done);
-    pending.clear();
-    f.callback = on_failure;
-    return f;
+  }
+  // The aborted NCCL kernels exit, so the recorded events complete; CUDA releases a destroyed event once it does.
+  void release_transfers(std::vector<cudaEvent_t>& events) override {
+    abort_all(doomed);
+    for (auto e : events) cudaEventDestroy(e);
+    events.clear();
+  }
+  Verdict check_locked(detail::WatchClock::time_point /*now*/) override {
+    for (int d = 0; d < 2; ++d) {
+      ncclResult_t s = ncclSuccess;
+      const ncclResult_t q = ncclCommGetAsyncError(comm[d], &s);
+      if (q != ncclSuccess) s = q;
+      if (s != ncclSuccess && s != ncclInProgress)
+        return {fmt::format("{}: asynchronous NCCL error on the {} communicator: {}; link aborted", who(),
+                            d == 0 ? "up" : "down", nccl_msg(s)),
+                false};
+    }
+    return {};
   }
 };
 
 NcclLink::NcclLink(const std::string& address, NcclRole role, std::string peer_name, NcclLinkOptions opts)
-    : role_(role), peer_name_(std::move(peer_name)), opts_(opts), st_(std::make_unique<State>()) {
-  const std::string who = fmt::format("NCCL link ({} side) to {}", nccl_role_name(role_), peer_name_);
+    : role_(role),
+      peer_name_(std::move(peer_name)),
+      opts_(opts),
+      st_(std::make_unique<State>(watch_options(role_, peer_name_, opts_))) {
+  const std::string& who = st_->who();
   SPADE_CHECK(address.size() == address_size(), "{}: address is {} bytes, expected {} (two ncclUniqueIds)", who,
               address.size(), address_size());
   SPADE_CHECK(opts_.op_timeout.count() > 0 && opts_.connect_timeout.count() > 0 && opts_.watchdog_period.count() > 0,
               "{}: timeouts must be positive", who);
   SPADE_CHECK(opts_.max_ctas_up >= 0 && opts_.max_ctas_down >= 0, "{}: max_ctas must be >= 0", who);
-  int ndev = 0;
-  cudaError_t ce = cudaGetDeviceCount(&ndev);
-  SPADE_CHECK(ce == cudaSuccess, "{}: cudaGetDeviceCount: {}", who, cudaGetErrorString(ce));
-  SPADE_CHECK(opts_.device >= 0 && opts_.device < ndev, "{}: device {} out of range ({} CUDA devices)", who,
-              opts_.device, ndev);
-  ce = cudaSetDevice(opts_.device);
-  SPADE_CHECK(ce == cudaSuccess, "{}: cudaSetDevice({}): {}", who, opts_.device, cudaGetErrorString(ce));
+  detail::use_device(who, opts_.device);
 
   ncclUniqueId ids[2];
   std::memcpy(ids, address.data(), sizeof(ids));
@@ -185,44 +169,7 @@ NcclLink::NcclLink(const std::string& address, NcclRole role, std::string peer_n
   spdlog::info("{}: ready on device {} (max CTAs up {}, down {})", who, opts_.device, opts_.max_ctas_up,
                opts_.max_ctas_down);
 
-  st_->watchdog = std::thread([this, who] {
-    cudaSetDevice(opts_.device);
-    std::unique_lock lk(st_->mu);
-    while (!st_->stop && !st_->failed) {
-      std::string reason;
-      for (int d = 0; d < 2 && reason.empty(); ++d) {
-        ncclResult_t s = ncclSuccess;
-        const ncclResult_t q = ncclCommGetAsyncError(st_->comm[d], &s);
-        if (q != ncclSuccess) s = q;
-        if (s != ncclSuccess && s != ncclInProgress)
-          reason = fmt::format("{}: asynchronous NCCL error on the {} communicator: {}; link aborted", who,
-                               d == 0 ? "up" : "down", nccl_msg(s));
-      }
-      const auto now = Clock::now();
-      for (auto it = st_->pending.begin(); reason.empty() && it != st_->pending.end();) {
-        const cudaError_t e = cudaEventQuery(it->done);
-        if (e == cudaSuccess) {
-          st_->free_events.push_back(it->done);
-          it = st_->pending.erase(it);
-        } else if (e != cudaErrorNotReady) {
-          reason = fmt::format("{}: {} failed on device {}: {}; link aborted", who, it->what, opts_.device,
-                               cudaGetErrorString(e));
-        } else if (now > it->deadline) {
-          reason = fmt::format("{}: {} not complete {} ms after it was posted (peer dead or stalled); link aborted",
-                               who, it->what, it->timeout_ms);
-        } else {
-          ++it;
-        }
-      }
-      if (!reason.empty()) {
-        Failure f = st_->fail_locked(reason);
-        lk.unlock();
-        f.finish();  // the callback must not destroy this link (the watchdog thread would join itself)
-        return;
-      }
-      st_->stop_cv.wait_for(lk, opts_.watchdog_period, [&] { return st_->stop; });
-    }
-  });
+  st_->start_watchdog();
 }
 
 // NCCL connects a point-to-point channel lazily, at the first operation on it, and the connection needs the peer's
@@ -289,75 +236,41 @@ void NcclLink::connect_peer(const std::string& who, std::chrono::steady_clock::t
 }
 
 NcclLink::~NcclLink() {
+  st_->stop_watchdog();
+  detail::DeviceGuard device(opts_.device);  // the caller's current device is kept
   {
-    std::lock_guard lk(st_->mu);
-    st_->stop = true;
-  }
-  st_->stop_cv.notify_all();
-  if (st_->watchdog.joinable()) st_->watchdog.join();
-  int caller_device = -1;
-  cudaGetDevice(&caller_device);
-  cudaSetDevice(opts_.device);
-  struct Restore {
-    int d;
-    ~Restore() {
-      if (d >= 0) cudaSetDevice(d);
+    std::lock_guard lk(st_->mu());
+    if (!st_->failed_locked()) {
+      // Let the posted operations finish (up to op_timeout).
+      std::vector<cudaEvent_t> events = st_->take_pending_locked();
+      const bool drained = detail::GpuLinkWatch::wait_events(events, Clock::now() + opts_.op_timeout);
+      // Teardown is local: with our operations drained, ncclCommAbort frees the communicators at once.
+      // ncclCommFinalize would wait for the peer to finalize too (measured: a peer that exits first waits until its
+      // own deadline), and a link must not hold a process's shutdown hostage to the other's.
+      if (!drained)
+        spdlog::warn("NCCL link to {}: {} operation(s) still in flight after {} ms at teardown; aborting", peer_name_,
+                     events.size(), ms(opts_.op_timeout));
+      abort_all(st_->comm);
+      for (auto e : events) cudaEventDestroy(e);
     }
-  } restore{caller_device};
-  std::lock_guard lk(st_->mu);
-  if (!st_->failed) {
-    // Let the posted operations finish (up to op_timeout).
-    const auto deadline = Clock::now() + opts_.op_timeout;
-    bool drained = true;
-    for (auto& p : st_->pending) {
-      while (cudaEventQuery(p.done) == cudaErrorNotReady && Clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-      if (cudaEventQuery(p.done) == cudaErrorNotReady) drained = false;
-    }
-    // Teardown is local: with our operations drained, ncclCommAbort frees the communicators at once.
-    // ncclCommFinalize would wait for the peer to finalize too (measured: a peer that exits first waits until its own
-    // deadline), and a link must not hold a process's shutdown hostage to the other's.
-    if (!drained)
-      spdlog::warn("NCCL link to {}: {} operation(s) still in flight after {} ms at teardown; aborting", peer_name_,
-                   st_->pending.size(), ms(opts_.op_timeout));
-    abort_all(st_->comm);
-    for (auto& p : st_->pending) cudaEventDestroy(p.done);
-    st_->pending.clear();
   }
-  for (auto e : st_->free_events) cudaEventDestroy(e);
+  st_->destroy_free_events();
 }
 
 void NcclLink::post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, const char* what,
                     std::chrono::milliseconds timeout) {
-  const bool up = (role_ == NcclRole::kInference) == is_send;
-  const int d = up ? 0 : 1;
-  const std::string desc = fmt::format("{} of {} bytes ({})", is_send ? "send" : "receive", bytes,
-                                       what != nullptr ? what : "unnamed");
-  SPADE_CHECK(buf != nullptr && bytes > 0, "NCCL link to {}: {}: null buffer or zero bytes", peer_name_, desc);
-  int cur = -1;
-  cudaGetDevice(&cur);
-  SPADE_CHECK(cur == opts_.device, "NCCL link to {}: {}: current device is {}, the link's is {}", peer_name_, desc,
-              cur, opts_.device);
-  SPADE_CHECK(timeout.count() >= 0, "NCCL link to {}: {}: negative timeout", peer_name_, desc);
-  const bool no_timeout = timeout == kNoTimeout;
-  if (timeout.count() == 0) timeout = opts_.op_timeout;
-  Failure failure;
+  State& st = *st_;
+  const detail::OpRequest op = st.check_post(role_, is_send, buf, bytes, what, timeout);
+  const int d = op.direction;
+  detail::GpuLinkWatch::Failure failure;
   std::string reason;
   {
-    std::lock_guard enqueue(st_->enqueue[d]);
-    std::unique_lock lk(st_->mu);
-    if (st_->failed) fail("{} (refused {})", st_->failure, desc);
+    std::lock_guard enqueue(st.enqueue_mutex(d));
     // The completion event first: once NCCL has the operation, nothing may fail without failing the link.
-    cudaEvent_t ev = nullptr;
-    if (!st_->free_events.empty()) {
-      ev = st_->free_events.back();
-      st_->free_events.pop_back();
-    } else {
-      const cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
-      SPADE_CHECK(e == cudaSuccess, "NCCL link to {}: {}: cudaEventCreate: {}", peer_name_, desc,
-                  cudaGetErrorString(e));
-    }
-    ncclComm_t c = st_->comm[d];
+    cudaEvent_t ev = st.take_event(op);
+    std::unique_lock lk(st.mu());
+    st.throw_if_failed_locked(op, ev, "refused");
+    ncclComm_t c = st.comm[d];
     ncclResult_t r = ncclGroupStart();
     if (r == ncclSuccess) {
       r = is_send ? ncclSend(buf, bytes, ncclUint8, 1 - static_cast<int>(role_), c, stream)
@@ -374,45 +287,33 @@ void NcclLink::post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, 
       r = q != ncclSuccess ? q : s;
       if (r != ncclInProgress) break;
       if (Clock::now() > deadline) {
-        reason = fmt::format("NCCL link to {}: {} still not enqueued after {} ms (peer not connecting); link aborted",
-                             peer_name_, desc, ms(opts_.op_timeout));
+        reason = fmt::format("{}: {} still not enqueued after {} ms (peer not connecting); link aborted", st.label(),
+                             op.desc, ms(opts_.op_timeout));
         break;
       }
       lk.unlock();
       std::this_thread::sleep_for(std::chrono::microseconds(50));
       lk.lock();
-      if (st_->failed) {
-        st_->free_events.push_back(ev);
-        fail("{} (while enqueuing {})", st_->failure, desc);
-      }
+      st.throw_if_failed_locked(op, ev, "while enqueuing");
     }
     if (reason.empty() && r != ncclSuccess)
-      reason = fmt::format("NCCL link to {}: {} failed: {}; link aborted", peer_name_, desc, nccl_msg(r));
+      reason = fmt::format("{}: {} failed: {}; link aborted", st.label(), op.desc, nccl_msg(r));
     if (reason.empty()) {
       const cudaError_t e = cudaEventRecord(ev, stream);
       if (e != cudaSuccess) {
         cudaEventDestroy(ev);
-        reason = fmt::format("NCCL link to {}: {}: cudaEventRecord: {}; link aborted", peer_name_, desc,
-                             cudaGetErrorString(e));
+        reason = fmt::format("{}: {}: cudaEventRecord: {}; link aborted", st.label(), op.desc, cudaGetErrorString(e));
       } else {
-        const auto now = Clock::now();
-        st_->pending.push_back(Pending{ev, no_timeout ? Clock::time_point::max() : now + timeout,
-                                       no_timeout ? -1 : static_cast<long long>(timeout.count()), desc});
-        if (is_send) {
-          ++st_->counters.sends;
-          st_->counters.bytes_sent += bytes;
-        } else {
-          ++st_->counters.recvs;
-          st_->counters.bytes_received += bytes;
-        }
+        st.track_locked(ev, op, /*recorded=*/true);
+        st.count_locked(op);
         return;
       }
     } else {
-      st_->free_events.push_back(ev);
+      st.recycle_event_locked(ev);
     }
-    failure = st_->fail_locked(reason);
+    failure = st.fail_locked(reason);
   }
-  failure.finish();
+  st.finish(failure);
   throw Error(reason);
 }
 
@@ -426,39 +327,16 @@ void NcclLink::recv(void* buf, size_t bytes, cudaStream_t stream, const char* wh
   post(false, buf, bytes, stream, what, timeout);
 }
 
-void NcclLink::abort(const std::string& reason) {
-  Failure f;
-  {
-    std::lock_guard lk(st_->mu);
-    f = st_->fail_locked(fmt::format("NCCL link to {}: aborted: {}", peer_name_, reason));
-  }
-  st_->stop_cv.notify_all();
-  f.finish();
-}
+void NcclLink::abort(const std::string& reason) { st_->abort(reason); }
 
-bool NcclLink::failed() const {
-  std::lock_guard lk(st_->mu);
-  return st_->failed;
-}
+bool NcclLink::failed() const { return st_->failed(); }
 
-std::string NcclLink::failure() const {
-  std::lock_guard lk(st_->mu);
-  return st_->failure;
-}
+std::string NcclLink::failure() const { return st_->failure(); }
 
-void NcclLink::on_failure(std::function<void(const std::string&)> callback) {
-  std::lock_guard lk(st_->mu);
-  st_->on_failure = std::move(callback);
-}
+void NcclLink::on_failure(std::function<void(const std::string&)> callback) { st_->on_failure(std::move(callback)); }
 
-NcclLinkCounters NcclLink::counters() const {
-  std::lock_guard lk(st_->mu);
-  return st_->counters;
-}
+NcclLinkCounters NcclLink::counters() const { return st_->counters(); }
 
-size_t NcclLink::in_flight() const {
-  std::lock_guard lk(st_->mu);
-  return st_->pending.size();
-}
+size_t NcclLink::in_flight() const { return st_->in_flight(); }
 
 }  // namespace spade::transport

@@ -1,4 +1,4 @@
-// NcclLink: the GPU data plane between one inference rank and its cache rank (issue #7; AsyncSpade Sec. 4.1 / 4.3).
+// NcclLink: the GPU data plane between one inference rank and its cache rank (AsyncSpade Sec. 4.1 / 4.3).
 //
 // Two NCCL communicators of two ranks each join the pair: "up" carries each layer pack's q/k/v rows from the
 // inference rank (NCCL rank 0) to the cache rank (rank 1), "down" the selected K/V back. Two communicators, not one,
@@ -29,7 +29,8 @@
 //     NCCL's in-flight kernels exit, so the streams drain and the GPU stays usable), failed() turns true, failure()
 //     names the peer and the operation, and the on_failure callback runs once. abort() does the same on request (the
 //     coordinator reported PeerDown). After a failure send()/recv() throw spade::Error with failure(); data in
-//     receive buffers of aborted operations is undefined.
+//     receive buffers of aborted operations is undefined. The pending operations, the deadline checks and the
+//     failure latch are the GPU links' shared machinery (transport/gpu_link_watch.h).
 //   * Threads: send/recv/abort and the accessors are thread-safe; operations of one direction reach NCCL one at a
 //     time, in call order. send/recv must be called with the link's device
 //     current (they check it).
