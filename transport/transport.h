@@ -3,9 +3,10 @@
 //
 // Per decode step and per layer pack the inference rank sends one message (the step's q/k/v of the pack's
 // layers) and receives one (the KV selected for the next step); see AsyncSpade Sec. 4.1 / 4.3. Both are
-// posted ahead of time and completed asynchronously, overlapped with compute. This interface is
-// framework-free (bytes + 64-bit tags) so that the loopback, UCX and (later) NCCL implementations are
-// interchangeable.
+// posted ahead of time and completed asynchronously, overlapped with compute. This interface (host memory) is
+// framework-free (bytes + 64-bit tags) so that the loopback and UCX implementations are interchangeable; the GPU
+// pair links (NCCL, CUDA IPC: stream-ordered, device memory) are transport/gpu_link.h, and
+// transport/link_factory.h picks any of them at run time.
 //
 // Semantics, common to all implementations:
 //   * Matching: a message sent on endpoint A->B with tag t completes the oldest receive posted on B's
