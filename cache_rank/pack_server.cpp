@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "cache_rank/selection_overlap.h"
 #include "common/error.h"
 #include "pair/link.h"
 
@@ -17,30 +18,18 @@ using transport::Status;
 
 namespace {
 
-// |a ∩ b| for two ascending position rows of `budget` entries, each valid up to its first -1 (or `nb` for b).
-int common_positions(const int32_t* a, const int32_t* b, int budget, int nb) {
-  const int na = static_cast<int>(std::find(a, a + budget, -1) - a);
-  int i = 0, j = 0, common = 0;
-  while (i < na && j < nb) {
-    if (a[i] == b[j]) {
-      ++common, ++i, ++j;
-    } else if (a[i] < b[j]) {
-      ++i;
-    } else {
-      ++j;
-    }
-  }
-  return common;
-}
+// Valid entries of a row of `budget` positions: those before its first -1.
+int row_count(const int32_t* row, int budget) { return static_cast<int>(std::find(row, row + budget, -1) - row); }
 
-// |a ∩ b| / |b| per KV head (the first `count` entries of each head's row are valid), averaged over heads.
+// |pred_h ∩ oracle_h| / |oracle_h| per KV head (the first `count` entries of each head's row are valid), averaged over
+// heads.
 double overlap_ratio(const std::vector<int32_t>& pred, const LayerSelection& oracle, int heads, int budget) {
   if (oracle.count == 0) return 1.0;
   double sum = 0;
   for (int h = 0; h < heads; ++h) {
     const size_t base = static_cast<size_t>(h) * budget;
-    sum += static_cast<double>(common_positions(pred.data() + base, oracle.positions.data() + base, budget,
-                                                oracle.count)) /
+    sum += static_cast<double>(common_positions(pred.data() + base, row_count(pred.data() + base, budget),
+                                                oracle.positions.data() + base, oracle.count)) /
            oracle.count;
   }
   return sum / heads;
@@ -60,8 +49,8 @@ void OverlapSampler::record(int layer, const std::vector<int32_t>& pred, const L
   for (int h = 0; h < heads; ++h) {
     const size_t base = static_cast<size_t>(h) * budget;
     head_stats_[layer][h].overlap_sum +=
-        static_cast<double>(common_positions(pred.data() + base, oracle.positions.data() + base, budget,
-                                             oracle.count)) /
+        static_cast<double>(common_positions(pred.data() + base, row_count(pred.data() + base, budget),
+                                             oracle.positions.data() + base, oracle.count)) /
         oracle.count;
     ++head_stats_[layer][h].overlap_n;
   }
@@ -77,7 +66,9 @@ void OverlapSampler::record_churn(uint64_t seq, int layer, const LayerSelection&
     head_stats_[layer].resize(heads);
     for (int h = 0; h < heads; ++h) {
       const size_t base = static_cast<size_t>(h) * budget;
-      const int kept = common_positions(prev.data() + base, now.positions.data() + base, budget, now.count);
+      const int kept =
+          common_positions(prev.data() + base, row_count(prev.data() + base, budget), now.positions.data() + base,
+                           now.count);
       head_stats_[layer][h].churn_sum += 1.0 - static_cast<double>(kept) / now.count;
       ++head_stats_[layer][h].churn_n;
     }
