@@ -38,8 +38,9 @@
 //                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1]
 //                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
-// The selection's predictor, ridge eps and successor expansion default to the cache rank's (pair::SelectionConfig);
-// the oracle mode's top-k expands successors as the async cache rank's does.
+// The selection's local window, query window, predictor, ridge eps and successor expansion default to the pair's
+// (pair::SelectionConfig, one Opts::selection); the oracle mode's top-k expands successors as the async cache rank's
+// does.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -95,16 +96,18 @@ struct Opts {
   std::vector<int> packs = {4, 6, 12};
   int batch = 8;
   int context = 32768;
-  int budget = 2048;
   int steps = 256;
   int warmup = 16;
-  int local_window = 32;
-  int query_window = 8;  // predictor regressors W (window holds W + 1 queries)
   int page_size = 16;
-  // Predictor and top-k settings: the cache rank's defaults (pair::SelectionConfig).
-  kernels::PredictorKind predictor = pair::SelectionConfig{}.predictor;
-  float ridge_eps = pair::SelectionConfig{}.ridge_eps;
-  bool successor_expand = pair::SelectionConfig{}.successor_expand;
+  // The selection (pair::SelectionConfig, its defaults: local window, query window W, predictor, ridge eps,
+  // successor expansion; sink tokens unused) with this benchmark's token budget, 2048 (--budget).
+  pair::SelectionConfig selection = [] {
+    pair::SelectionConfig s;
+    s.token_budget = 2048;
+    return s;
+  }();
+  int budget() const { return selection.token_budget; }  // k
+  int local_window() const { return selection.local_window; }  // R
   uint64_t seed = 1;
   // CTAs (channels) NCCL may use per communicator: each holds an SM of BOTH GPUs for the whole transfer, so fewer
   // leave more SMs to scoring on the cache rank (measured: 16 of the default 32 on H200 NVLink gives the best TPOT;
@@ -201,7 +204,7 @@ struct Plan {
   int full_pages() const { return max_pages * o.batch; }
   /// Window-only block table (the async inference rank): pages from the first local-window position of step 0 on,
   /// -1 before (never read or written by it).
-  int first_window_page() const { return std::max(0, o.context + 1 - o.local_window) / o.page_size; }
+  int first_window_page() const { return std::max(0, o.context + 1 - o.local_window()) / o.page_size; }
   std::vector<int32_t> window_table() const {
     const int first = first_window_page();
     std::vector<int32_t> bt(static_cast<size_t>(o.batch) * max_pages, -1);
@@ -238,8 +241,8 @@ void packed_attention(const ModelConfig& cfg, const Opts& o, const GpuLayerStep&
   p.packed_k = packed_k;
   p.packed_v = packed_v;
   p.num_packed = num_packed;
-  p.packed_capacity = o.budget;
-  p.local_window = o.local_window;
+  p.packed_capacity = o.budget();
+  p.local_window = o.local_window();
   p.workspace = {ws.get(), ws.bytes()};
   cuda_check(kernels::sparse_decode_attention_packed(p, stream), "sparse packed attention");
 }
@@ -261,7 +264,7 @@ struct Selector {
   Selector(const ModelConfig& c, const Opts& opts, int rows, int score_stride)
       : cfg(c), o(opts), max_rows(rows), stride(score_stride),
         scores(static_cast<size_t>(rows) * c.num_kv_heads * score_stride * 4, "selection scores"),
-        indices(static_cast<size_t>(rows) * c.num_kv_heads * opts.budget * 4, "selection indices") {}
+        indices(static_cast<size_t>(rows) * c.num_kv_heads * opts.budget() * 4, "selection indices") {}
   // Scores and top-k of `rows` rows into `scores` / `indices` ([rows, Hkv, budget], ascending, -1 padded).
   // after_score: optional event recorded between the stages (stage timing).
   void score_topk(int rows, const float* q_hat, const void* k_cache, const int32_t* block_table, int max_pages,
@@ -295,8 +298,8 @@ struct Selector {
     tp.batch = rows;
     tp.rows_per_batch = cfg.num_kv_heads;
     tp.score_stride = stride;
-    tp.k = o.budget;
-    tp.successor = o.successor_expand;
+    tp.k = o.budget();
+    tp.successor = o.selection.successor_expand;
     cuda_check(kernels::topk_select(tp, stream), "topk_select");
   }
   // Gathers the K/V rows at `idx` ([rows, Hkv, k] positions, -1 = zero row) into packed [rows, Hkv, k, D].
@@ -323,7 +326,7 @@ struct Selector {
            cudaEvent_t after_score = nullptr, cudaEvent_t after_topk = nullptr) {
     score_topk(rows, q_hat, k_cache, block_table, max_pages, sel_lens, stream, after_score);
     if (after_topk != nullptr) cuda_check(cudaEventRecord(after_topk, stream), "record");
-    gather(rows, indices.as<int32_t>(), o.budget, k_cache, v_cache, block_table, max_pages, packed_k, packed_v,
+    gather(rows, indices.as<int32_t>(), o.budget(), k_cache, v_cache, block_table, max_pages, packed_k, packed_v,
            stream);
   }
 };
@@ -335,19 +338,20 @@ class OracleAttention : public GpuAttention {
       : cfg_(cfg), o_(o), sel_(cfg, o, o.batch, score_stride),
         qf_(static_cast<size_t>(o.batch) * cfg.q_dim() * 4, "oracle q fp32"),
         lens_(static_cast<size_t>(o.batch) * 2 * 4, "oracle lengths"),
-        packed_(static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget * cfg.head_dim * 2 * 2, "oracle packed KV"),
+        packed_(static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget() * cfg.head_dim * 2 * 2,
+                "oracle packed KV"),
         ws_(decode_workspace(cfg, o.batch)) {}
   void attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) override {
     int32_t* sel_lens = lens_.as<int32_t>();
     int32_t* num_packed = sel_lens + o_.batch;
-    cuda_check(kernels::offset_clamp({b.seq_lens, sel_lens, b.batch, -o_.local_window, 0, 0x7fffffff}, stream),
+    cuda_check(kernels::offset_clamp({b.seq_lens, sel_lens, b.batch, -o_.local_window(), 0, 0x7fffffff}, stream),
                "selectable lengths");
-    cuda_check(kernels::offset_clamp({b.seq_lens, num_packed, b.batch, -o_.local_window, 0, o_.budget}, stream),
+    cuda_check(kernels::offset_clamp({b.seq_lens, num_packed, b.batch, -o_.local_window(), 0, o_.budget()}, stream),
                "packed counts");
     cuda_check(kernels::cast({DType::BF16, DType::F32, s.q, qf_.get(), static_cast<size_t>(b.batch) * cfg_.q_dim()},
                              stream),
                "q to fp32");
-    const size_t half = static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget * cfg_.head_dim;
+    const size_t half = static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget() * cfg_.head_dim;
     void* pk = packed_.get();
     void* pv = packed_.as<uint16_t>() + half;
     sel_.run(b.batch, qf_.as<float>(), s.k_cache, s.v_cache, b.block_table, b.max_pages, sel_lens, pk, pv, stream);
@@ -368,8 +372,8 @@ json result_row(const Opts& o, const ModelConfig& cfg, const std::string& mode, 
   r["mode"] = mode;
   r["batch"] = o.batch;
   r["context"] = o.context;
-  r["budget"] = o.budget;
-  r["local_window"] = o.local_window;
+  r["budget"] = o.budget();
+  r["local_window"] = o.local_window();
   r["layers"] = cfg.num_layers;
   r["steps"] = static_cast<int>(tpot_ms.size());
   r["tpot_median_ms"] = s.median;
@@ -423,7 +427,7 @@ std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel
     for (int t = o.warmup; t < plan.total_steps; ++t) tpot.push_back(elapsed_ms(ends(t - 1, 0), ends(t, 0)));
     json r = result_row(o, cfg, mode, tpot);
     r["cuda_graph"] = graph;
-    const double attended = mode == "dense" ? o.context + o.warmup + o.steps / 2.0 : o.budget + o.local_window;
+    const double attended = mode == "dense" ? o.context + o.warmup + o.steps / 2.0 : o.budget() + o.local_window();
     const double floor_bytes = model.weight_bytes() + kv_bytes(cfg, o, attended);
     r["weight_bytes"] = model.weight_bytes();
     r["floor_bytes"] = floor_bytes;
@@ -558,7 +562,7 @@ class AsyncInferenceAttention : public GpuAttention {
   void attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) override {
     const int p = s.layer / sh_.P, j = s.layer % sh_.P, t = step_;
     if (s.layer == 0)
-      cuda_check(kernels::offset_clamp({b.seq_lens, lens_.as<int32_t>(), b.batch, -o_.local_window, 0, o_.budget},
+      cuda_check(kernels::offset_clamp({b.seq_lens, lens_.as<int32_t>(), b.batch, -o_.local_window(), 0, o_.budget()},
                                        stream),
                  "packed counts");
     if (j == 0) {
@@ -608,7 +612,7 @@ class AsyncInferenceAttention : public GpuAttention {
                "record");
   }
   size_t layer_elems() const {
-    return static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget * cfg_.head_dim;
+    return static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget() * cfg_.head_dim;
   }
   size_t table_elems() const { return static_cast<size_t>(cfg_.num_layers) * layer_elems(); }
   int pack_layers(int p) const { return std::min(sh_.P, cfg_.num_layers - p * sh_.P); }
@@ -623,8 +627,8 @@ class AsyncInferenceAttention : public GpuAttention {
     a.held_k = held_.as<char>() + static_cast<size_t>(p) * sh_.P * layer_elems() * 2;
     a.held_v = static_cast<char*>(a.held_k) + table_elems() * 2;
     a.rows = pack_layers(p) * o_.batch * cfg_.num_kv_heads;
-    a.k = o_.budget;
-    a.capacity = t == 0 ? o_.budget : sh_.cap;
+    a.k = o_.budget();
+    a.capacity = t == 0 ? o_.budget() : sh_.cap;
     a.head_dim = cfg_.head_dim;
     cuda_check(kernels::apply_selection_delta(a, down_stream_), "apply_selection_delta");
   }
@@ -647,12 +651,14 @@ class AsyncInferenceAttention : public GpuAttention {
 class AsyncCacheRank {
  public:
   AsyncCacheRank(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, GpuLink& link, const Plan& plan)
-      : cfg_(cfg), o_(o), sh_(sh), link_(link), plan_(plan), L_(cfg.num_layers), B_(o.batch), cap_(o.query_window + 1),
+      : cfg_(cfg), o_(o), sh_(sh), link_(link), plan_(plan), L_(cfg.num_layers), B_(o.batch),
+        cap_(o.selection.query_window + 1),
         pool_(cfg.num_layers, plan.full_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim),
         up_(static_cast<size_t>(sh.up_variants) * sh.packs * sh.up_bytes_pack, "qkv receive buffers"),
         send_(2 * static_cast<size_t>(sh.packs) * sh.down_bytes(1), "selected KV send buffers"),
         init_(sh.cap > 0 ? static_cast<size_t>(sh.packs) * sh.init.bytes : 0, "first-selection send buffers"),
-        mirror_(sh.cap > 0 ? static_cast<size_t>(L_) * B_ * cfg.num_kv_heads * o.budget * 4 : 0, "slot table mirrors"),
+        mirror_(sh.cap > 0 ? static_cast<size_t>(L_) * B_ * cfg.num_kv_heads * o.budget() * 4 : 0,
+                "slot table mirrors"),
         totals_(sh.cap > 0 ? kernels::kDeltaTotalsFields * 8 : 0, "delta totals"),
         window_(2 * static_cast<size_t>(L_) * B_ * cfg.q_dim() * cap_ * 2, "query windows"),
         window_len_(static_cast<size_t>(sh.P) * B_ * 4, "window lengths"),
@@ -707,7 +713,7 @@ class AsyncCacheRank {
     // Selectable lengths of the step each selection is for: positions < seq_len(step) - local_window.
     std::vector<int32_t> sl;
     for (int t = 0; t <= plan.total_steps; ++t)
-      for (int r = 0; r < sh.P * B_; ++r) sl.push_back(std::max(0, plan.seq_len(t) - o.local_window));
+      for (int r = 0; r < sh.P * B_; ++r) sl.push_back(std::max(0, plan.seq_len(t) - o.local_window()));
     cuda_check(cudaMemcpy(sel_lens_.get(), sl.data(), sl.size() * 4, cudaMemcpyHostToDevice), "upload");
     cuda_check(cudaStreamSynchronize(stream_), "cache rank init");
   }
@@ -832,9 +838,9 @@ class AsyncCacheRank {
     pq.num_heads = cfg_.num_q_heads;
     pq.window_capacity = cap_;
     pq.head_dim = cfg_.head_dim;
-    pq.max_regressors = o_.query_window;
-    pq.eps = o_.ridge_eps;
-    pq.kind = o_.predictor;
+    pq.max_regressors = o_.selection.query_window;
+    pq.eps = o_.selection.ridge_eps;
+    pq.kind = o_.selection.predictor;
     cuda_check(kernels::predict_next_query(pq, stream_), "predict_next_query");
     cuda_check(cudaEventRecord(after_predict_(for_step, p), stream_), "record");
     const int32_t* lens = sel_lens_.as<int32_t>() + static_cast<size_t>(for_step) * sh_.P * B_;
@@ -852,21 +858,21 @@ class AsyncCacheRank {
                                              : send_.as<char>() + (static_cast<size_t>(par) * sh_.packs + p) * bytes;
     if (for_step >= 2) cuda_check(cudaStreamWaitEvent(sel_stream_, send_end_(for_step - 2, p), 0), "wait");
     if (sh_.cap == 0) {
-      sel.gather(rows, sel.indices.as<int32_t>(), o_.budget, pool_.k(0), pool_.v(0), bt, plan_.max_pages, out,
+      sel.gather(rows, sel.indices.as<int32_t>(), o_.budget(), pool_.k(0), pool_.v(0), bt, plan_.max_pages, out,
                  out + sh_.P * sh_.down_bytes_layer / 2, sel_stream_);
     } else {
       const DeltaLayout& l = for_step == 0 ? sh_.init : sh_.delta;
-      const int cap = for_step == 0 ? o_.budget : sh_.cap;
+      const int cap = for_step == 0 ? o_.budget() : sh_.cap;
       kernels::SelectionDeltaParams d;
       d.indices = sel.indices.as<int32_t>();
       d.scores = sel.scores.as<float>();
-      d.mirror = mirror_.as<int32_t>() + static_cast<size_t>(p) * sh_.rows_pack * o_.budget;
+      d.mirror = mirror_.as<int32_t>() + static_cast<size_t>(p) * sh_.rows_pack * o_.budget();
       d.delta_slots = reinterpret_cast<int32_t*>(out + l.slots);
       d.delta_positions = reinterpret_cast<int32_t*>(out + l.positions);
       d.row_info = reinterpret_cast<int32_t*>(out + l.info);
       d.totals = totals_.as<unsigned long long>();
       d.rows = rows * cfg_.num_kv_heads;
-      d.k = o_.budget;
+      d.k = o_.budget();
       d.capacity = cap;
       d.score_stride = sel.stride;
       cuda_check(kernels::selection_delta(d, sel_stream_), "selection_delta");
@@ -1002,14 +1008,14 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   sh.P = pack;
   sh.packs = (cfg.num_layers + pack - 1) / pack;
   sh.up_bytes_pack = static_cast<size_t>(pack) * o.batch * (cfg.q_dim() + 2 * cfg.kv_dim()) * 2;
-  sh.down_bytes_layer = static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget * cfg.head_dim * 2 * 2;
+  sh.down_bytes_layer = static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget() * cfg.head_dim * 2 * 2;
   sh.cap = delta_cap;
   sh.rows_pack = static_cast<size_t>(pack) * o.batch * cfg.num_kv_heads;
   if (delta_cap > 0) {
-    SPADE_CHECK(delta_cap <= o.budget && o.budget <= kernels::kMaxDeltaBudget,
-                "--delta-capacity {} must be <= --budget {} <= {}", delta_cap, o.budget, kernels::kMaxDeltaBudget);
+    SPADE_CHECK(delta_cap <= o.budget() && o.budget() <= kernels::kMaxDeltaBudget,
+                "--delta-capacity {} must be <= --budget {} <= {}", delta_cap, o.budget(), kernels::kMaxDeltaBudget);
     sh.delta = DeltaLayout(sh.rows_pack, delta_cap, cfg.head_dim);
-    sh.init = DeltaLayout(sh.rows_pack, o.budget, cfg.head_dim);
+    sh.init = DeltaLayout(sh.rows_pack, o.budget(), cfg.head_dim);
   }
   sh.cache_device = ipc || solo != Solo::kNone ? 0 : 1;
   if (solo == Solo::kCache) sh.up_variants = 8;
@@ -1201,7 +1207,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r["stall_ms_median"] = st.median;
   r["stall_ms_p99"] = st.p99;
   r["weight_bytes"] = model.weight_bytes();
-  const double floor_bytes = model.weight_bytes() + kv_bytes(cfg, o, o.budget + o.local_window);
+  const double floor_bytes = model.weight_bytes() + kv_bytes(cfg, o, o.budget() + o.local_window());
   r["floor_bytes"] = floor_bytes;
   r["floor_ms"] = floor_bytes / (copy_gbps * 1e6);
   r["tpot_over_floor"] = r["tpot_median_ms"].get<double>() / r["floor_ms"].get<double>();
@@ -1304,25 +1310,26 @@ int main_impl(int argc, char** argv) {
     else if (a == "--packs") o.packs = parse_ints(next());
     else if (a == "--batch") o.batch = std::stoi(next());
     else if (a == "--context") o.context = std::stoi(next());
-    else if (a == "--budget") o.budget = std::stoi(next());
+    else if (a == "--budget") o.selection.token_budget = std::stoi(next());
     else if (a == "--steps") o.steps = std::stoi(next());
     else if (a == "--warmup") o.warmup = std::stoi(next());
-    else if (a == "--local-window") o.local_window = std::stoi(next());
+    else if (a == "--local-window") o.selection.local_window = std::stoi(next());
     else if (a == "--nccl-ctas") o.nccl_ctas = std::stoi(next());
     else if (a == "--nccl-ctas-delta") o.nccl_ctas_delta = std::stoi(next());
     else if (a == "--delta-capacity") o.delta_capacities = parse_ints(next());
     else if (a == "--link") o.link = next();
     else if (a == "--async-graphs") o.async_graphs = std::stoi(next()) != 0;
     else if (a == "--cache-streams") o.cache_streams = std::stoi(next());
-    else if (a == "--predictor") o.predictor = kernels::parse_predictor_kind(next().c_str());
-    else if (a == "--ridge-eps") o.ridge_eps = std::stof(next());
-    else if (a == "--successor-expand") o.successor_expand = std::stoi(next()) != 0;
+    else if (a == "--predictor") o.selection.predictor = kernels::parse_predictor_kind(next().c_str());
+    else if (a == "--ridge-eps") o.selection.ridge_eps = std::stof(next());
+    else if (a == "--successor-expand") o.selection.successor_expand = std::stoi(next()) != 0;
     else fail("unknown argument {} (see the header of bench/bench_tpot.cpp)", a);
   }
   SPADE_CHECK(!o.config.empty(), "--config DIR (a config.json directory) is required");
   SPADE_CHECK(o.warmup >= 1 && o.steps >= 2, "--warmup >= 1 and --steps >= 2");
   SPADE_CHECK(o.cache_streams == 1 || o.cache_streams == 3, "--cache-streams {}: 1 or 3", o.cache_streams);
-  SPADE_CHECK(o.ridge_eps > 0.f && std::isfinite(o.ridge_eps), "--ridge-eps {} must be > 0", o.ridge_eps);
+  pair::validate(o.selection);  // names the setting: budget, local window, ridge eps
+  SPADE_CHECK(std::isfinite(o.selection.ridge_eps), "--ridge-eps {} must be finite", o.selection.ridge_eps);
   const ModelConfig cfg = load_model_config(o.config);
   SPADE_CHECK(!cfg.is_hybrid(), "bench_tpot runs dense decoders (the pipeline ships every layer's q|k|v rows); '{}' "
               "has Gated DeltaNet layers", cfg.model_type);
@@ -1334,8 +1341,8 @@ int main_impl(int argc, char** argv) {
   cuda_check(cudaSetDevice(0), "cudaSetDevice");
   const double copy_gbps = measure_copy_gbps();
   std::printf("%s: %s x%d, copy %.0f GB/s; %s batch %d context %d budget %d window %d, %d+%d steps\n",
-              o.label.c_str(), prop.name, ngpu, copy_gbps, cfg.model_type.c_str(), o.batch, o.context, o.budget,
-              o.local_window, o.warmup, o.steps);
+              o.label.c_str(), prop.name, ngpu, copy_gbps, cfg.model_type.c_str(), o.batch, o.context, o.budget(),
+              o.local_window(), o.warmup, o.steps);
   GpuModelOptions mo;
   mo.max_tokens = o.batch;
   mo.max_logit_rows = o.batch;
@@ -1422,9 +1429,9 @@ int main_impl(int argc, char** argv) {
   doc["copy_gbps"] = copy_gbps;
   doc["config"] = o.config;
   doc["label"] = o.label;
-  doc["predictor"] = kernels::predictor_kind_name(o.predictor);
-  doc["ridge_eps"] = o.ridge_eps;
-  doc["successor_expand"] = o.successor_expand;
+  doc["predictor"] = kernels::predictor_kind_name(o.selection.predictor);
+  doc["ridge_eps"] = o.selection.ridge_eps;
+  doc["successor_expand"] = o.selection.successor_expand;
   doc["timing"] = "TPOT = time between consecutive step-end CUDA events (host gaps included), after warm-up; "
                   "floor = (weight bytes + attended KV bytes) / measured copy bandwidth";
   doc["results"] = rows;

@@ -12,9 +12,9 @@
 
 namespace spade::cache {
 
-LocalGpuCacheRank::LocalGpuCacheRank(const ModelConfig& attn_cfg, SelectionConfig selection, int device,
+LocalGpuCacheRank::LocalGpuCacheRank(const ModelConfig& attn_cfg, const pair::SparseConfig& own, int device,
                                      std::chrono::milliseconds op_timeout, std::chrono::milliseconds hello_timeout)
-    : cfg_(attn_cfg), selection_(selection), device_(device) {
+    : cfg_(attn_cfg), own_(own), device_(device) {
   const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   if (conn == nullptr || std::atoi(conn) < 16)
     spdlog::warn("in-process cache rank: CUDA_DEVICE_MAX_CONNECTIONS is {} (set it to 32 before CUDA starts): the "
@@ -55,7 +55,7 @@ void LocalGpuCacheRank::serve_loop(std::chrono::milliseconds hello_timeout) {
       std::lock_guard<std::mutex> lk(mu_);
       SPADE_CHECK(!stop_, "the in-process cache rank was stopped before it started serving");
     }
-    GpuCacheOptions opts = gpu_cache_options(hello, selection_, device_);
+    GpuCacheOptions opts = gpu_cache_options(hello, own_, device_);
     opts.pipeline = pipeline_;
     auto server = std::make_unique<GpuCacheServer>(cfg_, opts, *cache_, peer);
     {

@@ -28,11 +28,12 @@ namespace spade::cache {
 
 class LocalGpuCacheRank {
  public:
-  /// `attn_cfg`: the model's attention view. `selection`: the cache rank's own knobs (query window, predictor, ridge
-  /// eps, GQA rule, successor expansion; budget and window come from the hello). The server thread starts in wait_ready() and waits up to
-  /// `hello_timeout` for the inference side's hello (GpuSparseController::send_hello), which sizes the server.
-  /// `op_timeout`: the link's deadline per posted transfer. Throws spade::Error if the link cannot be set up.
-  LocalGpuCacheRank(const ModelConfig& attn_cfg, SelectionConfig selection, int device,
+  /// `attn_cfg`: the model's attention view. `own` (copied): the pair's settings as parsed, of which the cache rank
+  /// uses its own knobs (query window, predictor, ridge eps, GQA rule, successor expansion; the budget, window, pack
+  /// size and delta capacity come from the hello: gpu_cache_options). The server thread starts in wait_ready() and
+  /// waits up to `hello_timeout` for the inference side's hello (GpuSparseController::send_hello), which sizes the
+  /// server. `op_timeout`: the link's deadline per posted transfer. Throws spade::Error if the link cannot be set up.
+  LocalGpuCacheRank(const ModelConfig& attn_cfg, const pair::SparseConfig& own, int device,
                     std::chrono::milliseconds op_timeout = std::chrono::milliseconds(10000),
                     std::chrono::milliseconds hello_timeout = std::chrono::milliseconds(30000));
   /// Serves what the inference side already sent (until no plan comes for 500 ms), then stops the thread.
@@ -63,7 +64,7 @@ class LocalGpuCacheRank {
  private:
   void serve_loop(std::chrono::milliseconds hello_timeout);
   ModelConfig cfg_;
-  SelectionConfig selection_;
+  pair::SparseConfig own_;
   int device_ = 0;
   bool pipeline_ = true;
   std::unique_ptr<transport::CudaIpcLink> inf_, cache_;

@@ -42,7 +42,7 @@ struct GpuCacheServer::State {
   GpuCacheOptions o;
   transport::GpuLink& link;
   std::string peer;
-  int L = 0, Hq = 0, Hkv = 0, D = 0, P = 0, packs = 0, cap_w = 0, k = 0, stride = 0;
+  int L = 0, Hq = 0, Hkv = 0, D = 0, P = 0, packs = 0, cap_w = 0, k = 0, C = 0, stride = 0;  // C: the delta capacity
   size_t row_elems = 0;  // (Hq + 2 Hkv) * D per token and layer
   cudaStream_t up = nullptr, work = nullptr, down = nullptr;
   // Pipelined selection (GpuCacheOptions::pipeline): scoring on `score` (low priority), top-k / delta / gather on
@@ -92,8 +92,10 @@ struct GpuCacheServer::State {
 
   State(const ModelConfig& c, const GpuCacheOptions& opts, transport::GpuLink& l, std::string pr)
       : cfg(c), o(opts), link(l), peer(std::move(pr)), L(c.num_layers), Hq(c.num_q_heads), Hkv(c.num_kv_heads),
-        D(c.head_dim), P(opts.layers_per_pack), packs((c.num_layers + opts.layers_per_pack - 1) / opts.layers_per_pack),
-        cap_w(opts.selection.query_window + 1), k(opts.selection.token_budget),
+        D(c.head_dim), P(opts.sparse.layers_per_pack),
+        packs((c.num_layers + opts.sparse.layers_per_pack - 1) / opts.sparse.layers_per_pack),
+        cap_w(opts.sparse.selection.query_window + 1), k(opts.sparse.selection.token_budget),
+        C(opts.sparse.effective_delta_capacity()),
         stride(opts.max_pages_per_seq * opts.page_size),
         row_elems(static_cast<size_t>(c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim),
         pool(c.num_layers, opts.num_pages, opts.page_size, c.num_kv_heads, c.head_dim),
@@ -179,7 +181,7 @@ struct GpuCacheServer::State {
         std::copy_n(w.begin() + static_cast<long>(m.bt + static_cast<size_t>(b) * maxp), maxp,
                     w.begin() + static_cast<long>(m.g_bt[g] + static_cast<size_t>(s) * maxp));
         // The next step's context is ctx_len + 1; its last R positions are the inference rank's local window.
-        const int selectable = std::max(0, r.ctx_len + 1 - o.selection.local_window);
+        const int selectable = std::max(0, r.ctx_len + 1 - o.sparse.selection.local_window);
         for (int j = 0; j < P; ++j) {
           w[m.g_lens[g] + static_cast<size_t>(j) * S + s] = std::min(selectable, r.ctx_len);
           w[m.g_wlen[g] + static_cast<size_t>(j) * S + s] = host_wlen[static_cast<size_t>(r.slot)];
@@ -245,7 +247,7 @@ struct GpuCacheServer::State {
   void select_pack(const GpuStepPlan& plan, int p, int g, const DeltaLayout& lay) {
     const int S = static_cast<int>(group_rows[g].size()), n = pack_layers(p);
     if (S == 0) return;
-    const int cap = g == kSteady ? o.delta_capacity : k;
+    const int cap = g == kSteady ? C : k;
     char* out = msg[g][p % 2].as<char>();
     const int b = static_cast<int>(selection_seq++ % 2);
     float* qh = q_hat[o.pipeline ? b : 0].as<float>();  // one set on one stream
@@ -271,9 +273,9 @@ struct GpuCacheServer::State {
     pq.num_heads = Hq;
     pq.window_capacity = cap_w;
     pq.head_dim = D;
-    pq.max_regressors = o.selection.query_window;
-    pq.eps = o.selection.ridge_eps;
-    pq.kind = o.selection.predictor;
+    pq.max_regressors = o.sparse.selection.query_window;
+    pq.eps = o.sparse.selection.ridge_eps;
+    pq.kind = o.sparse.selection.predictor;
     cuda_check(kernels::predict_next_query(pq, work), "GPU cache rank: predict");
     cuda_check(cudaEventRecord(predicted[b].e, work), "predicted event");
     // 3. scores of every selectable key, per layer (score stream), into scores[b] once the selection two before
@@ -294,7 +296,7 @@ struct GpuCacheServer::State {
       sp.page_size = o.page_size;
       sp.max_pages_per_seq = o.max_pages_per_seq;
       sp.score_stride = stride;
-      sp.rule = o.selection.gqa_rule;
+      sp.rule = o.sparse.selection.gqa_rule;
       cuda_check(kernels::score_tokens(sp, score), "GPU cache rank: score");
     }
     cuda_check(cudaEventRecord(scored[b].e, score), "scored event");
@@ -308,7 +310,7 @@ struct GpuCacheServer::State {
     tp.rows_per_batch = Hkv;
     tp.score_stride = stride;
     tp.k = k;
-    tp.successor = o.selection.successor_expand;
+    tp.successor = o.sparse.selection.successor_expand;
     cuda_check(kernels::topk_select(tp, sel), "GPU cache rank: top-k");
     // The message buffer of this parity was last sent for pack p - 2 (this step) or by the previous step.
     cuda_check(cudaStreamWaitEvent(sel, sent[g][static_cast<size_t>(p % 2)]->e, 0), "wait send");
@@ -357,17 +359,15 @@ struct GpuCacheServer::State {
 GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts, transport::GpuLink& link,
                                std::string peer) {
   SPADE_CHECK(!attn_cfg.is_hybrid(), "GPU cache rank: pass the model's attention view (no GDN layers)");
-  validate(opts.selection);
+  pair::validate(opts.sparse);
   SPADE_CHECK(opts.max_slots >= 1 && opts.max_step_tokens >= 1 && opts.num_pages >= 1 && opts.page_size >= 1 &&
-                  opts.max_pages_per_seq >= 1 && opts.layers_per_pack >= 1,
-              "GPU cache rank: max_slots {}, max_step_tokens {}, num_pages {}, page_size {}, max_pages_per_seq {}, "
-              "layers_per_pack {} must be positive",
-              opts.max_slots, opts.max_step_tokens, opts.num_pages, opts.page_size, opts.max_pages_per_seq,
-              opts.layers_per_pack);
-  SPADE_CHECK(opts.delta_capacity >= 1 && opts.delta_capacity <= opts.selection.token_budget &&
-                  opts.selection.token_budget <= kernels::kMaxDeltaBudget,
-              "GPU cache rank: delta capacity {} must be in 1..token budget {} (<= {})", opts.delta_capacity,
-              opts.selection.token_budget, kernels::kMaxDeltaBudget);
+                  opts.max_pages_per_seq >= 1,
+              "GPU cache rank: max_slots {}, max_step_tokens {}, num_pages {}, page_size {}, max_pages_per_seq {} must "
+              "be positive",
+              opts.max_slots, opts.max_step_tokens, opts.num_pages, opts.page_size, opts.max_pages_per_seq);
+  SPADE_CHECK(opts.sparse.selection.token_budget <= kernels::kMaxDeltaBudget,
+              "GPU cache rank: token budget {} must be <= {}", opts.sparse.selection.token_budget,
+              kernels::kMaxDeltaBudget);
   SPADE_CHECK(opts.max_slots <= gpu_plan_max_rows(), "GPU cache rank: {} slots exceed a plan's {} rows",
               opts.max_slots, gpu_plan_max_rows());
   cuda_check(cudaSetDevice(opts.device), "GPU cache rank: cudaSetDevice");
@@ -407,7 +407,7 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
 
   s.indices = DeviceBuffer(P * S * s.Hkv * s.k * 4, "GPU cache rank: top-k");
   for (int g = 0; g < 2; ++g) {
-    const DeltaLayout most(P * S * s.Hkv, g == kSteady ? opts.delta_capacity : s.k, s.D);
+    const DeltaLayout most(P * S * s.Hkv, g == kSteady ? s.C : s.k, s.D);
     for (auto& b : s.msg[g]) b = DeviceBuffer(most.bytes, "GPU cache rank: selection messages");
   }
   for (int p = 0; p < s.packs; ++p) {
@@ -525,7 +525,7 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   }
   for (int p = 0; p < s.packs; ++p) {
     s.append_pack(plan, p);
-    const GpuPackSizes sizes = gpu_pack_sizes(plan, s.pack_layers(p), s.cfg, s.k, s.o.delta_capacity);
+    const GpuPackSizes sizes = gpu_pack_sizes(plan, s.pack_layers(p), s.cfg, s.k, s.C);
     s.select_pack(plan, p, kSteady, sizes.steady);
     s.select_pack(plan, p, kFirst, sizes.first);
   }
@@ -564,19 +564,19 @@ GpuPairHello recv_gpu_hello(transport::GpuLink& link, const ModelConfig& attn_cf
   return decode_gpu_hello(host.data(), host.size(), attn_cfg, peer);
 }
 
-GpuCacheOptions gpu_cache_options(const GpuPairHello& h, SelectionConfig selection, int device) {
+GpuCacheOptions gpu_cache_options(const GpuPairHello& h, const pair::SparseConfig& own, int device) {
   GpuCacheOptions o;
   o.device = device;
+  o.sparse = own;
+  o.sparse.selection.token_budget = h.token_budget;
+  o.sparse.selection.local_window = h.local_window;
+  o.sparse.layers_per_pack = h.layers_per_pack;
+  o.sparse.delta_capacity = h.delta_capacity;
   o.max_slots = h.max_slots;
   o.max_step_tokens = h.max_step_tokens;
   o.num_pages = h.num_pages;
   o.page_size = h.page_size;
   o.max_pages_per_seq = h.max_pages_per_seq;
-  o.layers_per_pack = h.layers_per_pack;
-  selection.token_budget = h.token_budget;
-  selection.local_window = h.local_window;
-  o.selection = selection;
-  o.delta_capacity = h.delta_capacity;
   return o;
 }
 

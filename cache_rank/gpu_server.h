@@ -47,15 +47,15 @@ using pair::GpuPairHello;
 
 struct GpuCacheOptions {
   int device = 0;
+  // The pair's settings (pair/selection_config.h). Read: the selection (budget k and local window R from the hello;
+  // query window W, predictor, ridge eps, GQA rule, successor expansion the cache rank's own; sink tokens unused),
+  // layers_per_pack P and C = effective_delta_capacity(), entries per steady row of a step (P and C from the hello).
+  pair::SparseConfig sparse;
   int max_slots = 64;            // sequences at once: the inference rank's max_num_seqs (plan slots 0..max_slots-1)
   int max_step_tokens = 2048;    // tokens per step: its max_num_batched_tokens
   int num_pages = 0;             // KV pool pages per layer: its KV pool's (> 0)
   int page_size = 16;
   int max_pages_per_seq = 0;     // ceil(max_model_len / page_size) (> 0)
-  int layers_per_pack = 4;       // P
-  SelectionConfig selection;     // budget k, local window R, query window W, predictor, ridge eps, GQA rule,
-                                 // successor expansion (sinks unused)
-  int delta_capacity = 256;      // C: entries per steady row of a step (1..budget)
   // Pipelined selection: scoring (bandwidth-bound) on its own low-priority stream, top-k / delta / gather
   // (latency-bound) on a high-priority one, so one pack's top-k runs beside the next pack's scoring. Costs a second
   // set of predicted queries and scores (max_slots x P x num_kv_heads x max_pages_per_seq x page_size x 4 bytes).
@@ -106,8 +106,9 @@ class GpuCacheServer {
 /// `attn_cfg` (decode_gpu_hello). Throws spade::Error naming `peer` (timeout, link failure, invalid hello).
 GpuPairHello recv_gpu_hello(transport::GpuLink& link, const ModelConfig& attn_cfg, const std::string& peer,
                             std::chrono::milliseconds timeout);
-/// The server options a hello implies, on `device`. `selection` supplies the cache rank's own knobs (query window,
-/// predictor, ridge eps, GQA rule, successor expansion); budget and local window come from the hello.
-GpuCacheOptions gpu_cache_options(const GpuPairHello& hello, SelectionConfig selection, int device);
+/// The server options a hello implies, on `device`. `own` (the cache rank's parsed settings) supplies the cache
+/// rank's own knobs (query window, predictor, ridge eps, GQA rule, successor expansion); the budget, local window,
+/// layers per pack, delta capacity and every limit come from the hello.
+GpuCacheOptions gpu_cache_options(const GpuPairHello& hello, const pair::SparseConfig& own, int device);
 
 }  // namespace spade::cache

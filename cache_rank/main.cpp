@@ -2,11 +2,15 @@
 // back, one step ahead, the tokens each layer and KV head should attend to (AsyncSpade Sec. 4.1-4.2).
 //
 //   cache_rank --model DIR [--token-budget K --local-window R --sink-tokens S --query-window W --ridge-eps E
-//               --gqa-rule max|mean --kv-pages N --page-size 16 --overlap-sample-every N --delta-transfer on|off]
+//               --gqa-rule max|mean --predictor P --successor-expand B --kv-pages N --page-size 16
+//               --overlap-sample-every N --delta-transfer true|false]
 //              [--metrics-port P] [launch flags | RANK/WORLD_SIZE/MASTER_* | OMPI_*]
-//   cache_rank --model DIR --device cuda [--gpu N --query-window W --ridge-eps E --gqa-rule R] [launch flags]
+//   cache_rank --model DIR --device cuda [--gpu N --query-window W --ridge-eps E --gqa-rule R --predictor P
+//              --successor-expand B --hello-timeout-ms T --selection-streams 1|3] [launch flags]
 //              (the GPU cache rank, cache_rank/gpu_server.h: the budget, local window, pack size, delta capacity and
 //              pool size come from the paired inference rank's hello; metrics: transfer bytes, steps, selections)
+// A flag that the device would ignore (--token-budget with --device cuda, --gpu with --device cpu, ...) is refused
+// by name at start-up (refuse_unused_flags below); the selection flags are the pair's (pair/selection_flags.h).
 //
 // Metrics (--metrics-port, GET /metrics; /health = serving loop alive, /ready = paired inference rank connected):
 //   spade_selection_time_seconds          histogram  cache-rank time per layer-pack update (append+predict+score+top-k+gather)
@@ -61,6 +65,28 @@ struct Paired {
   spade::proto::ClusterView view;
   std::string peer_name;
 };
+// Refuses, by name, every flag the user gave that `device` would ignore, before anything is loaded or connected
+// (CPU-only builds refuse the GPU device's flags the same way: tests/cache_rank/test_rank_flags.cpp). Throws
+// spade::Error naming each one.
+void refuse_unused_flags(const CLI::App& app, const std::string& device) {
+  if (device != "cpu" && device != "cuda") spade::fail("--device must be cpu or cuda, got '{}'", device);
+  spade::pair::FlagRefusals r(app);
+  if (device == "cpu") {
+    r.refuse("--device cpu", {"--gpu", "--hello-timeout-ms", "--selection-streams"},
+             "it configures the GPU cache rank");
+  } else {
+    r.refuse("--device cuda", {"--token-budget", "--local-window", "--kv-pages", "--page-size"},
+             "the GPU cache rank takes the budget, the local window, the page size and its pool from the inference "
+             "rank's pair hello");
+    r.refuse("--device cuda", {"--sink-tokens"},
+             "the GPU pair attends no sink tokens of its own: they compete in the top-k");
+    r.refuse("--device cuda", {"--delta-transfer"},
+             "the GPU pair always sends deltas, of the inference rank's --delta-capacity");
+    r.refuse("--device cuda", {"--overlap-sample-every"}, "the GPU cache rank does not sample the overlap ratio");
+  }
+  r.check();
+}
+
 Paired rendezvous_with_inference(spade::coord::CoordinatorClient& cc, spade::coord::Deadline deadline,
                                  const std::string& self) {
   Paired p{cc.rendezvous(deadline), {}};
@@ -74,12 +100,13 @@ Paired rendezvous_with_inference(spade::coord::CoordinatorClient& cc, spade::coo
 int main(int argc, char** argv) {
   CLI::App app{"Spade cache rank: full paged KV cache, query windows, AsyncSpade token selection"};
   std::string model_dir, log_level = "info";
-  spade::pair::SelectionConfig sc;
+  spade::pair::SparseConfig sparse;
   int kv_pages = 16384, page_size = 16, rendezvous_ms = 30000;
   spade::coord::LaunchFlags lf;
   app.add_option("--model", model_dir, "checkpoint directory (config.json is read for the shapes)")->required();
-  spade::pair::SelectionFlagText selection_text;
-  spade::pair::add_selection_flags(app, sc, selection_text);
+  spade::pair::SparseFlagText sparse_text;
+  spade::pair::add_sparse_flags(app, sparse, sparse_text,
+                                spade::pair::kSelectionFlags | spade::pair::kDeltaTransferFlag);
   app.add_option("--kv-pages", kv_pages, "KV pool size in pages (all layers)")->check(CLI::PositiveNumber);
   app.add_option("--page-size", page_size, "tokens per page")->check(CLI::PositiveNumber);
   app.add_option("--master-addr", lf.master_addr, "coordinator host (else MASTER_ADDR)");
@@ -96,10 +123,6 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-port", metrics_port, "serve /metrics, /health, /ready on this port (0 = off)")
       ->check(CLI::Range(0, 65535));
   app.add_option("--metrics-host", metrics_host, "address of the metrics endpoint")->capture_default_str();
-  bool delta_transfer = true;
-  app.add_option("--delta-transfer", delta_transfer,
-                 "send only the tokens that entered each selection, with the slot they replace (pair/delta.h)")
-      ->capture_default_str();
   app.add_option("--overlap-sample-every", overlap_every,
                  "measure the predicted-vs-oracle overlap ratio every N steps (0 = off)")
       ->check(CLI::NonNegativeNumber)
@@ -123,10 +146,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
+    refuse_unused_flags(app, device);
     spade::init_logging("cache_rank", log_level);
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    spade::pair::resolve_selection_flags(selection_text, sc);
+    spade::pair::resolve_sparse_flags(sparse_text, sparse);
     // Hybrid models (Qwen3.5): only the full-attention layers have KV, so only they are stored and selected here.
     const spade::ModelConfig cfg = spade::load_model_config(model_dir).attention_view();
     const auto env = spade::coord::LaunchEnv::resolve(lf);
@@ -146,10 +170,6 @@ int main(int argc, char** argv) {
                               }});
       spdlog::info("{}: metrics on {}:{}/metrics", self, metrics_host, status_server->port());
     }
-    if (device != "cpu" && device != "cuda") spade::fail("--device must be cpu or cuda, got '{}'", device);
-    if (device == "cuda" && sc.sink_tokens > 0)
-      spade::fail("--sink-tokens {}: the GPU cache rank has no sink tokens (they compete in the top-k); use 0",
-                  sc.sink_tokens);
     if (device == "cuda") {
 #ifdef SPADE_HAVE_GPU_CACHE
       // ---- the GPU cache rank: GpuCacheServer over the link the inference rank published ----
@@ -206,7 +226,7 @@ int main(int argc, char** argv) {
       // The inference rank uploads its weights after the rendezvous, then sends the hello: wait that long.
       const spade::pair::GpuPairHello hello =
           spade::cache::recv_gpu_hello(link, cfg, peer_name, std::chrono::milliseconds(hello_timeout_ms));
-      spade::cache::GpuCacheOptions gopts = spade::cache::gpu_cache_options(hello, sc, gpu_index);
+      spade::cache::GpuCacheOptions gopts = spade::cache::gpu_cache_options(hello, sparse, gpu_index);
       gopts.pipeline = selection_streams == 3;
       spade::cache::GpuCacheServer server(cfg, gopts, link, peer_name);
       spdlog::info("{}: serving {} on GPU {} ({} MB of device memory: {} pages x {} tokens, budget {}, local window "
@@ -281,9 +301,10 @@ int main(int argc, char** argv) {
     const spade::proto::RankInfo& peer = paired.view.peers(0);
     const std::string& peer_name = paired.peer_name;
     auto ep = net->connect(peer.transport().address(), peer_name, deadline);
-    spade::cache::Selector sel(cfg, sc, kv_pages, page_size);
+    spade::cache::Selector sel(cfg, sparse.selection, kv_pages, page_size);
     spdlog::info("{}: serving {} ({} pages x {} tokens, budget {}, window W={}, eps={})", self, peer_name, kv_pages,
-                 page_size, sc.token_budget, sc.query_window, sc.ridge_eps);
+                 page_size, sparse.selection.token_budget, sparse.selection.query_window,
+                 sparse.selection.ridge_eps);
     // Control-plane events stop the data-plane loop.
     // Captured by value: the callback may still run on the client's I/O thread while this scope unwinds.
     auto exit_code = std::make_shared<std::atomic<int>>(0);
@@ -319,8 +340,9 @@ int main(int argc, char** argv) {
                                   "delta transfer, all of them without.")
                      .with();
     std::unique_ptr<spade::pair::SelectionMirror> mirror;
-    if (delta_transfer)
-      mirror = std::make_unique<spade::pair::SelectionMirror>(cfg.num_kv_heads, sc.token_budget, cfg.head_dim);
+    if (sparse.delta_transfer)
+      mirror = std::make_unique<spade::pair::SelectionMirror>(cfg.num_kv_heads, sparse.selection.token_budget,
+                                                              cfg.head_dim);
     spade::pair::DeltaStats seen;
     auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
     auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
@@ -358,8 +380,9 @@ int main(int argc, char** argv) {
     seqs.set(0);
     connected = true;
     spade::pair::LinkStats stats;
-    const std::string err = spade::cache::serve_cache_rank(*ep, sel, spade::pair::pack_shape(cfg, sc), g_stop, &stats,
-                                                           std::chrono::milliseconds(100), hooks);
+    const std::string err =
+        spade::cache::serve_cache_rank(*ep, sel, spade::pair::pack_shape(cfg, sparse.selection), g_stop, &stats,
+                                       std::chrono::milliseconds(100), hooks);
     spdlog::info("{}: {} updates, {:.1f} MB in, {:.1f} MB out, {:.1f} ms selecting", self, stats.updates,
                  stats.bytes_received / 1e6, stats.bytes_sent / 1e6, stats.cache_select_ms);
     if (mirror && mirror->stats().selected_rows > 0)

@@ -19,35 +19,34 @@ int bucket_for(int batch) {
 
 GpuEngineOptions gpu_engine_options(const EngineOptions& e, bool cuda_graphs) {
   GpuEngineOptions g;
-  g.num_pages = e.num_pages;
-  g.page_size = e.page_size;
-  g.max_num_seqs = e.max_num_seqs;
-  g.max_num_batched_tokens = e.max_num_batched_tokens;
-  g.max_model_len = e.max_model_len;
+  g.engine = e;
   g.cuda_graphs = cuda_graphs;
   return g;
 }
 
 GpuModelOptions GpuEngineForward::model_options(const GpuEngineOptions& opt) {
-  const int rows = std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs));
+  const EngineOptions& e = opt.engine;
+  const int rows = std::max(e.max_num_batched_tokens, bucket_for(e.max_num_seqs));
   // GDN state slots: one per sequence the engine runs at once (graph padding rows use none: slot -1).
-  return GpuModelOptions{rows, rows, opt.max_num_seqs};
+  return GpuModelOptions{rows, rows, e.max_num_seqs};
 }
 
 GpuEngineForward::GpuEngineForward(std::unique_ptr<GpuModel> model, const GpuEngineOptions& opt)
     : model_(std::move(model)), opt_(opt),
-      max_pages_((std::max(opt.max_model_len, 1) + opt.page_size - 1) / opt.page_size),
-      kv_(model_->config().num_attention_layers(), opt.num_pages + 1, opt.page_size, model_->config().num_kv_heads,
-          model_->config().head_dim),
-      attention_(model_->config(), opt.page_size, bucket_for(opt.max_num_seqs)),
-      steps_(std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs)), bucket_for(opt.max_num_seqs),
-             max_pages_, std::max(opt.max_num_batched_tokens, bucket_for(opt.max_num_seqs)), opt.num_pages + 1,
-             model_->config().is_hybrid() ? opt.max_num_seqs : 0) {
-  SPADE_CHECK(!model_->config().is_hybrid() || model_->options().max_state_slots >= opt.max_num_seqs,
+      max_pages_((std::max(opt.engine.max_model_len, 1) + opt.engine.page_size - 1) / opt.engine.page_size),
+      kv_(model_->config().num_attention_layers(), opt.engine.num_pages + 1, opt.engine.page_size,
+          model_->config().num_kv_heads, model_->config().head_dim),
+      attention_(model_->config(), opt.engine.page_size, bucket_for(opt.engine.max_num_seqs)),
+      steps_(std::max(opt.engine.max_num_batched_tokens, bucket_for(opt.engine.max_num_seqs)),
+             bucket_for(opt.engine.max_num_seqs), max_pages_,
+             std::max(opt.engine.max_num_batched_tokens, bucket_for(opt.engine.max_num_seqs)),
+             opt.engine.num_pages + 1, model_->config().is_hybrid() ? opt.engine.max_num_seqs : 0) {
+  SPADE_CHECK(!model_->config().is_hybrid() || model_->options().max_state_slots >= opt.engine.max_num_seqs,
               "GPU engine: the model holds {} GDN state slots for {} sequences at once (build it with "
               "model_options())",
-              model_->options().max_state_slots, opt.max_num_seqs);
-  SPADE_CHECK(opt.num_pages > 0 && opt.max_model_len > 0, "GPU engine: num_pages and max_model_len must be set");
+              model_->options().max_state_slots, opt.engine.max_num_seqs);
+  SPADE_CHECK(opt.engine.num_pages > 0 && opt.engine.max_model_len > 0,
+              "GPU engine: num_pages and max_model_len must be set");
   max_rows_ = model_options(opt).max_logit_rows;
   sample_params_ = DeviceBuffer(static_cast<size_t>(max_rows_) * 28, "GPU engine sampling parameters");
   sampled_ = DeviceBuffer(static_cast<size_t>(max_rows_) * 4, "GPU engine sampled tokens");
@@ -62,11 +61,11 @@ GpuEngineForward::~GpuEngineForward() {
   }
 }
 
-int GpuEngineForward::max_batch() const { return bucket_for(opt_.max_num_seqs); }
+int GpuEngineForward::max_batch() const { return bucket_for(opt_.engine.max_num_seqs); }
 
 int GpuEngineForward::warm_up() {
   SPADE_CHECK(sparse_ == nullptr, "GPU engine: warm_up() runs before set_sparse()");
-  const int scratch = opt_.num_pages, max_len = max_pages_ * opt_.page_size;
+  const int scratch = opt_.engine.num_pages, max_len = max_pages_ * opt_.engine.page_size;
   const bool hybrid = model_->config().is_hybrid();
   // `lens[b]` tokens of sequence b at positions 0.., every block-table entry on the scratch page; logits of the last
   // token of each sequence.
@@ -93,15 +92,15 @@ int GpuEngineForward::warm_up() {
   model_->warm_up_gemms(stream_);
   int steps = 0;
   // The largest prompt step: max_num_batched_tokens tokens over as few sequences as max_model_len allows.
-  const int T = opt_.max_num_batched_tokens;
-  const int seqs = std::min(opt_.max_num_seqs, (T + max_len - 1) / max_len);
+  const int T = opt_.engine.max_num_batched_tokens;
+  const int seqs = std::min(opt_.engine.max_num_seqs, (T + max_len - 1) / max_len);
   std::vector<int> lens(static_cast<size_t>(seqs), std::min(max_len, T / seqs));
   if (lens[0] > 1) {
     step(lens);
     ++steps;
   }
   for (int b = 1; b <= max_batch(); b *= 2) {
-    step(std::vector<int>(static_cast<size_t>(std::min(b, opt_.max_num_seqs)), 1));
+    step(std::vector<int>(static_cast<size_t>(std::min(b, opt_.engine.max_num_seqs)), 1));
     ++steps;
   }
   return steps;
@@ -119,7 +118,7 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
       decode && opt_.cuda_graphs && opt_.link_graphs && sparse_ != nullptr && sparse_->link_graph_ok(fb);
   const bool graphs = opt_.cuda_graphs && (sparse_ == nullptr || sparse_->graph_safe(fb) || link_graph);
   const int rows = decode && graphs ? bucket_for(B) : B;  // graph bucket: pad with scratch sequences
-  const int scratch_page = opt_.num_pages;
+  const int scratch_page = opt_.engine.num_pages;
   GpuStepHost h;
   h.tokens = fb.tokens;
   h.positions = fb.positions;
@@ -147,7 +146,7 @@ void GpuEngineForward::run(const ForwardBatch& fb) {
     h.seq_lens.push_back(1);
     h.block_table[static_cast<size_t>(b) * max_pages_] = scratch_page;
   }
-  if (decode && graphs) h.max_seq_len = max_pages_ * opt_.page_size;
+  if (decode && graphs) h.max_seq_len = max_pages_ * opt_.engine.page_size;
   const GpuBatch batch = steps_.upload(h, stream_);
   if (link_graph) sparse_->set_layout_rows(rows);  // the graph's padded rows per layer in the send buffers
   GpuAttention& attention = sparse_ != nullptr ? static_cast<GpuAttention&>(*sparse_) : attention_;

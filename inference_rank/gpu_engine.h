@@ -23,11 +23,10 @@
 namespace spade {
 
 struct GpuEngineOptions {
-  int num_pages = 0;              // the engine's KV pages (EngineOptions::num_pages)
-  int page_size = 16;
-  int max_num_seqs = 64;
-  int max_num_batched_tokens = 2048;
-  int max_model_len = 0;          // longest sequence: sizes the block tables and the graphs' split-K grids
+  // The engine's options, normalised (Engine::options(): num_pages and max_model_len set). Read: num_pages (the KV
+  // pool, plus one scratch page), page_size, max_num_seqs (graph buckets, GDN state slots), max_num_batched_tokens
+  // (activation rows) and max_model_len (the block tables and the graphs' split-K grids).
+  EngineOptions engine;
   bool cuda_graphs = true;        // capture decode steps per batch bucket
   // Also decode steps with link operations (a sparse controller whose link is up). Leave it off when the cache rank
   // runs in this process (cache_rank/gpu_local.h): capturing a new graph mid-run may synchronise the context, i.e.
@@ -36,7 +35,8 @@ struct GpuEngineOptions {
   bool link_graphs = true;
 };
 
-/// The GPU options matching an engine's options (pass Engine::options(): the normalised num_pages / max_model_len).
+/// The GPU options of an engine's options (pass Engine::options(): the normalised num_pages / max_model_len), with
+/// link_graphs on.
 GpuEngineOptions gpu_engine_options(const EngineOptions& engine, bool cuda_graphs = true);
 
 class GpuEngineForward {

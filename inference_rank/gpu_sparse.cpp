@@ -21,7 +21,10 @@ struct GpuSparseController::State {
   ModelConfig cfg;
   GpuSparseOptions o;
   transport::GpuLink& link;
-  int L = 0, Hq = 0, Hkv = 0, D = 0, P = 0, packs = 0, k = 0, page_size = 0, max_batch = 0;
+  int L = 0, Hq = 0, Hkv = 0, D = 0, P = 0, packs = 0, k = 0;
+  int C = 0;  // delta capacity (o.sparse.effective_delta_capacity())
+  int R = 0;  // local window
+  int page_size = 0, max_batch = 0;
   size_t row_elems = 0;
   cudaStream_t up = nullptr, down = nullptr;
   GpuDenseAttention dense;
@@ -66,11 +69,12 @@ struct GpuSparseController::State {
 
   State(const ModelConfig& c, const GpuSparseOptions& opts, transport::GpuLink& l, int ps, int mb)
       : cfg(c), o(opts), link(l), L(c.num_layers), Hq(c.num_q_heads), Hkv(c.num_kv_heads), D(c.head_dim),
-        P(opts.layers_per_pack), packs((c.num_layers + opts.layers_per_pack - 1) / opts.layers_per_pack),
-        k(opts.token_budget), page_size(ps), max_batch(mb),
+        P(opts.sparse.layers_per_pack),
+        packs((c.num_layers + opts.sparse.layers_per_pack - 1) / opts.sparse.layers_per_pack),
+        k(opts.sparse.selection.token_budget), C(opts.sparse.effective_delta_capacity()),
+        R(opts.sparse.selection.local_window), page_size(ps), max_batch(mb),
         row_elems(static_cast<size_t>(c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim), dense(c, ps, mb),
-        planner(SparsePlannerOptions{opts.sparse_threshold, opts.token_budget, opts.local_window,
-                                     opts.max_first_per_step, opts.max_sparse_seqs, opts.max_slots}) {}
+        planner(opts) {}
   ~State() {
     for (cudaStream_t s : {up, down})
       if (s != nullptr) cudaStreamDestroy(s);
@@ -99,10 +103,10 @@ pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSpa
   h.num_q_heads = attn_cfg.num_q_heads;
   h.num_kv_heads = attn_cfg.num_kv_heads;
   h.head_dim = attn_cfg.head_dim;
-  h.layers_per_pack = o.layers_per_pack;
-  h.token_budget = o.token_budget;
-  h.local_window = o.local_window;
-  h.delta_capacity = o.delta_capacity;
+  h.layers_per_pack = o.sparse.layers_per_pack;
+  h.token_budget = o.sparse.selection.token_budget;
+  h.local_window = o.sparse.selection.local_window;
+  h.delta_capacity = o.sparse.effective_delta_capacity();
   h.max_slots = o.max_slots;
   h.max_step_tokens = o.max_step_tokens;
   // The cache rank holds every running context in full, also the dropped parts: its pool is the engine's bound on
@@ -113,18 +117,20 @@ pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSpa
   return h;
 }
 
-GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseOptions o, transport::GpuLink& link,
-                                         int page_size, int max_batch) {
+GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
+                                         transport::GpuLink& link, int page_size, int max_batch) {
   SPADE_CHECK(!attn_cfg.is_hybrid(), "GPU sparse: pass the model's attention view");
-  SPADE_CHECK(o.sparse_threshold >= 1 && o.layers_per_pack >= 1 && o.token_budget >= 1 &&
-                  o.token_budget <= kernels::kMaxDeltaBudget && o.local_window >= 1 && o.delta_capacity >= 1 &&
-                  o.delta_capacity <= o.token_budget && o.max_first_per_step >= 1 && o.max_sparse_seqs >= 1 &&
-                  o.max_slots >= 1 && o.max_slots <= pair::gpu_plan_max_rows() && o.max_step_tokens >= 1,
-              "GPU sparse: options out of range (threshold {}, pack {}, budget {} <= {}, window {}, capacity {}, "
-              "first {}, sparse {}, slots {} <= {}, step tokens {})",
-              o.sparse_threshold, o.layers_per_pack, o.token_budget, kernels::kMaxDeltaBudget, o.local_window,
-              o.delta_capacity, o.max_first_per_step, o.max_sparse_seqs, o.max_slots, pair::gpu_plan_max_rows(),
-              o.max_step_tokens);
+  const pair::SparseConfig& c = o.sparse;
+  pair::validate(c);  // names the setting
+  SPADE_CHECK(c.selection.sink_tokens == 0,
+              "GPU sparse: sink tokens {}: the GPU path attends no sink tokens of its own (they compete in the top-k)",
+              c.selection.sink_tokens);
+  SPADE_CHECK(c.selection.token_budget <= kernels::kMaxDeltaBudget && o.max_sparse_seqs >= 1 && o.max_slots >= 1 &&
+                  o.max_slots <= pair::gpu_plan_max_rows() && o.max_step_tokens >= 1,
+              "GPU sparse: options out of range (budget {} <= {}, capacity {}, sparse {}, slots {} <= {}, step "
+              "tokens {})",
+              c.selection.token_budget, kernels::kMaxDeltaBudget, c.effective_delta_capacity(), o.max_sparse_seqs,
+              o.max_slots, pair::gpu_plan_max_rows(), o.max_step_tokens);
   cuda_check(cudaSetDevice(link.device()), "GPU sparse: cudaSetDevice");
   st_ = std::make_unique<State>(attn_cfg, o, link, page_size, max_batch);
   State& s = *st_;
@@ -135,8 +141,8 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
                         "GPU sparse: send buffers");
   s.stage = DeviceBuffer(static_cast<size_t>(s.P) * max_batch * s.row_elems * 2, "GPU sparse: graph-step staging");
   const size_t rows_steady = static_cast<size_t>(s.P) * o.max_sparse_seqs * s.Hkv;
-  const size_t rows_first = static_cast<size_t>(s.P) * std::min(o.max_first_per_step, o.max_sparse_seqs) * s.Hkv;
-  s.recv_per_pack[0] = pair::DeltaLayout(rows_steady, o.delta_capacity, s.D).bytes;
+  const size_t rows_first = static_cast<size_t>(s.P) * std::min(c.max_first_per_step, o.max_sparse_seqs) * s.Hkv;
+  s.recv_per_pack[0] = pair::DeltaLayout(rows_steady, s.C, s.D).bytes;
   s.recv_per_pack[1] = pair::DeltaLayout(rows_first, s.k, s.D).bytes;
   for (int g = 0; g < 2; ++g)
     for (auto& b : s.recv[g]) b = DeviceBuffer(static_cast<size_t>(s.packs) * s.recv_per_pack[g], "GPU sparse: receive");
@@ -145,7 +151,7 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, GpuSparseO
   const size_t B = static_cast<size_t>(max_batch);
   s.off_maps[0] = 5 * B;
   s.off_maps[1] = s.off_maps[0] + static_cast<size_t>(s.L) * o.max_sparse_seqs * s.Hkv;
-  s.array_words = s.off_maps[1] + static_cast<size_t>(s.L) * std::min(o.max_first_per_step, o.max_sparse_seqs) * s.Hkv;
+  s.array_words = s.off_maps[1] + static_cast<size_t>(s.L) * std::min(c.max_first_per_step, o.max_sparse_seqs) * s.Hkv;
   for (auto& a : s.arrays) a = DeviceBuffer(s.array_words * 4, "GPU sparse: per-row arrays");
   cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.arrays_pinned), s.array_words * 4), "GPU sparse: pinned");
   s.ws = DeviceBuffer(kernels::decode_workspace_bytes(max_batch, s.Hq, s.Hkv, s.D), "GPU sparse: workspace");
@@ -400,7 +406,7 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
     a.workspace = {st.ws.get(), st.ws.bytes()};
     if (b.decode_only()) {
       // One launch over the whole batch: sparse rows (held table + window), dense rows (their whole context).
-      a.local_window = std::max(b.max_seq_len, st.o.local_window);  // the bound of the per-sequence windows
+      a.local_window = std::max(b.max_seq_len, st.R);  // the bound of the per-sequence windows
     } else {
       // Mixed step: the prefill kernel serves the prefill chunks and the dense decode rows and skips the sparse
       // rows (whose pages outside the window may be dropped); the packed kernel serves only those, at their token
@@ -412,7 +418,7 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
       pf.skip = st.arr(4 * MB);
       cuda_check(kernels::paged_prefill_attention(pf, stream), "GPU sparse: prefill attention of a mixed step");
       a.q_rows = st.arr(3 * MB);
-      a.local_window = st.o.local_window;  // sparse and window-only rows: windows <= R
+      a.local_window = st.R;  // sparse and window-only rows: windows <= R
     }
     cuda_check(kernels::sparse_decode_attention_packed(a, stream), "GPU sparse: attention");
   } else {
@@ -434,7 +440,7 @@ void GpuSparseController::end_step(cudaStream_t stream) {
   if (!st.active) return;
   for (int p = 0; p < st.packs; ++p) {
     const int n = st.pack_layers(p);
-    const pair::GpuPackSizes sizes = pair::gpu_pack_sizes(st.dec.plan, n, st.cfg, st.k, st.o.delta_capacity);
+    const pair::GpuPackSizes sizes = pair::gpu_pack_sizes(st.dec.plan, n, st.cfg, st.k, st.C);
     const pair::DeltaLayout* lay[2] = {&sizes.steady, &sizes.first};
     char* bufs[2] = {nullptr, nullptr};
     for (int g = 0; g < 2; ++g) {

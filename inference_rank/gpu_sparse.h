@@ -62,22 +62,10 @@
 #include "inference_rank/engine.h"
 #include "inference_rank/gpu_model.h"
 #include "inference_rank/model.h"
+#include "inference_rank/sparse_planner.h"
 #include "transport/gpu_link.h"
 
 namespace spade {
-
-struct GpuSparseOptions {
-  int sparse_threshold = 256;   // context length at which a sequence switches to sparse decoding
-  int layers_per_pack = 4;      // P (the cache rank's)
-  int token_budget = 2048;      // k (the cache rank's)
-  int local_window = 32;        // R (the cache rank's)
-  int delta_capacity = 256;     // C (the cache rank's)
-  int max_first_per_step = 4;   // sequences that may switch per step
-  int max_sparse_seqs = 16;     // sequences sparse at once (held tables)
-  int max_slots = 64;           // plan slots: the engine's max_num_seqs (the cache rank's max_slots)
-  int max_step_tokens = 2048;   // the engine's max_num_batched_tokens
-  std::string cache_name = "its cache rank";  // names the cache rank in the errors of the requests it fails
-};
 
 struct GpuSparseStats {
   uint64_t steps = 0;
@@ -90,28 +78,23 @@ struct GpuSparseStats {
   uint64_t bytes_sent = 0, bytes_received = 0;
 };
 
-/// The delta capacity C a rank runs with for a `--delta-capacity` of `requested` and a token budget `budget`: 0 means
-/// the budget (lossless: every token that enters a selection is sent the step it enters; the pass-key harness
-/// measured that a smaller C loses answers, docs/FIDELITY.md); otherwise min(requested, budget).
-inline int effective_delta_capacity(int requested, int budget) {
-  return requested <= 0 || requested > budget ? budget : requested;
-}
-
-/// The pair hello (pair/gpu_plan.h) for a controller with options `o` behind an engine with the normalised
-/// options `engine` (Engine::options()): send it on the link (pair/gpu_plan.h encode_gpu_hello) before the
-/// controller's first step. The cache rank's KV pool (the hello's num_pages) is engine.max_context_pages (the
-/// engine's bound on the running sequences' full contexts, which page dropping lets exceed num_pages), or
-/// engine.num_pages for options that were not normalised.
+/// The pair hello (pair/gpu_plan.h) for a controller with options `o` (sparse_planner.h; gpu_sparse_options)
+/// behind an engine with the normalised options `engine` (Engine::options()): send it on the link (pair/gpu_plan.h
+/// encode_gpu_hello) before the controller's first step. It carries P, k, R and C = o.sparse.effective_delta_capacity()
+/// of the pair's settings, and the limits. The cache rank's KV pool (the hello's num_pages) is
+/// engine.max_context_pages (the engine's bound on the running sequences' full contexts, which page dropping lets
+/// exceed num_pages), or engine.num_pages for options that were not normalised.
 pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
                                         const EngineOptions& engine);
 
 class GpuSparseController : public AttentionBackend, public GpuAttention {
  public:
-  /// `attn_cfg`: the model's attention view. `link`: the inference side of the pair, kept alive by the caller.
-  /// `page_size`, `max_batch`: the engine's (dense attention and workspace sizing). Throws spade::Error for bad
-  /// options or an allocation failure.
-  GpuSparseController(const ModelConfig& attn_cfg, GpuSparseOptions opts, transport::GpuLink& link, int page_size,
-                      int max_batch);
+  /// `attn_cfg`: the model's attention view. `opts` (copied): gpu_sparse_options of the pair's settings and the
+  /// engine's options. `link`: the inference side of the pair, kept alive by the caller. `page_size`, `max_batch`: the
+  /// engine's (dense attention and workspace sizing). Throws spade::Error for bad options (a budget above
+  /// kernels::kMaxDeltaBudget, sink tokens, ...) or an allocation failure.
+  GpuSparseController(const ModelConfig& attn_cfg, const GpuSparseOptions& opts, transport::GpuLink& link,
+                      int page_size, int max_batch);
   ~GpuSparseController() override;
 
   // ---- Engine side (AttentionBackend) ----

@@ -12,6 +12,8 @@
 // Standalone (--prompt): the generated text streams to stdout; TTFT, TPOT and tokens/s go to stderr at the end.
 // `--prompt ""` means the BOS token alone. Several --prompt flags run as one continuously batched workload. With
 // --selection predicted the cache rank runs in-process. --serve: the rank of a cluster (inference_rank/serve.h).
+// A flag that the mode (standalone or --serve, --device cpu or cuda) would ignore is refused by name at start-up
+// (refuse_unused_flags below); the sparse flags are the pair's (pair/selection_flags.h).
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -40,6 +42,53 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+// Refuses, by name, every flag the user gave that this mode would ignore (and a GPU run's nonzero --sink-tokens or
+// CPU-only --selection), before anything is loaded, allocated or connected: CPU-only builds refuse the GPU modes'
+// flags the same way (tests/inference_rank/test_rank_flags.cpp). Throws spade::Error naming each one.
+void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& device, spade::SelectionMode mode,
+                         const spade::pair::SparseConfig& sparse) {
+  if (device != "cpu" && device != "cuda") spade::fail("--device must be cpu or cuda, got '{}'", device);
+  spade::pair::FlagRefusals r(app);
+  if (serve) {
+    r.refuse("--serve", {"--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat", "--ignore-eos"},
+             "a cluster rank generates what each request asks for: set these per request, with spade_submit or the "
+             "OpenAI API");
+    r.refuse("--serve", {"--random-weights", "--weights-seed", "--tokenizer"},
+             "a cluster rank loads the weights and the tokenizer of --model");
+    r.refuse("--serve", {"--host-sampling"}, "a cluster rank on the GPU samples on the GPU");
+  } else {
+    r.refuse("a standalone run (--prompt)",
+             {"--master-addr", "--master-port", "--rank", "--world-size", "--num-inference", "--num-cache",
+              "--role-map", "--rendezvous-timeout-ms", "--metrics-port", "--metrics-host"},
+             "it joins no cluster and serves no metrics: these need --serve");
+    r.refuse("a standalone run (--prompt)", {"--gpu", "--gpu-link"},
+             "it runs on GPU 0 (choose it with CUDA_VISIBLE_DEVICES), its cache rank in this process");
+  }
+  if (device == "cpu") {
+    r.refuse("--device cpu", {"--no-cuda-graphs", "--host-sampling", "--gpu", "--gpu-link"},
+             "it configures the GPU path");
+    r.refuse("--device cpu", {"--delta-capacity"},
+             "it bounds the GPU pair's selection deltas; the CPU cache rank's --delta-transfer sends every entering "
+             "token");
+    r.refuse("--device cpu", {"--max-context-pages"},
+             "--max-context-pages sizes the GPU cache rank's pool; the CPU cache rank's pool is the local one");
+  } else {
+    r.refuse_if(mode == spade::SelectionMode::Oracle || mode == spade::SelectionMode::Quest,
+                fmt::format("--selection {} does not apply to --device cuda (CPU only: synchronous selection with "
+                            "the true query); use dense or predicted",
+                            spade::selection_mode_name(mode)));
+    r.refuse_if(sparse.selection.sink_tokens > 0,
+                fmt::format("--sink-tokens {} does not apply to --device cuda (the GPU path attends no sink tokens "
+                            "of its own: they compete in the top-k); use 0",
+                            sparse.selection.sink_tokens));
+    if (serve)
+      r.refuse("--serve --device cuda",
+               {"--query-window", "--ridge-eps", "--gqa-rule", "--predictor", "--successor-expand"},
+               "the cache_rank --device cuda process predicts and selects with its own: give them to it");
+  }
+  r.check();
+}
 
 struct Output {
   std::vector<spade::TokenEvent> events;
@@ -73,15 +122,14 @@ int main(int argc, char** argv) {
   bool serve = false;
   auto* serve_opt = app.add_flag("--serve", serve, "run as an inference rank of a cluster (see docs/ARCHITECTURE.md)");
   prompt_opt->excludes(serve_opt);
-  // Sparse decoding (AsyncSpade).
+  // Sparse decoding (AsyncSpade): the pair's settings (pair/selection_flags.h) and this rank's selection mode.
   std::string selection = "dense";
   spade::SparseOptions so;
   app.add_option("--selection", selection, "dense | oracle | quest (CPU: synchronous, true query) | predicted (AsyncSpade)");
-  app.add_option("--sparse-threshold", so.sparse_threshold, "context length at which decoding turns sparse")
-      ->check(CLI::PositiveNumber);
-  spade::pair::SelectionFlagText selection_text;
-  spade::pair::add_selection_flags(app, so.selection, selection_text);
-  app.add_option("--layers-per-pack", so.layers_per_pack, "layers per pack message")->check(CLI::PositiveNumber);
+  spade::pair::SparseFlagText sparse_text;
+  spade::pair::add_sparse_flags(app, so, sparse_text,
+                                spade::pair::kSelectionFlags | spade::pair::kScheduleFlags |
+                                    spade::pair::kDeltaCapacityFlag);
   int deadline_ms = 10000;
   app.add_option("--selection-deadline-ms", deadline_ms, "longest wait for a late selection")->check(CLI::PositiveNumber);
   // Cluster (--serve).
@@ -116,10 +164,11 @@ int main(int argc, char** argv) {
   bool random_weights = false, no_cuda_graphs = false;
   double kv_gib = 0;
   uint64_t weights_seed = 0;
-  app.add_option("--weights-seed", weights_seed, "seed of --random-weights");
   app.add_option("--device", device, "cpu (fp32) | cuda (bf16; standalone on GPU 0 with --selection predicted running the GPU cache rank in this process; --serve pairs with cache_rank --device cuda)");
-  app.add_flag("--random-weights", random_weights,
-               "deterministic random weights for the config.json in --model (no safetensors needed)");
+  auto* random_opt = app.add_flag("--random-weights", random_weights,
+                                  "deterministic random weights for the config.json in --model (no safetensors "
+                                  "needed)");
+  app.add_option("--weights-seed", weights_seed, "seed of --random-weights")->needs(random_opt);
   app.add_option("--tokenizer", tokenizer_dir, "directory with tokenizer.json (default: --model)");
   app.add_option("--kv-cache-gib", kv_gib, "KV-cache budget in GiB (default 1; counted in fp32 bytes)")
       ->check(CLI::PositiveNumber);
@@ -135,13 +184,6 @@ int main(int argc, char** argv) {
   app.add_option("--gpu", gpu_index, "--serve --device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
   app.add_option("--gpu-link", gpu_link,
                  "--serve --device cuda: the data plane to the cache rank: nccl (another GPU) | ipc (the same GPU)");
-  int delta_capacity = 0;
-  app.add_option("--delta-capacity", delta_capacity,
-                 "--device cuda --selection predicted: selection entries a steady step may change per (layer, KV "
-                 "head); 0 (default) = the token budget, lossless: a token that enters the selection is sent that "
-                 "step. Smaller values send fewer bytes but leave tokens out for a step when more enter (bounded "
-                 "staleness; its cost on pass-key accuracy is in docs/FIDELITY.md)")
-      ->check(CLI::NonNegativeNumber);
   bool host_sampling = false;
   app.add_flag("--host-sampling", host_sampling,
                "--device cuda: copy the logits back and sample on the host (the CPU path's sampler) instead of on the "
@@ -149,10 +191,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    spade::init_logging("inference_rank", log_level);
     so.mode = spade::parse_selection_mode(selection);
+    refuse_unused_flags(app, serve, device, so.mode, so);
+    spade::init_logging("inference_rank", log_level);
     so.selection_deadline = std::chrono::milliseconds(deadline_ms);
-    spade::pair::resolve_selection_flags(selection_text, so.selection);
+    spade::pair::resolve_sparse_flags(sparse_text, so);
+    if (kv_gib > 0) eo.kv_cache_bytes = static_cast<size_t>(kv_gib * (1 << 30));
     if (eo.max_context_pages > 0 && (device != "cuda" || so.mode != spade::SelectionMode::Predicted))
       spade::fail("--max-context-pages sizes the GPU cache rank's pool: it needs --device cuda and --selection "
                   "predicted (the CPU cache rank's pool is the local one)");
@@ -171,13 +215,10 @@ int main(int argc, char** argv) {
       sv.device = device;
       sv.gpu = gpu_index;
       sv.gpu_link = gpu_link;
-      sv.delta_capacity = delta_capacity;
       sv.cuda_graphs = !no_cuda_graphs;
       return spade::run_serve(sv);
     }
     if (prompts.empty()) spade::fail("give --prompt TEXT (standalone) or --serve (cluster)");
-    if (device != "cpu" && device != "cuda") spade::fail("--device must be cpu or cuda, got '{}'", device);
-    if (kv_gib > 0) eo.kv_cache_bytes = static_cast<size_t>(kv_gib * (1 << 30));
     auto t_load = Clock::now();
     const spade::ModelConfig cfg = spade::load_model_config(model_dir);
     auto tok = spade::Tokenizer::from_dir(tokenizer_dir.empty() ? model_dir : tokenizer_dir);
@@ -199,12 +240,6 @@ int main(int argc, char** argv) {
 #endif
     if (device == "cuda") {
 #ifdef SPADE_HAVE_GPU_PATH
-      if (so.mode == spade::SelectionMode::Oracle || so.mode == spade::SelectionMode::Quest)
-        spade::fail("--device cuda: --selection {} is CPU only (use dense or predicted)",
-                    spade::selection_mode_name(so.mode));
-      if (so.selection.sink_tokens > 0)
-        spade::fail("--sink-tokens {}: the GPU path attends no sink tokens of its own (they compete in the top-k); "
-                    "use 0", so.selection.sink_tokens);
       if (host_sampling) {
         engine_ptr = std::make_unique<spade::Engine>(
             cfg, eo, [&](const spade::ForwardBatch& b, std::vector<float>& l) { (*gpu)(b, l); });
@@ -233,19 +268,8 @@ int main(int argc, char** argv) {
         // AsyncSpade on one GPU: the cache rank runs in this process on its own thread, over a CudaIpcLink.
         const spade::EngineOptions& en = engine_ptr->options();
         gpu_attn_cfg = std::make_unique<spade::ModelConfig>(cfg.attention_view());
-        spade::GpuSparseOptions gso;
-        gso.sparse_threshold = so.sparse_threshold;
-        gso.layers_per_pack = so.layers_per_pack;
-        gso.token_budget = so.selection.token_budget;
-        gso.local_window = so.selection.local_window;
-        gso.delta_capacity = spade::effective_delta_capacity(delta_capacity, so.selection.token_budget);
-        gso.max_slots = en.max_num_seqs;
-        gso.max_sparse_seqs = en.max_num_seqs;
-        gso.max_first_per_step = std::min(4, en.max_num_seqs);
-        gso.max_step_tokens = en.max_num_batched_tokens;
-        gso.cache_name = "the in-process cache rank";
-        gpu_cache = std::make_unique<spade::cache::LocalGpuCacheRank>(*gpu_attn_cfg, so.selection, 0,
-                                                                      so.selection_deadline);
+        const spade::GpuSparseOptions gso = spade::gpu_sparse_options(so, en, "the in-process cache rank");
+        gpu_cache = std::make_unique<spade::cache::LocalGpuCacheRank>(*gpu_attn_cfg, so, 0, so.selection_deadline);
         gpu_sparse = std::make_unique<spade::GpuSparseController>(*gpu_attn_cfg, gso, gpu_cache->inference_link(),
                                                                   en.page_size, gpu->max_batch());
         // Everything is allocated: now the cache rank may start (see cache_rank/gpu_local.h).
@@ -255,10 +279,12 @@ int main(int argc, char** argv) {
         engine_ptr->set_attention_hooks(gpu_sparse.get());
         spdlog::info("GPU sparse decoding: threshold {}, budget {}, local window {}, delta capacity {}, {} layers per "
                      "pack; cache rank in this process",
-                     gso.sparse_threshold, gso.token_budget, gso.local_window, gso.delta_capacity, gso.layers_per_pack);
+                     so.sparse_threshold, so.selection.token_budget, so.selection.local_window,
+                     so.effective_delta_capacity(), so.layers_per_pack);
       }
       spdlog::info("GPU model: {:.2f} GB weights, {:.2f} GB KV pool ({} pages) in {:.1f} ms",
-                   gpu->model().weight_bytes() / 1e9, gpu->kv_bytes() / 1e9, go.num_pages, ms(Clock::now() - t_load));
+                   gpu->model().weight_bytes() / 1e9, gpu->kv_bytes() / 1e9, go.engine.num_pages,
+                   ms(Clock::now() - t_load));
 #else
       spade::fail("--device cuda: this build has no CUDA (configure with SPADE_ENABLE_CUDA=ON and NCCL/cuBLAS)");
 #endif

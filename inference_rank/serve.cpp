@@ -174,9 +174,6 @@ int run_serve(const ServeOptions& opt) {
   }
   SPADE_CHECK(!on_gpu || (sparse.mode != SelectionMode::Oracle && sparse.mode != SelectionMode::Quest),
               "{}: --selection {} is CPU only", self, selection_mode_name(sparse.mode));
-  SPADE_CHECK(!on_gpu || sparse.selection.sink_tokens == 0,
-              "{}: --sink-tokens {}: the GPU path attends no sink tokens of its own (they compete in the top-k); use 0",
-              self, sparse.selection.sink_tokens);
 #endif
   if (!on_gpu && net && view.peers_size() > 0) {
     const proto::RankInfo& peer = view.peers(0);
@@ -218,28 +215,18 @@ int run_serve(const ServeOptions& opt) {
                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_warm).count());
     }
     spdlog::info("{}: GPU {}: {:.2f} GB weights, {:.2f} GB KV pool ({} pages)", self, opt.gpu,
-                 gpu->model().weight_bytes() / 1e9, gpu->kv_bytes() / 1e9, go.num_pages);
+                 gpu->model().weight_bytes() / 1e9, gpu->kv_bytes() / 1e9, go.engine.num_pages);
     if (gpu_link != nullptr) {
       const EngineOptions& en = engine_ptr->options();
       gpu_attn_cfg = std::make_unique<ModelConfig>(model_cfg.attention_view());
-      GpuSparseOptions gso;
-      gso.sparse_threshold = sparse.sparse_threshold;
-      gso.layers_per_pack = sparse.layers_per_pack;
-      gso.token_budget = sparse.selection.token_budget;
-      gso.local_window = sparse.selection.local_window;
-      gso.delta_capacity = effective_delta_capacity(opt.delta_capacity, sparse.selection.token_budget);
-      gso.max_slots = en.max_num_seqs;
-      gso.max_sparse_seqs = en.max_num_seqs;
-      gso.max_first_per_step = std::min(4, en.max_num_seqs);
-      gso.max_step_tokens = en.max_num_batched_tokens;
-      gso.cache_name = cache_name;
+      const GpuSparseOptions gso = gpu_sparse_options(sparse, en, cache_name);
       gpu_sparse = std::make_unique<GpuSparseController>(*gpu_attn_cfg, gso, *gpu_link, en.page_size, gpu->max_batch());
       gpu_sparse->send_hello(make_gpu_pair_hello(*gpu_attn_cfg, gso, en));
       gpu->set_sparse(gpu_sparse.get());
       engine_ptr->set_attention_hooks(gpu_sparse.get());
       spdlog::info("{}: GPU sparse decoding: threshold {}, budget {}, local window {}, delta capacity {}, {} layers per "
-                   "pack", self, gso.sparse_threshold, gso.token_budget, gso.local_window, gso.delta_capacity,
-                   gso.layers_per_pack);
+                   "pack", self, sparse.sparse_threshold, sparse.selection.token_budget, sparse.selection.local_window,
+                   sparse.effective_delta_capacity(), sparse.layers_per_pack);
     }
 #endif
   } else {

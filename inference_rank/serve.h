@@ -30,10 +30,11 @@ struct ServeOptions {
   // cuda` (inference_rank/gpu_sparse.h). `gpu_link`: "nccl" (the cache rank on another GPU, NcclLink) or "ipc" (on the
   // same GPU, CudaIpcLink). The link's address goes through the coordinator (TRANSPORT_NCCL / TRANSPORT_CUDA_IPC);
   // the pair hello then sizes the cache rank from this rank's options.
+  // The pair's settings come from `sparse` (delta_capacity included: inference_rank/sparse_planner.h
+  // gpu_sparse_options). On the GPU its mode must be dense or predicted and its sink_tokens 0 (spade::Error).
   std::string device = "cpu";
   int gpu = 0;
   std::string gpu_link = "nccl";
-  int delta_capacity = 0;  // C; 0 = the token budget (lossless), gpu_sparse.h effective_delta_capacity
   bool cuda_graphs = true;   // dense steps (and every step once the link failed)
 };
 

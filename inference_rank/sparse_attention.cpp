@@ -28,12 +28,10 @@ const char* selection_mode_name(SelectionMode m) {
   return "?";
 }
 
-SparseAttention::SparseAttention(const ModelConfig& cfg, KvCache& cache, SparseOptions opt,
+SparseAttention::SparseAttention(const ModelConfig& cfg, KvCache& cache, const SparseOptions& opt,
                                  std::unique_ptr<pair::CacheRankLink> link)
     : cfg_(cfg), cache_(cache), opt_(opt), link_(std::move(link)) {
-  pair::validate(opt_.selection);
-  SPADE_CHECK(opt_.layers_per_pack >= 1, "layers per pack must be >= 1, got {}", opt_.layers_per_pack);
-  SPADE_CHECK(opt_.sparse_threshold >= 1, "sparse threshold must be >= 1, got {}", opt_.sparse_threshold);
+  pair::validate(static_cast<const pair::SparseConfig&>(opt_));
   num_packs_ = (cfg.num_layers + opt_.layers_per_pack - 1) / opt_.layers_per_pack;
   expect_reply_.assign(num_packs_, false);
   expect_now_.assign(num_packs_, false);

@@ -40,11 +40,12 @@ enum class SelectionMode { Dense, Oracle, Predicted, Quest };
 SelectionMode parse_selection_mode(const std::string& s);
 const char* selection_mode_name(SelectionMode m);
 
-struct SparseOptions {
+/// The sparse settings of this inference rank: the pair's (pair::SparseConfig: selection, sparse_threshold,
+/// layers_per_pack, ...; declared and defaulted there) plus how this rank uses them. The CPU backend reads the
+/// selection, sparse_threshold and layers_per_pack; the GPU path (serve.cpp, main.cpp) passes the SparseConfig part
+/// to gpu_sparse_options (sparse_planner.h).
+struct SparseOptions : pair::SparseConfig {
   SelectionMode mode = SelectionMode::Predicted;
-  int sparse_threshold = 256;  // context length (tokens) at which a sequence switches to sparse decoding
-  int layers_per_pack = 4;     // P: layers per pack message
-  pair::SelectionConfig selection;
   std::chrono::milliseconds selection_deadline{10000};  // longest wait for a late selection before failing
 };
 
@@ -62,8 +63,9 @@ struct SparseStats {
 
 class SparseAttention : public AttentionBackend {
  public:
-  /// `link`: the cache rank (predicted mode); ignored (may be null) for dense and oracle.
-  SparseAttention(const ModelConfig& cfg, KvCache& cache, SparseOptions opt,
+  /// `opt` is copied. `link`: the cache rank (predicted mode); ignored (may be null) for dense and oracle. Throws
+  /// spade::Error naming the setting when `opt` is out of range (validate(const pair::SparseConfig&)).
+  SparseAttention(const ModelConfig& cfg, KvCache& cache, const SparseOptions& opt,
                   std::unique_ptr<pair::CacheRankLink> link);
   void attend(int layer, const ForwardBatch& batch, const float* q, const float* k, const float* v,
               float* out) override;

@@ -7,11 +7,23 @@
 
 namespace spade {
 
-SparseStepPlanner::SparseStepPlanner(SparsePlannerOptions o) : o_(o) {
-  SPADE_CHECK(o.sparse_threshold >= 1, "sparse planner: sparse_threshold {} must be >= 1", o.sparse_threshold);
-  SPADE_CHECK(o.token_budget >= 1, "sparse planner: token_budget {} must be >= 1", o.token_budget);
-  SPADE_CHECK(o.local_window >= 1, "sparse planner: local_window {} must be >= 1", o.local_window);
-  SPADE_CHECK(o.max_first_per_step >= 1, "sparse planner: max_first_per_step {} must be >= 1", o.max_first_per_step);
+GpuSparseOptions gpu_sparse_options(const pair::SparseConfig& sparse, const EngineOptions& engine,
+                                    std::string cache_name) {
+  GpuSparseOptions o;
+  o.sparse = sparse;
+  o.max_slots = engine.max_num_seqs;
+  o.max_sparse_seqs = engine.max_num_seqs;
+  o.max_step_tokens = engine.max_num_batched_tokens;
+  o.cache_name = std::move(cache_name);
+  return o;
+}
+
+SparseStepPlanner::SparseStepPlanner(const GpuSparseOptions& o) : o_(o) {
+  const pair::SparseConfig& c = o.sparse;
+  SPADE_CHECK(c.sparse_threshold >= 1, "sparse planner: sparse_threshold {} must be >= 1", c.sparse_threshold);
+  SPADE_CHECK(c.selection.token_budget >= 1, "sparse planner: token_budget {} must be >= 1", c.selection.token_budget);
+  SPADE_CHECK(c.selection.local_window >= 1, "sparse planner: local_window {} must be >= 1", c.selection.local_window);
+  SPADE_CHECK(c.max_first_per_step >= 1, "sparse planner: max_first_per_step {} must be >= 1", c.max_first_per_step);
   SPADE_CHECK(o.max_sparse_seqs >= 1, "sparse planner: max_sparse_seqs {} must be >= 1", o.max_sparse_seqs);
   SPADE_CHECK(o.max_slots >= 1 && o.max_slots <= pair::gpu_plan_max_rows(),
               "sparse planner: max_slots {} must be in [1, {}]", o.max_slots, pair::gpu_plan_max_rows());
@@ -86,7 +98,7 @@ StepDecision SparseStepPlanner::local_step(const ForwardBatch& fb) const {
   for (int r = 0; r < fb.batch(); ++r) {
     const auto it = seqs_.find(fb.seq_ids[static_cast<size_t>(r)]);
     if (it != seqs_.end() && it->second.dropped) {
-      window_only_row(d, fb, r, o_.local_window);
+      window_only_row(d, fb, r, o_.sparse.selection.local_window);
     } else {
       d.windows[static_cast<size_t>(r)] = fb.seq_lens[static_cast<size_t>(r)];
     }
@@ -110,7 +122,7 @@ std::pair<int, int> SparseStepPlanner::droppable_range(uint64_t seq_id, int seq_
   if (s.phase != Phase::Sparse || s.table < 0 || !s.sel_requested) return {0, 0};
   if (!s.dropped) ++dropped_seqs_;
   s.dropped = true;
-  return {0, std::max(0, seq_len + 1 - o_.local_window)};
+  return {0, std::max(0, seq_len + 1 - o_.sparse.selection.local_window)};
 }
 
 StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) {
@@ -143,23 +155,24 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
     // packs read their tables), in decode-only and mixed steps alike.
     if (s.phase == Phase::Sparse && s.sel_requested && s.table >= 0) {
       SPADE_CHECK(q_len == 1, "sparse planner: sequence {} decodes sparsely but has {} tokens in this step", id, q_len);
-      d.num_packed[static_cast<size_t>(r)] = std::min(o_.token_budget, std::max(0, ctx - o_.local_window));
-      d.windows[static_cast<size_t>(r)] = o_.local_window;
+      const int budget = o_.sparse.selection.token_budget, window = o_.sparse.selection.local_window;
+      d.num_packed[static_cast<size_t>(r)] = std::min(budget, std::max(0, ctx - window));
+      d.windows[static_cast<size_t>(r)] = window;
       d.tables[static_cast<size_t>(r)] = s.table;
       d.q_rows[static_cast<size_t>(r)] = fb.cu_q_lens[static_cast<size_t>(r)];
       d.sparse_now = true;
     } else if (s.dropped) {
-      window_only_row(d, fb, r, o_.local_window);  // failed after its pages were dropped: never dense
+      window_only_row(d, fb, r, o_.sparse.selection.local_window);  // failed after its pages were dropped: never dense
     } else {
       d.windows[static_cast<size_t>(r)] = ctx;
     }
     // The next step's selection.
-    const int threshold = s.threshold > 0 ? s.threshold : o_.sparse_threshold;
+    const int threshold = s.threshold > 0 ? s.threshold : o_.sparse.sparse_threshold;
     if (s.phase == Phase::Sparse && s.table >= 0) {
       row.flags |= pair::kRowSelect;
       d.group_tables[0].push_back(s.table);
     } else if (!failed_ && s.phase == Phase::Dense && q_len == 1 && !s.force_dense && ctx >= threshold &&
-               d.switches < o_.max_first_per_step && !free_tables_.empty()) {
+               d.switches < o_.sparse.max_first_per_step && !free_tables_.empty()) {
       s.table = free_tables_.back();
       free_tables_.pop_back();
       s.phase = Phase::Sparse;

@@ -1,7 +1,8 @@
 // The host-side bookkeeping of GPU sparse decoding (issue #7; AsyncSpade Sec. 4.1): which sequences are dense, which
 // switch to sparse this step, which decode sparsely, their plan slots and held-table slots, and the step's plan for
-// the cache rank (pair/gpu_plan.h). Pure host code, unit-tested on the CPU; GpuSparseController
-// (gpu_sparse.h) turns each StepDecision into uploads, sends and launches.
+// the cache rank (pair/gpu_plan.h); and the options of GPU sparse decoding (GpuSparseOptions, filled in one place:
+// gpu_sparse_options). Pure host code, unit-tested on the CPU; GpuSparseController (gpu_sparse.h) turns each
+// StepDecision into uploads, sends and launches.
 //
 // Per sequence (Phase):
 //   Dense  -> below its threshold, a prefill step, force_dense, or no free table / switch allowance this step;
@@ -28,18 +29,31 @@
 #include <vector>
 
 #include "pair/gpu_plan.h"
+#include "pair/selection_config.h"
+#include "inference_rank/engine.h"
 #include "inference_rank/model.h"
 
 namespace spade {
 
-struct SparsePlannerOptions {
-  int sparse_threshold = 256;  // context length at which a sequence switches
-  int token_budget = 2048;     // k
-  int local_window = 32;       // R
-  int max_first_per_step = 4;  // switches per step
-  int max_sparse_seqs = 16;    // held tables
-  int max_slots = 64;          // plan slots (sequences at once)
+/// The options of GPU sparse decoding on the inference rank (this planner and GpuSparseController, gpu_sparse.h):
+/// the pair's sparse settings plus the limits and names the engine implies. Host-only, so CPU tests build them.
+struct GpuSparseOptions {
+  // The pair's settings (pair/selection_config.h). The planner reads sparse_threshold, the budget k, the local window
+  // R and max_first_per_step; the controller also P (layers_per_pack) and C (effective_delta_capacity()), and sends
+  // them in the pair hello. Sink tokens must be 0: the GPU path has none of its own (they compete in the top-k).
+  pair::SparseConfig sparse;
+  int max_sparse_seqs = 16;    // sequences sparse at once (held tables)
+  int max_slots = 64;          // plan slots, sequences at once: the engine's max_num_seqs (the cache rank's max_slots)
+  int max_step_tokens = 2048;  // tokens per step: the engine's max_num_batched_tokens
+  std::string cache_name = "its cache rank";  // names the cache rank in the errors of the requests it fails
 };
+
+/// The GPU sparse options of an engine with the normalised options `engine` (Engine::options()) and the pair's
+/// settings `sparse`, whose cache rank is called `cache_name` in errors: every running sequence may hold a table
+/// (max_sparse_seqs = max_slots = engine.max_num_seqs) and a step has at most engine.max_num_batched_tokens tokens.
+/// `sparse` is copied as is (sparse.max_first_per_step switches per step; the held tables bound them too).
+GpuSparseOptions gpu_sparse_options(const pair::SparseConfig& sparse, const EngineOptions& engine,
+                                    std::string cache_name);
 
 /// What one engine step does, per batch row and per selection group.
 struct StepDecision {
@@ -56,8 +70,9 @@ struct StepDecision {
 
 class SparseStepPlanner {
  public:
-  /// Throws spade::Error naming the option when one is out of range.
-  explicit SparseStepPlanner(SparsePlannerOptions o);
+  /// Reads o.sparse (threshold, budget, local window, max_first_per_step), o.max_sparse_seqs and o.max_slots. Throws
+  /// spade::Error naming the option when one is out of range.
+  explicit SparseStepPlanner(const GpuSparseOptions& o);
   /// Per request, before its first step: force_dense keeps it dense; threshold > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);
   /// The step `fb` (the engine's batch; seq_ids required). `step` numbers the plan. Throws spade::Error when more
@@ -82,7 +97,7 @@ class SparseStepPlanner {
   std::vector<uint64_t> fail_all();
   int free_tables() const { return static_cast<int>(free_tables_.size()); }
   int free_slots() const { return static_cast<int>(free_slots_.size()); }
-  const SparsePlannerOptions& options() const { return o_; }
+  const GpuSparseOptions& options() const { return o_; }
 
  private:
   enum class Phase { Dense, Sparse, Failed };
@@ -95,7 +110,7 @@ class SparseStepPlanner {
     bool force_dense = false;
     int threshold = 0;
   };
-  SparsePlannerOptions o_;
+  GpuSparseOptions o_;
   std::unordered_map<uint64_t, Seq> seqs_;
   std::vector<int> free_slots_, free_tables_;
   std::vector<int32_t> pending_release_;

@@ -13,4 +13,12 @@ void validate(const SelectionConfig& c) {
   SPADE_CHECK(c.ridge_eps > 0, "ridge epsilon must be positive, got {}", c.ridge_eps);
 }
 
+void validate(const SparseConfig& c) {
+  validate(c.selection);
+  SPADE_CHECK(c.sparse_threshold >= 1, "sparse threshold must be >= 1, got {}", c.sparse_threshold);
+  SPADE_CHECK(c.layers_per_pack >= 1, "layers per pack must be >= 1, got {}", c.layers_per_pack);
+  SPADE_CHECK(c.delta_capacity >= 0, "delta capacity must be >= 0 (0 = the token budget), got {}", c.delta_capacity);
+  SPADE_CHECK(c.max_first_per_step >= 1, "max first selections per step must be >= 1, got {}", c.max_first_per_step);
+}
+
 }  // namespace spade::pair

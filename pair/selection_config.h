@@ -1,6 +1,10 @@
-// The selection settings an inference rank and its cache rank share (AsyncSpade Sec. 4.1-4.2, Algorithm 1) and the
-// selection of one (sequence, layer) as both ranks hold it. Declared once here; parsed from the command line once
-// (pair/selection_flags.h); carried on the wire in the pair hello (pair/gpu_plan.h) and the CPU pack (pair/pack.h).
+// The sparse-decoding settings an inference rank and its cache rank share (AsyncSpade Sec. 4.1-4.2, Algorithm 1):
+// the selection (SelectionConfig) and how the pair runs it (SparseConfig), and the selection of one (sequence, layer)
+// as both ranks hold it. Every setting is declared once here, with its default; the command line is parsed into a
+// SparseConfig once per binary (pair/selection_flags.h) and the config is passed by reference into the rank-side
+// options (inference_rank/sparse_attention.h SparseOptions, inference_rank/sparse_planner.h GpuSparseOptions,
+// cache_rank/gpu_server.h GpuCacheOptions), which add only limits and names. On the wire the pair hello
+// (pair/gpu_plan.h) and the CPU pack shape (pair/pack.h) carry their own copies of the fields the peer needs.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +32,38 @@ struct SelectionConfig {
 
 /// Throws spade::Error naming the field when a value is out of range.
 void validate(const SelectionConfig& c);
+
+/// The sparse-decoding settings of an inference rank and its cache rank: the selection, and when and in which pieces
+/// the inference rank hands its sequences to the cache rank. Not every setting applies to every rank and device; a
+/// rank refuses by name the flags it would ignore (inference_rank/main.cpp, cache_rank/main.cpp).
+struct SparseConfig {
+  SelectionConfig selection;
+  int sparse_threshold = 256;  // context length (tokens) at which a sequence switches to sparse decoding (>= 1)
+  int layers_per_pack = 4;     // P: consecutive layers per pack message (>= 1)
+  // C, GPU pair only: selection entries a steady step may change per (layer, KV head). 0 (the default) or more than
+  // the token budget = the budget, i.e. lossless: a token that enters the selection is sent the step it enters
+  // (effective_delta_capacity). A smaller C sends fewer bytes but leaves tokens out for a step when more enter; its
+  // cost in pass-key answers is in docs/FIDELITY.md.
+  int delta_capacity = 0;
+  // CPU cache rank only: send only the tokens that entered each selection, with the slot they replace (pair/delta.h);
+  // the inference rank's output is bit-identical to a full transfer. The GPU pair always sends deltas (capacity C).
+  bool delta_transfer = true;
+  // GPU inference rank only: sequences that may switch to sparse decoding in one step (>= 1). A switching sequence
+  // asks for a first selection, a full-budget message per (layer, KV head) instead of a delta of C entries, so this
+  // bounds the extra bytes and cache-rank work of one step. Not a flag. The held tables (GpuSparseOptions::
+  // max_sparse_seqs) bound the switches of a step too.
+  int max_first_per_step = 4;
+
+  /// The delta capacity the GPU pair runs with: delta_capacity, or the token budget when delta_capacity is 0 or
+  /// above it (1..token_budget for a valid config).
+  int effective_delta_capacity() const {
+    return delta_capacity <= 0 || delta_capacity > selection.token_budget ? selection.token_budget : delta_capacity;
+  }
+};
+
+/// validate(c.selection), then the pair's own settings. Throws spade::Error naming the field when a value is out of
+/// range.
+void validate(const SparseConfig& c);
 
 /// The selection of one (sequence, layer): `count` positions per KV head (ascending; the same count for every head),
 /// padded to the budget with -1 / zero rows.

@@ -1,37 +1,66 @@
 #include "pair/selection_flags.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "common/error.h"
 
 namespace spade::pair {
 
-void add_selection_flags(CLI::App& app, SelectionConfig& sc, SelectionFlagText& text) {
-  app.add_option("--token-budget", sc.token_budget, "selected tokens per layer and KV head")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--local-window", sc.local_window, "most recent tokens the inference rank attends from its own KV")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--sink-tokens", sc.sink_tokens, "first tokens the inference rank attends from its own KV")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--query-window", sc.query_window, "W: queries the predictor regresses on (1..32)")
-      ->capture_default_str();
-  app.add_option("--ridge-eps", sc.ridge_eps,
-                 "ridge regularisation: relative to the queries' mean squared norm (ridge), absolute (paper)")
-      ->capture_default_str();
-  app.add_option("--gqa-rule", text.gqa_rule, "how a KV head combines its query heads' scores: max | mean")
-      ->capture_default_str();
-  app.add_option("--predictor", text.predictor,
-                 "next-query predictor: ridge (ridge regression, relative eps) | paper (AsyncSpade Algorithm 1: "
-                 "softmax over the ridge coefficients) | last (the current query, no prediction)")
-      ->capture_default_str();
-  app.add_option("--successor-expand", sc.successor_expand,
-                 "a token ranks by the higher of its own and its predecessor's score (a selected token brings the "
-                 "next one)")
-      ->capture_default_str();
+void add_sparse_flags(CLI::App& app, SparseConfig& c, SparseFlagText& text, unsigned groups) {
+  SelectionConfig& sc = c.selection;
+  if ((groups & kSelectionFlags) != 0) {
+    app.add_option("--token-budget", sc.token_budget, "selected tokens per layer and KV head")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+    app.add_option("--local-window", sc.local_window, "most recent tokens the inference rank attends from its own KV")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+    app.add_option("--sink-tokens", sc.sink_tokens, "first tokens the inference rank attends from its own KV")
+        ->check(CLI::NonNegativeNumber)
+        ->capture_default_str();
+    app.add_option("--query-window", sc.query_window, "W: queries the predictor regresses on (1..32)")
+        ->capture_default_str();
+    app.add_option("--ridge-eps", sc.ridge_eps,
+                   "ridge regularisation: relative to the queries' mean squared norm (ridge), absolute (paper)")
+        ->capture_default_str();
+    app.add_option("--gqa-rule", text.gqa_rule, "how a KV head combines its query heads' scores: max | mean")
+        ->capture_default_str();
+    app.add_option("--predictor", text.predictor,
+                   "next-query predictor: ridge (ridge regression, relative eps) | paper (AsyncSpade Algorithm 1: "
+                   "softmax over the ridge coefficients) | last (the current query, no prediction)")
+        ->capture_default_str();
+    app.add_option("--successor-expand", sc.successor_expand,
+                   "a token ranks by the higher of its own and its predecessor's score (a selected token brings the "
+                   "next one)")
+        ->capture_default_str();
+  }
+  if ((groups & kScheduleFlags) != 0) {
+    app.add_option("--sparse-threshold", c.sparse_threshold, "context length at which decoding turns sparse")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+    app.add_option("--layers-per-pack", c.layers_per_pack, "layers per pack message")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
+  }
+  if ((groups & kDeltaCapacityFlag) != 0) {
+    app.add_option("--delta-capacity", c.delta_capacity,
+                   "--device cuda: selection entries a steady step may change per (layer, KV head); 0 = the token "
+                   "budget, lossless: a token that enters the selection is sent that step. Smaller values send fewer "
+                   "bytes but leave tokens out for a step when more enter (bounded staleness; its cost on pass-key "
+                   "accuracy is in docs/FIDELITY.md)")
+        ->check(CLI::NonNegativeNumber)
+        ->capture_default_str();
+  }
+  if ((groups & kDeltaTransferFlag) != 0) {
+    app.add_option("--delta-transfer", c.delta_transfer,
+                   "send only the tokens that entered each selection, with the slot they replace (pair/delta.h)")
+        ->capture_default_str();
+  }
 }
 
-void resolve_selection_flags(const SelectionFlagText& text, SelectionConfig& sc) {
+void resolve_sparse_flags(const SparseFlagText& text, SparseConfig& c) {
+  SelectionConfig& sc = c.selection;
   if (text.gqa_rule == "max") {
     sc.gqa_rule = kernels::GqaScoreRule::kMax;
   } else if (text.gqa_rule == "mean") {
@@ -44,7 +73,28 @@ void resolve_selection_flags(const SelectionFlagText& text, SelectionConfig& sc)
   } else {
     fail("--predictor must be ridge, paper or last, got '{}'", text.predictor);
   }
-  validate(sc);
+  validate(c);
+}
+
+void FlagRefusals::refuse(std::string_view mode, std::initializer_list<std::string_view> flags, std::string_view why) {
+  for (std::string_view f : flags) {
+    const CLI::Option* o = app_.get_option_no_throw(std::string(f));
+    SPADE_CHECK(o != nullptr, "FlagRefusals: {} is not a flag of {}", f, app_.get_name());
+    if (o->count() == 0 || std::find(flags_.begin(), flags_.end(), f) != flags_.end()) continue;
+    flags_.emplace_back(f);
+    lines_.push_back(fmt::format("{} does not apply to {} ({})", f, mode, why));
+  }
+}
+
+void FlagRefusals::refuse_if(bool refused, std::string message) {
+  if (refused) lines_.push_back(std::move(message));
+}
+
+void FlagRefusals::check() const {
+  if (lines_.empty()) return;
+  std::string msg = lines_[0];
+  for (size_t i = 1; i < lines_.size(); ++i) msg += "\n" + lines_[i];
+  fail("{}", msg);
 }
 
 }  // namespace spade::pair

@@ -80,8 +80,7 @@ int main(int argc, char** argv) {
   std::string variants_arg = "dense,oracle,quest,predicted,paper,last", budgets_arg = "128,1/16,1/32";
   int per_group = 1000;
   RunOptions ro;
-  pair::SelectionConfig base;
-  pair::SelectionFlagText text;
+  pair::SparseFlagText sparse_text;
   int heldout_docs = 0, heldout_context = 2048, heldout_forced = 64;
   std::string heldout_budget = "1/16";
   app.add_option("--model", model_dir, "checkpoint directory (longctx-7m / longctx-22m)")->required();
@@ -96,10 +95,8 @@ int main(int argc, char** argv) {
   app.add_option("--budgets", budgets_arg, "comma-separated token budgets: tokens (128) or fractions of the prompt (1/16)")
       ->capture_default_str();
   app.add_option("--max-new-tokens", ro.max_new_tokens, "greedy tokens per reply at most")->capture_default_str();
-  app.add_option("--sparse-threshold", ro.sparse_threshold, "context length at which decoding turns sparse")
-      ->capture_default_str();
-  app.add_option("--layers-per-pack", ro.layers_per_pack, "layers per pack")->capture_default_str();
-  pair::add_selection_flags(app, base, text);
+  // The pair's flags (pair/selection_flags.h): the selection is the base of the variants.
+  pair::add_sparse_flags(app, ro.sparse, sparse_text, pair::kSelectionFlags | pair::kScheduleFlags);
   app.add_option("--heldout-docs", heldout_docs, "teacher-forced documents of held-out code (0 = skip)");
   app.add_option("--heldout-context", heldout_context, "teacher-forced: prefilled bytes per document")
       ->capture_default_str();
@@ -112,7 +109,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     init_logging("passkey_fidelity", log_level);
-    pair::resolve_selection_flags(text, base);
+    pair::resolve_sparse_flags(sparse_text, ro.sparse);
+    const pair::SelectionConfig& base = ro.sparse.selection;
     if (prompts_path.empty()) prompts_path = data_dir() + "/prompts/passkey_public.jsonl";
     std::vector<Variant> variants;
     for (const auto& s : split(variants_arg)) variants.push_back(parse_variant(s, base));
@@ -288,8 +286,8 @@ int main(int argc, char** argv) {
                 {"path", "cpu-fp32"},
                       {"model", model_dir},
                       {"prompts", prompts_path},
-                      {"sparse_threshold", ro.sparse_threshold},
-                      {"layers_per_pack", ro.layers_per_pack},
+                      {"sparse_threshold", ro.sparse.sparse_threshold},
+                      {"layers_per_pack", ro.sparse.layers_per_pack},
                       {"max_new_tokens", ro.max_new_tokens},
                       {"variants", variants_json},
                       {"summary", summary},

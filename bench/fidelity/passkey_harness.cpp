@@ -206,9 +206,8 @@ Backend make_backend(const ModelConfig& cfg, KvCache& kv, const Variant& v, int 
     return b;
   }
   SparseOptions so;
+  static_cast<pair::SparseConfig&>(so) = opt.sparse;
   so.mode = v.mode;
-  so.sparse_threshold = opt.sparse_threshold;
-  so.layers_per_pack = opt.layers_per_pack;
   so.selection = v.selection;
   so.selection.token_budget = budget;
   std::unique_ptr<pair::CacheRankLink> link;

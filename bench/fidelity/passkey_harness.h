@@ -66,8 +66,13 @@ struct Budget {
 Budget parse_budget(const std::string& s);
 
 struct RunOptions {
-  int sparse_threshold = 256;
-  int layers_per_pack = 2;
+  // The pair's settings (pair/selection_config.h): sparse_threshold and layers_per_pack are read (each variant brings
+  // its own selection); this harness runs packs of 2 layers (the longctx models have 6).
+  pair::SparseConfig sparse = [] {
+    pair::SparseConfig c;
+    c.layers_per_pack = 2;
+    return c;
+  }();
   int max_new_tokens = 48;
   int page_size = 16;
 };

@@ -188,7 +188,9 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
   std::mt19937_64 rng(20240611);
   std::map<uint64_t, SeqData> data;
 
-  LocalGpuCacheRank local(cfg, sc, 0, std::chrono::milliseconds(20000));
+  SparseConfig own;  // the cache rank's settings: the selection above (budget and window come from the hello)
+  own.selection = sc;
+  LocalGpuCacheRank local(cfg, own, 0, std::chrono::milliseconds(20000));
   transport::GpuLink& link = local.inference_link();
   cuda_check(cudaSetDevice(0), "cudaSetDevice");
   // Everything is allocated before the hello: no device-wide synchronisation while the server waits for a plan.

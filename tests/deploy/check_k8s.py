@@ -29,8 +29,10 @@ overlay) and per overlay + optional component (a component no overlay includes, 
               same ranks from the pod-index label and from the pod name
   wiring      MASTER_ADDR names a Service that publishes not-ready addresses and reaches the coordinator's
               control port (= MASTER_PORT = coordinator --port); Service targetPorts exist in the selected pods;
-              inference and cache ranks get the same selection settings and model; the model directory is on a
-              volume that something fills (an init container writing it, or a PersistentVolumeClaim that exists)
+              inference and cache ranks get the same model, and on the CPU the same selection settings (on the
+              GPU the pair hello carries them); no rank is given a flag that its device refuses (REFUSED_FLAGS);
+              the model directory is on a volume that something fills (an init container writing it, or a
+              PersistentVolumeClaim that exists)
   config      every configMapKeyRef names an existing ConfigMap key; every key of spade-config is used
   gpu / cpu   a GPU overlay requests nvidia.com/gpu (requests == limits) on inference and cache containers, runs
               them with --device cuda and runs the -cuda image; a CPU overlay requests no GPU anywhere, runs the
@@ -73,9 +75,29 @@ PORT_FLAGS = {
     "cache_rank": {"--metrics-port": "metrics"},
 }
 HTTP_PORT_NAMES = {"http", "metrics"}  # ports that serve /health, /ready and /metrics
-# Flags that must carry the same value on an inference rank and its cache rank.
-SHARED_SELECTION_FLAGS = ["--model", "--token-budget", "--local-window", "--sink-tokens", "--query-window",
-                          "--ridge-eps", "--gqa-rule", "--page-size"]
+# Flags that must carry the same value on an inference rank and its cache rank, by device. On the GPU the pair hello
+# carries the inference rank's budget, local window and page size to the cache rank, and the predictor's settings
+# are the cache rank's alone, so only the model is given to both.
+SHARED_SELECTION_FLAGS = {
+    "cpu": ["--model", "--token-budget", "--local-window", "--sink-tokens", "--query-window", "--ridge-eps",
+            "--gqa-rule", "--page-size"],
+    "cuda": ["--model"],
+}
+# Flags a rank refuses by name on a device (it would ignore them): (binary, device) -> flags. Mirrors
+# refuse_unused_flags in cache_rank/main.cpp and inference_rank/main.cpp (--serve, the form the manifests run), whose
+# refusals tests/{cache_rank,inference_rank}/test_rank_flags.cpp check on the binaries.
+REFUSED_FLAGS = {
+    ("cache_rank", "cpu"): ["--gpu", "--hello-timeout-ms", "--selection-streams"],
+    ("cache_rank", "cuda"): ["--token-budget", "--local-window", "--kv-pages", "--page-size", "--sink-tokens",
+                             "--delta-transfer", "--overlap-sample-every"],
+    ("inference_rank", "cpu"): ["--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
+                                "--ignore-eos", "--random-weights", "--weights-seed", "--tokenizer", "--host-sampling",
+                                "--no-cuda-graphs", "--gpu", "--gpu-link", "--delta-capacity", "--max-context-pages"],
+    ("inference_rank", "cuda"): ["--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
+                                 "--ignore-eos", "--random-weights", "--weights-seed", "--tokenizer",
+                                 "--host-sampling", "--query-window", "--ridge-eps", "--gqa-rule", "--predictor",
+                                 "--successor-expand"],
+}
 IDENTITY_FLAGS = ["--rank", "--world-size", "--num-inference", "--num-cache"]
 LIBRARY_ENV = {"libucp": "UCX_", "libgomp": "OMP_"}  # a binary linking the library may be given <prefix>* env
 ENV_SOURCE_DIRS = ["coordinator", "inference_rank", "cache_rank", "common", "transport", "kernels"]
@@ -1013,6 +1035,7 @@ class OverlayCheck:
                 model_info.setdefault(ROLE_OF_BINARY.get(argv[0]), []).append((model, where))
         self.check_world(world)
         self.check_pairs(role_vals)
+        self.check_refused(role_vals)
         self.check_master(role_vals)
         self.check_gpu(role_vals)
 
@@ -1100,7 +1123,7 @@ class OverlayCheck:
             return
         vi, wi = inf[0][0], inf[0][1]
         vc, wc = cache[0][0], cache[0][1]
-        for f in SHARED_SELECTION_FLAGS:
+        for f in SHARED_SELECTION_FLAGS["cuda" if self.is_gpu else "cpu"]:
             a, b = vi.get(f), vc.get(f)
             if a is None or b is None:
                 self.err("pairing", f"{f} must be given to both ranks explicitly ({wi}: {a}, {wc}: {b})")
@@ -1144,6 +1167,19 @@ class OverlayCheck:
                     if tp != "control" and str(tp) != str(ctl):
                         self.err(where, f"Service {name} port {port} targets {tp!r}, not the coordinator's control "
                                         f"port ({ctl})")
+
+    def check_refused(self, role_vals):
+        """A rank is given no flag that its device refuses (the pod would exit at start naming it)."""
+        for role, binary in (("inference", "inference_rank"), ("cache", "cache_rank")):
+            for vals, where, w, c, env in role_vals.get(role, []):
+                device = "cuda" if str(vals.get("--device", "cpu")) == "cuda" else "cpu"
+                for f in REFUSED_FLAGS[(binary, device)]:
+                    if f in vals:
+                        self.err(where, f"{f} is refused by {binary} --device {device} (it would ignore it); "
+                                        "leave it out of this device's flags")
+                if binary == "inference_rank" and device == "cuda" and str(vals.get("--sink-tokens", "0")) != "0":
+                    self.err(where, f"--sink-tokens {vals['--sink-tokens']} is refused by inference_rank --device "
+                                    "cuda (the GPU path has no sink tokens of its own): use 0")
 
     def check_gpu(self, role_vals):
         images = set()
@@ -1485,6 +1521,18 @@ RENDER_MUTATIONS = [
     ("replicas != SPADE_NUM_PAIRS", "cpu", _m_cache_replicas, r"(ranks of the pods|replicas 2 != )"),
     ("identity flag in args", "cpu", _m_ep_identity, r"the rank identity is derived"),
     ("selection settings differ between ranks", "cpu", _m_budget, r"--token-budget differs"),
+    ("GPU cache rank given a flag the hello carries", "gpu",
+     lambda d: cont(d, "spade-cache", "cache")["args"].extend(["--kv-pages", "64"]),
+     r"--kv-pages is refused by cache_rank --device cuda"),
+    ("GPU inference rank given the cache rank's predictor flag", "gpu",
+     lambda d: cont(d, "spade-inference", "inference")["args"].extend(["--query-window", "4"]),
+     r"--query-window is refused by inference_rank --device cuda"),
+    ("GPU inference rank given sink tokens", "gpu",
+     lambda d: set_arg(cont(d, "spade-inference", "inference"), "--sink-tokens", "4"),
+     r"--sink-tokens 4 is refused by inference_rank --device cuda"),
+    ("CPU cache rank given a GPU cache rank's flag", "cpu",
+     lambda d: cont(d, "spade-cache", "cache")["args"].extend(["--selection-streams", "1"]),
+     r"--selection-streams is refused by cache_rank --device cpu"),
     ("control Service hides not-ready coordinator", "cpu", _m_pnra, r"must set publishNotReadyAddresses"),
     ("MASTER_ADDR names no Service", "cpu", _m_master_addr, r"MASTER_ADDR spade-coordinatr-control is not"),
     ("model emptyDir nobody fills", "cpu", _m_init_removed, r"no init container writes"),

@@ -94,18 +94,22 @@ std::vector<int32_t> prompt(int i, int vocab) {
 }
 
 // The controller options of these tests: packs of 2 layers, every running sequence may be sparse.
+// The binaries' fill (gpu_sparse_options) of these settings.
 GpuSparseOptions test_sparse_options(const Sparse& sp, const EngineOptions& eo) {
-  GpuSparseOptions so;
-  so.sparse_threshold = sp.threshold;
-  so.layers_per_pack = 2;
-  so.token_budget = sp.budget;
-  so.local_window = sp.window;
-  so.delta_capacity = sp.capacity;
-  so.max_slots = eo.max_num_seqs;
-  so.max_sparse_seqs = eo.max_num_seqs;
-  so.max_step_tokens = eo.max_num_batched_tokens;
-  so.cache_name = "cache rank (test thread)";
-  return so;
+  pair::SparseConfig sc;
+  sc.sparse_threshold = sp.threshold;
+  sc.layers_per_pack = 2;
+  sc.selection.token_budget = sp.budget;
+  sc.selection.local_window = sp.window;
+  sc.delta_capacity = sp.capacity;
+  return gpu_sparse_options(sc, eo, "cache rank (test thread)");
+}
+
+// The cache rank's own settings in these tests: a query window of 4.
+pair::SparseConfig cache_side() {
+  pair::SparseConfig c;
+  c.selection.query_window = 4;
+  return c;
 }
 
 // Three greedy requests; `sparse` nullptr: dense. `kill_after_steps` > 0: the cache rank's link is aborted after that
@@ -134,9 +138,7 @@ RunResult run(const Sparse* sparse, int kill_after_steps = 0, bool graphs = fals
   if (sparse != nullptr) {
     const ModelConfig attn = cfg.attention_view();
     const GpuSparseOptions so = test_sparse_options(*sparse, eo);
-    pair::SelectionConfig sel;
-    sel.query_window = 4;
-    cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
+    cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, cache_side(), 0, std::chrono::milliseconds(5000));
     cache_rank->set_pipeline(pipeline);
     ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size,
                                                 gpu.max_batch());
@@ -377,9 +379,7 @@ DropRun run_drop(bool drop) {
   // Budget 512 >= every context: sparse == dense up to summation order.
   const GpuSparseOptions so =
       test_sparse_options(Sparse{/*budget=*/512, /*window=*/16, /*capacity=*/64, /*threshold=*/32}, eo);
-  pair::SelectionConfig sel;
-  sel.query_window = 4;
-  cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, sel, 0, std::chrono::milliseconds(5000));
+  cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, cache_side(), 0, std::chrono::milliseconds(5000));
   ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size, gpu.max_batch());
   const pair::GpuPairHello hello = make_gpu_pair_hello(attn, so, engine.options());
   EXPECT_EQ(hello.num_pages, 64) << "the cache rank's pool is the engine's bound on full contexts";
@@ -482,7 +482,7 @@ TEST(GpuSparse, DroppedPagesAreReusedAndTheLogitsEqualTheUndroppedRun) {
 TEST(GpuSparseBadInput, AHelloForAnotherModelFailsTheCacheRankByName) {
   ModelConfig other = qwen3_like();
   other.num_layers = 4;  // the cache rank loaded a different model
-  cache::LocalGpuCacheRank local(other.attention_view(), pair::SelectionConfig{}, 0, std::chrono::milliseconds(2000));
+  cache::LocalGpuCacheRank local(other.attention_view(), pair::SparseConfig{}, 0, std::chrono::milliseconds(2000));
   GpuSparseOptions so;
   so.max_slots = 3;
   so.max_step_tokens = 64;
@@ -505,12 +505,20 @@ TEST(GpuSparseBadInput, OptionsAreRefusedByName) {
   auto cache = CudaIpcLink::open(inf->address(), "inference rank (test)", lo);
   inf->connect();
   GpuSparseOptions o;
-  o.delta_capacity = o.token_budget + 1;
+  o.sparse.delta_capacity = -1;  // 0 or above the budget mean the budget (pair::SparseConfig::effective_delta_capacity)
   try {
     GpuSparseController c(attn, o, *inf, 16, 4);
-    FAIL() << "capacity above the budget was accepted";
+    FAIL() << "a negative capacity was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("capacity"), std::string::npos) << e.what();
+  }
+  o = GpuSparseOptions{};
+  o.sparse.selection.sink_tokens = 4;  // the GPU path has none of its own
+  try {
+    GpuSparseController c(attn, o, *inf, 16, 4);
+    FAIL() << "sink tokens were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sink tokens"), std::string::npos) << e.what();
   }
   o = GpuSparseOptions{};
   o.max_slots = pair::gpu_plan_max_rows() + 1;

@@ -40,12 +40,12 @@ ForwardBatch batch(const std::vector<Row>& rows) {
   return b;
 }
 
-SparsePlannerOptions opts() {
-  SparsePlannerOptions o;
-  o.sparse_threshold = 100;
-  o.token_budget = 64;
-  o.local_window = 16;
-  o.max_first_per_step = 2;
+GpuSparseOptions opts() {
+  GpuSparseOptions o;
+  o.sparse.sparse_threshold = 100;
+  o.sparse.selection.token_budget = 64;
+  o.sparse.selection.local_window = 16;
+  o.sparse.max_first_per_step = 2;
   o.max_sparse_seqs = 3;
   o.max_slots = 8;
   return o;
@@ -90,9 +90,9 @@ TEST(SparsePlanner, ASequenceSwitchesWithAFirstSelectionThenDecodesSparsely) {
 }
 
 TEST(SparsePlanner, NumPackedIsTheSelectablePrefixBoundedByTheBudget) {
-  SparsePlannerOptions o = opts();
-  o.sparse_threshold = 10;
-  o.local_window = 16;
+  GpuSparseOptions o = opts();
+  o.sparse.sparse_threshold = 10;
+  o.sparse.selection.local_window = 16;
   SparseStepPlanner p(o);
   p.plan_step(batch({{1, 9, 9}}), 0);
   p.plan_step(batch({{1, 1, 10}}), 1);  // switch
@@ -151,8 +151,8 @@ TEST(SparsePlanner, PagesAreDroppableOnceTheFirstSelectionIsRequested) {
   EXPECT_EQ(p.dropped_seqs(), 1u) << "counted once";
   EXPECT_FALSE(p.any_dropped(batch({{7, 1, 5}})));
   // Clamped at 0 for a context inside the window.
-  SparsePlannerOptions o = opts();
-  o.sparse_threshold = 5;
+  GpuSparseOptions o = opts();
+  o.sparse.sparse_threshold = 5;
   SparseStepPlanner q(o);
   q.plan_step(batch({{1, 5, 5}}), 0);
   q.plan_step(batch({{1, 1, 6}}), 1);
@@ -243,6 +243,41 @@ TEST(SparsePlanner, SwitchesPerStepAndHeldTablesAreBounded) {
   EXPECT_TRUE(d.plan.released.empty()) << "released once";
 }
 
+// The one place the GPU path's options are filled (inference_rank/main.cpp and serve.cpp both call it): the pair's
+// settings as parsed, the limits from the engine. max_first_per_step is not clamped to max_num_seqs: the held tables
+// (max_num_seqs of them) bound the switches of a step anyway.
+TEST(GpuSparseOptions, ThePairsSettingsAndTheEnginesLimits) {
+  pair::SparseConfig sc;
+  sc.sparse_threshold = 512;
+  sc.layers_per_pack = 3;
+  sc.selection.token_budget = 256;
+  sc.selection.local_window = 64;
+  sc.delta_capacity = 0;
+  EngineOptions eo;
+  eo.max_num_seqs = 2;
+  eo.max_num_batched_tokens = 1024;
+  const GpuSparseOptions o = gpu_sparse_options(sc, eo, "cache rank 2 (#0)");
+  EXPECT_EQ(o.sparse.sparse_threshold, 512);
+  EXPECT_EQ(o.sparse.layers_per_pack, 3);
+  EXPECT_EQ(o.sparse.selection.token_budget, 256);
+  EXPECT_EQ(o.sparse.selection.local_window, 64);
+  EXPECT_EQ(o.sparse.effective_delta_capacity(), 256) << "0 = the budget";
+  EXPECT_EQ(o.sparse.max_first_per_step, pair::SparseConfig{}.max_first_per_step);
+  EXPECT_EQ(o.max_slots, 2);
+  EXPECT_EQ(o.max_sparse_seqs, 2);
+  EXPECT_EQ(o.max_step_tokens, 1024);
+  EXPECT_EQ(o.cache_name, "cache rank 2 (#0)");
+  // Three sequences reach the threshold in one step: two switch (the tables), not max_first_per_step = 4.
+  GpuSparseOptions small = o;
+  small.sparse.sparse_threshold = 100;
+  small.max_slots = 3;
+  SparseStepPlanner p(small);
+  std::vector<Row> rows = {{1, 120, 120}, {2, 120, 120}, {3, 120, 120}};
+  p.plan_step(batch(rows), 0);
+  for (auto& r : rows) r = {r.id, 1, r.ctx + 1};
+  EXPECT_EQ(p.plan_step(batch(rows), 1).switches, 2);
+}
+
 TEST(SparsePlanner, PerRequestOptions) {
   SparseStepPlanner p(opts());
   p.set_request_options(1, /*force_dense=*/true, 0);
@@ -282,8 +317,8 @@ TEST(SparsePlanner, TheCacheRanksFailureFailsTheSparseSequencesOnce) {
 }
 
 TEST(SparsePlannerBadInput, OptionsSlotsAndBatches) {
-  SparsePlannerOptions o = opts();
-  o.local_window = 0;
+  GpuSparseOptions o = opts();
+  o.sparse.selection.local_window = 0;
   try {
     SparseStepPlanner p(o);
     FAIL() << "local_window 0 accepted";
