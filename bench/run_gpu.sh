@@ -200,7 +200,7 @@ fi
 
 # ---- compute-sanitizer racecheck (shared-memory hazards) on a subset of the kernel tests ----
 if want racecheck; then
-  RFILTER="${SPADE_RACECHECK_FILTER:-PagedDecodeGpu.ForcedMaxSplits:PagedDecodeGpu.Fp16D128Page32Group8:SparsePackedDecodeGpu.*:PagedPrefillGpu.Bf16D256*:PredictGpu.*:TopkGpu.HeavyTies*:ScoreGpu.Fp16D64*:DeltaGpu.StreamWithOverflow*:DeltaGpu.Refuses*:Gdn*TwoTileGroups*:GdnParallelVerifyGpu.Bf16T2L4D64:GdnChunkwiseGpu.RaggedBufferedPrefill}"
+  RFILTER="${SPADE_RACECHECK_FILTER:-PagedDecodeGpu.MatchesReference/*_splits64:PagedDecodeGpu.MatchesReference/fp16_D128_page32_hkv2_group8_*:SparsePackedDecodeGpu.*:PagedPrefillGpu.MatchesReference/bf16_D256_*:PredictGpu.*:TopkGpu.MatchesReference/*_levels16_specials:ScoreGpu.MatchesReference/fp16_D64_*:DeltaGpu.StreamMatchesReference/rows40_k512_cap37_*:DeltaGpu.Refuses*:Gdn*_tilegroups2:GdnParallelVerifyGpu.MatchesReference/bf16_k2_v2_dk64_dv64_drafts2_*:GdnChunkwiseGpu.MatchesReference/*_seqs5_steps40_ragged}"
   : >"${OUT}/racecheck.log"
   for t in "${TEST_BINS[@]}"; do
     [ -x "$t" ] || continue

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -21,15 +22,31 @@ namespace {
 using spade::test::DevBuf;
 using spade::test::PagedCache;
 
+using spade::test::name_dtype;
+using spade::test::name_ints;
+
+/// "bf16_D128_page16_hkv8_group4": the attention shape of a case (group = num_q_heads / num_kv_heads).
+std::string shape_name(DType dtype, int head_dim, int page_size, int num_q_heads, int num_kv_heads) {
+  return std::string(name_dtype(dtype)) + "_D" + std::to_string(head_dim) + "_page" + std::to_string(page_size) +
+         "_hkv" + std::to_string(num_kv_heads) + "_group" + std::to_string(num_q_heads / num_kv_heads);
+}
+
 struct DecodeCase {
-  DType dtype;
-  int head_dim;
-  int page_size;
-  int num_q_heads;
-  int num_kv_heads;
-  std::vector<int> lens;
-  int num_splits;  // 0 = heuristic
+  DType dtype = DType::BF16;
+  int head_dim = 128;
+  int page_size = 16;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  std::vector<int> lens;  // per sequence
+  int num_splits = 0;     // 0 = heuristic
+  uint64_t seed = 0;
 };
+
+std::string case_name(const DecodeCase& c) {
+  return spade::test::long_prefix(spade::test::max_of(c.lens) >= spade::test::kLongContext) +
+         shape_name(c.dtype, c.head_dim, c.page_size, c.num_q_heads, c.num_kv_heads) + "_lens" + name_ints(c.lens) +
+         (c.num_splits != 0 ? "_splits" + std::to_string(c.num_splits) : "");
+}
 
 std::string describe(const DecodeCase& c) {
   std::string s = std::string(spade::test::dtype_str(c.dtype)) + " D=" + std::to_string(c.head_dim) +
@@ -53,9 +70,11 @@ class Workspace {
   size_t bytes_ = 0;
 };
 
-void run_paged_decode(const DecodeCase& c, uint64_t seed) {
+void PrintTo(const DecodeCase& c, std::ostream* os) { *os << describe(c) << " seed=" << c.seed; }
+
+void run_paged_decode(const DecodeCase& c) {
   SCOPED_TRACE(describe(c));
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(c.seed);
   const int batch = static_cast<int>(c.lens.size());
   const int D = c.head_dim;
   PagedCache cache;
@@ -125,23 +144,43 @@ void run_paged_decode(const DecodeCase& c, uint64_t seed) {
   }
 }
 
-TEST(PagedDecodeGpu, RaggedBf16D128Page16Group4) {
-  run_paged_decode({DType::BF16, 128, 16, 32, 8, {1, 17, 300, 2500, 4096}, 0}, 1);
-}
-TEST(PagedDecodeGpu, Fp16D128Page32Group8) { run_paged_decode({DType::F16, 128, 32, 16, 2, {33, 1000, 7777}, 0}, 2); }
-TEST(PagedDecodeGpu, Bf16D64Page64Group1) { run_paged_decode({DType::BF16, 64, 64, 4, 4, {5, 64, 65, 3000}, 0}, 3); }
-TEST(PagedDecodeGpu, Bf16D256Page16Group4) { run_paged_decode({DType::BF16, 256, 16, 8, 2, {129, 2049}, 0}, 4); }
-TEST(PagedDecodeGpu, Fp16D256Page64Group1) { run_paged_decode({DType::F16, 256, 64, 2, 2, {1, 50, 515}, 0}, 5); }
-TEST(PagedDecodeGpu, Bf16D64Page32Group8) { run_paged_decode({DType::BF16, 64, 32, 8, 1, {10000, 3}, 0}, 6); }
-TEST(PagedDecodeGpu, Fp16D64Page16Group4) { run_paged_decode({DType::F16, 64, 16, 8, 2, {32768}, 0}, 7); }
-TEST(PagedDecodeGpu, ForcedSingleSplit) { run_paged_decode({DType::BF16, 128, 16, 32, 8, {1, 700, 3000}, 1}, 8); }
-TEST(PagedDecodeGpu, ForcedMaxSplits) {
-  run_paged_decode({DType::BF16, 128, 16, 32, 8, {1, 700, 3000}, kMaxDecodeSplits}, 9);
-}
-TEST(PagedDecodeGpu, LongBf16D128Page16Group4) { run_paged_decode({DType::BF16, 128, 16, 8, 2, {131072, 70001}, 0}, 10); }
-TEST(PagedDecodeGpu, LongFp16D256Page32Group8) { run_paged_decode({DType::F16, 256, 32, 8, 1, {65536}, 0}, 11); }
+// clang-format off
+const std::vector<DecodeCase> kPagedDecodeCases = {
+    // ragged batch
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 32, .num_kv_heads = 8,
+     .lens = {1, 17, 300, 2500, 4096}, .seed = 1},
+    {.dtype = DType::F16, .head_dim = 128, .page_size = 32, .num_q_heads = 16, .num_kv_heads = 2,
+     .lens = {33, 1000, 7777}, .seed = 2},
+    {.dtype = DType::BF16, .head_dim = 64, .page_size = 64, .num_q_heads = 4, .num_kv_heads = 4,
+     .lens = {5, 64, 65, 3000}, .seed = 3},
+    {.dtype = DType::BF16, .head_dim = 256, .page_size = 16, .num_q_heads = 8, .num_kv_heads = 2,
+     .lens = {129, 2049}, .seed = 4},
+    {.dtype = DType::F16, .head_dim = 256, .page_size = 64, .num_q_heads = 2, .num_kv_heads = 2,
+     .lens = {1, 50, 515}, .seed = 5},
+    {.dtype = DType::BF16, .head_dim = 64, .page_size = 32, .num_q_heads = 8, .num_kv_heads = 1,
+     .lens = {10000, 3}, .seed = 6},
+    {.dtype = DType::F16, .head_dim = 64, .page_size = 16, .num_q_heads = 8, .num_kv_heads = 2,
+     .lens = {32768}, .seed = 7},
+    // forced split counts: one split, the most splits
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 32, .num_kv_heads = 8,
+     .lens = {1, 700, 3000}, .num_splits = 1, .seed = 8},
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 32, .num_kv_heads = 8,
+     .lens = {1, 700, 3000}, .num_splits = kMaxDecodeSplits, .seed = 9},
+    // long contexts (names start with "Long_")
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 8, .num_kv_heads = 2,
+     .lens = {131072, 70001}, .seed = 10},
+    {.dtype = DType::F16, .head_dim = 256, .page_size = 32, .num_q_heads = 8, .num_kv_heads = 1,
+     .lens = {65536}, .seed = 11},
+};
+// clang-format on
 
-TEST(PagedDecodeGpu, RejectsBadParameters) {
+class PagedDecodeGpu : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(PagedDecodeGpu, MatchesReference) { run_paged_decode(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, PagedDecodeGpu, ::testing::ValuesIn(kPagedDecodeCases), spade::test::CaseName());
+
+TEST_F(PagedDecodeGpu, RejectsBadParameters) {
   PagedDecodeParams p;
   p.dtype = DType::BF16;
   int dummy = 0;
@@ -170,8 +209,32 @@ TEST(PagedDecodeGpu, RejectsBadParameters) {
 
 // ---- token-sparse: index list into the paged cache ----
 
-void run_sparse_indexed(DType dtype, int D, int ps, int hq, int hkv, const std::vector<int>& lens,
-                        const std::vector<int>& counts, int stride, uint64_t seed) {
+struct SparseIndexedCase {
+  DType dtype = DType::BF16;
+  int head_dim = 128;
+  int page_size = 16;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  std::vector<int> lens;    // per sequence
+  std::vector<int> counts;  // indices per sequence (and KV head)
+  int index_stride = 0;
+  uint64_t seed = 0;
+};
+
+std::string case_name(const SparseIndexedCase& c) {
+  return spade::test::long_prefix(spade::test::max_of(c.lens) >= spade::test::kLongContext) +
+         shape_name(c.dtype, c.head_dim, c.page_size, c.num_q_heads, c.num_kv_heads) + "_lens" + name_ints(c.lens) +
+         "_counts" + name_ints(c.counts) + "_stride" + std::to_string(c.index_stride);
+}
+
+void PrintTo(const SparseIndexedCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+void run_sparse_indexed(const SparseIndexedCase& c) {
+  const DType dtype = c.dtype;
+  const int D = c.head_dim, ps = c.page_size, hq = c.num_q_heads, hkv = c.num_kv_heads, stride = c.index_stride;
+  const std::vector<int>& lens = c.lens;
+  const std::vector<int>& counts = c.counts;
+  const uint64_t seed = c.seed;
   SCOPED_TRACE(std::string(spade::test::dtype_str(dtype)) + " D=" + std::to_string(D) + " ps=" + std::to_string(ps) +
                " stride=" + std::to_string(stride));
   std::mt19937_64 rng(seed);
@@ -265,18 +328,25 @@ void run_sparse_indexed(DType dtype, int D, int ps, int hq, int hkv, const std::
   }
 }
 
-TEST(SparseIndexedDecodeGpu, Bf16D128Page16Group4) {
-  run_sparse_indexed(DType::BF16, 128, 16, 32, 8, {5000, 3000, 40}, {2048, 1000, 40}, 2048, 21);
-}
-TEST(SparseIndexedDecodeGpu, Fp16D64Page32Group8WithEmptyRow) {
-  run_sparse_indexed(DType::F16, 64, 32, 16, 2, {900, 77, 3000}, {600, 0, 1}, 700, 22);
-}
-TEST(SparseIndexedDecodeGpu, Bf16D256Page64Group1) {
-  run_sparse_indexed(DType::BF16, 256, 64, 4, 4, {3000, 4100}, {1500, 4095}, 4096, 23);
-}
-TEST(SparseIndexedDecodeGpu, LongBf16D128Page16Group4) {
-  run_sparse_indexed(DType::BF16, 128, 16, 8, 2, {131072}, {4096}, 4096, 24);
-}
+// clang-format off
+const std::vector<SparseIndexedCase> kSparseIndexedCases = {
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 32, .num_kv_heads = 8,
+     .lens = {5000, 3000, 40}, .counts = {2048, 1000, 40}, .index_stride = 2048, .seed = 21},
+    // sequence 1 selects nothing (an empty row: exact zeros, lse -inf)
+    {.dtype = DType::F16, .head_dim = 64, .page_size = 32, .num_q_heads = 16, .num_kv_heads = 2,
+     .lens = {900, 77, 3000}, .counts = {600, 0, 1}, .index_stride = 700, .seed = 22},
+    {.dtype = DType::BF16, .head_dim = 256, .page_size = 64, .num_q_heads = 4, .num_kv_heads = 4,
+     .lens = {3000, 4100}, .counts = {1500, 4095}, .index_stride = 4096, .seed = 23},
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 8, .num_kv_heads = 2,
+     .lens = {131072}, .counts = {4096}, .index_stride = 4096, .seed = 24},
+};
+// clang-format on
+
+class SparseIndexedDecodeGpu : public ::testing::TestWithParam<SparseIndexedCase> {};
+
+TEST_P(SparseIndexedDecodeGpu, MatchesReference) { run_sparse_indexed(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, SparseIndexedDecodeGpu, ::testing::ValuesIn(kSparseIndexedCases), spade::test::CaseName());
 
 // ---- token-sparse: packed gathered buffer + local window ----
 
@@ -286,10 +356,46 @@ TEST(SparseIndexedDecodeGpu, LongBf16D128Page16Group4) {
 // step -- sequence b's query is row q_rows[b] of the step's layout, -1 = skipped. Rows no sequence names must keep
 // their poison (bit for bit), as must every row when all are skipped. `drop_outside_window`: every block-table
 // entry of a page that lies entirely before the window is -1 (the GPU path drops those pages).
-void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::vector<int>& lens,
-                       const std::vector<int>& counts, int capacity, int window, uint64_t seed,
-                       const std::vector<int32_t>& windows = {}, const std::vector<int32_t>& rows = {},
-                       const std::vector<int32_t>& q_rows = {}, int num_q_rows = 0, bool drop_outside_window = false) {
+struct SparsePackedCase {
+  DType dtype = DType::BF16;
+  int head_dim = 128;
+  int page_size = 16;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  std::vector<int> lens;    // per sequence
+  std::vector<int> counts;  // packed (selected) tokens per sequence
+  int capacity = 0;         // packed rows per (sequence, KV head)
+  int window = 0;           // local window (the bound of `windows`)
+  std::vector<int32_t> windows = {};  // optional per-sequence windows
+  std::vector<int32_t> rows = {};     // optional per-sequence packed rows
+  std::vector<int32_t> q_rows = {};   // optional per-sequence q rows (-1: skipped) of num_q_rows
+  int num_q_rows = 0;
+  bool drop_outside_window = false;
+  uint64_t seed = 0;
+};
+
+std::string case_name(const SparsePackedCase& c) {
+  return shape_name(c.dtype, c.head_dim, c.page_size, c.num_q_heads, c.num_kv_heads) + "_lens" + name_ints(c.lens) +
+         "_counts" + name_ints(c.counts) + "_cap" + std::to_string(c.capacity) + "_window" + std::to_string(c.window) +
+         (c.windows.empty() ? "" : "_windows" + name_ints(c.windows)) +
+         (c.rows.empty() ? "" : "_rows" + name_ints(c.rows)) +
+         (c.q_rows.empty() ? "" : "_qrows" + name_ints(c.q_rows) + "_of" + std::to_string(c.num_q_rows)) +
+         (c.drop_outside_window ? "_droppedpages" : "");
+}
+
+void PrintTo(const SparsePackedCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+void run_sparse_packed(const SparsePackedCase& c) {
+  const DType dtype = c.dtype;
+  const int D = c.head_dim, ps = c.page_size, hq = c.num_q_heads, hkv = c.num_kv_heads, capacity = c.capacity,
+            window = c.window, num_q_rows = c.num_q_rows;
+  const std::vector<int>& lens = c.lens;
+  const std::vector<int>& counts = c.counts;
+  const std::vector<int32_t>& windows = c.windows;
+  const std::vector<int32_t>& rows = c.rows;
+  const std::vector<int32_t>& q_rows = c.q_rows;
+  const bool drop_outside_window = c.drop_outside_window;
+  const uint64_t seed = c.seed;
   SCOPED_TRACE(std::string(spade::test::dtype_str(dtype)) + " D=" + std::to_string(D) + " ps=" + std::to_string(ps) +
                " cap=" + std::to_string(capacity) + " window=" + std::to_string(window) +
                (windows.empty() ? "" : " per-sequence windows") + (rows.empty() ? "" : " packed rows") +
@@ -422,40 +528,50 @@ void run_sparse_packed(DType dtype, int D, int ps, int hq, int hkv, const std::v
   }
 }
 
-TEST(SparsePackedDecodeGpu, Bf16D128Page16Group4Window64) {
-  run_sparse_packed(DType::BF16, 128, 16, 32, 8, {5000, 100, 30}, {2048, 36, 0}, 2048, 64, 31);
-}
-TEST(SparsePackedDecodeGpu, Fp16D64Page32Group8Window17) {
-  run_sparse_packed(DType::F16, 64, 32, 16, 2, {700, 3}, {300, 1}, 512, 17, 32);
-}
-TEST(SparsePackedDecodeGpu, Bf16D256Page64Group1NoWindow) {
-  run_sparse_packed(DType::BF16, 256, 64, 2, 2, {64, 64}, {1000, 999}, 1000, 0, 33);
-}
-// A serving batch: sequences 0 and 2 sparse (selection + window 32), 1 and 3 dense (no selection, the whole context
-// as the window), selections held in per-slot tables (rows 5, -, 2, -; dense rows point anywhere valid).
-TEST(SparsePackedDecodeGpu, Bf16D128MixedSparseAndDensePerSequence) {
-  run_sparse_packed(DType::BF16, 128, 16, 32, 8, {4000, 700, 3000, 65}, {512, 0, 300, 0}, 512, 4000, 34,
-                    {32, 700, 32, 65}, {5, 0, 2, 6});
-}
-TEST(SparsePackedDecodeGpu, Fp16D64PerSequenceWindowsWithinTheBound) {
-  run_sparse_packed(DType::F16, 64, 32, 16, 2, {900, 40, 2}, {100, 7, 0}, 128, 64, 35, {64, 0, 2}, {});
-}
-// The sparse decode rows of a mixed prefill + decode step (q_rows): sequences 0, 2 and 3 decode sparsely at rows 7,
-// 0 and 12 of a 14-row step (the other rows are prefill chunks, left to the prefill kernel: their poison must
-// survive); sequence 1 is skipped. Long contexts, so the split-K merge runs, over block tables whose pages before
-// the window are dropped (-1: must never be read).
-TEST(SparsePackedDecodeGpu, Bf16D128QRowsOfAMixedStepOverDroppedPages) {
-  run_sparse_packed(DType::BF16, 128, 16, 32, 8, {5000, 700, 3000, 47}, {1024, 0, 512, 15}, 1024, 32, 36,
-                    {32, 32, 32, 32}, {2, 0, 1, 3}, {7, -1, 0, 12}, 14, /*drop_outside_window=*/true);
-}
-TEST(SparsePackedDecodeGpu, Fp16D64QRowsWithPerSequenceWindows) {
-  run_sparse_packed(DType::F16, 64, 32, 16, 2, {90, 40}, {20, 7}, 64, 17, 37, {17, 9}, {}, {3, 1}, 5,
-                    /*drop_outside_window=*/true);
-}
-TEST(SparsePackedDecodeGpu, EveryRowSkippedWritesNothing) {
-  run_sparse_packed(DType::BF16, 128, 16, 8, 2, {300, 20}, {64, 4}, 64, 16, 38, {}, {}, {-1, -1}, 3);
-}
-TEST(SparsePackedDecodeGpu, RejectsMisalignedPerSequenceArrays) {
+// clang-format off
+const std::vector<SparsePackedCase> kSparsePackedCases = {
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 32, .num_kv_heads = 8,
+     .lens = {5000, 100, 30}, .counts = {2048, 36, 0}, .capacity = 2048, .window = 64, .seed = 31},
+    {.dtype = DType::F16, .head_dim = 64, .page_size = 32, .num_q_heads = 16, .num_kv_heads = 2,
+     .lens = {700, 3}, .counts = {300, 1}, .capacity = 512, .window = 17, .seed = 32},
+    // no window
+    {.dtype = DType::BF16, .head_dim = 256, .page_size = 64, .num_q_heads = 2, .num_kv_heads = 2,
+     .lens = {64, 64}, .counts = {1000, 999}, .capacity = 1000, .window = 0, .seed = 33},
+    // A serving batch: sequences 0 and 2 sparse (selection + window 32), 1 and 3 dense (no selection, the whole
+    // context as the window), selections held in per-slot tables (rows 5, -, 2, -; dense rows point anywhere valid).
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 32, .num_kv_heads = 8,
+     .lens = {4000, 700, 3000, 65}, .counts = {512, 0, 300, 0}, .capacity = 512, .window = 4000,
+     .windows = {32, 700, 32, 65}, .rows = {5, 0, 2, 6}, .seed = 34},
+    // per-sequence windows within the bound
+    {.dtype = DType::F16, .head_dim = 64, .page_size = 32, .num_q_heads = 16, .num_kv_heads = 2,
+     .lens = {900, 40, 2}, .counts = {100, 7, 0}, .capacity = 128, .window = 64,
+     .windows = {64, 0, 2}, .seed = 35},
+    // The sparse decode rows of a mixed prefill + decode step (q_rows): sequences 0, 2 and 3 decode sparsely at rows
+    // 7, 0 and 12 of a 14-row step (the other rows are prefill chunks, left to the prefill kernel: their poison must
+    // survive); sequence 1 is skipped. Long contexts, so the split-K merge runs, over block tables whose pages
+    // before the window are dropped (-1: must never be read).
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 32, .num_kv_heads = 8,
+     .lens = {5000, 700, 3000, 47}, .counts = {1024, 0, 512, 15}, .capacity = 1024, .window = 32,
+     .windows = {32, 32, 32, 32}, .rows = {2, 0, 1, 3}, .q_rows = {7, -1, 0, 12}, .num_q_rows = 14,
+     .drop_outside_window = true, .seed = 36},
+    // q rows with per-sequence windows
+    {.dtype = DType::F16, .head_dim = 64, .page_size = 32, .num_q_heads = 16, .num_kv_heads = 2,
+     .lens = {90, 40}, .counts = {20, 7}, .capacity = 64, .window = 17,
+     .windows = {17, 9}, .q_rows = {3, 1}, .num_q_rows = 5, .drop_outside_window = true, .seed = 37},
+    // every row skipped: nothing is written
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 8, .num_kv_heads = 2,
+     .lens = {300, 20}, .counts = {64, 4}, .capacity = 64, .window = 16,
+     .q_rows = {-1, -1}, .num_q_rows = 3, .seed = 38},
+};
+// clang-format on
+
+class SparsePackedDecodeGpu : public ::testing::TestWithParam<SparsePackedCase> {};
+
+TEST_P(SparsePackedDecodeGpu, MatchesReference) { run_sparse_packed(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, SparsePackedDecodeGpu, ::testing::ValuesIn(kSparsePackedCases), spade::test::CaseName());
+
+TEST_F(SparsePackedDecodeGpu, RejectsMisalignedPerSequenceArrays) {
   DevBuf<int32_t> arr(8);
   DevBuf<uint16_t> buf(1024);
   SparsePackedDecodeParams p;

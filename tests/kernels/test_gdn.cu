@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -114,18 +115,32 @@ struct DevTok {
 
 std::vector<float> out_f32(DType t, const DevBuf<uint16_t>& o) { return to_f32(t, o.download()); }
 
+/// "bf16_k16_v32_dk128_dv128": the dtype and GdnDims of a case.
+std::string dims_name(DType t, const GdnDims& d) {
+  return std::string(name_dtype(t)) + "_k" + std::to_string(d.num_k_heads) + "_v" + std::to_string(d.num_v_heads) +
+         "_dk" + std::to_string(d.head_k_dim) + "_dv" + std::to_string(d.head_v_dim);
+}
+
 // =====================================================================================================================
 // Recurrent form
 // =====================================================================================================================
 
 struct RecCase {
-  DType dtype;
+  DType dtype = DType::BF16;
   GdnDims dims;
-  std::vector<int> counts;
-  bool drafts;
+  std::vector<int> counts;  // tokens per sequence
+  bool drafts = false;      // per-draft state snapshots
+  uint64_t seed = 0;
 };
 
-void run_recurrent(const RecCase& c, uint64_t seed) {
+std::string case_name(const RecCase& c) {
+  return dims_name(c.dtype, c.dims) + "_counts" + name_ints(c.counts) + (c.drafts ? "_drafts" : "");
+}
+
+void PrintTo(const RecCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+void run_recurrent(const RecCase& c) {
+  const uint64_t seed = c.seed;
   std::mt19937_64 rng(seed);
   const GdnDims& d = c.dims;
   const int batch = static_cast<int>(c.counts.size());
@@ -186,17 +201,31 @@ void run_recurrent(const RecCase& c, uint64_t seed) {
   }
 }
 
-TEST(GdnRecurrentGpu, RaggedBf16D128Qwen) {
-  run_recurrent({DType::BF16, {16, 32, 128, 128}, {1, 3, 0, 7, 2, 1}, false}, 11);
-}
-TEST(GdnRecurrentGpu, RaggedFp16D64Group1) { run_recurrent({DType::F16, {4, 4, 64, 64}, {2, 1, 5}, false}, 12); }
-TEST(GdnRecurrentGpu, DecodeBatch64Group4) {
-  run_recurrent({DType::BF16, {2, 8, 128, 128}, std::vector<int>(64, 1), false}, 13);
-}
-TEST(GdnRecurrentGpu, DraftSnapshotsBf16) { run_recurrent({DType::BF16, {2, 4, 128, 128}, {8, 3, 1, 5}, true}, 14); }
-TEST(GdnRecurrentGpu, DraftSnapshotsFp16D64) { run_recurrent({DType::F16, {1, 2, 64, 64}, {4, 8}, true}, 15); }
+// clang-format off
+const std::vector<RecCase> kRecurrentCases = {
+    // ragged batches: Qwen3.5 shape; GQA group 1, d 64
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 16, .num_v_heads = 32, .head_k_dim = 128, .head_v_dim = 128},
+     .counts = {1, 3, 0, 7, 2, 1}, .seed = 11},
+    {.dtype = DType::F16, .dims = {.num_k_heads = 4, .num_v_heads = 4, .head_k_dim = 64, .head_v_dim = 64},
+     .counts = {2, 1, 5}, .seed = 12},
+    // a decode batch of 64, group 4
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 8, .head_k_dim = 128, .head_v_dim = 128},
+     .counts = std::vector<int>(64, 1), .seed = 13},
+    // draft snapshots
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+     .counts = {8, 3, 1, 5}, .drafts = true, .seed = 14},
+    {.dtype = DType::F16, .dims = {.num_k_heads = 1, .num_v_heads = 2, .head_k_dim = 64, .head_v_dim = 64},
+     .counts = {4, 8}, .drafts = true, .seed = 15},
+};
+// clang-format on
 
-TEST(GdnRecurrentGpu, VerifyCommitSwapsColumns) {
+class GdnRecurrentGpu : public ::testing::TestWithParam<RecCase> {};
+
+TEST_P(GdnRecurrentGpu, MatchesReference) { run_recurrent(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, GdnRecurrentGpu, ::testing::ValuesIn(kRecurrentCases), CaseName());
+
+TEST_F(GdnRecurrentGpu, VerifyCommitSwapsColumns) {
   std::mt19937_64 rng(16);
   const int batch = 37, T = 8;
   std::vector<int32_t> spec(batch * (T + 1)), acc(batch);
@@ -357,17 +386,28 @@ void admit_sequences(GdnCache& cache, int num_seqs, uint64_t first_id, KvOnly kv
 }
 
 struct BufCase {
-  DType dtype;
+  DType dtype = DType::BF16;
   GdnDims dims;
-  int buffer_size;
-  int block_size;
-  int kv_only_limit;  // 0: no KV-only sequences
-  int num_seqs;
-  int steps;
-  bool ragged;          // 0..3 tokens per sequence per step (buffered prefill path, max_tokens 8)
-  bool explicit_flags;  // pass the host's flags instead of the device rule
-  int tile_groups = 0;  // GdnBufferedGpuParams::tile_groups
+  int buffer_size = 0;
+  int block_size = 0;
+  int kv_only_limit = 0;  // 0: no KV-only sequences
+  int num_seqs = 0;
+  int steps = 0;
+  bool ragged = false;          // 0..3 tokens per sequence per step (buffered prefill path, max_tokens 8)
+  bool explicit_flags = false;  // pass the host's flags instead of the device rule
+  int tile_groups = 0;          // GdnBufferedGpuParams::tile_groups
+  uint64_t seed = 0;
 };
+
+std::string case_name(const BufCase& c) {
+  return dims_name(c.dtype, c.dims) + "_buf" + std::to_string(c.buffer_size) + "_block" +
+         std::to_string(c.block_size) + (c.kv_only_limit != 0 ? "_kvonly" + std::to_string(c.kv_only_limit) : "") +
+         "_seqs" + std::to_string(c.num_seqs) + "_steps" + std::to_string(c.steps) + (c.ragged ? "_ragged" : "") +
+         (c.explicit_flags ? "_explicitflags" : "") +
+         (c.tile_groups != 0 ? "_tilegroups" + std::to_string(c.tile_groups) : "");
+}
+
+void PrintTo(const BufCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
 
 /// Snapshot of the rings' capacities (a change means GdnCache::finish_step relocated a compressed KV-only ring).
 std::vector<int> capacities(GdnCache& c, const std::vector<int32_t>& slots) {
@@ -376,7 +416,8 @@ std::vector<int> capacities(GdnCache& c, const std::vector<int32_t>& slots) {
   return v;
 }
 
-void run_buffered_decode(const BufCase& bc, uint64_t seed) {
+void run_buffered_decode(const BufCase& bc) {
+  const uint64_t seed = bc.seed;
   std::mt19937_64 rng(seed);
   GdnCache cache(
       test_cache_config(bc.dtype, bc.dims, bc.num_seqs, bc.buffer_size, bc.block_size, bc.kv_only_limit));
@@ -445,38 +486,54 @@ void run_buffered_decode(const BufCase& bc, uint64_t seed) {
   EXPECT_GE(flushes, bc.num_seqs) << "too few flushes";
 }
 
-TEST(GdnChunkwiseGpu, Bf16QwenShapeL16) {
-  run_buffered_decode({DType::BF16, {16, 32, 128, 128}, 16, 16, 0, 4, 40, false, false}, 21);
-}
-TEST(GdnChunkwiseGpu, Bf16QwenShapeL16OneCtaPerHead) {
-  run_buffered_decode({DType::BF16, {16, 32, 128, 128}, 16, 16, 0, 4, 40, false, false, 4}, 41);
-}
-TEST(GdnChunkwiseGpu, KvOnlyTwoTileGroups) {
-  run_buffered_decode({DType::F16, {2, 4, 128, 128}, 16, 8, 128, 3, 140, true, false, 2}, 42);
-}
-TEST(GdnChunkwiseGpu, D64TwoTileGroups) { run_buffered_decode({DType::BF16, {2, 4, 64, 64}, 8, 8, 64, 4, 80, false, true, 2}, 43); }
-TEST(GdnChunkwiseGpu, Fp16D64L8Block4ExplicitFlags) {
-  run_buffered_decode({DType::F16, {2, 4, 64, 64}, 8, 4, 0, 5, 30, false, true}, 22);
-}
-TEST(GdnChunkwiseGpu, Bf16L64Block16Group1) {
-  run_buffered_decode({DType::BF16, {4, 4, 128, 128}, 64, 16, 0, 3, 140, false, false}, 23);
-}
-TEST(GdnChunkwiseGpu, Bf16L4Block4) { run_buffered_decode({DType::BF16, {2, 4, 128, 128}, 4, 4, 0, 6, 20, false, false}, 24); }
-TEST(GdnChunkwiseGpu, KvOnlyCompressesIntoChunkwise) {
-  // KV-only limit = d_k = 64 (the [KVB] Sec. 3.4 switch), mixed with chunkwise sequences.
-  run_buffered_decode({DType::BF16, {2, 4, 64, 64}, 16, 16, 64, 4, 90, false, false}, 25);
-}
-TEST(GdnChunkwiseGpu, KvOnlyD128Fp16) { run_buffered_decode({DType::F16, {2, 4, 128, 128}, 16, 8, 128, 3, 150, false, false}, 26); }
-TEST(GdnChunkwiseGpu, RaggedBufferedPrefill) {
-  run_buffered_decode({DType::BF16, {2, 4, 128, 128}, 16, 8, 0, 5, 40, true, false}, 27);
-}
-TEST(GdnChunkwiseGpu, RaggedKvOnlyExplicitFlags) {
-  run_buffered_decode({DType::F16, {1, 2, 64, 64}, 32, 16, 64, 4, 60, true, true}, 28);
-}
+// clang-format off
+const std::vector<BufCase> kChunkwiseCases = {
+    // Qwen3.5 shape, L = 16; and with one CTA per head (4 tile groups)
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 16, .num_v_heads = 32, .head_k_dim = 128, .head_v_dim = 128},
+     .buffer_size = 16, .block_size = 16, .num_seqs = 4, .steps = 40, .seed = 21},
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 16, .num_v_heads = 32, .head_k_dim = 128, .head_v_dim = 128},
+     .buffer_size = 16, .block_size = 16, .num_seqs = 4, .steps = 40, .tile_groups = 4, .seed = 41},
+    // two tile groups: KV-only sequences (ragged); d 64 (explicit flags)
+    {.dtype = DType::F16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+     .buffer_size = 16, .block_size = 8, .kv_only_limit = 128, .num_seqs = 3, .steps = 140, .ragged = true,
+     .tile_groups = 2, .seed = 42},
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 64, .head_v_dim = 64},
+     .buffer_size = 8, .block_size = 8, .kv_only_limit = 64, .num_seqs = 4, .steps = 80, .explicit_flags = true,
+     .tile_groups = 2, .seed = 43},
+    // L = 8, blocks of 4, explicit flags
+    {.dtype = DType::F16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 64, .head_v_dim = 64},
+     .buffer_size = 8, .block_size = 4, .num_seqs = 5, .steps = 30, .explicit_flags = true, .seed = 22},
+    // L = 64, blocks of 16, group 1
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 4, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+     .buffer_size = 64, .block_size = 16, .num_seqs = 3, .steps = 140, .seed = 23},
+    // L = 4, blocks of 4
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+     .buffer_size = 4, .block_size = 4, .num_seqs = 6, .steps = 20, .seed = 24},
+    // KV-only sequences compress into chunkwise ones: KV-only limit = d_k = 64 (the [KVB] Sec. 3.4 switch), mixed
+    // with chunkwise sequences.
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 64, .head_v_dim = 64},
+     .buffer_size = 16, .block_size = 16, .kv_only_limit = 64, .num_seqs = 4, .steps = 90, .seed = 25},
+    {.dtype = DType::F16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+     .buffer_size = 16, .block_size = 8, .kv_only_limit = 128, .num_seqs = 3, .steps = 150, .seed = 26},
+    // ragged buffered prefill
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+     .buffer_size = 16, .block_size = 8, .num_seqs = 5, .steps = 40, .ragged = true, .seed = 27},
+    // ragged, KV-only, explicit flags
+    {.dtype = DType::F16, .dims = {.num_k_heads = 1, .num_v_heads = 2, .head_k_dim = 64, .head_v_dim = 64},
+     .buffer_size = 32, .block_size = 16, .kv_only_limit = 64, .num_seqs = 4, .steps = 60, .ragged = true,
+     .explicit_flags = true, .seed = 28},
+};
+// clang-format on
+
+class GdnChunkwiseGpu : public ::testing::TestWithParam<BufCase> {};
+
+TEST_P(GdnChunkwiseGpu, MatchesReference) { run_buffered_decode(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, GdnChunkwiseGpu, ::testing::ValuesIn(kChunkwiseCases), CaseName());
 
 // A decode step captured once as a CUDA graph and replayed across several buffer cycles (flushes happen inside the
 // replays: the decision is device data), new token data copied into the same buffers before each replay.
-TEST(GdnChunkwiseGpu, CudaGraphReplayAcrossFlushes) {
+TEST_F(GdnChunkwiseGpu, CudaGraphReplayAcrossFlushes) {
   std::mt19937_64 rng(29);
   const DType t = DType::BF16;
   const GdnCacheConfig cfg = test_cache_config(t, {16, 32, 128, 128}, 5, 16, 8, 0);
@@ -552,18 +609,30 @@ TEST(GdnChunkwiseGpu, CudaGraphReplayAcrossFlushes) {
 // =====================================================================================================================
 
 struct VerifyCase {
-  DType dtype;
+  DType dtype = DType::BF16;
   GdnDims dims;
-  int max_drafts;  // T_b = max_drafts - b % max_drafts for sequence b (ragged over the batch)
-  int buffer_size;
-  int block_size;
-  int kv_only_limit;
-  int num_seqs;
-  int rounds;
+  int max_drafts = 0;  // T_b = max_drafts - b % max_drafts for sequence b (ragged over the batch)
+  int buffer_size = 0;
+  int block_size = 0;
+  int kv_only_limit = 0;  // 0: no KV-only sequences
+  int num_seqs = 0;
+  int rounds = 0;
   int tile_groups = 0;
+  uint64_t seed = 0;
 };
 
-void run_verify(const VerifyCase& vc, uint64_t seed) {
+std::string case_name(const VerifyCase& c) {
+  return dims_name(c.dtype, c.dims) + "_drafts" + std::to_string(c.max_drafts) + "_buf" +
+         std::to_string(c.buffer_size) + "_block" + std::to_string(c.block_size) +
+         (c.kv_only_limit != 0 ? "_kvonly" + std::to_string(c.kv_only_limit) : "") + "_seqs" +
+         std::to_string(c.num_seqs) + "_rounds" + std::to_string(c.rounds) +
+         (c.tile_groups != 0 ? "_tilegroups" + std::to_string(c.tile_groups) : "");
+}
+
+void PrintTo(const VerifyCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+void run_verify(const VerifyCase& vc) {
+  const uint64_t seed = vc.seed;
   std::mt19937_64 rng(seed);
   GdnCache cache(
       test_cache_config(vc.dtype, vc.dims, vc.num_seqs, vc.buffer_size, vc.block_size, vc.kv_only_limit));
@@ -635,22 +704,48 @@ void run_verify(const VerifyCase& vc, uint64_t seed) {
   EXPECT_GT(accepted_total, 0);
 }
 
-TEST(GdnParallelVerifyGpu, Bf16QwenShapeT8L16) { run_verify({DType::BF16, {16, 32, 128, 128}, 8, 16, 16, 0, 3, 30}, 31); }
-TEST(GdnParallelVerifyGpu, Bf16T8OneCtaPerHead) { run_verify({DType::BF16, {16, 32, 128, 128}, 8, 16, 16, 0, 3, 30, 4}, 36); }
-TEST(GdnParallelVerifyGpu, Fp16T4TwoTileGroupsKvOnly) { run_verify({DType::F16, {2, 4, 128, 128}, 4, 16, 8, 128, 4, 60, 2}, 37); }
-TEST(GdnParallelVerifyGpu, Fp16T4L32Block8) { run_verify({DType::F16, {2, 4, 128, 128}, 4, 32, 8, 0, 4, 40}, 32); }
-TEST(GdnParallelVerifyGpu, Bf16T2L4D64) { run_verify({DType::BF16, {2, 2, 64, 64}, 2, 4, 4, 0, 5, 40}, 33); }
-TEST(GdnParallelVerifyGpu, KvOnlyCompressionDuringSpeculation) {
-  run_verify({DType::BF16, {2, 4, 64, 64}, 8, 16, 16, 64, 4, 50}, 34);
-}
+// clang-format off
+const std::vector<VerifyCase> kParallelVerifyCases = {
+    // Qwen3.5 shape, T = 8, L = 16; and with one CTA per head (4 tile groups)
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 16, .num_v_heads = 32, .head_k_dim = 128, .head_v_dim = 128},
+     .max_drafts = 8, .buffer_size = 16, .block_size = 16, .num_seqs = 3, .rounds = 30, .seed = 31},
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 16, .num_v_heads = 32, .head_k_dim = 128, .head_v_dim = 128},
+     .max_drafts = 8, .buffer_size = 16, .block_size = 16, .num_seqs = 3, .rounds = 30, .tile_groups = 4, .seed = 36},
+    // two tile groups, KV-only
+    {.dtype = DType::F16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+     .max_drafts = 4, .buffer_size = 16, .block_size = 8, .kv_only_limit = 128, .num_seqs = 4, .rounds = 60,
+     .tile_groups = 2, .seed = 37},
+    {.dtype = DType::F16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+     .max_drafts = 4, .buffer_size = 32, .block_size = 8, .num_seqs = 4, .rounds = 40, .seed = 32},
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 2, .head_k_dim = 64, .head_v_dim = 64},
+     .max_drafts = 2, .buffer_size = 4, .block_size = 4, .num_seqs = 5, .rounds = 40, .seed = 33},
+    // KV-only compression during speculation
+    {.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 64, .head_v_dim = 64},
+     .max_drafts = 8, .buffer_size = 16, .block_size = 16, .kv_only_limit = 64, .num_seqs = 4, .rounds = 50,
+     .seed = 34},
+    // T = 1: one draft per sequence every round
+    {.dtype = DType::F16, .dims = {.num_k_heads = 4, .num_v_heads = 8, .head_k_dim = 128, .head_v_dim = 128},
+     .max_drafts = 1, .buffer_size = 8, .block_size = 8, .num_seqs = 6, .rounds = 30, .seed = 35},
+};
+// clang-format on
+
+class GdnParallelVerifyGpu : public ::testing::TestWithParam<VerifyCase> {};
+
+TEST_P(GdnParallelVerifyGpu, MatchesReference) { run_verify(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, GdnParallelVerifyGpu, ::testing::ValuesIn(kParallelVerifyCases), CaseName());
+
 // The shared-memory size of a launch grows with the ring: a longer ring after a shorter one in the same
 // instantiation (bf16, d 128, 8 tokens, one CTA per head) must launch (the limit once failed it: it was set to the
-// first launch's size).
-TEST(GdnParallelVerifyGpu, LongerRingAfterShorterRing) {
-  run_verify({DType::BF16, {2, 4, 128, 128}, 8, 16, 16, 0, 2, 30, 4}, 38);
-  run_verify({DType::BF16, {2, 4, 128, 128}, 8, 64, 16, 0, 2, 60, 4}, 39);
+// first launch's size). Two cases in this order in one test, so not in the table.
+TEST_F(GdnParallelVerifyGpu, LongerRingAfterShorterRing) {
+  run_verify({.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+              .max_drafts = 8, .buffer_size = 16, .block_size = 16, .num_seqs = 2, .rounds = 30, .tile_groups = 4,
+              .seed = 38});
+  run_verify({.dtype = DType::BF16, .dims = {.num_k_heads = 2, .num_v_heads = 4, .head_k_dim = 128, .head_v_dim = 128},
+              .max_drafts = 8, .buffer_size = 64, .block_size = 16, .num_seqs = 2, .rounds = 60, .tile_groups = 4,
+              .seed = 39});
 }
-TEST(GdnParallelVerifyGpu, Fp16T1EveryRound) { run_verify({DType::F16, {4, 8, 128, 128}, 1, 8, 8, 0, 6, 30}, 35); }
 
 // =====================================================================================================================
 // Launcher errors

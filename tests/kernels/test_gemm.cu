@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -28,11 +29,20 @@ using spade::test::to_bits;
 const char* name(DType t) { return t == DType::BF16 ? "bf16" : t == DType::F16 ? "f16" : "f32"; }
 
 struct GemmCase {
-  DType in, out;
-  int m, n, k;
-  bool bias;
+  DType in = DType::BF16, out = DType::BF16;
+  int m = 0, n = 0, k = 0;
+  bool bias = false;
   int x_offset = 0;  // elements: misaligns x (and y by the same) when > 0
+  uint64_t seed = 0;  // GemmGpu.MatchesReference's (the other tests pass run_gemm theirs)
 };
+
+std::string case_name(const GemmCase& c) {
+  return std::string(spade::test::name_dtype(c.in)) + "_to_" + spade::test::name_dtype(c.out) + "_m" +
+         std::to_string(c.m) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) + (c.bias ? "_bias" : "") +
+         (c.x_offset != 0 ? "_offset" + std::to_string(c.x_offset) : "");
+}
+
+void PrintTo(const GemmCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
 
 void check_rows(const std::vector<float>& got, const std::vector<float>& ref, int m, int n, DType out) {
   const double row_tol = out == DType::BF16 ? 4e-3 : out == DType::F16 ? 1e-3 : 2e-5;
@@ -121,38 +131,41 @@ void run_gemm(GemmRunner& runner, const GemmCase& c, uint64_t seed) {
   }
 }
 
-class GemmGpu : public ::testing::Test {
+class GemmGpu : public ::testing::TestWithParam<GemmCase> {
  protected:
   void SetUp() override { ASSERT_EQ(runner_.init(), cudaSuccess) << launch_error_detail(); }
   GemmRunner runner_;
 };
 
-TEST_F(GemmGpu, Qwen3DecodeShapesBf16) {
-  run_gemm(runner_, {DType::BF16, DType::BF16, 1, 6144, 4096, false}, 1);    // qkv
-  run_gemm(runner_, {DType::BF16, DType::BF16, 8, 4096, 4096, false}, 2);    // o_proj
-  run_gemm(runner_, {DType::BF16, DType::BF16, 8, 24576, 4096, false}, 3);   // gate_up
-  run_gemm(runner_, {DType::BF16, DType::BF16, 8, 4096, 12288, false}, 4);   // down
-  run_gemm(runner_, {DType::BF16, DType::F32, 3, 151936, 4096, false}, 5);   // LM head, fp32 logits
-}
-TEST_F(GemmGpu, Qwen3PrefillShapes) {
-  run_gemm(runner_, {DType::BF16, DType::BF16, 300, 6144, 4096, false}, 6);
-  run_gemm(runner_, {DType::F16, DType::F16, 129, 4096, 12288, false}, 7);
-  run_gemm(runner_, {DType::BF16, DType::BF16, 64, 24576, 4096, false}, 8);
-}
-TEST_F(GemmGpu, BiasQwen2Style) {
-  run_gemm(runner_, {DType::BF16, DType::BF16, 5, 1536 + 2 * 256, 1536, true}, 9);
-  run_gemm(runner_, {DType::F16, DType::F16, 17, 100, 64, true}, 10);
-  run_gemm(runner_, {DType::BF16, DType::F32, 4, 1000, 256, true}, 11);
-}
-TEST_F(GemmGpu, OddSmallShapes) {
-  run_gemm(runner_, {DType::BF16, DType::BF16, 3, 5, 37, false}, 12);
-  run_gemm(runner_, {DType::F16, DType::F16, 1, 1, 8, false}, 13);
-  run_gemm(runner_, {DType::BF16, DType::F32, 7, 33, 24, true}, 14);
-}
-TEST_F(GemmGpu, MisalignedOperands) {
-  run_gemm(runner_, {DType::BF16, DType::BF16, 4, 256, 128, false, 1}, 15);  // 2-byte aligned x and y
-  run_gemm(runner_, {DType::F16, DType::F32, 3, 64, 64, true, 3}, 16);
-}
+// clang-format off
+const std::vector<GemmCase> kGemmCases = {
+    // Qwen3 decode shapes
+    {.in = DType::BF16, .out = DType::BF16, .m = 1, .n = 6144, .k = 4096, .seed = 1},    // qkv
+    {.in = DType::BF16, .out = DType::BF16, .m = 8, .n = 4096, .k = 4096, .seed = 2},    // o_proj
+    {.in = DType::BF16, .out = DType::BF16, .m = 8, .n = 24576, .k = 4096, .seed = 3},   // gate_up
+    {.in = DType::BF16, .out = DType::BF16, .m = 8, .n = 4096, .k = 12288, .seed = 4},   // down
+    {.in = DType::BF16, .out = DType::F32, .m = 3, .n = 151936, .k = 4096, .seed = 5},   // LM head, fp32 logits
+    // Qwen3 prefill shapes
+    {.in = DType::BF16, .out = DType::BF16, .m = 300, .n = 6144, .k = 4096, .seed = 6},
+    {.in = DType::F16, .out = DType::F16, .m = 129, .n = 4096, .k = 12288, .seed = 7},
+    {.in = DType::BF16, .out = DType::BF16, .m = 64, .n = 24576, .k = 4096, .seed = 8},
+    // bias (Qwen2 style)
+    {.in = DType::BF16, .out = DType::BF16, .m = 5, .n = 1536 + 2 * 256, .k = 1536, .bias = true, .seed = 9},
+    {.in = DType::F16, .out = DType::F16, .m = 17, .n = 100, .k = 64, .bias = true, .seed = 10},
+    {.in = DType::BF16, .out = DType::F32, .m = 4, .n = 1000, .k = 256, .bias = true, .seed = 11},
+    // odd small shapes
+    {.in = DType::BF16, .out = DType::BF16, .m = 3, .n = 5, .k = 37, .seed = 12},
+    {.in = DType::F16, .out = DType::F16, .m = 1, .n = 1, .k = 8, .seed = 13},
+    {.in = DType::BF16, .out = DType::F32, .m = 7, .n = 33, .k = 24, .bias = true, .seed = 14},
+    // misaligned operands (x_offset 1: 2-byte aligned x and y)
+    {.in = DType::BF16, .out = DType::BF16, .m = 4, .n = 256, .k = 128, .x_offset = 1, .seed = 15},
+    {.in = DType::F16, .out = DType::F32, .m = 3, .n = 64, .k = 64, .bias = true, .x_offset = 3, .seed = 16},
+};
+// clang-format on
+
+TEST_P(GemmGpu, MatchesReference) { run_gemm(runner_, GetParam(), GetParam().seed); }
+
+INSTANTIATE_TEST_SUITE_P(, GemmGpu, ::testing::ValuesIn(kGemmCases), spade::test::CaseName());
 TEST_F(GemmGpu, PlanCachePerShape) {
   EXPECT_EQ(runner_.cached_plans(), 0u);
   run_gemm(runner_, {DType::BF16, DType::BF16, 2, 128, 64, false}, 17);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -150,5 +151,67 @@ inline double max_row_rel_err(const std::vector<float>& got, const std::vector<f
 inline double attention_tolerance(DType t) { return t == DType::BF16 ? 1e-2 : 4e-3; }
 
 inline const char* dtype_str(DType t) { return t == DType::BF16 ? "bf16" : "fp16"; }
+
+// ---- names of the table-driven (value-parameterized) kernel tests ----
+// Each case-driven suite is TEST_P(Suite, MatchesReference) over a table of case structs written with designated
+// initializers, instantiated with an empty prefix and CaseName:
+//   INSTANTIATE_TEST_SUITE_P(, Suite, ::testing::ValuesIn(kSuiteCases), spade::test::CaseName());
+// so a case's full name is Suite.MatchesReference/<case_name(case)>, built from the case's values (it cannot
+// disagree with them), and Suite.* still selects the whole suite (its other tests are TEST_F on the same fixture).
+// gtest allows only [A-Za-z0-9_] in these names, hence the helpers below.
+
+/// "1_17_300"; a negative value as "m1"; a run of three or more equal values as "1x64".
+inline std::string name_ints(const std::vector<int>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size();) {
+    size_t j = i;
+    while (j < v.size() && v[j] == v[i]) ++j;
+    if (!s.empty()) s += '_';
+    s += (v[i] < 0 ? "m" + std::to_string(-static_cast<long long>(v[i])) : std::to_string(v[i]));
+    if (j - i >= 3) {
+      s += 'x' + std::to_string(j - i);
+    } else {
+      j = i + 1;
+    }
+    i = j;
+  }
+  return s;
+}
+
+/// printf's %g with '.' as 'p', '-' as 'm' and no '+': 0.7 -> "0p7", 1e-05 -> "1em05", 1e+06 -> "1e06".
+inline std::string name_num(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", x);
+  std::string s;
+  for (const char* c = buf; *c != 0; ++c) {
+    if (*c == '.') {
+      s += 'p';
+    } else if (*c == '-') {
+      s += 'm';
+    } else if (*c != '+') {
+      s += *c;
+    }
+  }
+  return s;
+}
+
+/// "bf16" / "fp16" / "f32".
+inline const char* name_dtype(DType t) { return t == DType::F32 ? "f32" : dtype_str(t); }
+
+/// A case whose context reaches kLongContext tokens is long: its name starts with "Long_", which bench/run_gpu.sh's
+/// memcheck leaves out by default (SPADE_MEMCHECK_FILTER=-*Long*: the same code paths as the shorter cases, minutes
+/// under the sanitizer).
+constexpr int kLongContext = 65536;
+inline std::string long_prefix(bool is_long) { return is_long ? "Long_" : ""; }
+inline int max_of(const std::vector<int>& v) { return v.empty() ? 0 : *std::max_element(v.begin(), v.end()); }
+
+/// INSTANTIATE_TEST_SUITE_P's name generator: case_name(case), found next to the case struct (argument-dependent
+/// lookup), so every table names its cases from their values.
+struct CaseName {
+  template <typename Case>
+  std::string operator()(const ::testing::TestParamInfo<Case>& info) const {
+    return case_name(info.param);
+  }
+};
 
 }  // namespace spade::test

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -42,7 +43,24 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 
 // ---- causal conv1d ----
 
-void run_conv(DType dt, int K, bool bias, uint64_t seed) {
+struct ConvCase {
+  DType dtype = DType::BF16;
+  int kernel = 0;  // K (1: no state)
+  bool bias = false;
+  uint64_t seed = 0;
+};
+
+std::string case_name(const ConvCase& c) {
+  return std::string(spade::test::name_dtype(c.dtype)) + "_K" + std::to_string(c.kernel) + (c.bias ? "_bias" : "");
+}
+
+void PrintTo(const ConvCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+void run_conv(const ConvCase& c) {
+  const DType dt = c.dtype;
+  const int K = c.kernel;
+  const bool bias = c.bias;
+  const uint64_t seed = c.seed;
   SCOPED_TRACE(std::string(dtype_str(dt)) + " K=" + std::to_string(K) + (bias ? " bias" : ""));
   std::mt19937_64 rng(seed);
   const int C = 96, split0 = 32, split1 = 64, stride = C + 40, slots = 7;
@@ -144,12 +162,23 @@ void run_conv(DType dt, int K, bool bias, uint64_t seed) {
   }
 }
 
-TEST(CausalConv1dGpu, Bf16K4RaggedPrefillThenDecode) { run_conv(DType::BF16, 4, false, 11); }
-TEST(CausalConv1dGpu, Fp16K4WithBias) { run_conv(DType::F16, 4, true, 12); }
-TEST(CausalConv1dGpu, Bf16K8) { run_conv(DType::BF16, 8, true, 13); }
-TEST(CausalConv1dGpu, Bf16K1KeepsNoState) { run_conv(DType::BF16, 1, false, 14); }
+// clang-format off
+const std::vector<ConvCase> kCausalConv1dCases = {
+    {.dtype = DType::BF16, .kernel = 4, .seed = 11},
+    {.dtype = DType::F16, .kernel = 4, .bias = true, .seed = 12},
+    {.dtype = DType::BF16, .kernel = 8, .bias = true, .seed = 13},
+    // K = 1 keeps no state
+    {.dtype = DType::BF16, .kernel = 1, .seed = 14},
+};
+// clang-format on
 
-TEST(CausalConv1dGpu, BadParametersNameTheField) {
+class CausalConv1dGpu : public ::testing::TestWithParam<ConvCase> {};
+
+TEST_P(CausalConv1dGpu, MatchesReference) { run_conv(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, CausalConv1dGpu, ::testing::ValuesIn(kCausalConv1dCases), spade::test::CaseName());
+
+TEST_F(CausalConv1dGpu, BadParametersNameTheField) {
   CausalConv1dGpuParams p;
   p.dtype = DType::BF16;
   p.total_tokens = 1;

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <set>
 #include <string>
@@ -35,6 +36,8 @@ namespace {
 using spade::test::DevBuf;
 using spade::test::dtype_str;
 using spade::test::from_bits;
+using spade::test::name_dtype;
+using spade::test::name_ints;
 using spade::test::random_half;
 using spade::test::to_bits;
 using spade::test::to_f32;
@@ -106,32 +109,80 @@ void run_embedding(DType dt, int vocab, int hidden, std::vector<int32_t> ids, bo
   EXPECT_EQ(flag.download()[0], expect_flag ? 1 : 0);
 }
 
-TEST(EmbeddingGpu, Qwen3VocabBf16) {
+struct EmbeddingCase {
+  DType dtype = DType::BF16;
+  int vocab = 0;
+  int hidden = 0;
+  std::vector<int32_t> ids;
+  bool expect_flag = false;  // some id is out of range: its row is zero and the error flag is set
+  uint64_t seed = 0;
+};
+
+std::string case_name(const EmbeddingCase& c) {
+  return std::string(name_dtype(c.dtype)) + "_vocab" + std::to_string(c.vocab) + "_hidden" +
+         std::to_string(c.hidden) +
+         (c.ids.size() <= 8 ? "_ids" + name_ints(c.ids) : "_tokens" + std::to_string(c.ids.size())) +
+         (c.expect_flag ? "_flagged" : "");
+}
+
+void PrintTo(const EmbeddingCase& c, std::ostream* os) {
+  *os << case_name(c) << " ids=" << name_ints(c.ids) << " seed=" << c.seed;
+}
+
+/// Qwen3 ids: the first and last of the vocabulary, a repeat, <|endoftext|> and 31 random ones.
+std::vector<int32_t> qwen3_ids() {
   std::vector<int32_t> ids = {0, kVocab - 1, 17, 17, 151643, 99999};
   std::mt19937_64 rng(5);
   for (int i = 0; i < 31; ++i) ids.push_back(static_cast<int32_t>(rng() % kVocab));
-  run_embedding(DType::BF16, kVocab, kHidden, ids, false, 1);
+  return ids;
 }
-TEST(EmbeddingGpu, OddHiddenFp16) { run_embedding(DType::F16, 1000, 100, {3, 999, 0, 500, 3}, false, 2); }
-TEST(EmbeddingGpu, OutOfRangeIdsGiveZeroRowsAndFlag) {
-  run_embedding(DType::BF16, 1000, 64, {5, -1, 1000, INT_MAX, INT_MIN, 999}, true, 3);
-  run_embedding(DType::F16, 77, 33, {76, 77, 0}, true, 4);
+
+// clang-format off
+const std::vector<EmbeddingCase> kEmbeddingCases = {
+    {.dtype = DType::BF16, .vocab = kVocab, .hidden = kHidden, .ids = qwen3_ids(), .seed = 1},
+    // odd hidden
+    {.dtype = DType::F16, .vocab = 1000, .hidden = 100, .ids = {3, 999, 0, 500, 3}, .seed = 2},
+    // out-of-range ids give zero rows and the flag
+    {.dtype = DType::BF16, .vocab = 1000, .hidden = 64, .ids = {5, -1, 1000, INT_MAX, INT_MIN, 999},
+     .expect_flag = true, .seed = 3},
+    {.dtype = DType::F16, .vocab = 77, .hidden = 33, .ids = {76, 77, 0}, .expect_flag = true, .seed = 4},
+};
+// clang-format on
+
+class EmbeddingGpu : public ::testing::TestWithParam<EmbeddingCase> {};
+
+TEST_P(EmbeddingGpu, MatchesReference) {
+  const EmbeddingCase& c = GetParam();
+  run_embedding(c.dtype, c.vocab, c.hidden, c.ids, c.expect_flag, c.seed);
 }
+
+INSTANTIATE_TEST_SUITE_P(, EmbeddingGpu, ::testing::ValuesIn(kEmbeddingCases), spade::test::CaseName());
 
 // =====================================================================================================================
 // RMSNorm
 // =====================================================================================================================
 
 struct NormCase {
-  DType dt;
-  int rows, dim;
-  bool w_f32, unit_offset;
-  int residual;  // 0 none, 1 same dtype, 2 fp32
-  int x_stride;  // 0 = dim
-  bool in_place;
+  DType dt = DType::BF16;
+  int rows = 0, dim = 0;
+  bool w_f32 = false, unit_offset = false;
+  int residual = 0;  // 0 none, 1 same dtype, 2 fp32
+  int x_stride = 0;  // 0 = dim
+  bool in_place = false;
+  uint64_t seed = 0;
 };
 
-void run_rmsnorm(const NormCase& c, uint64_t seed) {
+std::string case_name(const NormCase& c) {
+  return std::string(name_dtype(c.dt)) + "_rows" + std::to_string(c.rows) + "_dim" + std::to_string(c.dim) +
+         (c.w_f32 ? "_weightf32" : "") + (c.unit_offset ? "_unitoffset" : "") +
+         (c.residual == 1 ? "_residual" : c.residual == 2 ? "_residualf32" : "") +
+         (c.x_stride != 0 ? "_stride" + std::to_string(c.x_stride) : "") + (c.in_place ? "_inplace" : "");
+}
+
+void PrintTo(const NormCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+void run_rmsnorm(const NormCase& c) {
+  const uint64_t seed = c.seed;
   SCOPED_TRACE(std::string(dtype_str(c.dt)) + " rows=" + std::to_string(c.rows) + " dim=" + std::to_string(c.dim) +
                " w_f32=" + std::to_string(c.w_f32) + " offset=" + std::to_string(c.unit_offset) +
                " residual=" + std::to_string(c.residual) + " stride=" + std::to_string(c.x_stride) +
@@ -237,24 +288,34 @@ void run_rmsnorm(const NormCase& c, uint64_t seed) {
   }
 }
 
-TEST(RmsNormGpu, Qwen3HiddenBf16) { run_rmsnorm({DType::BF16, 7, kHidden, false, false, 0, 0, false}, 10); }
-TEST(RmsNormGpu, Qwen3HiddenFp16WeightF32) { run_rmsnorm({DType::F16, 33, kHidden, true, false, 0, 0, false}, 11); }
-TEST(RmsNormGpu, FusedResidualSameDtype) { run_rmsnorm({DType::BF16, 9, kHidden, false, false, 1, 0, false}, 12); }
-TEST(RmsNormGpu, FusedResidualF32) { run_rmsnorm({DType::F16, 5, kHidden, false, false, 2, 0, false}, 13); }
-TEST(RmsNormGpu, UnitOffsetQwen35) {
-  run_rmsnorm({DType::BF16, 4, 2048, false, true, 1, 0, false}, 14);
-  run_rmsnorm({DType::F16, 3, 1024, true, true, 2, 0, false}, 15);
-}
-TEST(RmsNormGpu, OddDimsScalarPath) {
-  run_rmsnorm({DType::BF16, 3, 100, false, false, 0, 0, false}, 16);
-  run_rmsnorm({DType::F16, 1, 1, false, false, 1, 0, false}, 17);
-  run_rmsnorm({DType::BF16, 2, 37, true, true, 2, 0, false}, 18);
-}
-TEST(RmsNormGpu, InPlaceStrided) {
-  run_rmsnorm({DType::BF16, 6, 512, false, false, 0, 520, true}, 19);  // stride % 8 == 0: vector path
-  run_rmsnorm({DType::F16, 4, 96, false, false, 0, 101, true}, 20);    // odd stride: scalar path
-}
-TEST(RmsNormGpu, ManyRows) { run_rmsnorm({DType::BF16, 2048, kHidden, false, false, 1, 0, false}, 21); }
+// clang-format off
+const std::vector<NormCase> kRmsNormCases = {
+    // Qwen3 hidden
+    {.dt = DType::BF16, .rows = 7, .dim = kHidden, .seed = 10},
+    {.dt = DType::F16, .rows = 33, .dim = kHidden, .w_f32 = true, .seed = 11},
+    // fused residual (same dtype, fp32)
+    {.dt = DType::BF16, .rows = 9, .dim = kHidden, .residual = 1, .seed = 12},
+    {.dt = DType::F16, .rows = 5, .dim = kHidden, .residual = 2, .seed = 13},
+    // unit offset (Qwen3.5's (1 + w))
+    {.dt = DType::BF16, .rows = 4, .dim = 2048, .unit_offset = true, .residual = 1, .seed = 14},
+    {.dt = DType::F16, .rows = 3, .dim = 1024, .w_f32 = true, .unit_offset = true, .residual = 2, .seed = 15},
+    // odd dims: the scalar path
+    {.dt = DType::BF16, .rows = 3, .dim = 100, .seed = 16},
+    {.dt = DType::F16, .rows = 1, .dim = 1, .residual = 1, .seed = 17},
+    {.dt = DType::BF16, .rows = 2, .dim = 37, .w_f32 = true, .unit_offset = true, .residual = 2, .seed = 18},
+    // in place, strided: stride % 8 == 0 (the vector path), odd stride (the scalar path)
+    {.dt = DType::BF16, .rows = 6, .dim = 512, .x_stride = 520, .in_place = true, .seed = 19},
+    {.dt = DType::F16, .rows = 4, .dim = 96, .x_stride = 101, .in_place = true, .seed = 20},
+    // many rows
+    {.dt = DType::BF16, .rows = 2048, .dim = kHidden, .residual = 1, .seed = 21},
+};
+// clang-format on
+
+class RmsNormGpu : public ::testing::TestWithParam<NormCase> {};
+
+TEST_P(RmsNormGpu, MatchesReference) { run_rmsnorm(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, RmsNormGpu, ::testing::ValuesIn(kRmsNormCases), spade::test::CaseName());
 
 // Per-head RMSNorm over the q part of a fused qkv row (Qwen3 q_norm), in place and out of place.
 void run_rmsnorm_heads(DType dt, int tokens, int heads, int D, int stride, bool in_place, bool w_f32, bool offset,
@@ -321,30 +382,92 @@ void run_rmsnorm_heads(DType dt, int tokens, int heads, int D, int stride, bool 
   }
 }
 
-TEST(RmsNormHeadsGpu, Qwen3QNormInQkvRow) {
-  run_rmsnorm_heads(DType::BF16, 13, kHq, kD, (kHq + 2 * kHkv) * kD, true, false, false, 30);
+struct NormHeadsCase {
+  DType dt = DType::BF16;
+  int tokens = 0;
+  int heads = 0;
+  int head_dim = 0;
+  int token_stride = 0;
+  bool in_place = false;
+  bool w_f32 = false;
+  bool unit_offset = false;
+  uint64_t seed = 0;
+};
+
+std::string case_name(const NormHeadsCase& c) {
+  return std::string(name_dtype(c.dt)) + "_tokens" + std::to_string(c.tokens) + "_heads" + std::to_string(c.heads) +
+         "_D" + std::to_string(c.head_dim) + "_stride" + std::to_string(c.token_stride) +
+         (c.in_place ? "_inplace" : "") + (c.w_f32 ? "_weightf32" : "") + (c.unit_offset ? "_unitoffset" : "");
 }
-TEST(RmsNormHeadsGpu, Fp16OutOfPlaceF32Weights) { run_rmsnorm_heads(DType::F16, 5, 8, 64, 8 * 64, false, true, false, 31); }
-TEST(RmsNormHeadsGpu, HeadDim256UnitOffset) { run_rmsnorm_heads(DType::BF16, 3, 4, 256, 4 * 256 + 40, true, false, true, 32); }
-TEST(RmsNormHeadsGpu, OddHeadDim) { run_rmsnorm_heads(DType::F16, 4, 3, 50, 3 * 50, false, false, false, 33); }
+
+void PrintTo(const NormHeadsCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+// clang-format off
+const std::vector<NormHeadsCase> kRmsNormHeadsCases = {
+    // Qwen3 q_norm in place in the qkv row
+    {.dt = DType::BF16, .tokens = 13, .heads = kHq, .head_dim = kD, .token_stride = (kHq + 2 * kHkv) * kD,
+     .in_place = true, .seed = 30},
+    {.dt = DType::F16, .tokens = 5, .heads = 8, .head_dim = 64, .token_stride = 8 * 64, .w_f32 = true, .seed = 31},
+    {.dt = DType::BF16, .tokens = 3, .heads = 4, .head_dim = 256, .token_stride = 4 * 256 + 40, .in_place = true,
+     .unit_offset = true, .seed = 32},
+    // odd head dim
+    {.dt = DType::F16, .tokens = 4, .heads = 3, .head_dim = 50, .token_stride = 3 * 50, .seed = 33},
+};
+// clang-format on
+
+class RmsNormHeadsGpu : public ::testing::TestWithParam<NormHeadsCase> {};
+
+TEST_P(RmsNormHeadsGpu, MatchesReference) {
+  const NormHeadsCase& c = GetParam();
+  run_rmsnorm_heads(c.dt, c.tokens, c.heads, c.head_dim, c.token_stride, c.in_place, c.w_f32, c.unit_offset, c.seed);
+}
+
+INSTANTIATE_TEST_SUITE_P(, RmsNormHeadsGpu, ::testing::ValuesIn(kRmsNormHeadsCases), spade::test::CaseName());
 
 // =====================================================================================================================
 // q/k norm + RoPE + KV append
 // =====================================================================================================================
 
 struct RopeCase {
-  DType dt;
-  int hq, hkv, D, rot;
-  double theta;
-  bool qk_norm, norm_f32, unit_offset;
-  int extra_cols;  // columns after v in each qkv row (e.g. Qwen3.5's gate)
-  int page_size;
+  DType dt = DType::BF16;
+  int hq = 0, hkv = 0, D = 0, rot = 0;
+  double theta = 0.0;
+  bool qk_norm = false, norm_f32 = false, unit_offset = false;
+  int extra_cols = 0;  // columns after v in each qkv row (e.g. Qwen3.5's gate)
+  int page_size = 0;
   std::vector<std::vector<int>> seq_positions;  // per sequence: positions of its tokens in this batch
-  int context;  // positions in the block table per sequence (>= max position + 1)
+  int context = 0;  // positions in the block table per sequence (>= max position + 1)
   bool row_out = false;  // also write each token's processed q | k | v row (the disaggregated path's send rows)
+  uint64_t seed = 0;
 };
 
-void run_rope(const RopeCase& c, uint64_t seed) {
+/// Positions of the sequences, "_" between sequences, consecutive runs as "<first>to<last>": "0to36_131071".
+std::string positions_name(const std::vector<std::vector<int>>& seqs) {
+  std::string s;
+  for (const std::vector<int>& p : seqs) {
+    for (size_t i = 0; i < p.size();) {
+      size_t j = i + 1;
+      while (j < p.size() && p[j] == p[j - 1] + 1) ++j;
+      s += (s.empty() ? "" : "_") + name_ints({p[i]});
+      if (j - i >= 2) s += "to" + name_ints({p[j - 1]});
+      i = j;
+    }
+  }
+  return s;
+}
+
+std::string case_name(const RopeCase& c) {
+  return std::string(name_dtype(c.dt)) + "_hq" + std::to_string(c.hq) + "_hkv" + std::to_string(c.hkv) + "_D" +
+         std::to_string(c.D) + "_rot" + std::to_string(c.rot) + "_theta" + spade::test::name_num(c.theta) +
+         (c.qk_norm ? "_qknorm" : "") + (c.norm_f32 ? "_normf32" : "") + (c.unit_offset ? "_unitoffset" : "") +
+         (c.extra_cols != 0 ? "_extra" + std::to_string(c.extra_cols) : "") + "_page" + std::to_string(c.page_size) +
+         "_pos" + positions_name(c.seq_positions) + "_ctx" + std::to_string(c.context) + (c.row_out ? "_rowout" : "");
+}
+
+void PrintTo(const RopeCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+void run_rope(const RopeCase& c) {
+  const uint64_t seed = c.seed;
   SCOPED_TRACE(std::string(dtype_str(c.dt)) + " hq=" + std::to_string(c.hq) + " hkv=" + std::to_string(c.hkv) +
                " D=" + std::to_string(c.D) + " rot=" + std::to_string(c.rot) + " theta=" + std::to_string(c.theta) +
                " norm=" + std::to_string(c.qk_norm) + " ps=" + std::to_string(c.page_size));
@@ -561,43 +684,43 @@ std::vector<int> range(int a, int b) {
   return v;
 }
 
-TEST(RopeKvAppendGpu, Qwen3PrefillAndDecodeBf16) {
-  // A prefill chunk (positions 0..36), two decode tokens deep into long contexts (incl. 131071) and one mid-way.
-  run_rope({DType::BF16, kHq, kHkv, kD, kD, 1e6, true, false, false, 0, 16,
-            {range(0, 37), {131071}, {40959}, {70000, 70001, 70002}}, 131072},
-           40);
-}
-TEST(RopeKvAppendGpu, Qwen3Fp16NormF32Page32) {
-  run_rope({DType::F16, kHq, kHkv, kD, kD, 1e6, true, true, false, 0, 32, {range(100, 140), {4095}, {131000}}, 131072},
-           41);
-}
-TEST(RopeKvAppendGpu, Qwen35PartialRotaryGateColumnsUnitOffset) {
-  // Qwen3.5 full-attention layers: head_dim 256, rotary 64 (partial_rotary_factor 0.25), theta 1e7, (1 + w) norms,
-  // the output gate after v in each row.
-  run_rope({DType::BF16, 16, 2, 256, 64, 1e7, true, false, true, 16 * 256, 16, {range(0, 20), {65536}, {262143}},
-            262144},
-           42);
-}
-// The disaggregated path: the inference rank's append also writes the processed rows it ships; the cache rank
-// appends those rows again without norms or rotation (rot_dim 0), which must reproduce its caches bit for bit.
-TEST(RopeKvAppendGpu, RowOutAndPlainAppendOfShippedRows) {
-  RopeCase c{DType::BF16, 8, 2, 128, 128, 1e6, true, false, false, 0, 16, {range(0, 21), {300}, {77}}, 512};
-  c.row_out = true;
-  run_rope(c, 45);
-  RopeCase plain{DType::F16, 4, 4, 64, 0, 1e4, false, false, false, 0, 32, {range(5, 40), {2}}, 64};
-  plain.row_out = true;
-  run_rope(plain, 46);  // rot_dim 0 and no norms: a plain copy (rope_ref with rot 0 is the identity)
-}
+// clang-format off
+const std::vector<RopeCase> kRopeKvAppendCases = {
+    // Qwen3: a prefill chunk (positions 0..36), two decode tokens deep into long contexts (incl. 131071) and one
+    // mid-way.
+    {.dt = DType::BF16, .hq = kHq, .hkv = kHkv, .D = kD, .rot = kD, .theta = 1e6, .qk_norm = true, .page_size = 16,
+     .seq_positions = {range(0, 37), {131071}, {40959}, {70000, 70001, 70002}}, .context = 131072, .seed = 40},
+    {.dt = DType::F16, .hq = kHq, .hkv = kHkv, .D = kD, .rot = kD, .theta = 1e6, .qk_norm = true, .norm_f32 = true,
+     .page_size = 32, .seq_positions = {range(100, 140), {4095}, {131000}}, .context = 131072, .seed = 41},
+    // Qwen3.5 full-attention layers: head_dim 256, rotary 64 (partial_rotary_factor 0.25), theta 1e7, (1 + w) norms,
+    // the output gate after v in each row.
+    {.dt = DType::BF16, .hq = 16, .hkv = 2, .D = 256, .rot = 64, .theta = 1e7, .qk_norm = true, .unit_offset = true,
+     .extra_cols = 16 * 256, .page_size = 16, .seq_positions = {range(0, 20), {65536}, {262143}}, .context = 262144,
+     .seed = 42},
+    // The disaggregated path: the inference rank's append also writes the processed rows it ships; the cache rank
+    // appends those rows again without norms or rotation (rot_dim 0), which must reproduce its caches bit for bit.
+    {.dt = DType::BF16, .hq = 8, .hkv = 2, .D = 128, .rot = 128, .theta = 1e6, .qk_norm = true, .page_size = 16,
+     .seq_positions = {range(0, 21), {300}, {77}}, .context = 512, .row_out = true, .seed = 45},
+    // rot_dim 0 and no norms: a plain copy (rope_ref with rot 0 is the identity)
+    {.dt = DType::F16, .hq = 4, .hkv = 4, .D = 64, .rot = 0, .theta = 1e4, .page_size = 32,
+     .seq_positions = {range(5, 40), {2}}, .context = 64, .row_out = true, .seed = 46},
+    // Llama: no norms, GQA group 1, head_dim 64
+    {.dt = DType::F16, .hq = 4, .hkv = 4, .D = 64, .rot = 64, .theta = 5e5, .page_size = 64,
+     .seq_positions = {range(7, 200), {1}, {0}}, .context = 8192, .seed = 43},
+    // odd small
+    {.dt = DType::BF16, .hq = 6, .hkv = 3, .D = 10, .rot = 6, .theta = 10000.0, .qk_norm = true, .extra_cols = 3,
+     .page_size = 1, .seq_positions = {{0, 1, 2}, {5}}, .context = 8, .seed = 44},
+};
+// clang-format on
 
-TEST(RopeKvAppendGpu, LlamaNoNormGroup1Head64) {
-  run_rope({DType::F16, 4, 4, 64, 64, 5e5, false, false, false, 0, 64, {range(7, 200), {1}, {0}}, 8192}, 43);
-}
-TEST(RopeKvAppendGpu, OddSmall) {
-  run_rope({DType::BF16, 6, 3, 10, 6, 10000.0, true, false, false, 3, 1, {{0, 1, 2}, {5}}, 8}, 44);
-}
+class RopeKvAppendGpu : public ::testing::TestWithParam<RopeCase> {};
+
+TEST_P(RopeKvAppendGpu, MatchesReference) { run_rope(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, RopeKvAppendGpu, ::testing::ValuesIn(kRopeKvAppendCases), spade::test::CaseName());
 
 // Padding (page -1) and invalid slots: no KV write, flag only for the invalid ones; q_out still written.
-TEST(RopeKvAppendGpu, PaddingAndInvalidSlots) {
+TEST_F(RopeKvAppendGpu, PaddingAndInvalidSlots) {
   const DType dt = DType::BF16;
   const int hq = 2, hkv = 1, D = 8, stride = (hq + 2 * hkv) * D, ps = 4, max_pages = 2, num_pages = 3, batch = 2;
   std::mt19937_64 rng(45);
@@ -694,14 +817,45 @@ void run_swiglu(DType dt, int rows, int inter, int gu_stride, int out_stride, ui
     for (int i = inter; i < os; ++i) ASSERT_EQ(ob[static_cast<size_t>(r) * os + i], 0xFFFF);
 }
 
-TEST(SwigluGpu, Qwen3InterBf16) { run_swiglu(DType::BF16, 7, kInter, 0, 0, 50); }
-TEST(SwigluGpu, Qwen3InterFp16ManyRows) { run_swiglu(DType::F16, 300, kInter, 0, 0, 51); }
-TEST(SwigluGpu, OddSizesScalarPath) {
-  run_swiglu(DType::BF16, 3, 100, 0, 0, 52);
-  run_swiglu(DType::F16, 5, 17, 40, 19, 53);
-  run_swiglu(DType::BF16, 1, 1, 0, 0, 54);
+struct SwigluCase {
+  DType dt = DType::BF16;
+  int rows = 0;
+  int inter = 0;
+  int gate_up_stride = 0;  // 0 = 2 * inter
+  int out_stride = 0;      // 0 = inter
+  uint64_t seed = 0;
+};
+
+std::string case_name(const SwigluCase& c) {
+  return std::string(name_dtype(c.dt)) + "_rows" + std::to_string(c.rows) + "_inter" + std::to_string(c.inter) +
+         (c.gate_up_stride != 0 ? "_gustride" + std::to_string(c.gate_up_stride) : "") +
+         (c.out_stride != 0 ? "_outstride" + std::to_string(c.out_stride) : "");
 }
-TEST(SwigluGpu, StridedVectorPath) { run_swiglu(DType::BF16, 4, 256, 528, 264, 55); }
+
+void PrintTo(const SwigluCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+// clang-format off
+const std::vector<SwigluCase> kSwigluCases = {
+    // Qwen3 inter
+    {.dt = DType::BF16, .rows = 7, .inter = kInter, .seed = 50},
+    {.dt = DType::F16, .rows = 300, .inter = kInter, .seed = 51},
+    // odd sizes: the scalar path
+    {.dt = DType::BF16, .rows = 3, .inter = 100, .seed = 52},
+    {.dt = DType::F16, .rows = 5, .inter = 17, .gate_up_stride = 40, .out_stride = 19, .seed = 53},
+    {.dt = DType::BF16, .rows = 1, .inter = 1, .seed = 54},
+    // strided, the vector path
+    {.dt = DType::BF16, .rows = 4, .inter = 256, .gate_up_stride = 528, .out_stride = 264, .seed = 55},
+};
+// clang-format on
+
+class SwigluGpu : public ::testing::TestWithParam<SwigluCase> {};
+
+TEST_P(SwigluGpu, MatchesReference) {
+  const SwigluCase& c = GetParam();
+  run_swiglu(c.dt, c.rows, c.inter, c.gate_up_stride, c.out_stride, c.seed);
+}
+
+INSTANTIATE_TEST_SUITE_P(, SwigluGpu, ::testing::ValuesIn(kSwigluCases), spade::test::CaseName());
 
 // =====================================================================================================================
 // Sampling
@@ -771,18 +925,47 @@ void run_argmax(DType lt, int rows, int vocab, int stride, int pattern, uint64_t
   for (int r = 0; r < rows; ++r) EXPECT_EQ(got[r], argmax_ref(L.row(r), vocab)) << "row " << r;
 }
 
-TEST(ArgmaxGpu, Qwen3VocabAllDtypes) {
-  run_argmax(DType::F32, 9, kVocab, kVocab, 0, 60);
-  run_argmax(DType::BF16, 9, kVocab, kVocab, 1, 61);  // bf16 of 0.25-multiples: many exact ties
-  run_argmax(DType::F16, 4, kVocab, kVocab, 0, 62);
+struct ArgmaxCase {
+  DType logits_dtype = DType::F32;
+  int rows = 0;
+  int vocab = 0;
+  int stride = 0;
+  int pattern = 0;  // make_logits: 0 Gaussian, 1 multiples of 0.25 (ties), 2 with NaN / -inf entries
+  uint64_t seed = 0;
+};
+
+std::string case_name(const ArgmaxCase& c) {
+  static const char* const kPattern[] = {"gaussian", "ties", "naninf"};
+  return std::string(name_dtype(c.logits_dtype)) + "_rows" + std::to_string(c.rows) + "_vocab" +
+         std::to_string(c.vocab) + "_stride" + std::to_string(c.stride) + "_" + kPattern[c.pattern];
 }
-TEST(ArgmaxGpu, OddVocabStridesNanAndTies) {
-  run_argmax(DType::F32, 5, 1, 1, 0, 63);
-  run_argmax(DType::F32, 6, 33333, 33335, 2, 64);  // stride not a multiple of 4: scalar path
-  run_argmax(DType::BF16, 3, 7, 9, 1, 65);
-  run_argmax(DType::F16, 2, 1000, 1000, 2, 66);
+
+void PrintTo(const ArgmaxCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+// clang-format off
+const std::vector<ArgmaxCase> kArgmaxCases = {
+    // Qwen3 vocab, every logits dtype (bf16 of 0.25-multiples: many exact ties)
+    {.logits_dtype = DType::F32, .rows = 9, .vocab = kVocab, .stride = kVocab, .pattern = 0, .seed = 60},
+    {.logits_dtype = DType::BF16, .rows = 9, .vocab = kVocab, .stride = kVocab, .pattern = 1, .seed = 61},
+    {.logits_dtype = DType::F16, .rows = 4, .vocab = kVocab, .stride = kVocab, .pattern = 0, .seed = 62},
+    // odd vocabularies and strides (33335: not a multiple of 4, the scalar path), NaN and ties
+    {.logits_dtype = DType::F32, .rows = 5, .vocab = 1, .stride = 1, .pattern = 0, .seed = 63},
+    {.logits_dtype = DType::F32, .rows = 6, .vocab = 33333, .stride = 33335, .pattern = 2, .seed = 64},
+    {.logits_dtype = DType::BF16, .rows = 3, .vocab = 7, .stride = 9, .pattern = 1, .seed = 65},
+    {.logits_dtype = DType::F16, .rows = 2, .vocab = 1000, .stride = 1000, .pattern = 2, .seed = 66},
+};
+// clang-format on
+
+class ArgmaxGpu : public ::testing::TestWithParam<ArgmaxCase> {};
+
+TEST_P(ArgmaxGpu, MatchesReference) {
+  const ArgmaxCase& c = GetParam();
+  run_argmax(c.logits_dtype, c.rows, c.vocab, c.stride, c.pattern, c.seed);
 }
-TEST(ArgmaxGpu, AllNegInfOrNanRowGivesZero) {
+
+INSTANTIATE_TEST_SUITE_P(, ArgmaxGpu, ::testing::ValuesIn(kArgmaxCases), spade::test::CaseName());
+
+TEST_F(ArgmaxGpu, AllNegInfOrNanRowGivesZero) {
   const float ninf = -std::numeric_limits<float>::infinity();
   std::vector<float> l = {ninf, std::nanf(""), ninf, ninf, std::nanf(""), -0.f, 0.f, ninf};
   DevBuf<float> d;

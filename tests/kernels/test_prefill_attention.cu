@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -22,17 +23,34 @@ using spade::test::DevBuf;
 using spade::test::PagedCache;
 
 struct PrefillCase {
-  DType dtype;
-  int head_dim;
-  int page_size;
-  int num_q_heads;
-  int num_kv_heads;
-  std::vector<int> q_lens;
-  std::vector<int> seq_lens;
+  DType dtype = DType::BF16;
+  int head_dim = 128;
+  int page_size = 16;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  std::vector<int> q_lens;    // query tokens per sequence (the chunk)
+  std::vector<int> seq_lens;  // context per sequence, the chunk included
   std::vector<int32_t> skip = {};  // optional [batch]: nonzero = skipped (its pages are then dropped: -1)
+  uint64_t seed = 0;
 };
 
-void run_prefill(const PrefillCase& c, uint64_t seed) {
+/// A chunk of this many query tokens or more makes a case long (its name starts with "Long_": bench/run_gpu.sh's
+/// memcheck leaves those out by default).
+constexpr int kLongPrefillChunk = 1024;
+
+std::string case_name(const PrefillCase& c) {
+  using spade::test::name_ints;
+  return spade::test::long_prefix(spade::test::max_of(c.q_lens) >= kLongPrefillChunk) +
+         spade::test::name_dtype(c.dtype) + "_D" + std::to_string(c.head_dim) + "_page" +
+         std::to_string(c.page_size) + "_hkv" + std::to_string(c.num_kv_heads) + "_group" +
+         std::to_string(c.num_q_heads / c.num_kv_heads) + "_qlens" + name_ints(c.q_lens) + "_seqlens" +
+         name_ints(c.seq_lens) + (c.skip.empty() ? "" : "_skip" + name_ints(c.skip));
+}
+
+void PrintTo(const PrefillCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+void run_prefill(const PrefillCase& c) {
+  const uint64_t seed = c.seed;
   SCOPED_TRACE(std::string(spade::test::dtype_str(c.dtype)) + " D=" + std::to_string(c.head_dim) +
                " ps=" + std::to_string(c.page_size) + " hq=" + std::to_string(c.num_q_heads) +
                " hkv=" + std::to_string(c.num_kv_heads));
@@ -148,21 +166,35 @@ void run_prefill(const PrefillCase& c, uint64_t seed) {
   }
 }
 
-TEST(PagedPrefillGpu, RaggedBf16D128Page16Group4) {
-  run_prefill({DType::BF16, 128, 16, 8, 2, {1, 37, 300, 129}, {1, 100, 300, 1000}}, 41);
-}
-TEST(PagedPrefillGpu, Fp16D64Page32Group8) { run_prefill({DType::F16, 64, 32, 16, 2, {65, 200}, {65, 777}}, 42); }
-TEST(PagedPrefillGpu, Bf16D256Page64Group1) { run_prefill({DType::BF16, 256, 64, 2, 2, {100, 3}, {260, 3}}, 43); }
-TEST(PagedPrefillGpu, Fp16D128Page64Group1) { run_prefill({DType::F16, 128, 64, 4, 4, {513}, {513}}, 44); }
-TEST(PagedPrefillGpu, LongBf16D128Page16Group4) { run_prefill({DType::BF16, 128, 16, 4, 1, {1024}, {3000}}, 45); }
-// A mixed step: sequences 0 and 3 are sparse decode rows (one query each, served by the packed decode kernel, their
-// pages before the last one dropped), 1 and 4 prefill chunks, 2 a dense decode row.
-TEST(PagedPrefillGpu, SkipsTheSparseDecodeRowsOfAMixedStep) {
-  run_prefill({DType::BF16, 128, 16, 8, 2, {1, 100, 1, 1, 37}, {2000, 300, 77, 500, 37}, {1, 0, 0, 1, 0}}, 46);
-}
-TEST(PagedPrefillGpu, Fp16D64EverySequenceSkipped) {
-  run_prefill({DType::F16, 64, 32, 16, 2, {1, 1}, {900, 33}, {1, 1}}, 47);
-}
+// clang-format off
+const std::vector<PrefillCase> kPagedPrefillCases = {
+    // ragged batch: single-token rows, chunks (q_len < seq_len), whole prompts
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 8, .num_kv_heads = 2,
+     .q_lens = {1, 37, 300, 129}, .seq_lens = {1, 100, 300, 1000}, .seed = 41},
+    {.dtype = DType::F16, .head_dim = 64, .page_size = 32, .num_q_heads = 16, .num_kv_heads = 2,
+     .q_lens = {65, 200}, .seq_lens = {65, 777}, .seed = 42},
+    {.dtype = DType::BF16, .head_dim = 256, .page_size = 64, .num_q_heads = 2, .num_kv_heads = 2,
+     .q_lens = {100, 3}, .seq_lens = {260, 3}, .seed = 43},
+    {.dtype = DType::F16, .head_dim = 128, .page_size = 64, .num_q_heads = 4, .num_kv_heads = 4,
+     .q_lens = {513}, .seq_lens = {513}, .seed = 44},
+    // a long chunk (name starts with "Long_")
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 4, .num_kv_heads = 1,
+     .q_lens = {1024}, .seq_lens = {3000}, .seed = 45},
+    // A mixed step: sequences 0 and 3 are sparse decode rows (one query each, served by the packed decode kernel,
+    // their pages before the last one dropped), 1 and 4 prefill chunks, 2 a dense decode row.
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 8, .num_kv_heads = 2,
+     .q_lens = {1, 100, 1, 1, 37}, .seq_lens = {2000, 300, 77, 500, 37}, .skip = {1, 0, 0, 1, 0}, .seed = 46},
+    // every sequence skipped
+    {.dtype = DType::F16, .head_dim = 64, .page_size = 32, .num_q_heads = 16, .num_kv_heads = 2,
+     .q_lens = {1, 1}, .seq_lens = {900, 33}, .skip = {1, 1}, .seed = 47},
+};
+// clang-format on
+
+class PagedPrefillGpu : public ::testing::TestWithParam<PrefillCase> {};
+
+TEST_P(PagedPrefillGpu, MatchesReference) { run_prefill(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(, PagedPrefillGpu, ::testing::ValuesIn(kPagedPrefillCases), spade::test::CaseName());
 
 }  // namespace
 }  // namespace spade::kernels

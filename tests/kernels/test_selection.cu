@@ -21,7 +21,18 @@ namespace spade::kernels {
 namespace {
 
 using spade::test::DevBuf;
+using spade::test::name_dtype;
+using spade::test::name_ints;
 using spade::test::PagedCache;
+
+/// The exponent form of an eps in a test name: 1e-3 -> "1em03".
+std::string eps_name(float eps) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.0e", static_cast<double>(eps));
+  std::string e = buf;
+  for (char& ch : e) ch = ch == '-' ? 'm' : (ch == '+' ? 'p' : ch);
+  return e;
+}
 
 // ---- predictor ----
 
@@ -111,22 +122,66 @@ void run_predict(PredictorKind kind, DType wdtype, int D, int heads, const std::
   }
 }
 
-TEST(PredictGpu, F32D128FullAndPartialWindows) {
-  run_predict(PredictorKind::kPaper, DType::F32, 128, 5, {33, 17, 2, 1, 0}, 33, 32, 1e-3f, false, 51);
+struct PredictRunCase {
+  PredictorKind kind = PredictorKind::kPaper;
+  DType window_dtype = DType::BF16;
+  int head_dim = 128;
+  int heads = 0;
+  std::vector<int> lens;  // window length per sequence
+  int capacity = 0;       // window capacity
+  int max_regressors = 0;
+  float eps = 0.f;
+  bool constant_rows = false;
+  uint64_t seed = 0;
+};
+
+std::string case_name(const PredictRunCase& c) {
+  return std::string(predictor_kind_name(c.kind)) + "_" + name_dtype(c.window_dtype) + "_D" +
+         std::to_string(c.head_dim) + "_heads" + std::to_string(c.heads) +
+         (c.lens.size() <= 8 ? "_lens" + name_ints(c.lens) : "_batch" + std::to_string(c.lens.size())) + "_cap" +
+         std::to_string(c.capacity) + "_W" + std::to_string(c.max_regressors) + "_eps" + eps_name(c.eps) +
+         (c.constant_rows ? "_constant" : "");
 }
-TEST(PredictGpu, Bf16D64W8) { run_predict(PredictorKind::kPaper, DType::BF16, 64, 4, {33, 9, 20}, 33, 8, 1e-2f, false, 52); }
-TEST(PredictGpu, Fp16D256Cap12) {
-  run_predict(PredictorKind::kPaper, DType::F16, 256, 3, {12, 5}, 12, 32, 1e-3f, false, 53);
+
+void PrintTo(const PredictRunCase& c, std::ostream* os) {
+  *os << case_name(c) << " lens=" << name_ints(c.lens) << " seed=" << c.seed;
 }
-TEST(PredictGpu, ConstantWindowSingularGram) {
-  run_predict(PredictorKind::kPaper, DType::F32, 128, 2, {33, 10}, 33, 32, 1e-4f, true, 54);
+
+/// `n` window lengths cycling through `pattern`.
+std::vector<int> cycle_lens(const std::vector<int>& pattern, int n) {
+  std::vector<int> v;
+  for (int b = 0; b < n; ++b) v.push_back(pattern[static_cast<size_t>(b) % pattern.size()]);
+  return v;
 }
-TEST(PredictGpu, ManyRowsSeveralPerCta) {
-  // 24 x 32 = 768 rows: more than two CTAs per SM, so the launcher packs several problems per CTA.
-  std::vector<int> lens;
-  for (int b = 0; b < 24; ++b) lens.push_back(std::vector<int>{33, 0, 1, 2, 17, 33, 5, 32}[b % 8]);
-  run_predict(PredictorKind::kPaper, DType::BF16, 128, 32, lens, 33, 32, 1e-3f, false, 55);
+
+// clang-format off
+const std::vector<PredictRunCase> kPredictCases = {
+    // full and partial windows
+    {.kind = PredictorKind::kPaper, .window_dtype = DType::F32, .head_dim = 128, .heads = 5, .lens = {33, 17, 2, 1, 0},
+     .capacity = 33, .max_regressors = 32, .eps = 1e-3f, .seed = 51},
+    {.kind = PredictorKind::kPaper, .window_dtype = DType::BF16, .head_dim = 64, .heads = 4, .lens = {33, 9, 20},
+     .capacity = 33, .max_regressors = 8, .eps = 1e-2f, .seed = 52},
+    {.kind = PredictorKind::kPaper, .window_dtype = DType::F16, .head_dim = 256, .heads = 3, .lens = {12, 5},
+     .capacity = 12, .max_regressors = 32, .eps = 1e-3f, .seed = 53},
+    // constant windows: a singular Gram
+    {.kind = PredictorKind::kPaper, .window_dtype = DType::F32, .head_dim = 128, .heads = 2, .lens = {33, 10},
+     .capacity = 33, .max_regressors = 32, .eps = 1e-4f, .constant_rows = true, .seed = 54},
+    // 24 x 32 = 768 rows: more than two CTAs per SM, so the launcher packs several problems per CTA.
+    {.kind = PredictorKind::kPaper, .window_dtype = DType::BF16, .head_dim = 128, .heads = 32,
+     .lens = cycle_lens({33, 0, 1, 2, 17, 33, 5, 32}, 24), .capacity = 33, .max_regressors = 32, .eps = 1e-3f,
+     .seed = 55},
+};
+// clang-format on
+
+class PredictGpu : public ::testing::TestWithParam<PredictRunCase> {};
+
+TEST_P(PredictGpu, MatchesReference) {
+  const PredictRunCase& c = GetParam();
+  run_predict(c.kind, c.window_dtype, c.head_dim, c.heads, c.lens, c.capacity, c.max_regressors, c.eps,
+              c.constant_rows, c.seed);
 }
+
+INSTANTIATE_TEST_SUITE_P(, PredictGpu, ::testing::ValuesIn(kPredictCases), spade::test::CaseName());
 
 // Every predictor kind against predict_next_query_ref: window lengths 0..33 (capacity 33), W in {1, 8, 32}; kRidge
 // over relative eps from 1e-4 to 1 (1e-2 is the cache rank's default), kPaper with absolute eps; every dtype and
@@ -143,10 +198,7 @@ struct PredictCase {
 
 std::string predict_case_name(const ::testing::TestParamInfo<PredictCase>& info) {
   const PredictCase& c = info.param;
-  char eps[32];
-  std::snprintf(eps, sizeof(eps), "%.0e", static_cast<double>(c.eps));
-  std::string e = eps;
-  for (char& ch : e) ch = ch == '-' ? 'm' : (ch == '+' ? 'p' : ch);
+  const std::string e = eps_name(c.eps);
   const char* dt = c.dtype == DType::F32 ? "f32" : spade::test::dtype_str(c.dtype);
   return std::string(predictor_kind_name(c.kind)) + "_eps" + e + "_W" + std::to_string(c.W) + "_" + dt + "_D" +
          std::to_string(c.D) + (c.constant_rows ? "_constant" : "") + (c.many_rows ? "_manyrows" : "");
@@ -201,7 +253,7 @@ TEST_P(PredictKinds, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(PredictGpu, PredictKinds, ::testing::ValuesIn(predict_cases()), predict_case_name);
 
-TEST(PredictGpu, DefaultKindIsRidgeAndAnUnknownKindIsRefused) {
+TEST_F(PredictGpu, DefaultKindIsRidgeAndAnUnknownKindIsRefused) {
   PredictQueryParams p;
   EXPECT_EQ(p.kind, PredictorKind::kRidge);  // the runtime's default, as PredictQueryRefParams
   DevBuf<float> win(static_cast<size_t>(2) * 128), out(128);
@@ -296,13 +348,50 @@ void run_score(DType dtype, int D, int ps, int hq, int hkv, const std::vector<in
   }
 }
 
-TEST(ScoreGpu, Bf16D128Page16Group4Max) {
-  run_score(DType::BF16, 128, 16, 32, 8, {1, 100, 5000}, GqaScoreRule::kMax, 61);
+struct ScoreCase {
+  DType dtype = DType::BF16;
+  int head_dim = 128;
+  int page_size = 16;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  std::vector<int> lens;  // tokens per sequence
+  GqaScoreRule rule = GqaScoreRule::kMax;
+  uint64_t seed = 0;
+};
+
+std::string case_name(const ScoreCase& c) {
+  return spade::test::long_prefix(spade::test::max_of(c.lens) >= spade::test::kLongContext) +
+         name_dtype(c.dtype) + "_D" + std::to_string(c.head_dim) + "_page" + std::to_string(c.page_size) + "_hkv" +
+         std::to_string(c.num_kv_heads) + "_group" + std::to_string(c.num_q_heads / c.num_kv_heads) + "_lens" +
+         name_ints(c.lens) + (c.rule == GqaScoreRule::kMax ? "_max" : "_mean");
 }
-TEST(ScoreGpu, Bf16D128Page16Group4Mean) { run_score(DType::BF16, 128, 16, 32, 8, {77, 3000}, GqaScoreRule::kMean, 62); }
-TEST(ScoreGpu, Fp16D64Page64Group8) { run_score(DType::F16, 64, 64, 16, 2, {4097, 31}, GqaScoreRule::kMax, 63); }
-TEST(ScoreGpu, Bf16D256Page32Group1) { run_score(DType::BF16, 256, 32, 2, 2, {2000}, GqaScoreRule::kMean, 64); }
-TEST(ScoreGpu, LongBf16D128Page16Group4) { run_score(DType::BF16, 128, 16, 8, 2, {131072}, GqaScoreRule::kMax, 65); }
+
+void PrintTo(const ScoreCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+// clang-format off
+const std::vector<ScoreCase> kScoreCases = {
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 32, .num_kv_heads = 8,
+     .lens = {1, 100, 5000}, .rule = GqaScoreRule::kMax, .seed = 61},
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 32, .num_kv_heads = 8,
+     .lens = {77, 3000}, .rule = GqaScoreRule::kMean, .seed = 62},
+    {.dtype = DType::F16, .head_dim = 64, .page_size = 64, .num_q_heads = 16, .num_kv_heads = 2,
+     .lens = {4097, 31}, .rule = GqaScoreRule::kMax, .seed = 63},
+    {.dtype = DType::BF16, .head_dim = 256, .page_size = 32, .num_q_heads = 2, .num_kv_heads = 2,
+     .lens = {2000}, .rule = GqaScoreRule::kMean, .seed = 64},
+    // a long context (name starts with "Long_")
+    {.dtype = DType::BF16, .head_dim = 128, .page_size = 16, .num_q_heads = 8, .num_kv_heads = 2,
+     .lens = {131072}, .rule = GqaScoreRule::kMax, .seed = 65},
+};
+// clang-format on
+
+class ScoreGpu : public ::testing::TestWithParam<ScoreCase> {};
+
+TEST_P(ScoreGpu, MatchesReference) {
+  const ScoreCase& c = GetParam();
+  run_score(c.dtype, c.head_dim, c.page_size, c.num_q_heads, c.num_kv_heads, c.lens, c.rule, c.seed);
+}
+
+INSTANTIATE_TEST_SUITE_P(, ScoreGpu, ::testing::ValuesIn(kScoreCases), spade::test::CaseName());
 
 // ---- top-k ----
 
@@ -364,11 +453,47 @@ void run_topk(const std::vector<int>& lens, int rows_per_batch, int k, int disti
   }
 }
 
-TEST(TopkGpu, DistinctScoresRagged) { run_topk({1, 100, 5000, 32768}, 3, 2048, 0, false, 71); }
-TEST(TopkGpu, HeavyTiesAndSpecials) { run_topk({20000, 4096, 9000}, 2, 4096, 16, true, 72); }
-TEST(TopkGpu, SmallK) { run_topk({1000, 33}, 4, 1, 0, true, 73); }
-TEST(TopkGpu, AllEqual) { run_topk({3000}, 1, 700, 1, false, 74); }
-TEST(TopkGpu, LongRows256k) { run_topk({262144, 200000}, 2, 4096, 0, false, 75); }
+struct TopkRunCase {
+  std::vector<int> lens;  // row length per sequence
+  int rows_per_batch = 1;
+  int k = 1;
+  int levels = 0;  // 0: distinct normal scores; else integer levels (ties)
+  bool specials = false;  // NaN, +-inf, signed zeros
+  uint64_t seed = 0;
+};
+
+// Named like TopkGpu/TopkSuccessor's cases (topk_case_name below), with "Long_" first for long rows.
+std::string case_name(const TopkRunCase& c) {
+  return spade::test::long_prefix(spade::test::max_of(c.lens) >= spade::test::kLongContext) + "len" +
+         name_ints(c.lens) + "_rows" + std::to_string(c.rows_per_batch) + "_k" + std::to_string(c.k) + "_levels" +
+         std::to_string(c.levels) + (c.specials ? "_specials" : "");
+}
+
+void PrintTo(const TopkRunCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+// clang-format off
+const std::vector<TopkRunCase> kTopkCases = {
+    // distinct scores, ragged rows
+    {.lens = {1, 100, 5000, 32768}, .rows_per_batch = 3, .k = 2048, .levels = 0, .seed = 71},
+    // heavy ties and specials
+    {.lens = {20000, 4096, 9000}, .rows_per_batch = 2, .k = 4096, .levels = 16, .specials = true, .seed = 72},
+    // small k
+    {.lens = {1000, 33}, .rows_per_batch = 4, .k = 1, .levels = 0, .specials = true, .seed = 73},
+    // all equal
+    {.lens = {3000}, .rows_per_batch = 1, .k = 700, .levels = 1, .seed = 74},
+    // long rows (256k; name starts with "Long_")
+    {.lens = {262144, 200000}, .rows_per_batch = 2, .k = 4096, .levels = 0, .seed = 75},
+};
+// clang-format on
+
+class TopkGpu : public ::testing::TestWithParam<TopkRunCase> {};
+
+TEST_P(TopkGpu, MatchesReference) {
+  const TopkRunCase& c = GetParam();
+  run_topk(c.lens, c.rows_per_batch, c.k, c.levels, c.specials, c.seed);
+}
+
+INSTANTIATE_TEST_SUITE_P(, TopkGpu, ::testing::ValuesIn(kTopkCases), spade::test::CaseName());
 
 // Successor expansion (entry i > 0 ranks by max(key(s[i]), key(s[i-1]))) against topk_ref. The cases cover rows with
 // n <= k (every position, no ranking), rows shorter than a warp and not a multiple of 32 (the cached load's
@@ -663,16 +788,53 @@ void run_delta_stream(int rows, int k, int capacity, int steps, double keep, int
   if (capacity < k) EXPECT_GT(overflowing, 0u) << "the stream never exercised the overflow path";
 }
 
-TEST(DeltaGpu, StreamWithRoomMatchesReference) { run_delta_stream(24, 256, 256, 12, 0.8, 1000000, 91); }
-TEST(DeltaGpu, StreamWithOverflowAndTiesMatchesReference) { run_delta_stream(40, 512, 37, 16, 0.7, 6, 92); }
-TEST(DeltaGpu, MaxBudgetCapacity256MatchesReference) { run_delta_stream(9, 4096, 256, 6, 0.9, 50, 93); }
-TEST(DeltaGpu, CapacityOneMatchesReference) { run_delta_stream(12, 33, 1, 20, 0.5, 3, 94); }
-TEST(DeltaGpu, OverflowWithNanSignedZerosAndInfinitiesMatchesReference) {
-  run_delta_stream(16, 300, 20, 10, 0.6, 4, 97, true);
-}
-TEST(DeltaGpu, MirrorRowsMatchReference) { run_delta_stream(20, 128, 16, 10, 0.8, 8, 98, false, true); }
+struct DeltaStreamCase {
+  int rows = 0;
+  int k = 0;
+  int capacity = 0;  // delta entries per row
+  int steps = 0;
+  double keep = 0.0;  // fraction of the previous selection kept
+  int levels = 0;     // distinct score levels (few: ties at the threshold)
+  bool specials = false;     // NaN, signed zeros, infinities among the scores
+  bool mirror_rows = false;  // per-slot mirrors: row r's mirror is row 2r + 1 of a table twice as tall
+  uint64_t seed = 0;
+};
 
-TEST(DeltaGpu, ApplySplitsLaunchesPast65535Rows) {
+std::string case_name(const DeltaStreamCase& c) {
+  return "rows" + std::to_string(c.rows) + "_k" + std::to_string(c.k) + "_cap" + std::to_string(c.capacity) +
+         "_steps" + std::to_string(c.steps) + "_keep" + spade::test::name_num(c.keep) + "_levels" +
+         std::to_string(c.levels) + (c.specials ? "_specials" : "") + (c.mirror_rows ? "_mirrorrows" : "");
+}
+
+void PrintTo(const DeltaStreamCase& c, std::ostream* os) { *os << case_name(c) << " seed=" << c.seed; }
+
+// clang-format off
+const std::vector<DeltaStreamCase> kDeltaStreamCases = {
+    // room for every entering token
+    {.rows = 24, .k = 256, .capacity = 256, .steps = 12, .keep = 0.8, .levels = 1000000, .seed = 91},
+    // overflow and ties
+    {.rows = 40, .k = 512, .capacity = 37, .steps = 16, .keep = 0.7, .levels = 6, .seed = 92},
+    // the largest budget, capacity 256
+    {.rows = 9, .k = 4096, .capacity = 256, .steps = 6, .keep = 0.9, .levels = 50, .seed = 93},
+    // capacity one
+    {.rows = 12, .k = 33, .capacity = 1, .steps = 20, .keep = 0.5, .levels = 3, .seed = 94},
+    // overflow with NaN, signed zeros and infinities
+    {.rows = 16, .k = 300, .capacity = 20, .steps = 10, .keep = 0.6, .levels = 4, .specials = true, .seed = 97},
+    // per-slot mirror rows
+    {.rows = 20, .k = 128, .capacity = 16, .steps = 10, .keep = 0.8, .levels = 8, .mirror_rows = true, .seed = 98},
+};
+// clang-format on
+
+class DeltaGpu : public ::testing::TestWithParam<DeltaStreamCase> {};
+
+TEST_P(DeltaGpu, StreamMatchesReference) {
+  const DeltaStreamCase& c = GetParam();
+  run_delta_stream(c.rows, c.k, c.capacity, c.steps, c.keep, c.levels, c.seed, c.specials, c.mirror_rows);
+}
+
+INSTANTIATE_TEST_SUITE_P(, DeltaGpu, ::testing::ValuesIn(kDeltaStreamCases), spade::test::CaseName());
+
+TEST_F(DeltaGpu, ApplySplitsLaunchesPast65535Rows) {
   const int rows = 70001, k = 3, cap = 1, D = 64;
   std::vector<int32_t> slots(rows), pos(rows);
   for (int r = 0; r < rows; ++r) {
@@ -714,7 +876,7 @@ TEST(DeltaGpu, ApplySplitsLaunchesPast65535Rows) {
   SPADE_CUDA_OK(apply_selection_delta(p, nullptr));
 }
 
-TEST(DeltaGpu, RefusesCorruptRowsAndLeavesTheirMirrorAlone) {
+TEST_F(DeltaGpu, RefusesCorruptRowsAndLeavesTheirMirrorAlone) {
   const int rows = 6, k = 8, cap = 4;
   std::vector<int32_t> sel = {1, 2, 3, 4, -1, -1, -1, -1,     // row 0: fine
                               1, 2, 3, 4, -1, -1, -1, -1,     // row 1: corrupt mirror (token 2 twice)
@@ -782,7 +944,7 @@ TEST(DeltaGpu, RefusesCorruptRowsAndLeavesTheirMirrorAlone) {
   EXPECT_EQ(selection_delta(p, nullptr), cudaErrorInvalidValue);
 }
 
-TEST(DeltaGpu, ApplyMatchesReference) {
+TEST_F(DeltaGpu, ApplyMatchesReference) {
   for (DType dtype : {DType::BF16, DType::F16}) {
     for (int D : {64, 128, 256}) {
      for (bool mapped : {false, true}) {
@@ -863,7 +1025,7 @@ TEST(DeltaGpu, ApplyMatchesReference) {
 // The cache rank's and the inference rank's halves together: top-k over scores, delta against the mirror, gather of
 // the entries only, apply into the held table. With room for every entering token the held table holds exactly the
 // selection with the cache's K/V rows; with a small capacity it holds the mirror's tokens with their rows.
-TEST(DeltaGpu, TopkDeltaGatherApplyKeepsTheHeldTableEqualToTheMirror) {
+TEST_F(DeltaGpu, TopkDeltaGatherApplyKeepsTheHeldTableEqualToTheMirror) {
   const DType dtype = DType::BF16;
   const int D = 128, hkv = 4, ps = 16, k = 512;
   const std::vector<int> lens = {9000, 3000, 600};
