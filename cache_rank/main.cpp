@@ -42,18 +42,12 @@
 #include "common/metrics.h"
 #include "common/status_endpoint.h"
 #include "coordinator/client.h"
-#if SPADE_HAVE_UCX
-#include "transport/ucx.h"
-#endif
+#include "transport/link_factory.h"
 #ifdef SPADE_HAVE_GPU_CACHE
 #include <cuda_runtime_api.h>
 
 #include "cache_rank/gpu_server.h"
 #include "kernels/device.h"
-#include "transport/cuda_ipc/cuda_ipc_link.h"
-#ifdef SPADE_HAVE_NCCL_LINK
-#include "transport/nccl/nccl_link.h"
-#endif
 #endif
 
 namespace {
@@ -193,25 +187,19 @@ int main(int argc, char** argv) {
       };
       auto shared = std::make_shared<Shared>();
       const auto kind = peer.transport().kind();
-      if (kind == spade::proto::TRANSPORT_CUDA_IPC) {
-        spade::transport::CudaIpcLinkOptions lo;
-        lo.device = gpu_index;
-        shared->link = spade::transport::CudaIpcLink::open(peer.transport().address(), peer_name, lo);
-      } else if (kind == spade::proto::TRANSPORT_NCCL) {
-#ifdef SPADE_HAVE_NCCL_LINK
-        spade::transport::NcclLinkOptions no;
-        no.device = gpu_index;
-        no.connect_timeout = std::max(std::chrono::milliseconds(1000), left());
-        shared->link = std::make_shared<spade::transport::NcclLink>(
-            peer.transport().address(), spade::transport::PairRole::kCache, peer_name, no);
-#else
-        spade::fail("{}: {} offers an NCCL link, but this build has no NCCL", self, peer_name);
-#endif
-      } else {
+      if (kind != spade::proto::TRANSPORT_CUDA_IPC && kind != spade::proto::TRANSPORT_NCCL)
         spade::fail("{}: {} offers no GPU link (transport kind {}); start it with --serve --device cuda "
                     "--selection predicted, or run this cache rank with --device cpu",
                     self, peer_name, spade::proto::TransportKind_Name(kind));
-      }
+      // The link the inference rank offered, chosen at run time (transport/link_factory.h): CUDA IPC maps its memory
+      // at once; NCCL waits for both communicators up to what is left of the rendezvous deadline (at least 1 s).
+      spade::transport::LinkOptions lo;
+      lo.kind = kind == spade::proto::TRANSPORT_NCCL ? spade::transport::LinkKind::kNccl
+                                                     : spade::transport::LinkKind::kCudaIpc;
+      lo.device = gpu_index;
+      lo.peer_name = peer_name;
+      lo.connect_timeout = std::max(std::chrono::milliseconds(1000), left());
+      shared->link = spade::transport::join_gpu_link(peer.transport().address(), lo);
       spade::transport::GpuLink& link = *shared->link;
       // Control-plane events, from before the hello wait on: a dead inference rank ends it (the link is aborted).
       const uint32_t peer_rank = peer.rank();
@@ -285,12 +273,10 @@ int main(int argc, char** argv) {
       spade::fail("{}: --device cuda: this build has no GPU cache rank (configure with CUDA)", self);
 #endif
     }
-#if !SPADE_HAVE_UCX
-    spade::fail("{}: this build has no UCX transport", self);
-#else
-    spade::transport::UcxOptions uo;
-    uo.name = self;
-    auto net = spade::transport::make_ucx_transport(uo);
+    spade::transport::LinkOptions lo;
+    lo.kind = spade::transport::LinkKind::kUcx;
+    lo.name = self;
+    auto net = spade::transport::make_host_transport(lo);  // throws, naming UCX, in a build without it
     spade::coord::ClientOptions co = spade::coord::client_options_for(env);
     co.device = "cpu";
     co.transport_kind = spade::proto::TRANSPORT_UCX;
@@ -396,7 +382,6 @@ int main(int argc, char** argv) {
     // A clean end of the link (the inference rank said shutdown) or a stop: wait for the world's shutdown briefly.
     for (int i = 0; i < 50 && !g_stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     return exit_code->load();
-#endif
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cache_rank: error: %s\n", e.what());
     return 2;

@@ -14,17 +14,11 @@
 #include "common/tokenizer.h"
 #include "coordinator/client.h"
 #include "inference_rank/rank_metrics.h"
+#include "transport/link_factory.h"
 #include "transport/transport.h"
-#if SPADE_HAVE_UCX
-#include "transport/ucx.h"
-#endif
 #ifdef SPADE_HAVE_GPU_PATH
 #include "inference_rank/gpu_engine.h"
 #include "inference_rank/gpu_sparse.h"
-#include "transport/cuda_ipc/cuda_ipc_link.h"
-#ifdef SPADE_HAVE_NCCL_LINK
-#include "transport/nccl/nccl_link.h"
-#endif
 #endif
 
 namespace spade {
@@ -89,47 +83,31 @@ int run_serve(const ServeOptions& opt) {
   std::unique_ptr<transport::Transport> net;
   coord::ClientOptions co = coord::client_options_for(env);
   co.device = "cpu";
-#ifdef SPADE_HAVE_GPU_PATH
-  // GPU path: the link's end exists before registering (its address is what the coordinator forwards).
-  std::unique_ptr<transport::CudaIpcLink> ipc;
-  std::string nccl_address;
-  if (on_gpu) {
-    co.device = fmt::format("cuda:{}", opt.gpu);
-    if (env.num_cache > 0 && opt.sparse.mode == SelectionMode::Predicted) {
-      if (opt.gpu_link == "ipc") {
-        transport::CudaIpcLinkOptions lo;
-        lo.device = opt.gpu;
-        lo.op_timeout = opt.sparse.selection_deadline;
-        lo.connect_timeout = opt.rendezvous_timeout;
-        ipc = transport::CudaIpcLink::create("its cache rank", lo);
-        co.transport_kind = proto::TRANSPORT_CUDA_IPC;
-        co.transport_address = ipc->address();
-      } else if (opt.gpu_link == "nccl") {
-#ifdef SPADE_HAVE_NCCL_LINK
-        nccl_address = transport::NcclLink::new_address();
-        co.transport_kind = proto::TRANSPORT_NCCL;
-        co.transport_address = nccl_address;
-#else
-        fail("{}: --gpu-link nccl: this build has no NCCL", self);
-#endif
-      } else {
-        fail("{}: --gpu-link must be nccl or ipc, got '{}'", self, opt.gpu_link);
-      }
-    }
-  }
-#else
+#ifndef SPADE_HAVE_GPU_PATH
   SPADE_CHECK(!on_gpu, "{}: --device cuda: this build has no CUDA", self);
 #endif
-  if (env.num_cache > 0 && !on_gpu) {
-#if SPADE_HAVE_UCX
-    transport::UcxOptions uo;
-    uo.name = self;
-    net = transport::make_ucx_transport(uo);
+  // The data plane's link is chosen at run time (transport/link_factory.h): on the GPU --gpu-link nccl | ipc, whose
+  // inference-side end exists before registering (its address is what the coordinator forwards); on the CPU UCX.
+  transport::LinkOptions lo;
+  lo.name = self;
+  lo.device = opt.gpu;
+  lo.peer_name = "its cache rank";
+  lo.op_timeout = opt.sparse.selection_deadline;
+  lo.connect_timeout = opt.rendezvous_timeout;
+  std::unique_ptr<transport::GpuLinkOffer> offer;
+  if (on_gpu) co.device = fmt::format("cuda:{}", opt.gpu);
+  if (env.num_cache > 0 && on_gpu && opt.sparse.mode == SelectionMode::Predicted) {
+    SPADE_CHECK(opt.gpu_link == "nccl" || opt.gpu_link == "ipc", "{}: --gpu-link must be nccl or ipc, got '{}'", self,
+                opt.gpu_link);
+    lo.kind = opt.gpu_link == "nccl" ? transport::LinkKind::kNccl : transport::LinkKind::kCudaIpc;
+    offer = transport::offer_gpu_link(lo);
+    co.transport_kind = lo.kind == transport::LinkKind::kNccl ? proto::TRANSPORT_NCCL : proto::TRANSPORT_CUDA_IPC;
+    co.transport_address = offer->address();
+  } else if (env.num_cache > 0 && !on_gpu) {
+    lo.kind = transport::LinkKind::kUcx;
+    net = transport::make_host_transport(lo);
     co.transport_kind = proto::TRANSPORT_UCX;
     co.transport_address = net->local_address();
-#else
-    fail("{}: the world has cache ranks but this build has no UCX transport", self);
-#endif
   }
   coord::CoordinatorClient cc(co);
   set_stage("waiting for the world to register with " + cc.coordinator_name());
@@ -142,39 +120,26 @@ int run_serve(const ServeOptions& opt) {
   std::string cache_name;
   uint32_t cache_rank = 0;
   SparseOptions sparse = opt.sparse;
-#ifdef SPADE_HAVE_GPU_PATH
-  std::unique_ptr<transport::CudaIpcLink>& ipc_link = ipc;
-  transport::GpuLink* gpu_link = nullptr;  // ipc, or nccl_link
-#ifdef SPADE_HAVE_NCCL_LINK
-  std::unique_ptr<transport::NcclLink> nccl_link;
-#endif
-  if (on_gpu && (ipc_link || !nccl_address.empty()) && view.peers_size() > 0) {
+  std::unique_ptr<transport::GpuLink> gpu_link_owner;
+  transport::GpuLink* gpu_link = nullptr;
+  if (offer && view.peers_size() > 0) {
     const proto::RankInfo& peer = view.peers(0);
     cache_rank = peer.rank();
     cache_name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
     set_stage("connecting the GPU data plane to " + cache_name);
-    if (ipc_link) {
-      ipc_link->connect();
-      gpu_link = ipc_link.get();
-    } else {
-#ifdef SPADE_HAVE_NCCL_LINK
-      transport::NcclLinkOptions no;
-      no.device = opt.gpu;
-      no.op_timeout = opt.sparse.selection_deadline;
-      no.connect_timeout = std::max(std::chrono::milliseconds(1000), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                                          deadline - Clock::now()));
-      nccl_link = std::make_unique<transport::NcclLink>(nccl_address, transport::PairRole::kInference, cache_name, no);
-      gpu_link = nccl_link.get();
-#endif
-    }
-    spdlog::info("{}: GPU data plane to {} over {}", self, cache_name, ipc_link ? "CUDA IPC" : "NCCL");
+    // CUDA IPC waits for its peer up to the rendezvous timeout (as the link was offered); NCCL up to what is left of
+    // the rendezvous deadline (at least 1 s).
+    const auto left = std::max(std::chrono::milliseconds(1000),
+                               std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    gpu_link_owner = offer->connect(cache_name, offer->kind() == transport::LinkKind::kNccl ? left : lo.connect_timeout);
+    gpu_link = gpu_link_owner.get();
+    spdlog::info("{}: GPU data plane to {} over {}", self, cache_name, transport::link_kind_name(offer->kind()));
   } else if (on_gpu && sparse.mode == SelectionMode::Predicted) {
     spdlog::warn("{}: no cache rank in the world: predicted selection unavailable, decoding densely", self);
     sparse.mode = SelectionMode::Dense;
   }
   SPADE_CHECK(!on_gpu || (sparse.mode != SelectionMode::Oracle && sparse.mode != SelectionMode::Quest),
               "{}: --selection {} is CPU only", self, selection_mode_name(sparse.mode));
-#endif
   if (!on_gpu && net && view.peers_size() > 0) {
     const proto::RankInfo& peer = view.peers(0);
     cache_rank = peer.rank();
@@ -286,10 +251,8 @@ int run_serve(const ServeOptions& opt) {
         spdlog::error("{}: {}", self, ev->message);
         if (endpoint && ev->peer_down.rank() == cache_rank)
           endpoint->abort(fmt::format("{} is down: {}", cache_name, ev->peer_down.reason()));
-#ifdef SPADE_HAVE_GPU_PATH
         if (gpu_link != nullptr && ev->peer_down.rank() == cache_rank)
           gpu_link->abort(fmt::format("{} is down: {}", cache_name, ev->peer_down.reason()));
-#endif
       } else {
         spdlog::info("{}: {}", self, ev->message);
         exit_code = ev->kind == coord::ClientEvent::Kind::kShutdown && !ev->shutdown.is_error() ? 0 : 1;

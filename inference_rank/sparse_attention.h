@@ -78,7 +78,10 @@ class SparseAttention : public AttentionBackend {
   /// Per-request overrides (the API's `spade` fields), set right after Engine::submit and before the request's
   /// first step: `force_dense` keeps it dense for its whole life; `sparse_threshold` > 0 replaces the rank's;
   /// `token_budget` > 0 selects that many tokens per layer and KV head instead of the rank's token budget (it must
-  /// not exceed it: the selection buffers are sized by the rank's). Throws spade::Error for values out of range.
+  /// not exceed it: the selection buffers are sized by the rank's). The budget may also change between steps (a
+  /// per-step budget; bench/fidelity's GrowingBudgetSparse): it applies to the selections made from then on — in
+  /// oracle / quest mode this step's, in predicted mode the one the cache rank makes with this step's update, used
+  /// by the next step. Throws spade::Error for values out of range.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold, int token_budget = 0);
   /// For the scheduler when no request is running: receives the selections still in flight (their sequences are
   /// gone) and sends the pending releases with a release-only update, waiting (selection_deadline) for its answer,

@@ -11,7 +11,7 @@ Variants: NAME=flags, the flags passed to inference_rank as they are, e.g.
     predicted="--selection predicted"
     paper="--selection predicted --predictor paper --ridge-eps 1e-3 --successor-expand false"
     last="--selection predicted --predictor last --successor-expand false"
-    delta32="--selection predicted --delta-capacity 32"
+    delta32="--selection predicted --delta-capacity 32"   (GPU path only: --device cpu refuses --delta-capacity)
 
 Writes a JSON (device, date, commit, every reply) and a Markdown table; with --min-accuracy VARIANT=FRACTION it exits 1
 when a variant answers fewer prompts than that (the gpu test's assertion).
