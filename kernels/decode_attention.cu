@@ -31,6 +31,7 @@
 #include "kernels/attention.cuh"
 #include "kernels/kernel_common.cuh"
 #include "kernels/launch_util.cuh"
+#include "kernels/paged_kv.cuh"
 
 namespace spade::kernels {
 namespace detail {
@@ -66,10 +67,9 @@ struct DecodeConfig {
 };
 
 struct DecodeArgs {
+  PagedKv kv;  // k / v: packed_k / packed_v when the packed variant has no paged window
+  GqaHeads heads;
   const void* q;
-  const void* k_cache;
-  const void* v_cache;
-  const int32_t* block_table;
   const int32_t* seq_lens;
   const int32_t* indices;
   const int32_t* num_indices;
@@ -87,12 +87,6 @@ struct DecodeArgs {
   int index_stride;
   int packed_capacity;
   int local_window;
-  int hq;
-  int hkv;
-  int group;
-  int page_size;
-  int log2_ps;
-  int max_pages;
   int chunk;
   int heads_per_cta;  // KV heads served by one CTA (blockIdx.y covers heads [y * heads_per_cta, ...))
   float scale_log2;
@@ -114,7 +108,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int G = a.group;
+  const int G = a.heads.group;
   // The CTA serves KV heads [kvh0, kvh0 + hpc) = query heads [cta_head0, cta_head0 + n_heads); warp w works for KV
   // head kvh0 + w / wph and streams that head's tiles wt, wt + wph, ... of the CTA's token range.
   const int hpc = SRC == KvSource::kPaged ? a.heads_per_cta : 1;
@@ -138,11 +132,11 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   }
   // Paged: the block-table slice of the CTA's whole token range is loaded before seq_lens[b] arrives (the row has
   // max_pages entries; entries past the sequence are never used).
-  const int32_t* bt = a.block_table + static_cast<size_t>(b) * a.max_pages;
+  const int32_t* bt = a.kv.table_row(b);
   int p0 = 0;
   if constexpr (SRC == KvSource::kPaged) {
-    p0 = (split * a.chunk) >> a.log2_ps;
-    const int np = min(((split * a.chunk + a.chunk - 1) >> a.log2_ps) - p0 + 1, a.max_pages - p0);
+    p0 = a.kv.page_of(split * a.chunk);
+    const int np = min(a.kv.page_of(split * a.chunk + a.chunk - 1) - p0 + 1, a.kv.max_pages - p0);
     for (int i = tid; i < np; i += kThreads) tab[i] = bt[p0 + i];
   }
   // Virtual sequence of this (sequence, KV head).
@@ -161,11 +155,11 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
     L = n_sel + wl;
   }
   T* out = static_cast<T*>(a.out);
-  T* outp = out + (static_cast<size_t>(qrow) * a.hq + cta_head0) * D;
+  T* outp = out + (static_cast<size_t>(qrow) * a.heads.hq + cta_head0) * D;
   if (L <= 0) {  // nothing to attend to: zeros, lse = -inf
     if (split == 0) {
       for (int idx = tid; idx < n_heads * D; idx += kThreads) outp[idx] = Tr::from_float(0.f);
-      if (a.lse != nullptr && tid < n_heads) a.lse[qrow * a.hq + cta_head0 + tid] = -INFINITY;
+      if (a.lse != nullptr && tid < n_heads) a.lse[qrow * a.heads.hq + cta_head0 + tid] = -INFINITY;
     }
     return;
   }
@@ -175,12 +169,11 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   const int end = min(L, begin + a.chunk);
 
   // ---- prefetch the CTA's block-table entries / token rows into shared memory ----
-  const int ps_mask = a.page_size - 1;
   if constexpr (SRC == KvSource::kIndexed) {
-    const int32_t* idx = a.indices + (static_cast<size_t>(b) * a.hkv + kvh) * a.index_stride + begin;
+    const int32_t* idx = a.indices + (static_cast<size_t>(b) * a.kv.hkv + kvh) * a.index_stride + begin;
     for (int i = tid; i < end - begin; i += kThreads) {
       const int pos = idx[i];
-      tab[i] = bt[pos >> a.log2_ps] * a.page_size + (pos & ps_mask);
+      tab[i] = a.kv.slot32(bt[a.kv.page_of(pos)], pos);
     }
   } else if constexpr (SRC == KvSource::kPacked) {
     for (int i = tid; i < end - begin; i += kThreads) {
@@ -189,20 +182,20 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
         tab[i] = -(v + 1);
       } else {
         const int pos = wstart + (v - n_sel);
-        tab[i] = bt[pos >> a.log2_ps] * a.page_size + (pos & ps_mask);
+        tab[i] = a.kv.slot32(bt[a.kv.page_of(pos)], pos);
       }
     }
   }
   __syncthreads();
 
-  const size_t row_stride = static_cast<size_t>(a.hkv) * D;
-  const T* kc = static_cast<const T*>(a.k_cache) + static_cast<size_t>(kvh) * D;
-  const T* vc = static_cast<const T*>(a.v_cache) + static_cast<size_t>(kvh) * D;
+  const size_t row_stride = a.kv.row_stride<D>();
+  const T* kc = a.kv.k_head<T, D>(kvh);
+  const T* vc = a.kv.v_head<T, D>(kvh);
   const T* pk = nullptr;
   const T* pv = nullptr;
   if constexpr (SRC == KvSource::kPacked) {
     const int prow = a.packed_rows != nullptr ? a.packed_rows[b] : b;
-    const size_t base = (static_cast<size_t>(prow) * a.hkv + kvh) * a.packed_capacity * D;
+    const size_t base = (static_cast<size_t>(prow) * a.kv.hkv + kvh) * a.packed_capacity * D;
     pk = static_cast<const T*>(a.packed_k) + base;
     pv = static_cast<const T*>(a.packed_v) + base;
   }
@@ -225,7 +218,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
       const T* gv = vc;
       if (valid) {
         if constexpr (SRC == KvSource::kPaged) {
-          const size_t row = static_cast<size_t>(tab[(v >> a.log2_ps) - p0]) * a.page_size + (v & ps_mask);
+          const size_t row = a.kv.slot(tab[a.kv.page_of(v) - p0], v);
           gk = kc + row * row_stride;
           gv = vc + row * row_stride;
         } else {
@@ -250,7 +243,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   const int c4 = lane & 3;
   uint32_t qf[D / 16][2];
   {
-    const T* qp = static_cast<const T*>(a.q) + (static_cast<size_t>(qrow) * a.hq + head0 + g) * D;
+    const T* qp = static_cast<const T*>(a.q) + (static_cast<size_t>(qrow) * a.heads.hq + head0 + g) * D;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       if (g < G) {
@@ -272,20 +265,9 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   for (int mt = 0; mt < D / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // heads 2c and 2c+1 of this lane
 
-#pragma unroll
-  for (int s = 0; s < Cfg::kStages - 1; ++s) {
-    if (s < nj) issue(tile_begin(s), s);
-    cp_async_commit();
-  }
-  for (int j = 0; j < nj; ++j) {
-    cp_async_wait<Cfg::kStages - 2>();
-    __syncwarp();
-    {
-      const int jn = j + Cfg::kStages - 1;
-      if (jn < nj) issue(tile_begin(jn), jn % Cfg::kStages);
-      cp_async_commit();
-    }
-    const T* sk = my_stages + (j % Cfg::kStages) * 2 * Cfg::kTileElems;
+  auto issue_tile = [&](int j, int stage) { issue(tile_begin(j), stage); };
+  warp_cp_async_pipeline<Cfg::kStages>(nj, issue_tile, [&](int j, int stage) {
+    const T* sk = my_stages + stage * 2 * Cfg::kTileElems;
     const T* sv = sk + Cfg::kTileElems;
     const int t0 = tile_begin(j);
 
@@ -334,8 +316,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
       ldmatrix_x4_trans(vf, sv + swz(tok, 2 * mt + (i & 1), Cfg::kChunks));
       Tr::mma(o[mt], vf, pb, o[mt]);
     }
-  }
-  cp_async_wait<0>();
+  });
   l0 = warp_sum_xor(l0, 4, 16);
   l1 = warp_sum_xor(l1, 4, 16);
 
@@ -384,9 +365,9 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
     const float lse2 = M + log2f(lsum);
     if (n_splits == 1) {
       outp[idx] = Tr::from_float(val);
-      if (a.lse != nullptr && d == 0) a.lse[qrow * a.hq + cta_head0 + hh] = lse2 * kLn2;
+      if (a.lse != nullptr && d == 0) a.lse[qrow * a.heads.hq + cta_head0 + hh] = lse2 * kLn2;
     } else {
-      const size_t row = (static_cast<size_t>(b) * a.hq + cta_head0 + hh) * kMaxDecodeSplits + split;
+      const size_t row = (static_cast<size_t>(b) * a.heads.hq + cta_head0 + hh) * kMaxDecodeSplits + split;
       a.ws_o[row * D + d] = val;
       if (d == 0) a.ws_lse[row] = lse2;
     }
@@ -397,7 +378,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    int* ctr = a.counters + b * a.hkv + kvh0;
+    int* ctr = a.counters + b * a.kv.hkv + kvh0;
     const int prev = atomicAdd(ctr, 1);
     const int last = prev == n_splits - 1;
     if (last) atomicExch(ctr, 0);
@@ -408,7 +389,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   __threadfence();
   // Split weights: warp w reduces query heads w, w + kWarps, ...: the n_splits (<= 64) log-sum-exps, two per lane.
   for (int hh = warp; hh < n_heads; hh += kWarps) {
-    const float* lp = a.ws_lse + (static_cast<size_t>(b) * a.hq + cta_head0 + hh) * kMaxDecodeSplits;
+    const float* lp = a.ws_lse + (static_cast<size_t>(b) * a.heads.hq + cta_head0 + hh) * kMaxDecodeSplits;
     const float l0s = lane < n_splits ? __ldcg(lp + lane) : -INFINITY;
     const float l1s = lane + 32 < n_splits ? __ldcg(lp + lane + 32) : -INFINITY;
     const float M = warp_max_xor(fmaxf(l0s, l1s), 1, 16);
@@ -427,7 +408,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
     const int hh = it / kD4;
     const int d = 4 * (it - hh * kD4);
     const float4* op = reinterpret_cast<const float4*>(
-        a.ws_o + (static_cast<size_t>(b) * a.hq + cta_head0 + hh) * kMaxDecodeSplits * D + d);
+        a.ws_o + (static_cast<size_t>(b) * a.heads.hq + cta_head0 + hh) * kMaxDecodeSplits * D + d);
     const float* wsp = sw + hh * kMaxDecodeSplits;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
@@ -443,7 +424,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
     packed.x = Tr::pack2(acc.x, acc.y);
     packed.y = Tr::pack2(acc.z, acc.w);
     *reinterpret_cast<uint2*>(outp + hh * D + d) = packed;
-    if (a.lse != nullptr && d == 0) a.lse[qrow * a.hq + cta_head0 + hh] = slse[hh] * kLn2;
+    if (a.lse != nullptr && d == 0) a.lse[qrow * a.heads.hq + cta_head0 + hh] = slse[hh] * kLn2;
   }
 }
 
@@ -554,70 +535,49 @@ cudaError_t launch_decode_typed(DecodeArgs args, const DecodeShape& sh, const De
 }
 
 template <KvSource SRC>
-cudaError_t launch_decode(DType dtype, DecodeArgs args, const DecodeShape& sh, const DecodeWorkspace& ws,
+cudaError_t launch_decode(DType dtype, const DecodeArgs& args, const DecodeShape& sh, const DecodeWorkspace& ws,
                           cudaStream_t stream) {
-  if (dtype == DType::BF16) {
-    switch (sh.head_dim) {
-#define SPADE_DECODE_CASE(D) \
-  case D:                    \
-    return launch_decode_typed<__nv_bfloat16, D, SRC>(args, sh, ws, stream);
-      SPADE_FOR_EACH_HEAD_DIM(SPADE_DECODE_CASE)
-#undef SPADE_DECODE_CASE
-      default:
-        break;
-    }
-  } else {
-    switch (sh.head_dim) {
-#define SPADE_DECODE_CASE(D) \
-  case D:                    \
-    return launch_decode_typed<__half, D, SRC>(args, sh, ws, stream);
-      SPADE_FOR_EACH_HEAD_DIM(SPADE_DECODE_CASE)
-#undef SPADE_DECODE_CASE
-      default:
-        break;
-    }
-  }
-  return invalid_argument("decode attention", "head_dim ", sh.head_dim, " is not compiled (head_dims.cuh)");
+  return dispatch_elem_head_dim("decode attention", dtype, sh.head_dim, [&](auto tag, auto dim) {
+    return launch_decode_typed<decltype(tag), decltype(dim)::value, SRC>(args, sh, ws, stream);
+  });
 }
 
-// Shared validation of the fields every decode variant has. Returns cudaSuccess or the invalid-value error.
-cudaError_t check_common(const char* what, DType dtype, const void* q, const void* out, int batch, int hq, int hkv,
-                         int head_dim, int page_size, int max_pages, float scale, int forced_splits) {
-  if (dtype != DType::BF16 && dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
-  if (q == nullptr || out == nullptr) return invalid_argument(what, "q and out must be set");
-  if (batch <= 0) return invalid_argument(what, "batch ", batch, " must be > 0");
+// Shared validation of the fields every decode variant's params P has: cudaSuccess or the invalid-value error.
+template <class P>
+cudaError_t check_common(const char* what, const P& p) {
+  const int hq = p.num_q_heads;
+  const int hkv = p.num_kv_heads;
+  if (p.dtype != DType::BF16 && p.dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
+  if (p.q == nullptr || p.out == nullptr) return invalid_argument(what, "q and out must be set");
+  if (p.batch <= 0) return invalid_argument(what, "batch ", p.batch, " must be > 0");
   if (hkv <= 0 || hq <= 0 || hq % hkv != 0) {
     return invalid_argument(what, "num_q_heads ", hq, " is not a positive multiple of num_kv_heads ", hkv);
   }
   if (hq / hkv > kMaxGqaGroup) {
     return invalid_argument(what, "GQA group ", hq / hkv, " exceeds kMaxGqaGroup = ", kMaxGqaGroup);
   }
-  if (!is_supported_head_dim(head_dim)) return invalid_argument(what, "head_dim ", head_dim, " is not supported");
-  if (!is_pow2(page_size)) return invalid_argument(what, "page_size ", page_size, " must be a power of two");
-  if (max_pages <= 0) return invalid_argument(what, "max_pages_per_seq ", max_pages, " must be > 0");
-  if (!(scale > 0.f) || !std::isfinite(scale)) return invalid_argument(what, "scale ", scale, " must be > 0");
-  if (forced_splits < 0 || forced_splits > kMaxDecodeSplits) {
-    return invalid_argument(what, "num_splits ", forced_splits, " outside 0..", kMaxDecodeSplits);
+  if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " is not supported");
+  if (!is_pow2(p.page_size)) return invalid_argument(what, "page_size ", p.page_size, " must be a power of two");
+  if (p.max_pages_per_seq <= 0) {
+    return invalid_argument(what, "max_pages_per_seq ", p.max_pages_per_seq, " must be > 0");
+  }
+  if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return invalid_argument(what, "scale ", p.scale, " must be > 0");
+  if (p.num_splits < 0 || p.num_splits > kMaxDecodeSplits) {
+    return invalid_argument(what, "num_splits ", p.num_splits, " outside 0..", kMaxDecodeSplits);
   }
   return cudaSuccess;
 }
 
-DecodeArgs base_args(const void* q, const void* k_cache, const void* v_cache, const int32_t* block_table, void* out,
-                     float* lse, int hq, int hkv, int page_size, int max_pages, float scale) {
+// The fields every decode variant fills from its params P; k / v: the cache (or packed) K / V base pointers.
+template <class P>
+DecodeArgs base_args(const P& p, const void* k, const void* v) {
   DecodeArgs a{};
-  a.q = q;
-  a.k_cache = k_cache;
-  a.v_cache = v_cache;
-  a.block_table = block_table;
-  a.out = out;
-  a.lse = lse;
-  a.hq = hq;
-  a.hkv = hkv;
-  a.group = hq / hkv;
-  a.page_size = page_size;
-  a.log2_ps = log2_int(page_size);
-  a.max_pages = max_pages;
-  a.scale_log2 = scale * kLog2e;
+  a.kv = paged_kv(p, k, v);
+  a.heads = gqa_heads(p);
+  a.q = p.q;
+  a.out = p.out;
+  a.lse = p.lse;
+  a.scale_log2 = p.scale * kLog2e;
   return a;
 }
 
@@ -638,8 +598,7 @@ const char* launch_error_detail() { return detail::launch_error_slot().c_str(); 
 cudaError_t paged_decode_attention(const PagedDecodeParams& p, cudaStream_t stream) {
   using namespace detail;
   const char* what = "paged_decode_attention";
-  cudaError_t e = check_common(what, p.dtype, p.q, p.out, p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim,
-                               p.page_size, p.max_pages_per_seq, p.scale, p.num_splits);
+  const cudaError_t e = check_common(what, p);
   if (e != cudaSuccess) return e;
   if (p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr || p.seq_lens == nullptr) {
     return invalid_argument(what, "k_cache, v_cache, block_table and seq_lens must be set");
@@ -648,8 +607,7 @@ cudaError_t paged_decode_attention(const PagedDecodeParams& p, cudaStream_t stre
   if (static_cast<long long>(p.max_pages_per_seq) * p.page_size < p.max_seq_len) {
     return invalid_argument(what, "max_seq_len ", p.max_seq_len, " exceeds max_pages_per_seq * page_size");
   }
-  DecodeArgs a = base_args(p.q, p.k_cache, p.v_cache, p.block_table, p.out, p.lse, p.num_q_heads, p.num_kv_heads,
-                           p.page_size, p.max_pages_per_seq, p.scale);
+  DecodeArgs a = base_args(p, p.k_cache, p.v_cache);
   a.seq_lens = p.seq_lens;
   if (p.kv_heads_per_cta < 0) {
     return invalid_argument(what, "kv_heads_per_cta ", p.kv_heads_per_cta, " must be >= 0");
@@ -662,16 +620,14 @@ cudaError_t paged_decode_attention(const PagedDecodeParams& p, cudaStream_t stre
 cudaError_t sparse_decode_attention_indexed(const SparseIndexDecodeParams& p, cudaStream_t stream) {
   using namespace detail;
   const char* what = "sparse_decode_attention_indexed";
-  cudaError_t e = check_common(what, p.dtype, p.q, p.out, p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim,
-                               p.page_size, p.max_pages_per_seq, p.scale, p.num_splits);
+  const cudaError_t e = check_common(what, p);
   if (e != cudaSuccess) return e;
   if (p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr || p.indices == nullptr ||
       p.num_indices == nullptr) {
     return invalid_argument(what, "k_cache, v_cache, block_table, indices and num_indices must be set");
   }
   if (p.index_stride <= 0) return invalid_argument(what, "index_stride ", p.index_stride, " must be > 0");
-  DecodeArgs a = base_args(p.q, p.k_cache, p.v_cache, p.block_table, p.out, p.lse, p.num_q_heads, p.num_kv_heads,
-                           p.page_size, p.max_pages_per_seq, p.scale);
+  DecodeArgs a = base_args(p, p.k_cache, p.v_cache);
   a.indices = p.indices;
   a.num_indices = p.num_indices;
   a.index_stride = p.index_stride;
@@ -683,8 +639,7 @@ cudaError_t sparse_decode_attention_indexed(const SparseIndexDecodeParams& p, cu
 cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cudaStream_t stream) {
   using namespace detail;
   const char* what = "sparse_decode_attention_packed";
-  cudaError_t e = check_common(what, p.dtype, p.q, p.out, p.batch, p.num_q_heads, p.num_kv_heads, p.head_dim,
-                               p.page_size, p.max_pages_per_seq, p.scale, p.num_splits);
+  const cudaError_t e = check_common(what, p);
   if (e != cudaSuccess) return e;
   if (p.packed_k == nullptr || p.packed_v == nullptr || p.num_packed == nullptr || p.seq_lens == nullptr) {
     return invalid_argument(what, "packed_k, packed_v, num_packed and seq_lens must be set");
@@ -703,9 +658,8 @@ cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cu
       return invalid_argument(what, per_seq_names[i], " must be 4-byte aligned (an int32 array)");
     }
   }
-  DecodeArgs a = base_args(p.q, p.k_cache != nullptr ? p.k_cache : p.packed_k,
-                           p.v_cache != nullptr ? p.v_cache : p.packed_v, p.block_table, p.out, p.lse, p.num_q_heads,
-                           p.num_kv_heads, p.page_size, p.max_pages_per_seq, p.scale);
+  DecodeArgs a = base_args(p, p.k_cache != nullptr ? p.k_cache : p.packed_k,
+                           p.v_cache != nullptr ? p.v_cache : p.packed_v);
   a.seq_lens = p.seq_lens;
   a.packed_k = p.packed_k;
   a.packed_v = p.packed_v;

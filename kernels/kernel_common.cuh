@@ -122,6 +122,29 @@ __device__ __forceinline__ float warp_sum_xor(float v, int first_mask, int last_
   return v;
 }
 
+/// Per-warp cp.async pipeline of kStages shared-memory stages over the warp's tiles 0..nj-1 (no CTA barrier):
+/// issue(j, stage) starts tile j's copies into `stage` (tile j goes to stage j % kStages), consume(j, stage) runs once
+/// they have landed. kStages - 1 tiles stay in flight; one commit group per tile, empty ones past the end.
+template <int kStages, typename Issue, typename Consume>
+__device__ __forceinline__ void warp_cp_async_pipeline(int nj, Issue&& issue, Consume&& consume) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nj) issue(s, s);
+    cp_async_commit();
+  }
+  for (int j = 0; j < nj; ++j) {
+    cp_async_wait<kStages - 2>();
+    __syncwarp();
+    {
+      const int jn = j + kStages - 1;
+      if (jn < nj) issue(jn, jn % kStages);
+      cp_async_commit();
+    }
+    consume(j, j % kStages);
+  }
+  cp_async_wait<0>();
+}
+
 /// Offset in elements of logical 16-byte chunk `chunk` of row `row` in a swizzled tile with `chunks_per_row` chunks.
 __device__ __forceinline__ int swz(int row, int chunk, int chunks_per_row) {
   return row * chunks_per_row * 8 + ((chunk ^ (row & 7)) << 3);

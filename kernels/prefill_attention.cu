@@ -18,6 +18,7 @@
 #include "kernels/attention.cuh"
 #include "kernels/kernel_common.cuh"
 #include "kernels/launch_util.cuh"
+#include "kernels/paged_kv.cuh"
 
 namespace spade::kernels {
 namespace detail {
@@ -38,21 +39,14 @@ struct PrefillConfig {
 };
 
 struct PrefillArgs {
+  PagedKv kv;
+  GqaHeads heads;
   const void* q;
-  const void* k_cache;
-  const void* v_cache;
-  const int32_t* block_table;
   const int32_t* cu_q_lens;
   const int32_t* seq_lens;
   const int32_t* skip;  // optional [batch]: nonzero = the sequence is another kernel's (nothing read or written)
   void* out;
   float* lse;
-  int hq;
-  int hkv;
-  int group;
-  int page_size;
-  int log2_ps;
-  int max_pages;
   float scale_log2;
 };
 
@@ -70,7 +64,7 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
   const int lane = tid & 31;
   const int g = lane >> 2;
   const int c4 = lane & 3;
-  const int G = a.group;
+  const int G = a.heads.group;
   if (a.skip != nullptr && a.skip[b] != 0) return;  // e.g. a sparse decode row of a mixed step: its pages may be gone
   const int q_start = a.cu_q_lens[b];
   const int q_len = a.cu_q_lens[b + 1] - q_start;
@@ -97,10 +91,10 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
   uint32_t qf[D / 16][4];
   {
     const T* qa = pos_a >= 0 ? static_cast<const T*>(a.q) +
-                                   (static_cast<size_t>(q_start + ra / G) * a.hq + kvh * G + ra % G) * D
+                                   (static_cast<size_t>(q_start + ra / G) * a.heads.hq + kvh * G + ra % G) * D
                              : nullptr;
     const T* qb = pos_b >= 0 ? static_cast<const T*>(a.q) +
-                                   (static_cast<size_t>(q_start + rb / G) * a.hq + kvh * G + rb % G) * D
+                                   (static_cast<size_t>(q_start + rb / G) * a.heads.hq + kvh * G + rb % G) * D
                              : nullptr;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -112,11 +106,10 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
     }
   }
 
-  const size_t row_stride = static_cast<size_t>(a.hkv) * D;
-  const T* kc = static_cast<const T*>(a.k_cache) + static_cast<size_t>(kvh) * D;
-  const T* vc = static_cast<const T*>(a.v_cache) + static_cast<size_t>(kvh) * D;
-  const int32_t* bt = a.block_table + static_cast<size_t>(b) * a.max_pages;
-  const int ps_mask = a.page_size - 1;
+  const size_t row_stride = a.kv.row_stride<D>();
+  const T* kc = a.kv.k_head<T, D>(kvh);
+  const T* vc = a.kv.v_head<T, D>(kvh);
+  const int32_t* bt = a.kv.table_row(b);
   auto issue = [&](int tile, int stage) {
     T* sk = stages + stage * 2 * Cfg::kTileElems;
     T* sv = sk + Cfg::kTileElems;
@@ -131,7 +124,7 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
       const T* gk = kc;
       const T* gv = vc;
       if (valid) {
-        const size_t row = static_cast<size_t>(__ldg(bt + (v >> a.log2_ps))) * a.page_size + (v & ps_mask);
+        const size_t row = a.kv.slot(__ldg(bt + a.kv.page_of(v)), v);
         gk = kc + row * row_stride;
         gv = vc + row * row_stride;
       }
@@ -241,7 +234,7 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
   lb = warp_sum_xor(lb, 1, 2);
   T* out = static_cast<T*>(a.out);
   if (pos_a >= 0) {
-    const size_t qh = static_cast<size_t>(q_start + ra / G) * a.hq + kvh * G + ra % G;
+    const size_t qh = static_cast<size_t>(q_start + ra / G) * a.heads.hq + kvh * G + ra % G;
     const float inv = 1.f / la;
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
@@ -250,7 +243,7 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
     if (a.lse != nullptr && c4 == 0) a.lse[qh] = (ma + log2f(la)) * kLn2;
   }
   if (pos_b >= 0) {
-    const size_t qh = static_cast<size_t>(q_start + rb / G) * a.hq + kvh * G + rb % G;
+    const size_t qh = static_cast<size_t>(q_start + rb / G) * a.heads.hq + kvh * G + rb % G;
     const float inv = 1.f / lb;
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
@@ -273,7 +266,7 @@ cudaError_t launch_prefill_typed(const PrefillArgs& a, int batch, int max_q_len,
   auto kernel = prefill_kernel<T, D>;
   cudaError_t e = prefill_smem_attribute<T, D>();
   if (e != cudaSuccess) return e;
-  const dim3 grid(ceil_div(static_cast<long long>(max_q_len) * a.group, kPfRows), a.hkv, batch);
+  const dim3 grid(ceil_div(static_cast<long long>(max_q_len) * a.heads.group, kPfRows), a.kv.hkv, batch);
   kernel<<<grid, kPfThreads, Cfg::kSmemBytes, stream>>>(a);
   return cudaGetLastError();
 }
@@ -289,15 +282,8 @@ cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t st
       p.cu_q_lens == nullptr || p.seq_lens == nullptr || p.out == nullptr) {
     return invalid_argument(what, "q, k_cache, v_cache, block_table, cu_q_lens, seq_lens and out must be set");
   }
-  if (p.batch <= 0 || p.num_kv_heads <= 0 || p.num_q_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) {
-    return invalid_argument(what, "batch ", p.batch, ", num_q_heads ", p.num_q_heads, ", num_kv_heads ",
-                            p.num_kv_heads, " invalid");
-  }
-  if (p.num_q_heads / p.num_kv_heads > kMaxGqaGroup) {
-    return invalid_argument(what, "GQA group ", p.num_q_heads / p.num_kv_heads, " exceeds ", kMaxGqaGroup);
-  }
-  if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " not supported");
-  if (!is_pow2(p.page_size)) return invalid_argument(what, "page_size ", p.page_size, " must be a power of two");
+  const cudaError_t e = check_paged_gqa_shape(what, p);
+  if (e != cudaSuccess) return e;
   if (p.max_pages_per_seq <= 0 || p.max_q_len <= 0) {
     return invalid_argument(what, "max_pages_per_seq ", p.max_pages_per_seq, " / max_q_len ", p.max_q_len,
                             " must be > 0");
@@ -307,44 +293,18 @@ cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t st
     return invalid_argument(what, "skip must be 4-byte aligned (an int32 array)");
   }
   PrefillArgs a{};
+  a.kv = paged_kv(p, p.k_cache, p.v_cache);
+  a.heads = gqa_heads(p);
   a.q = p.q;
-  a.k_cache = p.k_cache;
-  a.v_cache = p.v_cache;
-  a.block_table = p.block_table;
   a.cu_q_lens = p.cu_q_lens;
   a.seq_lens = p.seq_lens;
   a.skip = p.skip;
   a.out = p.out;
   a.lse = p.lse;
-  a.hq = p.num_q_heads;
-  a.hkv = p.num_kv_heads;
-  a.group = p.num_q_heads / p.num_kv_heads;
-  a.page_size = p.page_size;
-  a.log2_ps = log2_int(p.page_size);
-  a.max_pages = p.max_pages_per_seq;
   a.scale_log2 = p.scale * kLog2e;
-  if (p.dtype == DType::BF16) {
-    switch (p.head_dim) {
-#define SPADE_PREFILL_CASE(D) \
-  case D:                     \
-    return launch_prefill_typed<__nv_bfloat16, D>(a, p.batch, p.max_q_len, stream);
-      SPADE_FOR_EACH_HEAD_DIM(SPADE_PREFILL_CASE)
-#undef SPADE_PREFILL_CASE
-      default:
-        break;
-    }
-  } else {
-    switch (p.head_dim) {
-#define SPADE_PREFILL_CASE(D) \
-  case D:                     \
-    return launch_prefill_typed<__half, D>(a, p.batch, p.max_q_len, stream);
-      SPADE_FOR_EACH_HEAD_DIM(SPADE_PREFILL_CASE)
-#undef SPADE_PREFILL_CASE
-      default:
-        break;
-    }
-  }
-  return invalid_argument(what, "head_dim ", p.head_dim, " is not compiled");
+  return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
+    return launch_prefill_typed<decltype(tag), decltype(dim)::value>(a, p.batch, p.max_q_len, stream);
+  });
 }
 
 cudaError_t prepare_prefill_attention_kernels() {

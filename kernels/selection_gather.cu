@@ -5,6 +5,7 @@
 
 #include "kernels/kernel_common.cuh"
 #include "kernels/launch_util.cuh"
+#include "kernels/paged_kv.cuh"
 #include "kernels/selection.cuh"
 
 namespace spade::kernels {
@@ -18,16 +19,10 @@ namespace {
 constexpr int kGatherThreads = 256;
 
 struct GatherArgs {
-  const void* k_cache;
-  const void* v_cache;
-  const int32_t* block_table;
+  PagedKv kv;
   const int32_t* indices;
   void* packed_k;
   void* packed_v;
-  int hkv;
-  int page_size;
-  int log2_ps;
-  int max_pages;
   int k;
   int head_dim;
 };
@@ -40,17 +35,15 @@ __global__ void __launch_bounds__(kGatherThreads) gather_kernel(const GatherArgs
   const int b = blockIdx.z;
   const int i = idx / chunks;
   const int col = idx - i * chunks;
-  const size_t row = static_cast<size_t>(b) * a.hkv + kvh;
+  const size_t row = static_cast<size_t>(b) * a.kv.hkv + kvh;
   const int pos = a.indices[row * a.k + i];
   uint4 kv = make_uint4(0u, 0u, 0u, 0u);
   uint4 vv = kv;
   if (pos >= 0) {
-    const int page = a.block_table[static_cast<size_t>(b) * a.max_pages + (pos >> a.log2_ps)];
-    const size_t off = ((static_cast<size_t>(page) * a.page_size + (pos & (a.page_size - 1))) * a.hkv + kvh) *
-                           a.head_dim +
-                       col * 8;
-    kv = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.k_cache) + off));
-    vv = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.v_cache) + off));
+    const int page = a.kv.table_row(b)[a.kv.page_of(pos)];
+    const size_t off = (a.kv.slot(page, pos) * a.kv.hkv + kvh) * a.head_dim + col * 8;
+    kv = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.kv.k) + off));
+    vv = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.kv.v) + off));
   }
   const size_t dst = (row * a.k + i) * a.head_dim + col * 8;
   *reinterpret_cast<uint4*>(static_cast<uint16_t*>(a.packed_k) + dst) = kv;
@@ -74,9 +67,7 @@ cudaError_t gather_kv(const GatherKvParams& p, cudaStream_t stream) {
   }
   if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " not supported");
   if (!is_pow2(p.page_size)) return invalid_argument(what, "page_size ", p.page_size, " must be a power of two");
-  const GatherArgs a{p.k_cache, p.v_cache, p.block_table,        p.indices, p.packed_k,
-                     p.packed_v, p.num_kv_heads, p.page_size, log2_int(p.page_size), p.max_pages_per_seq,
-                     p.k,         p.head_dim};
+  const GatherArgs a{paged_kv(p, p.k_cache, p.v_cache), p.indices, p.packed_k, p.packed_v, p.k, p.head_dim};
   const dim3 grid(ceil_div(static_cast<long long>(p.k) * (p.head_dim / 8), kGatherThreads), p.num_kv_heads,
                   p.batch);
   gather_kernel<<<grid, kGatherThreads, 0, stream>>>(a);

@@ -8,6 +8,7 @@
 
 #include "kernels/kernel_common.cuh"
 #include "kernels/launch_util.cuh"
+#include "kernels/paged_kv.cuh"
 #include "kernels/selection.cuh"
 #include "kernels/selection_common.cuh"
 
@@ -40,17 +41,11 @@ struct ScoreConfig {
 };
 
 struct ScoreArgs {
+  PagedKv kv;  // K only (kv.v unused)
+  GqaHeads heads;
   const float* q_hat;
-  const void* k_cache;
-  const int32_t* block_table;
   const int32_t* num_tokens;
   float* scores;
-  int hq;
-  int hkv;
-  int group;
-  int page_size;
-  int log2_ps;
-  int max_pages;
   int score_stride;
   int chunk;
   int rule_max;
@@ -71,23 +66,22 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int G = a.group;
+  const int G = a.heads.group;
   const int L = a.num_tokens[b];
   const int begin = split * a.chunk;
   if (begin >= L) return;
   const int end = min(L, begin + a.chunk);
 
-  const int p0 = begin >> a.log2_ps;
+  const int p0 = a.kv.page_of(begin);
   {
-    const int np = ((end - 1) >> a.log2_ps) - p0 + 1;
-    const int32_t* bt = a.block_table + static_cast<size_t>(b) * a.max_pages + p0;
+    const int np = a.kv.page_of(end - 1) - p0 + 1;
+    const int32_t* bt = a.kv.table_row(b) + p0;
     for (int i = tid; i < np; i += kScoreThreads) tab[i] = bt[i];
   }
   __syncthreads();
 
-  const size_t row_stride = static_cast<size_t>(a.hkv) * D;
-  const T* kc = static_cast<const T*>(a.k_cache) + static_cast<size_t>(kvh) * D;
-  const int ps_mask = a.page_size - 1;
+  const size_t row_stride = a.kv.row_stride<D>();
+  const T* kc = a.kv.k_head<T, D>(kvh);
   T* my_stages = stage_base + static_cast<size_t>(warp) * Cfg::kStages * Cfg::kTileElems;
   float* scratch = scratch_base + warp * Cfg::kScratch;
   auto issue = [&](int tile_start, int stage) {
@@ -100,10 +94,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
       const int v = tile_start + tok;
       const bool valid = v < end;
       const T* gk = kc;
-      if (valid) {
-        const size_t row = static_cast<size_t>(tab[(v >> a.log2_ps) - p0]) * a.page_size + (v & ps_mask);
-        gk = kc + row * row_stride;
-      }
+      if (valid) gk = kc + a.kv.slot(tab[a.kv.page_of(v) - p0], v) * row_stride;
       cp_async_16(sk + swz(tok, col, Cfg::kChunks), gk + col * 8, valid);
     }
   };
@@ -121,7 +112,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
     lo0 = true;
   }
   const int head1 = (two && n < G) ? n : -1;
-  const float* qbase = a.q_hat + (static_cast<size_t>(b) * a.hq + kvh * G) * D;
+  const float* qbase = a.q_hat + (static_cast<size_t>(b) * a.heads.hq + kvh * G) * D;
   auto part = [&](int head, bool lo, int d) -> float {
     if (head < 0) return 0.f;
     const float q = qbase[static_cast<size_t>(head) * D + d];
@@ -141,22 +132,11 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
   const int n_tiles = (end - begin + 15) / 16;
   const int nj = warp < n_tiles ? (n_tiles - warp + kScoreWarps - 1) / kScoreWarps : 0;
   auto tile_begin = [&](int j) { return begin + (warp + kScoreWarps * j) * 16; };
-  float* out = a.scores + (static_cast<size_t>(b) * a.hkv + kvh) * a.score_stride;
+  float* out = a.scores + (static_cast<size_t>(b) * a.kv.hkv + kvh) * a.score_stride;
 
-#pragma unroll
-  for (int s = 0; s < Cfg::kStages - 1; ++s) {
-    if (s < nj) issue(tile_begin(s), s);
-    cp_async_commit();
-  }
-  for (int j = 0; j < nj; ++j) {
-    cp_async_wait<Cfg::kStages - 2>();
-    __syncwarp();
-    {
-      const int jn = j + Cfg::kStages - 1;
-      if (jn < nj) issue(tile_begin(jn), jn % Cfg::kStages);
-      cp_async_commit();
-    }
-    const T* sk = my_stages + (j % Cfg::kStages) * Cfg::kTileElems;
+  auto issue_tile = [&](int j, int stage) { issue(tile_begin(j), stage); };
+  warp_cp_async_pipeline<Cfg::kStages>(nj, issue_tile, [&](int j, int stage) {
+    const T* sk = my_stages + stage * Cfg::kTileElems;
     float s0[4] = {0.f, 0.f, 0.f, 0.f};
     float s1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -193,8 +173,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
       out[t0 + lane] = a.rule_max ? best : sum / static_cast<float>(G);
     }
     __syncwarp();
-  }
-  cp_async_wait<0>();
+  });
 }
 
 }  // namespace
@@ -226,9 +205,9 @@ cudaError_t launch_score_typed(ScoreArgs a, int batch, int page_size, int max_le
   const long long slots = static_cast<long long>(std::max(1, current_sm_count())) * std::max(1, occ);
   const long long cap = static_cast<long long>(kScoreTable - 2) * page_size;
   const int splits =
-      choose_splits(static_cast<long long>(batch) * a.hkv, slots, max_len, 256, ceil_div(max_len, cap), 1 << 20);
+      choose_splits(static_cast<long long>(batch) * a.kv.hkv, slots, max_len, 256, ceil_div(max_len, cap), 1 << 20);
   a.chunk = ceil_div(ceil_div(max_len, splits), 16) * 16;
-  const dim3 grid(ceil_div(max_len, a.chunk), a.hkv, batch);
+  const dim3 grid(ceil_div(max_len, a.chunk), a.kv.hkv, batch);
   kernel<<<grid, kScoreThreads, Cfg::kSmemBytes, stream>>>(a);
   return cudaGetLastError();
 }
@@ -244,57 +223,25 @@ cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream) {
       p.scores == nullptr) {
     return invalid_argument(what, "q_hat, k_cache, block_table, num_tokens and scores must be set");
   }
-  if (p.batch <= 0 || p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads <= 0) {
-    return invalid_argument(what, "batch ", p.batch, ", num_q_heads ", p.num_q_heads, ", num_kv_heads ",
-                            p.num_kv_heads, " invalid");
-  }
-  if (p.num_q_heads / p.num_kv_heads > kMaxGqaGroup) {
-    return invalid_argument(what, "GQA group ", p.num_q_heads / p.num_kv_heads, " exceeds ", kMaxGqaGroup);
-  }
-  if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " not supported");
-  if (!is_pow2(p.page_size)) return invalid_argument(what, "page_size ", p.page_size, " must be a power of two");
+  const cudaError_t e = check_paged_gqa_shape(what, p);
+  if (e != cudaSuccess) return e;
   if (p.max_pages_per_seq <= 0 || p.score_stride <= 0) {
     return invalid_argument(what, "max_pages_per_seq ", p.max_pages_per_seq, " / score_stride ", p.score_stride,
                             " must be > 0");
   }
   ScoreArgs a{};
+  a.kv = paged_kv(p, p.k_cache, nullptr);
+  a.heads = gqa_heads(p);
   a.q_hat = p.q_hat;
-  a.k_cache = p.k_cache;
-  a.block_table = p.block_table;
   a.num_tokens = p.num_tokens;
   a.scores = p.scores;
-  a.hq = p.num_q_heads;
-  a.hkv = p.num_kv_heads;
-  a.group = p.num_q_heads / p.num_kv_heads;
-  a.page_size = p.page_size;
-  a.log2_ps = log2_int(p.page_size);
-  a.max_pages = p.max_pages_per_seq;
   a.score_stride = p.score_stride;
   a.rule_max = p.rule == GqaScoreRule::kMax ? 1 : 0;
   const int max_len = static_cast<int>(std::min<long long>(
       p.score_stride, static_cast<long long>(p.max_pages_per_seq) * p.page_size));
-  if (p.dtype == DType::BF16) {
-    switch (p.head_dim) {
-#define SPADE_SCORE_CASE(D) \
-  case D:                   \
-    return launch_score_typed<__nv_bfloat16, D>(a, p.batch, p.page_size, max_len, stream);
-      SPADE_FOR_EACH_HEAD_DIM(SPADE_SCORE_CASE)
-#undef SPADE_SCORE_CASE
-      default:
-        break;
-    }
-  } else {
-    switch (p.head_dim) {
-#define SPADE_SCORE_CASE(D) \
-  case D:                   \
-    return launch_score_typed<__half, D>(a, p.batch, p.page_size, max_len, stream);
-      SPADE_FOR_EACH_HEAD_DIM(SPADE_SCORE_CASE)
-#undef SPADE_SCORE_CASE
-      default:
-        break;
-    }
-  }
-  return invalid_argument(what, "head_dim ", p.head_dim, " is not compiled");
+  return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
+    return launch_score_typed<decltype(tag), decltype(dim)::value>(a, p.batch, p.page_size, max_len, stream);
+  });
 }
 
 }  // namespace spade::kernels
