@@ -89,65 +89,324 @@ Paired rendezvous_with_inference(spade::coord::CoordinatorClient& cc, spade::coo
   p.peer_name = fmt::format("inference rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
   return p;
 }
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"Spade cache rank: full paged KV cache, query windows, AsyncSpade token selection"};
+// Every flag of the binary, in one place (registered by add_flags, checked by refuse_unused_flags).
+struct Flags {
   std::string model_dir, log_level = "info";
-  spade::pair::SparseConfig sparse;
-  int kv_pages = 16384, page_size = 16, rendezvous_ms = 30000;
-  spade::coord::LaunchFlags lf;
-  app.add_option("--model", model_dir, "checkpoint directory (config.json is read for the shapes)")->required();
+  spade::pair::SparseConfig sparse;  // the pair's settings (pair/selection_flags.h)
   spade::pair::SparseFlagText sparse_text;
-  spade::pair::add_sparse_flags(app, sparse, sparse_text,
-                                spade::pair::kSelectionFlags | spade::pair::kDeltaTransferFlag);
-  app.add_option("--kv-pages", kv_pages, "KV pool size in pages (all layers)")->check(CLI::PositiveNumber);
-  app.add_option("--page-size", page_size, "tokens per page")->check(CLI::PositiveNumber);
-  app.add_option("--master-addr", lf.master_addr, "coordinator host (else MASTER_ADDR)");
-  app.add_option("--master-port", lf.master_port, "coordinator port (else MASTER_PORT)");
-  app.add_option("--rank", lf.rank, "global rank (else RANK / OMPI_COMM_WORLD_RANK)");
-  app.add_option("--world-size", lf.world_size, "world size (else WORLD_SIZE / OMPI_COMM_WORLD_SIZE)");
-  app.add_option("--num-inference", lf.num_inference, "inference ranks in the world");
-  app.add_option("--num-cache", lf.num_cache, "cache ranks in the world");
-  app.add_option("--role-map", lf.role_map, "explicit role per rank, e.g. c,i,k");
-  app.add_option("--rendezvous-timeout-ms", rendezvous_ms, "deadline for the whole world to register");
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off");
+  int kv_pages = 16384, page_size = 16, rendezvous_ms = 30000;  // --device cpu: the KV pool
+  spade::coord::LaunchFlags lf;
   int metrics_port = 0, overlap_every = 16;
   std::string metrics_host = "0.0.0.0";
-  app.add_option("--metrics-port", metrics_port, "serve /metrics, /health, /ready on this port (0 = off)")
+  std::string device = "cpu";
+  int gpu_index = 0;
+  int hello_timeout_ms = 600000;
+  int selection_streams = 3;
+};
+
+// Registers every flag on `app`, writing into `f`.
+void add_flags(CLI::App& app, Flags& f) {
+  app.add_option("--model", f.model_dir, "checkpoint directory (config.json is read for the shapes)")->required();
+  spade::pair::add_sparse_flags(app, f.sparse, f.sparse_text,
+                                spade::pair::kSelectionFlags | spade::pair::kDeltaTransferFlag);
+  app.add_option("--kv-pages", f.kv_pages, "KV pool size in pages (all layers)")->check(CLI::PositiveNumber);
+  app.add_option("--page-size", f.page_size, "tokens per page")->check(CLI::PositiveNumber);
+  app.add_option("--master-addr", f.lf.master_addr, "coordinator host (else MASTER_ADDR)");
+  app.add_option("--master-port", f.lf.master_port, "coordinator port (else MASTER_PORT)");
+  app.add_option("--rank", f.lf.rank, "global rank (else RANK / OMPI_COMM_WORLD_RANK)");
+  app.add_option("--world-size", f.lf.world_size, "world size (else WORLD_SIZE / OMPI_COMM_WORLD_SIZE)");
+  app.add_option("--num-inference", f.lf.num_inference, "inference ranks in the world");
+  app.add_option("--num-cache", f.lf.num_cache, "cache ranks in the world");
+  app.add_option("--role-map", f.lf.role_map, "explicit role per rank, e.g. c,i,k");
+  app.add_option("--rendezvous-timeout-ms", f.rendezvous_ms, "deadline for the whole world to register");
+  app.add_option("--log-level", f.log_level, "trace|debug|info|warn|error|off");
+  app.add_option("--metrics-port", f.metrics_port, "serve /metrics, /health, /ready on this port (0 = off)")
       ->check(CLI::Range(0, 65535));
-  app.add_option("--metrics-host", metrics_host, "address of the metrics endpoint")->capture_default_str();
-  app.add_option("--overlap-sample-every", overlap_every,
+  app.add_option("--metrics-host", f.metrics_host, "address of the metrics endpoint")->capture_default_str();
+  app.add_option("--overlap-sample-every", f.overlap_every,
                  "measure the predicted-vs-oracle overlap ratio every N steps (0 = off)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  std::string device = "cpu";
-  int gpu_index = 0;
-  app.add_option("--device", device,
+  app.add_option("--device", f.device,
                  "cpu (the CPU selector over UCX) | cuda (the GPU server over NCCL / CUDA IPC, paired with "
                  "inference_rank --serve --device cuda; its shapes and limits come from the inference rank's hello)");
-  app.add_option("--gpu", gpu_index, "--device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
-  int hello_timeout_ms = 600000;
-  app.add_option("--hello-timeout-ms", hello_timeout_ms,
+  app.add_option("--gpu", f.gpu_index, "--device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
+  app.add_option("--hello-timeout-ms", f.hello_timeout_ms,
                  "--device cuda: longest wait for the inference rank's pair hello (it loads its weights first)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  int selection_streams = 3;
-  app.add_option("--selection-streams", selection_streams,
+  app.add_option("--selection-streams", f.selection_streams,
                  "--device cuda: 3 pipelines the packs' selections (scoring beside the previous pack's top-k and "
                  "gather; a second set of scores in device memory), 1 runs them in order on one stream")
       ->check(CLI::IsMember({1, 3}))
       ->capture_default_str();
+}
+
+// What both serving loops share: the attention view of the model, this rank's place in the world and its status.
+struct Rank {
+  spade::ModelConfig cfg;  // attention layers only (hybrid models: the full-attention layers)
+  spade::coord::LaunchEnv env;
+  std::string self;  // "cache rank R (#i)"
+  spade::metrics::Registry& registry;
+  spade::LoopHeartbeat& heartbeat;
+  std::atomic<bool>& connected;  // /ready: paired and serving
+};
+
+// --device cuda: a GpuCacheServer over the GPU link the paired inference rank offered (NCCL or CUDA IPC), sized by
+// its pair hello. Returns the exit code.
+int serve_gpu(const Flags& f, const Rank& r) {
+#ifdef SPADE_HAVE_GPU_CACHE
+  const spade::ModelConfig& cfg = r.cfg;
+  const spade::coord::LaunchEnv& env = r.env;
+  const std::string& self = r.self;
+  spade::metrics::Registry& registry = r.registry;
+  spade::LoopHeartbeat& heartbeat = r.heartbeat;
+  std::atomic<bool>& connected = r.connected;
+  // ---- the GPU cache rank: GpuCacheServer over the link the inference rank published ----
+  spade::cuda_check(cudaSetDevice(f.gpu_index), "cache rank: cudaSetDevice");
+  spade::coord::ClientOptions co = spade::coord::client_options_for(env);
+  co.device = fmt::format("cuda:{}", f.gpu_index);
+  spade::coord::CoordinatorClient cc(co);
+  const auto deadline = spade::coord::Clock::now() + std::chrono::milliseconds(f.rendezvous_ms);
+  const Paired paired = rendezvous_with_inference(cc, deadline, self);
+  const spade::proto::RankInfo& peer = paired.view.peers(0);
+  const std::string& peer_name = paired.peer_name;
+  const auto left = [&] {
+    return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                      deadline - spade::coord::Clock::now()));
+  };
+  // The link lives as long as the control-plane callback that may abort it (the callback can still be running
+  // on the client's I/O thread when this scope ends).
+  struct Shared {
+    std::shared_ptr<spade::transport::GpuLink> link;
+    std::atomic<int> exit_code{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const auto kind = peer.transport().kind();
+  if (kind != spade::proto::TRANSPORT_CUDA_IPC && kind != spade::proto::TRANSPORT_NCCL)
+    spade::fail("{}: {} offers no GPU link (transport kind {}); start it with --serve --device cuda "
+                "--selection predicted, or run this cache rank with --device cpu",
+                self, peer_name, spade::proto::TransportKind_Name(kind));
+  // The link the inference rank offered, chosen at run time (transport/link_factory.h): CUDA IPC maps its memory
+  // at once; NCCL waits for both communicators up to what is left of the rendezvous deadline (at least 1 s).
+  spade::transport::LinkOptions lo;
+  lo.kind = kind == spade::proto::TRANSPORT_NCCL ? spade::transport::LinkKind::kNccl
+                                                 : spade::transport::LinkKind::kCudaIpc;
+  lo.device = f.gpu_index;
+  lo.peer_name = peer_name;
+  lo.connect_timeout = std::max(std::chrono::milliseconds(1000), left());
+  shared->link = spade::transport::join_gpu_link(peer.transport().address(), lo);
+  spade::transport::GpuLink& link = *shared->link;
+  // Control-plane events, from before the hello wait on: a dead inference rank ends it (the link is aborted).
+  const uint32_t peer_rank = peer.rank();
+  cc.set_event_callback([shared, peer_rank, peer_name, self](const spade::coord::ClientEvent& ev) {
+    if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return;
+    spdlog::info("{}: {}", self, ev.message);
+    if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown)
+      shared->link->abort(fmt::format("{} is down: {}", peer_name, ev.peer_down.reason()));
+    shared->exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
+    g_stop = true;
+  });
+  // The inference rank uploads its weights after the rendezvous, then sends the hello: wait that long.
+  const spade::pair::GpuPairHello hello =
+      spade::cache::recv_gpu_hello(link, cfg, peer_name, std::chrono::milliseconds(f.hello_timeout_ms));
+  spade::cache::GpuCacheOptions gopts = spade::cache::gpu_cache_options(hello, f.sparse, f.gpu_index);
+  gopts.pipeline = f.selection_streams == 3;
+  spade::cache::GpuCacheServer server(cfg, gopts, link, peer_name);
+  spdlog::info("{}: serving {} on GPU {} ({} MB of device memory: {} pages x {} tokens, budget {}, local window "
+               "{}, delta capacity {}, {} layers per pack, {} selection stream{})",
+               self, peer_name, f.gpu_index, server.device_bytes() >> 20, hello.num_pages, hello.page_size,
+               hello.token_budget, hello.local_window, hello.delta_capacity, hello.layers_per_pack,
+               f.selection_streams, f.selection_streams == 1 ? "" : "s");
+  auto& bytes = registry.counter("spade_transfer_bytes_total",
+                                 "Data-plane bytes moved, by direction and transport.", {"direction", "transport"});
+  const char* tname = kind == spade::proto::TRANSPORT_NCCL ? "nccl" : "cuda_ipc";
+  auto& bytes_in = bytes.with({"recv", tname});
+  auto& bytes_out = bytes.with({"send", tname});
+  auto& steps = registry.counter("spade_cache_steps_total", "Decode / prefill steps served (GPU cache rank).").with();
+  auto& selections = registry.counter("spade_cache_selections_total",
+                                      "(sequence, step) selections computed (GPU cache rank).")
+                         .with();
+  connected = true;
+  spade::cache::GpuCacheStats seen;
+  auto count = [&] {
+    const spade::cache::GpuCacheStats& now = server.stats();
+    bytes_in.inc(static_cast<double>(now.bytes_received - seen.bytes_received));
+    bytes_out.inc(static_cast<double>(now.bytes_sent - seen.bytes_sent));
+    steps.inc(static_cast<double>(now.steps - seen.steps));
+    selections.inc(static_cast<double>(now.selections - seen.selections));
+    seen = now;
+  };
+  std::string err;
+  try {
+    while (!g_stop) {
+      heartbeat.tick();
+      if (server.serve_step(std::chrono::milliseconds(100))) {
+        count();
+      } else if (server.closed()) {
+        // The inference rank closed the stream (it is shutting down): wait for the coordinator's shutdown.
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+    // Stopping: serve what the inference rank still sends until its close plan, for a bounded time.
+    for (auto until = spade::coord::Clock::now() + std::chrono::seconds(2);
+         !server.closed() && !link.failed() && spade::coord::Clock::now() < until;)
+      if (server.serve_step(std::chrono::milliseconds(100))) count();
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  // Nothing may stay pending when the server frees its memory (cudaFree would wait for the receive forever).
+  if (!server.closed()) link.abort(fmt::format("{} is shutting down", self));
+  const spade::cache::GpuCacheStats& st = server.stats();
+  spdlog::info("{}: {} steps, {} selections ({} first), {:.1f} MB in, {:.1f} MB out", self, st.steps,
+               st.selections, st.first_selections, st.bytes_received / 1e6, st.bytes_sent / 1e6);
+  if (!err.empty()) {
+    spdlog::error("{}: GPU data plane to {} failed: {}", self, peer_name, err);
+    return g_stop ? shared->exit_code.load() : 1;
+  }
+  return shared->exit_code.load();
+#else
+  (void)f;
+  spade::fail("{}: --device cuda: this build has no GPU cache rank (configure with CUDA)", r.self);
+#endif
+}
+
+// --device cpu: the CPU selector (cache::Selector) serving the paired inference rank's layer packs over UCX.
+// Returns the exit code.
+int serve_cpu(const Flags& f, const Rank& r) {
+  const spade::ModelConfig& cfg = r.cfg;
+  const spade::coord::LaunchEnv& env = r.env;
+  const std::string& self = r.self;
+  spade::metrics::Registry& registry = r.registry;
+  spade::LoopHeartbeat& heartbeat = r.heartbeat;
+  std::atomic<bool>& connected = r.connected;
+  spade::transport::LinkOptions lo;
+  lo.kind = spade::transport::LinkKind::kUcx;
+  lo.name = self;
+  auto net = spade::transport::make_host_transport(lo);  // throws, naming UCX, in a build without it
+  spade::coord::ClientOptions co = spade::coord::client_options_for(env);
+  co.device = "cpu";
+  co.transport_kind = spade::proto::TRANSPORT_UCX;
+  co.transport_address = net->local_address();
+  spade::coord::CoordinatorClient cc(co);
+  const auto deadline = spade::coord::Clock::now() + std::chrono::milliseconds(f.rendezvous_ms);
+  const Paired paired = rendezvous_with_inference(cc, deadline, self);
+  const spade::proto::RankInfo& peer = paired.view.peers(0);
+  const std::string& peer_name = paired.peer_name;
+  auto ep = net->connect(peer.transport().address(), peer_name, deadline);
+  spade::cache::Selector sel(cfg, f.sparse.selection, f.kv_pages, f.page_size);
+  spdlog::info("{}: serving {} ({} pages x {} tokens, budget {}, window W={}, eps={})", self, peer_name, f.kv_pages,
+               f.page_size, f.sparse.selection.token_budget, f.sparse.selection.query_window,
+               f.sparse.selection.ridge_eps);
+  // Control-plane events stop the data-plane loop.
+  // Captured by value: the callback may still run on the client's I/O thread while this scope unwinds.
+  auto exit_code = std::make_shared<std::atomic<int>>(0);
+  cc.set_event_callback([exit_code, peer_rank = peer.rank(), self](const spade::coord::ClientEvent& ev) {
+    if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return;
+    spdlog::info("{}: {}", self, ev.message);
+    *exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
+    g_stop = true;
+  });
+  auto& select_time = registry
+                          .histogram("spade_selection_time_seconds",
+                                     "Cache-rank time per layer-pack update (append, predict, score, top-k, gather).",
+                                     spade::metrics::exponential_buckets(0.0001, 2, 18))
+                          .with();
+  auto& overlap = registry
+                      .histogram("spade_selection_overlap_ratio",
+                                 "Sampled overlap of the predicted top-k with the true-query top-k (AsyncSpade Eq. 1).",
+                                 spade::metrics::linear_buckets(0.1, 0.1, 10))
+                      .with();
+  auto& bytes = registry.counter("spade_transfer_bytes_total", "Data-plane bytes moved, by direction and transport.",
+                                 {"direction", "transport"});
+  auto& bytes_in = bytes.with({"recv", net->kind()});
+  auto& bytes_out = bytes.with({"send", net->kind()});
+  auto& updates = registry.counter("spade_cache_pack_updates_total", "Layer-pack updates answered.").with();
+  auto& errors = registry.counter("spade_cache_selection_errors_total",
+                                  "Updates answered with an error (e.g. KV pool exhausted).")
+                     .with();
+  auto& selected = registry.counter("spade_selected_tokens_total",
+                                    "Tokens selected (summed over sequences, layers and KV heads).")
+                       .with();
+  auto& sent = registry.counter("spade_sent_tokens_total",
+                                "Selected tokens whose K/V were sent: only those that entered the selection with "
+                                "delta transfer, all of them without.")
+                   .with();
+  std::unique_ptr<spade::pair::SelectionMirror> mirror;
+  if (f.sparse.delta_transfer)
+    mirror = std::make_unique<spade::pair::SelectionMirror>(cfg.num_kv_heads, f.sparse.selection.token_budget,
+                                                            cfg.head_dim);
+  spade::pair::DeltaStats seen;
+  auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
+  auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
+  std::unique_ptr<spade::cache::OverlapSampler> sampler;
+  if (f.overlap_every > 0) sampler = std::make_unique<spade::cache::OverlapSampler>(f.overlap_every);
+  spade::cache::ServeHooks hooks;
+  hooks.sampler = sampler.get();
+  hooks.mirror = mirror.get();
+  hooks.on_poll = [&] { heartbeat.tick(); };
+  hooks.on_pack = [&](const spade::pair::PackUpdate&, const spade::pair::PackSelection& p, size_t in, size_t out) {
+    select_time.observe(p.select_ms / 1e3);
+    bytes_in.inc(static_cast<double>(in));
+    bytes_out.inc(static_cast<double>(out));
+    updates.inc();
+    if (!p.error.empty()) errors.inc();
+    if (mirror) {
+      const spade::pair::DeltaStats& now = mirror->stats();
+      selected.inc(static_cast<double>(now.selected_rows - seen.selected_rows));
+      sent.inc(static_cast<double>(now.sent_rows - seen.sent_rows));
+      seen = now;
+    } else {
+      for (const auto& s : p.seqs)
+        for (const auto& l : s.layers) {
+          const double rows = static_cast<double>(l.count) * cfg.num_kv_heads;  // count per KV head x KV heads
+          selected.inc(rows);
+          sent.inc(rows);
+        }
+    }
+    seqs.set(static_cast<double>(sel.num_sequences()));
+    kv_usage.set(1.0 - static_cast<double>(sel.num_free_pages()) / sel.num_pages());
+    if (sampler)
+      for (double ratio : sampler->take()) overlap.observe(ratio);
+  };
+  kv_usage.set(0);
+  seqs.set(0);
+  connected = true;
+  spade::pair::LinkStats stats;
+  const std::string err =
+      spade::cache::serve_cache_rank(*ep, sel, spade::pair::pack_shape(cfg, f.sparse.selection), g_stop, &stats,
+                                     std::chrono::milliseconds(100), hooks);
+  spdlog::info("{}: {} updates, {:.1f} MB in, {:.1f} MB out, {:.1f} ms selecting", self, stats.updates,
+               stats.bytes_received / 1e6, stats.bytes_sent / 1e6, stats.cache_select_ms);
+  if (mirror && mirror->stats().selected_rows > 0)
+    spdlog::info("{}: delta transfer sent {} of {} selected rows ({:.1f} % of a full transfer)", self,
+                 mirror->stats().sent_rows, mirror->stats().selected_rows,
+                 100.0 * static_cast<double>(mirror->stats().sent_rows) / mirror->stats().selected_rows);
+  if (!err.empty()) {
+    spdlog::error("{}: data plane to {} failed: {}", self, peer_name, err);
+    return 1;
+  }
+  // A clean end of the link (the inference rank said shutdown) or a stop: wait for the world's shutdown briefly.
+  for (int i = 0; i < 50 && !g_stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  return exit_code->load();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Spade cache rank: full paged KV cache, query windows, AsyncSpade token selection"};
+  Flags f;
+  add_flags(app, f);
   CLI11_PARSE(app, argc, argv);
   try {
-    refuse_unused_flags(app, device);
-    spade::init_logging("cache_rank", log_level);
+    refuse_unused_flags(app, f.device);
+    spade::init_logging("cache_rank", f.log_level);
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    spade::pair::resolve_sparse_flags(sparse_text, sparse);
+    spade::pair::resolve_sparse_flags(f.sparse_text, f.sparse);
     // Hybrid models (Qwen3.5): only the full-attention layers have KV, so only they are stored and selected here.
-    const spade::ModelConfig cfg = spade::load_model_config(model_dir).attention_view();
-    const auto env = spade::coord::LaunchEnv::resolve(lf);
+    const spade::ModelConfig cfg = spade::load_model_config(f.model_dir).attention_view();
+    const auto env = spade::coord::LaunchEnv::resolve(f.lf);
     SPADE_CHECK(env.role == spade::proto::CACHE, "cache_rank: {} is not a cache rank (role map {})",
                 env.describe_rank(env.rank), env.role_map_string());
     const std::string self = fmt::format("cache rank {} (#{})", env.rank, env.role_index);
@@ -155,233 +414,17 @@ int main(int argc, char** argv) {
     spade::LoopHeartbeat heartbeat(std::chrono::milliseconds(30000));
     std::atomic<bool> connected{false};
     std::unique_ptr<spade::http::HttpServer> status_server;
-    if (metrics_port > 0) {
+    if (f.metrics_port > 0) {
       status_server = spade::serve_status_endpoint(
-          metrics_host, static_cast<uint16_t>(metrics_port), self, registry,
+          f.metrics_host, static_cast<uint16_t>(f.metrics_port), self, registry,
           spade::StatusChecks{[&] { return heartbeat.check(); },
                               [&]() -> std::string {
                                 return connected ? "" : "waiting for the world and the paired inference rank";
                               }});
-      spdlog::info("{}: metrics on {}:{}/metrics", self, metrics_host, status_server->port());
+      spdlog::info("{}: metrics on {}:{}/metrics", self, f.metrics_host, status_server->port());
     }
-    if (device == "cuda") {
-#ifdef SPADE_HAVE_GPU_CACHE
-      // ---- the GPU cache rank: GpuCacheServer over the link the inference rank published ----
-      spade::cuda_check(cudaSetDevice(gpu_index), "cache rank: cudaSetDevice");
-      spade::coord::ClientOptions co = spade::coord::client_options_for(env);
-      co.device = fmt::format("cuda:{}", gpu_index);
-      spade::coord::CoordinatorClient cc(co);
-      const auto deadline = spade::coord::Clock::now() + std::chrono::milliseconds(rendezvous_ms);
-      const Paired paired = rendezvous_with_inference(cc, deadline, self);
-      const spade::proto::RankInfo& peer = paired.view.peers(0);
-      const std::string& peer_name = paired.peer_name;
-      const auto left = [&] {
-        return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                          deadline - spade::coord::Clock::now()));
-      };
-      // The link lives as long as the control-plane callback that may abort it (the callback can still be running
-      // on the client's I/O thread when this scope ends).
-      struct Shared {
-        std::shared_ptr<spade::transport::GpuLink> link;
-        std::atomic<int> exit_code{0};
-      };
-      auto shared = std::make_shared<Shared>();
-      const auto kind = peer.transport().kind();
-      if (kind != spade::proto::TRANSPORT_CUDA_IPC && kind != spade::proto::TRANSPORT_NCCL)
-        spade::fail("{}: {} offers no GPU link (transport kind {}); start it with --serve --device cuda "
-                    "--selection predicted, or run this cache rank with --device cpu",
-                    self, peer_name, spade::proto::TransportKind_Name(kind));
-      // The link the inference rank offered, chosen at run time (transport/link_factory.h): CUDA IPC maps its memory
-      // at once; NCCL waits for both communicators up to what is left of the rendezvous deadline (at least 1 s).
-      spade::transport::LinkOptions lo;
-      lo.kind = kind == spade::proto::TRANSPORT_NCCL ? spade::transport::LinkKind::kNccl
-                                                     : spade::transport::LinkKind::kCudaIpc;
-      lo.device = gpu_index;
-      lo.peer_name = peer_name;
-      lo.connect_timeout = std::max(std::chrono::milliseconds(1000), left());
-      shared->link = spade::transport::join_gpu_link(peer.transport().address(), lo);
-      spade::transport::GpuLink& link = *shared->link;
-      // Control-plane events, from before the hello wait on: a dead inference rank ends it (the link is aborted).
-      const uint32_t peer_rank = peer.rank();
-      cc.set_event_callback([shared, peer_rank, peer_name, self](const spade::coord::ClientEvent& ev) {
-        if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return;
-        spdlog::info("{}: {}", self, ev.message);
-        if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown)
-          shared->link->abort(fmt::format("{} is down: {}", peer_name, ev.peer_down.reason()));
-        shared->exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
-        g_stop = true;
-      });
-      // The inference rank uploads its weights after the rendezvous, then sends the hello: wait that long.
-      const spade::pair::GpuPairHello hello =
-          spade::cache::recv_gpu_hello(link, cfg, peer_name, std::chrono::milliseconds(hello_timeout_ms));
-      spade::cache::GpuCacheOptions gopts = spade::cache::gpu_cache_options(hello, sparse, gpu_index);
-      gopts.pipeline = selection_streams == 3;
-      spade::cache::GpuCacheServer server(cfg, gopts, link, peer_name);
-      spdlog::info("{}: serving {} on GPU {} ({} MB of device memory: {} pages x {} tokens, budget {}, local window "
-                   "{}, delta capacity {}, {} layers per pack, {} selection stream{})",
-                   self, peer_name, gpu_index, server.device_bytes() >> 20, hello.num_pages, hello.page_size,
-                   hello.token_budget, hello.local_window, hello.delta_capacity, hello.layers_per_pack,
-                   selection_streams, selection_streams == 1 ? "" : "s");
-      auto& bytes = registry.counter("spade_transfer_bytes_total",
-                                     "Data-plane bytes moved, by direction and transport.", {"direction", "transport"});
-      const char* tname = kind == spade::proto::TRANSPORT_NCCL ? "nccl" : "cuda_ipc";
-      auto& bytes_in = bytes.with({"recv", tname});
-      auto& bytes_out = bytes.with({"send", tname});
-      auto& steps = registry.counter("spade_cache_steps_total", "Decode / prefill steps served (GPU cache rank).").with();
-      auto& selections = registry.counter("spade_cache_selections_total",
-                                          "(sequence, step) selections computed (GPU cache rank).")
-                             .with();
-      connected = true;
-      spade::cache::GpuCacheStats seen;
-      auto count = [&] {
-        const spade::cache::GpuCacheStats& now = server.stats();
-        bytes_in.inc(static_cast<double>(now.bytes_received - seen.bytes_received));
-        bytes_out.inc(static_cast<double>(now.bytes_sent - seen.bytes_sent));
-        steps.inc(static_cast<double>(now.steps - seen.steps));
-        selections.inc(static_cast<double>(now.selections - seen.selections));
-        seen = now;
-      };
-      std::string err;
-      try {
-        while (!g_stop) {
-          heartbeat.tick();
-          if (server.serve_step(std::chrono::milliseconds(100))) {
-            count();
-          } else if (server.closed()) {
-            // The inference rank closed the stream (it is shutting down): wait for the coordinator's shutdown.
-            std::this_thread::sleep_for(std::chrono::milliseconds(100));
-          }
-        }
-        // Stopping: serve what the inference rank still sends until its close plan, for a bounded time.
-        for (auto until = spade::coord::Clock::now() + std::chrono::seconds(2);
-             !server.closed() && !link.failed() && spade::coord::Clock::now() < until;)
-          if (server.serve_step(std::chrono::milliseconds(100))) count();
-      } catch (const std::exception& e) {
-        err = e.what();
-      }
-      // Nothing may stay pending when the server frees its memory (cudaFree would wait for the receive forever).
-      if (!server.closed()) link.abort(fmt::format("{} is shutting down", self));
-      const spade::cache::GpuCacheStats& st = server.stats();
-      spdlog::info("{}: {} steps, {} selections ({} first), {:.1f} MB in, {:.1f} MB out", self, st.steps,
-                   st.selections, st.first_selections, st.bytes_received / 1e6, st.bytes_sent / 1e6);
-      if (!err.empty()) {
-        spdlog::error("{}: GPU data plane to {} failed: {}", self, peer_name, err);
-        return g_stop ? shared->exit_code.load() : 1;
-      }
-      return shared->exit_code.load();
-#else
-      spade::fail("{}: --device cuda: this build has no GPU cache rank (configure with CUDA)", self);
-#endif
-    }
-    spade::transport::LinkOptions lo;
-    lo.kind = spade::transport::LinkKind::kUcx;
-    lo.name = self;
-    auto net = spade::transport::make_host_transport(lo);  // throws, naming UCX, in a build without it
-    spade::coord::ClientOptions co = spade::coord::client_options_for(env);
-    co.device = "cpu";
-    co.transport_kind = spade::proto::TRANSPORT_UCX;
-    co.transport_address = net->local_address();
-    spade::coord::CoordinatorClient cc(co);
-    const auto deadline = spade::coord::Clock::now() + std::chrono::milliseconds(rendezvous_ms);
-    const Paired paired = rendezvous_with_inference(cc, deadline, self);
-    const spade::proto::RankInfo& peer = paired.view.peers(0);
-    const std::string& peer_name = paired.peer_name;
-    auto ep = net->connect(peer.transport().address(), peer_name, deadline);
-    spade::cache::Selector sel(cfg, sparse.selection, kv_pages, page_size);
-    spdlog::info("{}: serving {} ({} pages x {} tokens, budget {}, window W={}, eps={})", self, peer_name, kv_pages,
-                 page_size, sparse.selection.token_budget, sparse.selection.query_window,
-                 sparse.selection.ridge_eps);
-    // Control-plane events stop the data-plane loop.
-    // Captured by value: the callback may still run on the client's I/O thread while this scope unwinds.
-    auto exit_code = std::make_shared<std::atomic<int>>(0);
-    cc.set_event_callback([exit_code, peer_rank = peer.rank(), self](const spade::coord::ClientEvent& ev) {
-      if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return;
-      spdlog::info("{}: {}", self, ev.message);
-      *exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
-      g_stop = true;
-    });
-    auto& select_time = registry
-                            .histogram("spade_selection_time_seconds",
-                                       "Cache-rank time per layer-pack update (append, predict, score, top-k, gather).",
-                                       spade::metrics::exponential_buckets(0.0001, 2, 18))
-                            .with();
-    auto& overlap = registry
-                        .histogram("spade_selection_overlap_ratio",
-                                   "Sampled overlap of the predicted top-k with the true-query top-k (AsyncSpade Eq. 1).",
-                                   spade::metrics::linear_buckets(0.1, 0.1, 10))
-                        .with();
-    auto& bytes = registry.counter("spade_transfer_bytes_total", "Data-plane bytes moved, by direction and transport.",
-                                   {"direction", "transport"});
-    auto& bytes_in = bytes.with({"recv", net->kind()});
-    auto& bytes_out = bytes.with({"send", net->kind()});
-    auto& updates = registry.counter("spade_cache_pack_updates_total", "Layer-pack updates answered.").with();
-    auto& errors = registry.counter("spade_cache_selection_errors_total",
-                                    "Updates answered with an error (e.g. KV pool exhausted).")
-                       .with();
-    auto& selected = registry.counter("spade_selected_tokens_total",
-                                      "Tokens selected (summed over sequences, layers and KV heads).")
-                         .with();
-    auto& sent = registry.counter("spade_sent_tokens_total",
-                                  "Selected tokens whose K/V were sent: only those that entered the selection with "
-                                  "delta transfer, all of them without.")
-                     .with();
-    std::unique_ptr<spade::pair::SelectionMirror> mirror;
-    if (sparse.delta_transfer)
-      mirror = std::make_unique<spade::pair::SelectionMirror>(cfg.num_kv_heads, sparse.selection.token_budget,
-                                                              cfg.head_dim);
-    spade::pair::DeltaStats seen;
-    auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
-    auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
-    std::unique_ptr<spade::cache::OverlapSampler> sampler;
-    if (overlap_every > 0) sampler = std::make_unique<spade::cache::OverlapSampler>(overlap_every);
-    spade::cache::ServeHooks hooks;
-    hooks.sampler = sampler.get();
-    hooks.mirror = mirror.get();
-    hooks.on_poll = [&] { heartbeat.tick(); };
-    hooks.on_pack = [&](const spade::pair::PackUpdate&, const spade::pair::PackSelection& p, size_t in, size_t out) {
-      select_time.observe(p.select_ms / 1e3);
-      bytes_in.inc(static_cast<double>(in));
-      bytes_out.inc(static_cast<double>(out));
-      updates.inc();
-      if (!p.error.empty()) errors.inc();
-      if (mirror) {
-        const spade::pair::DeltaStats& now = mirror->stats();
-        selected.inc(static_cast<double>(now.selected_rows - seen.selected_rows));
-        sent.inc(static_cast<double>(now.sent_rows - seen.sent_rows));
-        seen = now;
-      } else {
-        for (const auto& s : p.seqs)
-          for (const auto& l : s.layers) {
-            const double rows = static_cast<double>(l.count) * cfg.num_kv_heads;  // count per KV head x KV heads
-            selected.inc(rows);
-            sent.inc(rows);
-          }
-      }
-      seqs.set(static_cast<double>(sel.num_sequences()));
-      kv_usage.set(1.0 - static_cast<double>(sel.num_free_pages()) / sel.num_pages());
-      if (sampler)
-        for (double r : sampler->take()) overlap.observe(r);
-    };
-    kv_usage.set(0);
-    seqs.set(0);
-    connected = true;
-    spade::pair::LinkStats stats;
-    const std::string err =
-        spade::cache::serve_cache_rank(*ep, sel, spade::pair::pack_shape(cfg, sparse.selection), g_stop, &stats,
-                                       std::chrono::milliseconds(100), hooks);
-    spdlog::info("{}: {} updates, {:.1f} MB in, {:.1f} MB out, {:.1f} ms selecting", self, stats.updates,
-                 stats.bytes_received / 1e6, stats.bytes_sent / 1e6, stats.cache_select_ms);
-    if (mirror && mirror->stats().selected_rows > 0)
-      spdlog::info("{}: delta transfer sent {} of {} selected rows ({:.1f} % of a full transfer)", self,
-                   mirror->stats().sent_rows, mirror->stats().selected_rows,
-                   100.0 * static_cast<double>(mirror->stats().sent_rows) / mirror->stats().selected_rows);
-    if (!err.empty()) {
-      spdlog::error("{}: data plane to {} failed: {}", self, peer_name, err);
-      return 1;
-    }
-    // A clean end of the link (the inference rank said shutdown) or a stop: wait for the world's shutdown briefly.
-    for (int i = 0; i < 50 && !g_stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    return exit_code->load();
+    const Rank rank{cfg, env, self, registry, heartbeat, connected};
+    return f.device == "cuda" ? serve_gpu(f, rank) : serve_cpu(f, rank);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cache_rank: error: %s\n", e.what());
     return 2;
