@@ -111,13 +111,7 @@ void add_flags(CLI::App& app, Flags& f) {
                                 spade::pair::kSelectionFlags | spade::pair::kDeltaTransferFlag);
   app.add_option("--kv-pages", f.kv_pages, "KV pool size in pages (all layers)")->check(CLI::PositiveNumber);
   app.add_option("--page-size", f.page_size, "tokens per page")->check(CLI::PositiveNumber);
-  app.add_option("--master-addr", f.lf.master_addr, "coordinator host (else MASTER_ADDR)");
-  app.add_option("--master-port", f.lf.master_port, "coordinator port (else MASTER_PORT)");
-  app.add_option("--rank", f.lf.rank, "global rank (else RANK / OMPI_COMM_WORLD_RANK)");
-  app.add_option("--world-size", f.lf.world_size, "world size (else WORLD_SIZE / OMPI_COMM_WORLD_SIZE)");
-  app.add_option("--num-inference", f.lf.num_inference, "inference ranks in the world");
-  app.add_option("--num-cache", f.lf.num_cache, "cache ranks in the world");
-  app.add_option("--role-map", f.lf.role_map, "explicit role per rank, e.g. c,i,k");
+  spade::coord::add_launch_flags(app, f.lf);
   app.add_option("--rendezvous-timeout-ms", f.rendezvous_ms, "deadline for the whole world to register");
   app.add_option("--log-level", f.log_level, "trace|debug|info|warn|error|off");
   app.add_option("--metrics-port", f.metrics_port, "serve /metrics, /health, /ready on this port (0 = off)")
@@ -157,14 +151,13 @@ struct Rank {
 int serve_gpu(const Flags& f, const Rank& r) {
 #ifdef SPADE_HAVE_GPU_CACHE
   const spade::ModelConfig& cfg = r.cfg;
-  const spade::coord::LaunchEnv& env = r.env;
   const std::string& self = r.self;
   spade::metrics::Registry& registry = r.registry;
   spade::LoopHeartbeat& heartbeat = r.heartbeat;
   std::atomic<bool>& connected = r.connected;
   // ---- the GPU cache rank: GpuCacheServer over the link the inference rank published ----
   spade::cuda_check(cudaSetDevice(f.gpu_index), "cache rank: cudaSetDevice");
-  spade::coord::ClientOptions co = spade::coord::client_options_for(env);
+  spade::coord::ClientOptions co = spade::coord::client_options_for(r.env);
   co.device = fmt::format("cuda:{}", f.gpu_index);
   spade::coord::CoordinatorClient cc(co);
   const auto deadline = spade::coord::Clock::now() + std::chrono::milliseconds(f.rendezvous_ms);
@@ -275,7 +268,6 @@ int serve_gpu(const Flags& f, const Rank& r) {
 // Returns the exit code.
 int serve_cpu(const Flags& f, const Rank& r) {
   const spade::ModelConfig& cfg = r.cfg;
-  const spade::coord::LaunchEnv& env = r.env;
   const std::string& self = r.self;
   spade::metrics::Registry& registry = r.registry;
   spade::LoopHeartbeat& heartbeat = r.heartbeat;
@@ -284,7 +276,7 @@ int serve_cpu(const Flags& f, const Rank& r) {
   lo.kind = spade::transport::LinkKind::kUcx;
   lo.name = self;
   auto net = spade::transport::make_host_transport(lo);  // throws, naming UCX, in a build without it
-  spade::coord::ClientOptions co = spade::coord::client_options_for(env);
+  spade::coord::ClientOptions co = spade::coord::client_options_for(r.env);
   co.device = "cpu";
   co.transport_kind = spade::proto::TRANSPORT_UCX;
   co.transport_address = net->local_address();

@@ -1,5 +1,6 @@
 #include "coordinator/launch_env.h"
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -288,6 +289,16 @@ std::string LaunchEnv::role_map_string() const {
     s += role_map[i] == proto::COORDINATOR ? 'c' : role_map[i] == proto::INFERENCE ? 'i' : 'k';
   }
   return s;
+}
+
+void add_launch_flags(CLI::App& app, LaunchFlags& lf) {
+  app.add_option("--master-addr", lf.master_addr, "coordinator host (else MASTER_ADDR)");
+  app.add_option("--master-port", lf.master_port, "coordinator port (else MASTER_PORT)");
+  app.add_option("--rank", lf.rank, "global rank (else RANK / OMPI_COMM_WORLD_RANK)");
+  app.add_option("--world-size", lf.world_size, "world size (else WORLD_SIZE / OMPI_COMM_WORLD_SIZE)");
+  app.add_option("--num-inference", lf.num_inference, "inference ranks in the world");
+  app.add_option("--num-cache", lf.num_cache, "cache ranks in the world");
+  app.add_option("--role-map", lf.role_map, "explicit role per rank, e.g. c,i,k");
 }
 
 }  // namespace spade::coord

@@ -30,6 +30,10 @@
 
 #include "common/proto/coordinator.pb.h"
 
+namespace CLI {
+class App;
+}  // namespace CLI
+
 namespace spade::coord {
 
 /// Values given on the command line; std::nullopt = flag not given.
@@ -43,6 +47,11 @@ struct LaunchFlags {
   std::optional<uint32_t> num_cache;
   std::optional<std::string> role_map;
 };
+
+/// Registers the ranks' launch flags on `app`, writing into `lf` (the one place they are declared): --master-addr,
+/// --master-port, --rank, --world-size, --num-inference, --num-cache, --role-map. Unset flags stay nullopt, so
+/// LaunchEnv::resolve falls back to the environment (MASTER_ADDR, RANK, OMPI_COMM_WORLD_RANK, ...).
+void add_launch_flags(CLI::App& app, LaunchFlags& lf);
 
 /// Environment lookup (injectable for tests). Returns nullopt when the variable is unset; empty values count
 /// as unset.

@@ -140,13 +140,7 @@ void add_flags(CLI::App& app, Flags& f) {
                                     spade::pair::kDeltaCapacityFlag);
   app.add_option("--selection-deadline-ms", f.deadline_ms, "longest wait for a late selection")->check(CLI::PositiveNumber);
   // Cluster (--serve).
-  app.add_option("--master-addr", f.lf.master_addr, "coordinator host (else MASTER_ADDR)");
-  app.add_option("--master-port", f.lf.master_port, "coordinator port (else MASTER_PORT)");
-  app.add_option("--rank", f.lf.rank, "global rank (else RANK / OMPI_COMM_WORLD_RANK)");
-  app.add_option("--world-size", f.lf.world_size, "world size (else WORLD_SIZE / OMPI_COMM_WORLD_SIZE)");
-  app.add_option("--num-inference", f.lf.num_inference, "inference ranks in the world");
-  app.add_option("--num-cache", f.lf.num_cache, "cache ranks in the world");
-  app.add_option("--role-map", f.lf.role_map, "explicit role per rank, e.g. c,i,k");
+  spade::coord::add_launch_flags(app, f.lf);
   app.add_option("--rendezvous-timeout-ms", f.rendezvous_ms, "deadline for the whole world to register");
   app.add_option("--metrics-port", f.metrics_port, "--serve: serve /metrics, /health, /ready on this port (0 = off)")
       ->check(CLI::Range(0, 65535));
