@@ -138,6 +138,15 @@ std::string ChildProcess::log() const {
   return ss.str();
 }
 
+ProcessExit run_to_exit(const std::string& exe, const std::vector<std::string>& args, const std::string& name,
+                        std::chrono::milliseconds timeout) {
+  ChildProcess p(exe, args, {}, name);
+  ProcessExit r;
+  r.rc = p.wait_exit(timeout);
+  r.log = p.log();
+  return r;
+}
+
 int free_port() {
   int s = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};

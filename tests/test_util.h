@@ -58,6 +58,16 @@ class ChildProcess {
   int code_ = -1;
 };
 
+/// How a process run to its end finished: its exit code (-1: still running at the timeout, then killed) and its
+/// stdout + stderr.
+struct ProcessExit {
+  int rc = -1;
+  std::string log;
+};
+/// Runs `exe args` (named `name` in the logs) until it exits or `timeout` passes.
+ProcessExit run_to_exit(const std::string& exe, const std::vector<std::string>& args, const std::string& name,
+                        std::chrono::milliseconds timeout);
+
 /// A free TCP port on 127.0.0.1 (bound and released; racy but fine for tests).
 int free_port();
 

@@ -20,7 +20,6 @@ namespace {
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
 using ::testing::Not;
-using test::ChildProcess;
 
 std::string exe() { return test::binary_dir() + "/cache_rank/cache_rank"; }
 
@@ -29,19 +28,12 @@ const char* kModelMissing = "config.json: not found";
 
 using Args = std::vector<std::string>;
 
-struct Exit {
-  int rc = -1;
-  std::string log;  // stdout + stderr
-};
+using Exit = test::ProcessExit;
 
 Exit run(const std::string& device, const Args& extra) {
   Args args = {"--model", kMissingModel, "--device", device};
   args.insert(args.end(), extra.begin(), extra.end());
-  ChildProcess p(exe(), args, {}, "cache rank");
-  Exit r;
-  r.rc = p.wait_exit(60s);
-  r.log = p.log();
-  return r;
+  return test::run_to_exit(exe(), args, "cache rank", 60s);
 }
 
 TEST(CacheRankFlags, BinaryIsBuilt) {

@@ -18,7 +18,6 @@ namespace {
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
 using ::testing::Not;
-using test::ChildProcess;
 
 std::string exe() { return test::binary_dir() + "/inference_rank/inference_rank"; }
 
@@ -37,18 +36,11 @@ Args serve(const std::string& device) {
           "--num-inference", "1", "--num-cache", "1", "--master-addr", "127.0.0.1", "--master-port", "29999"};
 }
 
-struct Exit {
-  int rc = -1;
-  std::string log;  // stdout + stderr
-};
+using Exit = test::ProcessExit;
 
 Exit run(Args args, const Args& extra) {
   args.insert(args.end(), extra.begin(), extra.end());
-  ChildProcess p(exe(), args, {}, "inference rank");
-  Exit r;
-  r.rc = p.wait_exit(60s);
-  r.log = p.log();
-  return r;
+  return test::run_to_exit(exe(), args, "inference rank", 60s);
 }
 
 // `extra` appended to `base` is refused: non-zero exit, and the error names every flag of `named`.
