@@ -118,6 +118,22 @@ using tokenizer_detail::SplitBehavior;
 
 namespace {
 
+// Walks the matches `m` (start, end, is_match) in order: a piece for which merge(is_match, previous is_match) holds
+// extends the last piece of `pieces`, any other starts a new kept piece.
+template <typename Merge>
+void merge_into_previous(const std::vector<std::tuple<size_t, size_t, bool>>& m,
+                         std::vector<std::tuple<size_t, size_t, bool>>& pieces, Merge merge) {
+  bool prev_match = false;
+  for (const auto& [b, e, is_match] : m) {
+    if (merge(is_match, prev_match) && !pieces.empty()) {
+      std::get<1>(pieces.back()) = e;
+    } else {
+      pieces.emplace_back(b, e, false);
+    }
+    prev_match = is_match;
+  }
+}
+
 // The library's NormalizedString::split for one string: the kept pieces, in order, non-empty.
 void split_with_behavior(std::string_view s, const Pattern& pattern, SplitBehavior behavior, bool invert,
                          std::vector<std::string>& out) {
@@ -135,30 +151,12 @@ void split_with_behavior(std::string_view s, const Pattern& pattern, SplitBehavi
     case SplitBehavior::kRemoved:
       pieces = m;
       break;
-    case SplitBehavior::kContiguous: {
-      bool prev_match = false;
-      for (const auto& [b, e, is_match] : m) {
-        if (is_match == prev_match && !pieces.empty()) {
-          std::get<1>(pieces.back()) = e;
-        } else {
-          pieces.emplace_back(b, e, false);
-        }
-        prev_match = is_match;
-      }
+    case SplitBehavior::kContiguous:  // a run of matches (or of non-matches) is one piece
+      merge_into_previous(m, pieces, [](bool is_match, bool prev_match) { return is_match == prev_match; });
       break;
-    }
-    case SplitBehavior::kMergedWithPrevious: {
-      bool prev_match = false;
-      for (const auto& [b, e, is_match] : m) {
-        if (is_match && !prev_match && !pieces.empty()) {
-          std::get<1>(pieces.back()) = e;
-        } else {
-          pieces.emplace_back(b, e, false);
-        }
-        prev_match = is_match;
-      }
+    case SplitBehavior::kMergedWithPrevious:  // a match joins the non-match before it
+      merge_into_previous(m, pieces, [](bool is_match, bool prev_match) { return is_match && !prev_match; });
       break;
-    }
     case SplitBehavior::kMergedWithNext: {
       bool prev_match = false;
       for (auto it = m.rbegin(); it != m.rend(); ++it) {

@@ -56,7 +56,14 @@ std::vector<int> GpuStepPlan::first_rows() const {
 namespace {
 constexpr uint32_t kHelloMagic = 0x4c454847;  // "GHEL"
 constexpr uint32_t kHelloVersion = 1;
-constexpr int kHelloFields = 13;
+// The hello's fields in wire order: encode and decode both walk this table.
+constexpr int32_t GpuPairHello::*kHelloFields[] = {
+    &GpuPairHello::num_layers,      &GpuPairHello::num_q_heads,     &GpuPairHello::num_kv_heads,
+    &GpuPairHello::head_dim,        &GpuPairHello::layers_per_pack, &GpuPairHello::token_budget,
+    &GpuPairHello::local_window,    &GpuPairHello::delta_capacity,  &GpuPairHello::max_slots,
+    &GpuPairHello::max_step_tokens, &GpuPairHello::num_pages,       &GpuPairHello::page_size,
+    &GpuPairHello::max_pages_per_seq};
+static_assert(8 + sizeof(kHelloFields) / sizeof(kHelloFields[0]) * sizeof(int32_t) <= kGpuHelloBytes);
 }  // namespace
 
 std::vector<uint8_t> encode_gpu_hello(const GpuPairHello& h) {
@@ -64,10 +71,7 @@ std::vector<uint8_t> encode_gpu_hello(const GpuPairHello& h) {
   size_t off = 0;
   put(b, off, kHelloMagic);
   put(b, off, kHelloVersion);
-  for (int32_t v : {h.num_layers, h.num_q_heads, h.num_kv_heads, h.head_dim, h.layers_per_pack, h.token_budget,
-                    h.local_window, h.delta_capacity, h.max_slots, h.max_step_tokens, h.num_pages, h.page_size,
-                    h.max_pages_per_seq})
-    put(b, off, v);
+  for (int32_t GpuPairHello::*field : kHelloFields) put(b, off, h.*field);
   return b;
 }
 
@@ -79,22 +83,8 @@ GpuPairHello decode_gpu_hello(const uint8_t* data, size_t len, const ModelConfig
   SPADE_CHECK(magic == kHelloMagic && version == kHelloVersion,
               "{}: not a GPU pair hello (magic {:#x}, version {}; expected version {})", peer, magic, version,
               kHelloVersion);
-  int32_t v[kHelloFields];
-  for (int32_t& x : v) x = get<int32_t>(data, off);
   GpuPairHello h;
-  h.num_layers = v[0];
-  h.num_q_heads = v[1];
-  h.num_kv_heads = v[2];
-  h.head_dim = v[3];
-  h.layers_per_pack = v[4];
-  h.token_budget = v[5];
-  h.local_window = v[6];
-  h.delta_capacity = v[7];
-  h.max_slots = v[8];
-  h.max_step_tokens = v[9];
-  h.num_pages = v[10];
-  h.page_size = v[11];
-  h.max_pages_per_seq = v[12];
+  for (int32_t GpuPairHello::*field : kHelloFields) h.*field = get<int32_t>(data, off);
   const auto same = [&](const char* what, int32_t theirs, int ours) {
     SPADE_CHECK(theirs == ours,
                 "{} serves a model with {} {}, this cache rank's model has {} (give both ranks the same --model)",

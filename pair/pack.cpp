@@ -25,6 +25,13 @@ class Writer {
     const auto* p = reinterpret_cast<const uint8_t*>(v.data());
     buf.insert(buf.end(), p, p + v.size() * sizeof(T));
   }
+  // Every pack message opens with its magic, its step and its pack index.
+  template <typename Message>
+  void head(uint32_t magic, const Message& m) {
+    put(magic);
+    put(m.step);
+    put(m.pack);
+  }
   std::vector<uint8_t> buf;
 };
 
@@ -54,6 +61,15 @@ class Reader {
     if (off_ != n_) fail("{}: malformed {}: {} trailing bytes", peer_, what_, n_ - off_);
   }
   size_t remaining() const { return n_ - off_; }
+  // The opening Writer::head wrote, as a fresh message; a wrong magic is an error naming the peer.
+  template <typename Message>
+  Message head(uint32_t magic) {
+    if (get<uint32_t>() != magic) fail("{}: malformed {}: bad magic", peer_, what_);
+    Message m;
+    m.step = get<decltype(m.step)>();
+    m.pack = get<decltype(m.pack)>();
+    return m;
+  }
 
  private:
   const uint8_t* d_;
@@ -75,9 +91,7 @@ PackShape pack_shape(const ModelConfig& cfg, const SelectionConfig& sc) {
 
 std::vector<uint8_t> encode(const PackUpdate& u, const PackShape& s) {
   Writer w;
-  w.put(kUpdateMagic);
-  w.put(u.step);
-  w.put(u.pack);
+  w.head(kUpdateMagic, u);
   w.put(u.first_layer);
   w.put(u.num_layers);
   w.put(static_cast<uint32_t>(u.released.size()));
@@ -102,10 +116,7 @@ std::vector<uint8_t> encode(const PackUpdate& u, const PackShape& s) {
 
 PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, const std::string& peer) {
   Reader r(data, len, peer, "pack update");
-  if (r.get<uint32_t>() != kUpdateMagic) fail("{}: malformed pack update: bad magic", peer);
-  PackUpdate u;
-  u.step = r.get<int64_t>();
-  u.pack = r.get<int32_t>();
+  auto u = r.head<PackUpdate>(kUpdateMagic);
   u.first_layer = r.get<int32_t>();
   u.num_layers = r.get<int32_t>();
   check_count(u.num_layers, 4096, peer, "num_layers");
@@ -138,9 +149,7 @@ PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, co
 
 std::vector<uint8_t> encode(const PackSelection& p, const PackShape& s) {
   Writer w;
-  w.put(kSelectionMagic);
-  w.put(p.step);
-  w.put(p.pack);
+  w.head(kSelectionMagic, p);
   w.put(p.select_ms);
   w.put(static_cast<uint32_t>(p.delta ? 1 : 0));  // flags: bit 0 = delta
   w.put(static_cast<uint32_t>(p.error.size()));
@@ -184,10 +193,7 @@ std::vector<uint8_t> encode(const PackSelection& p, const PackShape& s) {
 
 PackSelection decode_selection(const uint8_t* data, size_t len, const PackShape& s, const std::string& peer) {
   Reader r(data, len, peer, "pack selection");
-  if (r.get<uint32_t>() != kSelectionMagic) fail("{}: malformed pack selection: bad magic", peer);
-  PackSelection p;
-  p.step = r.get<int64_t>();
-  p.pack = r.get<int32_t>();
+  auto p = r.head<PackSelection>(kSelectionMagic);
   p.select_ms = r.get<double>();
   const uint32_t flags = r.get<uint32_t>();
   if ((flags & ~1u) != 0) fail("{}: malformed pack selection: unknown flags {:#x}", peer, flags);

@@ -9,16 +9,16 @@ namespace spade::pair {
 
 void add_sparse_flags(CLI::App& app, SparseConfig& c, SparseFlagText& text, unsigned groups) {
   SelectionConfig& sc = c.selection;
+  // An integer flag that must be > 0 (or >= 0).
+  const auto counted = [&app](const char* name, int& value, const char* help, bool zero_ok = false) {
+    app.add_option(name, value, help)
+        ->check(zero_ok ? CLI::Validator(CLI::NonNegativeNumber) : CLI::Validator(CLI::PositiveNumber))
+        ->capture_default_str();
+  };
   if ((groups & kSelectionFlags) != 0) {
-    app.add_option("--token-budget", sc.token_budget, "selected tokens per layer and KV head")
-        ->check(CLI::PositiveNumber)
-        ->capture_default_str();
-    app.add_option("--local-window", sc.local_window, "most recent tokens the inference rank attends from its own KV")
-        ->check(CLI::PositiveNumber)
-        ->capture_default_str();
-    app.add_option("--sink-tokens", sc.sink_tokens, "first tokens the inference rank attends from its own KV")
-        ->check(CLI::NonNegativeNumber)
-        ->capture_default_str();
+    counted("--token-budget", sc.token_budget, "selected tokens per layer and KV head");
+    counted("--local-window", sc.local_window, "most recent tokens the inference rank attends from its own KV");
+    counted("--sink-tokens", sc.sink_tokens, "first tokens the inference rank attends from its own KV", true);
     app.add_option("--query-window", sc.query_window, "W: queries the predictor regresses on (1..32)")
         ->capture_default_str();
     app.add_option("--ridge-eps", sc.ridge_eps,
@@ -36,21 +36,16 @@ void add_sparse_flags(CLI::App& app, SparseConfig& c, SparseFlagText& text, unsi
         ->capture_default_str();
   }
   if ((groups & kScheduleFlags) != 0) {
-    app.add_option("--sparse-threshold", c.sparse_threshold, "context length at which decoding turns sparse")
-        ->check(CLI::PositiveNumber)
-        ->capture_default_str();
-    app.add_option("--layers-per-pack", c.layers_per_pack, "layers per pack message")
-        ->check(CLI::PositiveNumber)
-        ->capture_default_str();
+    counted("--sparse-threshold", c.sparse_threshold, "context length at which decoding turns sparse");
+    counted("--layers-per-pack", c.layers_per_pack, "layers per pack message");
   }
   if ((groups & kDeltaCapacityFlag) != 0) {
-    app.add_option("--delta-capacity", c.delta_capacity,
-                   "--device cuda: selection entries a steady step may change per (layer, KV head); 0 = the token "
-                   "budget, lossless: a token that enters the selection is sent that step. Smaller values send fewer "
-                   "bytes but leave tokens out for a step when more enter (bounded staleness; its cost on pass-key "
-                   "accuracy is in docs/FIDELITY.md)")
-        ->check(CLI::NonNegativeNumber)
-        ->capture_default_str();
+    counted("--delta-capacity", c.delta_capacity,
+            "--device cuda: selection entries a steady step may change per (layer, KV head); 0 = the token budget, "
+            "lossless: a token that enters the selection is sent that step. Smaller values send fewer bytes but leave "
+            "tokens out for a step when more enter (bounded staleness; its cost on pass-key accuracy is in "
+            "docs/FIDELITY.md)",
+            true);
   }
   if ((groups & kDeltaTransferFlag) != 0) {
     app.add_option("--delta-transfer", c.delta_transfer,

@@ -41,6 +41,19 @@ enum class PairRole { kInference = 0, kCache = 1 };
 /// "inference", "cache".
 inline const char* pair_role_name(PairRole r) { return r == PairRole::kInference ? "inference" : "cache"; }
 
+/// What every GPU link takes (NcclLinkOptions and CudaIpcLinkOptions extend it; so does the link factory's
+/// LinkOptions, which hands this part to whichever link it makes).
+struct GpuLinkOptions {
+  /// CUDA device of this rank; made current on the calling thread by the link's creation.
+  int device = 0;
+  /// Bound on joining: the peer must join (NCCL) / open the link (CUDA IPC) within it, or creation throws.
+  std::chrono::milliseconds connect_timeout{30000};
+  /// Default watchdog deadline of a posted operation (send/recv with timeout 0); also bounds teardown.
+  std::chrono::milliseconds op_timeout{10000};
+  /// How often the link's watchdog polls (CUDA IPC: and beats).
+  std::chrono::milliseconds watchdog_period{2};
+};
+
 /// Byte and operation counters of one link since construction.
 struct GpuLinkCounters {
   uint64_t sends = 0, recvs = 0;

@@ -23,21 +23,30 @@ namespace spade::transport {
 
 namespace {
 
-constexpr LinkKind kAllKinds[] = {LinkKind::kNccl, LinkKind::kCudaIpc, LinkKind::kUcx, LinkKind::kLoopback};
+#ifndef SPADE_LINK_FACTORY_NCCL
+#define SPADE_LINK_FACTORY_NCCL 0
+#endif
+#ifndef SPADE_LINK_FACTORY_CUDA_IPC
+#define SPADE_LINK_FACTORY_CUDA_IPC 0
+#endif
 
-// What the build lacks for `kind`: "NCCL", "CUDA", "UCX".
-const char* missing_dependency(LinkKind kind) {
-  switch (kind) {
-    case LinkKind::kNccl:
-      return "NCCL";
-    case LinkKind::kCudaIpc:
-      return "CUDA";
-    case LinkKind::kUcx:
-      return "UCX";
-    case LinkKind::kLoopback:
-      break;
-  }
-  return "?";
+// Every kind: its name on the command line and in errors, whether this build has it, and what a build without it
+// lacks.
+struct KindInfo {
+  LinkKind kind;
+  const char* name;
+  bool built;
+  const char* dependency;
+};
+constexpr KindInfo kKinds[] = {{LinkKind::kNccl, "nccl", SPADE_LINK_FACTORY_NCCL != 0, "NCCL"},
+                               {LinkKind::kCudaIpc, "cuda-ipc", SPADE_LINK_FACTORY_CUDA_IPC != 0, "CUDA"},
+                               {LinkKind::kUcx, "ucx", SPADE_HAVE_UCX != 0, "UCX"},
+                               {LinkKind::kLoopback, "loopback", true, ""}};
+
+const KindInfo& info(LinkKind kind) {
+  for (const KindInfo& k : kKinds)
+    if (k.kind == kind) return k;
+  fail("unknown link kind {}", static_cast<int>(kind));
 }
 
 std::string kind_list(const std::vector<LinkKind>& kinds) {
@@ -65,16 +74,7 @@ void require_family(LinkKind kind, bool gpu) {
 }
 
 #if SPADE_LINK_FACTORY_NCCL
-NcclLinkOptions nccl_options(const LinkOptions& o) {
-  NcclLinkOptions n;
-  n.device = o.device;
-  n.max_ctas_up = o.nccl_max_ctas_up;
-  n.max_ctas_down = o.nccl_max_ctas_down;
-  n.connect_timeout = o.connect_timeout;
-  n.op_timeout = o.op_timeout;
-  n.watchdog_period = o.watchdog_period;
-  return n;
-}
+NcclLinkOptions nccl_options(const LinkOptions& o) { return {o, o.nccl_max_ctas_up, o.nccl_max_ctas_down}; }
 
 class NcclOffer final : public GpuLinkOffer {
  public:
@@ -99,15 +99,7 @@ class NcclOffer final : public GpuLinkOffer {
 
 #if SPADE_LINK_FACTORY_CUDA_IPC
 CudaIpcLinkOptions ipc_options(const LinkOptions& o) {
-  CudaIpcLinkOptions c;
-  c.device = o.device;
-  c.chunk_bytes = o.ipc_chunk_bytes;
-  c.ring_slots = o.ipc_ring_slots;
-  c.connect_timeout = o.connect_timeout;
-  c.op_timeout = o.op_timeout;
-  c.heartbeat_timeout = o.ipc_heartbeat_timeout;
-  c.watchdog_period = o.watchdog_period;
-  return c;
+  return {o, o.ipc_chunk_bytes, o.ipc_ring_slots, o.ipc_heartbeat_timeout};
 }
 
 class CudaIpcOffer final : public GpuLinkOffer {
@@ -131,67 +123,33 @@ class CudaIpcOffer final : public GpuLinkOffer {
 
 }  // namespace
 
-const char* link_kind_name(LinkKind kind) {
-  switch (kind) {
-    case LinkKind::kNccl:
-      return "nccl";
-    case LinkKind::kCudaIpc:
-      return "cuda-ipc";
-    case LinkKind::kUcx:
-      return "ucx";
-    case LinkKind::kLoopback:
-      return "loopback";
-  }
-  return "?";
-}
+const char* link_kind_name(LinkKind kind) { return info(kind).name; }
 
 LinkKind parse_link_kind(std::string_view name) {
-  for (LinkKind k : kAllKinds)
-    if (name == link_kind_name(k)) return k;
+  std::vector<LinkKind> all;
+  for (const KindInfo& k : kKinds) {
+    if (name == k.name) return k.kind;
+    all.push_back(k.kind);
+  }
   if (name == "ipc" || name == "cuda_ipc") return LinkKind::kCudaIpc;
-  fail("unknown link kind '{}' (known: {})", name,
-       kind_list(std::vector<LinkKind>(std::begin(kAllKinds), std::end(kAllKinds))));
+  fail("unknown link kind '{}' (known: {})", name, kind_list(all));
 }
 
 bool is_gpu_link_kind(LinkKind kind) { return kind == LinkKind::kNccl || kind == LinkKind::kCudaIpc; }
 
-bool link_kind_available(LinkKind kind) {
-  switch (kind) {
-    case LinkKind::kNccl:
-#if SPADE_LINK_FACTORY_NCCL
-      return true;
-#else
-      return false;
-#endif
-    case LinkKind::kCudaIpc:
-#if SPADE_LINK_FACTORY_CUDA_IPC
-      return true;
-#else
-      return false;
-#endif
-    case LinkKind::kUcx:
-#if SPADE_HAVE_UCX
-      return true;
-#else
-      return false;
-#endif
-    case LinkKind::kLoopback:
-      return true;
-  }
-  return false;
-}
+bool link_kind_available(LinkKind kind) { return info(kind).built; }
 
 std::vector<LinkKind> available_link_kinds() {
   std::vector<LinkKind> out;
-  for (LinkKind k : kAllKinds)
-    if (link_kind_available(k)) out.push_back(k);
+  for (const KindInfo& k : kKinds)
+    if (k.built) out.push_back(k.kind);
   return out;
 }
 
 void require_link_kind(LinkKind kind) {
   if (link_kind_available(kind)) return;
   fail("link kind '{}' is not built into this binary (built without {}); this binary has: {}", link_kind_name(kind),
-       missing_dependency(kind), kind_list(available_link_kinds()));
+       info(kind).dependency, kind_list(available_link_kinds()));
 }
 
 std::unique_ptr<Transport> make_host_transport(const LinkOptions& options) {

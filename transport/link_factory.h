@@ -58,7 +58,7 @@ bool link_kind_available(LinkKind kind);
 void require_link_kind(LinkKind kind);
 
 /// Everything the link kinds need; each kind reads its own fields and ignores the others.
-struct LinkOptions {
+struct LinkOptions : GpuLinkOptions {
   LinkKind kind = LinkKind::kLoopback;
 
   // ---- host links (UCX, loopback) ----
@@ -76,14 +76,7 @@ struct LinkOptions {
   /// offer_gpu_link() exists before its peer is known and keeps this name (e.g. "its cache rank"); NCCL takes the
   /// name given to GpuLinkOffer::connect().
   std::string peer_name = "the peer";
-  /// CUDA device of this rank; made current on the calling thread by the link's creation.
-  int device = 0;
-  /// Bound on joining: the peer must join (NCCL) / open the link (CUDA IPC) within it.
-  std::chrono::milliseconds connect_timeout{30000};
-  /// Default watchdog deadline of a posted operation (GpuLink::send/recv with timeout 0); also bounds teardown.
-  std::chrono::milliseconds op_timeout{10000};
-  /// How often the link's watchdog polls.
-  std::chrono::milliseconds watchdog_period{2};
+  // device, connect_timeout, op_timeout, watchdog_period: GpuLinkOptions (transport/gpu_link.h).
   /// NCCL: channels (CTAs) of the up (inference -> cache) and down communicators; 0 = NCCL's default.
   int nccl_max_ctas_up = 1;
   int nccl_max_ctas_down = 16;

@@ -54,14 +54,11 @@
 
 namespace spade::transport {
 
-struct CudaIpcLinkOptions {
-  int device = 0;                     // CUDA device of this rank; the constructor makes it current
+/// GpuLinkOptions plus the rings' geometry and the peer's heartbeat deadline.
+struct CudaIpcLinkOptions : GpuLinkOptions {
   size_t chunk_bytes = size_t{4} << 20;  // ring chunk (creator only; the opener takes the creator's), multiple of 256
-  int ring_slots = 8;                 // chunks per direction's ring (creator only), >= 1
-  std::chrono::milliseconds connect_timeout{30000};  // creator's connect(): the peer must open the link by then
-  std::chrono::milliseconds op_timeout{10000};       // a posted op not complete this long after posting: fail
+  int ring_slots = 8;                    // chunks per direction's ring (creator only), >= 1
   std::chrono::milliseconds heartbeat_timeout{1000};  // no heartbeat from the connected peer this long: fail
-  std::chrono::milliseconds watchdog_period{2};      // how often the watchdog polls and beats
 };
 
 class CudaIpcLink final : public GpuLink {

@@ -55,13 +55,10 @@ using NcclRole = PairRole;
 /// "inference", "cache".
 inline const char* nccl_role_name(NcclRole r) { return pair_role_name(r); }
 
-struct NcclLinkOptions {
-  int device = 0;          // CUDA device of this rank; the constructor makes it current on the calling thread
+/// GpuLinkOptions plus NCCL's channel counts.
+struct NcclLinkOptions : GpuLinkOptions {
   int max_ctas_up = 1;     // NCCL channels (CTAs) of the up communicator: ~100 KB per pack needs one
   int max_ctas_down = 16;  // channels of the down communicator (MBs per pack); 0 = NCCL's default
-  std::chrono::milliseconds connect_timeout{30000};  // both communicators ready, or the constructor throws
-  std::chrono::milliseconds op_timeout{10000};       // a posted op not complete this long after posting: abort
-  std::chrono::milliseconds watchdog_period{2};      // how often the watchdog polls
 };
 
 /// Byte and operation counters of one link since construction.
