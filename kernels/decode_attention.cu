@@ -24,7 +24,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -207,13 +206,8 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
   auto issue = [&](int tile_start, int stage) {
     T* sk = my_stages + stage * 2 * Cfg::kTileElems;
     T* sv = sk + Cfg::kTileElems;
-#pragma unroll
-    for (int i = 0; i < Cfg::kChunksPerLane; ++i) {
-      const int c = lane + 32 * i;
-      const int tok = c / Cfg::kChunks;
-      const int col = c % Cfg::kChunks;
-      const int v = tile_start + tok;
-      const bool valid = v < end;
+    for_each_tile_chunk<Cfg::kChunks, Cfg::kChunksPerLane, 32>(lane, tile_start, end, [&](int tok, int col, int v,
+                                                                                         bool valid) {
       const T* gk = kc;
       const T* gv = vc;
       if (valid) {
@@ -235,7 +229,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
       const int so = swz(tok, col, Cfg::kChunks);
       cp_async_16_stream(sk + so, gk + col * 8, valid, l2_policy);
       cp_async_16_stream(sv + so, gv + col * 8, valid, l2_policy);
-    }
+    });
   };
 
   // Q^T as the B operand: b0b1 = Q[head g][16ks + 2c ..], b2b3 = Q[head g][16ks + 2c + 8 ..]; heads >= G are zero.
@@ -452,8 +446,7 @@ struct DecodeShape {
 // The dynamic shared-memory limit of decode_kernel<T, D, SRC> on the current device, set once (launch or prepare).
 template <typename T, int D, KvSource SRC>
 cudaError_t decode_smem_attribute() {
-  static std::atomic<uint64_t> smem_done{0};
-  return ensure_smem_attribute(decode_kernel<T, D, SRC>, DecodeConfig<D, SRC>::kSmemBytes, smem_done);
+  return ensure_smem_attribute<decode_kernel<T, D, SRC>>(DecodeConfig<D, SRC>::kSmemBytes);
 }
 
 template <typename T, int D>
@@ -545,23 +538,8 @@ cudaError_t launch_decode(DType dtype, const DecodeArgs& args, const DecodeShape
 // Shared validation of the fields every decode variant's params P has: cudaSuccess or the invalid-value error.
 template <class P>
 cudaError_t check_common(const char* what, const P& p) {
-  const int hq = p.num_q_heads;
-  const int hkv = p.num_kv_heads;
-  if (p.dtype != DType::BF16 && p.dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
-  if (p.q == nullptr || p.out == nullptr) return invalid_argument(what, "q and out must be set");
-  if (p.batch <= 0) return invalid_argument(what, "batch ", p.batch, " must be > 0");
-  if (hkv <= 0 || hq <= 0 || hq % hkv != 0) {
-    return invalid_argument(what, "num_q_heads ", hq, " is not a positive multiple of num_kv_heads ", hkv);
-  }
-  if (hq / hkv > kMaxGqaGroup) {
-    return invalid_argument(what, "GQA group ", hq / hkv, " exceeds kMaxGqaGroup = ", kMaxGqaGroup);
-  }
-  if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " is not supported");
-  if (!is_pow2(p.page_size)) return invalid_argument(what, "page_size ", p.page_size, " must be a power of two");
-  if (p.max_pages_per_seq <= 0) {
-    return invalid_argument(what, "max_pages_per_seq ", p.max_pages_per_seq, " must be > 0");
-  }
-  if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return invalid_argument(what, "scale ", p.scale, " must be > 0");
+  const cudaError_t e = check_paged_attention(what, p);
+  if (e != cudaSuccess) return e;
   if (p.num_splits < 0 || p.num_splits > kMaxDecodeSplits) {
     return invalid_argument(what, "num_splits ", p.num_splits, " outside 0..", kMaxDecodeSplits);
   }
@@ -675,13 +653,9 @@ cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cu
 }
 
 cudaError_t prepare_decode_attention_kernels() {
-  cudaError_t e = cudaSuccess;
-#define SPADE_PREPARE_CASE(D)                                                             \
-  if (e == cudaSuccess) e = detail::decode_smem_attributes<__nv_bfloat16, D>();           \
-  if (e == cudaSuccess) e = detail::decode_smem_attributes<__half, D>();
-  SPADE_FOR_EACH_HEAD_DIM(SPADE_PREPARE_CASE)
-#undef SPADE_PREPARE_CASE
-  return e;
+  return detail::for_each_type_head_dim<__nv_bfloat16, __half>([](auto tag, auto dim) {
+    return detail::decode_smem_attributes<decltype(tag), decltype(dim)::value>();
+  });
 }
 
 }  // namespace spade::kernels

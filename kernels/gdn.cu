@@ -12,7 +12,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "kernels/gdn.cuh"
@@ -674,33 +673,14 @@ int table_entries(const GdnBufferedGpuParams& p) {
   return std::min(p.seqs.max_blocks_per_seq, (p.max_ring_capacity + p.buf.block_size - 1) / p.buf.block_size);
 }
 
-/// The dynamic shared-memory limit of a buffered-step instantiation: set once per device to the device's opt-in
-/// maximum, because the size a launch needs grows with max_ring_capacity (a limit set for the first launch's size
-/// would make a later launch with a longer ring fail with cudaErrorInvalidValue). The limit does not reserve memory:
-/// occupancy follows each launch's own size.
-template <typename Kernel>
-cudaError_t ensure_max_smem(Kernel kernel, std::atomic<uint64_t>& done_mask) {
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
-  if (bit != 0 && (done_mask.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  int optin = 0;
-  e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
-  if (e == cudaSuccess && bit != 0) done_mask.fetch_or(bit, std::memory_order_acq_rel);
-  return e;
-}
-
 template <typename T, int D, int MT, int TPC>
 cudaError_t launch_buffered(const GdnBufferedGpuParams& p, bool verify, cudaStream_t stream) {
-  static std::atomic<uint64_t> smem_done{0};
   const int tbl = table_entries(p);
   const size_t smem = BufSmem(D, 32 * TPC, MT, p.max_ring_capacity, tbl).total;
   auto kernel = gdn_buffered_kernel<T, D, MT, TPC>;
   if (smem > 48 * 1024) {
-    const cudaError_t e = ensure_max_smem(kernel, smem_done);
+    // The limit at the device's opt-in maximum: the size grows with max_ring_capacity.
+    const cudaError_t e = detail::ensure_max_smem_attribute<gdn_buffered_kernel<T, D, MT, TPC>>();
     if (e != cudaSuccess) return e;
   }
   BufArgs a{};

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "common/dtype.h"
 
@@ -145,6 +146,21 @@ __device__ __forceinline__ void warp_cp_async_pipeline(int nj, Issue&& issue, Co
   cp_async_wait<0>();
 }
 
+/// The kPerThread 16-byte chunks that thread t of kThreads copies of a tile of token rows with kChunks chunks per row
+/// (chunk c = t + kThreads * i is row c / kChunks, column c % kChunks): calls f(row, col, v, valid) for each, with
+/// v = first + row the token of the row and valid = v < end (the cp.async issue loops of the paged-KV kernels).
+template <int kChunks, int kPerThread, int kThreads, typename F>
+__device__ __forceinline__ void for_each_tile_chunk(int t, int first, int end, F&& f) {
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = t + kThreads * i;
+    const int row = c / kChunks;
+    const int col = c % kChunks;
+    const int v = first + row;
+    f(row, col, v, v < end);
+  }
+}
+
 /// Offset in elements of logical 16-byte chunk `chunk` of row `row` in a swizzled tile with `chunks_per_row` chunks.
 __device__ __forceinline__ int swz(int row, int chunk, int chunks_per_row) {
   return row * chunks_per_row * 8 + ((chunk ^ (row & 7)) << 3);
@@ -177,19 +193,32 @@ __device__ __forceinline__ float from_f<float>(float x) {
   return x;
 }
 
-/// Element-type dispatch over fp32, bf16 and fp16 (logits, casts, fills): calls f(T{}) for the type `t` names,
-/// cudaErrorInvalidValue for anything else. Host code (templates instantiated by the launchers).
+/// DType of the element type T (fp32, bf16, fp16).
+template <typename T>
+inline constexpr DType kDTypeOf = ElemTraits<T>::kDType;
+template <>
+inline constexpr DType kDTypeOf<float> = DType::F32;
+
+/// Element-type dispatch over the types Ts: calls f(T{}) for the T of Ts whose DType is `t` (only those
+/// instantiations are compiled) and returns its result, cudaErrorInvalidValue for any other `t`. Host code
+/// (templates instantiated by the launchers).
+template <typename... Ts, typename F>
+cudaError_t dispatch_dtype(DType t, F&& f) {
+  cudaError_t e = cudaErrorInvalidValue;
+  (void)((kDTypeOf<Ts> == t && ((e = f(Ts{})), true)) || ...);
+  return e;
+}
+
+/// The activation / KV types of the kernels: bf16 and fp16.
+template <typename F>
+cudaError_t dispatch_elem(DType t, F&& f) {
+  return dispatch_dtype<__nv_bfloat16, __half>(t, std::forward<F>(f));
+}
+
+/// fp32, bf16 and fp16 (logits, casts, fills).
 template <typename F>
 cudaError_t dispatch_float_types(DType t, F&& f) {
-  switch (t) {
-    case DType::F32:
-      return f(float{});
-    case DType::BF16:
-      return f(__nv_bfloat16{});
-    case DType::F16:
-      return f(__half{});
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_dtype<float, __nv_bfloat16, __half>(t, std::forward<F>(f));
 }
 
 }  // namespace spade::kernels::detail

@@ -7,7 +7,10 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
+
+#include "kernels/head_dims.cuh"
 
 namespace spade::kernels::detail {
 
@@ -36,17 +39,70 @@ inline int current_sm_count() {
   return n;
 }
 
-/// Per-kernel one-time setup of the dynamic shared memory limit on each device (bitmask of devices done).
-/// Returns the CUDA error of cudaFuncSetAttribute, or cudaSuccess.
-template <typename Kernel>
-cudaError_t ensure_smem_attribute(Kernel kernel, size_t smem_bytes, std::atomic<uint64_t>& done_mask) {
+/// Runs the setup step f(device) -> cudaError_t once per device of the calling thread's current device: bit `device`
+/// of done_mask records a success (a device >= 64 runs it on every call). Returns f's error, or cudaSuccess.
+template <typename F>
+cudaError_t once_per_device(std::atomic<uint64_t>& done_mask, F&& f) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit != 0 && (done_mask.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+  e = f(dev);
   if (e == cudaSuccess && bit != 0) done_mask.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
+
+/// The dynamic shared-memory limit of kKernel set to smem_bytes, once per device (the mask is kKernel's own).
+/// Returns the CUDA error of cudaFuncSetAttribute, or cudaSuccess.
+template <auto kKernel>
+cudaError_t ensure_smem_attribute(size_t smem_bytes) {
+  static std::atomic<uint64_t> done{0};
+  return once_per_device(done, [&](int) {
+    return cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes));
+  });
+}
+
+/// The dynamic shared-memory limit of kKernel set to the device's opt-in maximum, once per device: for kernels whose
+/// size grows with a launch argument (a limit set for the first launch's size would make a later, larger launch fail
+/// with cudaErrorInvalidValue). The limit reserves nothing: occupancy follows each launch's own size.
+template <auto kKernel>
+cudaError_t ensure_max_smem_attribute() {
+  static std::atomic<uint64_t> done{0};
+  return once_per_device(done, [](int dev) {
+    int optin = 0;
+    const cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess) return e;
+    return cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  });
+}
+
+/// The run-time head_dim switch of the launchers: returns f(std::integral_constant<int, D>{}) for D = head_dim when it
+/// is one of SPADE_FOR_EACH_HEAD_DIM, else invalid_argument(what, "head_dim <n> is not compiled (head_dims.cuh)").
+template <typename F>
+cudaError_t dispatch_head_dim(const char* what, int head_dim, F&& f) {
+  switch (head_dim) {
+#define SPADE_HEAD_DIM_CASE(D) \
+  case D:                      \
+    return f(std::integral_constant<int, D>{});
+    SPADE_FOR_EACH_HEAD_DIM(SPADE_HEAD_DIM_CASE)
+#undef SPADE_HEAD_DIM_CASE
+    default:
+      break;
+  }
+  return invalid_argument(what, "head_dim ", head_dim, " is not compiled (head_dims.cuh)");
+}
+
+/// Runs f(T{}, std::integral_constant<int, D>{}) -> cudaError_t for every compiled head_dim D and every T of Ts,
+/// stopping at the first error, which it returns (the prepare_* functions: one-time setup of every instantiation).
+template <typename... Ts, typename F>
+cudaError_t for_each_type_head_dim(F&& f) {
+  cudaError_t e = cudaSuccess;
+  auto for_types = [&](auto dim) { (void)(((e = f(Ts{}, dim)) == cudaSuccess) && ...); };
+#define SPADE_HEAD_DIM_STEP(D) \
+  if (e == cudaSuccess) for_types(std::integral_constant<int, D>{});
+  SPADE_FOR_EACH_HEAD_DIM(SPADE_HEAD_DIM_STEP)
+#undef SPADE_HEAD_DIM_STEP
   return e;
 }
 

@@ -86,8 +86,8 @@ using detail::invalid_argument;
 
 cudaError_t embedding_gather(const EmbeddingParams& p, cudaStream_t stream) {
   const char* w = "embedding_gather";
-  if (!detail::is_elem(p.dtype)) return invalid_argument(w, "dtype must be BF16 or F16");
-  if (p.num_tokens < 0) return invalid_argument(w, "num_tokens = ", p.num_tokens, " < 0");
+  if (const cudaError_t e = detail::check_elem_count(w, p.dtype, "num_tokens", p.num_tokens); e != cudaSuccess)
+    return e;
   if (p.num_tokens == 0) return cudaSuccess;
   if (p.vocab_size <= 0) return invalid_argument(w, "vocab_size = ", p.vocab_size, " must be > 0");
   if (p.hidden <= 0) return invalid_argument(w, "hidden = ", p.hidden, " must be > 0");
@@ -109,8 +109,7 @@ cudaError_t embedding_gather(const EmbeddingParams& p, cudaStream_t stream) {
 
 cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream) {
   const char* w = "swiglu";
-  if (!detail::is_elem(p.dtype)) return invalid_argument(w, "dtype must be BF16 or F16");
-  if (p.rows < 0) return invalid_argument(w, "rows = ", p.rows, " < 0");
+  if (const cudaError_t e = detail::check_elem_count(w, p.dtype, "rows", p.rows); e != cudaSuccess) return e;
   if (p.inter <= 0 || p.inter > 0x3fffffff) return invalid_argument(w, "inter = ", p.inter, " must be > 0");
   const int gs = p.gate_up_stride == 0 ? 2 * p.inter : p.gate_up_stride;
   const int os = p.out_stride == 0 ? p.inter : p.out_stride;

@@ -35,6 +35,12 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const T* x, const
   const T* xr = x + static_cast<size_t>(r) * x_stride;
   T* yr = out + static_cast<size_t>(r) * out_stride;
   RT* res = kRes == ResMode::kNone ? nullptr : static_cast<RT*>(residual) + static_cast<size_t>(r) * dim;
+  // Pass 1 with a residual: residual += x, rounded to RT and stored back; the norm reads the stored value.
+  auto add_residual = [](RT& rv, const T& xv) -> float {
+    const RT stored = from_f<RT>(__fadd_rn(to_f(rv), to_f(xv)));
+    rv = stored;
+    return to_f(stored);
+  };
   float ss = 0.f;
   if constexpr (kVec) {
     for (int j = threadIdx.x; j < dim / 8; j += kNormThreads) {
@@ -46,11 +52,7 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const T* x, const
       } else {
         Vec8<RT> rv = reinterpret_cast<Vec8<RT>*>(res)[j];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const RT stored = from_f<RT>(__fadd_rn(to_f(rv.v[e]), to_f(xv.v[e])));
-          rv.v[e] = stored;
-          v[e] = to_f(stored);
-        }
+        for (int e = 0; e < 8; ++e) v[e] = add_residual(rv.v[e], xv.v[e]);
         reinterpret_cast<Vec8<RT>*>(res)[j] = rv;
       }
 #pragma unroll
@@ -58,14 +60,7 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const T* x, const
     }
   } else {
     for (int j = threadIdx.x; j < dim; j += kNormThreads) {
-      float v;
-      if constexpr (kRes == ResMode::kNone) {
-        v = to_f(xr[j]);
-      } else {
-        const RT stored = from_f<RT>(__fadd_rn(to_f(res[j]), to_f(xr[j])));
-        res[j] = stored;
-        v = to_f(stored);
-      }
+      const float v = kRes == ResMode::kNone ? to_f(xr[j]) : add_residual(res[j], xr[j]);
       ss = __fadd_rn(ss, __fmul_rn(v, v));
     }
   }
@@ -96,12 +91,7 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const T* x, const
     }
   } else {
     for (int j = threadIdx.x; j < dim; j += kNormThreads) {
-      float v;
-      if constexpr (kRes == ResMode::kNone) {
-        v = to_f(xr[j]);
-      } else {
-        v = to_f(res[j]);
-      }
+      const float v = kRes == ResMode::kNone ? to_f(xr[j]) : to_f(res[j]);
       yr[j] = from_f<T>(__fmul_rn(norm_weight<T>(weight, w_f32, unit_offset, j), __fmul_rn(v, inv)));
     }
   }
@@ -154,12 +144,11 @@ using detail::invalid_argument;
 
 cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   const char* w = "rmsnorm";
-  if (!detail::is_elem(p.dtype)) return invalid_argument(w, "dtype must be BF16 or F16");
-  if (p.weight_dtype != DType::F32 && p.weight_dtype != p.dtype)
-    return invalid_argument(w, "weight_dtype must be F32 or equal to dtype");
-  if (p.residual != nullptr && p.residual_dtype != DType::F32 && p.residual_dtype != p.dtype)
-    return invalid_argument(w, "residual_dtype must be F32 or equal to dtype");
-  if (p.rows < 0) return invalid_argument(w, "rows = ", p.rows, " < 0");
+  cudaError_t e = detail::check_elem_count(w, p.dtype, "rows", p.rows);
+  if (e == cudaSuccess) e = detail::check_f32_or_elem(w, "weight_dtype", p.weight_dtype, p.dtype);
+  if (e == cudaSuccess && p.residual != nullptr)
+    e = detail::check_f32_or_elem(w, "residual_dtype", p.residual_dtype, p.dtype);
+  if (e != cudaSuccess) return e;
   if (p.dim <= 0 || p.dim > 65536) return invalid_argument(w, "dim = ", p.dim, " must be in 1..65536");
   const int xs = p.x_stride == 0 ? p.dim : p.x_stride;
   const int os = p.out_stride == 0 ? p.dim : p.out_stride;
@@ -197,13 +186,11 @@ cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
 
 cudaError_t rmsnorm_heads(const RmsNormHeadsParams& p, cudaStream_t stream) {
   const char* w = "rmsnorm_heads";
-  if (!detail::is_elem(p.dtype)) return invalid_argument(w, "dtype must be BF16 or F16");
-  if (p.weight_dtype != DType::F32 && p.weight_dtype != p.dtype)
-    return invalid_argument(w, "weight_dtype must be F32 or equal to dtype");
-  if (p.tokens < 0) return invalid_argument(w, "tokens = ", p.tokens, " < 0");
+  cudaError_t e = detail::check_elem_count(w, p.dtype, "tokens", p.tokens);
+  if (e == cudaSuccess) e = detail::check_f32_or_elem(w, "weight_dtype", p.weight_dtype, p.dtype);
+  if (e == cudaSuccess) e = detail::check_head_dim(w, p.head_dim);
+  if (e != cudaSuccess) return e;
   if (p.num_heads <= 0) return invalid_argument(w, "num_heads = ", p.num_heads, " must be > 0");
-  if (p.head_dim < 2 || p.head_dim > kMaxLayerOpsHeadDim || p.head_dim % 2 != 0)
-    return invalid_argument(w, "head_dim = ", p.head_dim, " must be even and in 2..", kMaxLayerOpsHeadDim);
   const long long row = static_cast<long long>(p.num_heads) * p.head_dim;
   if (row > 0x7fffffff) return invalid_argument(w, "num_heads * head_dim too large");
   const int ts = p.token_stride == 0 ? static_cast<int>(row) : p.token_stride;

@@ -174,13 +174,12 @@ using detail::invalid_argument;
 
 cudaError_t rope_kv_append(const RopeKvAppendParams& p, cudaStream_t stream) {
   const char* w = "rope_kv_append";
-  if (!detail::is_elem(p.dtype)) return invalid_argument(w, "dtype must be BF16 or F16");
-  if (p.tokens < 0) return invalid_argument(w, "tokens = ", p.tokens, " < 0");
+  cudaError_t e = detail::check_elem_count(w, p.dtype, "tokens", p.tokens);
+  if (e == cudaSuccess) e = detail::check_head_dim(w, p.head_dim);
+  if (e != cudaSuccess) return e;
   if (p.num_q_heads <= 0 || p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
     return invalid_argument(w, "num_q_heads = ", p.num_q_heads, " must be a positive multiple of num_kv_heads = ",
                             p.num_kv_heads);
-  if (p.head_dim < 2 || p.head_dim > kMaxLayerOpsHeadDim || p.head_dim % 2 != 0)
-    return invalid_argument(w, "head_dim = ", p.head_dim, " must be even and in 2..", kMaxLayerOpsHeadDim);
   if (p.rot_dim < 0 || p.rot_dim > p.head_dim || p.rot_dim % 2 != 0)
     return invalid_argument(w, "rot_dim = ", p.rot_dim, " must be even and in 0..head_dim = ", p.head_dim);
   const long long row = static_cast<long long>(p.num_q_heads + 2 * p.num_kv_heads) * p.head_dim;
@@ -197,8 +196,8 @@ cudaError_t rope_kv_append(const RopeKvAppendParams& p, cudaStream_t stream) {
   if ((p.q_norm_weight == nullptr) != (p.k_norm_weight == nullptr))
     return invalid_argument(w, "q_norm_weight and k_norm_weight must be both set or both null");
   if (p.q_norm_weight != nullptr) {
-    if (p.norm_weight_dtype != DType::F32 && p.norm_weight_dtype != p.dtype)
-      return invalid_argument(w, "norm_weight_dtype must be F32 or equal to dtype");
+    e = detail::check_f32_or_elem(w, "norm_weight_dtype", p.norm_weight_dtype, p.dtype);
+    if (e != cudaSuccess) return e;
     if (!(p.norm_eps > 0.f)) return invalid_argument(w, "norm_eps = ", p.norm_eps, " must be > 0");
   }
   if (p.tokens == 0) return cudaSuccess;

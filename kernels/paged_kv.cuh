@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -84,40 +85,61 @@ GqaHeads gqa_heads(const P& p) {
   return GqaHeads{p.num_q_heads, p.num_q_heads / p.num_kv_heads};
 }
 
-/// Validation of the GQA / paged-cache shape shared by the prefill and scoring launchers: batch, head counts (a
-/// positive multiple, group <= kMaxGqaGroup), head_dim (compiled) and page_size (a power of two).
+// ---- host: validation shared by the paged-KV launchers (cudaSuccess, or invalid_argument's error with the launch
+// error detail naming the field) ----
+
+/// The paged-cache arguments of every paged-KV launcher's params P: dtype (BF16 or F16), batch and num_kv_heads > 0,
+/// head_dim (compiled), page_size (a power of two), max_pages_per_seq > 0.
 template <class P>
-cudaError_t check_paged_gqa_shape(const char* what, const P& p) {
-  if (p.batch <= 0 || p.num_kv_heads <= 0 || p.num_q_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0) {
-    return invalid_argument(what, "batch ", p.batch, ", num_q_heads ", p.num_q_heads, ", num_kv_heads ",
-                            p.num_kv_heads, " invalid");
+cudaError_t check_paged_kv(const char* what, const P& p) {
+  if (p.dtype != DType::BF16 && p.dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
+  if (p.batch <= 0 || p.num_kv_heads <= 0) {
+    return invalid_argument(what, "batch ", p.batch, " / num_kv_heads ", p.num_kv_heads, " must be > 0");
   }
-  if (p.num_q_heads / p.num_kv_heads > kMaxGqaGroup) {
-    return invalid_argument(what, "GQA group ", p.num_q_heads / p.num_kv_heads, " exceeds ", kMaxGqaGroup);
-  }
-  if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " not supported");
+  if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " is not supported");
   if (!is_pow2(p.page_size)) return invalid_argument(what, "page_size ", p.page_size, " must be a power of two");
+  if (p.max_pages_per_seq <= 0) {
+    return invalid_argument(what, "max_pages_per_seq ", p.max_pages_per_seq, " must be > 0");
+  }
+  return cudaSuccess;
+}
+
+/// check_paged_kv and the GQA heads (scoring, attention): num_q_heads a positive multiple of num_kv_heads, the group
+/// at most kMaxGqaGroup.
+template <class P>
+cudaError_t check_paged_gqa(const char* what, const P& p) {
+  const cudaError_t e = check_paged_kv(what, p);
+  if (e != cudaSuccess) return e;
+  const int hq = p.num_q_heads;
+  const int hkv = p.num_kv_heads;
+  if (hq <= 0 || hq % hkv != 0) {
+    return invalid_argument(what, "num_q_heads ", hq, " is not a positive multiple of num_kv_heads ", hkv);
+  }
+  if (hq / hkv > kMaxGqaGroup) {
+    return invalid_argument(what, "GQA group ", hq / hkv, " exceeds kMaxGqaGroup = ", kMaxGqaGroup);
+  }
+  return cudaSuccess;
+}
+
+/// check_paged_gqa and what every attention launcher's params P (decode, prefill) add: q and out set, scale a
+/// positive finite number.
+template <class P>
+cudaError_t check_paged_attention(const char* what, const P& p) {
+  const cudaError_t e = check_paged_gqa(what, p);
+  if (e != cudaSuccess) return e;
+  if (p.q == nullptr || p.out == nullptr) return invalid_argument(what, "q and out must be set");
+  if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return invalid_argument(what, "scale ", p.scale, " must be > 0");
   return cudaSuccess;
 }
 
 /// dtype x head_dim dispatch of the paged-KV launchers: returns f(T{}, std::integral_constant<int, D>{}) with
-/// T = __nv_bfloat16 for BF16, else __half (the launchers accept BF16 and F16 only), and D = head_dim, one of
-/// SPADE_FOR_EACH_HEAD_DIM.
+/// T = __nv_bfloat16 for BF16, __half for F16 (dispatch_elem; cudaErrorInvalidValue for another dtype), and
+/// D = head_dim, one of SPADE_FOR_EACH_HEAD_DIM.
 template <typename F>
 cudaError_t dispatch_elem_head_dim(const char* what, DType dtype, int head_dim, F&& f) {
-  auto by_head_dim = [&](auto tag) -> cudaError_t {
-    switch (head_dim) {
-#define SPADE_PAGED_KV_CASE(D) \
-  case D:                      \
-    return f(tag, std::integral_constant<int, D>{});
-      SPADE_FOR_EACH_HEAD_DIM(SPADE_PAGED_KV_CASE)
-#undef SPADE_PAGED_KV_CASE
-      default:
-        break;
-    }
-    return invalid_argument(what, "head_dim ", head_dim, " is not compiled (head_dims.cuh)");
-  };
-  return dtype == DType::BF16 ? by_head_dim(__nv_bfloat16{}) : by_head_dim(__half{});
+  return dispatch_elem(dtype, [&](auto tag) {
+    return dispatch_head_dim(what, head_dim, [&](auto dim) { return f(tag, dim); });
+  });
 }
 
 }  // namespace spade::kernels::detail

@@ -11,7 +11,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -114,13 +113,8 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
     T* sk = stages + stage * 2 * Cfg::kTileElems;
     T* sv = sk + Cfg::kTileElems;
     const int t0 = tile * kPfKv;
-#pragma unroll
-    for (int i = 0; i < Cfg::kChunksPerThread; ++i) {
-      const int c = tid + kPfThreads * i;
-      const int tok = c / Cfg::kChunks;
-      const int col = c % Cfg::kChunks;
-      const int v = t0 + tok;
-      const bool valid = v < kv_end;
+    for_each_tile_chunk<Cfg::kChunks, Cfg::kChunksPerThread, kPfThreads>(tid, t0, kv_end, [&](int tok, int col, int v,
+                                                                                            bool valid) {
       const T* gk = kc;
       const T* gv = vc;
       if (valid) {
@@ -131,7 +125,7 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
       const int so = swz(tok, col, Cfg::kChunks);
       cp_async_16(sk + so, gk + col * 8, valid);
       cp_async_16(sv + so, gv + col * 8, valid);
-    }
+    });
   };
 
   float o[D / 8][4];
@@ -256,8 +250,7 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
 // The dynamic shared-memory limit of prefill_kernel<T, D> on the current device, set once (launch or prepare).
 template <typename T, int D>
 cudaError_t prefill_smem_attribute() {
-  static std::atomic<uint64_t> done{0};
-  return ensure_smem_attribute(prefill_kernel<T, D>, PrefillConfig<D>::kSmemBytes, done);
+  return ensure_smem_attribute<prefill_kernel<T, D>>(PrefillConfig<D>::kSmemBytes);
 }
 
 template <typename T, int D>
@@ -277,18 +270,13 @@ cudaError_t launch_prefill_typed(const PrefillArgs& a, int batch, int max_q_len,
 cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t stream) {
   using namespace detail;
   const char* what = "paged_prefill_attention";
-  if (p.dtype != DType::BF16 && p.dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
-  if (p.q == nullptr || p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr ||
-      p.cu_q_lens == nullptr || p.seq_lens == nullptr || p.out == nullptr) {
-    return invalid_argument(what, "q, k_cache, v_cache, block_table, cu_q_lens, seq_lens and out must be set");
-  }
-  const cudaError_t e = check_paged_gqa_shape(what, p);
+  const cudaError_t e = check_paged_attention(what, p);
   if (e != cudaSuccess) return e;
-  if (p.max_pages_per_seq <= 0 || p.max_q_len <= 0) {
-    return invalid_argument(what, "max_pages_per_seq ", p.max_pages_per_seq, " / max_q_len ", p.max_q_len,
-                            " must be > 0");
+  if (p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr || p.cu_q_lens == nullptr ||
+      p.seq_lens == nullptr) {
+    return invalid_argument(what, "k_cache, v_cache, block_table, cu_q_lens and seq_lens must be set");
   }
-  if (!(p.scale > 0.f) || !std::isfinite(p.scale)) return invalid_argument(what, "scale ", p.scale, " must be > 0");
+  if (p.max_q_len <= 0) return invalid_argument(what, "max_q_len ", p.max_q_len, " must be > 0");
   if ((reinterpret_cast<uintptr_t>(p.skip) & 3u) != 0) {
     return invalid_argument(what, "skip must be 4-byte aligned (an int32 array)");
   }
@@ -308,13 +296,9 @@ cudaError_t paged_prefill_attention(const PagedPrefillParams& p, cudaStream_t st
 }
 
 cudaError_t prepare_prefill_attention_kernels() {
-  cudaError_t e = cudaSuccess;
-#define SPADE_PREPARE_CASE(D)                                                   \
-  if (e == cudaSuccess) e = detail::prefill_smem_attribute<__nv_bfloat16, D>(); \
-  if (e == cudaSuccess) e = detail::prefill_smem_attribute<__half, D>();
-  SPADE_FOR_EACH_HEAD_DIM(SPADE_PREPARE_CASE)
-#undef SPADE_PREPARE_CASE
-  return e;
+  return detail::for_each_type_head_dim<__nv_bfloat16, __half>([](auto tag, auto dim) {
+    return detail::prefill_smem_attribute<decltype(tag), decltype(dim)::value>();
+  });
 }
 
 }  // namespace spade::kernels

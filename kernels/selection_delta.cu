@@ -18,7 +18,7 @@ namespace {
 // (36.5 KB at k = 4096). Ranks come from block-wide exclusive scans in 256-element chunks with running totals; the
 // free slots' scan carries two counters packed in one int (empty in the low 16 bits, stale in the high ones:
 // a 256-element chunk adds at most 256 to either). A row with more entering tokens than `capacity` finds the capacity-th best entering key with a
-// 4-pass 8-bit radix select (a shared 256-bin histogram), then keeps the keys above it and the earliest equal ones
+// 4-pass 8-bit radix select (a shared 256-bin histogram, radix_select_digit), then keeps the keys above it and the earliest equal ones
 // (topk's tie rule).
 // =====================================================================================================================
 
@@ -196,30 +196,15 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const DeltaArgs a)
     kr = a.capacity;
 #pragma unroll 1
     for (int shift = 24; shift >= 0; shift -= 8) {
-      hist[tid] = 0;  // kDeltaThreads == 256 bins
+      hist[tid] = 0;  // kDeltaThreads == 256 bins, bin 255 - d counts digit d
       __syncthreads();
       for (int i = tid; i < n; i += kDeltaThreads) {
         if (!entering(i)) continue;
         const uint32_t key = key_of(sel[i]);
-        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xFFu], 1);
+        if ((key & mask) == prefix) atomicAdd(&hist[255 - ((key >> shift) & 0xFFu)], 1);
       }
       __syncthreads();
-      if (tid == 0) {
-        int above = 0;
-        for (int d = 255; d >= 0; --d) {
-          if (above + hist[d] >= kr) {
-            s_digit = d;
-            s_above = above;
-            break;
-          }
-          above += hist[d];
-        }
-      }
-      __syncthreads();
-      prefix |= static_cast<uint32_t>(s_digit) << shift;
-      mask |= 0xFFu << shift;
-      kr -= s_above;
-      __syncthreads();
+      radix_select_digit(hist, shift, prefix, mask, kr, s_digit, s_above);
     }
     thr = prefix;
   }

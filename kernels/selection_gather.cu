@@ -56,17 +56,13 @@ __global__ void __launch_bounds__(kGatherThreads) gather_kernel(const GatherArgs
 cudaError_t gather_kv(const GatherKvParams& p, cudaStream_t stream) {
   using namespace detail;
   const char* what = "gather_kv";
-  if (p.dtype != DType::BF16 && p.dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
+  const cudaError_t e = check_paged_kv(what, p);
+  if (e != cudaSuccess) return e;
   if (p.k_cache == nullptr || p.v_cache == nullptr || p.block_table == nullptr || p.indices == nullptr ||
       p.packed_k == nullptr || p.packed_v == nullptr) {
     return invalid_argument(what, "all pointers must be set");
   }
-  if (p.batch <= 0 || p.num_kv_heads <= 0 || p.k <= 0 || p.max_pages_per_seq <= 0) {
-    return invalid_argument(what, "batch ", p.batch, " / num_kv_heads ", p.num_kv_heads, " / k ", p.k,
-                            " / max_pages_per_seq ", p.max_pages_per_seq, " must be > 0");
-  }
-  if (!is_supported_head_dim(p.head_dim)) return invalid_argument(what, "head_dim ", p.head_dim, " not supported");
-  if (!is_pow2(p.page_size)) return invalid_argument(what, "page_size ", p.page_size, " must be a power of two");
+  if (p.k <= 0) return invalid_argument(what, "k ", p.k, " must be > 0");
   const GatherArgs a{paged_kv(p, p.k_cache, p.v_cache), p.indices, p.packed_k, p.packed_v, p.k, p.head_dim};
   const dim3 grid(ceil_div(static_cast<long long>(p.k) * (p.head_dim / 8), kGatherThreads), p.num_kv_heads,
                   p.batch);

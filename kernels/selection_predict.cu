@@ -3,7 +3,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 #include "kernels/kernel_common.cuh"
@@ -299,24 +298,11 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
   }
 }
 
-}  // namespace
-
-// The dynamic shared-memory limits of the selection kernels on the current device, set once (launch or prepare).
+// The dynamic shared-memory limit of predict_kernel<TW, D> on the current device, set once (launch or prepare).
 template <typename TW, int D>
 cudaError_t predict_smem_attribute() {
-  static std::atomic<uint64_t> done{0};
-  return ensure_smem_attribute(predict_kernel<TW, D>, kPredMaxPerCta * PredictSlot<D>::kBytes, done);
+  return ensure_smem_attribute<predict_kernel<TW, D>>(kPredMaxPerCta * PredictSlot<D>::kBytes);
 }
-
-// Instantiations: launch_predict below and prepare_selection_kernels (selection_topk.cu).
-#define SPADE_PREDICT_SMEM_INSTANTIATE(D)                          \
-  template cudaError_t predict_smem_attribute<float, D>();         \
-  template cudaError_t predict_smem_attribute<__nv_bfloat16, D>(); \
-  template cudaError_t predict_smem_attribute<__half, D>();
-SPADE_FOR_EACH_HEAD_DIM(SPADE_PREDICT_SMEM_INSTANTIATE)
-#undef SPADE_PREDICT_SMEM_INSTANTIATE
-
-namespace {
 
 template <typename TW, int D>
 cudaError_t launch_predict_typed(PredictArgs a, int rows, cudaStream_t stream) {
@@ -331,18 +317,15 @@ cudaError_t launch_predict_typed(PredictArgs a, int rows, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename TW>
-cudaError_t launch_predict(const PredictArgs& a, int rows, int head_dim, cudaStream_t stream) {
-  switch (head_dim) {
-#define SPADE_PREDICT_CASE(D) \
-  case D:                     \
-    return launch_predict_typed<TW, D>(a, rows, stream);
-    SPADE_FOR_EACH_HEAD_DIM(SPADE_PREDICT_CASE)
-#undef SPADE_PREDICT_CASE
-    default:
-      return invalid_argument("predict_next_query", "head_dim ", head_dim, " is not compiled");
-  }
+}  // namespace
+
+cudaError_t prepare_predict_kernels() {
+  return for_each_type_head_dim<float, __nv_bfloat16, __half>([](auto tw, auto dim) {
+    return predict_smem_attribute<decltype(tw), decltype(dim)::value>();
+  });
 }
+
+namespace {
 
 // =====================================================================================================================
 // Query windows: one CTA per row; each thread owns a few columns of every entry of every head, so the in-place shift
@@ -412,16 +395,15 @@ cudaError_t predict_next_query(const PredictQueryParams& p, cudaStream_t stream)
   }
   PredictArgs a{p.window,      p.window_len,    p.q_hat, p.num_heads, p.window_capacity, p.max_regressors,
                 static_cast<double>(p.eps), 0,   1,       p.kind};
-  const int rows = p.batch * p.num_heads;
-  switch (p.window_dtype) {
-    case DType::F32:
-      return launch_predict<float>(a, rows, p.head_dim, stream);
-    case DType::BF16:
-      return launch_predict<__nv_bfloat16>(a, rows, p.head_dim, stream);
-    case DType::F16:
-      return launch_predict<__half>(a, rows, p.head_dim, stream);
+  if (p.window_dtype != DType::F32 && p.window_dtype != DType::BF16 && p.window_dtype != DType::F16) {
+    return invalid_argument(what, "window_dtype is not F32, BF16 or F16");
   }
-  return invalid_argument(what, "window_dtype is not F32, BF16 or F16");
+  const int rows = p.batch * p.num_heads;
+  return dispatch_float_types(p.window_dtype, [&](auto tw) {
+    return dispatch_head_dim(what, p.head_dim, [&](auto dim) {
+      return launch_predict_typed<decltype(tw), decltype(dim)::value>(a, rows, stream);
+    });
+  });
 }
 
 cudaError_t push_query_window(const PushQueryWindowParams& p, cudaStream_t stream) {

@@ -3,7 +3,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 #include "kernels/kernel_common.cuh"
@@ -86,17 +85,12 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
   float* scratch = scratch_base + warp * Cfg::kScratch;
   auto issue = [&](int tile_start, int stage) {
     T* sk = my_stages + stage * Cfg::kTileElems;
-#pragma unroll
-    for (int i = 0; i < Cfg::kChunksPerLane; ++i) {
-      const int c = lane + 32 * i;
-      const int tok = c / Cfg::kChunks;
-      const int col = c % Cfg::kChunks;
-      const int v = tile_start + tok;
-      const bool valid = v < end;
+    for_each_tile_chunk<Cfg::kChunks, Cfg::kChunksPerLane, 32>(lane, tile_start, end, [&](int tok, int col, int v,
+                                                                                         bool valid) {
       const T* gk = kc;
       if (valid) gk = kc + a.kv.slot(tab[a.kv.page_of(v) - p0], v) * row_stride;
       cp_async_16(sk + swz(tok, col, Cfg::kChunks), gk + col * 8, valid);
-    }
+    });
   };
 
   // B operands: column n = lane / 4 of Qhat^T, rows d = 16ks + 2c (+1, +8, +9).
@@ -176,22 +170,11 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
   });
 }
 
-}  // namespace
-
+// The dynamic shared-memory limit of score_kernel<T, D> on the current device, set once (launch or prepare).
 template <typename T, int D>
 cudaError_t score_smem_attribute() {
-  static std::atomic<uint64_t> done{0};
-  return ensure_smem_attribute(score_kernel<T, D>, ScoreConfig<D>::kSmemBytes, done);
+  return ensure_smem_attribute<score_kernel<T, D>>(ScoreConfig<D>::kSmemBytes);
 }
-
-// Instantiations: launch_score_typed below and prepare_selection_kernels (selection_topk.cu).
-#define SPADE_SCORE_SMEM_INSTANTIATE(D)                          \
-  template cudaError_t score_smem_attribute<__nv_bfloat16, D>(); \
-  template cudaError_t score_smem_attribute<__half, D>();
-SPADE_FOR_EACH_HEAD_DIM(SPADE_SCORE_SMEM_INSTANTIATE)
-#undef SPADE_SCORE_SMEM_INSTANTIATE
-
-namespace {
 
 template <typename T, int D>
 cudaError_t launch_score_typed(ScoreArgs a, int batch, int page_size, int max_len, cudaStream_t stream) {
@@ -213,22 +196,25 @@ cudaError_t launch_score_typed(ScoreArgs a, int batch, int page_size, int max_le
 }
 
 }  // namespace
+
+cudaError_t prepare_score_kernels() {
+  return for_each_type_head_dim<__nv_bfloat16, __half>([](auto tag, auto dim) {
+    return score_smem_attribute<decltype(tag), decltype(dim)::value>();
+  });
+}
+
 }  // namespace detail
 
 cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream) {
   using namespace detail;
   const char* what = "score_tokens";
-  if (p.dtype != DType::BF16 && p.dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
   if (p.q_hat == nullptr || p.k_cache == nullptr || p.block_table == nullptr || p.num_tokens == nullptr ||
       p.scores == nullptr) {
     return invalid_argument(what, "q_hat, k_cache, block_table, num_tokens and scores must be set");
   }
-  const cudaError_t e = check_paged_gqa_shape(what, p);
+  const cudaError_t e = check_paged_gqa(what, p);
   if (e != cudaSuccess) return e;
-  if (p.max_pages_per_seq <= 0 || p.score_stride <= 0) {
-    return invalid_argument(what, "max_pages_per_seq ", p.max_pages_per_seq, " / score_stride ", p.score_stride,
-                            " must be > 0");
-  }
+  if (p.score_stride <= 0) return invalid_argument(what, "score_stride ", p.score_stride, " must be > 0");
   ScoreArgs a{};
   a.kv = paged_kv(p, p.k_cache, nullptr);
   a.heads = gqa_heads(p);

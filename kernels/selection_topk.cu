@@ -2,7 +2,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 
 #include "kernels/launch_util.cuh"
 #include "kernels/selection.cuh"
@@ -113,35 +112,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const TopkArgs a) {
       hist[tid] = c;
     }
     __syncthreads();
-    if (warp == 0) {  // exclusive scan of 256 bins, 8 per lane
-      int c[8];
-      int local = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        c[j] = hist[lane * 8 + j];
-        local += c[j];
-      }
-      int incl = local;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int nb = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += nb;
-      }
-      int excl = incl - local;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (excl < kr && excl + c[j] >= kr) {
-          s_digit = 255 - (lane * 8 + j);
-          s_above = excl;
-        }
-        excl += c[j];
-      }
-    }
-    __syncthreads();
-    prefix |= static_cast<uint32_t>(s_digit) << shift;
-    mask |= 0xFFu << shift;
-    kr -= s_above;
-    __syncthreads();
+    radix_select_digit(hist, shift, prefix, mask, kr, s_digit, s_above);
   }
 
   // prefix is the k-th largest key: take every key above it and the first kr keys equal to it.
@@ -184,8 +155,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_kernel(const TopkArgs a) {
 }
 
 cudaError_t topk_smem_attribute() {
-  static std::atomic<uint64_t> done{0};
-  return ensure_smem_attribute(topk_kernel, kTopkSmemBytes, done);
+  return ensure_smem_attribute<topk_kernel>(kTopkSmemBytes);
 }
 
 }  // namespace
@@ -211,16 +181,9 @@ cudaError_t topk_select(const TopkParams& p, cudaStream_t stream) {
 }
 
 cudaError_t prepare_selection_kernels() {
-  using namespace detail;
-  cudaError_t e = topk_smem_attribute();
-#define SPADE_PREPARE_CASE(D)                                                  \
-  if (e == cudaSuccess) e = predict_smem_attribute<float, D>();                \
-  if (e == cudaSuccess) e = predict_smem_attribute<__nv_bfloat16, D>();        \
-  if (e == cudaSuccess) e = predict_smem_attribute<__half, D>();               \
-  if (e == cudaSuccess) e = score_smem_attribute<__nv_bfloat16, D>();          \
-  if (e == cudaSuccess) e = score_smem_attribute<__half, D>();
-  SPADE_FOR_EACH_HEAD_DIM(SPADE_PREPARE_CASE)
-#undef SPADE_PREPARE_CASE
+  cudaError_t e = detail::topk_smem_attribute();
+  if (e == cudaSuccess) e = detail::prepare_predict_kernels();
+  if (e == cudaSuccess) e = detail::prepare_score_kernels();
   return e;
 }
 
