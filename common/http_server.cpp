@@ -68,13 +68,20 @@ class Session : public std::enable_shared_from_this<Session> {
     res->set(bhttp::field::server, "spade");
     res->set(bhttp::field::content_type, ctype);
     for (auto& [k, v] : extra) res->set(k, v);
-    res->keep_alive(keep_alive_);
+    set_keep_alive(*res, keep_alive_);
     res->body() = std::move(body);
     res->prepare_payload();
     const bool close = !keep_alive_;
-    enqueue([self = shared_from_this(), res](std::function<void(error_code)> done) {
-      bhttp::async_write(self->stream_, *res, [res, done](error_code ec, size_t) { done(ec); });
-    });
+    if (head_) {  // the header the GET would get, Content-Length included; no body
+      auto sr = std::make_shared<bhttp::response_serializer<bhttp::string_body>>(*res);
+      enqueue([self = shared_from_this(), res, sr](std::function<void(error_code)> done) {
+        bhttp::async_write_header(self->stream_, *sr, [res, sr, done](error_code ec, size_t) { done(ec); });
+      });
+    } else {
+      enqueue([self = shared_from_this(), res](std::function<void(error_code)> done) {
+        bhttp::async_write(self->stream_, *res, [res, done](error_code ec, size_t) { done(ec); });
+      });
+    }
     enqueue_finish(close);
   }
   void r_begin(uint64_t gen, int status, std::string ctype, Headers extra) {
@@ -85,27 +92,46 @@ class Session : public std::enable_shared_from_this<Session> {
     res->set(bhttp::field::content_type, ctype);
     res->set(bhttp::field::cache_control, "no-cache");
     for (auto& [k, v] : extra) res->set(k, v);
-    res->keep_alive(false);
-    res->chunked(true);
+    res->keep_alive(false);  // HTTP/1.1 response: "Connection: close"
+    // HTTP/1.0 has no chunked encoding: the body then ends where the connection does.
+    stream_chunked_ = version_ >= 11 && !head_;
+    res->chunked(stream_chunked_);
     auto sr = std::make_shared<bhttp::response_serializer<bhttp::empty_body>>(*res);
     enqueue([self = shared_from_this(), res, sr](std::function<void(error_code)> done) {
       bhttp::async_write_header(self->stream_, *sr, [res, sr, done](error_code ec, size_t) { done(ec); });
     });
+    if (head_) {  // nothing follows the header: the response is over, and its producer is told to stop
+      enqueue_finish(true);
+      *closed_ = true;
+      gone_gen_ = gen_;
+      ++gen_;
+      state_ = State::kDone;
+      if (auto cb = std::move(on_close_)) cb();
+    }
   }
   void r_write(uint64_t gen, std::string data) {
     if (gen != gen_ || state_ != State::kStreaming || data.empty()) return;
     auto d = std::make_shared<std::string>(std::move(data));
-    enqueue([self = shared_from_this(), d](std::function<void(error_code)> done) {
-      net::async_write(self->stream_, bhttp::make_chunk(net::buffer(*d)), [d, done](error_code ec, size_t) { done(ec); });
-    });
+    if (stream_chunked_) {
+      enqueue([self = shared_from_this(), d](std::function<void(error_code)> done) {
+        net::async_write(self->stream_, bhttp::make_chunk(net::buffer(*d)),
+                         [d, done](error_code ec, size_t) { done(ec); });
+      });
+    } else {
+      enqueue([self = shared_from_this(), d](std::function<void(error_code)> done) {
+        net::async_write(self->stream_, net::buffer(*d), [d, done](error_code ec, size_t) { done(ec); });
+      });
+    }
   }
   void r_end(uint64_t gen) {
     if (gen != gen_ || state_ != State::kStreaming) return;
     state_ = State::kDone;
-    enqueue([self = shared_from_this()](std::function<void(error_code)> done) {
-      net::async_write(self->stream_, bhttp::make_chunk_last(), [done](error_code ec, size_t) { done(ec); });
-    });
-    enqueue_finish(true);
+    if (stream_chunked_) {
+      enqueue([self = shared_from_this()](std::function<void(error_code)> done) {
+        net::async_write(self->stream_, bhttp::make_chunk_last(), [done](error_code ec, size_t) { done(ec); });
+      });
+    }
+    enqueue_finish(true);  // a close-delimited body ends here
   }
   void r_on_close(uint64_t gen, std::function<void()> cb) {
     if (gen != gen_) {  // that response is over: it completed or its client went away
@@ -129,8 +155,29 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_->body_limit(srv_->opt.max_body_bytes);
     parser_->header_limit(16 * 1024);
     stream_.expires_after(srv_->opt.idle_timeout);
-    bhttp::async_read(stream_, buf_, *parser_,
-                      [self = shared_from_this()](error_code ec, size_t) { self->on_read(ec); });
+    bhttp::async_read_header(stream_, buf_, *parser_,
+                             [self = shared_from_this()](error_code ec, size_t) { self->on_header(ec); });
+  }
+
+  // A client that sent "Expect: 100-continue" (curl does for bodies over 1 MiB) waits for "100 Continue" before
+  // it sends the body; a body over the limit was refused inside the header already (413, nothing read).
+  void on_header(error_code ec) {
+    if (ec || parser_->is_done()) return on_read(ec);
+    const auto& m = parser_->get();
+    if (m.version() >= 11 && beast::iequals(m[bhttp::field::expect], "100-continue")) {
+      auto cont = std::make_shared<bhttp::response<bhttp::empty_body>>(bhttp::status::continue_, 11);
+      enqueue([self = shared_from_this(), cont](std::function<void(error_code)> done) {
+        bhttp::async_write(self->stream_, *cont, [self, cont, done](error_code e, size_t) {
+          done(e);
+          if (!e) self->read_body();
+        });
+      });
+      return;
+    }
+    read_body();
+  }
+  void read_body() {
+    bhttp::async_read(stream_, buf_, *parser_, [self = shared_from_this()](error_code ec, size_t) { self->on_read(ec); });
   }
 
   void on_read(error_code ec) {
@@ -139,6 +186,10 @@ class Session : public std::enable_shared_from_this<Session> {
       return close_now();
     }
     if (ec) {
+      // The start line may have been parsed even when the header is not complete (a Content-Length over the
+      // limit is refused inside it); before it, the message reads verb::unknown and version 11.
+      head_ = parser_->get().method() == bhttp::verb::head;
+      version_ = parser_->get().version();
       int status = 400;
       std::string msg = fmt::format("malformed HTTP request: {}", ec.message());
       if (ec == bhttp::error::body_limit) {
@@ -170,7 +221,10 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     req.body = std::move(m.body());
     req.remote = remote_;
+    req.version = m.version();
     keep_alive_ = m.keep_alive();
+    head_ = m.method() == bhttp::verb::head;
+    version_ = m.version();
     state_ = State::kPending;
     ++gen_;
     closed_ = std::make_shared<std::atomic<bool>>(false);
@@ -256,11 +310,21 @@ class Session : public std::enable_shared_from_this<Session> {
 
   std::shared_ptr<HttpResponder> make_responder();
 
+  // Responses are HTTP/1.1; an HTTP/1.0 client keeps its connection only when told so explicitly.
+  template <class Message>
+  void set_keep_alive(Message& res, bool keep) const {
+    res.keep_alive(keep);
+    if (keep && version_ < 11) res.set(bhttp::field::connection, "keep-alive");
+  }
+
   beast::flat_buffer buf_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::string remote_;
   State state_ = State::kReading;
   bool keep_alive_ = true;
+  bool head_ = false;            // the current request is a HEAD: headers only
+  unsigned version_ = 11;        // the current request's HTTP version (10 or 11)
+  bool stream_chunked_ = true;   // the current stream's body is chunked (else close-delimited)
   bool watching_ = false;
   bool writing_ = false;
   bool closing_ = false;
@@ -380,10 +444,18 @@ HttpResponse http_request(const std::string& host, uint16_t port, const std::str
   bhttp::request<bhttp::string_body> req(bhttp::string_to_verb(method), target, 11);
   req.set(bhttp::field::host, host);
   req.set(bhttp::field::connection, "close");
-  for (auto& [k, v] : headers) req.set(k, v);
+  bool has_content_type = false;
+  for (auto& [k, v] : headers) {
+    if (beast::iequals(k, "content-type")) has_content_type = true;
+    if (v.empty()) {
+      req.erase(k);
+    } else {
+      req.set(k, v);
+    }
+  }
   if (!body.empty() || method == "POST") {
     req.body() = body;
-    if (req.find(bhttp::field::content_type) == req.end()) req.set(bhttp::field::content_type, "application/json");
+    if (!has_content_type) req.set(bhttp::field::content_type, "application/json");
     req.prepare_payload();
   }
   // Blocking ops with a deadline: run async ops on the local io_context until done.
@@ -394,6 +466,7 @@ HttpResponse http_request(const std::string& host, uint16_t port, const std::str
   beast::flat_buffer buf;
   bhttp::response_parser<bhttp::string_body> parser;
   parser.body_limit(256u << 20);
+  parser.skip(method == "HEAD");  // a HEAD response has no body, whatever its Content-Length says
   stream.expires_after(timeout);
   bhttp::async_read(stream, buf, parser, [&](error_code e, size_t) { ec = e; });
   ioc.run();

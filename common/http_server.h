@@ -1,10 +1,18 @@
 // A small HTTP/1.1 server on Boost.Beast for what every Spade process serves: GET /metrics, /health, /ready, and on
 // the coordinator the OpenAI-compatible API (coordinator/openai_api.h), including server-sent-event streams.
 //
-// Model: one io thread owned by the server; each request is handed to the handler with an HttpResponder that the
-// handler (or any other thread, later) uses to answer once — send() — or to stream — begin_stream(), write()...,
-// end(). A responder detects a client that goes away (EOF, reset, failed write) while its response is pending and
-// then runs its on_close callback exactly once (the coordinator cancels the request there).
+// Model: one io thread owned by the server; each request is handed to the handler, on that io thread, with an
+// HttpResponder that the handler (or any other thread, later) uses to answer once — send() — or to stream —
+// begin_stream(), write()..., end(). A handler must not block: work that takes long (parsing, tokenizing a large
+// body) belongs on another thread, which answers through the responder (coordinator/openai_api.h does so). A
+// responder detects a client that goes away (EOF, reset, failed write) while its response is pending and then runs
+// its on_close callback exactly once (the coordinator cancels the request there).
+//
+// Protocol details: a HEAD request gets the status and headers the same GET would get (Content-Length of the body
+// that is not sent) and no body. A stream is chunked for an HTTP/1.1 client; an HTTP/1.0 client, which cannot read
+// chunked encoding, gets a close-delimited body (no Content-Length, no Transfer-Encoding, Connection: close).
+// Responses are HTTP/1.1; an HTTP/1.0 client that asked for keep-alive is told "Connection: keep-alive". A request
+// with "Expect: 100-continue" gets "100 Continue" once its header passed the limits (else the error, body unread).
 //
 // Limits (HttpServerOptions): request bodies above max_body_bytes get 413 before the handler sees them; a header
 // section above 16 KiB 431; a client that sends nothing for idle_timeout is disconnected (keep-alive idle or a
@@ -31,6 +39,7 @@ struct HttpRequest {
   std::map<std::string, std::string> headers;  // lower-case names
   std::string body;
   std::string remote;  // "ip:port" of the client
+  unsigned version = 11;  // HTTP version as 10 * major + minor: 10 = HTTP/1.0, 11 = HTTP/1.1
 };
 
 using Headers = std::vector<std::pair<std::string, std::string>>;
@@ -41,15 +50,18 @@ using Headers = std::vector<std::pair<std::string, std::string>>;
 class HttpResponder {
  public:
   virtual ~HttpResponder() = default;
-  /// Complete response with Content-Length.
+  /// Complete response with Content-Length (to a HEAD request: the header only, with the body's length).
   virtual void send(int status, std::string content_type, std::string body, Headers extra = {}) = 0;
-  /// Starts a chunked response (e.g. text/event-stream); the connection closes after end().
+  /// Starts a streamed response (e.g. text/event-stream): chunked for HTTP/1.1, close-delimited for HTTP/1.0; the
+  /// connection closes after end(). To a HEAD request it sends the header and ends the response at once: the
+  /// responder then reports closed() and runs on_close, so that a producer stops.
   virtual void begin_stream(int status, std::string content_type, Headers extra = {}) = 0;
-  /// One chunk of a stream (empty data is skipped: an empty chunk would end the stream).
+  /// One piece of a stream (empty data is skipped: an empty chunk would end a chunked stream).
   virtual void write(std::string data) = 0;
-  /// Ends the stream (last chunk), then closes the connection once it has been written.
+  /// Ends the stream (last chunk when chunked), then closes the connection once it has been written.
   virtual void end() = 0;
-  /// True once the client disconnected (or the server stopped) before the response was complete.
+  /// True once the client disconnected (or the server stopped, or a streamed answer to HEAD ended) before the
+  /// response was complete.
   virtual bool closed() const = 0;
   /// Runs `cb` once if the client disconnects before the response is complete (on the server's io thread; must
   /// not block). Runs it at once if that already happened.
@@ -90,7 +102,8 @@ class HttpServer {
 std::string reason_phrase(int status);
 
 /// A minimal blocking HTTP/1.1 client for tests and tools: one request per connection, whole body returned
-/// (chunked bodies are de-chunked). Throws spade::Error naming host:port on connect/read failure or at the deadline.
+/// (chunked bodies are de-chunked; HEAD: headers only). Sends Content-Type: application/json with a POST body
+/// unless `headers` names a Content-Type; an empty value in `headers` leaves that field out. Throws spade::Error naming host:port on connect/read failure or at the deadline.
 struct HttpResponse {
   int status = 0;
   std::map<std::string, std::string> headers;  // lower-case names

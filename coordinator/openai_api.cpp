@@ -4,15 +4,20 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <boost/asio/post.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <sstream>
+#include <unordered_set>
 
 #include "common/error.h"
 
@@ -29,6 +34,7 @@ const char* error_type(int status) {
     case 404: return "not_found_error";
     case 405: return "invalid_request_error";
     case 413: return "invalid_request_error";
+    case 415: return "invalid_request_error";
     case 429: return "rate_limit_exceeded";
     case 503: return "service_unavailable";
     default: return status >= 500 ? "server_error" : "invalid_request_error";
@@ -69,40 +75,145 @@ std::string random_id(const char* prefix) {
 
 int64_t unix_now() { return static_cast<int64_t>(std::time(nullptr)); }
 
-// ---- typed field access with OpenAI-style messages ----
+// ---- the request body: parsed with bounds, fields read with OpenAI-style messages ----
 
+/// Nesting deeper than this is refused while parsing (no request field nests more than a few levels).
+constexpr int kMaxJsonDepth = 64;
+
+/// `s` cut to at most `n` bytes without splitting a UTF-8 character, "..." appended when cut.
+std::string clip(const std::string& s, size_t n = 40) {
+  if (s.size() <= n) return s;
+  return s.substr(0, utf8_safe_prefix(s, n)) + "...";
+}
+
+/// A short, safe description of a JSON value for an error message: scalars as JSON (strings clipped), containers
+/// by kind (never dumped: they may be deep or large).
+std::string describe(const json& v) {
+  if (v.is_string()) return "\"" + clip(v.get<std::string>()) + "\"";
+  if (v.is_array()) return "an array";
+  if (v.is_object()) return "an object";
+  return v.dump();  // number, boolean, null
+}
+
+/// Parses the body as one JSON value: throws ApiError 400 for malformed JSON, a number out of double range
+/// (1e999), nesting deeper than kMaxJsonDepth, or an object with a repeated key (which one counts is
+/// ambiguous, so neither does).
+json parse_body(const std::string& text) {
+  std::vector<std::optional<std::unordered_set<std::string>>> open;  // per open container: its keys (objects)
+  auto cb = [&](int /*depth*/, json::parse_event_t ev, json& parsed) -> bool {
+    switch (ev) {
+      case json::parse_event_t::object_start:
+      case json::parse_event_t::array_start:
+        if (open.size() >= static_cast<size_t>(kMaxJsonDepth))
+          bad(fmt::format("request body nests JSON deeper than {} levels", kMaxJsonDepth));
+        open.emplace_back();
+        if (ev == json::parse_event_t::object_start) open.back().emplace();
+        break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        if (!open.empty()) open.pop_back();
+        break;
+      case json::parse_event_t::key:
+        if (!open.empty() && open.back() && !open.back()->insert(parsed.get<std::string>()).second)
+          bad(fmt::format("request body has the key \"{}\" twice in one object", clip(parsed.get<std::string>())),
+              clip(parsed.get<std::string>()));
+        break;
+      case json::parse_event_t::value:
+        break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(text, cb);
+  } catch (const json::out_of_range& e) {  // 406: a number that does not fit a double
+    bad(fmt::format("request body is not valid JSON: a number is out of range ({})", e.what()));
+  } catch (const json::exception& e) {
+    bad(fmt::format("request body is not valid JSON: {}", e.what()));
+  }
+}
+
+/// The field `name` of an object, or nullptr when it is absent or null (OpenAI's optional fields).
 const json* field(const json& body, const char* name) {
   auto it = body.find(name);
   if (it == body.end() || it->is_null()) return nullptr;
   return &*it;
 }
 
+/// What a required field holds, for an error message: "nothing" when absent, else describe().
+std::string describe_field(const json& obj, const char* name) {
+  auto it = obj.find(name);
+  return it == obj.end() ? std::string("nothing") : describe(*it);
+}
+
+/// The value of an integral JSON number that fits int64 (a float with an integral value counts, as 5.0 does in
+/// Python's json); nullopt for anything else.
+std::optional<int64_t> as_int64(const json& v) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+    return static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) return v.get<int64_t>();
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    // 2^63 is exact in a double; every integral double below it in magnitude converts without overflow.
+    if (std::isfinite(d) && d == std::trunc(d) && d >= -9223372036854775808.0 && d < 9223372036854775808.0)
+      return static_cast<int64_t>(d);
+  }
+  return std::nullopt;
+}
+
 std::optional<double> get_number(const json& body, const char* name, double lo, double hi, bool lo_open = false) {
   const json* f = field(body, name);
   if (!f) return std::nullopt;
-  if (!f->is_number()) bad(fmt::format("'{}' must be a number, got {}", name, f->type_name()), name);
+  if (!f->is_number()) bad(fmt::format("'{}' must be a number, got {}", name, describe(*f)), name);
   const double v = f->get<double>();
-  if (!(lo_open ? v > lo : v >= lo) || v > hi)
+  if (!std::isfinite(v) || !(lo_open ? v > lo : v >= lo) || v > hi)
     bad(fmt::format("'{}' must be in {}{}, {}], got {}", name, lo_open ? "(" : "[", lo, hi, v), name);
   return v;
 }
 
+/// An integer field in int64 range (wider values, fractions and other types are 400s naming the field).
 std::optional<int64_t> get_int(const json& body, const char* name) {
   const json* f = field(body, name);
   if (!f) return std::nullopt;
-  if (f->is_number_integer()) return f->get<int64_t>();
-  if (f->is_number_float()) {
-    const double d = f->get<double>();
-    if (d == static_cast<double>(static_cast<int64_t>(d))) return static_cast<int64_t>(d);
-  }
-  bad(fmt::format("'{}' must be an integer, got {}", name, f->dump()), name);
+  if (auto v = as_int64(*f)) return v;
+  if (f->is_number())
+    bad(fmt::format("'{}' must be an integer in [-2^63, 2^63), got {}", name, describe(*f)), name);
+  bad(fmt::format("'{}' must be an integer, got {}", name, describe(*f)), name);
 }
 
 std::optional<bool> get_bool(const json& body, const char* name) {
   const json* f = field(body, name);
   if (!f) return std::nullopt;
-  if (!f->is_boolean()) bad(fmt::format("'{}' must be a boolean, got {}", name, f->type_name()), name);
+  if (!f->is_boolean()) bad(fmt::format("'{}' must be a boolean, got {}", name, describe(*f)), name);
   return f->get<bool>();
+}
+
+/// A string field (other types are 400s naming the field).
+std::optional<std::string> get_string(const json& body, const char* name, const std::string& param) {
+  const json* f = field(body, name);
+  if (!f) return std::nullopt;
+  if (!f->is_string()) bad(fmt::format("'{}' must be a string, got {}", param, describe(*f)), param);
+  return f->get<std::string>();
+}
+
+/// Content-Type as FastAPI (and so vLLM) reads a JSON body: absent, application/json or application/*+json
+/// (any parameters, any case) parse as JSON; anything else is 415.
+void check_content_type(const http::HttpRequest& req) {
+  auto it = req.headers.find("content-type");
+  if (it == req.headers.end()) return;
+  std::string mime = it->second.substr(0, it->second.find(';'));
+  mime.erase(0, mime.find_first_not_of(" \t"));
+  mime.erase(mime.find_last_not_of(" \t") + 1);
+  for (auto& c : mime) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const bool json_type = mime == "application/json" ||
+                         (mime.rfind("application/", 0) == 0 && mime.size() > 17 && mime.ends_with("+json"));
+  if (!json_type)
+    throw ApiError{415,
+                   fmt::format("Content-Type '{}' is not supported: send the request body as application/json",
+                               clip(it->second, 100)),
+                   "", "unsupported_media_type"};
 }
 
 std::string finish_reason_text(proto::FinishReason r) {
@@ -123,7 +234,8 @@ std::string openai_error_json(int status, const std::string& message, const std:
             {"type", error_type(status)},
             {"param", param.empty() ? json(nullptr) : json(param)},
             {"code", code.empty() ? json(nullptr) : json(code)}};
-  return json{{"error", e}}.dump();
+  // Replace, never throw, should a message carry bytes that are not UTF-8.
+  return json{{"error", e}}.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -143,6 +255,7 @@ struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
   metrics::Gauge& in_flight_gauge;
   metrics::Counter& cancelled_disconnect;
   metrics::Histogram& api_e2e;
+  std::optional<boost::asio::thread_pool::executor_type> workers;  // set by OpenAiApi; the pool is OpenAiApi's
 
   Impl(ApiOptions o, CoordinatorServer& s, metrics::Registry& reg)
       : opt(std::move(o)),
@@ -168,6 +281,7 @@ struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
     max_len = opt.max_model_len > 0 ? opt.max_model_len : config.max_position_embeddings;
     SPADE_CHECK(max_len > 0, "{}: no max_position_embeddings in config.json; pass --max-model-len", opt.model_dir);
     SPADE_CHECK(opt.max_num_requests > 0, "--max-num-requests must be > 0");
+    SPADE_CHECK(opt.request_threads > 0, "ApiOptions::request_threads must be > 0, got {}", opt.request_threads);
   }
 
   static ChatTemplate load_template(const std::string& file) {
@@ -191,32 +305,84 @@ struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
     reply(res, endpoint, e.status, openai_error_json(e.status, e.message, e.param, e.code));
   }
 
+  // On the HTTP io thread: routing, method, Content-Type and admission only (all cheap); a generation request
+  // is then parsed, validated, tokenized and submitted on a worker thread (run_generate).
   void handle(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res) {
     std::string endpoint = req.path;
     try {
       if (req.path == "/v1/models") {
-        if (req.method != "GET") throw ApiError{405, fmt::format("use GET for {}, not {}", req.path, req.method)};
+        if (req.method != "GET" && req.method != "HEAD")
+          throw ApiError{405, fmt::format("use GET for {}, not {}", req.path, clip(req.method))};
         json m = {{"id", name},       {"object", "model"}, {"created", created}, {"owned_by", "spade"},
                   {"root", opt.model_dir}, {"max_model_len", max_len}};
         return reply(*res, endpoint, 200, json{{"object", "list"}, {"data", json::array({m})}}.dump());
       }
       if (req.path == "/v1/completions" || req.path == "/v1/chat/completions") {
-        if (req.method != "POST") throw ApiError{405, fmt::format("use POST for {}, not {}", req.path, req.method)};
-        return generate(req, res, req.path == "/v1/chat/completions");
+        if (req.method != "POST")
+          throw ApiError{405, fmt::format("use POST for {}, not {}", req.path, clip(req.method))};
+        check_content_type(req);
+        admit();  // 429 before the body is even parsed: at most max_num_requests bodies wait or run
+        boost::asio::post(*workers, [self = shared_from_this(), req, res, is_chat = req.path == "/v1/chat/completions"] {
+          self->run_generate(req, res, is_chat);
+        });
+        return;
       }
       endpoint = "other";
-      throw ApiError{404, fmt::format("no such endpoint: {} {}", req.method, req.path), "", "not_found"};
+      throw ApiError{404, fmt::format("no such endpoint: {} {}", clip(req.method), clip(req.path, 200)), "",
+                     "not_found"};
+    } catch (const ApiError& e) {
+      reply_error(*res, endpoint, e);
+    }
+  }
+
+  /// Takes one of the max_num_requests slots (throws ApiError 429 when none is free); release() gives it back.
+  void admit() {
+    if (in_flight.fetch_add(1) >= opt.max_num_requests) {
+      in_flight.fetch_sub(1);
+      throw ApiError{429, fmt::format("too many requests in flight ({} at most); retry later", opt.max_num_requests),
+                     "", "rate_limit_exceeded"};
+    }
+    in_flight_gauge.inc();
+  }
+  void release() {
+    in_flight.fetch_sub(1);
+    in_flight_gauge.dec();
+  }
+
+  // On a worker thread, holding a slot: every outcome is answered here or by the Job that takes the slot over.
+  // Any exception from the request's content is a 4xx; only a failure of Spade itself is a 500.
+  void run_generate(const http::HttpRequest& req, const std::shared_ptr<http::HttpResponder>& res, bool is_chat) {
+    const std::string& endpoint = req.path;
+    bool handed_over = false;  // the Job owns the slot
+    try {
+      if (res->closed()) {  // the client left while the request waited for a worker
+        http_requests.with({endpoint, "499"}).inc();
+      } else {
+        generate(req, res, is_chat, handed_over);
+      }
     } catch (const ApiError& e) {
       reply_error(*res, endpoint, e);
     } catch (const Error& e) {  // tokenizer / template errors on user input
-      reply_error(*res, endpoint, ApiError{400, e.what(), "", ""});
+      reply_error(*res, endpoint, ApiError{400, e.what()});
+    } catch (const json::exception& e) {  // a shape of JSON no check above foresaw: still the client's input
+      reply_error(*res, endpoint, ApiError{400, fmt::format("invalid request: {}", e.what())});
+    } catch (const std::exception& e) {
+      spdlog::error("coordinator API: {} failed: {}", endpoint, e.what());
+      reply_error(*res, endpoint, ApiError{500, fmt::format("internal error: {}", e.what())});
+    } catch (...) {
+      spdlog::error("coordinator API: {} failed with an unknown exception", endpoint);
+      reply_error(*res, endpoint, ApiError{500, "internal error"});
     }
+    if (!handed_over) release();
   }
 
   // ---- generation ----
 
   struct Job;
-  void generate(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res, bool is_chat);
+  /// Validates and submits one generation request (throws ApiError/Error/json::exception for bad input); sets
+  /// `handed_over` once a Job owns the caller's slot.
+  void generate(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res, bool is_chat,
+                bool& handed_over);
 };
 
 /// One API generation request: turns the rank's chunks into the OpenAI response (whole or SSE).
@@ -382,30 +548,24 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
     release();
   }
 
-  void release() {
-    api->in_flight.fetch_sub(1);
-    api->in_flight_gauge.dec();
-  }
+  void release() { api->release(); }
 };
 
 void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res,
-                               bool is_chat) {
+                               bool is_chat, bool& handed_over) {
   const std::string endpoint = req.path;
   if (!is_valid_utf8(req.body)) bad("request body is not valid UTF-8");
-  json body;
-  try {
-    body = json::parse(req.body);
-  } catch (const json::parse_error& e) {
-    bad(fmt::format("request body is not valid JSON: {}", e.what()));
-  }
+  const json body = parse_body(req.body);
   if (!body.is_object()) bad(fmt::format("request body must be a JSON object, got {}", body.type_name()));
 
   // model
   const json* model = field(body, "model");
   if (!model) bad("'model' is required", "model");
-  if (!model->is_string()) bad("'model' must be a string", "model");
+  if (!model->is_string()) bad(fmt::format("'model' must be a string, got {}", describe(*model)), "model");
   if (model->get<std::string>() != name)
-    throw ApiError{404, fmt::format("The model `{}` does not exist. This server serves `{}`.", model->get<std::string>(), name),
+    throw ApiError{404,
+                   fmt::format("The model `{}` does not exist. This server serves `{}`.",
+                               clip(model->get<std::string>(), 200), name),
                    "model", "model_not_found"};
 
   // features we do not have: reject rather than silently ignore
@@ -417,9 +577,13 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
   if (const json* tl = field(body, "top_logprobs"); tl) bad("top_logprobs are not supported", "top_logprobs");
   for (const char* f : {"suffix", "tools", "functions", "tool_choice", "function_call"})
     if (const json* x = field(body, f); x && !(x->is_array() && x->empty())) bad(fmt::format("'{}' is not supported", f), f);
-  if (const json* rf = field(body, "response_format");
-      rf && !(rf->is_object() && rf->value("type", std::string("text")) == "text"))
-    bad("only response_format {\"type\": \"text\"} is supported", "response_format");
+  if (const json* rf = field(body, "response_format")) {
+    if (!rf->is_object()) bad(fmt::format("'response_format' must be an object, got {}", describe(*rf)), "response_format");
+    const std::string type = get_string(*rf, "type", "response_format.type").value_or("text");
+    if (type != "text")
+      bad(fmt::format("only response_format {{\"type\": \"text\"}} is supported, got type \"{}\"", clip(type)),
+          "response_format");
+  }
   if (const json* lb = field(body, "logit_bias"); lb && !(lb->is_object() && lb->empty()))
     bad("logit_bias is not supported", "logit_bias");
 
@@ -428,18 +592,19 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
   if (is_chat) {
     const json* msgs = field(body, "messages");
     if (!msgs) bad("'messages' is required", "messages");
-    if (!msgs->is_array()) bad("'messages' must be an array", "messages");
+    if (!msgs->is_array()) bad(fmt::format("'messages' must be an array, got {}", describe(*msgs)), "messages");
     if (msgs->empty()) bad("'messages' must contain at least one message", "messages");
     std::vector<ChatMessage> cm;
     for (size_t i = 0; i < msgs->size(); ++i) {
       const json& m = (*msgs)[i];
       const std::string p = fmt::format("messages[{}]", i);
-      if (!m.is_object()) bad(p + " must be an object", p);
+      if (!m.is_object()) bad(fmt::format("{} must be an object, got {}", p, describe(m)), p);
       const json* role = field(m, "role");
-      if (!role || !role->is_string()) bad(p + ".role must be a string", p + ".role");
+      if (!role || !role->is_string())
+        bad(fmt::format("{}.role must be a string, got {}", p, describe_field(m, "role")), p + ".role");
       const std::string r = role->get<std::string>();
       if (r != "system" && r != "user" && r != "assistant" && r != "developer")
-        bad(fmt::format("{}.role '{}' is not supported (system, developer, user, assistant)", p, r), p + ".role");
+        bad(fmt::format("{}.role '{}' is not supported (system, developer, user, assistant)", p, clip(r)), p + ".role");
       const json* content = field(m, "content");
       std::string text;
       if (!content) {
@@ -449,20 +614,32 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
       } else if (content->is_array()) {  // [{"type": "text", "text": ...}, ...]
         for (size_t k = 0; k < content->size(); ++k) {
           const json& part = (*content)[k];
-          if (!part.is_object() || part.value("type", std::string()) != "text" || !part.contains("text") ||
-              !part["text"].is_string())
-            bad(fmt::format("{}.content[{}]: only text parts are supported", p, k), p + ".content");
-          text += part["text"].get<std::string>();
+          const std::string pp = fmt::format("{}.content[{}]", p, k);
+          if (!part.is_object()) bad(fmt::format("{} must be an object, got {}", pp, describe(part)), pp);
+          const json* type = field(part, "type");
+          if (!type || !type->is_string())
+            bad(fmt::format("{}.type must be a string, got {}", pp, describe_field(part, "type")), pp + ".type");
+          if (type->get<std::string>() != "text")
+            bad(fmt::format("{}: only text parts are supported, got type \"{}\"", pp, clip(type->get<std::string>())),
+                pp + ".type");
+          const json* t = field(part, "text");
+          if (!t || !t->is_string())
+            bad(fmt::format("{}.text must be a string, got {}", pp, describe_field(part, "text")), pp + ".text");
+          text += t->get<std::string>();
         }
       } else {
-        bad(p + ".content must be a string or an array of text parts", p + ".content");
+        bad(fmt::format("{}.content must be a string or an array of text parts, got {}", p, describe(*content)),
+            p + ".content");
       }
       cm.push_back({r == "developer" ? "system" : r, std::move(text)});
     }
     ChatOptions co;
     if (auto agp = get_bool(body, "add_generation_prompt")) co.add_generation_prompt = *agp;
-    if (const json* kw = field(body, "chat_template_kwargs"); kw && kw->is_object())
+    if (const json* kw = field(body, "chat_template_kwargs")) {
+      if (!kw->is_object())
+        bad(fmt::format("'chat_template_kwargs' must be an object, got {}", describe(*kw)), "chat_template_kwargs");
       if (auto et = get_bool(*kw, "enable_thinking")) co.enable_thinking = *et;
+    }
     ids = tok.encode(chat.render(cm, co), true);
   } else {
     const json* prompt = field(body, "prompt");
@@ -480,30 +657,46 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
       }
     } else if (p->is_array()) {
       if (p->empty()) bad("'prompt' must not be empty", "prompt");
+      if (p->size() > static_cast<size_t>(max_len))
+        bad(fmt::format("This model's maximum context length is {} tokens and your prompt has {} tokens.", max_len,
+                        p->size()),
+            "prompt", "context_length_exceeded");
       for (const json& t : *p) {
-        if (!t.is_number_integer()) bad("'prompt' must be a string, an array of token ids or one of those in a list", "prompt");
-        const int64_t v = t.get<int64_t>();
-        if (v < 0 || v >= config.vocab_size)
-          bad(fmt::format("prompt token id {} is outside the vocabulary [0, {})", v, config.vocab_size), "prompt");
-        ids.push_back(static_cast<int32_t>(v));
+        const auto v = as_int64(t);
+        if (!t.is_number() || !v)
+          bad(fmt::format("'prompt' must be a string, an array of token ids or one of those in a list; got the "
+                          "element {}",
+                          describe(t)),
+              "prompt");
+        if (*v < 0 || *v >= config.vocab_size)
+          bad(fmt::format("prompt token id {} is outside the vocabulary [0, {})", *v, config.vocab_size), "prompt");
+        ids.push_back(static_cast<int32_t>(*v));
       }
     } else {
-      bad("'prompt' must be a string or an array of token ids (one prompt per request)", "prompt");
+      bad(fmt::format("'prompt' must be a string or an array of token ids (one prompt per request), got {}",
+                      describe(*p)),
+          "prompt");
     }
   }
   if (ids.empty()) bad("the prompt encodes to no tokens", is_chat ? "messages" : "prompt");
 
-  // max_tokens and the context
+  // max_tokens and the context: every value is bounded before any arithmetic (P <= body size, K < 2^63)
+  const char* max_name = "max_tokens";
   std::optional<int64_t> max_tokens = get_int(body, "max_tokens");
-  if (is_chat && !max_tokens) max_tokens = get_int(body, "max_completion_tokens");
+  if (is_chat && !max_tokens) {
+    max_tokens = get_int(body, "max_completion_tokens");
+    if (max_tokens) max_name = "max_completion_tokens";
+  }
   const int64_t P = static_cast<int64_t>(ids.size());
   if (max_tokens && *max_tokens <= 0)
-    bad(fmt::format("'max_tokens' must be at least 1, got {}", *max_tokens), "max_tokens");
+    bad(fmt::format("'{}' must be at least 1, got {}", max_name, *max_tokens), max_name);
   const int64_t K = max_tokens ? *max_tokens : (is_chat ? std::max<int64_t>(1, max_len - P) : 16);
-  if (P + K > max_len)
+  if (K > max_len - P)  // no overflow: P + K might not fit int64
     bad(fmt::format("This model's maximum context length is {} tokens and your request has {} tokens ({} in the "
-                    "prompt, {} to generate). Please reduce the length of the prompt or max_tokens.",
-                    max_len, P + K, P, K),
+                    "prompt, {} to generate). Please reduce the length of the prompt or {}.",
+                    max_len,
+                    K <= std::numeric_limits<int64_t>::max() - P ? std::to_string(P + K) : std::string("over 2^63"),
+                    P, K, max_name),
         is_chat ? "messages" : "prompt", "context_length_exceeded");
 
   // sampling
@@ -535,11 +728,11 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
     } else if (st->is_array()) {
       if (st->size() > 4) bad(fmt::format("'stop' takes at most 4 sequences, got {}", st->size()), "stop");
       for (const json& s : *st) {
-        if (!s.is_string()) bad("'stop' must be a string or an array of strings", "stop");
+        if (!s.is_string()) bad(fmt::format("'stop' must be a string or an array of strings, got the element {}", describe(s)), "stop");
         job->stops.push_back(s.get<std::string>());
       }
     } else {
-      bad("'stop' must be a string or an array of strings", "stop");
+      bad(fmt::format("'stop' must be a string or an array of strings, got {}", describe(*st)), "stop");
     }
     for (const auto& s : job->stops) {
       if (s.empty()) bad("'stop' sequences must not be empty", "stop");
@@ -549,22 +742,24 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
 
   // Spade's own fields
   if (const json* sp_f = field(body, "spade")) {
-    if (!sp_f->is_object()) bad("'spade' must be an object", "spade");
+    if (!sp_f->is_object()) bad(fmt::format("'spade' must be an object, got {}", describe(*sp_f)), "spade");
     for (auto it = sp_f->begin(); it != sp_f->end(); ++it) {
       if (it.key() == "selection") {
         if (!it->is_string() || (it->get<std::string>() != "auto" && it->get<std::string>() != "dense"))
-          bad("'spade.selection' must be \"auto\" or \"dense\"", "spade.selection");
+          bad(fmt::format("'spade.selection' must be \"auto\" or \"dense\", got {}", describe(*it)), "spade.selection");
         g.mutable_sparse()->set_force_dense(it->get<std::string>() == "dense");
-      } else if (it.key() == "token_budget") {
-        if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > max_len)
-          bad(fmt::format("'spade.token_budget' must be an integer in [1, {}]", max_len), "spade.token_budget");
-        g.mutable_sparse()->set_token_budget(static_cast<uint32_t>(it->get<int64_t>()));
-      } else if (it.key() == "sparse_threshold") {
-        if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > max_len)
-          bad(fmt::format("'spade.sparse_threshold' must be an integer in [1, {}]", max_len), "spade.sparse_threshold");
-        g.mutable_sparse()->set_sparse_threshold(static_cast<uint32_t>(it->get<int64_t>()));
+      } else if (it.key() == "token_budget" || it.key() == "sparse_threshold") {
+        const auto v = it->is_number() ? as_int64(*it) : std::nullopt;
+        if (!v || *v < 1 || *v > max_len)
+          bad(fmt::format("'spade.{}' must be an integer in [1, {}], got {}", it.key(), max_len, describe(*it)),
+              "spade." + it.key());
+        if (it.key() == "token_budget") {
+          g.mutable_sparse()->set_token_budget(static_cast<uint32_t>(*v));
+        } else {
+          g.mutable_sparse()->set_sparse_threshold(static_cast<uint32_t>(*v));
+        }
       } else {
-        bad(fmt::format("unknown field 'spade.{}' (known: selection, sparse_threshold, token_budget)", it.key()),
+        bad(fmt::format("unknown field 'spade.{}' (known: selection, sparse_threshold, token_budget)", clip(it.key())),
             "spade");
       }
     }
@@ -573,11 +768,11 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
   job->stream = get_bool(body, "stream").value_or(false);
   if (const json* so = field(body, "stream_options")) {
     if (!job->stream) bad("'stream_options' is only allowed with stream: true", "stream_options");
-    if (!so->is_object()) bad("'stream_options' must be an object", "stream_options");
+    if (!so->is_object()) bad(fmt::format("'stream_options' must be an object, got {}", describe(*so)), "stream_options");
     job->include_usage = get_bool(*so, "include_usage").value_or(false);
   }
 
-  // Admission: capacity and a live world. Nothing above reached a rank.
+  // A live world (the caller holds a max_num_requests slot). Nothing above reached a rank.
   const Health h = server.health();
   if (!h.running || h.shutting_down || !h.world_complete || h.live_inference == 0)
     throw ApiError{503,
@@ -585,13 +780,6 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
                                                    h.live_inference, h.num_inference)
                                      : "no live inference rank",
                    "", "service_unavailable"};
-  if (in_flight.fetch_add(1) >= opt.max_num_requests) {
-    in_flight.fetch_sub(1);
-    throw ApiError{429,
-                   fmt::format("too many requests in flight ({} at most); retry later", opt.max_num_requests), "",
-                   "rate_limit_exceeded"};
-  }
-  in_flight_gauge.inc();
 
   job->api = shared_from_this();
   job->res = res;
@@ -600,6 +788,7 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
   job->id = random_id(is_chat ? "chatcmpl-" : "cmpl-");
   job->created = unix_now();
   job->prompt_tokens = static_cast<int>(P);
+  handed_over = true;  // from here on the Job answers and releases the slot
   {
     std::lock_guard<std::mutex> lk(job->mu);
     job->routed_id = server.submit_local(g, [job](const proto::GenerateChunk& ch) { job->on_chunk(ch); });
@@ -611,9 +800,16 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
 // ---------------------------------------------------------------------------------------------------------------
 
 OpenAiApi::OpenAiApi(ApiOptions options, CoordinatorServer& server, metrics::Registry& registry)
-    : impl_(std::make_shared<Impl>(std::move(options), server, registry)) {}
+    : impl_(std::make_shared<Impl>(std::move(options), server, registry)),
+      pool_(std::make_unique<boost::asio::thread_pool>(static_cast<size_t>(impl_->opt.request_threads))) {
+  impl_->workers = pool_->get_executor();
+}
 
-OpenAiApi::~OpenAiApi() = default;
+OpenAiApi::~OpenAiApi() {
+  // Requests still queued are dropped (their responders close with the HTTP server); running ones finish first.
+  pool_->stop();
+  pool_->join();
+}
 
 void OpenAiApi::handle(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res) {
   impl_->handle(req, std::move(res));

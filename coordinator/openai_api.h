@@ -3,7 +3,7 @@
 //   POST /v1/completions        prompt (string or token ids) -> text_completion (or SSE text_completion chunks)
 //   POST /v1/chat/completions   messages -> chat.completion (or SSE chat.completion.chunk), with the checkpoint's
 //                               chat template (common/chat_template.h) or --chat-template FILE
-//   GET  /v1/models             the one served model
+//   GET  /v1/models             the one served model (HEAD: its headers)
 //   (/health, /ready and /metrics are answered by the coordinator's main, common/status_endpoint.h)
 //
 // Request fields: model (must name the served model), max_tokens (chat: also max_completion_tokens; default 16 for
@@ -14,6 +14,10 @@
 //   "sparse_threshold": N  context length at which this request switches to sparse decoding
 //   "token_budget": K      selected tokens per layer and KV head for this request (at most the rank's
 //                          --token-budget; a larger value is a 400 from the rank)
+// The body is read as FastAPI (and so vLLM) reads it: JSON when Content-Type is absent, application/json or
+// application/*+json (parameters such as charset ignored; the body must be UTF-8); any other type is 415. A repeated
+// key in one object, nesting deeper than 64 levels and a number outside double range are 400s. Integers must fit
+// int64 and are range-checked before any arithmetic (max_tokens > the context left is the context-length 400).
 // Unsupported OpenAI features that change results (logprobs, echo, best_of > 1, suffix, tools, functions,
 // response_format other than text, logit_bias) are rejected with 400 rather than ignored; other unknown fields are
 // ignored.
@@ -23,10 +27,16 @@
 //       max_tokens <= 0, prompt + max_tokens over the context (code context_length_exceeded: "This model's maximum
 //       context length is N tokens and your request has M tokens (P in the prompt, K to generate)")
 //   404 model_not_found (unknown model) / not_found (path);  405 wrong method;  413 oversized body (http_server)
-//   429 rate_limit_exceeded: more than max_num_requests requests in flight
+//   415 unsupported_media_type: a Content-Type that is not JSON
+//   429 rate_limit_exceeded: more than max_num_requests requests in flight (counted from arrival, before parsing)
 //   503 service_unavailable: world not complete / no live inference rank
-//   500 internal error when the serving rank fails (mid-stream: an SSE event {"error": ...} then [DONE]).
+//   500 internal error when the serving rank fails (mid-stream: an SSE event {"error": ...} then [DONE]), or
+//       when Spade itself fails; never for anything in the request.
 // None of the 4xx errors reaches an inference rank.
+//
+// Threads: handle() runs on the HTTP io thread and does only routing, method, Content-Type and admission; a
+// generation request's UTF-8 check, JSON parsing, validation, chat template and tokenization run on a pool of
+// ApiOptions::request_threads workers, so a multi-MB prompt never delays /health or other connections.
 //
 // Cancellation: a client that disconnects before its response is complete (streaming or not) has its request
 // cancelled on the inference rank (CoordinatorServer::cancel_local), which frees its KV there and on its cache
@@ -45,6 +55,10 @@
 #include "common/tokenizer.h"
 #include "coordinator/server.h"
 
+namespace boost::asio {
+class thread_pool;
+}
+
 namespace spade::coord {
 
 struct ApiOptions {
@@ -53,6 +67,7 @@ struct ApiOptions {
   std::string chat_template_file;  // "" = the checkpoint's chat_template; else a Jinja file of a recognised family
   int max_model_len = 0;          // 0 = config.json's max_position_embeddings
   int max_num_requests = 256;     // generation requests in flight through the API; more get 429
+  int request_threads = 2;        // workers that parse, validate and tokenize generation requests (> 0)
 };
 
 /// OpenAI error object: {"error": {"message", "type", "param", "code"}} for `status`.
@@ -61,11 +76,14 @@ std::string openai_error_json(int status, const std::string& message, const std:
 
 class OpenAiApi {
  public:
-  /// Loads the tokenizer, config and chat template of options.model_dir (throws spade::Error naming the file).
+  /// Loads the tokenizer, config and chat template of options.model_dir (throws spade::Error naming the file)
+  /// and starts the request workers.
   OpenAiApi(ApiOptions options, CoordinatorServer& server, metrics::Registry& registry);
+  /// Drops requests still waiting for a worker and joins the workers: stop the HTTP server first.
   ~OpenAiApi();
 
-  /// Answers one request under /v1/ (any other path: 404). Thread-safe.
+  /// Answers one request under /v1/ (any other path: 404). Thread-safe and non-blocking: generation requests are
+  /// answered later, from a worker or from the coordinator's chunk callbacks.
   void handle(const http::HttpRequest& req, std::shared_ptr<http::HttpResponder> res);
 
   const std::string& model_name() const;
@@ -77,6 +95,7 @@ class OpenAiApi {
 
  private:
   std::shared_ptr<Impl> impl_;
+  std::unique_ptr<boost::asio::thread_pool> pool_;  // destroyed (joined) before impl_ is released
 };
 
 }  // namespace spade::coord

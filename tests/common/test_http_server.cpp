@@ -1,6 +1,7 @@
 // The Beast-based HTTP server every process serves /metrics (and the coordinator its API) from: plain and
 // streamed (chunked) responses, answers from other threads, keep-alive and pipelining, limits (413, 431, 400),
-// and the client-disconnect callback the coordinator cancels requests with.
+// the client-disconnect callback the coordinator cancels requests with, HEAD (headers without a body) and
+// HTTP/1.0 clients (close-delimited streams, explicit keep-alive).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <arpa/inet.h>
@@ -188,6 +189,146 @@ TEST(HttpServer, StopClosesPendingStreams) {
   srv->stop();
   EXPECT_TRUE(closed.load());
   EXPECT_TRUE(c.eof());
+}
+
+/// Everything the server sends until it closes the connection (or 5 s pass).
+std::string read_to_eof(RawClient& c) {
+  EXPECT_TRUE(c.eof()) << "the server kept the connection open";
+  return c.read_until("", 1, 0ms);
+}
+
+TEST(HttpServer, HeadGetsTheHeadersOfGetWithoutTheBody) {
+  std::atomic<int> calls{0};
+  HttpServer srv(options(), [&](const HttpRequest& r, std::shared_ptr<HttpResponder> res) {
+    ++calls;
+    res->send(200, "text/plain", "hello world " + r.path);
+  });
+  // Two requests on one keep-alive connection: the HEAD answer carries Content-Length but no body, so the GET's
+  // answer follows the HEAD's header directly (the framing of the connection is intact).
+  RawClient c(srv.port());
+  c.send("HEAD /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n");
+  const std::string all = c.read_until("hello world /b");
+  const size_t second = all.find("HTTP/1.1 200", 1);
+  ASSERT_NE(second, std::string::npos) << all;
+  const std::string head = all.substr(0, second);
+  EXPECT_THAT(head, HasSubstr("Content-Length: 14\r\n"));  // "hello world /a"
+  EXPECT_TRUE(head.ends_with("\r\n\r\n")) << "bytes after the HEAD response's header: " << head;
+  EXPECT_EQ(all.find("hello world /a"), std::string::npos) << all;
+  EXPECT_EQ(calls.load(), 2);
+  // The client helper reads a HEAD answer without waiting for a body.
+  auto r = http_request("127.0.0.1", srv.port(), "HEAD", "/c", "", {}, 2000ms);
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body, "");
+  EXPECT_EQ(r.headers["content-length"], "14");
+  // A server-level error answered to a HEAD request (413 here) is its header only, without the JSON body.
+  HttpServer small(options(10), [](const HttpRequest&, std::shared_ptr<HttpResponder> res) {
+    res->send(200, "text/plain", "ok");
+  });
+  RawClient s(small.port());
+  s.send("HEAD /x HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\nhello world");
+  const std::string e = read_to_eof(s);
+  EXPECT_THAT(e, HasSubstr("HTTP/1.1 413"));
+  EXPECT_TRUE(e.ends_with("\r\n\r\n")) << e;
+}
+
+TEST(HttpServer, HeadToAStreamSendsTheHeaderAndStopsTheProducer) {
+  std::atomic<bool> stopped{false};
+  std::shared_ptr<HttpResponder> kept;
+  std::mutex mu;
+  HttpServer srv(options(), [&](const HttpRequest&, std::shared_ptr<HttpResponder> res) {
+    res->on_close([&] { stopped = true; });
+    res->begin_stream(200, "text/event-stream");
+    res->write("data: never sent\n\n");
+    std::lock_guard<std::mutex> lk(mu);
+    kept = res;
+  });
+  RawClient c(srv.port());
+  c.send("HEAD /s HTTP/1.1\r\nHost: x\r\n\r\n");
+  const std::string all = read_to_eof(c);
+  EXPECT_THAT(all, HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(all, HasSubstr("Content-Type: text/event-stream"));
+  EXPECT_TRUE(all.ends_with("\r\n\r\n")) << all;
+  EXPECT_EQ(all.find("never sent"), std::string::npos);
+  for (auto until = std::chrono::steady_clock::now() + 5s; !stopped && std::chrono::steady_clock::now() < until;)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_TRUE(stopped.load()) << "the producer of a HEAD stream was not told to stop";
+  std::lock_guard<std::mutex> lk(mu);
+  ASSERT_TRUE(kept);
+  EXPECT_TRUE(kept->closed());
+}
+
+TEST(HttpServer, Http10ClientsGetACloseDelimitedStream) {
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  HttpServer srv(options(), [&](const HttpRequest& r, std::shared_ptr<HttpResponder> res) {
+    EXPECT_EQ(r.version, 10u);
+    std::lock_guard<std::mutex> lk(mu);
+    threads.emplace_back([res] {
+      res->begin_stream(200, "text/event-stream");
+      for (int i = 0; i < 3; ++i) {
+        res->write("data: " + std::to_string(i) + "\n\n");
+        std::this_thread::sleep_for(5ms);
+      }
+      res->write("data: [DONE]\n\n");
+      res->end();
+    });
+  });
+  RawClient c(srv.port());
+  c.send("POST /s HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}");
+  const std::string all = read_to_eof(c);
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    for (auto& t : threads) t.join();
+  }
+  const size_t hdr_end = all.find("\r\n\r\n");
+  ASSERT_NE(hdr_end, std::string::npos) << all;
+  const std::string hdr = all.substr(0, hdr_end + 4), body = all.substr(hdr_end + 4);
+  EXPECT_THAT(hdr, HasSubstr(" 200 "));
+  EXPECT_THAT(hdr, HasSubstr("Connection: close\r\n"));
+  EXPECT_EQ(hdr.find("Transfer-Encoding"), std::string::npos) << hdr;
+  EXPECT_EQ(hdr.find("Content-Length"), std::string::npos) << hdr;
+  EXPECT_EQ(body, "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n") << "not the raw event bytes: " << body;
+}
+
+TEST(HttpServer, Http10KeepAliveIsAnsweredExplicitly) {
+  HttpServer srv(options(), [](const HttpRequest& r, std::shared_ptr<HttpResponder> res) {
+    res->send(200, "text/plain", r.path);
+  });
+  {  // asked for keep-alive: told so, and the connection serves a second request
+    RawClient c(srv.port());
+    c.send("GET /one HTTP/1.0\r\nConnection: keep-alive\r\n\r\n");
+    EXPECT_THAT(c.read_until("/one"), HasSubstr("Connection: keep-alive\r\n"));
+    c.send("GET /two HTTP/1.0\r\n\r\n");
+    const std::string all = read_to_eof(c);  // no keep-alive asked the second time: closed after it
+    EXPECT_THAT(all, HasSubstr("/two"));
+  }
+  {  // plain HTTP/1.0: one response with Content-Length, then close
+    RawClient c(srv.port());
+    c.send("GET /three HTTP/1.0\r\n\r\n");
+    const std::string all = read_to_eof(c);
+    EXPECT_THAT(all, HasSubstr("Content-Length: 6\r\n"));
+    EXPECT_TRUE(all.ends_with("/three")) << all;
+  }
+}
+
+TEST(HttpServer, ExpectContinueGetsContinueThenTheAnswer) {
+  HttpServer srv(options(100), [](const HttpRequest& r, std::shared_ptr<HttpResponder> res) {
+    res->send(200, "text/plain", "got " + r.body);
+  });
+  {  // the body is sent only after "100 Continue" (a client waiting for it would otherwise stall)
+    RawClient c(srv.port());
+    c.send("POST /x HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n");
+    EXPECT_THAT(c.read_until("\r\n\r\n", 1, 5000ms), ::testing::StartsWith("HTTP/1.1 100 Continue\r\n\r\n"));
+    c.send("hello");
+    EXPECT_THAT(c.read_until("got hello", 1, 5000ms), HasSubstr("HTTP/1.1 200"));
+  }
+  {  // over the limit: 413 at once, no 100, the body never read
+    RawClient c(srv.port());
+    c.send("POST /x HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 101\r\n\r\n");
+    const std::string all = read_to_eof(c);
+    EXPECT_THAT(all, ::testing::StartsWith("HTTP/1.1 413"));
+    EXPECT_EQ(all.find("100 Continue"), std::string::npos);
+  }
 }
 
 TEST(HttpServer, BindErrorsNameTheAddress) {

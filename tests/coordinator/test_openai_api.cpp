@@ -229,6 +229,7 @@ struct BadCase {
   std::string name, method, path, body;
   int status;
   std::string type, needle;
+  http::Headers headers = {};
 };
 
 TEST_F(OpenAiApi, BadRequestsGetOpenAiErrorsAndNeverReachTheEngine) {
@@ -291,9 +292,26 @@ TEST_F(OpenAiApi, BadRequestsGetOpenAiErrorsAndNeverReachTheEngine) {
        "exceeds the limit of 65536 bytes"},
       {"wrong method", "GET", "/v1/completions", "", 405, "invalid_request_error", "use POST"},
       {"unknown path", "POST", "/v1/embeddings", "{}", 404, "not_found_error", "no such endpoint"},
+      // Once 500s (tests/coordinator/test_openai_bad_input.cpp has the full table) and the rank-reaching overflow.
+      {"number overflows a double", "POST", "/v1/completions", "{" + m + R"(,"prompt":"hi","temperature":1e999})",
+       400, "invalid_request_error", "out of range"},
+      {"content part type number", "POST", "/v1/chat/completions",
+       "{" + m + R"(,"messages":[{"role":"user","content":[{"type":5,"text":"x"}]}]})", 400, "invalid_request_error",
+       "messages[0].content[0].type must be a string"},
+      {"content part type null", "POST", "/v1/chat/completions",
+       "{" + m + R"(,"messages":[{"role":"user","content":[{"type":null,"text":"x"}]}]})", 400,
+       "invalid_request_error", "messages[0].content[0].type must be a string"},
+      {"response_format type number", "POST", "/v1/chat/completions",
+       "{" + m + R"(,"messages":[{"role":"user","content":"x"}],"response_format":{"type":5}})", 400,
+       "invalid_request_error", "'response_format.type' must be a string"},
+      {"max_tokens INT64_MAX", "POST", "/v1/completions", "{" + m + R"(,"prompt":"hi","max_tokens":9223372036854775807})",
+       400, "invalid_request_error", "maximum context length is 512"},
+      {"JSON sent as text/plain", "POST", "/v1/completions", "{" + m + R"(,"prompt":"hi","max_tokens":2})", 415,
+       "invalid_request_error", "send the request body as application/json", {{"Content-Type", "text/plain"}}},
   };
   for (const auto& bc : cases) {
-    auto r = http::http_request("127.0.0.1", static_cast<uint16_t>(c->http_port), bc.method, bc.path, bc.body);
+    auto r = http::http_request("127.0.0.1", static_cast<uint16_t>(c->http_port), bc.method, bc.path, bc.body,
+                                bc.headers);
     EXPECT_EQ(r.status, bc.status) << bc.name << ": " << r.body;
     json j;
     ASSERT_NO_THROW(j = json::parse(r.body)) << bc.name << ": " << r.body;
@@ -314,6 +332,31 @@ TEST_F(OpenAiApi, BadRequestsGetOpenAiErrorsAndNeverReachTheEngine) {
   // The coordinator counted them by status.
   const auto cm = c->metrics(c->http_port);
   EXPECT_GE(cm.at("spade_http_requests_total{endpoint=\"/v1/completions\",code=\"400\"}"), 10);
+}
+
+TEST_F(OpenAiApi, Http10ClientGetsACloseDelimitedStream) {
+  // An HTTP/1.0 client (no chunked encoding) streams the same text as an HTTP/1.1 one.
+  const std::string body =
+      R"({"model":"stories260K","prompt":[1],"max_tokens":30,"temperature":0,"stream":true})";
+  const auto v11 = c->post("/v1/completions", body);
+  ASSERT_EQ(v11.status, 200) << v11.body;
+  RawClient rc(c->http_port);
+  rc.send("POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: " +
+          std::to_string(body.size()) + "\r\n\r\n" + body);
+  ASSERT_TRUE(rc.eof(60s)) << "the stream did not end with the connection";
+  const std::string all = rc.read_until("", 1, 0ms);
+  const size_t hdr_end = all.find("\r\n\r\n");
+  ASSERT_NE(hdr_end, std::string::npos) << all;
+  const std::string hdr = all.substr(0, hdr_end);
+  EXPECT_THAT(hdr, HasSubstr(" 200 "));
+  EXPECT_THAT(hdr, HasSubstr("Content-Type: text/event-stream"));
+  EXPECT_THAT(hdr, HasSubstr("Connection: close"));
+  EXPECT_EQ(hdr.find("Transfer-Encoding"), std::string::npos) << hdr;
+  const Sse s10 = parse_sse(all.substr(hdr_end + 4), false);
+  const Sse s11 = parse_sse(v11.body, false);
+  EXPECT_TRUE(s10.done);
+  EXPECT_EQ(s10.text, s11.text);
+  EXPECT_FALSE(s10.text.empty());
 }
 
 TEST_F(OpenAiApi, ClientDisconnectCancelsTheRequestAndFreesItsKvOnBothRanks) {
