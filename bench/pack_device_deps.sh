@@ -21,6 +21,8 @@ PKGS=(
   nlohmann-json3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian
   libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3
+  libssl-dev libssl3
+  libopenblas-openmp-dev libopenblas0-openmp libgfortran5 libquadmath0
   pkgconf pkgconf-bin libpkgconf3
 )
 
@@ -35,6 +37,7 @@ for p in "${PKGS[@]}"; do
   dpkg -L "${p}" | while read -r f; do
     case "${f}" in
       /usr/share/doc/* | /usr/share/man/* | /usr/share/lintian/*) continue ;;
+      */openblas*/*.a) continue ;;  # OpenBLAS's static archive (tens of MB): the build links its shared library
     esac
     if [ -f "${f}" ] || [ -L "${f}" ]; then
       echo "${f#/}"

@@ -14,7 +14,9 @@ PKGS=(
   libspdlog-dev libfmt-dev                  # logging
   nlohmann-json3-dev libcli11-dev           # JSON, flags
   libpcre2-dev                              # tokenizer pre-tokenization regex
+  libopenblas-openmp-dev                    # CPU GEMMs (kernels/linear_ref.h), OpenMP threads
   libucx-dev                                # UCX host-memory transport
+  libssl-dev                                # OpenSSL libcrypto: control-plane authentication (HMAC-SHA256)
 )
 if [ "$build_only" -eq 0 ]; then
   PKGS+=(

@@ -1,0 +1,217 @@
+// bench_cpu: the CPU data path's prefill and decode FLOP rates on a real checkpoint, beside the floor they are held
+// to: the BLAS's own SGEMM rate (kernels/linear_ref.h) measured in the same run on the model's largest GEMM shape.
+//
+//   bench_cpu [--model DIR] [--prefill 2048,7680] [--decode-context 2048] [--decode-batch 1,8] [--decode-steps 8]
+//             [--out FILE.json]
+//
+// --model defaults to $SPADE_DATA_DIR/models/longctx-22m. Prefill: one sequence of N tokens in one chunk (a token
+// sequence drawn from the vocabulary), dense paged attention, logits of the last token. Decode: B sequences at the
+// given context, the median step of --decode-steps. FLOPs counted: 2 per multiply-add of every linear layer (the LM
+// head on the rows whose logits are taken) plus causal attention, 4 * head_dim * q_heads per (query, visible key) pair.
+// The JSON carries date, commit (SPADE_COMMIT), the CPU, the BLAS and every figure beside the SGEMM floor.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/run_stamp.h"
+#include "common/error.h"
+#include "inference_rank/model.h"
+#include "kernels/linear_ref.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using spade::ForwardBatch;
+using spade::KvCache;
+using spade::Model;
+using spade::ModelConfig;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string cpu_name() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+// Multiply-adds of the linear layers per token (the LM head excluded).
+double linear_macs_per_token(const Model& m) {
+  double macs = 0;
+  for (const auto& L : m.weights().layers)
+    macs += static_cast<double>(L.qkv_w.size() + L.o_w.size() + L.in_proj_w.size() + L.out_proj_w.size() +
+                                L.gate_up_w.size() + L.down_w.size());
+  return macs;
+}
+
+// FLOPs of one forward: `tokens` new tokens, `pairs` (query, visible key) pairs summed over the batch, `logit_rows`.
+double forward_flops(const Model& m, double tokens, double pairs, double logit_rows) {
+  const ModelConfig& c = m.config();
+  const double attn = 4.0 * c.head_dim * c.num_q_heads * pairs * c.num_attention_layers();
+  return 2.0 * linear_macs_per_token(m) * tokens + 2.0 * c.vocab_size * c.hidden_size * logit_rows + attn;
+}
+
+// Best of `reps` SGEMMs y[m, n] = x[m, k] · w[n, k]ᵀ through linear_ref, in GFLOP/s.
+double sgemm_gflops(int m, int n, int k, int reps) {
+  std::vector<float> x(static_cast<size_t>(m) * k, 0.5f), w(static_cast<size_t>(n) * k, 0.25f),
+      y(static_cast<size_t>(m) * n);
+  spade::kernels::linear_ref(x.data(), w.data(), nullptr, y.data(), m, n, k);  // warm-up (thread pool, pages)
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = Clock::now();
+    spade::kernels::linear_ref(x.data(), w.data(), nullptr, y.data(), m, n, k);
+    best = std::min(best, seconds_since(t0));
+  }
+  return 2.0 * m * n * k / best / 1e9;
+}
+
+// A batch of `lens.size()` sequences whose contexts end at lens[b], each contributing its last q_lens[b] tokens.
+ForwardBatch make_batch(const std::vector<int>& lens, const std::vector<int>& q_lens, int page_size, int vocab,
+                        std::mt19937& rng) {
+  ForwardBatch fb;
+  int max_pages = 0;
+  for (int len : lens) max_pages = std::max(max_pages, (len + page_size - 1) / page_size);
+  fb.max_pages = max_pages;
+  fb.cu_q_lens.push_back(0);
+  int next_page = 0;
+  std::uniform_int_distribution<int> tok(0, vocab - 1);
+  for (size_t b = 0; b < lens.size(); ++b) {
+    for (int i = lens[b] - q_lens[b]; i < lens[b]; ++i) {
+      fb.tokens.push_back(tok(rng));
+      fb.positions.push_back(i);
+    }
+    fb.cu_q_lens.push_back(fb.cu_q_lens.back() + q_lens[b]);
+    fb.seq_lens.push_back(lens[b]);
+    fb.seq_ids.push_back(b + 1);
+    for (int p = 0; p < max_pages; ++p)
+      fb.block_table.push_back(p < (lens[b] + page_size - 1) / page_size ? next_page++ : -1);
+    fb.logit_rows.push_back(fb.cu_q_lens.back() - 1);
+  }
+  return fb;
+}
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> out;
+  size_t at = 0;
+  while (at < s.size()) {
+    const size_t comma = s.find(',', at);
+    out.push_back(std::stoi(s.substr(at, comma - at)));
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_cpu: CPU prefill / decode FLOP rates against the BLAS SGEMM rate"};
+  std::string model_dir, out_path, prefill_list = "2048,7680", batch_list = "1,8";
+  int decode_context = 2048, decode_steps = 8, page_size = 16;
+  app.add_option("--model", model_dir, "checkpoint directory (default $SPADE_DATA_DIR/models/longctx-22m)");
+  app.add_option("--prefill", prefill_list, "prompt lengths to prefill, comma-separated")->capture_default_str();
+  app.add_option("--decode-context", decode_context, "context length of the decode sequences")->capture_default_str();
+  app.add_option("--decode-batch", batch_list, "decode batch sizes, comma-separated")->capture_default_str();
+  app.add_option("--decode-steps", decode_steps, "decode steps timed per batch size (median)")->capture_default_str();
+  app.add_option("--out", out_path, "JSON output (default: stdout only)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (model_dir.empty()) {
+      const char* data = std::getenv("SPADE_DATA_DIR");
+      SPADE_CHECK(data != nullptr, "bench_cpu: give --model or set SPADE_DATA_DIR");
+      model_dir = std::string(data) + "/models/longctx-22m";
+    }
+    const auto model = Model::load(model_dir);
+    const ModelConfig& cfg = model->config();
+    const ModelConfig attn_cfg = cfg.attention_view();  // DensePagedAttention keeps a reference
+    SPADE_CHECK(!cfg.is_hybrid(), "bench_cpu: {} is hybrid; this bench covers attention-only models", model_dir);
+    nlohmann::json doc;
+    spade::bench::stamp_run(doc);
+    doc["bench"] = "bench_cpu";
+    doc["device"] = {{"cpu", cpu_name()}, {"hardware_threads", std::thread::hardware_concurrency()}};
+    doc["blas"] = spade::kernels::blas_description();
+    doc["model"] = model_dir;
+    // The floor: the model's largest GEMM (gate_up at a 2k-token chunk) and a square one.
+    const int big_n = 2 * cfg.intermediate_size, big_k = cfg.hidden_size;
+    const double floor_model = sgemm_gflops(2048, big_n, big_k, 5);
+    const double floor_square = sgemm_gflops(2048, 2048, 2048, 3);
+    doc["sgemm_gflops"] = {{"model_gate_up_2048x" + std::to_string(big_n) + "x" + std::to_string(big_k), floor_model},
+                           {"square_2048", floor_square}};
+    std::printf("BLAS: %s\nSGEMM floor: %.1f GFLOP/s (2048x%dx%d), %.1f GFLOP/s (2048^3)\n",
+                spade::kernels::blas_description(), floor_model, big_n, big_k, floor_square);
+    std::mt19937 rng(1234);
+    std::vector<float> logits;
+    for (int n : parse_list(prefill_list)) {
+      SPADE_CHECK(n >= 1 && n <= cfg.max_position_embeddings, "bench_cpu: --prefill {} outside 1..{}", n,
+                  cfg.max_position_embeddings);
+      KvCache cache(attn_cfg, (n + page_size - 1) / page_size, page_size);
+      spade::DensePagedAttention attn(attn_cfg, cache);
+      const ForwardBatch fb = make_batch({n}, {n}, page_size, cfg.vocab_size, rng);
+      const auto t0 = Clock::now();
+      model->forward(fb, attn, logits);
+      const double s = seconds_since(t0);
+      const double flops = forward_flops(*model, n, 0.5 * n * (n + 1.0), 1);
+      const double gflops = flops / s / 1e9;
+      doc["prefill"].push_back({{"tokens", n},
+                                {"seconds", s},
+                                {"tokens_per_s", n / s},
+                                {"gflops", gflops},
+                                {"gflop", flops / 1e9},
+                                {"floor_sgemm_gflops", floor_model},
+                                {"fraction_of_sgemm", gflops / floor_model}});
+      std::printf("prefill %5d tokens: %7.2f s  %8.1f tok/s  %6.1f GFLOP/s = %.2f of SGEMM\n", n, s, n / s, gflops,
+                  gflops / floor_model);
+    }
+    for (int B : parse_list(batch_list)) {
+      SPADE_CHECK(B >= 1 && decode_context >= 2 && decode_context <= cfg.max_position_embeddings,
+                  "bench_cpu: decode batch {} / context {} out of range", B, decode_context);
+      const int pages_per_seq = (decode_context + page_size - 1) / page_size;
+      KvCache cache(attn_cfg, B * pages_per_seq, page_size);
+      spade::DensePagedAttention attn(attn_cfg, cache);
+      // Fill the caches with one prefill of context - 1 tokens per sequence, then time decode steps at `context`.
+      model->forward(make_batch(std::vector<int>(B, decode_context - 1), std::vector<int>(B, decode_context - 1),
+                                page_size, cfg.vocab_size, rng),
+                     attn, logits);
+      std::vector<double> times;
+      const ForwardBatch fb =
+          make_batch(std::vector<int>(B, decode_context), std::vector<int>(B, 1), page_size, cfg.vocab_size, rng);
+      for (int s = 0; s < decode_steps; ++s) {
+        const auto t0 = Clock::now();
+        model->forward(fb, attn, logits);
+        times.push_back(seconds_since(t0));
+      }
+      std::sort(times.begin(), times.end());
+      const double s = times[times.size() / 2];
+      const double flops = forward_flops(*model, B, static_cast<double>(B) * decode_context, B);
+      const double gflops = flops / s / 1e9;
+      doc["decode"].push_back({{"batch", B},
+                               {"context", decode_context},
+                               {"step_ms", s * 1e3},
+                               {"tokens_per_s", B / s},
+                               {"gflops", gflops},
+                               {"floor_sgemm_gflops", floor_model},
+                               {"fraction_of_sgemm", gflops / floor_model}});
+      std::printf("decode B=%-3d ctx %5d: %7.2f ms/step  %8.1f tok/s  %6.1f GFLOP/s = %.2f of SGEMM\n", B,
+                  decode_context, s * 1e3, B / s, gflops, gflops / floor_model);
+    }
+    if (!out_path.empty()) {
+      std::ofstream f(out_path);
+      SPADE_CHECK(f.good(), "bench_cpu: cannot write {}", out_path);
+      f << doc.dump(2) << "\n";
+    }
+    return 0;
+  } catch (const spade::Error& e) {
+    std::cerr << "bench_cpu: " << e.what() << "\n";
+    return 1;
+  }
+}
