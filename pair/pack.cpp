@@ -14,16 +14,16 @@ constexpr uint32_t kSelectionMagic = 0x54504b53;  // "SKPT" (v2: flags word, del
 
 class Writer {
  public:
-  template <typename T>
-  void put(T x) {
-    static_assert(std::is_trivially_copyable_v<T>);
-    const auto* p = reinterpret_cast<const uint8_t*>(&x);
-    buf.insert(buf.end(), p, p + sizeof(T));
+  // Appends each value's bytes, in order.
+  template <typename... T>
+  void put(T... xs) {
+    static_assert((std::is_trivially_copyable_v<T> && ...));
+    (append(&xs, sizeof(T)), ...);
   }
-  template <typename T>
-  void put_vec(const std::vector<T>& v) {
-    const auto* p = reinterpret_cast<const uint8_t*>(v.data());
-    buf.insert(buf.end(), p, p + v.size() * sizeof(T));
+  // Appends each vector's elements, in order (no length prefix: the reader knows the counts).
+  template <typename... T>
+  void put_vec(const std::vector<T>&... vs) {
+    (append(vs.data(), vs.size() * sizeof(T)), ...);
   }
   // Every pack message opens with its magic, its step and its pack index.
   template <typename Message>
@@ -33,6 +33,12 @@ class Writer {
     put(m.pack);
   }
   std::vector<uint8_t> buf;
+
+ private:
+  void append(const void* data, size_t bytes) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    buf.insert(buf.end(), p, p + bytes);
+  }
 };
 
 class Reader {
@@ -92,24 +98,15 @@ PackShape pack_shape(const ModelConfig& cfg, const SelectionConfig& sc) {
 std::vector<uint8_t> encode(const PackUpdate& u, const PackShape& s) {
   Writer w;
   w.head(kUpdateMagic, u);
-  w.put(u.first_layer);
-  w.put(u.num_layers);
-  w.put(static_cast<uint32_t>(u.released.size()));
-  w.put(static_cast<uint32_t>(u.seqs.size()));
+  w.put(u.first_layer, u.num_layers, static_cast<uint32_t>(u.released.size()), static_cast<uint32_t>(u.seqs.size()));
   w.put_vec(u.released);
   for (const SeqUpdate& e : u.seqs) {
     const size_t tokens = e.init ? e.context_len : 1;
     SPADE_CHECK(e.q.size() == static_cast<size_t>(u.num_layers) * e.num_queries * s.q_dim &&
                     e.k.size() == static_cast<size_t>(u.num_layers) * tokens * s.kv_dim && e.v.size() == e.k.size(),
                 "encode: sequence {} update has inconsistent tensor sizes", e.seq_id);
-    w.put(e.seq_id);
-    w.put(e.context_len);
-    w.put(static_cast<int32_t>(e.init));
-    w.put(e.num_queries);
-    w.put(e.token_budget);
-    w.put_vec(e.q);
-    w.put_vec(e.k);
-    w.put_vec(e.v);
+    w.put(e.seq_id, e.context_len, static_cast<int32_t>(e.init), e.num_queries, e.token_budget);
+    w.put_vec(e.q, e.k, e.v);
   }
   return std::move(w.buf);
 }
@@ -150,14 +147,12 @@ PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, co
 std::vector<uint8_t> encode(const PackSelection& p, const PackShape& s) {
   Writer w;
   w.head(kSelectionMagic, p);
-  w.put(p.select_ms);
-  w.put(static_cast<uint32_t>(p.delta ? 1 : 0));  // flags: bit 0 = delta
-  w.put(static_cast<uint32_t>(p.error.size()));
+  w.put(p.select_ms, static_cast<uint32_t>(p.delta ? 1 : 0) /* flags: bit 0 = delta */,
+        static_cast<uint32_t>(p.error.size()));
   w.buf.insert(w.buf.end(), p.error.begin(), p.error.end());
   w.put(static_cast<uint32_t>(p.seqs.size()));
   for (const SeqSelection& e : p.seqs) {
-    w.put(e.seq_id);
-    w.put(e.context_len);
+    w.put(e.seq_id, e.context_len);
     if (p.delta) {
       // Per layer: count, entries per head, then slot and position of every entry, then its K and V rows.
       w.put(static_cast<uint32_t>(e.deltas.size()));
@@ -165,11 +160,7 @@ std::vector<uint8_t> encode(const PackSelection& p, const PackShape& s) {
         SPADE_CHECK(d.changed.size() == static_cast<size_t>(s.num_kv_heads) && d.k.size() == d.entries() * s.head_dim,
                     "encode: delta of sequence {} does not match the pack shape", e.seq_id);
         w.put(static_cast<int32_t>(d.count));
-        w.put_vec(d.changed);
-        w.put_vec(d.slots);
-        w.put_vec(d.positions);
-        w.put_vec(d.k);
-        w.put_vec(d.v);
+        w.put_vec(d.changed, d.slots, d.positions, d.k, d.v);
       }
       continue;
     }
