@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "common/file_read.h"
 #include "common/tokenizer.h"
 
 namespace spade {
@@ -234,6 +235,10 @@ ChatTemplate ChatTemplate::from_source(std::string_view src, const std::string& 
   }
   fail("{}: unrecognised chat_template (it is not run as Jinja; {}). Its first 120 characters: '{}'", origin,
        kSupported, src.substr(0, 120));
+}
+
+ChatTemplate ChatTemplate::from_file(const std::string& path) {
+  return from_source(read_regular_file(path, "a chat template file", kMaxCheckpointJsonBytes), path);
 }
 
 ChatTemplate ChatTemplate::for_tokenizer(const Tokenizer& tokenizer) {

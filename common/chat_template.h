@@ -65,6 +65,9 @@ class ChatTemplate {
   static ChatTemplate from_source(std::string_view jinja_source, const std::string& origin);
   /// from_source(tokenizer.chat_template(), the file it came from).
   static ChatTemplate for_tokenizer(const Tokenizer& tokenizer);
+  /// from_source(the content of the Jinja file `path`, path). The file must be a regular file (a FIFO or directory is
+  /// refused without blocking, common/file_read.h) of at most kMaxCheckpointJsonBytes; throws spade::Error naming it.
+  static ChatTemplate from_file(const std::string& path);
 
   ChatTemplateKind kind() const { return kind_; }
   /// The default system prompt of kChatMLLegacy / kChatML templates ("" when there is none).

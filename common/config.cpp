@@ -3,33 +3,27 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "common/error.h"
+#include "common/file_read.h"
 
 namespace spade {
 namespace {
 
 using nlohmann::json;
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail("{}: cannot open", path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 json parse_json(const std::string& text, const std::string& source) {
+  json j;
   try {
-    json j = json::parse(text);
-    if (!j.is_object()) fail("{}: top level is not a JSON object", source);
-    return j;
-  } catch (const json::parse_error& e) {
+    j = json::parse(text);
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number such as 1e999
     fail("{}: not valid JSON ({})", source, e.what());
   }
+  if (!j.is_object()) fail("{}: top level is not a JSON object", source);
+  return j;
 }
 
 int req_int(const json& j, const char* key, const std::string& src) {
@@ -45,6 +39,9 @@ int opt_int(const json& j, const char* key, int def, const std::string& src) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return def;
   if (!it->is_number_integer()) fail("{}: field '{}' must be an integer, got {}", src, key, it->dump());
+  if (it->is_number_unsigned() ? it->get<uint64_t>() > static_cast<uint64_t>(INT_MAX)
+                               : it->get<int64_t>() < INT_MIN || it->get<int64_t>() > INT_MAX)
+    fail("{}: field '{}' = {} does not fit a 32-bit integer", src, key, it->dump());
   return it->get<int>();
 }
 
@@ -53,6 +50,20 @@ double opt_num(const json& j, const char* key, double def, const std::string& sr
   if (it == j.end() || it->is_null()) return def;
   if (!it->is_number()) fail("{}: field '{}' must be a number, got {}", src, key, it->dump());
   return it->get<double>();
+}
+
+// A number that must be finite and > 0 (rms_norm_eps, rope_theta); `name` is the field as the message spells it.
+double check_positive_finite(double v, const std::string& name, const std::string& src) {
+  if (!std::isfinite(v) || v <= 0) fail("{}: field '{}' must be a finite number > 0, got {}", src, name, v);
+  return v;
+}
+
+// An integer token id: 0 .. 2^31-1.
+int token_id(const json& v, const char* key, const std::string& src) {
+  if (!v.is_number_integer()) fail("{}: field '{}' must hold integers, got {}", src, key, v.dump());
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(INT_MAX) : v.get<int64_t>() < 0)
+    fail("{}: field '{}' holds {}, not a token id (0 .. 2^31-1)", src, key, v.dump());
+  return v.get<int>();
 }
 
 bool opt_bool(const json& j, const char* key, bool def, const std::string& src) {
@@ -67,16 +78,20 @@ std::vector<int> id_list(const json& j, const char* key, const std::string& src)
   std::vector<int> out;
   if (it == j.end() || it->is_null()) return out;
   if (it->is_number_integer()) {
-    out.push_back(it->get<int>());
+    out.push_back(token_id(*it, key, src));
   } else if (it->is_array()) {
-    for (const auto& v : *it) {
-      if (!v.is_number_integer()) fail("{}: field '{}' must hold integers, got {}", src, key, v.dump());
-      out.push_back(v.get<int>());
-    }
+    for (const auto& v : *it) out.push_back(token_id(v, key, src));
   } else {
     fail("{}: field '{}' must be an integer or a list of integers, got {}", src, key, it->dump());
   }
   return out;
+}
+
+// bos_token_id: a token id, or absent / null (def).
+int bos_id(const json& j, int def, const std::string& src) {
+  auto it = j.find("bos_token_id");
+  if (it == j.end() || it->is_null()) return def;
+  return token_id(*it, "bos_token_id", src);
 }
 
 }  // namespace
@@ -128,6 +143,9 @@ ModelConfig parse_decoder(const json& j, const std::string& src, const std::stri
   c.hidden_size = req_int(j, "hidden_size", src);
   c.intermediate_size = req_int(j, "intermediate_size", src);
   c.num_layers = req_int(j, "num_hidden_layers", src);
+  if (c.num_layers > kMaxHiddenLayers)
+    fail("{}: field 'num_hidden_layers' = {} is more than {} layers; no decoder checkpoint has that many", src,
+         c.num_layers, kMaxHiddenLayers);
   c.num_q_heads = req_int(j, "num_attention_heads", src);
   c.vocab_size = req_int(j, "vocab_size", src);
   c.num_kv_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
@@ -150,14 +168,24 @@ ModelConfig parse_decoder(const json& j, const std::string& src, const std::stri
   c.max_position_embeddings = opt_int(j, "max_position_embeddings", 4096, src);
   if (c.max_position_embeddings <= 0)
     fail("{}: field 'max_position_embeddings' must be positive, got {}", src, c.max_position_embeddings);
-  c.rms_norm_eps = static_cast<float>(opt_num(j, "rms_norm_eps", 1e-6, src));
+  if (c.max_position_embeddings > kMaxPositionEmbeddings)
+    fail("{}: field 'max_position_embeddings' = {} is more than {} positions", src, c.max_position_embeddings,
+         kMaxPositionEmbeddings);
+  // rms_norm_eps is added to the mean square before the reciprocal square root: <= 0 divides by zero on a zero
+  // row (and a negative one takes the root of a negative number); checked again after the cast, which can round
+  // to 0 or inf.
+  const double eps = check_positive_finite(opt_num(j, "rms_norm_eps", 1e-6, src), "rms_norm_eps", src);
+  c.rms_norm_eps = static_cast<float>(eps);
+  if (!std::isfinite(c.rms_norm_eps) || c.rms_norm_eps <= 0)
+    fail("{}: field 'rms_norm_eps' = {} does not fit a float (it becomes {})", src, eps, c.rms_norm_eps);
   c.tie_word_embeddings = opt_bool(j, "tie_word_embeddings", false, src);
 
   // RoPE: transformers >= 5 writes rope_parameters {rope_theta, rope_type}; older files rope_theta + rope_scaling.
-  c.rope_theta = opt_num(j, "rope_theta", 10000.0, src);
+  c.rope_theta = check_positive_finite(opt_num(j, "rope_theta", 10000.0, src), "rope_theta", src);
   if (auto rp = j.find("rope_parameters"); rp != j.end() && !rp->is_null()) {
     if (!rp->is_object()) fail("{}: field 'rope_parameters' must be an object", src);
-    c.rope_theta = opt_num(*rp, "rope_theta", c.rope_theta, src + " rope_parameters");
+    c.rope_theta = check_positive_finite(opt_num(*rp, "rope_theta", c.rope_theta, src + " rope_parameters"),
+                                         "rope_parameters.rope_theta", src);
     if (auto t = rp->find("rope_type"); t != rp->end() && t->is_string() && *t != "default")
       fail("{}: rope_parameters.rope_type '{}' is not supported (only 'default')", src, t->get<std::string>());
   }
@@ -177,6 +205,18 @@ ModelConfig parse_decoder(const json& j, const std::string& src, const std::stri
   if (c.rotary_dim <= 0 || c.rotary_dim % 2 != 0)
     fail("{}: partial_rotary_factor {} gives a rotary dim of {} for head_dim {}; it must be even and positive", src,
          prf, c.rotary_dim, c.head_dim);
+
+  // The fused projection widths are ints everywhere (ModelConfig::q_dim() ...): refuse products past 2^31-1 here,
+  // naming the fields, rather than let them wrap.
+  const int64_t q_rows = int64_t{c.num_q_heads} * c.head_dim * (hybrid_arch ? 2 : 1);  // + the output gate rows
+  if (q_rows + 2 * int64_t{c.num_kv_heads} * c.head_dim > INT_MAX)
+    fail("{}: num_attention_heads {} and num_key_value_heads {} times head_dim {} give q/k/v projections of more "
+         "than 2^31-1 rows",
+         src, c.num_q_heads, c.num_kv_heads, c.head_dim);
+  if (2 * int64_t{c.intermediate_size} > INT_MAX)
+    fail("{}: field 'intermediate_size' = {} is too large (the fused gate/up projection has 2 * intermediate_size "
+         "rows, at most 2^31-1)",
+         src, c.intermediate_size);
 
   const bool attn_bias = opt_bool(j, "attention_bias", false, src);
   switch (c.arch) {
@@ -238,9 +278,16 @@ ModelConfig parse_decoder(const json& j, const std::string& src, const std::stri
     if (c.linear_num_value_heads % c.linear_num_key_heads != 0)
       fail("{}: linear_num_value_heads {} is not a multiple of linear_num_key_heads {}", src,
            c.linear_num_value_heads, c.linear_num_key_heads);
+    // The GDN input projection fuses q|k|v, z, b and a: 2 Hk dk + 2 Hv dv + 2 Hv rows, all ints.
+    const int64_t key_dim = int64_t{c.linear_num_key_heads} * c.linear_key_head_dim;
+    const int64_t value_dim = int64_t{c.linear_num_value_heads} * c.linear_value_head_dim;
+    if (2 * key_dim + 2 * value_dim + 2 * int64_t{c.linear_num_value_heads} > INT_MAX)
+      fail("{}: linear_num_key_heads {} x linear_key_head_dim {} and linear_num_value_heads {} x "
+           "linear_value_head_dim {} give a linear-attention input projection of more than 2^31-1 rows",
+           src, c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, c.linear_value_head_dim);
   }
   c.eos_token_ids = id_list(j, "eos_token_id", src);
-  c.bos_token_id = opt_int(j, "bos_token_id", -1, src);
+  c.bos_token_id = bos_id(j, -1, src);
   if (auto d = j.find("torch_dtype"); d != j.end() && d->is_string()) c.torch_dtype = d->get<std::string>();
   if (auto d = j.find("dtype"); d != j.end() && d->is_string()) c.torch_dtype = d->get<std::string>();
   return c;
@@ -297,7 +344,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   c.weight_prefix = "model.language_model.";
   c.tie_word_embeddings = opt_bool(j, "tie_word_embeddings", c.tie_word_embeddings, src);
   if (auto ids = id_list(j, "eos_token_id", src); !ids.empty()) c.eos_token_ids = ids;
-  c.bos_token_id = opt_int(j, "bos_token_id", c.bos_token_id, src);
+  c.bos_token_id = bos_id(j, c.bos_token_id, src);
   if (auto d = j.find("dtype"); d != j.end() && d->is_string()) c.torch_dtype = d->get<std::string>();
   return c;
 }
@@ -305,7 +352,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
 ModelConfig load_model_config(const std::string& dir) {
   const std::string path = dir + "/config.json";
   if (!std::filesystem::exists(path)) fail("{}: not found (is '{}' a Hugging Face checkpoint directory?)", path, dir);
-  return parse_model_config(slurp(path), path);
+  return parse_model_config(read_regular_file(path, "config.json", kMaxCheckpointJsonBytes), path);
 }
 
 GenerationConfig load_generation_config(const std::string& dir, const ModelConfig& model) {
@@ -314,15 +361,19 @@ GenerationConfig load_generation_config(const std::string& dir, const ModelConfi
   g.bos_token_id = model.bos_token_id;
   const std::string path = dir + "/generation_config.json";
   if (std::filesystem::exists(path)) {
-    const json j = parse_json(slurp(path), path);
+    const json j = parse_json(read_regular_file(path, "generation_config.json", kMaxCheckpointJsonBytes), path);
     for (int id : id_list(j, "eos_token_id", path))
       if (std::find(g.eos_token_ids.begin(), g.eos_token_ids.end(), id) == g.eos_token_ids.end())
         g.eos_token_ids.push_back(id);
-    g.bos_token_id = opt_int(j, "bos_token_id", g.bos_token_id, path);
+    g.bos_token_id = bos_id(j, g.bos_token_id, path);
     g.do_sample = opt_bool(j, "do_sample", false, path);
     g.temperature = static_cast<float>(opt_num(j, "temperature", 1.0, path));
+    if (!std::isfinite(g.temperature) || g.temperature < 0)
+      fail("{}: field 'temperature' must be a finite number >= 0, got {}", path, g.temperature);
     g.top_p = static_cast<float>(opt_num(j, "top_p", 1.0, path));
+    if (!(g.top_p >= 0 && g.top_p <= 1)) fail("{}: field 'top_p' must be in [0, 1], got {}", path, g.top_p);
     g.top_k = opt_int(j, "top_k", 0, path);
+    if (g.top_k < 0) fail("{}: field 'top_k' must be >= 0, got {}", path, g.top_k);
   }
   return g;
 }

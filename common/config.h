@@ -93,12 +93,26 @@ struct ModelConfig {
   ModelConfig attention_view() const;
 };
 
-/// Parses `<dir>/config.json`. Throws spade::Error naming the file and the field: missing required field
-/// ("…/config.json: required field 'hidden_size' is missing"), wrong type, unknown model_type, inconsistent shapes
-/// (num_attention_heads not a multiple of num_key_value_heads, non-positive sizes), unsupported rope_scaling/hidden_act.
-/// Hybrid models additionally: a missing linear_* field, layer_types not a list of num_hidden_layers strings, an
-/// unknown layer type, linear_num_value_heads not a multiple of linear_num_key_heads, a partial_rotary_factor giving
-/// an odd or zero rotary dim, MoE fields (num_experts > 0).
+/// Most decoder layers a config may declare. Only a sanity bound for what the parser itself allocates per layer
+/// (layer_types) and for ranks that size per-layer tables from the config alone (the cache rank); the real bound is the
+/// checkpoint: loading weights refuses a config with more layers than its tensors hold (inference_rank/weights.h).
+inline constexpr int kMaxHiddenLayers = 1 << 16;
+
+/// Most positions max_position_embeddings may declare (2^30), so that positions and page counts derived from it stay
+/// far from int overflow.
+inline constexpr int kMaxPositionEmbeddings = 1 << 30;
+
+/// Parses `<dir>/config.json` (a regular file, common/file_read.h; a FIFO or directory in its place is refused without
+/// blocking). Throws spade::Error naming the file and the field: missing required field
+/// ("…/config.json: required field 'hidden_size' is missing"), wrong type, a number out of range (1e999, an integer
+/// past 2^31-1), unknown model_type, non-positive sizes, num_hidden_layers above kMaxHiddenLayers,
+/// max_position_embeddings <= 0 or above kMaxPositionEmbeddings, rms_norm_eps or rope_theta (top level or
+/// rope_parameters.rope_theta) not finite and > 0, num_attention_heads not a multiple of num_key_value_heads, odd
+/// head_dim, projection widths (heads * head_dim, 2 * intermediate_size) past 2^31-1, a token id (eos_token_id,
+/// bos_token_id) outside 0 .. 2^31-1, unsupported rope_scaling/hidden_act. Hybrid models additionally: a missing
+/// linear_* field, layer_types not a list of num_hidden_layers strings, an unknown layer type, linear_num_value_heads
+/// not a multiple of linear_num_key_heads, a partial_rotary_factor giving an odd or zero rotary dim, MoE fields
+/// (num_experts > 0). Whether the sizes match the checkpoint's tensors is checked when the weights load.
 ModelConfig load_model_config(const std::string& dir);
 
 /// Parses a config.json text (for tests and --random-weights); `source` names it in errors.
@@ -114,7 +128,9 @@ struct GenerationConfig {
   int top_k = 0;
 };
 
-/// Reads generation_config.json when present and merges the eos ids of `model` into it.
+/// Reads generation_config.json when present (a regular file, as config.json) and merges the eos ids of `model` into
+/// it. Throws spade::Error naming the file and the field for a malformed value: temperature not finite and >= 0, top_p
+/// outside [0, 1], top_k < 0, a token id outside 0 .. 2^31-1.
 GenerationConfig load_generation_config(const std::string& dir, const ModelConfig& model);
 
 }  // namespace spade

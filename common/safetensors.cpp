@@ -17,14 +17,15 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
+#include <system_error>
+#include <thread>
 #include <tuple>
 
 #include "common/error.h"
+#include "common/file_read.h"
 
 namespace spade {
 
@@ -219,7 +220,94 @@ TensorView parse_entry(const std::string& path, const std::string& name, const j
   return v;
 }
 
+// ---- non-finite scan: exponent bits all ones, per dtype
+
+struct FloatBits {
+  uint32_t exponent;  // exponent mask of the lane type
+  uint32_t mantissa;  // mantissa mask
+};
+
+FloatBits float_bits(DType t) {
+  switch (t) {
+    case DType::F32: return {0x7f800000u, 0x007fffffu};
+    case DType::F16: return {0x7c00u, 0x03ffu};
+    case DType::BF16: return {0x7f80u, 0x007fu};
+  }
+  return {0, 0};
+}
+
+// Whether any U lane of the `nbytes` bytes at `p` has all exponent bits set. `p` needs no alignment (the format
+// only aligns offsets to bytes); `nbytes` is a multiple of sizeof(U). GCC/Clang vector extensions on 16-byte vectors
+// (one SSE2 / NEON register: pand + pcmpeq + por per vector), four independent accumulators per 64-byte step, OR-
+// reduced at the end: vectorised at any optimisation level, about memory bandwidth per core. (Wider generic vectors
+// are split by the compiler into per-lane scalar compares without AVX; 16 bytes is native everywhere.)
+template <typename U>
+bool any_exponent_all_ones(const uint8_t* p, size_t nbytes, U exponent) {
+  typedef U V __attribute__((vector_size(16)));
+  constexpr size_t kLanes = 16 / sizeof(U);
+  V m;
+  for (size_t l = 0; l < kLanes; ++l) m[l] = exponent;
+  V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  size_t i = 0;
+  for (; i + 64 <= nbytes; i += 64) {
+    V x0, x1, x2, x3;
+    std::memcpy(&x0, p + i, 16);
+    std::memcpy(&x1, p + i + 16, 16);
+    std::memcpy(&x2, p + i + 32, 16);
+    std::memcpy(&x3, p + i + 48, 16);
+    a0 |= reinterpret_cast<V>((x0 & m) == m);
+    a1 |= reinterpret_cast<V>((x1 & m) == m);
+    a2 |= reinterpret_cast<V>((x2 & m) == m);
+    a3 |= reinterpret_cast<V>((x3 & m) == m);
+  }
+  const V acc = a0 | a1 | a2 | a3;
+  for (size_t l = 0; l < kLanes; ++l)
+    if (acc[l] != 0) return true;
+  for (; i < nbytes; i += sizeof(U)) {
+    U x;
+    std::memcpy(&x, p + i, sizeof(U));
+    if ((x & exponent) == exponent) return true;
+  }
+  return false;
+}
+
+// has_nonfinite over the byte range [begin, end) of `t` (both multiples of the element size).
+bool range_has_nonfinite(const TensorView& t, size_t begin, size_t end) {
+  const auto* p = static_cast<const uint8_t*>(t.data) + begin;
+  const FloatBits b = float_bits(t.dtype);
+  if (t.dtype == DType::F32) return any_exponent_all_ones<uint32_t>(p, end - begin, b.exponent);
+  return any_exponent_all_ones<uint16_t>(p, end - begin, static_cast<uint16_t>(b.exponent));
+}
+
 }  // namespace
+
+NonFiniteCount count_nonfinite(const TensorView& t) {
+  NonFiniteCount c;
+  const FloatBits b = float_bits(t.dtype);
+  const size_t es = dtype_size(t.dtype);
+  const auto* p = static_cast<const uint8_t*>(t.data);
+  const size_t n = t.nbytes / es;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t x = 0;
+    if (es == 4) {
+      std::memcpy(&x, p + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      x = h;
+    }
+    if ((x & b.exponent) != b.exponent) continue;
+    if (x & b.mantissa) {
+      ++c.nan;
+    } else {
+      ++c.inf;
+    }
+    if (c.first < 0) c.first = static_cast<int64_t>(i);
+  }
+  return c;
+}
+
+bool has_nonfinite(const TensorView& t) { return range_has_nonfinite(t, 0, t.nbytes); }
 
 std::string format_shape(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
@@ -235,27 +323,13 @@ int64_t TensorView::numel() const {
 // -----------------------------------------------------------------------------------------------
 
 std::unique_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("{}: cannot open: {}", path, std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    fail("{}: cannot stat: {}", path, std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail("{}: not a regular file", path);
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) {
-    ::close(fd);
-    fail("{}: file is {} bytes, shorter than the 8-byte header length prefix", path, size);
-  }
-  void* m = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);
-  if (m == MAP_FAILED) fail("{}: mmap of {} bytes failed: {}", path, size, std::strerror(map_err));
+  // Non-blocking open + fstat first: a FIFO in place of the file is refused here instead of blocking open(2).
+  const RegularFile file = RegularFile::open(path, "a safetensors file");
+  const uint64_t size = file.size();
+  if (size < 8) fail("{}: file is {} bytes, shorter than the 8-byte header length prefix", path, size);
+  if (size > std::numeric_limits<size_t>::max()) fail("{}: file of {} bytes cannot be mapped", path, size);
+  void* m = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, file.fd(), 0);
+  if (m == MAP_FAILED) fail("{}: mmap of {} bytes failed: {}", path, size, std::strerror(errno));
 
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
@@ -341,11 +415,7 @@ Checkpoint Checkpoint::open_dir(const std::string& dir) {
     fail("{}: neither {} nor {} exists in this directory", dir, kSingleName, kIndexName);
   }
 
-  std::ifstream in(index_path, std::ios::binary);
-  if (!in) fail("{}: cannot open: {}", index_path, std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  const std::string text = ss.str();
+  const std::string text = read_regular_file(index_path, "the shard index", kMaxCheckpointJsonBytes);
   const json idx =
       parse_json_no_dup_keys(text.data(), text.data() + text.size(), index_path, "index", "top-level key");
   if (!idx.is_object()) fail("{}: index is a JSON {}, expected an object", index_path, idx.type_name());
@@ -377,7 +447,7 @@ Checkpoint Checkpoint::open_dir(const std::string& dir) {
 
   for (const auto& [shard, names] : by_shard) {
     const std::string shard_path = dir + "/" + shard;
-    if (!fs::is_regular_file(shard_path, ec)) {
+    if (!fs::exists(shard_path, ec)) {  // anything else that is not a regular file: SafetensorsFile::open says what
       fail("{}: shard '{}' (listed for tensor '{}'{}) does not exist: {}", index_path, shard, names.front(),
            names.size() > 1 ? fmt::format(" and {} more", names.size() - 1) : std::string(), shard_path);
     }
@@ -428,6 +498,63 @@ std::vector<float> Checkpoint::load_f32(const std::string& name,
     convert_to_f32(t.data, t.dtype, out.data(), n);
   }
   return out;
+}
+
+void Checkpoint::check_finite(const std::vector<std::string>& names, unsigned threads) const {
+  std::vector<const TensorView*> views;
+  views.reserve(names.size());
+  for (const std::string& n : names) views.push_back(&get(n));
+
+  // Work items: chunks of at most 8 MiB (a multiple of 64 bytes), so one large embedding spreads over all threads.
+  constexpr size_t kChunk = size_t{8} << 20;
+  struct Item {
+    size_t tensor, begin, end;
+  };
+  std::vector<Item> items;
+  for (size_t t = 0; t < views.size(); ++t)
+    for (size_t b = 0; b < views[t]->nbytes; b += kChunk)
+      items.push_back({t, b, std::min(views[t]->nbytes, b + kChunk)});
+
+  std::unique_ptr<std::atomic<bool>[]> bad(new std::atomic<bool>[views.size()]);
+  for (size_t t = 0; t < views.size(); ++t) bad[t].store(false, std::memory_order_relaxed);
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items.size();) {
+      const Item& it = items[i];
+      if (bad[it.tensor].load(std::memory_order_relaxed)) continue;  // already known; the message recounts it
+      if (range_has_nonfinite(*views[it.tensor], it.begin, it.end))
+        bad[it.tensor].store(true, std::memory_order_relaxed);
+    }
+  };
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  const size_t n_threads = std::min<size_t>(threads, std::max<size_t>(items.size(), 1));
+  std::vector<std::thread> pool;
+  try {
+    for (size_t k = 1; k < n_threads; ++k) pool.emplace_back(worker);
+  } catch (const std::system_error&) {
+    // Fewer threads than asked for (a thread limit): the ones started and this one share the work.
+  }
+  worker();
+  for (std::thread& th : pool) th.join();
+
+  size_t first = views.size(), n_bad = 0;
+  for (size_t t = 0; t < views.size(); ++t) {
+    if (!bad[t].load(std::memory_order_relaxed)) continue;
+    if (n_bad++ == 0) first = t;
+  }
+  if (n_bad == 0) return;
+  const TensorView& v = *views[first];
+  const NonFiniteCount c = count_nonfinite(v);
+  const std::string others =
+      n_bad > 1 ? fmt::format(", and {} more {} NaN or Inf", n_bad - 1, n_bad > 2 ? "tensors hold" : "tensor holds")
+                : "";
+  if (c.nan == v.numel()) {
+    fail("{}: tensor '{}' (in {}) holds non-finite values: all {} elements are NaN{}", dir_, v.name, v.file,
+         v.numel(), others);
+  }
+  fail("{}: tensor '{}' (in {}) holds non-finite values: {} NaN and {} Inf among {} elements (first at flat index "
+       "{}){}",
+       dir_, v.name, v.file, c.nan, c.inf, v.numel(), c.first, others);
 }
 
 std::vector<std::string> Checkpoint::names() const {

@@ -5,6 +5,8 @@
 // then the data section. Offsets are relative to the start of the data section.
 //
 // Validation on open (each failure throws spade::Error naming the file and, where there is one, the tensor):
+//   - anything but a regular file (a FIFO, socket, device or directory), refused without blocking
+//     (common/file_read.h); the index likewise
 //   - file shorter than 8 bytes; header length 0, larger than kSafetensorsMaxHeaderBytes (100 MB, the
 //     reference implementation's limit) or past the file end
 //   - header not JSON / not an object; an entry without dtype, shape or data_offsets, or wrong JSON types
@@ -12,7 +14,7 @@
 //   - begin > end, end past the data section, end - begin != numel * dtype size, two tensors overlapping
 //   - "__metadata__" not an object of strings; the same tensor name twice
 // Gaps between tensors are accepted (the reference implementation rejects them; nothing here needs
-// contiguity).
+// contiguity). Values are not checked on open; Checkpoint::check_finite refuses NaN / Inf weights.
 // Sharded checkpoints: model.safetensors.index.json {"weight_map": {tensor: shard file}} next to the shards.
 #pragma once
 
@@ -45,6 +47,21 @@ struct TensorView {
 
   int64_t numel() const;
 };
+
+/// Non-finite elements of a tensor, read from its bit patterns (exponent bits all ones: ±Inf when the mantissa is
+/// zero, NaN otherwise) without converting them.
+struct NonFiniteCount {
+  int64_t nan = 0;
+  int64_t inf = 0;
+  int64_t first = -1;  // flat (row-major) index of the first non-finite element; -1 when there is none
+};
+
+/// Counts the NaN and ±Inf elements of `t` (F32 / F16 / BF16), element by element.
+NonFiniteCount count_nonfinite(const TensorView& t);
+
+/// Whether any element of `t` is NaN or ±Inf: a vectorised pass over the raw bits (16-byte vectors, an OR-reduced
+/// "exponent all ones" mask per lane; no conversion to float).
+bool has_nonfinite(const TensorView& t);
 
 /// A memory-mapped, validated safetensors file. Not copyable; the mapping is released on destruction.
 class SafetensorsFile {
@@ -87,6 +104,14 @@ class Checkpoint {
   /// non-empty and differs ("<dir>: tensor '<name>' (in <file>): expected shape [..], got [..]").
   std::vector<float> load_f32(const std::string& name, const std::vector<int64_t>& expected_shape = {}) const;
   std::vector<std::string> names() const;
+
+  /// Refuses non-finite weights. Scans the tensors `names` for NaN / ±Inf elements over their raw bits
+  /// (has_nonfinite), split into chunks of at most 8 MiB spread over up to `threads` threads (0: one per hardware
+  /// thread), and throws spade::Error naming the first offending tensor in `names` order: "<dir>: tensor '<name>'
+  /// (in <file>) holds non-finite values: N NaN and M Inf among K elements (first at flat index i)" ("all K
+  /// elements are NaN" when they all are), with ", and T more tensors hold NaN or Inf" when others do too. An
+  /// unknown name throws as get().
+  void check_finite(const std::vector<std::string>& names, unsigned threads = 0) const;
 
  private:
   std::string dir_;

@@ -4,15 +4,13 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <unordered_map>
 #include <utility>
 
 #include "common/error.h"
+#include "common/file_read.h"
 #include "common/logging.h"
 #include "common/tokenizer.h"
 #include "common/tokenizer_impl.h"
@@ -223,13 +221,9 @@ class TokenizerJsonSax : public nlohmann::json_sax<json> {
   std::vector<std::string> pair_;
 };
 
-std::string read_text_file(const std::string& path, const char* what) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail("{}: cannot open {} ({})", path, what, std::strerror(errno));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) fail("{}: read error", path);
-  return ss.str();
+// A tokenizer file: a regular file only, opened without blocking (common/file_read.h).
+std::string read_text_file(const std::string& path, const char* what, uint64_t max_bytes = kMaxCheckpointJsonBytes) {
+  return read_regular_file(path, what, max_bytes);
 }
 
 // Field access with errors naming the file and the JSON path.
@@ -288,15 +282,20 @@ Pattern parse_pattern(const Ctx& c, const json& v, const std::string& path) {
   return p;
 }
 
+// A "Sequence" step: calls parse(item, its path) for each element of its array `key`.
+template <typename Parse>
+void for_each_in_sequence(const Ctx& c, const json& step, const std::string& path, const char* key, Parse parse) {
+  const json& list = c.get(step, path, key);
+  if (!list.is_array()) c.error(fmt::format("{}.{}", path, key), "must be an array");
+  for (size_t i = 0; i < list.size(); ++i) parse(list[i], fmt::format("{}.{}[{}]", path, key, i));
+}
+
 void parse_normalizer(const Ctx& c, const json& n, const std::string& path, std::vector<NormStep>& out) {
   if (n.is_null()) return;
   const std::string type = c.type_of(n, path);
   if (type == "Sequence") {
-    const json& list = c.get(n, path, "normalizers");
-    if (!list.is_array()) c.error(path + ".normalizers", "must be an array");
-    for (size_t i = 0; i < list.size(); ++i) {
-      parse_normalizer(c, list[i], fmt::format("{}.normalizers[{}]", path, i), out);
-    }
+    for_each_in_sequence(c, n, path, "normalizers",
+                         [&](const json& item, const std::string& at) { parse_normalizer(c, item, at, out); });
   } else if (type == "NFC") {
     out.push_back({NormStep::Kind::kNfc, {}, {}});
   } else if (type == "NFD") {
@@ -316,11 +315,8 @@ void parse_pre_tokenizer(const Ctx& c, const json& p, const std::string& path, s
   if (p.is_null()) return;
   const std::string type = c.type_of(p, path);
   if (type == "Sequence") {
-    const json& list = c.get(p, path, "pretokenizers");
-    if (!list.is_array()) c.error(path + ".pretokenizers", "must be an array");
-    for (size_t i = 0; i < list.size(); ++i) {
-      parse_pre_tokenizer(c, list[i], fmt::format("{}.pretokenizers[{}]", path, i), out);
-    }
+    for_each_in_sequence(c, p, path, "pretokenizers",
+                         [&](const json& item, const std::string& at) { parse_pre_tokenizer(c, item, at, out); });
   } else if (type == "Split") {
     PreTokStep s;
     s.kind = PreTokStep::Kind::kSplit;
@@ -701,7 +697,7 @@ Tokenizer Tokenizer::from_json_text(std::string_view json_text, const std::strin
 }
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  const std::string text = read_text_file(path, "tokenizer.json");
+  const std::string text = read_text_file(path, "tokenizer.json", kMaxTokenizerJsonBytes);
   return from_json_text(text, path);
 }
 

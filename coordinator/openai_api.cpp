@@ -10,13 +10,11 @@
 #include <cmath>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
-#include <sstream>
 #include <unordered_set>
 
 #include "common/error.h"
@@ -285,11 +283,7 @@ struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
   }
 
   static ChatTemplate load_template(const std::string& file) {
-    std::ifstream f(file);
-    SPADE_CHECK(static_cast<bool>(f), "cannot read chat template file '{}'", file);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ChatTemplate::from_source(ss.str(), file);
+    return ChatTemplate::from_file(file);  // a regular file only (common/file_read.h), read without blocking
   }
 
   void reply(http::HttpResponder& res, const std::string& endpoint, int status, const std::string& body) {

@@ -156,7 +156,7 @@ Model::Model(ModelConfig cfg, ModelWeights w) : cfg_(std::move(cfg)), w_(std::mo
 std::unique_ptr<Model> Model::load(const std::string& dir) {
   ModelConfig cfg = load_model_config(dir);
   Checkpoint ckpt = Checkpoint::open_dir(dir);
-  ModelWeights w = load_weights(cfg, checkpoint_source(ckpt));
+  ModelWeights w = load_checkpoint_weights(cfg, ckpt, dir + "/config.json");  // shapes, NaN/Inf, sizes checked
   return std::make_unique<Model>(std::move(cfg), std::move(w));
 }
 

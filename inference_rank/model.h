@@ -148,7 +148,9 @@ class GdnStatePool {
 
 class Model {
  public:
-  /// Loads config.json + safetensors from a Hugging Face checkpoint directory. Throws spade::Error naming the file.
+  /// Loads config.json + safetensors from a Hugging Face checkpoint directory (weights.h load_checkpoint_weights: only
+  /// regular files, config fields checked against the tensors, no NaN / Inf). Throws spade::Error naming the file,
+  /// field or tensor.
   static std::unique_ptr<Model> load(const std::string& dir);
   /// A model of `cfg` with deterministic random weights (weights.h random_source).
   static std::unique_ptr<Model> random(const ModelConfig& cfg, uint64_t seed);

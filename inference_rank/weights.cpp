@@ -1,6 +1,11 @@
 #include "inference_rank/weights.h"
 
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
+#include <new>
 #include <tuple>
 
 #include "common/error.h"
@@ -82,9 +87,13 @@ std::pair<std::vector<float>, std::vector<float>> split_q_gate(const std::vector
 
 }  // namespace
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& c) {
+namespace {
+
+// Calls t.push_back({name, shape}) for every tensor a checkpoint of `c` holds, in load order; `T` is a vector of
+// pairs (expected_tensors) or anything with a push_back of a pair (a running sum).
+template <typename T>
+void visit_expected_tensors(const ModelConfig& c, T& t) {
   check_layer_types(c);
-  std::vector<std::pair<std::string, std::vector<int64_t>>> t;
   const int64_t H = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), KV = c.kv_dim();
   const int64_t QP = c.attn_output_gate ? 2 * Q : Q;  // q_proj rows
   t.push_back({c.weight_prefix + "embed_tokens.weight", {c.vocab_size, H}});
@@ -131,11 +140,48 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const
   }
   t.push_back({c.weight_prefix + "norm.weight", {H}});
   if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {c.vocab_size, H}});
+}
+
+// Elements of every weight tensor of `c` (as a double: a malformed config can ask for more than 2^64).
+struct ElementCount {
+  double elements = 0;
+  void push_back(const std::pair<std::string, std::vector<int64_t>>& t) {
+    double n = 1;
+    for (int64_t d : t.second) n *= static_cast<double>(d);
+    elements += n;
+  }
+};
+
+double host_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 0.0;
+}
+
+// Refuses a config whose fp32 host weights cannot fit this host's memory, naming the fields (before anything of that
+// size is allocated: without a checkpoint, --random-weights, this is the only bound on the sizes).
+void check_fits_host_memory(const ModelConfig& c) {
+  ElementCount n;
+  visit_expected_tensors(c, n);
+  const double bytes = n.elements * 4, host = host_memory_bytes();
+  if (host > 0 && bytes > host)
+    fail("model config '{}': hidden_size {}, intermediate_size {}, num_hidden_layers {} and vocab_size {} give {:.3g} "
+         "parameters, {:.1f} GiB as fp32, more than this host's {:.1f} GiB of memory",
+         c.model_type, c.hidden_size, c.intermediate_size, c.num_layers, c.vocab_size, n.elements,
+         bytes / (1 << 30), host / (1 << 30));
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const ModelConfig& c) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> t;
+  visit_expected_tensors(c, t);
   return t;
 }
 
-ModelWeights load_weights(const ModelConfig& c, const TensorSource& src) {
-  check_layer_types(c);
+namespace {
+
+template <typename Src>
+ModelWeights load_weights_unchecked(const ModelConfig& c, const Src& src) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), KV = c.kv_dim();
   const int64_t QP = c.attn_output_gate ? 2 * Q : Q;
   ModelWeights w;
@@ -194,6 +240,133 @@ ModelWeights load_weights(const ModelConfig& c, const TensorSource& src) {
   w.final_norm = norm_weight(c, src(c.weight_prefix + "norm.weight", {H}));
   if (!c.tie_word_embeddings) w.lm_head = src("lm_head.weight", {c.vocab_size, H});
   return w;
+}
+
+}  // namespace
+
+ModelWeights load_weights(const ModelConfig& c, const TensorSource& load) {
+  check_layer_types(c);
+  check_fits_host_memory(c);
+  std::string current;  // the tensor being loaded, for an out-of-memory message
+  auto src = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    current = name + " " + format_shape(shape);
+    return load(name, shape);
+  };
+  try {
+    return load_weights_unchecked(c, src);
+  } catch (const std::bad_alloc&) {
+    fail("model config '{}': out of host memory loading tensor {} as fp32", c.model_type, current);
+  }
+}
+
+namespace {
+
+// "tensor 'x' (in file) is [2, 3]" for messages.
+std::string describe_tensor(const TensorView& t) {
+  return fmt::format("tensor '{}' (in {}) is {}", t.name, t.file, format_shape(t.shape));
+}
+
+// The checkpoint's tensor `name`, or an error naming it and what in the config asks for it.
+const TensorView& need(const Checkpoint& ckpt, const std::string& name, const std::string& cfg_src,
+                       const std::string& why) {
+  if (!ckpt.has(name)) fail("{}: tensor '{}' not found; {} needs it ({})", ckpt.dir(), name, cfg_src, why);
+  return ckpt.get(name);
+}
+
+// Dimension `dim` of `t` must be `want`, which the config fields `fields` give; the error names the fields.
+void check_dim(const TensorView& t, size_t dim, int64_t want, const std::string& cfg_src, const std::string& fields) {
+  if (t.shape.size() <= dim || t.shape[dim] != want)
+    fail("{}: {} = {} but {} (dimension {} should be {})", cfg_src, fields, want, describe_tensor(t), dim, want);
+}
+
+}  // namespace
+
+void check_checkpoint(const ModelConfig& c, const Checkpoint& ckpt, const std::string& cfg_src) {
+  check_layer_types(c);
+  const std::string& pre = c.weight_prefix;
+  // The embedding fixes vocab_size and hidden_size.
+  const TensorView& emb = need(ckpt, pre + "embed_tokens.weight", cfg_src, "the token embedding");
+  if (emb.shape.size() != 2)
+    fail("{}: {}, expected [vocab_size, hidden_size] = [{}, {}]", ckpt.dir(), describe_tensor(emb), c.vocab_size,
+         c.hidden_size);
+  check_dim(emb, 0, c.vocab_size, cfg_src, "vocab_size");
+  check_dim(emb, 1, c.hidden_size, cfg_src, "hidden_size");
+
+  // Layer count: every layer 0 .. num_hidden_layers-1 must be there. The loop ends at the first missing layer, so a
+  // config asking for 2^31-1 layers costs as many lookups as the checkpoint has layers.
+  for (int i = 0; i < c.num_layers; ++i) {
+    const std::string n = layer_prefix(c, i) + "input_layernorm.weight";
+    if (!ckpt.has(n))
+      fail("{}: num_hidden_layers = {} but the checkpoint in {} holds {} layer{}: tensor '{}' is missing", cfg_src,
+           c.num_layers, ckpt.dir(), i, i == 1 ? "" : "s", n);
+  }
+  if (ckpt.has(layer_prefix(c, c.num_layers) + "input_layernorm.weight"))
+    spdlog::warn("{}: the checkpoint holds more than num_hidden_layers = {} layers; the others are not used", cfg_src,
+                 c.num_layers);
+
+  // The head geometry, from the first layer of each kind, naming the fields that give each width.
+  bool seen_attn = false, seen_linear = false;
+  for (int i = 0; i < c.num_layers && !(seen_attn && seen_linear); ++i) {
+    const std::string p = layer_prefix(c, i);
+    if (c.layer_type(i) == LayerType::FullAttention && !seen_attn) {
+      seen_attn = true;
+      const std::string why = fmt::format("layer {} is a full-attention layer", i);
+      const TensorView& q = need(ckpt, p + "self_attn.q_proj.weight", cfg_src, why);
+      check_dim(q, 0, (c.attn_output_gate ? 2 : 1) * int64_t{c.q_dim()}, cfg_src,
+                fmt::format("{}num_attention_heads {} x head_dim {}", c.attn_output_gate ? "2 (output gate) x " : "",
+                            c.num_q_heads, c.head_dim));
+      const TensorView& k = need(ckpt, p + "self_attn.k_proj.weight", cfg_src, why);
+      check_dim(k, 0, c.kv_dim(), cfg_src,
+                fmt::format("num_key_value_heads {} x head_dim {}", c.num_kv_heads, c.head_dim));
+      if (c.qk_norm)
+        check_dim(need(ckpt, p + "self_attn.q_norm.weight", cfg_src, "qk-norm of model_type " + c.model_type), 0,
+                  c.head_dim, cfg_src, "head_dim");
+    }
+    if (c.layer_type(i) == LayerType::LinearAttention && !seen_linear) {
+      seen_linear = true;
+      const std::string why = fmt::format("layer {} is a linear-attention layer", i), a = p + "linear_attn.";
+      check_dim(need(ckpt, a + "in_proj_qkv.weight", cfg_src, why), 0, c.linear_conv_dim(), cfg_src,
+                fmt::format("2 x linear_num_key_heads {} x linear_key_head_dim {} + linear_num_value_heads {} x "
+                            "linear_value_head_dim {}",
+                            c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
+                            c.linear_value_head_dim));
+      check_dim(need(ckpt, a + "A_log", cfg_src, why), 0, c.linear_num_value_heads, cfg_src,
+                "linear_num_value_heads");
+      check_dim(need(ckpt, a + "norm.weight", cfg_src, why), 0, c.linear_value_head_dim, cfg_src,
+                "linear_value_head_dim");
+      check_dim(need(ckpt, a + "conv1d.weight", cfg_src, why), 2, c.linear_conv_kernel_dim, cfg_src,
+                "linear_conv_kernel_dim");
+    }
+  }
+  if (c.num_layers > 0)
+    check_dim(need(ckpt, layer_prefix(c, 0) + "mlp.gate_proj.weight", cfg_src, "the MLP of layer 0"), 0,
+              c.intermediate_size, cfg_src, "intermediate_size");
+
+  // Then every tensor, name and shape (the layer count is bounded by the checkpoint now).
+  for (const auto& [name, shape] : expected_tensors(c)) {
+    const std::string why = name == "lm_head.weight"    ? "tie_word_embeddings is false"
+                            : name.ends_with(".bias")   ? "attention_bias / mlp_bias of model_type " + c.model_type
+                                                        : "model_type " + c.model_type;
+    const TensorView& t = need(ckpt, name, cfg_src, why);
+    if (t.shape != shape)
+      fail("{}: {}, but {} gives {}", ckpt.dir(), describe_tensor(t), cfg_src, format_shape(shape));
+  }
+}
+
+ModelWeights load_checkpoint_weights(const ModelConfig& c, const Checkpoint& ckpt, const std::string& cfg_src) {
+  check_checkpoint(c, ckpt, cfg_src);
+  std::vector<std::string> names;
+  size_t bytes = 0;
+  for (const auto& [name, shape] : expected_tensors(c)) {
+    names.push_back(name);
+    bytes += ckpt.get(name).nbytes;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  ckpt.check_finite(names);
+  spdlog::info("{}: {} tensors ({:.1f} MiB) free of NaN/Inf, checked in {:.1f} ms", ckpt.dir(), names.size(),
+               static_cast<double>(bytes) / (1 << 20),
+               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  return load_weights(c, checkpoint_source(ckpt));
 }
 
 TensorSource checkpoint_source(const Checkpoint& ckpt) {

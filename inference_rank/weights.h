@@ -74,8 +74,24 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const
 
 /// Loads all weights of `cfg` through `src` (shapes checked), fusing q/k/v(/gate), gate/up and the GDN input
 /// projections, and folding zero-centred norm weights into 1 + w. Throws spade::Error naming the tensor (from `src`)
-/// or, for a malformed cfg, the field (layer_types size, non-positive GDN sizes).
+/// or, for a malformed cfg, the field (layer_types size, non-positive GDN sizes); before allocating, when the fp32
+/// weights of `cfg` would exceed this host's physical memory (naming hidden_size, intermediate_size,
+/// num_hidden_layers, vocab_size); and, instead of a bare std::bad_alloc, naming the tensor that ran out of memory.
 ModelWeights load_weights(const ModelConfig& cfg, const TensorSource& src);
+
+/// Checks a checkpoint against `cfg` before anything is allocated for its weights. `cfg_src` names the config in
+/// messages ("<dir>/config.json"). Throws spade::Error naming the config field whose value the tensors contradict:
+/// vocab_size / hidden_size (embed_tokens), num_hidden_layers (more layers than the checkpoint holds: names the first
+/// missing tensor, so 2^31-1 layers costs one lookup per real layer), num_attention_heads x head_dim (q_proj rows, x 2
+/// with an output gate), num_key_value_heads x head_dim (k_proj), head_dim (q_norm), intermediate_size (gate_proj),
+/// the linear_* fields (in_proj_qkv, A_log, norm, conv1d); then naming any tensor of expected_tensors(cfg) that is
+/// missing or has another shape. Extra layers in the checkpoint are logged and not used.
+void check_checkpoint(const ModelConfig& cfg, const Checkpoint& ckpt, const std::string& cfg_src);
+
+/// Loads a checkpoint's weights safely: check_checkpoint, then refuses non-finite weights (Checkpoint::check_finite
+/// over every tensor the model reads, raw bits, in parallel; throws naming the tensor and its NaN / Inf counts; logs
+/// how long the scan took), then load_weights(cfg, checkpoint_source(ckpt)).
+ModelWeights load_checkpoint_weights(const ModelConfig& cfg, const Checkpoint& ckpt, const std::string& cfg_src);
 
 /// A TensorSource reading a Checkpoint (fp32/fp16/bf16 converted to fp32).
 TensorSource checkpoint_source(const Checkpoint& ckpt);

@@ -10,9 +10,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "tests/fifo_util.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -91,11 +93,35 @@ TEST_F(SafetensorsTest, EmptyFile) {
 
 TEST_F(SafetensorsTest, MissingFile) {
   const std::string p = dir_ + "/nope.safetensors";
-  EXPECT_THAT(open_error(p), HasSubstr(p + ": cannot open: No such file or directory"));
+  EXPECT_THAT(open_error(p), HasSubstr(p + ": cannot open a safetensors file: No such file or directory"));
 }
 
 TEST_F(SafetensorsTest, DirectoryIsNotAFile) {
-  EXPECT_EQ(open_error(dir_), dir_ + ": not a regular file");
+  EXPECT_EQ(open_error(dir_), dir_ + ": not a regular file (a directory); a safetensors file must be a regular file");
+}
+
+// A FIFO named model.safetensors blocked open(2) forever (no writer); now it is refused at once, by the file and by
+// the checkpoint directory.
+TEST_F(SafetensorsTest, FifoIsRefusedWithoutBlocking) {
+  const std::string p = dir_ + "/model.safetensors";
+  test::make_fifo(p);
+  const std::string want = p + ": not a regular file (a FIFO); a safetensors file must be a regular file";
+  EXPECT_EQ(test::error_within([p] { SafetensorsFile::open(p); }, p), want);
+  const std::string d = dir_;
+  EXPECT_EQ(test::error_within([d] { Checkpoint::open_dir(d); }, p), want);
+}
+
+// A link to a character device (endless zeros) is refused; a link to a regular file (the Hugging Face cache layout)
+// is followed.
+TEST_F(SafetensorsTest, SymlinksAreFollowedToRegularFilesOnly) {
+  const std::string p = dir_ + "/model.safetensors";
+  fs::create_symlink("/dev/zero", p);
+  EXPECT_EQ(open_error(p), p + ": not a regular file (a character device); a safetensors file must be a regular file");
+  fs::remove(p);
+  const std::string blob = dir_ + "/blob";
+  write_safetensors(blob, {{"w", DType::F32, {2}, std::vector<uint8_t>(8, 0)}});
+  fs::create_symlink(blob, p);
+  EXPECT_EQ(Checkpoint::open_dir(dir_).get("w").shape, (std::vector<int64_t>{2}));
 }
 
 TEST_F(SafetensorsTest, HeaderLengthZero) {
@@ -424,6 +450,121 @@ TEST_F(SafetensorsTest, CheckpointGetAndShapeErrors) {
   }
 }
 
+// ---- non-finite values
+// ------------------------------------------------------------------------------------------------
+
+struct BitPatterns {
+  DType dtype;
+  std::vector<uint32_t> finite;  // max, -max, 1, -1, smallest subnormal, -0, 0
+  uint32_t nan, snan, neg_nan, inf, neg_inf;
+};
+
+const std::vector<BitPatterns>& bit_patterns() {
+  static const std::vector<BitPatterns> p = {
+      {DType::F32,
+       {0x7f7fffffu, 0xff7fffffu, 0x3f800000u, 0xbf800000u, 0x00000001u, 0x80000000u, 0u},
+       0x7fc00000u, 0x7f800001u, 0xffc00000u, 0x7f800000u, 0xff800000u},
+      {DType::F16,
+       {0x7bffu, 0xfbffu, 0x3c00u, 0xbc00u, 0x0001u, 0x8000u, 0u},
+       0x7e00u, 0x7c01u, 0xfe00u, 0x7c00u, 0xfc00u},
+      {DType::BF16,
+       {0x7f7fu, 0xff7fu, 0x3f80u, 0xbf80u, 0x0001u, 0x8000u, 0u},
+       0x7fc0u, 0x7f81u, 0xffc0u, 0x7f80u, 0xff80u},
+  };
+  return p;
+}
+
+void put_bits(std::vector<uint8_t>& buf, size_t offset, DType dt, size_t i, uint32_t bits) {
+  if (dt == DType::F32) {
+    std::memcpy(buf.data() + offset + 4 * i, &bits, 4);
+  } else {
+    const auto h = static_cast<uint16_t>(bits);
+    std::memcpy(buf.data() + offset + 2 * i, &h, 2);
+  }
+}
+
+// Every element count around the 64-byte vector step, every misalignment, and a NaN / Inf at the first, a middle and
+// the last element (the vector body and the scalar tail): has_nonfinite and count_nonfinite agree on the bits.
+TEST(NonFinite, BitPatternsOfEveryDtypeAtEveryPositionAndAlignment) {
+  for (const BitPatterns& bp : bit_patterns()) {
+    const size_t es = dtype_size(bp.dtype);
+    for (size_t n : {size_t{1}, size_t{7}, size_t{15}, size_t{16}, size_t{17}, size_t{31}, size_t{32}, size_t{33},
+                     size_t{100}, size_t{1000}}) {
+      for (size_t offset : {size_t{0}, size_t{1}, size_t{3}}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(bp.dtype) << " n=" << n << " offset=" << offset);
+        std::vector<uint8_t> buf(offset + n * es + 8, 0xff);  // 0xff around the tensor: NaN bits, must not be read
+        for (size_t i = 0; i < n; ++i) put_bits(buf, offset, bp.dtype, i, bp.finite[i % bp.finite.size()]);
+        TensorView v;
+        v.name = "t";
+        v.dtype = bp.dtype;
+        v.shape = {static_cast<int64_t>(n)};
+        v.data = buf.data() + offset;
+        v.nbytes = n * es;
+        EXPECT_FALSE(has_nonfinite(v));
+        EXPECT_EQ(count_nonfinite(v).first, -1);
+        for (size_t at : {size_t{0}, n / 2, n - 1}) {
+          for (uint32_t bad : {bp.nan, bp.snan, bp.neg_nan, bp.inf, bp.neg_inf}) {
+            put_bits(buf, offset, bp.dtype, at, bad);
+            EXPECT_TRUE(has_nonfinite(v)) << "at " << at << " bits " << std::hex << bad;
+            const NonFiniteCount c = count_nonfinite(v);
+            const bool is_inf = bad == bp.inf || bad == bp.neg_inf;
+            EXPECT_EQ(c.nan, is_inf ? 0 : 1);
+            EXPECT_EQ(c.inf, is_inf ? 1 : 0);
+            EXPECT_EQ(c.first, static_cast<int64_t>(at));
+            put_bits(buf, offset, bp.dtype, at, bp.finite[at % bp.finite.size()]);
+          }
+        }
+        EXPECT_FALSE(has_nonfinite(v));
+      }
+    }
+  }
+}
+
+class CheckFiniteTest : public SafetensorsTest {
+ protected:
+  // big: 3M finite F32 (12 MB: two 8 MiB scan chunks) with a NaN in the second chunk; allnan: BF16 all NaN;
+  // inf: F16 with -Inf at 5; ok: finite.
+  Checkpoint write_and_open() {
+    std::vector<float> big(3'000'000, 0.5f);
+    big[2'500'000] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<uint16_t> allnan(10, 0x7fc0), inf(8, 0x3c00), ok(4, 0x3f80);
+    inf[5] = 0xfc00;
+    write_safetensors(dir_ + "/model.safetensors", {{"big", DType::F32, {3000, 1000}, bytes_of(big)},
+                                                    {"allnan", DType::BF16, {2, 5}, bytes_of(allnan)},
+                                                    {"inf", DType::F16, {8}, bytes_of(inf)},
+                                                    {"ok", DType::BF16, {4}, bytes_of(ok)}});
+    return Checkpoint::open_dir(dir_);
+  }
+  static std::string finite_error(const Checkpoint& c, const std::vector<std::string>& names, unsigned threads) {
+    try {
+      c.check_finite(names, threads);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  }
+};
+
+TEST_F(CheckFiniteTest, NamesTheFirstNonFiniteTensorInOrderWithItsCounts) {
+  const Checkpoint c = write_and_open();
+  const std::string f = dir_ + "/model.safetensors";
+  for (unsigned threads : {1u, 2u, 8u, 0u}) {
+    SCOPED_TRACE(threads);
+    EXPECT_EQ(finite_error(c, {"ok"}, threads), "");
+    EXPECT_EQ(finite_error(c, {"ok", "big", "allnan", "inf"}, threads),
+              dir_ + ": tensor 'big' (in " + f +
+                  ") holds non-finite values: 1 NaN and 0 Inf among 3000000 elements (first at flat index 2500000), "
+                  "and 2 more tensors hold NaN or Inf");
+    EXPECT_EQ(finite_error(c, {"allnan", "ok"}, threads),
+              dir_ + ": tensor 'allnan' (in " + f + ") holds non-finite values: all 10 elements are NaN");
+    EXPECT_EQ(finite_error(c, {"inf", "allnan"}, threads),
+              dir_ + ": tensor 'inf' (in " + f +
+                  ") holds non-finite values: 0 NaN and 1 Inf among 8 elements (first at flat index 5), and 1 more "
+                  "tensor holds NaN or Inf");
+  }
+  EXPECT_EQ(finite_error(c, {"ok", "nope"}, 1), dir_ + ": tensor 'nope' not found");
+}
+
 // ---- sharded checkpoints
 // ------------------------------------------------------------------------------------------
 
@@ -610,6 +751,18 @@ TEST_F(ShardedTest, TensorListedInTheWrongShard) {
                                   kShard1 + "', but " + shard1() + " has no such tensor");
 }
 
+TEST_F(ShardedTest, FifoIndexOrShardIsRefusedWithoutBlocking) {
+  write_checkpoint();
+  test::make_fifo(index());
+  const std::string d = dir_;
+  EXPECT_EQ(test::error_within([d] { Checkpoint::open_dir(d); }, index()),
+            index() + ": not a regular file (a FIFO); the shard index must be a regular file");
+  write_checkpoint();  // write_safetensors_index renames a regular file over the FIFO
+  test::make_fifo(shard2());
+  EXPECT_EQ(test::error_within([d] { Checkpoint::open_dir(d); }, shard2()),
+            shard2() + ": not a regular file (a FIFO); a safetensors file must be a regular file");
+}
+
 TEST_F(ShardedTest, CorruptShardNamesTheShard) {
   write_checkpoint();
   std::ofstream(shard2(), std::ios::trunc | std::ios::binary) << "abc";
@@ -680,6 +833,9 @@ void check_real_checkpoint(const std::string& model_dir, size_t tensors_per_laye
   const double stdev = std::sqrt(sq / static_cast<double>(numel) - mean * mean);
   EXPECT_GT(stdev, 1e-3);
   EXPECT_LT(stdev, 10.0);
+
+  // The raw-bits scan agrees: no NaN / Inf anywhere.
+  EXPECT_NO_THROW(ck.check_finite(ck.names()));
 
   // Every tensor loads as finite fp32 of the right size.
   for (const std::string& t : ck.names()) {
