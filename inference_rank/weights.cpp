@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <new>
 #include <tuple>
 
@@ -366,7 +367,51 @@ ModelWeights load_checkpoint_weights(const ModelConfig& c, const Checkpoint& ckp
   spdlog::info("{}: {} tensors ({:.1f} MiB) free of NaN/Inf, checked in {:.1f} ms", ckpt.dir(), names.size(),
                static_cast<double>(bytes) / (1 << 20),
                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  return load_weights(c, checkpoint_source(ckpt));
+  LoadProgress progress(ckpt.dir(), bytes, isatty(STDERR_FILENO) != 0);
+  const TensorSource source = checkpoint_source(ckpt);
+  ModelWeights w = load_weights(c, [&](const std::string& name, const std::vector<int64_t>& shape) {
+    std::vector<float> t = source(name, shape);
+    progress.add(ckpt.get(name).nbytes);
+    return t;
+  });
+  progress.finish();
+  return w;
+}
+
+LoadProgress::LoadProgress(std::string what, size_t total_bytes, bool terminal)
+    : what_(std::move(what)), total_(total_bytes), terminal_(terminal), start_(Clock::now()), last_(start_) {}
+
+void LoadProgress::add(size_t bytes) {
+  done_ += bytes;
+  const auto now = Clock::now();
+  // A terminal gets a line redrawn at most 5 times a second; a log gets a line every 10 s.
+  if (now - last_ < (terminal_ ? std::chrono::milliseconds(200) : std::chrono::milliseconds(10000))) return;
+  last_ = now;
+  const std::string line = status(now);
+  if (terminal_) {
+    std::fprintf(stderr, "\r%s\033[K", line.c_str());
+    std::fflush(stderr);
+    drew_ = true;
+  } else {
+    spdlog::info("{}", line);
+  }
+}
+
+void LoadProgress::finish() {
+  if (drew_) std::fprintf(stderr, "\r\033[K");
+  const double s = std::chrono::duration<double>(Clock::now() - start_).count();
+  spdlog::info("{}: loaded {:.1f} MiB in {:.2f} s ({:.0f} MiB/s)", what_, static_cast<double>(done_) / (1 << 20), s,
+               s > 0 ? static_cast<double>(done_) / (1 << 20) / s : 0.0);
+}
+
+std::string LoadProgress::status(Clock::time_point now) const {
+  const double s = std::chrono::duration<double>(now - start_).count();
+  const double rate = s > 0 ? static_cast<double>(done_) / s : 0.0;  // bytes/s
+  const double left = rate > 0 ? static_cast<double>(total_ - std::min(done_, total_)) / rate : 0.0;
+  return fmt::format("{}: loading {:.2f} / {:.2f} GiB ({:.0f}%), {:.0f} MiB/s, ETA {:.0f} s", what_,
+                     static_cast<double>(done_) / (1 << 30), static_cast<double>(total_) / (1 << 30),
+                     total_ > 0 ? 100.0 * static_cast<double>(done_) / static_cast<double>(total_) : 100.0,
+                     rate / (1 << 20), left);
 }
 
 TensorSource checkpoint_source(const Checkpoint& ckpt) {

@@ -22,6 +22,8 @@
 // Tensors a checkpoint holds beyond these (Qwen3.5's vision tower "model.visual.*", MTP heads "mtp.*") are not read.
 #pragma once
 
+#include <chrono>
+
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -95,6 +97,27 @@ ModelWeights load_checkpoint_weights(const ModelConfig& cfg, const Checkpoint& c
 
 /// A TensorSource reading a Checkpoint (fp32/fp16/bf16 converted to fp32).
 TensorSource checkpoint_source(const Checkpoint& ckpt);
+
+/// Loading progress of a checkpoint: bytes read of the total, the rate and the time left. On a terminal (stderr a
+/// tty) one line redrawn in place at most 5 times a second; otherwise an info log line every 10 s. finish() clears
+/// the line and logs the total (bytes, seconds, MiB/s). Not thread-safe: one loader calls add().
+class LoadProgress {
+ public:
+  using Clock = std::chrono::steady_clock;
+  /// `what`: named in every line (e.g. the checkpoint directory); total_bytes: bytes that add() will count.
+  LoadProgress(std::string what, size_t total_bytes, bool terminal);
+  /// `bytes` more were loaded.
+  void add(size_t bytes);
+  void finish();
+  /// "DIR: loading 1.20 / 16.38 GiB (7%), 850 MiB/s, ETA 18 s".
+  std::string status(Clock::time_point now) const;
+
+ private:
+  std::string what_;
+  size_t total_ = 0, done_ = 0;
+  bool terminal_ = false, drew_ = false;
+  Clock::time_point start_, last_;
+};
 
 /// A deterministic random TensorSource: each tensor is a pure function of (seed, name, shape).
 /// Matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm weights ~ 1 + 0.1 N(0, 1), biases ~ 0.1 N(0, 1)

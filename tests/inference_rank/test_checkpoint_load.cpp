@@ -396,3 +396,14 @@ TEST_F(CheckpointLoad, HeaderLiesInARealFileNameTheFileAndTensor) {
 
 }  // namespace
 }  // namespace spade
+
+TEST(LoadProgress, SaysBytesRateAndTimeLeft) {
+  spade::LoadProgress p("ckpt", size_t{1} << 30, /*terminal=*/false);
+  p.add(size_t{1} << 29);
+  const std::string line = p.status(spade::LoadProgress::Clock::now() + std::chrono::seconds(1));
+  EXPECT_NE(line.find("ckpt: loading 0.50 / 1.00 GiB (50%)"), std::string::npos) << line;
+  EXPECT_NE(line.find("MiB/s, ETA"), std::string::npos) << line;
+  p.add(size_t{1} << 29);
+  EXPECT_NE(p.status(spade::LoadProgress::Clock::now()).find("(100%)"), std::string::npos);
+  p.finish();
+}
