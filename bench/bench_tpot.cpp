@@ -428,8 +428,8 @@ std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel
     json r = result_row(o, cfg, mode, tpot);
     r["cuda_graph"] = graph;
     const double attended = mode == "dense" ? o.context + o.warmup + o.steps / 2.0 : o.budget() + o.local_window();
-    const double floor_bytes = model.weight_bytes() + kv_bytes(cfg, o, attended);
-    r["weight_bytes"] = model.weight_bytes();
+    const double floor_bytes = model.decode_weight_bytes(o.batch) + kv_bytes(cfg, o, attended);
+    r["weight_bytes"] = model.decode_weight_bytes(o.batch);
     r["floor_bytes"] = floor_bytes;
     r["floor_ms"] = floor_bytes / (copy_gbps * 1e6);
     r["tpot_over_floor"] = r["tpot_median_ms"].get<double>() / r["floor_ms"].get<double>();
@@ -1206,11 +1206,18 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r["stall_checks"] = static_cast<int>(stalls.size());
   r["stall_ms_median"] = st.median;
   r["stall_ms_p99"] = st.p99;
-  r["weight_bytes"] = model.weight_bytes();
-  const double floor_bytes = model.weight_bytes() + kv_bytes(cfg, o, o.budget() + o.local_window());
+  r["weight_bytes"] = model.decode_weight_bytes(o.batch);
+  // Each rank's floor at the measured copy bandwidth. Inference rank: the weights a decode step reads, plus the
+  // selected and local-window KV it attends. Cache rank: every selectable key read once to score it, plus the
+  // selected K/V it gathers. The slower of the two bounds the pipelined step.
+  const double floor_bytes = model.decode_weight_bytes(o.batch) + kv_bytes(cfg, o, o.budget() + o.local_window());
   r["floor_bytes"] = floor_bytes;
   r["floor_ms"] = floor_bytes / (copy_gbps * 1e6);
   r["tpot_over_floor"] = r["tpot_median_ms"].get<double>() / r["floor_ms"].get<double>();
+  const double score_bytes = kv_bytes(cfg, o, o.context + o.warmup + o.steps / 2.0) / 2;
+  r["cache_floor_bytes"] = score_bytes + down_pack * sh.packs;
+  r["cache_floor_ms"] = r["cache_floor_bytes"].get<double>() / (copy_gbps * 1e6);
+  r["bound_by"] = r["cache_floor_ms"].get<double>() > r["floor_ms"].get<double>() ? "cache rank" : "inference rank";
   if (delta_cap > 0 && solo != Solo::kInference) {
     // Per (layer, sequence, KV head) row over the timed steps: how many tokens entered the selection, how many the
     // capacity let through, and the fraction of a full transfer's rows sent. Random weights make the selection churn
@@ -1240,7 +1247,8 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   }
   if (solo == Solo::kInference) {  // no cache rank, no link: no cache, send or link-rate figures
     for (const char* k : {"cache_ms_per_pack", "send_ms_per_pack", "cache_stage_ms_per_pack", "required_gbps",
-                          "achieved_gbps", "link_bytes_up_measured", "link_bytes_down_measured"})
+                          "achieved_gbps", "link_bytes_up_measured", "link_bytes_down_measured", "cache_floor_bytes",
+                          "cache_floor_ms", "bound_by"})
       r.erase(k);
     std::printf("  %-20s %-5s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms"
                 " | down %.1f MB/step\n",
@@ -1250,12 +1258,8 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     return r;
   }
   if (solo == Solo::kCache) {
-    // The cache rank's floor: every selectable key read once to score it, plus the selected K/V it gathers.
-    const double score_bytes = kv_bytes(cfg, o, o.context + o.warmup + o.steps / 2.0) / 2;
-    r["cache_floor_bytes"] = score_bytes + down_pack * sh.packs;
-    r["cache_floor_ms"] = r["cache_floor_bytes"].get<double>() / (copy_gbps * 1e6);
     for (const char* k : {"floor_bytes", "floor_ms", "tpot_over_floor", "required_gbps", "achieved_gbps", "stalls",
-                          "stall_checks", "stall_ms_median", "stall_ms_p99", "inference_ms_per_pack"})
+                          "stall_checks", "stall_ms_median", "stall_ms_p99", "inference_ms_per_pack", "bound_by"})
       r.erase(k);  // no inference rank: its floor, stalls and link rates do not apply
     std::printf("  %-20s       P=%-3d step  median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx; keys scored + "
                 "selection gathered) | per pack: cache %.3f ms | down %.1f MB/step\n",
@@ -1264,12 +1268,14 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
                 r["tpot_median_ms"].get<double>() / r["cache_floor_ms"].get<double>(), cms.median,
                 down_pack * sh.packs / 1e6);
   } else {
-    std::printf("  %-11s %-5s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms, "
-                "cache %.3f ms, send %.3f ms | down %.1f MB/step, need %.0f GB/s, got %.0f GB/s | stalls %d/%d\n",
+    std::printf("  %-11s %-5s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floors: inference %7.3f ms (%.2fx), cache "
+                "%7.3f ms, bound by the %s | per pack: infer %.3f ms, cache %.3f ms, send %.3f ms | down %.1f "
+                "MB/step, need %.0f GB/s, got %.0f GB/s | stalls %d/%d\n",
                 mode.c_str(), o.async_graphs ? "graph" : "eager", pack, r["tpot_median_ms"].get<double>(),
-                r["tpot_p99_ms"].get<double>(), r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>(), inf.median, cms.median, snd.median,
-                down_pack * sh.packs / 1e6, r["required_gbps"].get<double>(), r["achieved_gbps"].get<double>(),
-                stall_count, static_cast<int>(stalls.size()));
+                r["tpot_p99_ms"].get<double>(), r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>(),
+                r["cache_floor_ms"].get<double>(), r["bound_by"].get<std::string>().c_str(), inf.median, cms.median,
+                snd.median, down_pack * sh.packs / 1e6, r["required_gbps"].get<double>(),
+                r["achieved_gbps"].get<double>(), stall_count, static_cast<int>(stalls.size()));
   }
   // With three streams a stage's interval also holds its wait behind the other packs' stages on that stream: only
   // the step time and TPOT are then the pipeline's; --cache-streams 1 gives the stages' own times.
@@ -1433,7 +1439,7 @@ int main_impl(int argc, char** argv) {
   doc["ridge_eps"] = o.selection.ridge_eps;
   doc["successor_expand"] = o.selection.successor_expand;
   doc["timing"] = "TPOT = time between consecutive step-end CUDA events (host gaps included), after warm-up; "
-                  "floor = (weight bytes + attended KV bytes) / measured copy bandwidth";
+                  "floor = (weight bytes a decode step reads + attended KV bytes) / measured copy bandwidth; async rows also give the cache rank's floor (keys scored + selection gathered) and which rank bounds the step";
   doc["results"] = rows;
   if (!o.out.empty()) {
     std::ofstream f(o.out, std::ios::app);

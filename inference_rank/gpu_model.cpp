@@ -278,6 +278,7 @@ void GpuModel::allocate_weights() {
   }
   weights_ = DeviceBuffer(off, "model weights");
   weight_bytes_ = off;
+  untied_embed_bytes_ = cfg_.tie_word_embeddings ? 0 : align256(V * H * 2);
   char* base = weights_.as<char>();
   auto at = [&](size_t o) -> void* { return o == SIZE_MAX ? nullptr : base + o; };
   embed_ = at(embed_off);

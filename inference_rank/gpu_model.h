@@ -177,8 +177,14 @@ class GpuModel {
 
   const ModelConfig& config() const { return cfg_; }
   const GpuModelOptions& options() const { return opts_; }
-  /// Bytes of all weights on the GPU (what one decode step must read once).
+  /// Bytes of all weights on the GPU (the allocation).
   size_t weight_bytes() const { return weight_bytes_; }
+  /// Weight bytes one decode step of `rows` sequences reads: every weight once, except an untied embed_tokens table,
+  /// of which only the `rows` gathered rows (bf16) are read (a tied table is read whole as the LM head).
+  size_t decode_weight_bytes(int rows) const {
+    return weight_bytes_ - untied_embed_bytes_ +
+           (untied_embed_bytes_ > 0 ? static_cast<size_t>(rows) * cfg_.hidden_size * 2 : 0);
+  }
 
   /// Runs the step through every layer: appends each full-attention layer's K/V to `kv` (positions / block table of
   /// `batch`), calls `attention` per full-attention layer (GpuLayerStep::layer = its index among them), runs the GDN
@@ -233,6 +239,7 @@ class GpuModel {
   ModelConfig cfg_;
   GpuModelOptions opts_;
   size_t weight_bytes_ = 0;
+  size_t untied_embed_bytes_ = 0;  // the embed_tokens table's allocation when the LM head has its own, else 0
   DeviceBuffer weights_;  // every tensor, sub-allocated (256-byte aligned)
   std::vector<Layer> layers_;
   void* embed_ = nullptr;
