@@ -135,8 +135,7 @@ void paged_attention_ref(const PagedAttentionParams& p) {
   const int D = p.head_dim;
   const size_t slot_stride = static_cast<size_t>(p.num_kv_heads) * D;
   const size_t page_stride = slot_stride * p.page_size;
-  std::vector<float> scores;
-  std::vector<const float*> k_rows, v_rows;
+  std::vector<int> decode_seqs;  // sequences with one query row (decode steps), attended after the prefill chunks
   for (int b = 0; b < p.batch; ++b) {
     if (p.skip != nullptr && p.skip[b] != 0) continue;  // another kernel's sequence: nothing read or written
     const int q_begin = p.cu_q_lens[b];
@@ -151,40 +150,50 @@ void paged_attention_ref(const PagedAttentionParams& p) {
     for (int i = 0; i < num_pages; ++i)
       SPADE_CHECK(pages[i] >= 0, "paged_attention_ref: sequence {} block_table[{}] = {} inside the context", b, i,
                   pages[i]);
-    if (q_len > 1) {
-      // Prefill chunks: tiled, GEMM-shaped, the (KV head, query tile) pairs in parallel (each GEMM on its thread).
-      const int tiles = (q_len + kQueryTile - 1) / kQueryTile;
-#pragma omp parallel
-      {
-        TileScratch w;
-#pragma omp for schedule(dynamic)
-        for (int task = 0; task < p.num_kv_heads * tiles; ++task) {
-          const int kvh = task / tiles, i0 = (task % tiles) * kQueryTile;
-          attend_tile(p, q_begin, q_len, seq_len, pages, kvh, i0, std::min(i0 + kQueryTile, q_len), w);
-        }
-      }
+    if (q_len == 1) {
+      decode_seqs.push_back(b);
       continue;
     }
-    // Decode rows: one query over its whole context, the arithmetic of attention_over_rows_ref, so that a dense and
-    // a sparse decode step that visit the same rows in the same order give bit-identical results.
-    scores.resize(seq_len);
-    k_rows.resize(seq_len);
-    v_rows.resize(seq_len);
-    for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+    if (q_len == 0) continue;
+    // Prefill chunks: tiled, GEMM-shaped, the (KV head, query tile) pairs in parallel (each GEMM on its thread).
+    const int tiles = (q_len + kQueryTile - 1) / kQueryTile;
+#pragma omp parallel
+    {
+      TileScratch w;
+#pragma omp for schedule(dynamic)
+      for (int task = 0; task < p.num_kv_heads * tiles; ++task) {
+        const int kvh = task / tiles, i0 = (task % tiles) * kQueryTile;
+        attend_tile(p, q_begin, q_len, seq_len, pages, kvh, i0, std::min(i0 + kQueryTile, q_len), w);
+      }
+    }
+  }
+  // Decode rows: one query over its whole context, the arithmetic of attention_over_rows_ref, so that a dense and a
+  // sparse decode step that visit the same rows in the same order give bit-identical results. The (sequence, KV
+  // head) pairs in parallel; each row's arithmetic is the same on any thread.
+  const int tasks = static_cast<int>(decode_seqs.size()) * p.num_kv_heads;
+#pragma omp parallel if (tasks > 1)
+  {
+    std::vector<float> scores;
+    std::vector<const float*> k_rows, v_rows;
+#pragma omp for schedule(dynamic)
+    for (int task = 0; task < tasks; ++task) {
+      const int b = decode_seqs[static_cast<size_t>(task / p.num_kv_heads)], kvh = task % p.num_kv_heads;
+      const int seq_len = p.seq_lens[b];
+      const int32_t* pages = p.block_table + static_cast<size_t>(b) * p.max_pages_per_seq;
+      scores.resize(seq_len);
+      k_rows.resize(seq_len);
+      v_rows.resize(seq_len);
       for (int t = 0; t < seq_len; ++t) {
         const size_t off = pages[t / p.page_size] * page_stride + (t % p.page_size) * slot_stride +
                            static_cast<size_t>(kvh) * D;
         k_rows[t] = p.k_cache + off;
         v_rows[t] = p.v_cache + off;
       }
-      for (int i = 0; i < q_len; ++i) {
-        const int pos = seq_len - q_len + i;  // absolute position of this query: attends to 0..pos
-        for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-          const size_t row = static_cast<size_t>(q_begin + i) * p.num_q_heads + h;
-          const float lse = attention_over_rows_ref(p.q + row * D, k_rows.data(), v_rows.data(), pos + 1, D, p.scale,
-                                                    scores.data(), p.out + row * D);
-          if (p.lse) p.lse[row] = lse;
-        }
+      for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const size_t row = static_cast<size_t>(p.cu_q_lens[b]) * p.num_q_heads + h;
+        const float lse = attention_over_rows_ref(p.q + row * D, k_rows.data(), v_rows.data(), seq_len, D, p.scale,
+                                                  scores.data(), p.out + row * D);
+        if (p.lse) p.lse[row] = lse;
       }
     }
   }
