@@ -412,7 +412,8 @@ int main(int argc, char** argv) {
           spade::StatusChecks{[&] { return heartbeat.check(); },
                               [&]() -> std::string {
                                 return connected ? "" : "waiting for the world and the paired inference rank";
-                              }});
+                              },
+                              nullptr});  // never degraded: without its inference rank it has nothing to serve
       spdlog::info("{}: metrics on {}:{}/metrics", self, f.metrics_host, status_server->port());
     }
     const Rank rank{cfg, env, self, registry, heartbeat, connected};

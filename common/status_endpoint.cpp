@@ -26,13 +26,19 @@ bool answer_status_request(const http::HttpRequest& req, http::HttpResponder& re
   } else if (req.path == "/health") {
     const std::string why = checks.health ? checks.health() : "";
     if (why.empty()) {
-      json_reply(res, 200, {{"status", "ok"}});
+      const std::string degraded = checks.degraded ? checks.degraded() : "";
+      nlohmann::json body = {{"status", "ok"}};
+      if (!degraded.empty()) body["degraded"] = degraded;
+      json_reply(res, 200, body);
     } else {
       json_reply(res, 503, {{"status", "unhealthy"}, {"reason", why}});
     }
   } else {
     const std::string why = checks.ready ? checks.ready() : "";
-    if (why.empty()) {
+    const std::string degraded = why.empty() && checks.degraded ? checks.degraded() : "";
+    if (!degraded.empty()) {
+      json_reply(res, 200, {{"status", "degraded"}, {"reason", degraded}});
+    } else if (why.empty()) {
       json_reply(res, 200, {{"status", "ready"}});
     } else {
       json_reply(res, 503, {{"status", "not ready"}, {"reason", why}});

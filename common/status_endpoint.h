@@ -6,7 +6,9 @@
 //   /health   liveness: 200 {"status":"ok"} while the process's main loop is alive, else 503 {"status":"unhealthy",
 //             "reason":...} (Kubernetes livenessProbe)
 //   /ready    readiness: 200 {"status":"ready"} once the process can do its job (weights loaded, peers connected),
-//             else 503 {"status":"not ready","reason":...} (readinessProbe)
+//             else 503 {"status":"not ready","reason":...} (readinessProbe); 200 {"status":"degraded","reason":...}
+//             while it serves in a reduced mode (an inference rank whose cache rank was lost decodes densely), and
+//             /health then carries the same "degraded" reason beside its "ok"
 // Other paths get 404, other methods on these paths 405 (JSON bodies).
 #pragma once
 
@@ -28,6 +30,7 @@ using StatusCheck = std::function<std::string()>;
 struct StatusChecks {
   StatusCheck health;  // nullptr = always OK
   StatusCheck ready;   // nullptr = always OK
+  StatusCheck degraded;  // nullptr = never; "" = whole, else why the process serves in a reduced mode
 };
 
 /// Answers `req` if its path is /metrics, /health or /ready (returns true), else returns false and leaves `res`.

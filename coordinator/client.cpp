@@ -15,6 +15,7 @@
 #include "coordinator/asio.h"
 
 #include "common/error.h"
+#include "coordinator/auth.h"
 #include "coordinator/launch_env.h"
 
 namespace spade::coord {
@@ -108,9 +109,12 @@ class CoordinatorClient::Impl {
             sock_.set_option(tcp::no_delay(true), ignored);
             start_read();
           });
-          std::lock_guard lk(mu_);
-          connected_ = true;
+          {
+            std::lock_guard lk(mu_);
+            connected_ = true;
+          }
           spdlog::debug("{}: connected to {} after {} attempt(s)", self_name_, coord_name_, attempts);
+          if (!opts_.cluster_secret.empty()) authenticate(deadline);
           return;
         }
         last_error = ec.message();
@@ -120,6 +124,50 @@ class CoordinatorClient::Impl {
     }
     fail("cannot reach {} within {} ms as {} ({} attempt(s)); last error: {}", coord_name_,
          ms_between(start, deadline), self_name_, attempts, last_error);
+  }
+
+  // The peer's side of the challenge-response (coordinator/auth.h): proves the coordinator knows our secret
+  // before anything else is sent, then proves we do. Our proof's verdict arrives with the RegisterReply.
+  void authenticate(Deadline deadline) {
+    const std::string client_nonce = auth_nonce();
+    proto::Envelope hello;
+    hello.mutable_auth_hello()->set_client_nonce(client_nonce);
+    send(hello);
+    proto::AuthChallenge ch;
+    {
+      std::unique_lock lk(mu_);
+      auto start = Clock::now();
+      cv_.wait_until(lk, deadline,
+                     [&] { return challenge_.has_value() || reg_reply_.has_value() || shutdown_ || lost_; });
+      if (!challenge_) {
+        if (reg_reply_ && !reg_reply_->error().empty())
+          fail("{} refused the authentication of {}: {}", coord_name_, self_name_, reg_reply_->error());
+        if (shutdown_)
+          fail("{} shut the world down while {} was authenticating: {}", coord_name_, self_name_,
+               shutdown_->reason());
+        if (lost_)
+          fail(
+              "{}: connection lost while {} was authenticating: {} (a coordinator closes connections that "
+              "do not authenticate in time or while it has too many unauthenticated ones)",
+              coord_name_, self_name_, lost_reason_);
+        fail("{} sent no authentication challenge to {} within {} ms", coord_name_, self_name_,
+             ms_between(start, deadline));
+      }
+      ch = *challenge_;
+    }
+    if (ch.server_nonce().size() != kAuthNonceBytes ||
+        !proof_matches(coordinator_proof(opts_.cluster_secret, client_nonce, ch.server_nonce()),
+                       ch.server_proof())) {
+      asio::post(io_, [this] { close_socket(); });
+      fail(
+          "{} did not prove it knows the cluster secret: either the two sides were given different "
+          "secrets or it is not our coordinator; {} refuses to talk to it",
+          coord_name_, self_name_);
+    }
+    proto::Envelope proof;
+    proof.mutable_auth_proof()->set_client_proof(
+        peer_proof(opts_.cluster_secret, ch.server_nonce(), client_nonce));
+    send(proof);
   }
 
   proto::RegisterReply register_self(Deadline deadline) {
@@ -176,8 +224,8 @@ class CoordinatorClient::Impl {
   proto::ClusterView rendezvous(Deadline deadline) {
     connect(deadline);
     register_self(deadline);
-    if (opts_.role == proto::CLIENT) return {};
     start_heartbeat();
+    if (opts_.role == proto::CLIENT) return {};
     return wait_cluster_view(deadline);
   }
 
@@ -412,6 +460,9 @@ class CoordinatorClient::Impl {
           break;
         case proto::Envelope::kHeartbeatAck:
           break;
+        case proto::Envelope::kAuthChallenge:
+          challenge_ = env.auth_challenge();
+          break;
         case proto::Envelope::kStatusReply:
           statuses_.push_back(env.status_reply());
           break;
@@ -548,6 +599,7 @@ class CoordinatorClient::Impl {
   bool connected_ = false;
   bool lost_ = false;
   std::string lost_reason_;
+  std::optional<proto::AuthChallenge> challenge_;
   std::optional<proto::RegisterReply> reg_reply_;
   std::optional<proto::ClusterView> view_;
   std::optional<proto::Shutdown> shutdown_;
@@ -571,6 +623,7 @@ ClientOptions client_options_for(const LaunchEnv& env) {
   o.role_index = env.role_index;
   o.world_size = env.world_size;
   o.local_rank = env.local_rank;
+  o.cluster_secret = env.cluster_secret.value;
   return o;
 }
 

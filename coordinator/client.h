@@ -3,8 +3,9 @@
 //
 // Typical rank life cycle:
 //   CoordinatorClient cc(opts);                       // opts from LaunchEnv + this rank's transport address
-//   proto::ClusterView view = cc.rendezvous(deadline); // connect (retrying), register, start heartbeats,
-//   wait view
+//   proto::ClusterView view = cc.rendezvous(deadline); // connect (retrying) and authenticate, register,
+//   start
+//                                                      // heartbeats, wait view
 //   ... connect the data plane to view.peers(0).transport() ...
 //   while (auto ev = cc.next_event(deadline)) ...     // PeerDown / Shutdown / CoordinatorLost
 //
@@ -46,11 +47,16 @@ struct ClientOptions {
   std::chrono::milliseconds heartbeat_interval{0};  // 0 = use the coordinator's heartbeat_interval_ms
   std::chrono::milliseconds connect_retry_interval{100};
   size_t max_frame_bytes = proto::kMaxFrameBytes;
+  /// The cluster secret (LaunchEnv::cluster_secret; never logged). Non-empty: connect() runs the
+  /// challenge-response of coordinator/auth.h and refuses a coordinator that cannot prove it knows the same
+  /// secret. Empty: no authentication (a coordinator with a secret then rejects the registration, naming what
+  /// is missing).
+  std::string cluster_secret;
 };
 
 /// ClientOptions of this process from its resolved launch environment: coordinator at
-/// master_addr:master_port, role / rank / role index / world size / local rank from `env`. Transport and
-/// device fields are left for the caller.
+/// master_addr:master_port, role / rank / role index / world size / local rank and the cluster secret from
+/// `env`. Transport and device fields are left for the caller.
 ClientOptions client_options_for(const LaunchEnv& env);
 
 /// Something the coordinator told us (or the loss of the coordinator itself).
@@ -70,8 +76,12 @@ class CoordinatorClient {
   CoordinatorClient(const CoordinatorClient&) = delete;
   CoordinatorClient& operator=(const CoordinatorClient&) = delete;
 
-  /// Connects, retrying every connect_retry_interval until `deadline` (the coordinator may start later).
-  /// Throws spade::Error "cannot reach coordinator at host:port within N ms ...: <last error>".
+  /// Connects, retrying every connect_retry_interval until `deadline` (the coordinator may start later),
+  /// then, with a cluster secret, authenticates (AuthHello, the coordinator's AuthChallenge checked,
+  /// AuthProof). Throws spade::Error "cannot reach coordinator at host:port within N ms ...: <last error>";
+  /// "coordinator ... did not prove it knows the cluster secret ..." (wrong secret on one side, or not our
+  /// coordinator); or the coordinator's refusal (e.g. it has no secret configured) and loss of the connection
+  /// during the exchange.
   void connect(Deadline deadline);
 
   /// Sends RegisterRequest and waits for the RegisterReply. Throws when rejected (the coordinator's error
@@ -83,12 +93,14 @@ class CoordinatorClient {
   proto::ClusterView wait_cluster_view(Deadline deadline);
 
   /// connect + register_self + start_heartbeat + wait_cluster_view, all within one deadline. For CLIENT role:
-  /// connect + register_self only (returns an empty view).
+  /// connect + register_self + start_heartbeat (returns an empty view).
   proto::ClusterView rendezvous(Deadline deadline);
 
-  /// Starts/stops the heartbeat timer (rank roles). Interval: options.heartbeat_interval, else the
-  /// coordinator's. While heartbeating, a coordinator that sends nothing (no HeartbeatAck) for its
-  /// heartbeat_timeout is reported as a kCoordinatorLost event and the connection is closed.
+  /// Starts/stops the heartbeat timer. Interval: options.heartbeat_interval, else the coordinator's. Ranks
+  /// must heartbeat (the coordinator declares a silent rank dead); a client's heartbeats keep its connection
+  /// from the coordinator's idle timeout. While heartbeating, a coordinator that sends nothing (no
+  /// HeartbeatAck) for its heartbeat_timeout is reported as a kCoordinatorLost event and the connection is
+  /// closed.
   void start_heartbeat();
   void stop_heartbeat();
   /// Gauge reported in the next heartbeats' stats map.
@@ -99,10 +111,12 @@ class CoordinatorClient {
   /// Next event, or nullopt when none arrived before `deadline` (no throw).
   std::optional<ClientEvent> next_event(Deadline deadline);
 
-  /// Asks the coordinator for a StatusReply. Throws at the deadline / on connection loss.
+  /// Asks the coordinator for a StatusReply (registered connections only). Throws at the deadline / on
+  /// connection loss.
   proto::StatusReply query_status(Deadline deadline);
 
-  /// Asks the coordinator to shut the world down (it broadcasts Shutdown to everyone, including us).
+  /// Asks the coordinator to shut the world down (it broadcasts Shutdown to everyone, including us). Only a
+  /// registered CLIENT may: the coordinator ignores (and logs) the request from any other connection.
   void request_shutdown(const std::string& reason);
 
   // ---- request routing ----

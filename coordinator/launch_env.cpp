@@ -1,14 +1,19 @@
 #include "coordinator/launch_env.h"
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
+#include <cstring>
 
 #include "common/error.h"
+#include "common/file_read.h"
 
 namespace spade::coord {
 namespace {
@@ -64,7 +69,72 @@ std::string trim(std::string_view s) {
   return std::string(s.substr(b, e - b));
 }
 
+// Removes trailing whitespace (a newline written by `echo`, `base64`, a Kubernetes literal).
+std::string trim_right(std::string s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  return s;
+}
+
+// The secret held in `path` (`source` names where the path came from, for messages).
+std::string read_secret_file(const std::string& path, const std::string& source) {
+  SPADE_CHECK(!path.empty(), "{}: the cluster secret file path is empty", source);
+  auto f = RegularFile::open(path, "the cluster secret file");
+  struct stat st {};
+  SPADE_CHECK(::fstat(f.fd(), &st) == 0, "{} ({}): cannot stat the cluster secret file: {}", path, source,
+              std::strerror(errno));
+  if ((st.st_mode & (S_IROTH | S_IWOTH)) != 0) {
+    fail(
+        "{} ({}): the cluster secret file has mode {:04o}, readable or writable by every user; restrict it "
+        "(chmod 600; in Kubernetes a secret volume's defaultMode 0400 or 0440)",
+        path, source, static_cast<unsigned>(st.st_mode & 07777));
+  }
+  SPADE_CHECK(
+      f.size() <= kMaxClusterSecretBytes,
+      "{} ({}): the cluster secret file is {} bytes, more than the {}-byte limit (is it the right file?)",
+      path, source, f.size(), kMaxClusterSecretBytes);
+  std::string out(kMaxClusterSecretBytes + 1, '\0');
+  size_t got = 0;
+  for (;;) {
+    const ssize_t n = ::read(f.fd(), out.data() + got, out.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    SPADE_CHECK(n >= 0, "{} ({}): cannot read the cluster secret file: {}", path, source,
+                std::strerror(errno));
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+    SPADE_CHECK(got <= kMaxClusterSecretBytes, "{} ({}): the cluster secret file grew past the {}-byte limit",
+                path, source, kMaxClusterSecretBytes);
+  }
+  out.resize(got);
+  return out;
+}
+
 }  // namespace
+
+ClusterSecret resolve_cluster_secret(const std::optional<std::string>& file_flag, const EnvLookup& env) {
+  ClusterSecret s;
+  if (file_flag) {
+    s.source = "flag --cluster-secret-file " + *file_flag;
+    s.value = read_secret_file(*file_flag, "flag --cluster-secret-file");
+  } else if (auto path = env("SPADE_CLUSTER_SECRET_FILE")) {
+    s.source = "env SPADE_CLUSTER_SECRET_FILE " + *path;
+    s.value = read_secret_file(*path, "env SPADE_CLUSTER_SECRET_FILE");
+  } else if (auto value = env("SPADE_CLUSTER_SECRET")) {
+    s.source = "env SPADE_CLUSTER_SECRET";
+    s.value = *value;
+  } else {
+    s.source = "none";
+    return s;
+  }
+  s.value = trim_right(std::move(s.value));
+  SPADE_CHECK(
+      s.value.size() >= kMinClusterSecretBytes,
+      "the cluster secret from {} is {} bytes; at least {} are required (e.g. head -c 32 /dev/urandom | "
+      "base64 > FILE)",
+      s.source, s.value.size(), kMinClusterSecretBytes);
+  SPADE_CHECK(s.value.size() <= kMaxClusterSecretBytes, "the cluster secret from {} is longer than {} bytes",
+              s.source, kMaxClusterSecretBytes);
+  return s;
+}
 
 EnvLookup process_env() {
   return [](const std::string& name) -> std::optional<std::string> {
@@ -156,6 +226,8 @@ LaunchEnv LaunchEnv::resolve(const LaunchFlags& flags, const EnvLookup& env) {
   auto map_text = pick<std::string>(
       "role_map", {{flags.role_map, "flag --role-map"}, {env("SPADE_ROLE_MAP"), "env SPADE_ROLE_MAP"}}, str,
       &le);
+  le.cluster_secret = resolve_cluster_secret(flags.cluster_secret_file, env);
+  le.sources["cluster_secret"] = le.cluster_secret.source;
   if (flags.num_inference) le.sources["num_inference"] = "flag --num-inference";
   if (flags.num_cache) le.sources["num_cache"] = "flag --num-cache";
 
@@ -299,6 +371,14 @@ void add_launch_flags(CLI::App& app, LaunchFlags& lf) {
   app.add_option("--num-inference", lf.num_inference, "inference ranks in the world");
   app.add_option("--num-cache", lf.num_cache, "cache ranks in the world");
   app.add_option("--role-map", lf.role_map, "explicit role per rank, e.g. c,i,k");
+  add_cluster_secret_flag(app, lf.cluster_secret_file);
+}
+
+void add_cluster_secret_flag(CLI::App& app, std::optional<std::string>& file) {
+  app.add_option(
+      "--cluster-secret-file", file,
+      "file holding the cluster's shared secret, which authenticates every control connection (else "
+      "SPADE_CLUSTER_SECRET_FILE, SPADE_CLUSTER_SECRET; mode 0600)");
 }
 
 }  // namespace spade::coord

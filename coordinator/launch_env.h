@@ -16,10 +16,17 @@
 // "inference", "cache" work too). It must contain exactly one coordinator. role_index = position among the
 // ranks of the same role.
 //
+// Cluster secret (authenticates every control connection; docs/DEPLOY.md, "Security model"):
+//   --cluster-secret-file PATH > SPADE_CLUSTER_SECRET_FILE (a path) > SPADE_CLUSTER_SECRET (the secret
+//   itself) > none
+// The file is read once, here: a regular file of at most kMaxClusterSecretBytes that no "other" user may read
+// or write (mode 0600/0640/0400/0440), trailing whitespace removed, at least kMinClusterSecretBytes left.
+//
 // Errors (spade::Error) name the value and where it came from, e.g.
 //   "rank 5 (env RANK) is out of range for world size 3 (flag --world-size)".
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -46,12 +53,31 @@ struct LaunchFlags {
   std::optional<uint32_t> num_inference;
   std::optional<uint32_t> num_cache;
   std::optional<std::string> role_map;
+  std::optional<std::string> cluster_secret_file;
 };
 
-/// Registers the ranks' launch flags on `app`, writing into `lf` (the one place they are declared): --master-addr,
-/// --master-port, --rank, --world-size, --num-inference, --num-cache, --role-map. Unset flags stay nullopt, so
-/// LaunchEnv::resolve falls back to the environment (MASTER_ADDR, RANK, OMPI_COMM_WORLD_RANK, ...).
+/// Bounds of a cluster secret, in bytes (after trailing whitespace is removed).
+inline constexpr size_t kMinClusterSecretBytes = 16;
+inline constexpr size_t kMaxClusterSecretBytes = 4096;
+
+/// The shared secret of a Spade world and where it came from. `value` is secret: never log it.
+struct ClusterSecret {
+  std::string value;   // empty = none configured
+  std::string source;  // "flag --cluster-secret-file /run/s", "env SPADE_CLUSTER_SECRET_FILE /run/s",
+                       // "env SPADE_CLUSTER_SECRET", or "none"
+  bool empty() const { return value.empty(); }
+};
+
+/// Registers the ranks' launch flags on `app`, writing into `lf` (the one place they are declared):
+/// --master-addr,
+/// --master-port, --rank, --world-size, --num-inference, --num-cache, --role-map, --cluster-secret-file.
+/// Unset flags stay nullopt, so LaunchEnv::resolve falls back to the environment (MASTER_ADDR, RANK,
+/// OMPI_COMM_WORLD_RANK, ...).
 void add_launch_flags(CLI::App& app, LaunchFlags& lf);
+
+/// Registers --cluster-secret-file on `app` (add_launch_flags does; the coordinator and spade_submit, which
+/// declare their other flags themselves, call this one).
+void add_cluster_secret_flag(CLI::App& app, std::optional<std::string>& file);
 
 /// Environment lookup (injectable for tests). Returns nullopt when the variable is unset; empty values count
 /// as unset.
@@ -69,6 +95,14 @@ std::vector<proto::Role> parse_role_map(std::string_view text);
 /// The default rule: [coordinator, inference x num_inference, cache x num_cache].
 std::vector<proto::Role> default_role_map(uint32_t num_inference, uint32_t num_cache);
 
+/// Resolves the cluster secret: `file_flag` (--cluster-secret-file) > env SPADE_CLUSTER_SECRET_FILE > env
+/// SPADE_CLUSTER_SECRET > none (empty value, source "none"). Throws spade::Error naming the file or variable
+/// when the file cannot be opened, is not a regular file, is larger than kMaxClusterSecretBytes, is readable
+/// or writable by other users, or the secret is shorter than kMinClusterSecretBytes. Never includes the
+/// secret in a message.
+ClusterSecret resolve_cluster_secret(const std::optional<std::string>& file_flag,
+                                     const EnvLookup& env = process_env());
+
 /// The resolved launch configuration of this process.
 struct LaunchEnv {
   std::string master_addr = "127.0.0.1";
@@ -83,6 +117,7 @@ struct LaunchEnv {
   uint32_t role_index = 0;                     // index of `rank` among ranks of its role
   std::map<std::string, std::string> sources;  // field -> where it came from, e.g. "rank" -> "env RANK"
   std::vector<std::string> notes;              // lower-precedence values that were overridden
+  ClusterSecret cluster_secret;                // resolve_cluster_secret(flags.cluster_secret_file, env)
 
   /// Resolves flags + environment with the precedence above. Throws spade::Error on unparsable or
   /// inconsistent values.

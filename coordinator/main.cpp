@@ -3,15 +3,27 @@
 //   coordinator --num-inference 1 --num-cache 1 --port 29500 --model DIR --http-port 8000
 //   torchrun-style: MASTER_PORT=29500 WORLD_SIZE=3 RANK=0 coordinator --model DIR
 //
-// HTTP (--http-port, default 8000; 0 = off): the OpenAI-compatible API under /v1 (coordinator/openai_api.h; needs
-// --model for the tokenizer, chat template and context length), GET /health (200 while the control loop runs, else
-// 503), GET /ready (200 once every rank registered and an inference rank is alive, else 503), GET /metrics:
-//   spade_rank_up{role,rank,role_index}   gauge    1 alive, 0 missing or dead (cache-rank up/down and the others)
-//   spade_world_complete                  gauge    1 once every rank has registered
-//   spade_http_requests_total{endpoint,code}  counter  API requests by endpoint and status (499 = client went away)
-//   spade_api_requests_in_flight          gauge    generation requests in flight through the API
+// HTTP (--http-port, default 8000; 0 = off): the OpenAI-compatible API under /v1 (coordinator/openai_api.h;
+// needs
+// --model for the tokenizer, chat template and context length), GET /health (200 while the control loop runs,
+// else 503), GET /ready (200 once every rank registered and an inference rank is alive, else 503), GET
+// /metrics:
+//   spade_rank_up{role,rank,role_index}   gauge    1 alive, 0 missing or dead (cache-rank up/down and the
+//   others) spade_world_complete                  gauge    1 once every rank has registered
+//   spade_http_requests_total{endpoint,code}  counter  API requests by endpoint and status (499 = client went
+//   away) spade_api_requests_in_flight          gauge    generation requests in flight through the API
 //   spade_api_client_disconnects_total    counter  requests cancelled because their client disconnected
 //   spade_api_e2e_request_latency_seconds histogram  end-to-end latency as the API client sees it
+//   spade_control_unauthenticated_connections  gauge  control connections not yet authenticated
+//   spade_control_rejected_connections_total   counter  control connections closed before authenticating
+//
+// Security (docs/DEPLOY.md, "Security model"): the control port (--host, default 127.0.0.1) and the HTTP API
+// (--http-host, default 127.0.0.1) listen on loopback unless told otherwise. With a cluster secret
+// (--cluster-secret-file, SPADE_CLUSTER_SECRET_FILE or SPADE_CLUSTER_SECRET) every control connection must
+// prove it knows the secret; without one the coordinator refuses a non-loopback --host. The bounds on
+// strangers:
+// --max-unauthenticated-connections, --auth-timeout-ms, --max-unauthenticated-frame-bytes; on everyone:
+// --max-frame-bytes, --idle-timeout-ms.
 //
 // Exit codes: 0 clean shutdown (Shutdown request or SIGINT/SIGTERM), 1 rendezvous deadline missed (the
 // message names the missing rank(s)), 2 bad flags / environment / cannot listen.
@@ -22,6 +34,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 
 #include "common/error.h"
 #include "common/logging.h"
@@ -51,11 +64,37 @@ int main(int argc, char** argv) {
   CLI::App app{
       "Spade coordinator: rendezvous, pairing (inference #i <-> cache #i), heartbeats, request routing"};
   spade::coord::LaunchFlags flags;
-  std::string bind_host = "0.0.0.0";
+  spade::coord::ServerOptions so;  // the defaults of the control port's settings
   std::string port_file;
   std::string log_level = "info";
   int64_t hb_interval_ms = 1000, hb_timeout_ms = 5000, rendezvous_ms = 60000;
-  app.add_option("--host", bind_host, "Address to listen on")->capture_default_str();
+  int64_t auth_timeout_ms = so.auth_timeout.count(), idle_timeout_ms = so.idle_timeout.count();
+  app.add_option(
+         "--host", so.bind_host,
+         "Address of the control port (ranks and spade_submit connect here); a non-loopback address needs a "
+         "cluster secret")
+      ->capture_default_str();
+  spade::coord::add_cluster_secret_flag(app, flags.cluster_secret_file);
+  app.add_option(
+         "--max-unauthenticated-connections", so.max_unauthenticated_connections,
+         "control connections that have not authenticated yet, open at once; more are closed on accept")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--auth-timeout-ms", auth_timeout_ms,
+                 "a control connection must authenticate (or, without a secret, register) within this time")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-unauthenticated-frame-bytes", so.max_unauthenticated_frame_bytes,
+                 "largest frame read from a control connection before it authenticates")
+      ->capture_default_str();
+  app.add_option("--max-frame-bytes", so.max_frame_bytes,
+                 "largest frame read from an authenticated control connection")
+      ->capture_default_str();
+  app.add_option(
+         "--idle-timeout-ms", idle_timeout_ms,
+         "close a control connection that sends nothing for this long (>= 2 x --heartbeat-interval-ms)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--port", flags.master_port,
                  "TCP port to listen on (0 = ephemeral; default MASTER_PORT or 29500)");
   app.add_option("--num-inference", flags.num_inference, "Number of inference ranks (N)");
@@ -74,13 +113,17 @@ int main(int argc, char** argv) {
   app.add_option("--port-file", port_file, "Write the bound port to this file once listening");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
   int http_port = 8000;
-  std::string http_host = "0.0.0.0";
+  std::string http_host = "127.0.0.1";
   spade::coord::ApiOptions api_opt;
   size_t max_body = 4u << 20;
   app.add_option("--http-port", http_port, "OpenAI API, /health, /ready, /metrics port (0 = off)")
       ->check(CLI::Range(0, 65535))
       ->capture_default_str();
-  app.add_option("--http-host", http_host, "address the HTTP API listens on")->capture_default_str();
+  app.add_option(
+         "--http-host", http_host,
+         "address the HTTP API listens on (it has no authentication: expose it deliberately, e.g. 0.0.0.0 "
+         "behind a gateway)")
+      ->capture_default_str();
   app.add_option("--model", api_opt.model_dir,
                  "checkpoint directory (tokenizer, chat template, config) for the OpenAI API");
   app.add_option("--served-model-name", api_opt.served_model_name,
@@ -110,8 +153,9 @@ int main(int argc, char** argv) {
     SPADE_CHECK(hb_interval_ms > 0 && hb_timeout_ms > 0 && rendezvous_ms > 0,
                 "--heartbeat-interval-ms, --heartbeat-timeout-ms and --rendezvous-timeout-ms must be > 0");
 
-    spade::coord::ServerOptions so;
-    so.bind_host = bind_host;
+    so.cluster_secret = le.cluster_secret.value;
+    so.auth_timeout = std::chrono::milliseconds(auth_timeout_ms);
+    so.idle_timeout = std::chrono::milliseconds(idle_timeout_ms);
     so.port = ephemeral ? 0 : le.master_port;
     so.role_map = le.role_map;
     so.heartbeat_interval = std::chrono::milliseconds(hb_interval_ms);
@@ -122,8 +166,17 @@ int main(int argc, char** argv) {
     spdlog::info(
         "coordinator: listening on {}:{} for {} inference + {} cache ranks (role map {}), rendezvous "
         "timeout {} ms, heartbeat {} ms / timeout {} ms",
-        bind_host, server.port(), le.num_inference, le.num_cache, le.role_map_string(), rendezvous_ms,
+        so.bind_host, server.port(), le.num_inference, le.num_cache, le.role_map_string(), rendezvous_ms,
         hb_interval_ms, hb_timeout_ms);
+    if (le.cluster_secret.empty()) {
+      spdlog::warn(
+          "coordinator: no cluster secret: control connections are not authenticated (allowed on "
+          "loopback only; every local user can reach {}:{})",
+          so.bind_host, server.port());
+    } else {
+      spdlog::info("coordinator: control connections authenticate with the cluster secret from {}",
+                   le.cluster_secret.source);
+    }
     if (!port_file.empty()) write_port_file(port_file, server.port());
 
     // HTTP: the OpenAI API + status endpoints, on their own io thread.
@@ -131,11 +184,31 @@ int main(int argc, char** argv) {
     auto& rank_up = registry.gauge("spade_rank_up", "1 while a rank is registered and alive, else 0.",
                                    {"role", "rank", "role_index"});
     auto& world_complete = registry.gauge("spade_world_complete", "1 once every rank has registered.").with();
+    auto& unauthenticated = registry
+                                .gauge("spade_control_unauthenticated_connections",
+                                       "Control connections open that have not authenticated yet.")
+                                .with();
+    auto& rejected =
+        registry
+            .counter("spade_control_rejected_connections_total",
+                     "Control connections closed before authenticating (over the limit, wrong or no "
+                     "proof, deadline, oversized or forbidden frame).")
+            .with();
+    std::mutex rejected_mu;  // /metrics may be served on several threads
+    uint64_t rejected_seen = 0;
     std::unique_ptr<spade::coord::OpenAiApi> api;
     if (!api_opt.model_dir.empty()) api = std::make_unique<spade::coord::OpenAiApi>(api_opt, server, registry);
     auto refresh = [&] {
       const auto h = server.health();
       world_complete.set(h.world_complete ? 1 : 0);
+      unauthenticated.set(h.unauthenticated_connections);
+      {
+        std::lock_guard<std::mutex> lk(rejected_mu);
+        if (h.rejected_connections > rejected_seen) {
+          rejected.inc(static_cast<double>(h.rejected_connections - rejected_seen));
+          rejected_seen = h.rejected_connections;
+        }
+      }
       try {
         const auto st = server.status(std::chrono::steady_clock::now() + std::chrono::seconds(2));
         for (const auto& r : st.ranks()) {

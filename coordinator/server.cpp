@@ -10,6 +10,8 @@
 #include <thread>
 
 #include "common/error.h"
+#include "coordinator/launch_env.h"
+#include "coordinator/server_auth.h"
 #include "coordinator/server_connection.h"
 #include "coordinator/server_internal.h"
 #include "coordinator/server_membership.h"
@@ -47,6 +49,35 @@ void validate_options(const ServerOptions& opts) {
   SPADE_CHECK(opts.rendezvous_timeout.count() > 0, "coordinator: rendezvous timeout must be > 0 ms");
   SPADE_CHECK(opts.max_frame_bytes >= 1024, "coordinator: max frame size {} is too small",
               opts.max_frame_bytes);
+  SPADE_CHECK(
+      opts.max_unauthenticated_frame_bytes >= 1024 &&
+          opts.max_unauthenticated_frame_bytes <= opts.max_frame_bytes,
+      "coordinator: --max-unauthenticated-frame-bytes {} must be between 1024 and --max-frame-bytes {}",
+      opts.max_unauthenticated_frame_bytes, opts.max_frame_bytes);
+  SPADE_CHECK(opts.max_unauthenticated_connections >= 1,
+              "coordinator: --max-unauthenticated-connections must be >= 1");
+  SPADE_CHECK(opts.auth_timeout.count() > 0, "coordinator: --auth-timeout-ms must be > 0");
+  SPADE_CHECK(
+      opts.idle_timeout >= 2 * opts.heartbeat_interval,
+      "coordinator: --idle-timeout-ms {} must be at least twice the heartbeat interval ({} ms): ranks and "
+      "clients send a heartbeat every interval",
+      opts.idle_timeout.count(), opts.heartbeat_interval.count());
+  if (opts.cluster_secret.empty()) {
+    error_code ec;
+    const auto addr = asio::ip::make_address(opts.bind_host, ec);
+    if (!ec && !addr.is_loopback()) {
+      fail(
+          "coordinator: refusing to listen on {}:{} without a cluster secret: anyone who reaches the control "
+          "port could stop the world, submit requests or read its hosts, pids and addresses. Give every "
+          "process the same secret (--cluster-secret-file FILE or SPADE_CLUSTER_SECRET_FILE; docs/DEPLOY.md, "
+          "\"Security model\"), or listen on a loopback address (--host 127.0.0.1) for a single-host world",
+          opts.bind_host, opts.port);
+    }
+  } else {
+    SPADE_CHECK(opts.cluster_secret.size() >= kMinClusterSecretBytes,
+                "coordinator: the cluster secret is {} bytes; at least {} are required",
+                opts.cluster_secret.size(), kMinClusterSecretBytes);
+  }
 }
 
 ServerOptions validated(ServerOptions opts) {
@@ -63,6 +94,7 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
   explicit Impl(ServerOptions o)
       : ctx_(validated(std::move(o))),
         connections_(ctx_, *this),
+        auth_(ctx_, connections_),
         membership_(ctx_, connections_, *this),
         router_(ctx_, membership_, connections_),
         tick_timer_(ctx_.io),
@@ -181,6 +213,8 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
   void on_frame(const ConnPtr& c, const proto::Envelope& env) override {
     membership_.touch(c);
     if (ctx_.shutting_down) return;  // everything but the close handshake is moot now
+    if (c->close_after_flush) return;  // being closed (refused, declared dead): nothing it sends counts
+    if (c->kind == Conn::Kind::kUnregistered) return on_unregistered_frame(c, env);
     switch (env.msg_case()) {
       case proto::Envelope::kRegisterRequest:
         membership_.on_register(c, env.register_request());
@@ -196,12 +230,25 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
       }
       case proto::Envelope::kShutdown: {
         std::string who = c->remote + label(*c);
+        if (c->kind != Conn::Kind::kClient) {
+          spdlog::warn(
+              "coordinator: ignoring a shutdown request from {}: only a registered client may stop the world",
+              who);
+          break;
+        }
         spdlog::info("coordinator: shutdown requested by {}: {}", who, env.shutdown().reason());
         begin_shutdown(fmt::format("shutdown requested by {}: {}", who, env.shutdown().reason()), false, 0,
                        "");
         break;
       }
       case proto::Envelope::kGenerateRequest:
+        if (c->kind != Conn::Kind::kClient) {
+          spdlog::warn("coordinator: refusing request {} from {}: only a registered client may submit",
+                       env.generate_request().request_id(), c->remote + label(*c));
+          router_.refuse(c, env.generate_request(),
+                         "only a registered client may submit generation requests");
+          break;
+        }
         router_.on_generate_request(c, env.generate_request());
         break;
       case proto::Envelope::kGenerateChunk:
@@ -214,6 +261,36 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
         spdlog::warn("coordinator: rejecting connection from {}{}: unexpected {} frame; closing it",
                      c->remote, label(*c), proto::envelope_case_name(env));
         connections_.close(c, fmt::format("protocol error: unexpected {}", proto::envelope_case_name(env)));
+        break;
+    }
+  }
+
+  // A frame from a connection that has not registered: the challenge-response, then the registration (which,
+  // without a secret, admits the connection). Anything else is dropped and the connection closed.
+  void on_unregistered_frame(const ConnPtr& c, const proto::Envelope& env) {
+    switch (env.msg_case()) {
+      case proto::Envelope::kAuthHello:
+        if (c->admitted) return auth_.drop(c, env);
+        auth_.on_hello(c, env.auth_hello());
+        break;
+      case proto::Envelope::kAuthProof:
+        if (c->admitted) return auth_.drop(c, env);
+        auth_.on_proof(c, env.auth_proof());
+        break;
+      case proto::Envelope::kRegisterRequest:
+        if (auth_.required() && !c->admitted) {
+          return auth_.refuse(
+              c,
+              "authentication required: this coordinator has a cluster secret and the peer did not "
+              "authenticate (give it the same secret: --cluster-secret-file / "
+              "SPADE_CLUSTER_SECRET_FILE)");
+        }
+        membership_.on_register(c, env.register_request());
+        if (c->open && c->kind != Conn::Kind::kUnregistered) connections_.admit(c);
+        if (c->open && !c->admitted) ++ctx_.rejected_connections;  // registration refused before admission
+        break;
+      default:
+        auth_.drop(c, env);
         break;
     }
   }
@@ -242,6 +319,7 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
     tick_timer_.expires_after(period);
     tick_timer_.async_wait([this](const error_code& ec) {
       if (ec || this->ctx_.shutting_down) return;
+      this->connections_.check_deadlines(Clock::now());
       this->membership_.check_heartbeats();
       this->refresh_health();
       this->schedule_tick();
@@ -256,6 +334,9 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
     h.num_inference = membership_.num_inference();
     h.num_cache = membership_.num_cache();
     membership_.count_live(&h.live_inference, &h.live_cache);
+    h.auth_required = auth_.required();
+    h.unauthenticated_connections = connections_.unauthenticated();
+    h.rejected_connections = ctx_.rejected_connections;
     std::lock_guard<std::mutex> lk(health_mu_);
     health_ = h;
     last_tick_ = Clock::now();
@@ -328,6 +409,7 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
 
   ServerContext ctx_;  // options, io_context, session; declared first: the units below hold references to it
   Connections connections_;
+  Authenticator auth_;
   Membership membership_;
   RequestRouter router_;
   asio::steady_timer tick_timer_;

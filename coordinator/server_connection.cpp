@@ -22,6 +22,7 @@ Conn::Conn(tcp::socket s, size_t max_frame, uint64_t conn_id)
   error_code ec;
   auto ep = sock.remote_endpoint(ec);
   remote = ec ? std::string("<unknown peer>") : endpoint_str(ep);
+  accepted_at = last_frame_at = Clock::now();
 }
 
 Connections::Connections(ServerContext& ctx, ConnectionEvents& events)
@@ -70,13 +71,70 @@ void Connections::do_accept() {
     }
     if (ctx_.shutting_down) return;
     error_code ignored;
+    if (unauthenticated_ >= ctx_.opts.max_unauthenticated_connections) {
+      // Refused before a single byte is read: the limit bounds what strangers can hold.
+      auto ep = sock.remote_endpoint(ignored);
+      ++ctx_.rejected_connections;
+      this->log_refused(ignored ? std::string("<unknown peer>") : endpoint_str(ep));
+      sock.close(ignored);
+      this->do_accept();
+      return;
+    }
     sock.set_option(tcp::no_delay(true), ignored);
-    auto c = std::make_shared<Conn>(std::move(sock), ctx_.opts.max_frame_bytes, next_conn_id_++);
+    auto c =
+        std::make_shared<Conn>(std::move(sock), ctx_.opts.max_unauthenticated_frame_bytes, next_conn_id_++);
     spdlog::debug("coordinator: connection from {}", c->remote);
     conns_[c->id] = c;
+    ++unauthenticated_;
     this->start_read(c);
     this->do_accept();
   });
+}
+
+void Connections::log_refused(const std::string& remote) {
+  const auto now = Clock::now();
+  if (now - last_refusal_log_ < std::chrono::seconds(1)) {
+    ++refusals_not_logged_;
+    return;
+  }
+  spdlog::warn(
+      "coordinator: refusing connection from {}: {} unauthenticated connection(s) already open "
+      "(--max-unauthenticated-connections){}",
+      remote, unauthenticated_,
+      refusals_not_logged_
+          ? fmt::format("; {} more refused in the last second, not logged", refusals_not_logged_)
+          : std::string());
+  last_refusal_log_ = now;
+  refusals_not_logged_ = 0;
+}
+
+void Connections::admit(const ConnPtr& c) {
+  if (c->admitted) return;
+  c->admitted = true;
+  c->auth_step = Conn::AuthStep::kDone;
+  c->decoder.set_max_frame_bytes(ctx_.opts.max_frame_bytes);
+  if (c->open) --unauthenticated_;
+}
+
+void Connections::check_deadlines(Clock::time_point now) {
+  for (auto& c : snapshot()) {
+    if (!c->open || c->close_after_flush) continue;  // a closing connection has its own deadline
+    if (!c->admitted) {
+      if (now - c->accepted_at < ctx_.opts.auth_timeout) continue;
+      ++ctx_.rejected_connections;
+      spdlog::warn(
+          "coordinator: closing connection from {}: not authenticated within {} ms (--auth-timeout-ms){}",
+          c->remote, ctx_.opts.auth_timeout.count(),
+          c->decoder.mid_frame()
+              ? fmt::format("; dropping {} bytes of an unfinished frame", c->decoder.buffered_bytes())
+              : std::string());
+      close(c, fmt::format("not authenticated within {} ms", ctx_.opts.auth_timeout.count()));
+    } else if (now - c->last_frame_at >= ctx_.opts.idle_timeout) {
+      spdlog::warn("coordinator: closing idle connection from {}{}: no frame for {} ms (--idle-timeout-ms)",
+                   c->remote, events_.label(*c), age_ms(c->last_frame_at, now));
+      close(c, fmt::format("idle for {} ms", age_ms(c->last_frame_at, now)));
+    }
+  }
 }
 
 void Connections::start_read(const ConnPtr& c) {
@@ -117,11 +175,18 @@ bool Connections::dispatch_frames(const ConnPtr& c) {
     auto r = c->decoder.next(&env, &err);
     if (r == proto::FrameDecoder::Result::kNeedMore) return true;
     if (r == proto::FrameDecoder::Result::kError) {
+      if (!c->admitted) {
+        ++ctx_.rejected_connections;
+        err += err.find("exceeds the maximum frame size") != std::string::npos
+                   ? " (before authentication: --max-unauthenticated-frame-bytes)"
+                   : " (before authentication)";
+      }
       spdlog::warn("coordinator: rejecting connection from {}{}: {}; closing it", c->remote,
                    events_.label(*c), err);
       close(c, "protocol error: " + err);
       return false;
     }
+    c->last_frame_at = Clock::now();
     events_.on_frame(c, env);
     if (!c->open) return false;
   }
@@ -178,6 +243,7 @@ void Connections::close_gracefully(const ConnPtr& c) {
 void Connections::close(const ConnPtr& c, const std::string& why) {
   if (!c->open) return;
   c->open = false;
+  if (!c->admitted) --unauthenticated_;
   if (c->close_timer) c->close_timer->cancel();
   error_code ignored;
   c->sock.shutdown(tcp::socket::shutdown_both, ignored);

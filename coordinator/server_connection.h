@@ -1,7 +1,10 @@
-// Internal to the coordinator server: connection I/O. Accepts TCP connections, reads length-prefixed frames
-// (common/proto/framing.h) off them, queues and writes outgoing frames, and closes connections gracefully
-// (flush, half-close, wait for the peer's EOF, bounded by shutdown_flush_timeout) or at once. What a frame
-// means, and what a closed connection means to the world, is the ConnectionEvents listener's business.
+// Internal to the coordinator server: connection I/O. Accepts TCP connections (at most
+// max_unauthenticated_connections not yet admitted at once), reads length-prefixed frames
+// (common/proto/framing.h) off them (at most max_unauthenticated_frame_bytes each until admitted, then
+// max_frame_bytes), queues and writes outgoing frames, enforces the admission deadline (auth_timeout) and the
+// idle timeout, and closes connections gracefully (flush, half-close, wait for the peer's EOF, bounded by
+// shutdown_flush_timeout) or at once. What a frame means, and what a closed connection means to the world, is
+// the ConnectionEvents listener's business.
 #pragma once
 
 #include <array>
@@ -22,6 +25,8 @@ namespace spade::coord {
 // One TCP connection (a rank, a submitting client, or a stranger that has not registered yet).
 struct Conn {
   enum class Kind { kUnregistered, kMember, kClient };
+  // Where the challenge-response stands (coordinator/auth.h); kDone also without a secret once registered.
+  enum class AuthStep { kAwaitHello, kAwaitProof, kDone };
 
   /// Wraps an accepted socket; `max_frame` bounds incoming frames (bytes), `conn_id` keys Connections' table.
   Conn(tcp::socket s, size_t max_frame, uint64_t conn_id);
@@ -38,6 +43,14 @@ struct Conn {
   Kind kind = Kind::kUnregistered;
   uint32_t rank = 0;  // valid for kMember
   uint64_t id;
+  // Admission: set by Connections::admit once the peer proved the cluster secret (or, without a secret,
+  // registered); until then the small frame limit, the admission deadline and the unauthenticated-connection
+  // count apply.
+  bool admitted = false;
+  AuthStep auth_step = AuthStep::kAwaitHello;
+  std::string client_nonce, server_nonce;  // of this connection's challenge-response
+  Clock::time_point accepted_at{};         // origin of the admission deadline
+  Clock::time_point last_frame_at{};       // last complete frame received (idle timeout)
 };
 
 using ConnPtr = std::shared_ptr<Conn>;
@@ -81,6 +94,15 @@ class Connections {
   /// runs.
   void close(const ConnPtr& c, const std::string& why);
 
+  /// Admits `c` (idempotent): frames up to max_frame_bytes from now on, no admission deadline, no longer
+  /// counted as unauthenticated.
+  void admit(const ConnPtr& c);
+  /// Closes every unadmitted connection past its admission deadline and every admitted one idle for longer
+  /// than idle_timeout, logging each with its peer's address. Called from the server's tick.
+  void check_deadlines(Clock::time_point now);
+  /// Open connections not admitted yet.
+  uint32_t unauthenticated() const { return unauthenticated_; }
+
   /// Number of open connections.
   size_t size() const { return conns_.size(); }
   bool empty() const { return conns_.empty(); }
@@ -100,8 +122,14 @@ class Connections {
   ConnectionEvents& events_;
   tcp::acceptor acceptor_;
   uint16_t port_ = 0;
+  // Logs a refused connection; under a flood at most one line per second, with the count of those not logged.
+  void log_refused(const std::string& remote);
+
   std::map<uint64_t, ConnPtr> conns_;  // open connections by id (= accept order)
   uint64_t next_conn_id_ = 1;
+  uint32_t unauthenticated_ = 0;  // open and not admitted
+  Clock::time_point last_refusal_log_{};
+  uint64_t refusals_not_logged_ = 0;
 };
 
 }  // namespace spade::coord

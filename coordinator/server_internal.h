@@ -6,8 +6,11 @@
 //   server.cpp           CoordinatorServer::Impl: options, the io thread, timers (tick, rendezvous
 //                        deadline, shutdown flush), shutdown, health, and the frame dispatcher that
 //                        hands each frame to one of the units below.
-//   server_connection.*  Connections: accepting, framed reads and writes, graceful and hard closes,
-//                        the per-connection state (Conn).
+//   server_connection.*  Connections: accepting (bounded: max_unauthenticated_connections), framed reads
+//                        (frame limit before and after admission) and writes, graceful and hard closes,
+//                        the admission and idle deadlines, the per-connection state (Conn).
+//   server_auth.*        Authenticator: the coordinator's side of the challenge-response (AuthHello ->
+//                        AuthChallenge, AuthProof checked), and refusals of unadmitted connections.
 //   server_membership.*  Membership: the ranks table (Member), registration, heartbeats and their
 //                        deadline, pairing and ClusterView, PeerDown, status snapshots.
 //   server_routing.*     RequestRouter: GenerateRequest routing to inference ranks, chunk forwarding,
@@ -48,6 +51,7 @@ struct ServerContext {
   uint64_t session_id = 0;  // random per coordinator; sent in RegisterReply, ClusterView and StatusReply
   Clock::time_point start_time{};  // when the socket was bound: origin of the rendezvous deadline and uptime
   bool shutting_down = false;      // Shutdown is being broadcast: accept nothing new, only close handshakes
+  uint64_t rejected_connections = 0;  // closed before admission (Health::rejected_connections)
 };
 
 }  // namespace spade::coord

@@ -264,6 +264,12 @@ void Membership::touch(const ConnPtr& c) {
 }
 
 void Membership::on_heartbeat(const ConnPtr& c, const proto::Heartbeat& hb) {
+  proto::Envelope ack;
+  ack.mutable_heartbeat_ack()->set_seq(hb.seq());
+  if (c->kind == Conn::Kind::kClient) {  // keeps the client's connection from the idle timeout
+    conns_.send(c, ack);
+    return;
+  }
   if (c->kind != Conn::Kind::kMember) {
     spdlog::warn("coordinator: rejecting connection from {}: heartbeat before registration; closing it",
                  c->remote);
@@ -278,9 +284,7 @@ void Membership::on_heartbeat(const ConnPtr& c, const proto::Heartbeat& hb) {
   m.heartbeat_seq = hb.seq();
   m.stats.clear();
   for (const auto& [k, v] : hb.stats()) m.stats[k] = v;
-  proto::Envelope out;
-  out.mutable_heartbeat_ack()->set_seq(hb.seq());
-  conns_.send(c, out);
+  conns_.send(c, ack);
 }
 
 void Membership::check_heartbeats() {

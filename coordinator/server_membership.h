@@ -75,8 +75,8 @@ class Membership {
   /// RegisterRequest from `c`: registers a client or a rank, or replies with an error and closes `c`.
   /// Completes the world when the last rank registers.
   void on_register(const ConnPtr& c, const proto::RegisterRequest& req);
-  /// Heartbeat from `c`: records seq and stats and acks. Before registration it is a protocol error: `c` is
-  /// closed.
+  /// Heartbeat from `c`: from a rank records seq and stats and acks; from a client only acks. Before
+  /// registration it is a protocol error: `c` is closed.
   void on_heartbeat(const ConnPtr& c, const proto::Heartbeat& hb);
   /// A member's connection `c` closed for `why`: the rank is lost when `c` was its live connection.
   void on_connection_closed(const ConnPtr& c, const std::string& why);

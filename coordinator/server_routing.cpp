@@ -73,6 +73,11 @@ void RequestRouter::on_generate_request(const ConnPtr& c, const proto::GenerateR
                 membership_.describe(target), routed_id);
 }
 
+void RequestRouter::refuse(const ConnPtr& c, const proto::GenerateRequest& req, const std::string& why) {
+  send_error_chunk(c, req.request_id(),
+                   fmt::format("coordinator: request {} refused: {}", req.request_id(), why));
+}
+
 // In-process submission (HTTP API). `routed_id` was reserved by the caller's thread.
 void RequestRouter::on_local_request(uint64_t routed_id, const proto::GenerateRequest& req, ChunkSink sink) {
   uint32_t target = 0;

@@ -37,6 +37,8 @@ class RequestRouter {
   /// GenerateRequest from TCP connection `c`: forwarded to an inference rank, or answered at once with a
   /// final FINISH_ERROR chunk (shutting down, world not complete, no live inference rank, target not alive).
   void on_generate_request(const ConnPtr& c, const proto::GenerateRequest& req);
+  /// Answers `req` from `c` with a final FINISH_ERROR chunk carrying `why`, without routing it.
+  void refuse(const ConnPtr& c, const proto::GenerateRequest& req, const std::string& why);
   /// In-process submission under `routed_id` (from reserve_id()): like on_generate_request, but every chunk,
   /// a routing error included, goes to `sink` and carries `routed_id`.
   void on_local_request(uint64_t routed_id, const proto::GenerateRequest& req, ChunkSink sink);

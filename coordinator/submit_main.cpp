@@ -4,9 +4,11 @@
 //
 //   spade_submit --master-addr H --master-port P --prompt TEXT
 //                [--max-tokens N --temperature T --top-p P --top-k K --seed S] [--shutdown-after]
-//                [--timeout-ms 600000]
-// Exit status: 0 when the request finished (stop or length), 1 when it failed (the error names the failing
-// rank), 2 on a usage or connection error.
+//                [--timeout-ms 600000] [--cluster-secret-file FILE]
+// The cluster secret (--cluster-secret-file, else SPADE_CLUSTER_SECRET_FILE / SPADE_CLUSTER_SECRET) must be
+// the coordinator's when it has one (docs/DEPLOY.md, "Security model"). Exit status: 0 when the request
+// finished (stop or length), 1 when it failed (the error names the failing rank), 2 on a usage or connection
+// error.
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -15,6 +17,7 @@
 
 #include "common/logging.h"
 #include "coordinator/client.h"
+#include "coordinator/launch_env.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Submit a prompt to a Spade cluster and stream the generated text"};
@@ -35,6 +38,8 @@ int main(int argc, char** argv) {
   app.add_option("--timeout-ms", timeout_ms, "give up after this long")->check(CLI::PositiveNumber);
   app.add_flag("--shutdown-after", shutdown_after, "ask the coordinator to shut the cluster down when done");
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off");
+  std::optional<std::string> secret_file;
+  spade::coord::add_cluster_secret_flag(app, secret_file);
   CLI11_PARSE(app, argc, argv);
   using Clock = std::chrono::steady_clock;
   try {
@@ -43,6 +48,7 @@ int main(int argc, char** argv) {
     co.coordinator_host = addr;
     co.coordinator_port = static_cast<uint16_t>(port);
     co.role = spade::proto::CLIENT;
+    co.cluster_secret = spade::coord::resolve_cluster_secret(secret_file).value;
     spade::coord::CoordinatorClient cc(co);
     const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
     cc.rendezvous(std::min(deadline, Clock::now() + std::chrono::seconds(60)));

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Starts a whole Spade cluster on this host — coordinator, N inference ranks, M cache ranks — and either serves the
 # OpenAI-compatible API until Ctrl-C (no --prompt) or submits one prompt and prints the generated text on stdout;
-# tears every process down on exit, Ctrl-C or any rank's death.
+# tears every process down on exit, Ctrl-C or the death of the coordinator or an inference rank (a cache rank's death
+# is logged and its inference rank goes on decoding densely).
 #
 #   deploy/launch_local.sh --model DIR [--http-port 8000] [--no-metrics]
 #       serve: the API and the coordinator's /metrics on --http-port; inference #i serves /metrics on 8100+i and cache
@@ -13,7 +14,7 @@
 #       --chat: send TEXT as one user message through the coordinator's OpenAI API (/v1/chat/completions, the
 #       checkpoint's chat template) instead of as raw text through spade_submit
 # Env: SPADE_BUILD_DIR (binaries, default build/), SPADE_LOG_DIR (rank logs, default a fresh temp dir),
-#      MASTER_PORT (default: a free port).
+#      MASTER_PORT (default: a free port), SPADE_CLUSTER_SECRET_FILE (default: a fresh secret in the log dir).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${SPADE_BUILD_DIR:-$root/build}"
@@ -54,6 +55,13 @@ port="${MASTER_PORT:-$(free_port)}"
 world=$((1 + n_inf + n_cache))
 export MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" WORLD_SIZE="$world"
 export UCX_LOG_LEVEL="${UCX_LOG_LEVEL:-error}"
+# A fresh cluster secret per launch (docs/DEPLOY.md, "Security model"), unless one is given: every process of the
+# cluster (and spade_submit) reads it from this 0600 file and authenticates its control connection with it.
+if [ -z "${SPADE_CLUSTER_SECRET_FILE:-}${SPADE_CLUSTER_SECRET:-}" ]; then
+  rm -f "$logs/cluster.secret"
+  (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$logs/cluster.secret")
+  export SPADE_CLUSTER_SECRET_FILE="$logs/cluster.secret"
+fi
 pids=()
 cleanup() {
   trap - EXIT INT TERM
@@ -80,14 +88,22 @@ for ((i = 0; i < n_cache; i++)); do
   pids+=($!)
 done
 
-# Watchdog: any rank that dies takes the cluster (and this script) down.
+# Watchdog: the coordinator's or an inference rank's death takes the cluster (and this script) down. A cache rank's
+# does not: its inference rank decodes every request densely from then on (the dense fallback), which is logged here.
 self=$$
-( while sleep 0.5; do
-    for p in "${pids[@]}"; do
-      if ! kill -0 "$p" 2>/dev/null; then
-        echo "launch_local: a cluster process (pid $p) exited; tearing down (logs in $logs)" >&2
-        kill -TERM "$self" 2>/dev/null; exit 0
+( watched=("${pids[@]}")  # coordinator, inference #0..n_inf-1, cache #0..n_cache-1
+  while sleep 0.5; do
+    for i in "${!watched[@]}"; do
+      p="${watched[$i]}"
+      kill -0 "$p" 2>/dev/null && continue
+      if [ "$i" -gt "$n_inf" ]; then
+        k=$((i - 1 - n_inf))
+        echo "launch_local: cache rank #$k (pid $p) exited; inference rank #$k keeps serving, densely (logs in $logs)" >&2
+        unset "watched[$i]"
+        continue
       fi
+      echo "launch_local: a cluster process (pid $p) exited; tearing down (logs in $logs)" >&2
+      kill -TERM "$self" 2>/dev/null; exit 0
     done
   done ) &
 watchdog=$!

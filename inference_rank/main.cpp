@@ -60,7 +60,7 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
   } else {
     r.refuse("a standalone run (--prompt)",
              {"--master-addr", "--master-port", "--rank", "--world-size", "--num-inference", "--num-cache",
-              "--role-map", "--rendezvous-timeout-ms", "--metrics-port", "--metrics-host"},
+              "--role-map", "--cluster-secret-file", "--rendezvous-timeout-ms", "--metrics-port", "--metrics-host"},
              "it joins no cluster and serves no metrics: these need --serve");
     r.refuse("a standalone run (--prompt)", {"--gpu", "--gpu-link"},
              "it runs on GPU 0 (choose it with CUDA_VISIBLE_DEVICES), its cache rank in this process");

@@ -51,6 +51,10 @@ InferenceMetrics::InferenceMetrics(Registry& r, const SparseOptions& sparse, con
                           .with()),
       pages_dropped_(r.counter("spade_kv_pages_dropped_total",
                                "Local KV pages freed early: sparse sequences keep only what they still attend.")
+                         .with()),
+      pair_degraded_(r.gauge("spade_pair_degraded",
+                             "1 while the paired cache rank is lost (down or its link failed): every request decodes "
+                             "densely; else 0.")
                          .with()) {
   for (const char* reason : {"stop", "length", "abort"}) success_.with({reason});  // zero series, so rate() works
   r.gauge("spade_sparse_config_info", "The rank's sparse-decoding settings (value 1).",

@@ -21,6 +21,8 @@
 //   spade_transfer_bytes_total{direction,transport} counter  data-plane bytes, direction send|recv
 //   spade_cache_select_seconds_total               counter  cache-rank selection time reported with the selections
 //   spade_sparse_config_info{...}                  gauge    1, labels = the rank's sparse settings
+//   spade_pair_degraded                            gauge    1 while the paired cache rank is down or its link failed
+//                                                           (every request decodes densely), else 0
 #pragma once
 
 #include <cstdint>
@@ -43,6 +45,8 @@ class InferenceMetrics : public EngineObserver {
 
   /// Gauges from the engine, counters from the cumulative sparse / link statistics (by difference).
   void update(const EngineStats& engine, const SparseStats* sparse, const pair::LinkStats* link);
+  /// spade_pair_degraded: 1 while the pair has no usable cache rank (it was lost), else 0.
+  void set_pair_degraded(bool degraded) { pair_degraded_.set(degraded ? 1 : 0); }
 
  private:
   metrics::Gauge &running_, &waiting_, &kv_usage_;
@@ -51,6 +55,7 @@ class InferenceMetrics : public EngineObserver {
   metrics::Histogram &ttft_, &itl_, &e2e_, &queue_;
   metrics::Counter &stalls_, &stall_seconds_, &fallbacks_, &switches_, &sparse_steps_, &failed_seqs_;
   metrics::Counter &bytes_sent_, &bytes_recv_, &select_seconds_, &pages_dropped_;
+  metrics::Gauge& pair_degraded_;
   uint64_t last_pages_dropped_ = 0;
   SparseStats last_sparse_;
   pair::LinkStats last_link_;

@@ -3,9 +3,11 @@
 #include <spdlog/spdlog.h>
 
 #include <atomic>
+#include <climits>
 #include <csignal>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <unistd.h>
 
 #include "common/config.h"
@@ -43,6 +45,148 @@ proto::FinishReason to_proto(FinishReason r) {
 struct Active {
   uint64_t request_id = 0;  // the coordinator's id
   StreamingDecoder decoder;
+  bool silent = false;      // withdrawn before its first step (its rejection is the answer): no chunk of its own
+};
+
+// What a GenerateRequest is checked against before it reaches the engine.
+struct IntakeLimits {
+  int vocab_size = 0;
+  int max_model_len = 0;
+  bool on_gpu = false;
+  int rank_token_budget = 0;  // the rank's --token-budget
+  bool cpu_backend = false;   // the CPU SparseAttention takes per-request budgets up to rank_token_budget
+};
+
+// A GenerateRequest as the engine and the sparse backend take it.
+struct IntakeRequest {
+  GenerateRequest engine;
+  bool force_dense = false;
+  int sparse_threshold = 0;  // 0: the rank's
+  int token_budget = 0;      // 0: the rank's
+  bool has_sparse_options() const { return force_dense || sparse_threshold > 0 || token_budget > 0; }
+};
+
+// Checks every field of `req` (in the proto's unsigned types, before any narrowing) and builds the engine request.
+// Throws spade::Error naming the field. What Engine::submit checks itself (empty prompt, sampling ranges, prompt +
+// max_tokens over the context, the KV pool) it still checks, before queuing.
+IntakeRequest parse_request(const proto::GenerateRequest& req, const IntakeLimits& lim, const Tokenizer& tok,
+                            const GenerationConfig& gen) {
+  IntakeRequest out;
+  GenerateRequest& g = out.engine;
+  const auto vocab = static_cast<uint32_t>(lim.vocab_size);
+  if (req.has_prompt_ids()) {
+    SPADE_CHECK(static_cast<int64_t>(req.prompt_ids().ids_size()) <= lim.max_model_len,
+                "This model's maximum context length is {} tokens and your request has {} prompt tokens",
+                lim.max_model_len, req.prompt_ids().ids_size());
+    for (uint32_t id : req.prompt_ids().ids()) {
+      SPADE_CHECK(id < vocab, "prompt token id {} is outside the vocabulary [0, {})", id, vocab);
+      g.prompt_ids.push_back(static_cast<int32_t>(id));
+    }
+  } else if (req.text().empty()) {
+    SPADE_CHECK(gen.bos_token_id >= 0 || tok.bos_id(), "empty prompt and the model defines no BOS token");
+    g.prompt_ids = {tok.bos_id() ? *tok.bos_id() : gen.bos_token_id};
+  } else {
+    g.prompt_ids = tok.encode(req.text(), true);
+  }
+  SPADE_CHECK(req.max_tokens() > 0, "max_tokens must be positive, got {}", req.max_tokens());
+  const int64_t total = static_cast<int64_t>(g.prompt_ids.size()) + req.max_tokens();
+  if (total > lim.max_model_len)
+    fail("This model's maximum context length is {} tokens and your request has {} tokens ({} in the prompt, {} to "
+         "generate)",
+         lim.max_model_len, total, g.prompt_ids.size(), req.max_tokens());
+  g.max_tokens = static_cast<int>(req.max_tokens());
+  g.ignore_eos = req.ignore_eos();
+  const proto::SamplingParams& sp = req.sampling();
+  g.sampling.temperature = sp.temperature();
+  g.sampling.top_p = sp.top_p() == 0.f ? 1.f : sp.top_p();  // 0 = disabled; negatives and NaN fail validate()
+  SPADE_CHECK(sp.top_k() <= vocab, "top_k {} is above the vocabulary size {} (0 = disabled)", sp.top_k(), vocab);
+  g.sampling.top_k = static_cast<int>(sp.top_k());
+  g.sampling.seed = sp.seed();
+  validate(g.sampling);
+  g.stop_token_ids = gen.eos_token_ids;
+  for (uint32_t s : sp.stop_token_ids()) {
+    SPADE_CHECK(s < vocab, "stop token id {} is outside the vocabulary [0, {})", s, vocab);
+    g.stop_token_ids.push_back(static_cast<int>(s));
+  }
+  // Sparse fields: the per-request ones are bounded; the rank-level ones are refused by name, not ignored.
+  const proto::SparseParams& p = req.sparse();
+  const std::pair<const char*, bool> rank_level[] = {
+      {"enabled", p.enabled()},
+      {"sink_tokens (--sink-tokens)", p.sink_tokens() != 0},
+      {"local_window (--local-window)", p.local_window() != 0},
+      {"layers_per_pack (--layers-per-pack)", p.layers_per_pack() != 0},
+      {"sparse_start_step", p.sparse_start_step() != 0},
+      {"query_window (--query-window)", p.query_window() != 0},
+      {"ridge_lambda (--ridge-eps)", p.ridge_lambda() != 0.f}};
+  for (const auto& [name, set] : rank_level)
+    SPADE_CHECK(!set, "sparse.{} is a setting of the rank, not of a request (leave it unset)", name);
+  SPADE_CHECK(p.sparse_threshold() <= static_cast<uint32_t>(lim.max_model_len),
+              "spade.sparse_threshold {} is above this model's maximum context length {}", p.sparse_threshold(),
+              lim.max_model_len);
+  const uint32_t budget = p.token_budget();
+  const auto rank_budget = static_cast<uint32_t>(lim.rank_token_budget);
+  if (lim.on_gpu && budget > 0 && budget != rank_budget)
+    fail("spade.token_budget {}: on the GPU path the budget is the rank's ({})", budget, rank_budget);
+  if (lim.cpu_backend && budget > rank_budget)
+    fail("spade.token_budget {} is above this rank's --token-budget {}", budget, rank_budget);
+  out.force_dense = p.force_dense();
+  out.sparse_threshold = static_cast<int>(p.sparse_threshold());
+  out.token_budget = static_cast<int>(budget);
+  return out;
+}
+
+// The pair's health, as the status endpoint, the metrics and the control plane see it. degrade() may come from any
+// thread: the coordinator client's I/O thread calls it on a PeerDown for the paired cache rank, with `abort_link`, so
+// that the link is aborted at once even while the main loop is blocked inside a step waiting on it (the abort runs
+// on a thread of its own: the I/O thread must not block, and an NCCL abort may take a while).
+class PairHealth {
+ public:
+  ~PairHealth() { disarm(); }
+  /// The link to abort (not owned; either may be null). Main thread, once the link's owner (the engine) exists.
+  void arm(transport::Endpoint* endpoint, transport::GpuLink* gpu_link) {
+    std::lock_guard<std::mutex> lk(link_mu_);
+    endpoint_ = endpoint;
+    gpu_link_ = gpu_link;
+  }
+  /// Marks the pair degraded (the first reason stays) and, with `abort_link`, aborts the armed link once. Returns
+  /// at once.
+  void degrade(const std::string& why, bool abort_link) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (why_.empty()) why_ = why;
+    if (!abort_link || abort_started_ || disarmed_) return;
+    abort_started_ = true;
+    aborter_ = std::thread([this, why] {
+      std::lock_guard<std::mutex> l(link_mu_);
+      if (endpoint_ != nullptr) endpoint_->abort(why);
+      if (gpu_link_ != nullptr) gpu_link_->abort(why);
+    });
+  }
+  /// Forgets the link (before its owner destroys it) and waits for an abort in progress. Main thread; idempotent.
+  void disarm() {
+    std::thread t;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      disarmed_ = true;
+      t = std::move(aborter_);
+    }
+    if (t.joinable()) t.join();
+    arm(nullptr, nullptr);
+  }
+  /// "" while the pair is whole, else why it is not.
+  std::string degraded() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return why_;
+  }
+
+ private:
+  mutable std::mutex mu_;  // why_, abort_started_, disarmed_, aborter_
+  std::string why_;
+  bool abort_started_ = false;
+  bool disarmed_ = false;
+  std::thread aborter_;
+  std::mutex link_mu_;  // endpoint_, gpu_link_ (held during the abort)
+  transport::Endpoint* endpoint_ = nullptr;
+  transport::GpuLink* gpu_link_ = nullptr;
 };
 
 }  // namespace
@@ -61,6 +205,8 @@ int run_serve(const ServeOptions& opt) {
     std::lock_guard<std::mutex> lk(stage_mu);
     not_ready = std::move(why);
   };
+  // Shared with the coordinator client's event callback (its I/O thread may outlive this scope's locals).
+  auto pair_health = std::make_shared<PairHealth>();
   std::unique_ptr<http::HttpServer> status_server;
   if (opt.metrics_port > 0) {
     status_server = serve_status_endpoint(
@@ -69,6 +215,10 @@ int run_serve(const ServeOptions& opt) {
                      [&] {
                        std::lock_guard<std::mutex> lk(stage_mu);
                        return not_ready;
+                     },
+                     [pair_health] {
+                       const std::string why = pair_health->degraded();
+                       return why.empty() ? why : "sparse decoding unavailable, decoding densely: " + why;
                      }});
     spdlog::info("{}: metrics on {}:{}/metrics", self, opt.metrics_host, status_server->port());
   }
@@ -228,6 +378,25 @@ int run_serve(const ServeOptions& opt) {
              : (net ? net->kind() : std::string("none"));
   InferenceMetrics rank_metrics(registry, sparse, transport_name.c_str());
   engine.set_observer(&rank_metrics);
+  // From here a PeerDown for the cache rank aborts the link at once (the coordinator client's I/O thread); the guard
+  // detaches the link before the engine (its owner) is destroyed.
+  pair_health->arm(endpoint, gpu_link);
+  struct DisarmAtExit {
+    PairHealth& health;
+    ~DisarmAtExit() { health.disarm(); }
+  } disarm_at_exit{*pair_health};
+  const bool has_link = endpoint != nullptr || gpu_link != nullptr;
+  if (has_link)
+    cc.set_event_callback([pair_health, cache_rank, cache_name](const coord::ClientEvent& ev) {
+      if (ev.kind == coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() == cache_rank)
+        pair_health->degrade(fmt::format("{} is down: {}", cache_name, ev.peer_down.reason()), true);
+    });
+  IntakeLimits limits;
+  limits.vocab_size = model_cfg.vocab_size;
+  limits.max_model_len = engine.options().max_model_len;
+  limits.on_gpu = on_gpu;
+  limits.rank_token_budget = backend ? backend->options().selection.token_budget : sparse.selection.token_budget;
+  limits.cpu_backend = backend != nullptr;
   set_stage("");  // ready: weights loaded, world complete, data plane connected
 
   std::map<uint64_t, Active> active;    // engine id -> request
@@ -249,10 +418,11 @@ int run_serve(const ServeOptions& opt) {
     while (auto ev = cc.next_event(Clock::now())) {
       if (ev->kind == coord::ClientEvent::Kind::kPeerDown) {
         spdlog::error("{}: {}", self, ev->message);
-        if (endpoint && ev->peer_down.rank() == cache_rank)
-          endpoint->abort(fmt::format("{} is down: {}", cache_name, ev->peer_down.reason()));
-        if (gpu_link != nullptr && ev->peer_down.rank() == cache_rank)
-          gpu_link->abort(fmt::format("{} is down: {}", cache_name, ev->peer_down.reason()));
+        if (has_link && ev->peer_down.rank() == cache_rank) {  // the callback has aborted the link already
+          pair_health->degrade(fmt::format("{} is down: {}", cache_name, ev->peer_down.reason()), true);
+          spdlog::warn("{}: {} is down: sparse requests in flight fail, every other and every new request decodes "
+                       "densely", self, cache_name);
+        }
       } else {
         spdlog::info("{}: {}", self, ev->message);
         exit_code = ev->kind == coord::ClientEvent::Kind::kShutdown && !ev->shutdown.is_error() ? 0 : 1;
@@ -268,10 +438,11 @@ int run_serve(const ServeOptions& opt) {
       spdlog::info("{}: cancelling request {}: {}", self, c->request_id(), c->reason());
       engine.abort(it->second);
     }
-    // New requests: wait briefly only when idle.
-    const auto wait_until = engine.idle() ? Clock::now() + std::chrono::milliseconds(50) : Clock::now();
-    while (auto req = cc.next_request(wait_until)) {
-      const uint64_t rid = req->request_id();
+    // New requests: wait briefly only when idle, and only for the first one (take_requests).
+    const auto first_deadline = engine.idle() ? Clock::now() + std::chrono::milliseconds(50) : Clock::now();
+    take_requests([&](coord::Deadline d) { return cc.next_request(d); }, first_deadline,
+                  [&](const proto::GenerateRequest& req) {
+      const uint64_t rid = req.request_id();
       auto reject = [&](const std::string& why) {
         proto::GenerateChunk c;
         c.set_request_id(rid);
@@ -281,68 +452,77 @@ int run_serve(const ServeOptions& opt) {
         c.set_served_by_rank(env.rank);
         cc.send_chunk(c);
       };
+      IntakeRequest r;
       try {
-        GenerateRequest g;
-        if (req->has_prompt_ids()) {
-          for (uint32_t id : req->prompt_ids().ids()) g.prompt_ids.push_back(static_cast<int32_t>(id));
-        } else if (req->text().empty()) {
-          SPADE_CHECK(gen.bos_token_id >= 0 || tok.bos_id(), "empty prompt and the model defines no BOS token");
-          g.prompt_ids = {tok.bos_id() ? *tok.bos_id() : gen.bos_token_id};
-        } else {
-          g.prompt_ids = tok.encode(req->text(), true);
-        }
-        g.max_tokens = static_cast<int>(req->max_tokens());
-        g.ignore_eos = req->ignore_eos();
-        g.sampling.temperature = req->sampling().temperature();
-        g.sampling.top_p = req->sampling().top_p() > 0 ? req->sampling().top_p() : 1.f;
-        g.sampling.top_k = static_cast<int>(req->sampling().top_k());
-        g.sampling.seed = req->sampling().seed();
-        g.stop_token_ids = gen.eos_token_ids;
-        for (uint32_t s : req->sampling().stop_token_ids()) g.stop_token_ids.push_back(static_cast<int>(s));
-        const int budget = static_cast<int>(req->sparse().token_budget());
-        if (on_gpu && budget > 0 && budget != sparse.selection.token_budget)
-          fail("spade.token_budget {}: on the GPU path the budget is the rank's ({})", budget,
-               sparse.selection.token_budget);
-        if (backend && budget > backend->options().selection.token_budget)
-          fail("spade.token_budget {} is above this rank's --token-budget {}", budget,
-               backend->options().selection.token_budget);
-        const uint64_t eid = engine.submit(g, [&, rid](const TokenEvent& ev) {
-          proto::GenerateChunk c;
-          c.set_request_id(rid);
-          c.set_served_by_rank(env.rank);
+        r = parse_request(req, limits, tok, gen);  // every field, before the engine sees the request
+      } catch (const Error& e) {
+        reject(fmt::format("invalid request: {}", e.what()));  // the API answers these with 400
+        return;
+      }
+      uint64_t eid = 0;
+      try {
+        eid = engine.submit(std::move(r.engine), [&, rid](const TokenEvent& ev) {
           auto it = active.find(ev.request_id);
-          if (ev.token >= 0 && ev.reason != FinishReason::Stop) {
-            c.add_token_ids(static_cast<uint32_t>(ev.token));
-            if (it != active.end()) c.set_text(it->second.decoder.push(ev.token));
+          const bool silent = it != active.end() && it->second.silent;
+          if (!silent) {
+            proto::GenerateChunk c;
+            c.set_request_id(rid);
+            c.set_served_by_rank(env.rank);
+            if (ev.token >= 0 && ev.reason != FinishReason::Stop) {
+              c.add_token_ids(static_cast<uint32_t>(ev.token));
+              if (it != active.end()) c.set_text(it->second.decoder.push(ev.token));
+            }
+            if (ev.finished) {
+              if (it != active.end()) c.set_text(c.text() + it->second.decoder.finish());
+              c.set_finished(true);
+              c.set_finish_reason(to_proto(ev.reason));
+              if (!ev.error.empty()) c.set_error(fmt::format("{}: {}", self, ev.error));
+            }
+            cc.send_chunk(c);
           }
-          if (ev.finished) {
-            if (it != active.end()) c.set_text(c.text() + it->second.decoder.finish());
-            c.set_finished(true);
-            c.set_finish_reason(to_proto(ev.reason));
-            if (!ev.error.empty()) c.set_error(fmt::format("{}: {}", self, ev.error));
-          }
-          cc.send_chunk(c);
           if (ev.finished && it != active.end()) {
             by_rid.erase(it->second.request_id);
             active.erase(it);
           }
         });
-        active.emplace(eid, Active{rid, StreamingDecoder(tok, true)});
-        by_rid[rid] = eid;
-        if (backend && (req->sparse().force_dense() || req->sparse().sparse_threshold() > 0 || budget > 0))
-          backend->set_request_options(eid, req->sparse().force_dense(),
-                                       static_cast<int>(req->sparse().sparse_threshold()), budget);
+      } catch (const Error& e) {
+        reject(fmt::format("invalid request: {}", e.what()));  // nothing was queued
+        return;
+      }
+      active.emplace(eid, Active{rid, StreamingDecoder(tok, true)});
+      by_rid[rid] = eid;
+      // The options were checked by parse_request; should a backend still refuse them, the request is withdrawn
+      // before its first step (engine.abort, silently) and only the rejection answers it.
+      try {
+        if (backend && r.has_sparse_options())
+          backend->set_request_options(eid, r.force_dense, r.sparse_threshold, r.token_budget);
 #ifdef SPADE_HAVE_GPU_PATH
-        if (gpu_sparse && (req->sparse().force_dense() || req->sparse().sparse_threshold() > 0))
-          gpu_sparse->set_request_options(eid, req->sparse().force_dense(),
-                                          static_cast<int>(req->sparse().sparse_threshold()));
+        if (gpu_sparse && (r.force_dense || r.sparse_threshold > 0))
+          gpu_sparse->set_request_options(eid, r.force_dense, r.sparse_threshold);
 #endif
       } catch (const Error& e) {
-        reject(fmt::format("invalid request: {}", e.what()));  // the API answers these with 400
+        active.at(eid).silent = true;
+        engine.abort(eid);
+        reject(fmt::format("invalid request: {}", e.what()));
       }
-    }
+    });
     if (!engine.idle()) engine.step();
     if (backend && engine.idle() && backend->pending_releases() > 0) backend->idle_flush();
+    // A link that failed without a PeerDown (transport error, late selection): the pair is degraded all the same.
+    if (has_link && pair_health->degraded().empty()) {
+      bool failed = backend != nullptr &&
+                    (backend->link_failed() || (backend->link() != nullptr && !backend->link()->failure().empty()));
+#ifdef SPADE_HAVE_GPU_PATH
+      failed = failed || (gpu_sparse && gpu_sparse->link_failed());
+#endif
+      if (failed) {
+        const std::string why = endpoint != nullptr ? endpoint->failure() : gpu_link->failure();
+        pair_health->degrade(fmt::format("the data plane to {} failed{}{}", cache_name, why.empty() ? "" : ": ", why),
+                             false);
+        spdlog::warn("{}: {}; decoding densely", self, pair_health->degraded());
+      }
+    }
+    rank_metrics.set_pair_degraded(!pair_health->degraded().empty());
     if (backend) {
       const SparseStats& s = backend->stats();
       cc.set_stat("sparse_seq_steps", static_cast<double>(s.sparse_seq_steps));

@@ -7,9 +7,18 @@
 // rank. With metrics_port set it serves Prometheus metrics (inference_rank/rank_metrics.h), /health (main loop
 // alive) and /ready (weights loaded, rendezvous done, data plane connected). With device "cuda" the forward pass runs
 // on one GPU and the data plane is a GpuLink (see ServeOptions); per-request token budgets are not supported there.
+//
+// Every field of a GenerateRequest is checked before the request reaches the engine: a rejected request is answered
+// with one FINISH_ERROR chunk ("invalid request: ..." naming the field) and never runs. A PeerDown for the paired
+// cache rank (the coordinator's heartbeat deadline, or its connection dropped) aborts the data-plane link at once,
+// from the coordinator client's I/O thread, also while a step is waiting on that link: the sparse requests in flight
+// fail naming the cache rank, every other and every new request decodes densely, and the pair reports itself
+// degraded (/ready 200 {"status":"degraded"}, spade_pair_degraded 1) while /health stays 200.
 #pragma once
 
+#include <chrono>
 #include <string>
+#include <utility>
 
 #include "coordinator/launch_env.h"
 #include "inference_rank/engine.h"
@@ -37,6 +46,23 @@ struct ServeOptions {
   std::string gpu_link = "nccl";
   bool cuda_graphs = true;   // dense steps (and every step once the link failed)
 };
+
+/// One pass of the serving loop's request intake: hands `handle` every request that `next(deadline)` yields (an
+/// std::optional), until it yields none. Only the first call waits, up to `first_deadline` (the loop passes now plus
+/// its idle wait when nothing is running, else now); the later calls pass a deadline in the past and take only what
+/// has already arrived, so a request that reaches an idle rank starts with the next step. Returns how many were
+/// taken.
+template <class Next, class Handle>
+int take_requests(Next&& next, std::chrono::steady_clock::time_point first_deadline, Handle&& handle) {
+  int taken = 0;
+  auto deadline = first_deadline;
+  while (auto r = next(deadline)) {
+    handle(std::move(*r));
+    ++taken;
+    deadline = std::chrono::steady_clock::time_point{};  // the clock's epoch: already passed
+  }
+  return taken;
+}
 
 /// Runs until the coordinator shuts the world down (returns 0) or a fatal error (returns non-zero, message on
 /// stderr naming the peer).

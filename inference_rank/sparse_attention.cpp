@@ -95,6 +95,10 @@ void SparseAttention::begin_step(const ForwardBatch& batch) {
   // A step that ended early (an exception in the forward pass fails its batch) left the previous step's answers for
   // the packs it never reached unread; they come first on the link.
   drop_unread_answers();
+  // A link its transport already knows to be dead (a PeerDown aborted it while no operation was pending) fails now,
+  // so that no sequence starts switching to sparse over it: they all decode densely.
+  if (opt_.mode == SelectionMode::Predicted && link_error_.empty() && link_)
+    if (std::string why = link_->failure(); !why.empty()) fail_link(why);
   expect_reply_ = expect_now_;
   std::fill(expect_now_.begin(), expect_now_.end(), false);
   phase_.assign(batch.batch(), Phase::Dense);

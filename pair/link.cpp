@@ -87,6 +87,10 @@ PackSelection TransportLink::receive(transport::Deadline deadline, bool* waited)
   return p;
 }
 
+std::string TransportLink::failure() const {
+  return ep_->failed() ? fmt::format("{} is unreachable: {}", ep_->peer_name(), ep_->failure()) : std::string();
+}
+
 void TransportLink::shutdown() {
   if (ep_->failed()) return;
   FramePrefix f;

@@ -36,6 +36,10 @@ class CacheRankLink {
   virtual const LinkStats& stats() const = 0;
   /// "in-process" or the peer's name.
   virtual std::string peer() const = 0;
+  /// Why the link can no longer be used, naming the cache rank, as soon as its transport knows (the peer died, or
+  /// the endpoint was aborted on the coordinator's PeerDown) — also before an operation on it failed; "" while it
+  /// is usable. Thread-safe.
+  virtual std::string failure() const { return ""; }
 };
 
 class TransportLink : public CacheRankLink {
@@ -47,6 +51,7 @@ class TransportLink : public CacheRankLink {
   size_t in_flight() const override { return pending_recvs_.size(); }
   const LinkStats& stats() const override { return stats_; }
   std::string peer() const override { return ep_->peer_name(); }
+  std::string failure() const override;
   /// Tells the cache rank to stop serving this link (best effort, bounded wait).
   void shutdown();
 

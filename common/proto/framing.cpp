@@ -45,6 +45,12 @@ const char* envelope_case_name(const Envelope& env) {
       return "generate_chunk";
     case Envelope::kCancelRequest:
       return "cancel_request";
+    case Envelope::kAuthHello:
+      return "auth_hello";
+    case Envelope::kAuthChallenge:
+      return "auth_challenge";
+    case Envelope::kAuthProof:
+      return "auth_proof";
     case Envelope::MSG_NOT_SET:
       return "<none>";
   }

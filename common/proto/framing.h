@@ -55,12 +55,17 @@ class FrameDecoder {
 
   /// True when bytes of an incomplete frame are buffered (the stream must not end here).
   bool mid_frame() const { return pos_ < buf_.size(); }
+  /// Bytes received but not yet decoded (those of an incomplete frame).
+  size_t buffered_bytes() const { return buf_.size() - pos_; }
 
   /// For a stream that ended: "" when it ended on a frame boundary, else a "truncated frame: ..."
   /// description.
   std::string eof_error() const;
 
   size_t max_frame_bytes() const { return max_frame_bytes_; }
+  /// Changes the limit from the next call of next() on (e.g. raised once a peer has authenticated); buffered
+  /// bytes are kept.
+  void set_max_frame_bytes(size_t max_frame_bytes) { max_frame_bytes_ = max_frame_bytes; }
 
  private:
   // Parses the varint at pos_. Returns 1 = complete (*len, *prefix_bytes), 0 = need more, -1 = malformed.

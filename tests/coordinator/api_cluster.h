@@ -58,7 +58,9 @@ struct ApiCluster {
             {"MASTER_PORT", std::to_string(control_port)},
             {"RANK", std::to_string(rank)},
             {"WORLD_SIZE", "3"},
-            {"UCX_LOG_LEVEL", "error"}};
+            {"UCX_LOG_LEVEL", "error"},
+            // Every process authenticates its control connection (docs/DEPLOY.md, "Security model").
+            {"SPADE_CLUSTER_SECRET", "api-cluster-test-secret-0123456789"}};
   }
 
   void start_coordinator(const ClusterOptions& o) {

@@ -1,11 +1,15 @@
 // LaunchEnv: flags > torchrun env > Open MPI env, role map rule, inconsistent values.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "common/error.h"
 #include "coordinator/client.h"
 #include "coordinator/launch_env.h"
+#include "tests/test_util.h"
 
 namespace spade::coord {
 namespace {
@@ -169,6 +173,94 @@ TEST(LaunchEnv, ClientOptionsFollowTheLaunchEnv) {
   EXPECT_EQ(o.rank, 4u);
   EXPECT_EQ(o.role_index, 1u);
   EXPECT_EQ(o.world_size, 5u);
+}
+
+// ---- cluster secret
+// ----------------------------------------------------------------------------------------------
+
+// Writes `content` to a fresh file in `dir` with permissions `mode`; returns its path.
+std::string secret_file(const std::string& dir, const std::string& name, const std::string& content,
+                        mode_t mode) {
+  const std::string path = dir + "/" + name;
+  std::ofstream(path, std::ios::binary) << content;
+  ::chmod(path.c_str(), mode);
+  return path;
+}
+
+std::string secret_error(const std::optional<std::string>& flag, std::map<std::string, std::string> env) {
+  try {
+    resolve_cluster_secret(flag, env_of(std::move(env)));
+  } catch (const spade::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ClusterSecret, FlagFileOverEnvFileOverEnvValueTrimmed) {
+  const std::string dir = spade::test::make_temp_dir("spade_secret_");
+  const std::string a = secret_file(dir, "a", "secret-from-the-flag-file\n", 0600);
+  const std::string b = secret_file(dir, "b", "secret-from-the-env-file\r\n", 0400);
+  auto s = resolve_cluster_secret(
+      a, env_of({{"SPADE_CLUSTER_SECRET_FILE", b}, {"SPADE_CLUSTER_SECRET", "secret-from-the-env-value"}}));
+  EXPECT_EQ(s.value, "secret-from-the-flag-file");
+  EXPECT_EQ(s.source, "flag --cluster-secret-file " + a);
+  s = resolve_cluster_secret(std::nullopt, env_of({{"SPADE_CLUSTER_SECRET_FILE", b},
+                                                   {"SPADE_CLUSTER_SECRET", "secret-from-the-env-value"}}));
+  EXPECT_EQ(s.value, "secret-from-the-env-file");
+  EXPECT_EQ(s.source, "env SPADE_CLUSTER_SECRET_FILE " + b);
+  s = resolve_cluster_secret(std::nullopt, env_of({{"SPADE_CLUSTER_SECRET", "secret-from-the-env-value"}}));
+  EXPECT_EQ(s.value, "secret-from-the-env-value");
+  EXPECT_EQ(s.source, "env SPADE_CLUSTER_SECRET");
+  s = resolve_cluster_secret(std::nullopt, env_of({}));
+  EXPECT_TRUE(s.empty());
+  EXPECT_EQ(s.source, "none");
+
+  // The launch environment resolves it once and hands it to the client options.
+  auto le =
+      LaunchEnv::resolve({}, env_of({{"RANK", "1"}, {"WORLD_SIZE", "3"}, {"SPADE_CLUSTER_SECRET_FILE", b}}));
+  EXPECT_EQ(le.cluster_secret.value, "secret-from-the-env-file");
+  EXPECT_EQ(le.sources.at("cluster_secret"), "env SPADE_CLUSTER_SECRET_FILE " + b);
+  EXPECT_EQ(client_options_for(le).cluster_secret, "secret-from-the-env-file");
+  LaunchFlags f;
+  f.cluster_secret_file = a;
+  EXPECT_EQ(
+      client_options_for(LaunchEnv::resolve(f, env_of({{"RANK", "2"}, {"WORLD_SIZE", "3"}}))).cluster_secret,
+      "secret-from-the-flag-file");
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ClusterSecret, BadFilesAreRefusedByNameWithoutShowingTheSecret) {
+  const std::string dir = spade::test::make_temp_dir("spade_secret_");
+  const std::string value = "a-secret-that-must-never-be-printed";
+  const std::string open_to_all = secret_file(dir, "world", value, 0644);
+  std::string e = secret_error(open_to_all, {});
+  EXPECT_NE(e.find(open_to_all + " (flag --cluster-secret-file): the cluster secret file has mode 0644"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(e.find(value), std::string::npos) << e;
+  e = secret_error(std::nullopt, {{"SPADE_CLUSTER_SECRET_FILE", open_to_all}});
+  EXPECT_NE(e.find("(env SPADE_CLUSTER_SECRET_FILE)"), std::string::npos) << e;
+  EXPECT_EQ(secret_error(secret_file(dir, "group", value, 0640), {}),
+            "");  // group-readable: Kubernetes fsGroup
+
+  const std::string short_one = secret_file(dir, "short", "tiny\n", 0600);
+  e = secret_error(short_one, {});
+  EXPECT_NE(e.find("is 4 bytes; at least 16 are required"), std::string::npos) << e;
+  e = secret_error(std::nullopt, {{"SPADE_CLUSTER_SECRET", "tiny"}});
+  EXPECT_NE(e.find("the cluster secret from env SPADE_CLUSTER_SECRET is 4 bytes"), std::string::npos) << e;
+
+  const std::string big = secret_file(dir, "big", std::string(kMaxClusterSecretBytes + 1, 'x'), 0600);
+  e = secret_error(big, {});
+  EXPECT_NE(e.find("more than the 4096-byte limit"), std::string::npos) << e;
+
+  const std::string fifo = dir + "/fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  e = secret_error(fifo, {});  // must not block on a FIFO with no writer
+  EXPECT_NE(e.find(fifo + ": not a regular file (a FIFO)"), std::string::npos) << e;
+
+  e = secret_error(dir + "/missing", {});
+  EXPECT_NE(e.find(dir + "/missing: cannot open"), std::string::npos) << e;
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
+
 #include <regex>
 
 #include <nlohmann/json.hpp>
@@ -106,6 +108,15 @@ TEST(Launchers, TorchrunStyleEnvironment) {
   const std::string text = greedy_from_bos(http, 40, "");
   EXPECT_EQ(text, reference().substr(0, text.size()));
   EXPECT_GT(text.size(), 100u);
+  // One host and no secret given: rank 0 drew one for this launch into a private file, which every rank read.
+  std::smatch m;
+  const std::string coord_log = ranks[0]->log();
+  static const std::regex kSecretLine(
+      R"(authenticate with the cluster secret from env SPADE_CLUSTER_SECRET_FILE (\S+))");
+  ASSERT_TRUE(std::regex_search(coord_log, m, kSecretLine)) << coord_log;
+  struct stat st {};
+  ASSERT_EQ(::stat(m[1].str().c_str(), &st), 0) << m[1];
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << m[1];
   ranks[0]->signal(SIGTERM);  // the coordinator shuts the world down; the ranks follow with exit code 0
   for (auto& r : ranks) {
     EXPECT_EQ(r->wait_exit(60s), 0) << r->name() << ":\n" << r->log();
@@ -138,6 +149,11 @@ TEST(Launchers, BadLaunchesFailWithClearErrors) {
   auto [rc5, log5] = run(env, {"--bogus"});
   EXPECT_EQ(rc5, 2);
   EXPECT_THAT(log5, HasSubstr("unknown flag --bogus"));
+  // Across hosts the ranks need a secret they share; none is made up.
+  env["MASTER_ADDR"] = "10.0.0.1";
+  auto [rc6, log6] = run(env, {"--model", model()});
+  EXPECT_EQ(rc6, 2);
+  EXPECT_THAT(log6, HasSubstr("MASTER_ADDR=10.0.0.1: a world across hosts needs a cluster secret"));
 }
 
 }  // namespace

@@ -4,12 +4,16 @@
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <functional>
 #include <future>
+#include <optional>
 #include <thread>
 
 #include "common/error.h"
 #include "common/proto/framing.h"
 #include "coordinator/asio.h"
+#include "coordinator/auth.h"
 #include "coordinator/client.h"
 #include "coordinator/launch_env.h"
 #include "coordinator/server.h"
@@ -49,6 +53,8 @@ class CoordinatorTest : public ::testing::Test {
     o.heartbeat_timeout = hb_timeout;
     o.rendezvous_timeout = rendezvous;
     o.shutdown_flush_timeout = 1000ms;
+    o.cluster_secret = secret_;
+    if (tweak_) tweak_(o);
     server_ = std::make_unique<CoordinatorServer>(o);
     server_->start();
     n_ = n;
@@ -64,6 +70,7 @@ class CoordinatorTest : public ::testing::Test {
     o.device = "cpu";
     o.transport_kind = proto::TRANSPORT_LOOPBACK;
     o.transport_address = fmt::format("{}-addr-{}", role == proto::INFERENCE ? "inf" : "cache", idx);
+    o.cluster_secret = secret_;
     return o;
   }
 
@@ -71,7 +78,16 @@ class CoordinatorTest : public ::testing::Test {
     ClientOptions o;
     o.coordinator_port = server_->port();
     o.role = proto::CLIENT;
+    o.cluster_secret = secret_;
     return o;
+  }
+
+  // Waits until the server's health snapshot satisfies `pred` (it refreshes every tick).
+  bool health_reaches(const std::function<bool(const Health&)>& pred,
+                      std::chrono::milliseconds timeout = 3000ms) {
+    for (auto until = Clock::now() + timeout; Clock::now() < until; std::this_thread::sleep_for(10ms))
+      if (pred(server_->health())) return true;
+    return false;
   }
 
   // Brings up inference #0..n-1 and cache #0..n-1 concurrently; returns them with their views.
@@ -106,6 +122,8 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   std::unique_ptr<CoordinatorServer> server_;
+  std::string secret_;                         // the cluster secret of the server and the clients ("" = none)
+  std::function<void(ServerOptions&)> tweak_;  // further server options
   uint32_t n_ = 1;
   std::vector<std::unique_ptr<CoordinatorClient>> inf_, cache_;
   std::vector<proto::ClusterView> views_;
@@ -346,8 +364,8 @@ TEST_F(CoordinatorTest, BadFramesAreRejectedAndServerKeepsServing) {
       log_contains("rejecting connection from " + oversized.local_endpoint + ": frame length prefix"));
   EXPECT_TRUE(log_contains("rejecting data from " + truncated.local_endpoint + ": truncated frame"))
       << truncated.local_endpoint;
-  EXPECT_TRUE(
-      log_contains("rejecting connection from " + before_register.local_endpoint + ": heartbeat before"));
+  EXPECT_TRUE(log_contains("dropping heartbeat frame from unauthenticated connection " +
+                           before_register.local_endpoint + ": not allowed before registering"));
 
   bring_up_world();  // proper clients are still served
   EXPECT_EQ(views_[0].peers(0).transport().address(), "cache-addr-0");
@@ -489,6 +507,7 @@ TEST_F(CoordinatorTest, ClientRetriesUntilTheCoordinatorStarts) {
   server_->start();
   fut.get();
   EXPECT_TRUE(early.connected());
+  early.register_self(in(2000ms));  // status is for registered connections only
   auto st = early.query_status(in(2000ms));
   EXPECT_FALSE(st.world_complete());
   EXPECT_EQ(st.ranks_size(), 2);
@@ -579,6 +598,438 @@ TEST(CoordinatorServerOptions, UnequalRoleCountsAreRefused) {
               std::string::npos)
         << e.what();
   }
+}
+
+// ---- admission: authentication, roles and bounds
+// ---------------------------------------------------------------
+
+const std::string kSecret = "correct horse battery staple 0123456789";
+
+// A raw control connection that speaks the framing directly: what a stranger (or a broken peer) can send.
+class RawConn {
+ public:
+  explicit RawConn(uint16_t port) : sock_(io_) {
+    sock_.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+    local = fmt::format("127.0.0.1:{}", sock_.local_endpoint().port());
+  }
+  void send(const proto::Envelope& env) { send_bytes(proto::encode_frame(env)); }
+  // Writes `bytes`; false when the server has already closed the connection.
+  bool send_bytes(const std::string& bytes) {
+    boost::system::error_code ec;
+    asio::write(sock_, asio::buffer(bytes), ec);
+    return !ec;
+  }
+  // The next frame from the server within `timeout`; nullopt on timeout or once the server closed the
+  // connection (then closed() is true).
+  std::optional<proto::Envelope> next(std::chrono::milliseconds timeout) {
+    const auto until = Clock::now() + timeout;
+    for (;;) {
+      proto::Envelope env;
+      std::string err;
+      if (dec_.next(&env, &err) == proto::FrameDecoder::Result::kFrame) return env;
+      if (closed_ || Clock::now() >= until) return std::nullopt;
+      boost::system::error_code ec;
+      size_t n = 0;
+      bool done = false;
+      sock_.async_read_some(asio::buffer(buf_), [&](const boost::system::error_code& e, size_t k) {
+        ec = e;
+        n = k;
+        done = true;
+      });
+      io_.restart();
+      io_.run_for(until - Clock::now());
+      if (!done) {
+        sock_.cancel();
+        io_.restart();
+        io_.run();
+        return std::nullopt;
+      }
+      if (ec) {
+        closed_ = true;
+        return std::nullopt;
+      }
+      dec_.feed(buf_.data(), n);
+    }
+  }
+  // Reads until the server closes the connection or `timeout`; true when it closed. Frames received meanwhile
+  // are kept in frames().
+  bool closed_within(std::chrono::milliseconds timeout) {
+    const auto until = Clock::now() + timeout;
+    while (!closed_ && Clock::now() < until) {
+      auto f = next(std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()));
+      if (f) frames_.push_back(*f);
+    }
+    return closed_;
+  }
+  bool closed() const { return closed_; }
+  const std::vector<proto::Envelope>& frames() const { return frames_; }
+  // AuthHello, the server's AuthChallenge (its proof checked against `secret`), and the AuthProof for
+  // `secret` (or `proof_override` when set). False when no valid challenge came.
+  bool authenticate(const std::string& secret,
+                    const std::optional<std::string>& proof_override = std::nullopt) {
+    const std::string nonce = auth_nonce();
+    proto::Envelope hello;
+    hello.mutable_auth_hello()->set_client_nonce(nonce);
+    send(hello);
+    auto ch = next(2000ms);
+    if (!ch || !ch->has_auth_challenge()) return false;
+    const auto& c = ch->auth_challenge();
+    if (!proof_matches(coordinator_proof(secret, nonce, c.server_nonce()), c.server_proof())) return false;
+    proto::Envelope proof;
+    proof.mutable_auth_proof()->set_client_proof(
+        proof_override ? *proof_override : peer_proof(secret, c.server_nonce(), nonce));
+    send(proof);
+    return true;
+  }
+
+  std::string local;  // "127.0.0.1:port" of our end, as the server logs it
+
+ private:
+  asio::io_context io_;
+  tcp::socket sock_;
+  proto::FrameDecoder dec_;
+  std::array<char, 4096> buf_{};
+  bool closed_ = false;
+  std::vector<proto::Envelope> frames_;
+};
+
+proto::Envelope shutdown_frame(const std::string& reason) {
+  proto::Envelope e;
+  e.mutable_shutdown()->set_reason(reason);
+  return e;
+}
+
+proto::Envelope status_frame() {
+  proto::Envelope e;
+  e.mutable_status_request();
+  return e;
+}
+
+proto::Envelope generate_frame(uint64_t id, const std::string& text) {
+  proto::Envelope e;
+  e.mutable_generate_request()->set_request_id(id);
+  e.mutable_generate_request()->set_text(text);
+  e.mutable_generate_request()->set_max_tokens(4);
+  return e;
+}
+
+proto::Envelope client_register_frame() {
+  proto::Envelope e;
+  e.mutable_register_request()->set_protocol_version(proto::kProtocolVersion);
+  e.mutable_register_request()->mutable_self()->set_role(proto::CLIENT);
+  return e;
+}
+
+bool has_case(const std::vector<proto::Envelope>& frames, proto::Envelope::MsgCase c) {
+  return std::any_of(frames.begin(), frames.end(),
+                     [c](const proto::Envelope& e) { return e.msg_case() == c; });
+}
+
+// Without a secret (loopback): a connection that never registered cannot stop the world, submit or read
+// status; each such frame is dropped, logged with its address, and its connection closed. Registered ranks
+// may read status but neither stop the world nor submit (those are a client's).
+TEST_F(CoordinatorTest, UnregisteredConnectionCannotStopSubmitOrReadStatus) {
+  start_server(1);
+  bring_up_world();
+  RawConn stop(server_->port()), status(server_->port()), submit(server_->port());
+  stop.send(shutdown_frame("stranger says stop"));
+  status.send(status_frame());
+  submit.send(generate_frame(7, "hello"));
+  for (auto* r : {&stop, &status, &submit}) {
+    EXPECT_TRUE(r->closed_within(2000ms)) << r->local;
+    EXPECT_TRUE(r->frames().empty()) << r->local << " got a " << proto::envelope_case_name(r->frames()[0]);
+  }
+  EXPECT_TRUE(log_contains("dropping shutdown frame from unauthenticated connection " + stop.local));
+  EXPECT_TRUE(log_contains("dropping status_request frame from unauthenticated connection " + status.local));
+  EXPECT_TRUE(
+      log_contains("dropping generate_request frame from unauthenticated connection " + submit.local));
+  EXPECT_FALSE(inf_[0]->next_request(in(300ms)).has_value()) << "an unregistered submission was routed";
+  EXPECT_FALSE(inf_[0]->next_event(in(10ms)).has_value()) << "the world got an event";
+  EXPECT_TRUE(server_->health().running);
+  EXPECT_TRUE(health_reaches([](const Health& h) { return h.rejected_connections == 3; }));
+
+  // A registered rank: status yes; shutdown and submit no.
+  EXPECT_EQ(inf_[0]->query_status(in(2000ms)).ranks_size(), 2);
+  inf_[0]->request_shutdown("a rank tries to stop the world");
+  proto::GenerateRequest req;
+  req.set_text("from a rank");
+  const uint64_t id = inf_[0]->submit(req);
+  auto refused = inf_[0]->next_chunk(in(2000ms));
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->request_id(), id);
+  EXPECT_EQ(refused->finish_reason(), proto::FINISH_ERROR);
+  EXPECT_NE(refused->error().find("only a registered client may submit"), std::string::npos)
+      << refused->error();
+  EXPECT_TRUE(log_contains("ignoring a shutdown request from 127.0.0.1:"));
+  EXPECT_FALSE(cache_[0]->next_event(in(300ms)).has_value()) << "a rank's Shutdown was broadcast";
+  EXPECT_FALSE(server_->health().shutting_down);
+}
+
+// With a secret: ranks and clients that hold it form the world and may do what their role allows; a
+// connection that has not authenticated is refused whatever it sends, and the world does not notice.
+TEST_F(CoordinatorTest, WithASecretOnlyAuthenticatedPeersAreServed) {
+  secret_ = kSecret;
+  start_server(1);
+  EXPECT_TRUE(health_reaches([](const Health& h) { return h.auth_required; }));
+  bring_up_world();
+  EXPECT_EQ(views_[0].peers(0).transport().address(), "cache-addr-0");
+
+  RawConn stop(server_->port());
+  stop.send(shutdown_frame("stranger says stop"));
+  EXPECT_TRUE(stop.closed_within(2000ms));
+  EXPECT_TRUE(log_contains("dropping shutdown frame from unauthenticated connection " + stop.local +
+                           ": not allowed before authenticating"));
+  // A registration without authentication is answered (so that a misconfigured rank says why) and closed.
+  RawConn reg(server_->port());
+  reg.send(client_register_frame());
+  EXPECT_TRUE(reg.closed_within(2000ms));
+  ASSERT_TRUE(has_case(reg.frames(), proto::Envelope::kRegisterReply));
+  EXPECT_NE(reg.frames()[0].register_reply().error().find("authentication required"), std::string::npos);
+  // Half-way through the handshake (hello sent, no proof) status is still refused.
+  RawConn half(server_->port());
+  proto::Envelope hello;
+  hello.mutable_auth_hello()->set_client_nonce(auth_nonce());
+  half.send(hello);
+  auto ch = half.next(2000ms);
+  ASSERT_TRUE(ch && ch->has_auth_challenge());
+  half.send(status_frame());
+  EXPECT_TRUE(half.closed_within(2000ms));
+  EXPECT_FALSE(has_case(half.frames(), proto::Envelope::kStatusReply));
+  // Authenticated but not registered: still nothing but the registration.
+  RawConn unreg(server_->port());
+  ASSERT_TRUE(unreg.authenticate(kSecret));
+  unreg.send(status_frame());
+  EXPECT_TRUE(unreg.closed_within(2000ms));
+  EXPECT_FALSE(has_case(unreg.frames(), proto::Envelope::kStatusReply));
+  // A client without the secret is told what is missing.
+  ClientOptions no_secret = submit_opts();
+  no_secret.cluster_secret.clear();
+  CoordinatorClient plain(no_secret);
+  plain.connect(in(2000ms));
+  try {
+    plain.register_self(in(2000ms));
+    FAIL() << "a client without the secret registered";
+  } catch (const spade::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("authentication required"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(inf_[0]->next_event(in(200ms)).has_value()) << "the world got an event";
+  auto st = server_->status(in(2000ms));
+  for (const auto& r : st.ranks()) EXPECT_EQ(r.state(), proto::ALIVE) << r.info().rank();
+
+  // The authenticated operator reads status and stops the world.
+  CoordinatorClient admin(submit_opts());
+  admin.rendezvous(in(3000ms));
+  EXPECT_TRUE(admin.query_status(in(2000ms)).world_complete());
+  admin.request_shutdown("operator stop");
+  ExitStatus es;
+  ASSERT_TRUE(server_->wait_until(in(3000ms), &es));
+  EXPECT_EQ(es.code, 0);
+  EXPECT_NE(es.message.find("operator stop"), std::string::npos) << es.message;
+  server_.reset();
+}
+
+TEST_F(CoordinatorTest, WrongSecretIsRejectedInBothDirections) {
+  secret_ = kSecret;
+  start_server(1);
+  // The peer checks the coordinator first: a client with another secret refuses the coordinator.
+  ClientOptions other = submit_opts();
+  other.cluster_secret = "a different secret of enough length";
+  CoordinatorClient c(other);
+  try {
+    c.connect(in(2000ms));
+    FAIL() << "a client with the wrong secret accepted the coordinator";
+  } catch (const spade::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("did not prove it knows the cluster secret"), std::string::npos)
+        << e.what();
+  }
+  // The coordinator checks the peer: a wrong proof is answered and closed.
+  RawConn liar(server_->port());
+  ASSERT_TRUE(liar.authenticate(kSecret, std::string(kAuthProofBytes, 'x')));
+  EXPECT_TRUE(liar.closed_within(2000ms));
+  ASSERT_TRUE(has_case(liar.frames(), proto::Envelope::kRegisterReply));
+  EXPECT_NE(liar.frames()[0].register_reply().error().find("authentication failed"), std::string::npos);
+  EXPECT_TRUE(log_contains("refusing connection from " + liar.local + ": authentication failed"));
+  // A proof replayed on another connection (other nonces) fails too.
+  RawConn first(server_->port());
+  const std::string nonce = auth_nonce();
+  proto::Envelope hello;
+  hello.mutable_auth_hello()->set_client_nonce(nonce);
+  first.send(hello);
+  auto ch = first.next(2000ms);
+  ASSERT_TRUE(ch && ch->has_auth_challenge());
+  const std::string stolen = peer_proof(kSecret, ch->auth_challenge().server_nonce(), nonce);
+  RawConn replay(server_->port());
+  ASSERT_TRUE(replay.authenticate(kSecret, stolen));
+  EXPECT_TRUE(replay.closed_within(2000ms));
+  EXPECT_TRUE(log_contains("refusing connection from " + replay.local + ": authentication failed"));
+  // A proof without a hello.
+  RawConn early(server_->port());
+  proto::Envelope proof;
+  proof.mutable_auth_proof()->set_client_proof(stolen);
+  early.send(proof);
+  EXPECT_TRUE(early.closed_within(2000ms));
+  EXPECT_TRUE(health_reaches([](const Health& h) { return h.rejected_connections >= 3; }));
+  // The world still forms with the right secret.
+  bring_up_world();
+
+  // A peer with a secret and a coordinator without one disagree: the peer says so.
+  ServerOptions so;
+  so.bind_host = "127.0.0.1";
+  so.port = 0;
+  so.role_map = default_role_map(1, 1);
+  CoordinatorServer plain(so);
+  plain.start();
+  ClientOptions o = submit_opts();
+  o.coordinator_port = plain.port();
+  CoordinatorClient d(o);
+  try {
+    d.connect(in(2000ms));
+    FAIL() << "authenticated against a coordinator without a secret";
+  } catch (const spade::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no cluster secret"), std::string::npos) << e.what();
+  }
+  plain.request_shutdown("test done");
+  ExitStatus es;
+  EXPECT_TRUE(plain.wait_until(in(3000ms), &es));
+}
+
+TEST_F(CoordinatorTest, UnauthenticatedConnectionsAreCapped) {
+  tweak_ = [](ServerOptions& o) { o.max_unauthenticated_connections = 2; };
+  start_server(1);
+  bring_up_world();  // registered connections do not count against the cap
+  auto a = std::make_unique<RawConn>(server_->port());
+  RawConn b(server_->port());
+  ASSERT_TRUE(health_reaches([](const Health& h) { return h.unauthenticated_connections == 2; }));
+  RawConn over(server_->port());
+  EXPECT_TRUE(over.closed_within(1000ms)) << "a third unauthenticated connection was kept";
+  EXPECT_FALSE(b.closed_within(200ms));
+  EXPECT_TRUE(log_contains("refusing connection from " + over.local +
+                           ": 2 unauthenticated connection(s) already "
+                           "open (--max-unauthenticated-connections)"));
+  a.reset();  // a slot frees up
+  ASSERT_TRUE(health_reaches([](const Health& h) { return h.unauthenticated_connections == 1; }));
+  RawConn again(server_->port());
+  EXPECT_FALSE(again.closed_within(300ms)) << "the freed slot was not reused";
+  EXPECT_TRUE(health_reaches([](const Health& h) { return h.rejected_connections == 1; }));
+  const auto status = server_->status(in(2000ms));
+  for (const auto& r : status.ranks()) EXPECT_EQ(r.state(), proto::ALIVE) << r.info().rank();
+}
+
+TEST_F(CoordinatorTest, AuthDeadlineDropsSilentAndHalfSentConnections) {
+  tweak_ = [](ServerOptions& o) { o.auth_timeout = 400ms; };
+  start_server(1);
+  const auto t0 = Clock::now();
+  RawConn silent(server_->port()), half(server_->port());
+  std::string partial = varint(60000) + std::string(1000, 'x');  // within the pre-auth limit, never finished
+  ASSERT_TRUE(half.send_bytes(partial));
+  EXPECT_TRUE(silent.closed_within(3000ms));
+  EXPECT_TRUE(half.closed_within(3000ms));
+  const auto took = Clock::now() - t0;
+  EXPECT_GE(took, 350ms);
+  EXPECT_LT(took, 2500ms);
+  EXPECT_TRUE(log_contains("closing connection from " + silent.local +
+                           ": not authenticated within 400 ms (--auth-timeout-ms)"));
+  EXPECT_TRUE(log_contains("closing connection from " + half.local +
+                           ": not authenticated within 400 ms "
+                           "(--auth-timeout-ms); dropping 1003 bytes of an unfinished frame"));
+  EXPECT_TRUE(health_reaches([](const Health& h) { return h.rejected_connections == 2; }));
+  bring_up_world();  // ranks register well within the deadline
+}
+
+// Before authentication a frame may not exceed max_unauthenticated_frame_bytes: the length prefix alone
+// closes the connection, so a stranger cannot make the coordinator buffer a large frame. After authentication
+// the full limit applies.
+TEST_F(CoordinatorTest, OversizedFrameBeforeAuthenticationIsRefusedFromItsPrefix) {
+  secret_ = kSecret;
+  start_server(1);
+  const auto t0 = Clock::now();
+  RawConn big(server_->port()), just_over(server_->port());
+  ASSERT_TRUE(big.send_bytes(varint(uint64_t{48} << 20)));
+  ASSERT_TRUE(just_over.send_bytes(varint((64 << 10) + 1)));
+  EXPECT_TRUE(big.closed_within(2000ms));
+  EXPECT_TRUE(just_over.closed_within(2000ms));
+  EXPECT_LT(Clock::now() - t0, 2000ms) << "closed by the deadline, not by the prefix";
+  EXPECT_TRUE(
+      log_contains("rejecting connection from " + big.local +
+                   ": frame length prefix 50331648 bytes exceeds the maximum frame size of 65536 bytes "
+                   "(before authentication: --max-unauthenticated-frame-bytes)"));
+  EXPECT_TRUE(
+      log_contains("rejecting connection from " + just_over.local + ": frame length prefix 65537 bytes"));
+  EXPECT_TRUE(health_reaches(
+      [](const Health& h) { return h.rejected_connections == 2 && h.unauthenticated_connections == 0; }));
+
+  // An authenticated client may send a 1 MiB request.
+  bring_up_world();
+  CoordinatorClient sub(submit_opts());
+  sub.rendezvous(in(3000ms));
+  proto::GenerateRequest req;
+  req.set_text(std::string(1 << 20, 'a'));
+  req.set_max_tokens(1);
+  sub.submit(req);
+  auto routed = inf_[0]->next_request(in(3000ms));
+  ASSERT_TRUE(routed.has_value());
+  EXPECT_EQ(routed->text().size(), size_t{1} << 20);
+}
+
+TEST_F(CoordinatorTest, IdleTimeoutClosesSilentConnectionsOnly) {
+  tweak_ = [](ServerOptions& o) { o.idle_timeout = 400ms; };
+  start_server(1, 10000ms, 50ms, 400ms);
+  bring_up_world();
+  CoordinatorClient quiet(submit_opts());  // registers but never heartbeats
+  quiet.connect(in(2000ms));
+  quiet.register_self(in(2000ms));
+  CoordinatorClient chatty(submit_opts());  // rendezvous: heartbeats
+  chatty.rendezvous(in(2000ms));
+  auto ev = quiet.next_event(in(3000ms));
+  ASSERT_TRUE(ev.has_value()) << "a silent connection outlived the idle timeout";
+  EXPECT_EQ(ev->kind, ClientEvent::Kind::kCoordinatorLost) << ev->message;
+  EXPECT_TRUE(log_contains("closing idle connection from "));
+  EXPECT_TRUE(log_contains("(client): no frame for "));
+  std::this_thread::sleep_for(800ms);  // twice the idle timeout
+  EXPECT_TRUE(chatty.connected());
+  EXPECT_TRUE(chatty.query_status(in(2000ms)).world_complete());
+  const auto status = server_->status(in(2000ms));
+  for (const auto& r : status.ranks()) EXPECT_EQ(r.state(), proto::ALIVE) << r.info().rank();
+}
+
+TEST(CoordinatorServerOptions, UnsafeOrInconsistentBoundsAreRefused) {
+  auto error_of = [](const std::function<void(ServerOptions&)>& f) -> std::string {
+    ServerOptions o;
+    o.bind_host = "127.0.0.1";
+    o.port = 0;
+    o.role_map = default_role_map(1, 1);
+    f(o);
+    try {
+      CoordinatorServer s(o);
+    } catch (const spade::Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error_of([](ServerOptions& o) {
+              o.bind_host = "0.0.0.0";
+            }).find("refusing to listen on 0.0.0.0:0 without a cluster secret"),
+            std::string::npos);
+  EXPECT_EQ(error_of([](ServerOptions& o) {
+              o.bind_host = "0.0.0.0";
+              o.cluster_secret = kSecret;
+            }),
+            "");
+  EXPECT_EQ(error_of([](ServerOptions& o) { o.bind_host = "::1"; }), "");
+  EXPECT_NE(error_of([](ServerOptions& o) { o.cluster_secret = "short"; }).find("at least 16 are required"),
+            std::string::npos);
+  EXPECT_NE(error_of([](ServerOptions& o) { o.idle_timeout = 1500ms; }).find("at least twice the heartbeat"),
+            std::string::npos);
+  EXPECT_NE(error_of([](ServerOptions& o) {
+              o.max_unauthenticated_frame_bytes = o.max_frame_bytes + 1;
+            }).find("--max-unauthenticated-frame-bytes"),
+            std::string::npos);
+  EXPECT_NE(error_of([](ServerOptions& o) {
+              o.max_unauthenticated_connections = 0;
+            }).find("--max-unauthenticated-connections"),
+            std::string::npos);
+  EXPECT_NE(error_of([](ServerOptions& o) { o.auth_timeout = 0ms; }).find("--auth-timeout-ms"),
+            std::string::npos);
 }
 
 }  // namespace

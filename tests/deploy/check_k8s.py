@@ -27,6 +27,10 @@ overlay) and per overlay + optional component (a component no overlay includes, 
   world       the ranks derived for all pods are exactly 0..W-1 with the default role map (coordinator 0,
               inference 1..N, cache N+1..2N), world size / counts agree everywhere, StatefulSet replicas == N,
               same ranks from the pod-index label and from the pod name
+  secret      every coordinator, inference and cache process reads the same cluster secret (SPADE_CLUSTER_SECRET_FILE
+              or --cluster-secret-file) from a Secret volume of a Secret in the render, whose file mode no other
+              user can read (the binaries refuse it otherwise); the coordinator's --host and --http-host are not
+              loopback addresses (ranks, clients and probes come from other pods)
   wiring      MASTER_ADDR names a Service that publishes not-ready addresses and reaches the coordinator's
               control port (= MASTER_PORT = coordinator --port); Service targetPorts exist in the selected pods;
               inference and cache ranks get the same model, and on the CPU the same selection settings (on the
@@ -71,10 +75,17 @@ from k8s_checks import *  # noqa: E402,F401,F403 (the checks; this file is their
 # ----------------------------------------------------------------------------------------------------------------
 
 def copy_k8s(source_dir, dest):
+    """A copy of deploy/k8s to render. The cluster secret file that the base's secretGenerator reads is created by
+    the operator and never committed: the copy gets a random one when the checkout has none."""
     src = os.path.join(source_dir, "deploy", "k8s")
     if not os.path.isdir(src):
         raise Fatal(f"{src}: not found")
     shutil.copytree(src, dest)
+    secret = os.path.join(dest, "base", "cluster-secret")
+    if not os.path.exists(secret):
+        fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
     return dest
 
 
@@ -262,7 +273,36 @@ def _m_run_as(d):
 
 
 def _m_kind(d):
-    d.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x"}})
+    d.append({"apiVersion": "batch/v1", "kind": "CronJob", "metadata": {"name": "x"}})
+
+
+def _m_no_secret_env(d):
+    c = cont(d, "spade-cache", "cache")
+    c["env"] = [e for e in c["env"] if e["name"] != "SPADE_CLUSTER_SECRET_FILE"]
+
+
+def secret_volume(d, kind, name):
+    return [v for v in find(d, kind, name)["spec"]["template"]["spec"]["volumes"] if v["name"] == "cluster-secret"][0]
+
+
+def _m_secret_world_readable(d):
+    secret_volume(d, "StatefulSet", "spade-inference")["secret"]["defaultMode"] = 0o644
+
+
+def _m_secret_other(d):
+    other = copy.deepcopy([x for x in d if x["kind"] == "Secret"][0])
+    other["metadata"]["name"] = "another-secret"
+    d.append(other)
+    secret_volume(d, "StatefulSet", "spade-cache")["secret"]["secretName"] = "another-secret"
+
+
+def _m_secret_missing(d):
+    d[:] = [x for x in d if x["kind"] != "Secret"]
+
+
+def _m_control_loopback(d):
+    a = cont(d, "spade-coordinator", "coordinator", "Deployment")["args"]
+    del a[a.index("--host"):a.index("--host") + 2]
 
 
 # (name, overlay label, mutate rendered docs, or (file, old, new) to edit in a source copy, expected error regex)
@@ -335,7 +375,12 @@ RENDER_MUTATIONS = [
     ("prometheus port annotation wrong", "cpu", _m_annotation, r"prometheus\.io/port '9090'"),
     ("no tini", "cpu", _m_no_tini, r"must run under /usr/bin/tini"),
     ("runs as root", "cpu", _m_run_as, r"runAsUser 0 is not the image's user"),
-    ("unknown kind", "cpu", _m_kind, r"kind Secret is not one"),
+    ("unknown kind", "cpu", _m_kind, r"kind CronJob is not one"),
+    ("cache rank without the cluster secret", "cpu", _m_no_secret_env, r"does not get the cluster secret"),
+    ("world-readable cluster secret", "cpu", _m_secret_world_readable, r"has mode 0644, readable by every user"),
+    ("ranks read different cluster secrets", "cpu", _m_secret_other, r"different Secrets or keys"),
+    ("cluster Secret missing from the render", "gpu", _m_secret_missing, r"Secret '.*' is not in the render"),
+    ("coordinator control port on loopback", "cpu", _m_control_loopback, r"--host \(default 127\.0\.0\.1\)"),
     ("field name typo", "cpu",
      lambda d: cont(d, "spade-inference", "inference").update(readinesProbe={"httpGet": {"path": "/ready"}}),
      r"readinesProbe: unknown field of Container"),

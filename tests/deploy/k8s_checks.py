@@ -17,7 +17,7 @@ import tempfile
 import yaml
 
 
-KNOWN_KINDS = {"Namespace", "ConfigMap", "Service", "Deployment", "StatefulSet", "PersistentVolumeClaim",
+KNOWN_KINDS = {"Namespace", "ConfigMap", "Secret", "Service", "Deployment", "StatefulSet", "PersistentVolumeClaim",
                "PodMonitor"}
 # Role of a main container = the binary its final command line runs.
 ROLE_OF_BINARY = {"coordinator": "coordinator", "inference_rank": "inference", "cache_rank": "cache"}
@@ -379,6 +379,8 @@ SCHEMA = {
     "Namespace": {"apiVersion": None, "kind": None, "metadata": "ObjectMeta", "spec": None},
     "ConfigMap": {"apiVersion": None, "kind": None, "metadata": "ObjectMeta", "data": None, "binaryData": None,
                   "immutable": None},
+    "Secret": {"apiVersion": None, "kind": None, "metadata": "ObjectMeta", "data": None, "stringData": None,
+               "type": None, "immutable": None},
     "PersistentVolumeClaim": {"apiVersion": None, "kind": None, "metadata": "ObjectMeta", "spec": "PVCSpec"},
     "PVCSpec": {"accessModes": None, "selector": None, "resources": "VolumeResources", "volumeName": None,
                 "storageClassName": None, "volumeMode": None, "dataSource": None, "dataSourceRef": None,
@@ -422,9 +424,11 @@ SCHEMA = {
                            "appArmorProfile": None, "seLinuxChangePolicy": None},
     "Toleration": {"key": None, "operator": None, "value": None, "effect": None, "tolerationSeconds": None},
     "Volume": {"name": None, "emptyDir": "EmptyDir", "persistentVolumeClaim": "PVCSource", "configMap": None,
-               "secret": None, "hostPath": None, "projected": None, "downwardAPI": None, "ephemeral": None,
+               "secret": "SecretVolume", "hostPath": None, "projected": None, "downwardAPI": None, "ephemeral": None,
                "csi": None, "nfs": None, "image": None},
     "EmptyDir": {"medium": None, "sizeLimit": None},
+    "SecretVolume": {"secretName": None, "items": "[KeyToPath]", "defaultMode": None, "optional": None},
+    "KeyToPath": {"key": None, "path": None, "mode": None},
     "PVCSource": {"claimName": None, "readOnly": None},
     "Container": {"name": None, "image": None, "command": None, "args": None, "workingDir": None,
                   "ports": "[ContainerPort]", "envFrom": None, "env": "[EnvVar]", "resources": "Resources",
@@ -990,6 +994,7 @@ class OverlayCheck:
         self.check_pairs(role_vals)
         self.check_refused(role_vals)
         self.check_master(role_vals)
+        self.check_cluster_secret(role_vals)
         self.check_gpu(role_vals)
 
     def check_ports(self, c, binary, vals, where):
@@ -1120,6 +1125,60 @@ class OverlayCheck:
                     if tp != "control" and str(tp) != str(ctl):
                         self.err(where, f"Service {name} port {port} targets {tp!r}, not the coordinator's control "
                                         f"port ({ctl})")
+
+    def check_cluster_secret(self, role_vals):
+        """Every Spade process reads the same cluster secret, from a file on a Secret volume of a Secret in the
+        render that no other user may read (the binaries refuse such a file); the coordinator's control port and
+        HTTP API listen beyond loopback (ranks, clients and probes come from other network namespaces)."""
+        used = {}
+        for role in ("coordinator", "inference", "cache"):
+            for vals, where, w, c, env in role_vals.get(role, []):
+                path = vals.get("--cluster-secret-file") or env.get("SPADE_CLUSTER_SECRET_FILE")
+                if not isinstance(path, str) or not path:
+                    self.err(where, "does not get the cluster secret (SPADE_CLUSTER_SECRET_FILE or "
+                                    "--cluster-secret-file on a Secret volume): the coordinator would refuse it")
+                    continue
+                mounts = [m for m in c.get("volumeMounts") or []
+                          if path.startswith(m.get("mountPath", "").rstrip("/") + "/")]
+                if not mounts:
+                    self.err(where, f"cluster secret file {path} is on no volume mount")
+                    continue
+                m = max(mounts, key=lambda x: len(x.get("mountPath", "")))
+                vols = {v.get("name"): v for v in (w["spec"]["template"].get("spec") or {}).get("volumes") or []}
+                sec = (vols.get(m.get("name")) or {}).get("secret")
+                if not sec:
+                    self.err(where, f"cluster secret file {path} is on volume '{m.get('name')}', which is not a "
+                                    "Secret volume")
+                    continue
+                rel = path[len(m["mountPath"].rstrip("/")) + 1:]
+                key, mode = rel, sec.get("defaultMode", 0o644)
+                if sec.get("items"):
+                    item = [i for i in sec["items"] if i.get("path") == rel]
+                    if not item:
+                        self.err(where, f"cluster secret file {path}: Secret volume '{m.get('name')}' projects no "
+                                        f"item to {rel}")
+                        continue
+                    key, mode = item[0].get("key"), item[0].get("mode", mode)
+                obj = self.get("Secret", sec.get("secretName"))
+                if obj is None:
+                    self.err(where, f"cluster secret: Secret '{sec.get('secretName')}' is not in the render")
+                    continue
+                if key not in (obj.get("data") or {}) and key not in (obj.get("stringData") or {}):
+                    self.err(where, f"cluster secret: Secret '{sec.get('secretName')}' has no key '{key}'")
+                if not isinstance(mode, int) or mode & 0o007:
+                    self.err(where, f"cluster secret file {path} has mode {mode:04o}, readable by every user: the "
+                                    "binaries refuse it (set the Secret volume's defaultMode to 0400 or 0440)")
+                used[where] = (sec.get("secretName"), key)
+        if len(set(used.values())) > 1:
+            self.err("world", f"the processes read the cluster secret from different Secrets or keys "
+                              f"{sorted(set(used.values()))}: they could not authenticate each other")
+        for vals, where, w, c, env in role_vals.get("coordinator", []):
+            for flag, what in (("--host", "the control port (the ranks connect through a Service)"),
+                               ("--http-host", "the HTTP API (the Service and the kubelet's probes)")):
+                host = vals.get(flag)
+                if not isinstance(host, str) or host.startswith("127.") or host in ("localhost", "::1"):
+                    self.err(where, f"{flag} {host or '(default 127.0.0.1)'}: {what} would listen on loopback, "
+                                    "out of reach from other pods")
 
     def check_refused(self, role_vals):
         """A rank is given no flag that its device refuses (the pod would exit at start naming it)."""

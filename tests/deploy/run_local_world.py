@@ -6,10 +6,11 @@ behind the coordinator Service, and the /metrics the dashboard reads.
     run_local_world.py --source-dir DIR --kubectl PATH --promtool PATH --coordinator BIN --inference-rank BIN
                        --cache-rank BIN --make-demo-checkpoint BIN [--overlay cpu] [--pairs N] [--keep]
 
-Per pod (every replica of every Deployment/StatefulSet): its volumes are fresh directories (paths under a
-volumeMount's mountPath in command/args are rewritten to them), each containerPort gets a free local port (the
-binaries' port flags are rewritten to it; pods have their own IPs in a cluster, here they share 127.0.0.1), and
-MASTER_ADDR / MASTER_PORT point at the coordinator's control port. The environment is built from the manifest
+Per pod (every replica of every Deployment/StatefulSet): its volumes are fresh directories (a Secret volume holds
+the rendered Secret's items with their modes, as the kubelet projects them; paths under a volumeMount's mountPath in
+command/args and env values are rewritten to them), each containerPort gets a free local port (the binaries' port
+flags are rewritten to it, and their listen addresses to 127.0.0.1: pods have their own IPs in a cluster, here they
+share 127.0.0.1), and MASTER_ADDR / MASTER_PORT point at the coordinator's control port. The environment is built from the manifest
 (ConfigMap keys, downward API, resource fields) exactly as check_k8s.py resolves it, and the containers' command
 lines run unchanged otherwise: init containers to completion, then the main containers through
 deploy/docker/spade-entrypoint.sh (SPADE_BIN_DIR = the built binaries).
@@ -25,6 +26,7 @@ than its container's limits.memory.
 Exit status: 0 ok, 1 failure (the rank logs are printed), 2 usage.
 """
 import argparse
+import base64
 import ctypes
 import json
 import os
@@ -45,6 +47,9 @@ import check_dashboard as cd  # noqa: E402
 import check_k8s as ck  # noqa: E402
 
 ROLE_BINARY = {"coordinator": "coordinator", "inference": "inference_rank", "cache": "cache_rank"}
+# Listen-address flags, rewritten to 127.0.0.1 (the pods' own addresses in a cluster).
+LISTEN_FLAGS = {"coordinator": ["--host", "--http-host"], "inference_rank": ["--metrics-host"],
+                "cache_rank": ["--metrics-host"]}
 
 
 class Failure(Exception):
@@ -93,6 +98,8 @@ class Pod:
         for v in self.spec.get("volumes") or []:
             vols[v["name"]] = os.path.join(self.dir, "volumes", v["name"])
             os.makedirs(vols[v["name"]], exist_ok=True)
+            if "secret" in v:
+                self.project_secret(v["secret"], vols[v["name"]])
         for c, _ in ck.containers_of(w):
             self.mounts[c["name"]] = sorted(((m["mountPath"].rstrip("/"), vols[m["name"]])
                                              for m in c.get("volumeMounts") or [] if m.get("name") in vols),
@@ -106,6 +113,22 @@ class Pod:
             self.ports[str(p["containerPort"])] = local
         self.proc = None
         self.log = os.path.join(root, "logs", f"{name}.log")
+
+    def project_secret(self, sec, host_dir):
+        """Writes the items of the rendered Secret into host_dir with their modes, as the kubelet does."""
+        obj = self.oc.get("Secret", sec.get("secretName"))
+        if obj is None:
+            raise Failure(f"{self.name}: Secret '{sec.get('secretName')}' is not in the render")
+        data = {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+        data.update({k: v.encode() for k, v in (obj.get("stringData") or {}).items()})
+        items = sec.get("items") or [{"key": k, "path": k} for k in data]
+        for it in items:
+            if it["key"] not in data:
+                raise Failure(f"{self.name}: Secret '{sec.get('secretName')}' has no key '{it['key']}'")
+            dest = os.path.join(host_dir, it["path"])
+            with open(dest, "wb") as f:
+                f.write(data[it["key"]])
+            os.chmod(dest, it.get("mode", sec.get("defaultMode", 0o644)))
 
     def path(self, cname, s):
         for mp, host in self.mounts.get(cname, []):
@@ -144,9 +167,12 @@ def command_of(pod, c, env_over, bin_dir):
             if flag in argv:
                 i = argv.index(flag)
                 argv[i + 1] = str(pod.ports[pname])
+        for flag in LISTEN_FLAGS.get(binary, []):
+            if flag in argv:
+                argv[argv.index(flag) + 1] = "127.0.0.1"
     full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SPADE_BIN_DIR": bin_dir,
                 "UCX_LOG_LEVEL": os.environ.get("UCX_LOG_LEVEL", "error")}
-    full_env.update(env)
+    full_env.update({k: pod.path(c["name"], v) for k, v in env.items()})  # e.g. SPADE_CLUSTER_SECRET_FILE
     return argv, full_env
 
 

@@ -77,4 +77,53 @@ inline Outcome generate(coord::CoordinatorClient& c, const std::string& prompt, 
   return o;
 }
 
+/// A greedy request of `max_tokens` for `prompt` ("" = BOS alone); `force_dense` opts it out of sparse decoding.
+inline proto::GenerateRequest greedy_request(const std::string& prompt, int max_tokens, bool ignore_eos = false,
+                                             bool force_dense = false) {
+  proto::GenerateRequest r;
+  r.set_text(prompt);
+  r.set_max_tokens(static_cast<uint32_t>(max_tokens));
+  r.set_ignore_eos(ignore_eos);
+  r.mutable_sampling()->set_temperature(0);
+  if (force_dense) r.mutable_sparse()->set_force_dense(true);
+  return r;
+}
+
+/// One request of several streamed together (stream()): its outcome and when its final chunk arrived.
+struct StreamOutcome {
+  Outcome outcome;
+  std::chrono::steady_clock::time_point ended{};
+  bool finished() const { return outcome.reason != proto::FINISH_NONE; }
+};
+
+/// Submits every request at once and gathers their chunks until all have finished or `timeout` passes (then the
+/// unfinished ones keep FINISH_NONE). `on_chunk(i, s)` runs after each chunk of request i.
+inline std::vector<StreamOutcome> stream(coord::CoordinatorClient& c, const std::vector<proto::GenerateRequest>& reqs,
+                                         const std::function<void(size_t, const StreamOutcome&)>& on_chunk = nullptr,
+                                         std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  using Clock = std::chrono::steady_clock;
+  std::vector<uint64_t> ids;
+  for (const auto& r : reqs) ids.push_back(c.submit(r));
+  std::vector<StreamOutcome> out(reqs.size());
+  size_t open = reqs.size();
+  for (auto until = Clock::now() + timeout; open > 0 && Clock::now() < until;) {
+    auto ch = c.next_chunk(until);
+    if (!ch) break;
+    size_t i = 0;
+    while (i < ids.size() && ids[i] != ch->request_id()) ++i;
+    if (i == ids.size() || out[i].finished()) continue;
+    Outcome& o = out[i].outcome;
+    for (auto t : ch->token_ids()) o.ids.push_back(t);
+    o.text += ch->text();
+    if (ch->finished()) {
+      o.reason = ch->finish_reason();
+      o.error = ch->error();
+      out[i].ended = Clock::now();
+      --open;
+    }
+    if (on_chunk) on_chunk(i, out[i]);
+  }
+  return out;
+}
+
 }  // namespace spade::test

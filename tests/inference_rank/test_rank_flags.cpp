@@ -73,7 +73,7 @@ TEST(InferenceRankFlags, StandaloneCpuRefusesGpuAndClusterFlagsByName) {
        {Args{"--rank", "1"}, Args{"--world-size", "3"}, Args{"--num-inference", "1"}, Args{"--num-cache", "1"},
         Args{"--master-addr", "127.0.0.1"}, Args{"--master-port", "29500"}, Args{"--role-map", "c,i,k"},
         Args{"--rendezvous-timeout-ms", "1000"}, Args{"--metrics-port", "8100"}, Args{"--metrics-host", "0.0.0.0"},
-        Args{"--gpu", "1"}, Args{"--gpu-link", "ipc"}})
+        Args{"--gpu", "1"}, Args{"--gpu-link", "ipc"}, Args{"--cluster-secret-file", "x"}})
     expect_refused(standalone("cpu"), extra, {extra[0]}, "a standalone run");
   // Several at once: every one is named.
   expect_refused(standalone("cpu"), {"--no-cuda-graphs", "--delta-capacity", "8"},
