@@ -37,7 +37,8 @@ for p in "${PKGS[@]}"; do
   dpkg -L "${p}" | while read -r f; do
     case "${f}" in
       /usr/share/doc/* | /usr/share/man/* | /usr/share/lintian/*) continue ;;
-      */openblas*/*.a) continue ;;  # OpenBLAS's static archive (tens of MB): the build links its shared library
+      */libgtest*.a | */libgmock*.a | */libbenchmark*.a) ;;  # static-only libraries: kept
+      *.a | */openblas*/liblapack*) continue ;;  # the build links the shared libraries; LAPACK is not used
     esac
     if [ -f "${f}" ] || [ -L "${f}" ]; then
       echo "${f#/}"
