@@ -127,8 +127,9 @@ class CoordinatorClient {
   std::optional<proto::GenerateChunk> next_chunk(Deadline deadline);
   /// (inference rank) Next GenerateRequest routed to us; nullopt at the deadline.
   std::optional<proto::GenerateRequest> next_request(Deadline deadline);
-  /// Cancels a request this client submitted (id as returned by submit()). Its last chunk (FINISH_CANCELLED) may
-  /// still arrive.
+  /// Cancels a request this client submitted (id as returned by submit()). Chunks already under way may still
+  /// arrive, then exactly one final chunk, FINISH_CANCELLED (sent by the coordinator when it forwards the cancel), or
+  /// the request's own final chunk if it finished first. Unknown or finished ids are ignored.
   void cancel(uint64_t request_id, const std::string& reason);
   /// (inference rank) Next CancelRequest routed to us (ids as in next_request()); nullopt at the deadline.
   std::optional<proto::CancelRequest> next_cancel(Deadline deadline);

@@ -115,7 +115,18 @@ void RequestRouter::on_cancel_request(const ConnPtr& c, const proto::CancelReque
   for (auto& [routed_id, route] : routes_) {
     if (route.submitter.lock() == c && route.submitter_request_id == cr.request_id()) {
       const uint64_t id = routed_id;
-      return cancel_route(id, fmt::format("cancelled by {}: {}", c->remote, cr.reason()));
+      const uint32_t served_by = route.inference_rank;
+      cancel_route(id, fmt::format("cancelled by {}: {}", c->remote, cr.reason()));
+      // The route is gone, so the rank's own last chunk would be dropped: end the request for its submitter here,
+      // so that every submitted request ends with exactly one final chunk.
+      proto::Envelope out;
+      proto::GenerateChunk* end = out.mutable_generate_chunk();
+      end->set_request_id(cr.request_id());
+      end->set_finished(true);
+      end->set_finish_reason(proto::FINISH_CANCELLED);
+      end->set_served_by_rank(served_by);
+      if (c->open) conns_.send(c, out);
+      return;
     }
   }
 }

@@ -12,13 +12,12 @@
 #include <vector>
 
 #include "common/http_server.h"
+#include "tests/inference_rank/cluster_client.h"  // bin(), cluster_client()
 #include "tests/test_util.h"
 
 namespace spade::test {
 
 using namespace std::chrono_literals;
-
-inline std::string bin(const std::string& rel) { return binary_dir() + "/" + rel; }
 
 /// Parses the Prometheus text format into {"name{labels}" -> value} (labels exactly as served).
 inline std::map<std::string, double> parse_metrics(const std::string& text) {
@@ -60,7 +59,13 @@ struct ApiCluster {
             {"WORLD_SIZE", "3"},
             {"UCX_LOG_LEVEL", "error"},
             // Every process authenticates its control connection (docs/DEPLOY.md, "Security model").
-            {"SPADE_CLUSTER_SECRET", "api-cluster-test-secret-0123456789"}};
+            {"SPADE_CLUSTER_SECRET", kSecret}};
+  }
+  static constexpr const char* kSecret = "api-cluster-test-secret-0123456789";
+
+  /// A CLIENT of the coordinator's control port (authenticated with the cluster secret), once the world is complete.
+  std::unique_ptr<coord::CoordinatorClient> control_client() const {
+    return cluster_client(control_port, 60s, 60s, kSecret);
   }
 
   void start_coordinator(const ClusterOptions& o) {

@@ -20,14 +20,17 @@ namespace spade::test {
 inline std::string bin(const std::string& rel) { return binary_dir() + "/" + rel; }
 
 /// A CLIENT of the coordinator on 127.0.0.1:`port`, returned once the world is complete (registration within
-/// `rendezvous`, completion within `complete`); throws std::runtime_error otherwise.
+/// `rendezvous`, completion within `complete`); throws std::runtime_error otherwise. `cluster_secret`: the
+/// coordinator's (empty when it runs without one).
 inline std::unique_ptr<coord::CoordinatorClient> cluster_client(int port,
                                                                 std::chrono::milliseconds rendezvous = std::chrono::seconds(20),
-                                                                std::chrono::milliseconds complete = std::chrono::seconds(30)) {
+                                                                std::chrono::milliseconds complete = std::chrono::seconds(30),
+                                                                const std::string& cluster_secret = "") {
   using Clock = std::chrono::steady_clock;
   coord::ClientOptions o;
   o.coordinator_port = static_cast<uint16_t>(port);
   o.role = proto::CLIENT;
+  o.cluster_secret = cluster_secret;
   auto c = std::make_unique<coord::CoordinatorClient>(o);
   c->rendezvous(Clock::now() + rendezvous);
   for (auto until = Clock::now() + complete; Clock::now() < until;
