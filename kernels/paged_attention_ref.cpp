@@ -18,18 +18,18 @@ constexpr int kKeyTile = 256;   // context tokens per tile
 
 // Flash-attention forward (FlashAttention-2, Dao 2023, Algorithm 1) on the CPU for one sequence, one KV head and
 // query tokens [i0, i1) of its q_len new tokens: every query head of the GQA group stacked into the rows of one
-// GEMM, the context in key tiles gathered from the pages, S = Q Kᵀ and O += P V as SGEMMs, online softmax in fp32.
+// GEMM, the context (gathered from the pages once per chunk) in key tiles, S = Q Kᵀ and O += P V as SGEMMs, online
+// softmax in fp32.
 // Query token i sits at absolute position seq_len - q_len + i and attends to 0..position (causal).
 struct TileScratch {
-  std::vector<float> q, k, v, s, o, m, l;
+  std::vector<float> q, s, o, m, l;
 };
 
-void attend_tile(const PagedAttentionParams& p, int q_begin, int q_len, int seq_len, const int32_t* pages, int kvh,
-                 int i0, int i1, TileScratch& w) {
+// kc, vc: this KV head's context gathered once per chunk, [seq_len, head_dim] fp32 each.
+void attend_tile(const PagedAttentionParams& p, int q_begin, int q_len, int seq_len, const float* kc, const float* vc,
+                 int kvh, int i0, int i1, TileScratch& w) {
   const int group = p.num_q_heads / p.num_kv_heads, D = p.head_dim;
   const int rows = (i1 - i0) * group;
-  const size_t slot_stride = static_cast<size_t>(p.num_kv_heads) * D;
-  const size_t page_stride = slot_stride * p.page_size;
   w.q.resize(static_cast<size_t>(rows) * D);
   w.o.assign(static_cast<size_t>(rows) * D, 0.f);
   w.m.assign(rows, -std::numeric_limits<float>::infinity());
@@ -42,17 +42,11 @@ void attend_tile(const PagedAttentionParams& p, int q_begin, int q_len, int seq_
   const int first_pos = seq_len - q_len + i0, last_pos = seq_len - q_len + i1 - 1;
   for (int j0 = 0; j0 <= last_pos; j0 += kKeyTile) {
     const int j1 = std::min(j0 + kKeyTile, last_pos + 1), n = j1 - j0;
-    w.k.resize(static_cast<size_t>(n) * D);
-    w.v.resize(static_cast<size_t>(n) * D);
-    for (int t = j0; t < j1; ++t) {
-      const size_t off = pages[t / p.page_size] * page_stride + (t % p.page_size) * slot_stride +
-                         static_cast<size_t>(kvh) * D;
-      std::copy(p.k_cache + off, p.k_cache + off + D, w.k.begin() + static_cast<size_t>(t - j0) * D);
-      std::copy(p.v_cache + off, p.v_cache + off + D, w.v.begin() + static_cast<size_t>(t - j0) * D);
-    }
+    const float* kt = kc + static_cast<size_t>(j0) * D;
+    const float* vt = vc + static_cast<size_t>(j0) * D;
     w.s.resize(static_cast<size_t>(rows) * n);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, D, p.scale, w.q.data(), D, w.k.data(), D, 0.f,
-                w.s.data(), n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, D, p.scale, w.q.data(), D, kt, D, 0.f, w.s.data(),
+                n);
     const bool masked = j1 - 1 > first_pos;  // some row of the tile sees only part of this key tile
     for (int r = 0; r < rows; ++r) {
       float* srow = &w.s[static_cast<size_t>(r) * n];
@@ -71,8 +65,8 @@ void attend_tile(const PagedAttentionParams& p, int q_begin, int q_len, int seq_
       float* orow = &w.o[static_cast<size_t>(r) * D];
       for (int d = 0; d < D; ++d) orow[d] *= alpha;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, D, n, 1.f, w.s.data(), n, w.v.data(), D, 1.f,
-                w.o.data(), D);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, D, n, 1.f, w.s.data(), n, vt, D, 1.f, w.o.data(),
+                D);
   }
   for (int i = i0; i < i1; ++i)
     for (int g = 0; g < group; ++g) {
@@ -135,6 +129,7 @@ void paged_attention_ref(const PagedAttentionParams& p) {
   const int D = p.head_dim;
   const size_t slot_stride = static_cast<size_t>(p.num_kv_heads) * D;
   const size_t page_stride = slot_stride * p.page_size;
+  std::vector<float> kc, vc;     // a prefill chunk's context, gathered per KV head
   std::vector<int> decode_seqs;  // sequences with one query row (decode steps), attended after the prefill chunks
   for (int b = 0; b < p.batch; ++b) {
     if (p.skip != nullptr && p.skip[b] != 0) continue;  // another kernel's sequence: nothing read or written
@@ -155,15 +150,29 @@ void paged_attention_ref(const PagedAttentionParams& p) {
       continue;
     }
     if (q_len == 0) continue;
-    // Prefill chunks: tiled, GEMM-shaped, the (KV head, query tile) pairs in parallel (each GEMM on its thread).
+    // Prefill chunks: the context of every KV head gathered from the pages once ([num_kv_heads, seq_len, head_dim]
+    // K and V), then tiled, GEMM-shaped, the (KV head, query tile) pairs in parallel (each GEMM on its thread).
+    const size_t head_floats = static_cast<size_t>(seq_len) * D;
+    kc.resize(head_floats * p.num_kv_heads);
+    vc.resize(head_floats * p.num_kv_heads);
     const int tiles = (q_len + kQueryTile - 1) / kQueryTile;
 #pragma omp parallel
     {
+#pragma omp for schedule(static)
+      for (int t = 0; t < seq_len; ++t) {
+        const size_t slot = pages[t / p.page_size] * page_stride + (t % p.page_size) * slot_stride;
+        for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+          const size_t src = slot + static_cast<size_t>(kvh) * D, dst = kvh * head_floats + static_cast<size_t>(t) * D;
+          std::copy(p.k_cache + src, p.k_cache + src + D, kc.begin() + static_cast<std::ptrdiff_t>(dst));
+          std::copy(p.v_cache + src, p.v_cache + src + D, vc.begin() + static_cast<std::ptrdiff_t>(dst));
+        }
+      }
       TileScratch w;
 #pragma omp for schedule(dynamic)
       for (int task = 0; task < p.num_kv_heads * tiles; ++task) {
         const int kvh = task / tiles, i0 = (task % tiles) * kQueryTile;
-        attend_tile(p, q_begin, q_len, seq_len, pages, kvh, i0, std::min(i0 + kQueryTile, q_len), w);
+        attend_tile(p, q_begin, q_len, seq_len, kc.data() + kvh * head_floats, vc.data() + kvh * head_floats, kvh, i0,
+                    std::min(i0 + kQueryTile, q_len), w);
       }
     }
   }
