@@ -11,6 +11,7 @@
 
 #include "cache_rank/pack_server.h"
 #include "pair/link.h"
+#include "pair/sharded_link.h"
 #include "common/error.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/sparse_attention.h"
@@ -227,6 +228,53 @@ TEST_F(Stories, SmallBudgetDecodesSparselyWithoutStalls) {
   EXPECT_GT(be.stats.sparse_seq_steps, 200u);
   auto o = run(*model, {{1}}, 150, in_process(opts(SelectionMode::Oracle, 16)), &be);
   EXPECT_EQ(o[0].ids.size(), 150u);
+}
+
+// One inference rank, N cache ranks (pair/sharded_link.h): the layer packs round-robin over N in-process cache ranks
+// select exactly what one cache rank holding every layer selects, bit for bit, at a small budget (full and delta
+// transfer), and each cache rank is sent only the packs it serves.
+TEST_F(Stories, ShardedOverSeveralCacheRanksSelectsExactlyAsOne) {
+  const int layers = model->config().num_layers;
+  for (bool delta : {false, true}) {
+    const SparseOptions o = opts(SelectionMode::Predicted, 16);
+    const int packs = (layers + o.layers_per_pack - 1) / o.layers_per_pack;
+    const auto one = run(*model, {{1}, {1, 403, 407, 261}}, 120, in_process(o, delta));
+    for (int n : {2, 3}) {
+      std::vector<cache::InProcessLink*> shards;
+      std::vector<uint64_t> shard_updates(static_cast<size_t>(n));
+      After be;
+      const auto sharded = run(
+          *model, {{1}, {1, 403, 407, 261}}, 120,
+          [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
+            std::vector<std::unique_ptr<pair::CacheRankLink>> links;
+            for (int i = 0; i < n; ++i) {
+              auto l = std::make_unique<cache::InProcessLink>(cfg, o.selection, kv.num_pages(), kv.page_size(), delta);
+              shards.push_back(l.get());
+              links.push_back(std::move(l));
+            }
+            return std::make_unique<SparseAttention>(cfg, kv, o, std::make_unique<pair::ShardedLink>(std::move(links)));
+          },
+          &be,
+          [&](Engine&, int) {
+            for (int i = 0; i < n; ++i) shard_updates[static_cast<size_t>(i)] = shards[static_cast<size_t>(i)]->stats().updates;
+          });
+      ASSERT_EQ(sharded.size(), one.size());
+      for (size_t i = 0; i < one.size(); ++i)
+        EXPECT_EQ(sharded[i].ids, one[i].ids) << "delta " << delta << ", " << n << " cache ranks, seq " << i;
+      EXPECT_GT(be.stats.sparse_seq_steps, 150u);
+      uint64_t sum = 0;
+      for (int i = 0; i < n; ++i) {
+        // Shard i serves the packs p with p mod n == i: its share of the updates is exact.
+        int mine = 0;
+        for (int p = i; p < packs; p += n) ++mine;
+        EXPECT_EQ(shard_updates[static_cast<size_t>(i)] * static_cast<uint64_t>(packs),
+                  be.link.updates * static_cast<uint64_t>(mine))
+            << "shard " << i << " of " << n;
+        sum += shard_updates[static_cast<size_t>(i)];
+      }
+      EXPECT_EQ(sum, be.link.updates);
+    }
+  }
 }
 
 // Throws once, in layer `layer` of forward pass `step` (1-based), before the wrapped backend sees that layer: a step

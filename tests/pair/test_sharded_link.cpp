@@ -1,0 +1,147 @@
+// ShardedLink (pair/sharded_link.h): packs round-robin over N cache-rank links, answers in send order, releases
+// forwarded to every shard, failures named; shard_layers covers every layer exactly once.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <set>
+
+#include "common/error.h"
+#include "pair/sharded_link.h"
+
+namespace spade::pair {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// Records every update; answers each with a selection naming its step and pack, in order.
+struct Recorder : CacheRankLink {
+  explicit Recorder(std::string name) : name_(std::move(name)) {}
+  void send(PackUpdate&& u) override {
+    if (!fail_.empty()) throw Error(fail_);
+    got.push_back(u);
+    answers_.push_back({u.step, u.pack});
+    ++stats_.updates;
+    stats_.bytes_sent += 10;
+  }
+  PackSelection receive(transport::Deadline, bool* waited) override {
+    if (waited) *waited = false;
+    SPADE_CHECK(!answers_.empty(), "{}: nothing to receive", name_);
+    PackSelection p;
+    p.step = answers_.front().first;
+    p.pack = answers_.front().second;
+    answers_.pop_front();
+    return p;
+  }
+  size_t in_flight() const override { return answers_.size(); }
+  const LinkStats& stats() const override { return stats_; }
+  std::string peer() const override { return name_; }
+  std::string failure() const override { return fail_; }
+
+  std::vector<PackUpdate> got;
+  std::string fail_;
+
+ private:
+  std::string name_;
+  std::deque<std::pair<int64_t, int32_t>> answers_;
+  LinkStats stats_;
+};
+
+struct Sharded : ::testing::Test {
+  std::vector<Recorder*> rec;
+  std::unique_ptr<ShardedLink> make(int n) {
+    std::vector<std::unique_ptr<CacheRankLink>> links;
+    for (int i = 0; i < n; ++i) {
+      auto r = std::make_unique<Recorder>("cache rank " + std::to_string(i));
+      rec.push_back(r.get());
+      links.push_back(std::move(r));
+    }
+    return std::make_unique<ShardedLink>(std::move(links));
+  }
+  static PackUpdate update(int64_t step, int pack, std::vector<uint64_t> released = {}) {
+    PackUpdate u;
+    u.step = step;
+    u.pack = pack;
+    u.first_layer = 2 * pack;
+    u.num_layers = 2;
+    u.released = std::move(released);
+    return u;
+  }
+};
+
+TEST_F(Sharded, PacksGoRoundRobinAndAnswersComeInSendOrder) {
+  auto link = make(3);
+  for (int64_t step = 0; step < 2; ++step)
+    for (int pack = 0; pack < 5; ++pack) link->send(update(step, pack));
+  EXPECT_EQ(link->in_flight(), 10u);
+  for (int i = 0; i < 3; ++i)
+    for (const PackUpdate& u : rec[static_cast<size_t>(i)]->got) EXPECT_EQ(u.pack % 3, i);
+  EXPECT_EQ(rec[0]->got.size(), 4u);  // packs 0, 3 of two steps
+  EXPECT_EQ(rec[1]->got.size(), 4u);  // packs 1, 4
+  EXPECT_EQ(rec[2]->got.size(), 2u);  // pack 2
+  for (int64_t step = 0; step < 2; ++step)
+    for (int pack = 0; pack < 5; ++pack) {
+      const PackSelection p = link->receive(transport::Clock::now(), nullptr);
+      EXPECT_EQ(p.step, step);
+      EXPECT_EQ(p.pack, pack);
+    }
+  EXPECT_EQ(link->in_flight(), 0u);
+  EXPECT_EQ(link->stats().updates, 10u);
+  EXPECT_EQ(link->stats().bytes_sent, 100u);
+  EXPECT_EQ(link->peer(), "cache rank 0,cache rank 1,cache rank 2");
+}
+
+TEST_F(Sharded, ReleasesReachEveryShardOnItsNextUpdate) {
+  auto link = make(2);
+  link->send(update(0, 0, {7, 8}));  // shard 0 gets 7, 8 now
+  link->send(update(0, 1));          // shard 1 gets them with its next update
+  link->send(update(1, 0, {9}));
+  link->send(update(1, 1));
+  EXPECT_THAT(rec[0]->got[0].released, ElementsAre(7, 8));
+  EXPECT_THAT(rec[1]->got[0].released, ElementsAre(7, 8));
+  EXPECT_THAT(rec[0]->got[1].released, ElementsAre(9));
+  EXPECT_THAT(rec[1]->got[1].released, ElementsAre(9));
+}
+
+TEST_F(Sharded, AFailedShardFailsTheLinkNamingIt) {
+  auto link = make(2);
+  EXPECT_EQ(link->failure(), "");
+  rec[1]->fail_ = "cache rank 1 is unreachable: SIGKILL";
+  EXPECT_THAT(link->failure(), HasSubstr("cache rank 1"));
+  link->send(update(0, 0));  // shard 0 still takes its pack
+  EXPECT_THAT([&] { link->send(update(0, 1)); }, ::testing::ThrowsMessage<Error>(HasSubstr("cache rank 1")));
+}
+
+TEST_F(Sharded, BadInputIsRefused) {
+  EXPECT_THROW(ShardedLink({}), Error);
+  std::vector<std::unique_ptr<CacheRankLink>> with_null;
+  with_null.push_back(nullptr);
+  EXPECT_THROW(ShardedLink(std::move(with_null)), Error);
+  auto link = make(2);
+  EXPECT_THROW(link->receive(transport::Clock::now(), nullptr), Error);
+  EXPECT_THROW(shard_of_pack(0, 0), Error);
+  EXPECT_THROW(shard_of_pack(-1, 2), Error);
+  EXPECT_THROW(shard_layers(2, 2, 8, 2), Error);
+  EXPECT_THROW(shard_layers(0, 1, 8, 0), Error);
+}
+
+TEST(ShardLayers, EveryLayerHasExactlyOneShard) {
+  for (int layers : {1, 5, 6, 36, 64})
+    for (int per_pack : {1, 2, 4, 6, 12})
+      for (int n : {1, 2, 3, 4}) {
+        std::multiset<int> all;
+        for (int s = 0; s < n; ++s)
+          for (int l : shard_layers(s, n, layers, per_pack)) {
+            EXPECT_EQ(shard_of_pack(l / per_pack, n), s);
+            all.insert(l);
+          }
+        ASSERT_EQ(all.size(), static_cast<size_t>(layers)) << layers << " " << per_pack << " " << n;
+        for (int l = 0; l < layers; ++l) EXPECT_EQ(all.count(l), 1u);
+      }
+  EXPECT_THAT(shard_layers(1, 2, 5, 2), ElementsAre(2, 3));
+  EXPECT_THAT(shard_layers(3, 4, 5, 2), ElementsAre());  // more shards than packs: nothing to hold
+}
+
+}  // namespace
+}  // namespace spade::pair
