@@ -7,11 +7,13 @@
 
 namespace spade {
 
-PageAllocator::PageAllocator(int num_pages, int page_size) : num_pages_(num_pages), page_size_(page_size) {
+PageAllocator::PageAllocator(int num_pages, int page_size, bool prefix_caching)
+    : num_pages_(num_pages), page_size_(page_size), prefix_caching_(prefix_caching) {
   SPADE_CHECK(num_pages > 0, "PageAllocator: num_pages must be positive, got {}", num_pages);
   SPADE_CHECK(page_size > 0, "PageAllocator: page_size must be positive, got {}", page_size);
   runs_.emplace(0, num_pages);
   num_free_ = num_pages;
+  refs_.assign(static_cast<size_t>(num_pages), 0);
 }
 
 bool PageAllocator::is_free(int32_t page) const {
@@ -73,19 +75,87 @@ const PageAllocator::Seq& PageAllocator::get(uint64_t seq) const {
   return it->second;
 }
 
+int32_t PageAllocator::take_any(int need, int32_t after) {
+  int32_t p;
+  if (num_free_ > 0) {
+    p = (after >= 0 && after + 1 < num_pages_ && is_free(after + 1)) ? after + 1 : choose_run(need);  // rules 1-4
+    take(p);
+  } else {  // no free run: evict the least recently used unreferenced cached page
+    SPADE_CHECK(!lru_.empty(), "PageAllocator: no page to take (caller checked num_free_pages)");
+    p = lru_.front();
+    uncache(p);
+    ++prefix_stats_.evicted_pages;
+  }
+  refs_[static_cast<size_t>(p)] = 1;
+  return p;
+}
+
+void PageAllocator::ref(int32_t page) {
+  int32_t& r = refs_[static_cast<size_t>(page)];
+  if (r == 0) {
+    auto it = cached_.find(page);
+    SPADE_CHECK(it != cached_.end(), "PageAllocator: page {} is free", page);
+    lru_.erase(it->second.lru);
+  }
+  ++r;
+}
+
+void PageAllocator::unref(int32_t page) {
+  int32_t& r = refs_[static_cast<size_t>(page)];
+  SPADE_CHECK(r > 0, "PageAllocator: page {} released more often than held", page);
+  if (--r > 0) return;
+  auto it = cached_.find(page);
+  if (it == cached_.end()) {
+    give(page);
+    return;
+  }
+  lru_.push_back(page);
+  it->second.lru = std::prev(lru_.end());
+}
+
+void PageAllocator::uncache(int32_t page) {
+  auto it = cached_.find(page);
+  if (it == cached_.end()) return;
+  if (refs_[static_cast<size_t>(page)] == 0) lru_.erase(it->second.lru);
+  auto [b, e] = by_hash_.equal_range(it->second.hash);
+  for (auto h = b; h != e; ++h)
+    if (h->second == page) {
+      by_hash_.erase(h);
+      break;
+    }
+  cached_.erase(it);
+}
+
 bool PageAllocator::append(uint64_t seq, int n) {
   auto it = seqs_.find(seq);
   SPADE_CHECK(it != seqs_.end(), "PageAllocator: unknown sequence {}", seq);
   SPADE_CHECK(n >= 0, "PageAllocator: cannot append {} tokens", n);
   Seq& s = it->second;
+  // Copy-on-write: the partly filled last page is also another sequence's (fork).
+  const bool cow = n > 0 && s.len % page_size_ != 0 && !s.pages.empty() && s.pages.back() >= 0 &&
+                   refs_[static_cast<size_t>(s.pages.back())] > 1;
   int need = pages_for(s.len + n) - static_cast<int>(s.pages.size());
-  if (need > num_free_) return false;
+  if (need + (cow ? 1 : 0) > num_free_pages()) return false;
+  if (cow) {
+    const int32_t shared = s.pages.back();
+    const int32_t before = s.pages.size() > 1 ? s.pages[s.pages.size() - 2] : -1;
+    const int32_t p = take_any(need + 1, before);
+    copies_.push_back({shared, p, s.len % page_size_});
+    unref(shared);
+    s.pages.back() = p;
+  }
   while (need > 0) {
     const int32_t last = s.pages.empty() ? -1 : s.pages.back();
+    if (num_free_ == 0) {  // only evictable cached pages are left
+      s.pages.push_back(take_any(need, last));
+      --need;
+      continue;
+    }
     int32_t p = (last >= 0 && last + 1 < num_pages_ && is_free(last + 1)) ? last + 1 : choose_run(need);  // rule 1
     // Take consecutive pages from p while they are free and needed.
     while (need > 0 && p < num_pages_ && is_free(p)) {
       take(p);
+      refs_[static_cast<size_t>(p)] = 1;
       s.pages.push_back(p++);
       --need;
     }
@@ -97,8 +167,11 @@ bool PageAllocator::append(uint64_t seq, int n) {
 void PageAllocator::release(uint64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
-  for (int32_t p : it->second.pages)
-    if (p >= 0) give(p);
+  // Last page first: of a published chain the later, more specific pages become least recently used and are evicted
+  // before the prefix they extend (whose loss would make them unreachable anyway).
+  const std::vector<int32_t>& pages = it->second.pages;
+  for (auto p = pages.rbegin(); p != pages.rend(); ++p)
+    if (*p >= 0) unref(*p);
   seqs_.erase(it);
 }
 
@@ -111,7 +184,7 @@ int PageAllocator::drop_range(uint64_t seq, int begin, int end) {
   const int last = std::min(end, s.len) / page_size_;                     // pages ending at or before end
   for (int p = first; p < last && p < static_cast<int>(s.pages.size()); ++p) {
     if (s.pages[p] < 0) continue;
-    give(s.pages[p]);
+    unref(s.pages[p]);
     s.pages[p] = -1;
     ++freed;
   }
@@ -122,6 +195,100 @@ int PageAllocator::held_pages(uint64_t seq) const {
   int n = 0;
   for (int32_t p : get(seq).pages) n += p >= 0;
   return n;
+}
+
+void PageAllocator::fork(uint64_t parent, uint64_t child) {
+  const Seq& p = get(parent);
+  SPADE_CHECK(!seqs_.count(child), "PageAllocator: sequence {} is already admitted", child);
+  for (int32_t page : p.pages)
+    SPADE_CHECK(page >= 0, "PageAllocator: cannot fork sequence {}: it has dropped pages", parent);
+  Seq c = p;  // copied before the insert, which may rehash
+  for (int32_t page : c.pages) ref(page);
+  seqs_.emplace(child, std::move(c));
+}
+
+std::vector<PageAllocator::PageCopy> PageAllocator::take_copies() {
+  std::vector<PageCopy> out;
+  out.swap(copies_);
+  return out;
+}
+
+int PageAllocator::refcount(int32_t page) const {
+  SPADE_CHECK(page >= 0 && page < num_pages_, "PageAllocator: page {} outside [0, {})", page, num_pages_);
+  return refs_[static_cast<size_t>(page)];
+}
+
+uint64_t PageAllocator::key_hash(uint64_t prev_serial, const int32_t* tokens) const {
+  // FNV-1a, 64 bit, over the previous page's serial and the page's token ids (keys are compared exactly on a hit).
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xffu;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(prev_serial);
+  for (int i = 0; i < page_size_; ++i) mix(static_cast<uint32_t>(tokens[i]));
+  return h;
+}
+
+int32_t PageAllocator::lookup(uint64_t prev_serial, const int32_t* tokens) const {
+  auto [b, e] = by_hash_.equal_range(key_hash(prev_serial, tokens));
+  for (auto it = b; it != e; ++it) {
+    const CachedPage& c = cached_.at(it->second);
+    if (c.prev_serial == prev_serial && std::equal(c.tokens.begin(), c.tokens.end(), tokens)) return it->second;
+  }
+  return -1;
+}
+
+int PageAllocator::match_prefix(uint64_t seq, const int32_t* tokens, int n) {
+  auto it = seqs_.find(seq);
+  SPADE_CHECK(it != seqs_.end(), "PageAllocator: unknown sequence {}", seq);
+  Seq& s = it->second;
+  SPADE_CHECK(s.len == 0 && s.pages.empty(), "PageAllocator: match_prefix on sequence {} that holds tokens", seq);
+  SPADE_CHECK(n >= 0 && (n == 0 || tokens != nullptr), "PageAllocator: match_prefix with {} tokens", n);
+  prefix_stats_.queried_tokens += static_cast<uint64_t>(n);
+  if (!prefix_caching_ || n <= 1) return 0;
+  uint64_t prev = 0;
+  for (int i = 0; i < (n - 1) / page_size_; ++i) {
+    const int32_t p = lookup(prev, tokens + static_cast<size_t>(i) * page_size_);
+    if (p < 0) break;
+    ref(p);
+    s.pages.push_back(p);
+    prev = cached_.at(p).serial;
+  }
+  s.len = static_cast<int>(s.pages.size()) * page_size_;
+  prefix_stats_.hit_tokens += static_cast<uint64_t>(s.len);
+  return s.len;
+}
+
+void PageAllocator::cache_prompt(uint64_t seq, const int32_t* tokens, int n) {
+  if (!prefix_caching_) return;
+  const Seq& s = get(seq);
+  SPADE_CHECK(n >= 0 && n <= s.len, "PageAllocator: cache_prompt of {} tokens on sequence {} of length {}", n, seq,
+              s.len);
+  uint64_t prev = 0;
+  for (int i = 0; i < n / page_size_; ++i) {
+    const int32_t p = s.pages[static_cast<size_t>(i)];
+    if (p < 0) return;  // a dropped page breaks the chain
+    const int32_t* t = tokens + static_cast<size_t>(i) * page_size_;
+    if (auto c = cached_.find(p); c != cached_.end()) {
+      prev = c->second.serial;
+      continue;
+    }
+    if (const int32_t same = lookup(prev, t); same >= 0) {  // the same content is published already: keep this private
+      prev = cached_.at(same).serial;
+      continue;
+    }
+    CachedPage c;
+    c.serial = next_serial_++;
+    c.prev_serial = prev;
+    c.hash = key_hash(prev, t);
+    c.tokens.assign(t, t + page_size_);
+    by_hash_.emplace(c.hash, p);
+    prev = c.serial;
+    cached_.emplace(p, std::move(c));
+  }
 }
 
 const std::vector<int32_t>& PageAllocator::block_table(uint64_t seq) const { return get(seq).pages; }
