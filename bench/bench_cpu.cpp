@@ -2,12 +2,16 @@
 // to: the BLAS's own SGEMM rate (kernels/linear_ref.h) measured in the same run on the model's largest GEMM shape.
 //
 //   bench_cpu [--model DIR] [--prefill 2048,7680] [--decode-context 2048] [--decode-batch 1,8] [--decode-steps 8]
-//             [--out FILE.json]
+//             [--shared-prompt 2048] [--samples 8] [--sample-tokens 32] [--out FILE.json]
 //
 // --model defaults to $SPADE_DATA_DIR/models/longctx-22m. Prefill: one sequence of N tokens in one chunk (a token
 // sequence drawn from the vocabulary), dense paged attention, logits of the last token. Decode: B sequences at the
 // given context, the median step of --decode-steps. FLOPs counted: 2 per multiply-add of every linear layer (the LM
 // head on the rows whose logits are taken) plus causal attention, 4 * head_dim * q_heads per (query, visible key) pair.
+// Shared prompts (the engine, greedy, page size 16): TTFT of a --shared-prompt-token prompt cold and again from the
+// prefix cache (its peer: the same repeat with prefix caching off); and --samples samples of that prompt
+// (Engine::submit_samples, the prompt's KV stored once) against as many separate requests submitted together: peak KV
+// pages, time to every first token, decode tokens/s.
 // The JSON carries date, commit (SPADE_COMMIT), the CPU, the BLAS and every figure beside the SGEMM floor.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -24,6 +28,7 @@
 
 #include "bench/run_stamp.h"
 #include "common/error.h"
+#include "inference_rank/engine.h"
 #include "inference_rank/model.h"
 #include "kernels/linear_ref.h"
 
@@ -114,15 +119,58 @@ std::vector<int> parse_list(const std::string& s) {
 
 }  // namespace
 
+// One engine run of `requests` (a request is `n` samples when n > 1): seconds to the first token of every sequence,
+// seconds to the end, generated tokens, the most KV pages held at once.
+struct EngineRun {
+  double all_first_s = 0, total_s = 0;
+  int generated = 0, peak_pages = 0;
+};
+EngineRun run_engine(spade::Engine& e, const std::vector<int32_t>& prompt, int requests, int n, int tokens) {
+  spade::GenerateRequest r;
+  r.prompt_ids = prompt;
+  r.max_tokens = tokens;
+  r.sampling.temperature = 1.0f;
+  r.ignore_eos = true;
+  EngineRun out;
+  int firsts = 0, sequences = 0;
+  std::vector<bool> seen;
+  const auto t0 = Clock::now();
+  auto cb = [&](const spade::TokenEvent& ev) {
+    if (ev.token < 0) return;
+    ++out.generated;
+    if (ev.request_id >= seen.size()) seen.resize(ev.request_id + 1, false);
+    if (!seen[ev.request_id]) {
+      seen[ev.request_id] = true;
+      if (++firsts == sequences) out.all_first_s = seconds_since(t0);
+    }
+  };
+  for (int i = 0; i < requests; ++i) {
+    r.sampling.seed = static_cast<uint64_t>(i) * 1000;
+    sequences += n;
+    if (n > 1) e.submit_samples(r, n, cb); else e.submit(r, cb);
+  }
+  while (!e.idle()) {
+    e.step();
+    out.peak_pages = std::max(out.peak_pages, e.pages().num_pages() - e.pages().num_free_pages());
+  }
+  out.total_s = seconds_since(t0);
+  return out;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"bench_cpu: CPU prefill / decode FLOP rates against the BLAS SGEMM rate"};
   std::string model_dir, out_path, prefill_list = "2048,7680", batch_list = "1,8";
-  int decode_context = 2048, decode_steps = 8, page_size = 16;
+  int decode_context = 2048, decode_steps = 8, page_size = 16, shared_prompt = 2048, samples = 8, sample_tokens = 32;
   app.add_option("--model", model_dir, "checkpoint directory (default $SPADE_DATA_DIR/models/longctx-22m)");
   app.add_option("--prefill", prefill_list, "prompt lengths to prefill, comma-separated")->capture_default_str();
   app.add_option("--decode-context", decode_context, "context length of the decode sequences")->capture_default_str();
   app.add_option("--decode-batch", batch_list, "decode batch sizes, comma-separated")->capture_default_str();
   app.add_option("--decode-steps", decode_steps, "decode steps timed per batch size (median)")->capture_default_str();
+  app.add_option("--shared-prompt", shared_prompt, "prompt tokens of the prefix-cache and n-sample runs (0 = skip)")
+      ->capture_default_str();
+  app.add_option("--samples", samples, "n of the n-sample run")->capture_default_str()->check(CLI::Range(2, 64));
+  app.add_option("--sample-tokens", sample_tokens, "tokens each sample generates")->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--out", out_path, "JSON output (default: stdout only)");
   CLI11_PARSE(app, argc, argv);
   try {
@@ -203,6 +251,51 @@ int main(int argc, char** argv) {
                                {"fraction_of_sgemm", gflops / floor_model}});
       std::printf("decode B=%-3d ctx %5d: %7.2f ms/step  %8.1f tok/s  %6.1f GFLOP/s = %.2f of SGEMM\n", B,
                   decode_context, s * 1e3, B / s, gflops, gflops / floor_model);
+    }
+    if (shared_prompt > 0) {
+      SPADE_CHECK(shared_prompt + sample_tokens <= cfg.max_position_embeddings, "bench_cpu: --shared-prompt {} too long",
+                  shared_prompt);
+      std::vector<int32_t> prompt(static_cast<size_t>(shared_prompt));
+      std::uniform_int_distribution<int32_t> tok(0, cfg.vocab_size - 1);
+      for (auto& t : prompt) t = tok(rng);
+      spade::EngineOptions eo;
+      eo.page_size = page_size;
+      eo.max_num_seqs = samples;
+      eo.max_num_batched_tokens = 2048;
+      eo.max_model_len = shared_prompt + sample_tokens;
+      for (bool caching : {false, true}) {  // the repeat's TTFT, prefix caching off (the peer) and on
+        eo.enable_prefix_caching = caching;
+        spade::Engine e(*model, eo);
+        const EngineRun cold = run_engine(e, prompt, 1, 1, 1), warm = run_engine(e, prompt, 1, 1, 1);
+        doc["prefix_cache"].push_back({{"prefix_caching", caching},
+                                       {"prompt_tokens", shared_prompt},
+                                       {"ttft_first_s", cold.all_first_s},
+                                       {"ttft_repeat_s", warm.all_first_s},
+                                       {"hit_tokens", e.stats().prefix_hit_tokens}});
+        std::printf("prefix cache %-3s: TTFT %5d-token prompt %.3f s, repeated %.3f s (%llu tokens reused)\n",
+                    caching ? "on" : "off", shared_prompt, cold.all_first_s, warm.all_first_s,
+                    static_cast<unsigned long long>(e.stats().prefix_hit_tokens));
+      }
+      eo.enable_prefix_caching = false;  // the sample groups alone share the prompt
+      for (bool grouped : {false, true}) {
+        spade::Engine e(*model, eo);
+        const EngineRun r = grouped ? run_engine(e, prompt, 1, samples, sample_tokens)
+                                    : run_engine(e, prompt, samples, 1, sample_tokens);
+        const double kv_page_bytes = static_cast<double>(KvCache::page_bytes(attn_cfg, page_size));
+        doc["samples"].push_back({{"mode", grouped ? "n samples (submit_samples)" : "n separate requests"},
+                                  {"n", samples},
+                                  {"prompt_tokens", shared_prompt},
+                                  {"tokens_per_sample", sample_tokens},
+                                  {"peak_kv_pages", r.peak_pages},
+                                  {"peak_kv_bytes", r.peak_pages * kv_page_bytes},
+                                  {"all_first_tokens_s", r.all_first_s},
+                                  {"total_s", r.total_s},
+                                  {"generated_tokens", r.generated},
+                                  {"tokens_per_s", r.generated / r.total_s}});
+        std::printf("%-27s n=%d: peak KV %5d pages (%.1f MB), all first tokens %.2f s, %d tokens in %.2f s\n",
+                    grouped ? "n samples (shared prompt)" : "n separate requests", samples, r.peak_pages,
+                    r.peak_pages * kv_page_bytes / 1e6, r.all_first_s, r.generated, r.total_s);
+      }
     }
     if (!out_path.empty()) {
       std::ofstream f(out_path);

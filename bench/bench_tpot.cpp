@@ -35,7 +35,7 @@
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
 //                   [--modes dense,oracle,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
-//                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1]
+//                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1] [--score-keys bf16,int8]
 //                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
 // The selection's local window, query window, predictor, ridge eps and successor expansion default to the pair's
@@ -119,6 +119,9 @@ struct Opts {
   // Delta transfer (kernels/selection_delta_ref.h): entries per (layer, sequence, KV head) row of each step's
   // message; 0 = the full selection every step. One async run per (pack size, capacity).
   std::vector<int> delta_capacities = {0};
+  // The keys the async cache rank scores with (pair::SelectionConfig::score_keys): one async run per entry, the
+  // run's value in selection.score_keys. int8: the compact copy, quantized from the pool at start and on every append.
+  std::vector<kernels::ScoreKeys> score_keys = {kernels::ScoreKeys::kBf16};
   std::string link = "auto";  // auto: NCCL with two GPUs, else CUDA IPC on GPU 0; nccl; ipc
   // Async inference rank: steps from the second on replay a CUDA graph per receive-buffer parity (captured before
   // the cache rank starts), with the pack waits / pack ends as external event nodes and the sends enqueued after
@@ -273,11 +276,18 @@ struct Selector {
     if (after_score != nullptr) cuda_check(cudaEventRecord(after_score, stream), "record");
     topk(rows, sel_lens, stream);
   }
+  // k_int8 / k_scale: the compact keys (o.selection.score_keys int8), addressed as k_cache; null: k_cache's.
   void score(int rows, const float* q_hat, const void* k_cache, const int32_t* block_table, int max_pages,
-             const int32_t* sel_lens, cudaStream_t stream) {
+             const int32_t* sel_lens, cudaStream_t stream, const int8_t* k_int8 = nullptr,
+             const float* k_scale = nullptr) {
     kernels::ScoreTokensParams sp;
     sp.q_hat = q_hat;
     sp.k_cache = k_cache;
+    if (k_int8 != nullptr) {
+      sp.keys = kernels::ScoreKeys::kInt8;
+      sp.k_int8 = k_int8;
+      sp.k_scale = k_scale;
+    }
     sp.block_table = block_table;
     sp.num_tokens = sel_lens;
     sp.scores = scores.as<float>();
@@ -654,6 +664,9 @@ class AsyncCacheRank {
       : cfg_(cfg), o_(o), sh_(sh), link_(link), plan_(plan), L_(cfg.num_layers), B_(o.batch),
         cap_(o.selection.query_window + 1),
         pool_(cfg.num_layers, plan.full_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim),
+        int8_keys_(o.selection.score_keys == kernels::ScoreKeys::kInt8),
+        kq_(int8_keys_ ? pool_rows() * cfg.head_dim : 0, "int8 scoring keys"),
+        kscale_(int8_keys_ ? pool_rows() * 4 : 0, "int8 key scales"),
         up_(static_cast<size_t>(sh.up_variants) * sh.packs * sh.up_bytes_pack, "qkv receive buffers"),
         send_(2 * static_cast<size_t>(sh.packs) * sh.down_bytes(1), "selected KV send buffers"),
         init_(sh.cap > 0 ? static_cast<size_t>(sh.packs) * sh.init.bytes : 0, "first-selection send buffers"),
@@ -688,6 +701,18 @@ class AsyncCacheRank {
     }
     cuda_check(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming), "event");
     pool_.fill_random(o.seed + 11, 1.f, stream_);
+    if (int8_keys_) {  // the compact copy of the whole pool, as a prefill's appends would have written it
+      kernels::QuantizeKeysParams qk;
+      qk.k_cache = pool_.k(0);
+      qk.k_int8 = kq_.as<int8_t>();
+      qk.k_scale = kscale_.as<float>();
+      qk.tokens = pool_.num_pages() * L_ * o.page_size;
+      qk.num_kv_heads = cfg.num_kv_heads;
+      qk.head_dim = cfg.head_dim;
+      qk.page_size = o.page_size;
+      qk.num_pages = pool_.num_pages() * L_;
+      cuda_check(kernels::quantize_keys(qk, stream_), "int8 keys of the pool");
+    }
     cuda_check(kernels::random_fill({DType::BF16, window_.get(), window_.bytes() / 2, o.seed + 13, 1.f, 0.f}, stream_),
                "window fill");
     // Rows a solo run never receives (NullLink) are appended as they are: random, like the model's.
@@ -774,6 +799,9 @@ class AsyncCacheRank {
 
  private:
   int pack_layers(int p) const { return std::min(sh_.P, L_ - p * sh_.P); }
+  size_t pool_rows() const {  // (token, KV head) rows of the whole pool, every layer
+    return static_cast<size_t>(pool_.num_pages()) * L_ * o_.page_size * cfg_.num_kv_heads;
+  }
   char* up_rows(int t, int p) const {
     return up_.as<char>() + (static_cast<size_t>(t % sh_.up_variants) * sh_.packs + p) * sh_.up_bytes_pack;
   }
@@ -804,6 +832,23 @@ class AsyncCacheRank {
     r.num_pages = pool_.num_pages() * L_;
     r.theta = cfg_.rope_theta;
     cuda_check(kernels::rope_kv_append(r, stream_), "cache rank KV append");
+    if (int8_keys_) {  // the appended keys' compact copy, addressed as the append
+      kernels::QuantizeKeysParams qk;
+      qk.k_cache = pool_.k(0);
+      qk.k_int8 = kq_.as<int8_t>();
+      qk.k_scale = kscale_.as<float>();
+      qk.positions = r.positions;
+      qk.seq_idx = r.seq_idx;
+      qk.block_table = r.block_table;
+      qk.batch = rows;
+      qk.tokens = rows;
+      qk.num_kv_heads = cfg_.num_kv_heads;
+      qk.head_dim = D;
+      qk.page_size = o_.page_size;
+      qk.max_pages_per_seq = b.max_pages;
+      qk.num_pages = r.num_pages;
+      cuda_check(kernels::quantize_keys(qk, stream_), "cache rank int8 keys");
+    }
     const size_t row = static_cast<size_t>(cap_) * D * 2;  // one (layer, sequence, head) window
     char* src = window(t % 2, p * sh_.P);
     char* dst = window((t + 1) % 2, p * sh_.P);
@@ -847,7 +892,8 @@ class AsyncCacheRank {
     const int32_t* bt = lbt_.as<int32_t>() + static_cast<size_t>(p) * sh_.P * B_ * plan_.max_pages;
     cuda_check(cudaStreamWaitEvent(score_stream_, after_predict_(for_step, p), 0), "wait");
     if (seq >= 2) cuda_check(cudaStreamWaitEvent(score_stream_, two_back(cm_end_), 0), "wait");
-    sel.score(rows, q_hat, pool_.k(0), bt, plan_.max_pages, lens, score_stream_);
+    sel.score(rows, q_hat, pool_.k(0), bt, plan_.max_pages, lens, score_stream_,
+              int8_keys_ ? kq_.as<int8_t>() : nullptr, int8_keys_ ? kscale_.as<float>() : nullptr);
     cuda_check(cudaEventRecord(after_score_(for_step, p), score_stream_), "record");
     cuda_check(cudaStreamWaitEvent(sel_stream_, after_score_(for_step, p), 0), "wait");
     sel.topk(rows, lens, sel_stream_);
@@ -893,6 +939,8 @@ class AsyncCacheRank {
   const Plan& plan_;
   int L_, B_, cap_;
   GpuKvPool pool_;
+  bool int8_keys_;
+  DeviceBuffer kq_, kscale_;  // the compact scoring keys (int8 only): [L * pages][page][Hkv][D] int8, fp32 scales
   DeviceBuffer up_, send_, init_, mirror_, totals_, window_, window_len_, q_tmp_, append_pos_, append_rows_, lbt_,
       sel_lens_;
   DeviceBuffer q_hat_[2];                // predicted queries of scratch set 0 / 1
@@ -1172,6 +1220,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   std::string mode = delta_cap > 0 ? "async-delta" : "async";
   if (solo == Solo::kInference) mode = delta_cap > 0 ? "solo-inference-delta" : "solo-inference";
   if (solo == Solo::kCache) mode = delta_cap > 0 ? "solo-cache-delta" : "solo-cache";
+  if (solo != Solo::kInference && o.selection.score_keys == kernels::ScoreKeys::kInt8) mode += "-int8";
   // A solo cache rank has no TPOT: its row's "TPOT" is its time per step (the step rate it can sustain).
   r = result_row(o, cfg, mode, solo == Solo::kCache ? cache_step : tpot);
   if (solo != Solo::kNone)
@@ -1214,7 +1263,12 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r["floor_bytes"] = floor_bytes;
   r["floor_ms"] = floor_bytes / (copy_gbps * 1e6);
   r["tpot_over_floor"] = r["tpot_median_ms"].get<double>() / r["floor_ms"].get<double>();
-  const double score_bytes = kv_bytes(cfg, o, o.context + o.warmup + o.steps / 2.0) / 2;
+  // Keys scored: bf16 K (half of kv_bytes), or the int8 copy: D + 4 bytes per (token, KV head) instead of 2 D.
+  const bool int8_keys = o.selection.score_keys == kernels::ScoreKeys::kInt8;
+  const double score_bytes = kv_bytes(cfg, o, o.context + o.warmup + o.steps / 2.0) / 2 *
+                             (int8_keys ? (cfg.head_dim + 4.0) / (2.0 * cfg.head_dim) : 1.0);
+  r["score_keys"] = kernels::score_keys_name(o.selection.score_keys);
+  r["score_bytes_per_step"] = score_bytes;
   r["cache_floor_bytes"] = score_bytes + down_pack * sh.packs;
   r["cache_floor_ms"] = r["cache_floor_bytes"].get<double>() / (copy_gbps * 1e6);
   r["bound_by"] = r["cache_floor_ms"].get<double>() > r["floor_ms"].get<double>() ? "cache rank" : "inference rank";
@@ -1293,6 +1347,15 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   return r;
 }
 
+std::vector<kernels::ScoreKeys> parse_score_keys_list(const std::string& s) {
+  std::vector<kernels::ScoreKeys> v;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ',')) v.push_back(kernels::parse_score_keys(x.c_str()));
+  SPADE_CHECK(!v.empty(), "--score-keys: give bf16, int8 or both (bf16,int8)");
+  return v;
+}
+
 std::vector<int> parse_ints(const std::string& s) {
   std::vector<int> v;
   std::stringstream ss(s);
@@ -1323,6 +1386,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--nccl-ctas") o.nccl_ctas = std::stoi(next());
     else if (a == "--nccl-ctas-delta") o.nccl_ctas_delta = std::stoi(next());
     else if (a == "--delta-capacity") o.delta_capacities = parse_ints(next());
+    else if (a == "--score-keys") o.score_keys = parse_score_keys_list(next());
     else if (a == "--link") o.link = next();
     else if (a == "--async-graphs") o.async_graphs = std::stoi(next()) != 0;
     else if (a == "--cache-streams") o.cache_streams = std::stoi(next());
@@ -1377,16 +1441,20 @@ int main_impl(int argc, char** argv) {
         std::printf("  async: both ranks on GPU 0 over CudaIpcLink (%d GPU%s): checks the pipeline, not its speed\n",
                     ngpu, ngpu == 1 ? "" : "s");
       for (int P : o.packs)
-        for (int cap : o.delta_capacities) {
-          try {  // a failed run (e.g. out of memory with both ranks on one GPU) keeps the rows already measured
-            rows.push_back(run_async(o, cfg, *model, P, cap, ipc, copy_gbps));
-          } catch (const Error& e) {
-            std::printf("  async P=%d C=%d: failed: %s\n", P, cap, e.what());
-            any_failed = true;
-            rows.push_back({{"label", o.label}, {"mode", "async"}, {"pack", P}, {"delta_capacity", cap},
-                            {"failed", e.what()}});
+        for (int cap : o.delta_capacities)
+          for (kernels::ScoreKeys keys : o.score_keys) {
+            Opts ok = o;
+            ok.selection.score_keys = keys;
+            try {  // a failed run (e.g. out of memory with both ranks on one GPU) keeps the rows already measured
+              rows.push_back(run_async(ok, cfg, *model, P, cap, ipc, copy_gbps));
+            } catch (const Error& e) {
+              std::printf("  async P=%d C=%d keys %s: failed: %s\n", P, cap, kernels::score_keys_name(keys),
+                          e.what());
+              any_failed = true;
+              rows.push_back({{"label", o.label}, {"mode", "async"}, {"pack", P}, {"delta_capacity", cap},
+                              {"score_keys", kernels::score_keys_name(keys)}, {"failed", e.what()}});
+            }
           }
-        }
     }
   }
   if (has("solo")) {
@@ -1405,26 +1473,32 @@ int main_impl(int argc, char** argv) {
     for (int P : o.packs)
       for (int cap : o.delta_capacities) {
         const json inf = run_async(o, cfg, *model, P, cap, false, copy_gbps, Solo::kInference);
-        const json cache = run_async(o, cfg, *model, P, cap, false, copy_gbps, Solo::kCache);
         rows.push_back(inf);
-        rows.push_back(cache);
-        const double a = inf["tpot_median_ms"].get<double>(), c = cache["tpot_median_ms"].get<double>();
-        json j = {{"label", o.label}, {"mode", cap > 0 ? "solo-projection-delta" : "solo-projection"}, {"pack", P},
-                  {"delta_capacity", cap}, {"inference_alone_ms", a}, {"cache_alone_ms", c},
-                  {"projected_tpot_ms", std::max(a, c)}, {"bound", a >= c ? "inference rank" : "cache rank"},
-                  {"note", "max of the two ranks alone on one GPU; a lower bound of the two-GPU TPOT (no link cost)"}};
-        std::printf("  projection P=%d%s: max(inference alone %.3f, cache rank alone %.3f) = %.3f ms (%s-bound)",
-                    P, cap > 0 ? " delta" : "", a, c, std::max(a, c), a >= c ? "inference" : "cache");
-        if (dense > 0) {
-          j[std::string("over_dense_") + timing] = std::max(a, c) / dense;
-          std::printf(", %.2fx dense %s", std::max(a, c) / dense, timing);
+        for (kernels::ScoreKeys keys : o.score_keys) {
+          Opts ok = o;
+          ok.selection.score_keys = keys;
+          const json cache = run_async(ok, cfg, *model, P, cap, false, copy_gbps, Solo::kCache);
+          rows.push_back(cache);
+          const char* kn = kernels::score_keys_name(keys);
+          const double a = inf["tpot_median_ms"].get<double>(), c = cache["tpot_median_ms"].get<double>();
+          json j = {{"label", o.label}, {"mode", cap > 0 ? "solo-projection-delta" : "solo-projection"}, {"pack", P},
+                    {"delta_capacity", cap}, {"score_keys", kn}, {"inference_alone_ms", a}, {"cache_alone_ms", c},
+                    {"projected_tpot_ms", std::max(a, c)}, {"bound", a >= c ? "inference rank" : "cache rank"},
+                    {"note", "max of the two ranks alone on one GPU; a lower bound of the two-GPU TPOT (no link cost)"}};
+          std::printf("  projection P=%d%s keys %s: max(inference alone %.3f, cache rank alone %.3f) = %.3f ms "
+                      "(%s-bound)",
+                      P, cap > 0 ? " delta" : "", kn, a, c, std::max(a, c), a >= c ? "inference" : "cache");
+          if (dense > 0) {
+            j[std::string("over_dense_") + timing] = std::max(a, c) / dense;
+            std::printf(", %.2fx dense %s", std::max(a, c) / dense, timing);
+          }
+          if (oracle > 0) {
+            j[std::string("over_oracle_") + timing] = std::max(a, c) / oracle;
+            std::printf(", %.2fx oracle %s", std::max(a, c) / oracle, timing);
+          }
+          std::printf("\n");
+          rows.push_back(j);
         }
-        if (oracle > 0) {
-          j[std::string("over_oracle_") + timing] = std::max(a, c) / oracle;
-          std::printf(", %.2fx oracle %s", std::max(a, c) / oracle, timing);
-        }
-        std::printf("\n");
-        rows.push_back(j);
       }
   }
   json doc;

@@ -22,6 +22,7 @@ PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian
   libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3
   libssl-dev libssl3
+  prometheus-cpp-dev libprometheus-cpp-core1.0   # core only: the build links prometheus-cpp-core (pkg-config)
   libopenblas-openmp-dev libopenblas0-openmp libgfortran5 libquadmath0
   pkgconf pkgconf-bin libpkgconf3
 )

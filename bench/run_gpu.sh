@@ -29,6 +29,7 @@
 #                         (bench/fidelity/passkey_gpu.py; SPADE_FIDELITY_MODELS, SPADE_FIDELITY_BUDGETS,
 #                         SPADE_FIDELITY_ARGS)
 #   SPADE_TPOT_ARGS       extra bench_tpot arguments for every configuration (e.g. "--steps 64")
+#   SPADE_TPOT_NO_INT8    set: leave out the int8-scoring-keys run of 8b-b8 / 8b-b8-solo (--score-keys int8, P 12)
 #   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default with two GPUs "8b-b8 8b-b16 32b-b8"; with one GPU
 #                         "8b-b8-solo 8b-b16-solo 8b-b8-16k-ipc": dense / oracle baselines, each async rank alone
 #                         (the projection of the two-GPU table) and both ranks over CUDA IPC; also "8b-b8-1gpu")
@@ -244,8 +245,12 @@ if want bench && bench_wanted tpot; then
   # and the pipeline with both ranks on the GPU over CUDA IPC.
   if [ "${NGPU:-0}" -ge 2 ]; then TPOT_DEFAULT="8b-b8 8b-b16 32b-b8"; else TPOT_DEFAULT="8b-b8-solo 8b-b16-solo 8b-b8-16k-ipc"; fi
   for c in ${SPADE_TPOT_CONFIGS:-${TPOT_DEFAULT}}; do
+    # int8: a second run of the configuration with the cache rank scoring the compact int8 keys (--score-keys int8),
+    # at its best pack size (later flags override the first run's).
+    int8=()
     case "$c" in
-      8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256) ;;
+      8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256)
+        int8=(--modes async --packs 12 --score-keys int8) ;;
       8b-b16) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128) ;;
       32b-b8) args=(--config "${DATA}/configs/qwen3-32b" --label qwen3-32b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 8 --delta-capacity 0,256) ;;
       # One-GPU variants (nvidia-h100-x1): the 32k baselines (dense, oracle) fit beside the weights; the async
@@ -254,13 +259,19 @@ if want bench && bench_wanted tpot; then
       8b-b8-16k-ipc) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-16k-ipc --batch 8 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128 --link ipc) ;;
       # Each async rank alone on GPU 0 (--modes solo, null link) beside the dense / oracle baselines: the one-GPU
       # projection of the two-GPU table (max of the two ranks' step times; a lower bound, the link's cost left out).
-      8b-b8-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-solo --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256 --modes dense,oracle,solo) ;;
+      8b-b8-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-solo --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256 --modes dense,oracle,solo)
+        int8=(--modes solo --packs 12 --score-keys int8) ;;
       8b-b16-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k-solo --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128 --modes dense,oracle,solo) ;;
       *) log "unknown SPADE_TPOT_CONFIGS entry $c"; STATUS=1; continue ;;
     esac
     log "bench_tpot $c"
     with_deps "${TPOT_BIN}" "${args[@]}" "${TPOT_EXTRA[@]}" --out "${OUT}/bench_tpot.jsonl" | tee -a "${OUT}/bench_tpot.txt" \
       || STATUS=1
+    if [ "${#int8[@]}" -gt 0 ] && [ -z "${SPADE_TPOT_NO_INT8:-}" ]; then
+      log "bench_tpot $c (int8 scoring keys)"
+      with_deps "${TPOT_BIN}" "${args[@]}" "${int8[@]}" "${TPOT_EXTRA[@]}" --out "${OUT}/bench_tpot.jsonl" \
+        | tee -a "${OUT}/bench_tpot.txt" || STATUS=1
+    fi
   done
   [ -f "${OUT}/bench_tpot.jsonl" ] && cp "${OUT}/bench_tpot.jsonl" "${ROOT}/bench/results/bench_tpot-$(date -u +%Y%m%dT%H%M%SZ).jsonl"
 fi

@@ -15,6 +15,13 @@ namespace spade::cache {
 LocalGpuCacheRank::LocalGpuCacheRank(const ModelConfig& attn_cfg, const pair::SparseConfig& own, int device,
                                      std::chrono::milliseconds op_timeout, std::chrono::milliseconds hello_timeout)
     : cfg_(attn_cfg), own_(own), device_(device) {
+  const char* blocking = std::getenv("CUDA_LAUNCH_BLOCKING");
+  SPADE_CHECK(blocking == nullptr || std::atoi(blocking) == 0,
+              "in-process cache rank: CUDA_LAUNCH_BLOCKING={} is set: it makes every stream wait of the link block "
+              "the thread that posts it, so the cache rank's receive of the first plan would block its start-up "
+              "until that plan comes, and the inference side sends it only once the start-up is done (a hang); "
+              "unset CUDA_LAUNCH_BLOCKING (compute-sanitizer checks kernels without it)",
+              blocking);
   const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   if (conn == nullptr || std::atoi(conn) < 16)
     spdlog::warn("in-process cache rank: CUDA_DEVICE_MAX_CONNECTIONS is {} (set it to 32 before CUDA starts): the "
@@ -47,6 +54,11 @@ LocalGpuCacheRank::~LocalGpuCacheRank() {
 }
 
 void LocalGpuCacheRank::serve_loop(std::chrono::milliseconds hello_timeout) {
+  using Clock = std::chrono::steady_clock;
+  // For the failure log: when the current serve_step call began (a step's enqueueing takes a few ms; a call that ran
+  // much longer was blocked inside CUDA).
+  Clock::time_point in_step{};
+  uint64_t served_steps = 0;
   try {
     cuda_check(cudaSetDevice(device_), "in-process cache rank: cudaSetDevice");
     const std::string peer = "inference rank (in-process)";
@@ -65,8 +77,11 @@ void LocalGpuCacheRank::serve_loop(std::chrono::milliseconds hello_timeout) {
     }
     for (;;) {
       const bool stopping = stop_.load();
+      in_step = Clock::now();
       const bool served = server_->serve_step(std::chrono::milliseconds(stopping ? 500 : 20));
+      in_step = {};
       if (served) {
+        ++served_steps;
         std::lock_guard<std::mutex> lk(mu_);
         stats_ = server_->stats();
       }
@@ -76,6 +91,11 @@ void LocalGpuCacheRank::serve_loop(std::chrono::milliseconds hello_timeout) {
     // Still a receive pending (no close plan came): release it, or every later device-wide sync would wait on it.
     if (!server_->closed()) cache_->abort("the in-process cache rank stopped without the inference side's close");
   } catch (const std::exception& e) {
+    if (in_step != Clock::time_point{})
+      spdlog::warn("in-process cache rank: failed in its step after {} served steps; the failing serve_step call had "
+                   "run {} ms (a plan wait returns every 20 ms: longer means the thread was blocked in a CUDA call)",
+                   served_steps,
+                   std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - in_step).count());
     {
       std::lock_guard<std::mutex> lk(mu_);
       error_ = e.what();

@@ -10,7 +10,12 @@
 // before CUDA starts (transport/cuda_ipc/cuda_ipc_link.h); inference_rank sets both, the constructor warns when they
 // are missing.
 //
-// Errors: the constructor throws spade::Error for bad options (GpuCacheServer's) or a link that cannot be set up.
+// CUDA_LAUNCH_BLOCKING=1 is refused (the constructor throws): it turns each stream wait of the link into a wait of the
+// posting thread, and the two ends' threads then wait for each other (the cache rank's first plan receive blocks its
+// start-up, which the inference side waits for before it sends that plan).
+//
+// Errors: the constructor throws spade::Error for bad options (GpuCacheServer's), CUDA_LAUNCH_BLOCKING set, or a link
+// that cannot be set up.
 // A server failure (malformed plan, CUDA error, link abort) ends the thread; error() then names it and the link is
 // aborted with it, so the inference side fails its sparse sequences and goes on densely.
 #pragma once
@@ -29,10 +34,11 @@ namespace spade::cache {
 class LocalGpuCacheRank {
  public:
   /// `attn_cfg`: the model's attention view. `own` (copied): the pair's settings as parsed, of which the cache rank
-  /// uses its own knobs (query window, predictor, ridge eps, GQA rule, successor expansion; the budget, window, pack
-  /// size and delta capacity come from the hello: gpu_cache_options). The server thread starts in wait_ready() and
-  /// waits up to `hello_timeout` for the inference side's hello (GpuSparseController::send_hello), which sizes the
-  /// server. `op_timeout`: the link's deadline per posted transfer. Throws spade::Error if the link cannot be set up.
+  /// uses its own knobs (query window, predictor, ridge eps, GQA rule, successor expansion, score keys; the budget,
+  /// window, pack size and delta capacity come from the hello: gpu_cache_options). The server thread starts in
+  /// wait_ready() and waits up to `hello_timeout` for the inference side's hello (GpuSparseController::send_hello),
+  /// which sizes the server. `op_timeout`: the link's deadline per posted transfer. Throws spade::Error if the link
+  /// cannot be set up or CUDA_LAUNCH_BLOCKING is set (non-zero), naming it.
   LocalGpuCacheRank(const ModelConfig& attn_cfg, const pair::SparseConfig& own, int device,
                     std::chrono::milliseconds op_timeout = std::chrono::milliseconds(10000),
                     std::chrono::milliseconds hello_timeout = std::chrono::milliseconds(30000));

@@ -50,6 +50,10 @@ struct GpuCacheServer::State {
   cudaStream_t score = nullptr, sel = nullptr;
 
   GpuKvPool pool;
+  // The compact scoring copy of the keys (SelectionConfig::score_keys int8; empty for bf16), layer-major like the
+  // pool: [L][num_pages][page_size][Hkv][D] int8 and [L][num_pages][page_size][Hkv] fp32 scales.
+  DeviceBuffer kq, kscale;
+  bool int8_keys = false;
   DeviceBuffer windows;  // [slots][L][Hq][cap_w][D] bf16
   DeviceBuffer mirror;   // [slots][L][Hkv][k] int32
   DeviceBuffer window_len;  // [slots * L] int32 (the kernel's counts; the host keeps its own copy)
@@ -111,6 +115,9 @@ struct GpuCacheServer::State {
   }
 
   int pack_layers(int p) const { return std::min(P, L - p * P); }
+  size_t layer_rows() const { return static_cast<size_t>(o.num_pages) * o.page_size * Hkv; }  // (token, KV head)
+  int8_t* layer_kq(int l) const { return kq.as<int8_t>() + static_cast<size_t>(l) * layer_rows() * D; }
+  float* layer_kscale(int l) const { return kscale.as<float>() + static_cast<size_t>(l) * layer_rows(); }
   uint16_t* pack_rows(int p) const {
     return rows.as<uint16_t>() + static_cast<size_t>(p) * P * o.max_step_tokens * row_elems;
   }
@@ -227,6 +234,23 @@ struct GpuCacheServer::State {
       r.page_size = o.page_size;
       r.num_pages = o.num_pages;
       cuda_check(kernels::rope_kv_append(r, work), "GPU cache rank: KV append");
+      if (int8_keys) {
+        kernels::QuantizeKeysParams qk;
+        qk.k_cache = pool.k(l);
+        qk.k_int8 = layer_kq(l);
+        qk.k_scale = layer_kscale(l);
+        qk.positions = md(m.tok_pos);
+        qk.seq_idx = md(m.tok_row);
+        qk.block_table = md(m.bt);
+        qk.batch = B;
+        qk.tokens = T;
+        qk.num_kv_heads = Hkv;
+        qk.head_dim = D;
+        qk.page_size = o.page_size;
+        qk.max_pages_per_seq = o.max_pages_per_seq;
+        qk.num_pages = o.num_pages;
+        cuda_check(kernels::quantize_keys(qk, work), "GPU cache rank: compact keys");
+      }
       kernels::PushQueryWindowParams w;
       w.windows = windows.get();
       w.window_len = window_len.as<int32_t>();
@@ -285,7 +309,13 @@ struct GpuCacheServer::State {
     for (int j = 0; j < n; ++j) {
       kernels::ScoreTokensParams sp;
       sp.q_hat = qh + static_cast<size_t>(j) * S * Hq * D;
-      sp.k_cache = pool.k(p * P + j);
+      sp.keys = o.sparse.selection.score_keys;
+      if (int8_keys) {
+        sp.k_int8 = layer_kq(p * P + j);
+        sp.k_scale = layer_kscale(p * P + j);
+      } else {
+        sp.k_cache = pool.k(p * P + j);
+      }
       sp.block_table = md(m.g_bt[g]);
       sp.num_tokens = md(m.g_lens[g]);
       sp.scores = sc + static_cast<size_t>(j) * S * Hkv * stride;
@@ -385,6 +415,11 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
     cuda_check(cudaStreamCreateWithPriority(&s.sel, cudaStreamNonBlocking, greatest), "GPU cache rank: sel stream");
   }
   const size_t S = static_cast<size_t>(opts.max_slots), Lz = static_cast<size_t>(s.L), P = static_cast<size_t>(s.P);
+  s.int8_keys = opts.sparse.selection.score_keys == kernels::ScoreKeys::kInt8;
+  if (s.int8_keys) {
+    s.kq = DeviceBuffer(Lz * s.layer_rows() * s.D, "GPU cache rank: int8 scoring keys");
+    s.kscale = DeviceBuffer(Lz * s.layer_rows() * 4, "GPU cache rank: int8 key scales");
+  }
   s.windows = DeviceBuffer(S * Lz * s.win_elems() * 2, "GPU cache rank: query windows");
   s.mirror = DeviceBuffer(S * Lz * s.Hkv * s.k * 4, "GPU cache rank: slot table mirrors");
   cuda_check(cudaMemset(s.mirror.get(), 0xFF, s.mirror.bytes()), "mirror init");
@@ -437,7 +472,7 @@ void GpuCacheServer::synchronize() {
 size_t GpuCacheServer::device_bytes() const {
   const State& s = *st_;
   size_t b = s.pool.bytes();
-  for (const DeviceBuffer* x : {&s.windows, &s.mirror, &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta,
+  for (const DeviceBuffer* x : {&s.kq, &s.kscale, &s.windows, &s.mirror, &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta,
                                 &s.win_scratch, &s.q_hat[0], &s.q_hat[1], &s.scores[0], &s.scores[1], &s.indices})
     b += x->bytes();
   for (const auto& g : s.msg)
@@ -540,6 +575,12 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   stats_.bytes_sent = s.stats_bytes_sent;
   (void)B;
   return true;
+}
+
+size_t gpu_cache_page_bytes(const ModelConfig& attn_cfg, int page_size, kernels::ScoreKeys keys) {
+  const size_t rows = static_cast<size_t>(attn_cfg.num_layers) * page_size * attn_cfg.num_kv_heads;
+  const size_t kv = rows * attn_cfg.head_dim * 2 * 2;  // K and V, bf16
+  return kv + (keys == kernels::ScoreKeys::kInt8 ? rows * (static_cast<size_t>(attn_cfg.head_dim) + 4) : 0);
 }
 
 GpuPairHello recv_gpu_hello(transport::GpuLink& link, const ModelConfig& attn_cfg, const std::string& peer,

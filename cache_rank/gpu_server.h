@@ -22,7 +22,9 @@
 // query window, GQA rule, successor expansion. Differences from it, as on the GPU benchmark path: sink tokens are not
 // special-cased (they compete in the top-k, and successor expansion starts at position 0, not at the first token
 // after the sinks); one token budget for every sequence (the hello's; no per-request budget); the selection is exact
-// top-k on the GPU scores (bf16 keys, fp32 queries split hi + lo: near-ties may rank differently); a steady row with
+// top-k on the GPU scores (bf16 keys and fp32 queries split hi + lo, or with SelectionConfig::score_keys int8 the
+// compact int8 copy of the keys, written per layer on append and read only by the scoring, the K/V sent staying the
+// pool's bf16: near-ties may rank differently); a steady row with
 // more entering tokens than the delta capacity C sends the C best by their own score (selection_delta's rule, not
 // successor-expanded), the rest on later steps. Errors (spade::Error naming the peer): a malformed plan, a link failure, a CUDA error. The server
 // is then unusable (the inference rank fails its sparse sequences and goes on densely).
@@ -48,8 +50,9 @@ using pair::GpuPairHello;
 struct GpuCacheOptions {
   int device = 0;
   // The pair's settings (pair/selection_config.h). Read: the selection (budget k and local window R from the hello;
-  // query window W, predictor, ridge eps, GQA rule, successor expansion the cache rank's own; sink tokens unused),
-  // layers_per_pack P and C = effective_delta_capacity(), entries per steady row of a step (P and C from the hello).
+  // query window W, predictor, ridge eps, GQA rule, successor expansion, score keys the cache rank's own; sink
+  // tokens unused), layers_per_pack P and C = effective_delta_capacity(), entries per steady row of a step (P and C
+  // from the hello).
   pair::SparseConfig sparse;
   int max_slots = 64;            // sequences at once: the inference rank's max_num_seqs (plan slots 0..max_slots-1)
   int max_step_tokens = 2048;    // tokens per step: its max_num_batched_tokens
@@ -100,6 +103,11 @@ class GpuCacheServer {
   GpuCacheStats stats_;
 };
 
+/// Device bytes one KV page costs the GPU cache rank across the layers of `attn_cfg` (its pool's share of
+/// device_bytes()): bf16 K and V, plus with `keys` int8 the compact scoring copy, head_dim + 4 bytes per (token,
+/// KV head) (kernels/selection_ref.h: +26 % at head_dim 128). A memory budget for the pool divides by this.
+size_t gpu_cache_page_bytes(const ModelConfig& attn_cfg, int page_size, kernels::ScoreKeys keys);
+
 /// The pair's first exchange (gpu_plan.h GpuPairHello); the inference side sends it with
 /// GpuSparseController::send_hello (inference_rank/gpu_sparse.h).
 /// Cache side: receives the hello, waiting up to `timeout` for the inference rank, and validates it against
@@ -107,8 +115,8 @@ class GpuCacheServer {
 GpuPairHello recv_gpu_hello(transport::GpuLink& link, const ModelConfig& attn_cfg, const std::string& peer,
                             std::chrono::milliseconds timeout);
 /// The server options a hello implies, on `device`. `own` (the cache rank's parsed settings) supplies the cache
-/// rank's own knobs (query window, predictor, ridge eps, GQA rule, successor expansion); the budget, local window,
-/// layers per pack, delta capacity and every limit come from the hello.
+/// rank's own knobs (query window, predictor, ridge eps, GQA rule, successor expansion, score keys); the budget,
+/// local window, layers per pack, delta capacity and every limit come from the hello.
 GpuCacheOptions gpu_cache_options(const GpuPairHello& hello, const pair::SparseConfig& own, int device);
 
 }  // namespace spade::cache

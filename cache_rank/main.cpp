@@ -25,12 +25,17 @@
 //   spade_cache_kv_usage_perc             gauge      0..1, used fraction of the KV pool
 //
 // The model directory is read for config.json only (shapes); the selection flags must match the inference rank's.
-// Exits 0 when the coordinator shuts the world down, 1 when its inference rank or the coordinator is lost.
+// Exits 0 when the coordinator shuts the world down, 1 when the coordinator is lost. When its inference rank dies, the
+// CPU cache rank drops that rank's sequences (a fresh Selector per incarnation) and serves its replacement (same index,
+// PeerReplaced from the coordinator), or exits 1 after --rejoin-timeout-ms without one; the GPU cache rank exits 1
+// (its own restart re-pairs with the replacement).
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <csignal>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include "cache_rank/pack_server.h"
@@ -66,7 +71,7 @@ void refuse_unused_flags(const CLI::App& app, const std::string& device) {
   if (device != "cpu" && device != "cuda") spade::fail("--device must be cpu or cuda, got '{}'", device);
   spade::pair::FlagRefusals r(app);
   if (device == "cpu") {
-    r.refuse("--device cpu", {"--gpu", "--hello-timeout-ms", "--selection-streams"},
+    r.refuse("--device cpu", {"--gpu", "--hello-timeout-ms", "--selection-streams", "--score-keys"},
              "it configures the GPU cache rank");
   } else {
     r.refuse("--device cuda", {"--token-budget", "--local-window", "--kv-pages", "--page-size"},
@@ -74,11 +79,71 @@ void refuse_unused_flags(const CLI::App& app, const std::string& device) {
              "rank's pair hello");
     r.refuse("--device cuda", {"--sink-tokens"},
              "the GPU pair attends no sink tokens of its own: they compete in the top-k");
+    r.refuse("--device cuda", {"--anchor-queries", "--anchor-span"},
+             "the GPU cache rank has no prompt anchors yet (the CPU cache rank's; docs/FIDELITY.md)");
     r.refuse("--device cuda", {"--delta-transfer"},
              "the GPU pair always sends deltas, of the inference rank's --delta-capacity");
     r.refuse("--device cuda", {"--overlap-sample-every"}, "the GPU cache rank does not sample the overlap ratio");
+    r.refuse("--device cuda", {"--rejoin-timeout-ms"},
+             "the GPU cache rank exits when its inference rank dies (its own restart re-pairs with the replacement)");
   }
   r.check();
+}
+
+// The paired inference rank as the control plane reports it, shared with the coordinator client's callback (its I/O
+// thread may outlive the serving scope): down (PeerDown: the session ends), replaced (PeerReplaced: a new incarnation
+// to serve, its address in the RankInfo), or the world over (Shutdown, coordinator lost: g_stop and the exit code).
+struct PeerWatch {
+  uint32_t peer_rank = 0;
+  std::string self;
+  std::atomic<bool> down{false};
+  std::atomic<int> exit_code{0};
+  std::mutex mu;
+  std::optional<spade::proto::RankInfo> replacement;
+
+  /// From the callback. Returns true for a PeerDown of the paired inference rank.
+  bool on_event(const spade::coord::ClientEvent& ev) {
+    using Kind = spade::coord::ClientEvent::Kind;
+    if (ev.kind == Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return false;
+    if (ev.kind == Kind::kPeerReplaced && ev.peer_replaced.peer().rank() != peer_rank) return false;
+    spdlog::info("{}: {}", self, ev.message);
+    if (ev.kind == Kind::kPeerReplaced) {
+      std::lock_guard<std::mutex> lk(mu);
+      replacement = ev.peer_replaced.peer();
+      down = true;  // a replacement also ends a session still open with the previous incarnation
+      return false;
+    }
+    if (ev.kind == Kind::kPeerDown) {
+      down = true;
+      return true;
+    }
+    exit_code = ev.kind == Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
+    g_stop = true;
+    return false;
+  }
+  /// Waits up to `timeout` for the inference rank's replacement, ticking `heartbeat`; nullopt at the timeout or on a
+  /// stop. Clears `down` when one came.
+  std::optional<spade::proto::RankInfo> wait_replacement(std::chrono::milliseconds timeout,
+                                                         spade::LoopHeartbeat& heartbeat) {
+    for (auto until = spade::coord::Clock::now() + timeout; !g_stop && spade::coord::Clock::now() < until;) {
+      heartbeat.tick();
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        if (replacement) {
+          std::optional<spade::proto::RankInfo> r = std::move(replacement);
+          replacement.reset();
+          down = false;
+          return r;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return std::nullopt;
+  }
+};
+
+std::string inference_name(const spade::proto::RankInfo& peer) {
+  return fmt::format("inference rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
 }
 
 Paired rendezvous_with_inference(spade::coord::CoordinatorClient& cc, spade::coord::Deadline deadline,
@@ -101,6 +166,7 @@ struct Flags {
   std::string device = "cpu";
   int gpu_index = 0;
   int hello_timeout_ms = 600000;
+  int rejoin_timeout_ms = 600000;
   int selection_streams = 3;
 };
 
@@ -108,7 +174,8 @@ struct Flags {
 void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--model", f.model_dir, "checkpoint directory (config.json is read for the shapes)")->required();
   spade::pair::add_sparse_flags(app, f.sparse, f.sparse_text,
-                                spade::pair::kSelectionFlags | spade::pair::kDeltaTransferFlag);
+                                spade::pair::kSelectionFlags | spade::pair::kDeltaTransferFlag |
+                                    spade::pair::kScoreKeysFlag);
   app.add_option("--kv-pages", f.kv_pages, "KV pool size in pages (all layers)")->check(CLI::PositiveNumber);
   app.add_option("--page-size", f.page_size, "tokens per page")->check(CLI::PositiveNumber);
   spade::coord::add_launch_flags(app, f.lf);
@@ -127,6 +194,11 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--gpu", f.gpu_index, "--device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
   app.add_option("--hello-timeout-ms", f.hello_timeout_ms,
                  "--device cuda: longest wait for the inference rank's pair hello (it loads its weights first)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--rejoin-timeout-ms", f.rejoin_timeout_ms,
+                 "--device cpu, after the paired inference rank died: longest wait for its replacement (same index) "
+                 "to register, then exit 1 naming it; the replacement is served with a fresh KV pool")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--selection-streams", f.selection_streams,
@@ -192,8 +264,12 @@ int serve_gpu(const Flags& f, const Rank& r) {
   spade::transport::GpuLink& link = *shared->link;
   // Control-plane events, from before the hello wait on: a dead inference rank ends it (the link is aborted).
   const uint32_t peer_rank = peer.rank();
+  // The GPU cache rank serves one incarnation of its inference rank: a replacement (PeerReplaced) ends it with exit
+  // code 1, and its own restart (a new incarnation) re-pairs with the replacement.
   cc.set_event_callback([shared, peer_rank, peer_name, self](const spade::coord::ClientEvent& ev) {
     if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return;
+    if (ev.kind == spade::coord::ClientEvent::Kind::kPeerReplaced && ev.peer_replaced.peer().rank() != peer_rank)
+      return;
     spdlog::info("{}: {}", self, ev.message);
     if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown)
       shared->link->abort(fmt::format("{} is down: {}", peer_name, ev.peer_down.reason()));
@@ -283,22 +359,16 @@ int serve_cpu(const Flags& f, const Rank& r) {
   spade::coord::CoordinatorClient cc(co);
   const auto deadline = spade::coord::Clock::now() + std::chrono::milliseconds(f.rendezvous_ms);
   const Paired paired = rendezvous_with_inference(cc, deadline, self);
-  const spade::proto::RankInfo& peer = paired.view.peers(0);
-  const std::string& peer_name = paired.peer_name;
-  auto ep = net->connect(peer.transport().address(), peer_name, deadline);
-  spade::cache::Selector sel(cfg, f.sparse.selection, f.kv_pages, f.page_size);
-  spdlog::info("{}: serving {} ({} pages x {} tokens, budget {}, window W={}, eps={})", self, peer_name, f.kv_pages,
-               f.page_size, f.sparse.selection.token_budget, f.sparse.selection.query_window,
-               f.sparse.selection.ridge_eps);
-  // Control-plane events stop the data-plane loop.
-  // Captured by value: the callback may still run on the client's I/O thread while this scope unwinds.
-  auto exit_code = std::make_shared<std::atomic<int>>(0);
-  cc.set_event_callback([exit_code, peer_rank = peer.rank(), self](const spade::coord::ClientEvent& ev) {
-    if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return;
-    spdlog::info("{}: {}", self, ev.message);
-    *exit_code = ev.kind == spade::coord::ClientEvent::Kind::kShutdown && !ev.shutdown.is_error() ? 0 : 1;
-    g_stop = true;
-  });
+  spade::proto::RankInfo peer = paired.view.peers(0);
+  std::string peer_name = paired.peer_name;
+  // Control-plane events: a PeerDown ends the session with the inference rank (the rank then waits for its
+  // replacement), a Shutdown or the coordinator's loss stops the rank. Shared: the callback may still run on the
+  // client's I/O thread while this scope unwinds.
+  auto watch = std::make_shared<PeerWatch>();
+  watch->peer_rank = peer.rank();
+  watch->self = self;
+  cc.set_event_callback([watch](const spade::coord::ClientEvent& ev) { (void)watch->on_event(ev); });
+  std::unique_ptr<spade::transport::Endpoint> ep = net->connect(peer.transport().address(), peer_name, deadline);
   auto& select_time = registry
                           .histogram("spade_selection_time_seconds",
                                      "Cache-rank time per layer-pack update (append, predict, score, top-k, gather).",
@@ -324,10 +394,8 @@ int serve_cpu(const Flags& f, const Rank& r) {
                                 "Selected tokens whose K/V were sent: only those that entered the selection with "
                                 "delta transfer, all of them without.")
                    .with();
+  std::unique_ptr<spade::cache::Selector> sel;  // one per session: a replacement starts with a fresh pool
   std::unique_ptr<spade::pair::SelectionMirror> mirror;
-  if (f.sparse.delta_transfer)
-    mirror = std::make_unique<spade::pair::SelectionMirror>(cfg.num_kv_heads, f.sparse.selection.token_budget,
-                                                            cfg.head_dim);
   spade::pair::DeltaStats seen;
   auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
   auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
@@ -335,8 +403,11 @@ int serve_cpu(const Flags& f, const Rank& r) {
   if (f.overlap_every > 0) sampler = std::make_unique<spade::cache::OverlapSampler>(f.overlap_every);
   spade::cache::ServeHooks hooks;
   hooks.sampler = sampler.get();
-  hooks.mirror = mirror.get();
-  hooks.on_poll = [&] { heartbeat.tick(); };
+  std::atomic<bool> session_stop{false};  // serve_cache_rank's stop: the world's stop, or the peer is down
+  hooks.on_poll = [&] {
+    heartbeat.tick();
+    if (g_stop || watch->down) session_stop = true;
+  };
   hooks.on_pack = [&](const spade::pair::PackUpdate&, const spade::pair::PackSelection& p, size_t in, size_t out) {
     select_time.observe(p.select_ms / 1e3);
     bytes_in.inc(static_cast<double>(in));
@@ -356,31 +427,78 @@ int serve_cpu(const Flags& f, const Rank& r) {
           sent.inc(rows);
         }
     }
-    seqs.set(static_cast<double>(sel.num_sequences()));
-    kv_usage.set(1.0 - static_cast<double>(sel.num_free_pages()) / sel.num_pages());
+    seqs.set(static_cast<double>(sel->num_sequences()));
+    kv_usage.set(1.0 - static_cast<double>(sel->num_free_pages()) / sel->num_pages());
     if (sampler)
       for (double ratio : sampler->take()) overlap.observe(ratio);
   };
-  kv_usage.set(0);
-  seqs.set(0);
-  connected = true;
-  spade::pair::LinkStats stats;
-  const std::string err =
-      spade::cache::serve_cache_rank(*ep, sel, spade::pair::pack_shape(cfg, f.sparse.selection), g_stop, &stats,
-                                     std::chrono::milliseconds(100), hooks);
-  spdlog::info("{}: {} updates, {:.1f} MB in, {:.1f} MB out, {:.1f} ms selecting", self, stats.updates,
-               stats.bytes_received / 1e6, stats.bytes_sent / 1e6, stats.cache_select_ms);
-  if (mirror && mirror->stats().selected_rows > 0)
-    spdlog::info("{}: delta transfer sent {} of {} selected rows ({:.1f} % of a full transfer)", self,
-                 mirror->stats().sent_rows, mirror->stats().selected_rows,
-                 100.0 * static_cast<double>(mirror->stats().sent_rows) / mirror->stats().selected_rows);
-  if (!err.empty()) {
-    spdlog::error("{}: data plane to {} failed: {}", self, peer_name, err);
-    return 1;
+  // One session per incarnation of the inference rank: when it dies, its sequences' KV is dropped with the
+  // session's Selector and the rank waits (--rejoin-timeout-ms) for a replacement to register.
+  for (;;) {
+    sel = std::make_unique<spade::cache::Selector>(cfg, f.sparse.selection, f.kv_pages, f.page_size);
+    mirror.reset();
+    if (f.sparse.delta_transfer)
+      mirror = std::make_unique<spade::pair::SelectionMirror>(cfg.num_kv_heads, f.sparse.selection.token_budget,
+                                                              cfg.head_dim);
+    seen = {};
+    hooks.mirror = mirror.get();
+    spdlog::info("{}: serving {} ({} pages x {} tokens, budget {}, window W={}, eps={})", self, peer_name, f.kv_pages,
+                 f.page_size, f.sparse.selection.token_budget, f.sparse.selection.query_window,
+                 f.sparse.selection.ridge_eps);
+    kv_usage.set(0);
+    seqs.set(0);
+    session_stop = g_stop || watch->down;
+    connected = true;
+    spade::pair::LinkStats stats;
+    const std::string err =
+        spade::cache::serve_cache_rank(*ep, *sel, spade::pair::pack_shape(cfg, f.sparse.selection), session_stop,
+                                       &stats, std::chrono::milliseconds(100), hooks);
+    connected = false;
+    spdlog::info("{}: {} updates, {:.1f} MB in, {:.1f} MB out, {:.1f} ms selecting", self, stats.updates,
+                 stats.bytes_received / 1e6, stats.bytes_sent / 1e6, stats.cache_select_ms);
+    if (mirror && mirror->stats().selected_rows > 0)
+      spdlog::info("{}: delta transfer sent {} of {} selected rows ({:.1f} % of a full transfer)", self,
+                   mirror->stats().sent_rows, mirror->stats().selected_rows,
+                   100.0 * static_cast<double>(mirror->stats().sent_rows) / mirror->stats().selected_rows);
+    if (g_stop) return watch->exit_code.load();
+    if (!err.empty()) {
+      spdlog::error("{}: data plane to {} failed: {}", self, peer_name, err);
+    } else if (!watch->down) {
+      // A clean end of the link (the inference rank said shutdown): wait for the world's shutdown briefly, or for
+      // the coordinator to report the inference rank gone (then wait for its replacement).
+      for (int i = 0; i < 50 && !g_stop && !watch->down; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (g_stop || !watch->down) return watch->exit_code.load();
+    }
+    // The inference rank is gone: its sequences' KV goes with this session; serve its replacement.
+    ep->abort(fmt::format("{} is gone", peer_name));
+    ep.reset();
+    sel.reset();
+    kv_usage.set(0);
+    seqs.set(0);
+    spdlog::warn("{}: {} is gone; its KV is dropped; waiting up to {} ms for its replacement", self, peer_name,
+                 f.rejoin_timeout_ms);
+    std::optional<spade::proto::RankInfo> next;
+    while (!ep) {
+      next = watch->wait_replacement(std::chrono::milliseconds(f.rejoin_timeout_ms), heartbeat);
+      if (g_stop) return watch->exit_code.load();
+      if (!next) {
+        spdlog::error("{}: no replacement of {} registered within {} ms (--rejoin-timeout-ms); exiting", self,
+                      peer_name, f.rejoin_timeout_ms);
+        return 1;
+      }
+      peer = *next;
+      peer_name = inference_name(peer);
+      try {
+        ep = net->connect(peer.transport().address(), peer_name,
+                          spade::coord::Clock::now() + std::chrono::milliseconds(f.rendezvous_ms));
+        spdlog::info("{}: re-paired with {} (incarnation {})", self, peer_name, peer.incarnation());
+      } catch (const std::exception& e) {
+        spdlog::error("{}: connecting to the replacement {} failed: {}; waiting for another", self, peer_name,
+                      e.what());
+      }
+    }
   }
-  // A clean end of the link (the inference rank said shutdown) or a stop: wait for the world's shutdown briefly.
-  for (int i = 0; i < 50 && !g_stop; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  return exit_code->load();
 }
 
 }  // namespace

@@ -59,6 +59,9 @@ void Selector::init_layer(uint64_t seq, int layer, int len, const float* k, cons
     SeqState s;
     s.window.assign(cfg_.num_layers, std::vector<float>(static_cast<size_t>(cfg_.num_q_heads) * window_cap_ * cfg_.head_dim));
     s.window_len.assign(cfg_.num_layers, 0);
+    s.anchor_q.assign(cfg_.num_layers, {});
+    s.anchor_pos_end.assign(cfg_.num_layers, 0);
+    s.anchors.assign(cfg_.num_layers, {});
     seqs_.emplace(seq, std::move(s));
   }
   SPADE_CHECK(alloc_.seq_len(seq) == len, "cache rank: sequence {} layer {} initialised with {} tokens, other layers {}",
@@ -69,6 +72,56 @@ void Selector::init_layer(uint64_t seq, int layer, int len, const float* k, cons
   s.window_len[layer] = 0;
   const int first = std::max(0, num_queries - window_cap_);
   for (int i = first; i < num_queries; ++i) push_query(s, layer, queries + static_cast<size_t>(i) * cfg_.q_dim());
+  const int na = std::min(num_queries, sc_.anchor_queries);
+  s.anchor_q[layer].assign(queries + static_cast<size_t>(num_queries - na) * cfg_.q_dim(),
+                           queries + static_cast<size_t>(num_queries) * cfg_.q_dim());
+  s.anchor_pos_end[layer] = len;
+  s.anchors[layer].clear();
+}
+
+void Selector::apply_anchors(uint64_t seq, SeqState& s, int layer, int n, int budget) {
+  const int Hkv = cfg_.num_kv_heads, span = sc_.anchor_span, S = sc_.sink_tokens;
+  auto& anchors = s.anchors[layer];
+  if (anchors.empty()) {  // first predicted selection of this layer: pick the anchors
+    anchors.assign(static_cast<size_t>(Hkv) * kernels::kMaxAnchors, -1);
+    const auto& q = s.anchor_q[layer];
+    const int nq = static_cast<int>(q.size() / cfg_.q_dim());
+    if (nq > 0) {
+      const auto& bt = alloc_.block_table(seq);
+      kernels::SelectAnchorsRefParams ap;
+      ap.queries = q.data();
+      ap.k_cache = k_[layer].get();
+      ap.block_table = bt.data();
+      ap.anchors = anchors.data();
+      ap.num_queries = nq;
+      ap.first_pos = s.anchor_pos_end[layer] - nq;
+      ap.num_q_heads = cfg_.num_q_heads;
+      ap.num_kv_heads = Hkv;
+      ap.head_dim = cfg_.head_dim;
+      ap.page_size = alloc_.page_size();
+      ap.max_pages_per_seq = static_cast<int>(bt.size());
+      // Not the prompt's first tokens (attention sinks: every query scores them high, so the prediction keeps them
+      // anyway) nor the span of the anchor queries themselves (recent: the prediction's own ground).
+      ap.begin = std::max(S, span);
+      ap.end = std::max(ap.begin, s.anchor_pos_end[layer] - std::max(sc_.local_window, nq));
+      ap.span = span;
+      kernels::select_anchors_ref(ap);
+    }
+    std::vector<float>().swap(s.anchor_q[layer]);
+  }
+  const int cap = budget / 4;
+  for (int h = 0; h < Hkv; ++h) {
+    int used = 0;
+    for (int a = 0; a < kernels::kMaxAnchors; ++a) {
+      const int32_t t0 = anchors[static_cast<size_t>(h) * kernels::kMaxAnchors + a];
+      // A span costs span tokens, one more with successor expansion (the token after it inherits +inf).
+      const int cost = span + (sc_.successor_expand ? 1 : 0);
+      if (t0 < 0 || used + cost > cap) break;
+      used += cost;
+      for (int t = std::max(t0, S); t < std::min(t0 + span, S + n); ++t)
+        scores_[static_cast<size_t>(h) * n + (t - S)] = std::numeric_limits<float>::infinity();
+    }
+  }
 }
 
 void Selector::append_layer(uint64_t seq, int layer, int pos, const float* q, const float* k, const float* v) {
@@ -108,6 +161,7 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
   const int Ke = budget > 0 ? budget : K;  // this sequence's budget; rows keep stride K
   const int len = alloc_.seq_len(seq);
   std::vector<float> q_hat;
+  const bool predicted = query == nullptr;
   if (!query) {
     q_hat.resize(cfg_.q_dim());
     predict(seq, layer, q_hat.data());
@@ -142,6 +196,7 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
   for (int h = 0; h < Hkv; ++h)
     std::memmove(&scores_[static_cast<size_t>(h) * n], &scores_[static_cast<size_t>(h) * end + sc_.sink_tokens],
                  n * sizeof(float));
+  if (predicted && sc_.anchor_queries > 0) apply_anchors(seq, state(seq), layer, n, Ke);
   idx_.assign(static_cast<size_t>(Hkv) * Ke, -1);
   kernels::TopkRefParams tp;
   tp.scores = scores_.data();

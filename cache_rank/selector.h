@@ -10,6 +10,10 @@
 //
 // Candidates: positions [sink_tokens, context_len - local_window) of the step that will use the selection; the sink
 // tokens and the local window are attended by the inference rank from its own KV, so they are never sent.
+// Prompt anchors (SelectionConfig::anchor_queries > 0, kernels::select_anchors_ref): the last anchor_queries queries
+// given to init_layer pick per (layer, KV head) up to kernels::kMaxAnchors tokens, computed at the first predicted
+// select; every predicted selection (query == nullptr) then holds [a, a + anchor_span) of its best anchors, as many
+// whole spans as fit in a quarter of its budget, and fills the rest by score.
 // Not thread-safe; one owner thread.
 #pragma once
 
@@ -40,7 +44,8 @@ class Selector {
   int seq_len(uint64_t seq) const;
 
   /// Starts (or continues) tracking `seq` with its existing KV of one layer: k, v [len, kv_dim]; queries
-  /// [num_queries, q_dim], oldest first (at most W+1 are kept). All layers of a sequence must be given the same len.
+  /// [num_queries, q_dim], oldest first, the last one at position len - 1 (at most W+1 are kept in the predictor's
+  /// window, at most anchor_queries pick the prompt anchors). All layers of a sequence must be given the same len.
   /// Throws spade::Error when the pool is full ("cache rank KV pool exhausted ...") or lengths disagree.
   void init_layer(uint64_t seq, int layer, int len, const float* k, const float* v, int num_queries,
                   const float* queries);
@@ -73,7 +78,15 @@ class Selector {
   struct SeqState {
     std::vector<std::vector<float>> window;  // per layer [num_q_heads, W+1, head_dim], oldest first
     std::vector<int> window_len;             // per layer
+    // Prompt anchors: per layer the queries that pick them ([anchor_q_len, q_dim], the last at position
+    // anchor_pos_end - 1; freed once the anchors are computed) and the anchors ([num_kv_heads, kMaxAnchors]).
+    std::vector<std::vector<float>> anchor_q;
+    std::vector<int> anchor_pos_end;
+    std::vector<std::vector<int32_t>> anchors;
   };
+  /// Marks the anchor spans of (seq, layer) in `scores_` ([num_kv_heads, n] over the candidates [S, S + n)) with
+  /// +inf, as many whole spans per head as fit in budget / 4.
+  void apply_anchors(uint64_t seq, SeqState& s, int layer, int n, int budget);
   SeqState& state(uint64_t seq);
   void push_query(SeqState& s, int layer, const float* q);
   void write_token(uint64_t seq, int layer, int pos, const float* k, const float* v);

@@ -9,6 +9,9 @@ find_package(Boost 1.74 REQUIRED)
 find_package(OpenSSL 3 REQUIRED COMPONENTS Crypto)  # control-plane authentication (coordinator/auth.h)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+# Metrics registry + text serializer (common/metrics.h). Core only, through pkg-config: Debian's CMake config
+# (prometheus-cpp-config.cmake) also requires civetweb, CURL and ZLIB for the pull/push parts Spade does not use.
+pkg_check_modules(PROMETHEUS_CPP_CORE REQUIRED IMPORTED_TARGET prometheus-cpp-core)
 if(SPADE_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()

@@ -2,8 +2,16 @@
 
 #include <fmt/format.h>
 
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "common/error.h"
 
@@ -12,7 +20,7 @@ namespace spade::metrics {
 namespace {
 
 bool valid_metric_name(std::string_view n) {
-  if (n.empty()) return false;
+  if (n.empty() || n.substr(0, 2) == "__") return false;
   for (size_t i = 0; i < n.size(); ++i) {
     const char c = n[i];
     const bool alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || c == ':';
@@ -31,6 +39,7 @@ bool valid_label_name(std::string_view n) {
   return true;
 }
 
+// prometheus-cpp 1.0's TextSerializer writes the help text as given: escape it here (\\ and newline).
 std::string escape_help(std::string_view h) {
   std::string out;
   out.reserve(h.size());
@@ -46,91 +55,38 @@ std::string escape_help(std::string_view h) {
   return out;
 }
 
-void atomic_add(std::atomic<double>& a, double d) {
-  double cur = a.load(std::memory_order_relaxed);
-  while (!a.compare_exchange_weak(cur, cur + d, std::memory_order_relaxed)) {
-  }
-}
-
-std::string label_block(const std::vector<std::string>& names, const std::vector<std::string>& values,
-                        const std::string& extra_name = "", const std::string& extra_value = "") {
-  if (names.empty() && extra_name.empty()) return "";
-  std::string s = "{";
-  bool first = true;
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (!first) s += ',';
-    first = false;
-    s += names[i] + "=\"" + escape_label_value(values[i]) + "\"";
-  }
-  if (!extra_name.empty()) {
-    if (!first) s += ',';
-    s += extra_name + "=\"" + extra_value + "\"";
-  }
-  return s + "}";
-}
-
 }  // namespace
-
-std::string format_value(double v) {
-  if (std::isnan(v)) return "NaN";
-  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
-  if (v == std::floor(v) && std::fabs(v) < 9007199254740992.0) return fmt::format("{}", static_cast<int64_t>(v));
-  return fmt::format("{}", v);  // shortest representation that round-trips
-}
-
-std::string escape_label_value(std::string_view v) {
-  std::string out;
-  out.reserve(v.size());
-  for (char c : v) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '"') {
-      out += "\\\"";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
 
 void Counter::inc(double amount) {
   SPADE_CHECK(amount >= 0 && !std::isnan(amount), "counter increment must be >= 0, got {}", amount);
-  atomic_add(value_, amount);
+  c_->Increment(amount);
 }
+double Counter::value() const { return c_->Value(); }
 
-void Gauge::inc(double amount) { atomic_add(value_, amount); }
-
-Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {
-  for (size_t i = 0; i < bounds_.size(); ++i) {
-    SPADE_CHECK(std::isfinite(bounds_[i]), "histogram bucket bound {} is not finite", bounds_[i]);
-    SPADE_CHECK(i == 0 || bounds_[i] > bounds_[i - 1], "histogram bucket bounds must increase strictly ({} after {})",
-                bounds_[i], bounds_[i - 1]);
-  }
-}
+void Gauge::set(double v) { g_->Set(v); }
+void Gauge::inc(double amount) { g_->Increment(amount); }
+void Gauge::dec(double amount) { g_->Decrement(amount); }
+double Gauge::value() const { return g_->Value(); }
 
 void Histogram::observe(double v) {
-  // Bucket i counts v <= bounds[i] (Prometheus' "le"); NaN lands in +Inf only.
-  const size_t i = static_cast<size_t>(std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin());
-  std::lock_guard<std::mutex> lk(mu_);
-  counts_[std::isnan(v) ? bounds_.size() : i] += 1;
-  sum_ += v;
-  count_ += 1;
+  if (std::isnan(v)) {  // prometheus-cpp 1.0 would count NaN in the first bucket; it belongs to +Inf only
+    std::vector<double> increments(num_bounds_ + 1, 0.0);
+    increments.back() = 1;
+    h_->ObserveMultiple(increments, v);
+    return;
+  }
+  h_->Observe(v);
 }
 
 Histogram::Snapshot Histogram::snapshot() const {
+  const prometheus::ClientMetric m = h_->Collect();
   Snapshot s;
-  s.bounds = bounds_;
-  std::lock_guard<std::mutex> lk(mu_);
-  s.cumulative.resize(counts_.size());
-  uint64_t acc = 0;
-  for (size_t i = 0; i < counts_.size(); ++i) {
-    acc += counts_[i];
-    s.cumulative[i] = acc;
+  for (const auto& b : m.histogram.bucket) {
+    if (!std::isinf(b.upper_bound)) s.bounds.push_back(b.upper_bound);
+    s.cumulative.push_back(b.cumulative_count);
   }
-  s.sum = sum_;
-  s.count = count_;
+  s.sum = m.histogram.sample_sum;
+  s.count = m.histogram.sample_count;
   return s;
 }
 
@@ -141,13 +97,21 @@ M& Family<M>::with(const std::vector<std::string>& values) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = series_.find(values);
   if (it == series_.end()) {
-    std::unique_ptr<M> m;
+    prometheus::Labels labels;
+    for (size_t i = 0; i < values.size(); ++i) labels.emplace(label_names_[i], values[i]);
+    typename Backend<M>::type* m = nullptr;
     if constexpr (std::is_same_v<M, Histogram>) {
-      m = std::make_unique<Histogram>(bounds_);
+      m = &family_->Add(labels, bounds_);
     } else {
-      m = std::make_unique<M>();
+      m = &family_->Add(labels);
     }
-    it = series_.emplace(values, std::move(m)).first;
+    std::unique_ptr<M> facade;
+    if constexpr (std::is_same_v<M, Histogram>) {
+      facade.reset(new Histogram(*m, bounds_.size()));
+    } else {
+      facade.reset(new M(*m));
+    }
+    it = series_.emplace(values, std::move(facade)).first;
   }
   return *it->second;
 }
@@ -166,6 +130,15 @@ std::vector<double> token_latency_buckets_seconds() {
           0.4,    0.5,   0.75,   1.0,   2.5,  5.0,   7.5,  10.0,  20.0, 40.0, 80.0};
 }
 
+std::vector<double> vllm_inter_token_latency_buckets() {
+  return {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0};
+}
+
+std::vector<double> vllm_request_latency_buckets() {
+  return {0.3,  0.5,  0.8,  1.0,  1.5,  2.0,   2.5,   5.0,   10.0,   15.0,   20.0,
+          30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+}
+
 std::vector<double> exponential_buckets(double start, double factor, int count) {
   SPADE_CHECK(start > 0 && factor > 1 && count > 0, "exponential_buckets needs start > 0, factor > 1, count > 0");
   std::vector<double> b(static_cast<size_t>(count));
@@ -180,9 +153,12 @@ std::vector<double> linear_buckets(double start, double width, int count) {
   return b;
 }
 
+Registry::Registry() : registry_(std::make_unique<prometheus::Registry>()) {}
+Registry::~Registry() = default;
+
 Registry::Entry* Registry::find_or_check(const std::string& name, MetricType type, const std::string& help,
                                          const std::vector<std::string>& labels, const std::vector<double>* bounds) {
-  SPADE_CHECK(valid_metric_name(name), "invalid metric name '{}' (must match [a-zA-Z_:][a-zA-Z0-9_:]*)", name);
+  SPADE_CHECK(valid_metric_name(name), "invalid metric name '{}' (must match [a-zA-Z_:][a-zA-Z0-9_:]*, not starting with __)", name);
   if (type == MetricType::kCounter)
     SPADE_CHECK(name.size() > 6 && name.substr(name.size() - 6) == "_total",
                 "counter '{}' must end in _total (Prometheus naming convention)", name);
@@ -191,6 +167,14 @@ Registry::Entry* Registry::find_or_check(const std::string& name, MetricType typ
     SPADE_CHECK(!(type == MetricType::kHistogram && labels[i] == "le"), "histogram {}: label 'le' is reserved",
                 name);
     for (size_t j = 0; j < i; ++j) SPADE_CHECK(labels[i] != labels[j], "metric {}: duplicate label '{}'", name, labels[i]);
+  }
+  if (bounds) {
+    for (size_t i = 0; i < bounds->size(); ++i) {
+      const double b = (*bounds)[i];
+      SPADE_CHECK(std::isfinite(b), "histogram {}: bucket bound {} is not finite", name, b);
+      SPADE_CHECK(i == 0 || b > (*bounds)[i - 1], "histogram {}: bucket bounds must increase strictly ({} after {})",
+                  name, b, (*bounds)[i - 1]);
+    }
   }
   for (auto& e : entries_) {
     // The exposition format also reserves the histogram series names.
@@ -201,13 +185,12 @@ Registry::Entry* Registry::find_or_check(const std::string& name, MetricType typ
                     !(type == MetricType::kHistogram && clash(e->name, name)),
                 "metric '{}' clashes with the series of histogram '{}'", name, e->name);
     if (e->name != name) continue;
-    const std::string* h = nullptr;
     const std::vector<std::string>* l = nullptr;
     const std::vector<double>* b = nullptr;
-    if (e->counters) h = &e->counters->help_, l = &e->counters->label_names_;
-    if (e->gauges) h = &e->gauges->help_, l = &e->gauges->label_names_;
-    if (e->histograms) h = &e->histograms->help_, l = &e->histograms->label_names_, b = &e->histograms->bounds_;
-    SPADE_CHECK(e->type == type && *h == help && *l == labels && (!bounds || *b == *bounds),
+    if (e->counters) l = &e->counters->label_names_;
+    if (e->gauges) l = &e->gauges->label_names_;
+    if (e->histograms) l = &e->histograms->label_names_, b = &e->histograms->bounds_;
+    SPADE_CHECK(e->type == type && e->help == help && *l == labels && (!bounds || *b == *bounds),
                 "metric '{}' is already registered with a different type, help, labels or buckets", name);
     return e.get();
   }
@@ -218,10 +201,9 @@ Family<Counter>& Registry::counter(const std::string& name, const std::string& h
                                    std::vector<std::string> label_names) {
   std::lock_guard<std::mutex> lk(mu_);
   if (auto* e = find_or_check(name, MetricType::kCounter, help, label_names, nullptr)) return *e->counters;
-  auto e = std::make_unique<Entry>();
-  e->type = MetricType::kCounter;
-  e->name = name;
-  e->counters.reset(new Family<Counter>(name, help, std::move(label_names), {}));
+  auto& backing = prometheus::BuildCounter().Name(name).Help(escape_help(help)).Register(*registry_);
+  auto e = std::make_unique<Entry>(Entry{MetricType::kCounter, name, help, nullptr, nullptr, nullptr});
+  e->counters.reset(new Family<Counter>(name, std::move(label_names), {}, backing));
   entries_.push_back(std::move(e));
   return *entries_.back()->counters;
 }
@@ -230,10 +212,9 @@ Family<Gauge>& Registry::gauge(const std::string& name, const std::string& help,
                                std::vector<std::string> label_names) {
   std::lock_guard<std::mutex> lk(mu_);
   if (auto* e = find_or_check(name, MetricType::kGauge, help, label_names, nullptr)) return *e->gauges;
-  auto e = std::make_unique<Entry>();
-  e->type = MetricType::kGauge;
-  e->name = name;
-  e->gauges.reset(new Family<Gauge>(name, help, std::move(label_names), {}));
+  auto& backing = prometheus::BuildGauge().Name(name).Help(escape_help(help)).Register(*registry_);
+  auto e = std::make_unique<Entry>(Entry{MetricType::kGauge, name, help, nullptr, nullptr, nullptr});
+  e->gauges.reset(new Family<Gauge>(name, std::move(label_names), {}, backing));
   entries_.push_back(std::move(e));
   return *entries_.back()->gauges;
 }
@@ -241,58 +222,52 @@ Family<Gauge>& Registry::gauge(const std::string& name, const std::string& help,
 Family<Histogram>& Registry::histogram(const std::string& name, const std::string& help, std::vector<double> bounds,
                                        std::vector<std::string> label_names) {
   std::lock_guard<std::mutex> lk(mu_);
-  Histogram check(bounds);  // validates the bounds
-  (void)check;
   if (auto* e = find_or_check(name, MetricType::kHistogram, help, label_names, &bounds)) return *e->histograms;
-  auto e = std::make_unique<Entry>();
-  e->type = MetricType::kHistogram;
-  e->name = name;
-  e->histograms.reset(new Family<Histogram>(name, help, std::move(label_names), std::move(bounds)));
+  auto& backing = prometheus::BuildHistogram().Name(name).Help(escape_help(help)).Register(*registry_);
+  auto e = std::make_unique<Entry>(Entry{MetricType::kHistogram, name, help, nullptr, nullptr, nullptr});
+  e->histograms.reset(new Family<Histogram>(name, std::move(label_names), std::move(bounds), backing));
   entries_.push_back(std::move(e));
   return *entries_.back()->histograms;
 }
 
 std::string Registry::render() const {
-  std::string out;
-  std::lock_guard<std::mutex> lk(mu_);
-  for (const auto& e : entries_) {
-    auto header = [&](const std::string& help, const char* type) {
-      out += "# HELP " + e->name + " " + escape_help(help) + "\n";
-      out += "# TYPE " + e->name + " " + type + "\n";
-    };
-    if (e->counters || e->gauges) {
-      const bool is_counter = e->counters != nullptr;
-      const auto& help = is_counter ? e->counters->help_ : e->gauges->help_;
-      const auto& names = is_counter ? e->counters->label_names_ : e->gauges->label_names_;
-      header(help, is_counter ? "counter" : "gauge");
-      auto emit = [&](const auto& fam) {
-        std::lock_guard<std::mutex> fl(fam.mu_);
-        for (const auto& [values, m] : fam.series_)
-          out += e->name + label_block(names, values) + " " + format_value(m->value()) + "\n";
-      };
-      if (is_counter) {
-        emit(*e->counters);
-      } else {
-        emit(*e->gauges);
-      }
-      continue;
-    }
-    const auto& fam = *e->histograms;
-    header(fam.help_, "histogram");
-    std::lock_guard<std::mutex> fl(fam.mu_);
-    for (const auto& [values, h] : fam.series_) {
-      const auto s = h->snapshot();
-      for (size_t i = 0; i <= s.bounds.size(); ++i) {
-        const std::string le = i < s.bounds.size() ? format_value(s.bounds[i]) : "+Inf";
-        out += e->name + "_bucket" + label_block(fam.label_names_, values, "le", le) + " " +
-               format_value(static_cast<double>(s.cumulative[i])) + "\n";
-      }
-      out += e->name + "_sum" + label_block(fam.label_names_, values) + " " + format_value(s.sum) + "\n";
-      out += e->name + "_count" + label_block(fam.label_names_, values) + " " +
-             format_value(static_cast<double>(s.count)) + "\n";
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  std::map<std::string, size_t> order;
+  std::map<std::string, const std::vector<std::string>*> label_names;  // immutable once declared
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = *entries_[i];
+      order.emplace(e.name, i);
+      label_names.emplace(e.name, e.counters     ? &e.counters->label_names_
+                                  : e.gauges     ? &e.gauges->label_names_
+                                                 : &e.histograms->label_names_);
     }
   }
-  return out;
+  // prometheus-cpp groups families by type, keeps a family's series in a hash map and a series' labels sorted by
+  // name: put the labels back in declaration order and sort the series by their label values, so that the text is
+  // the same from run to run and reads as declared.
+  for (auto& f : families) {
+    const std::vector<std::string>& names = *label_names.at(f.name);
+    auto rank = [&](const prometheus::ClientMetric::Label& l) {
+      return static_cast<size_t>(std::find(names.begin(), names.end(), l.name) - names.begin());
+    };
+    for (auto& m : f.metric)
+      std::sort(m.label.begin(), m.label.end(),
+                [&](const prometheus::ClientMetric::Label& a, const prometheus::ClientMetric::Label& b) {
+                  return rank(a) < rank(b);
+                });
+    std::sort(f.metric.begin(), f.metric.end(), [](const prometheus::ClientMetric& a, const prometheus::ClientMetric& b) {
+      return std::lexicographical_compare(
+          a.label.begin(), a.label.end(), b.label.begin(), b.label.end(),
+          [](const prometheus::ClientMetric::Label& x, const prometheus::ClientMetric::Label& y) { return x.value < y.value; });
+    });
+  }
+  std::stable_sort(families.begin(), families.end(),
+                   [&](const prometheus::MetricFamily& a, const prometheus::MetricFamily& b) {
+                     return order.at(a.name) < order.at(b.name);
+                   });
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 }  // namespace spade::metrics

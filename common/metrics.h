@@ -1,25 +1,37 @@
-// Prometheus metrics: an in-process registry of counters, gauges and histograms (optionally labelled) and the
-// text exposition format 0.0.4 writer that every Spade process serves on GET /metrics.
+// Prometheus metrics: a thin facade over prometheus-cpp's core library (Debian's prometheus-cpp-dev:
+// prometheus::Registry, Family<Counter|Gauge|Histogram> and TextSerializer) that every Spade process serves on
+// GET /metrics in the text exposition format 0.0.4.
 //
-// prometheus-cpp is not packaged on our machines, so this is the one small writer of the format; it is
-// golden-tested (tests/common/test_metrics.cpp) and its output is checked with `promtool check metrics`.
-// Format reference: https://prometheus.io/docs/instrumenting/exposition_formats/ (text format 0.0.4):
-//   # HELP <name> <help, with \ and newline escaped>
+// Why a facade: the call sites keep one line per series (`registry.counter(name, help, labels).with(values)`), the
+// label names are declared once per family and checked (prometheus-cpp takes a label map per series), bad
+// declarations throw spade::Error naming the metric, a negative counter increment throws (prometheus-cpp ignores
+// it silently), NaN observations go to the +Inf bucket only (prometheus-cpp 1.0 counts them in the first), and
+// render() gives a deterministic text (families, labels and series in a fixed order) that
+// tests/common/test_metrics.cpp golden-tests and checks with `promtool check metrics`.
+//
+// Why our Beast endpoint (common/status_endpoint.h) serves the text and not prometheus-cpp's pull Exposer: the
+// Exposer brings a second HTTP stack (civetweb) with its own threads and its own listening port; ours is already on
+// every process's port (the coordinator serves /metrics on its API port next to /health and /ready), shares the
+// bind-address flags (--http-host, --metrics-host), and needs no extra thread or port. Only prometheus-cpp-core is
+// linked.
+//
+// What the text looks like (prometheus-cpp 1.0's TextSerializer):
+//   # HELP <name> <help, \ and newline escaped here before prometheus-cpp sees it>
 //   # TYPE <name> counter|gauge|histogram
-//   <name>{<label>="<value, with \ " and newline escaped>",...} <value>
-//   histograms: <name>_bucket{...,le="<upper bound>"} <cumulative count> ... le="+Inf", <name>_sum, <name>_count.
-// Values print as integers when they are integral (|v| < 2^53), else as the shortest decimal that round-trips;
-// +Inf, -Inf, NaN.
+//   <name>{<label>="<value, with \ " and newline escaped>",...} <value>       labels in declaration order
+//   histograms: <name>_count, <name>_sum, then <name>_bucket{...,le="<bound>"} <cumulative count> ... le="+Inf".
+// Values print with 16 significant digits ("0.1", "1048576", "1.234567890123457e+16"), "+Inf", "-Inf", "Nan".
+// A family with no series yet prints nothing (not even its HELP/TYPE lines).
 //
-// Names follow vLLM's metric names with a `spade_` prefix where vLLM has one (spade_num_requests_running,
-// spade_time_to_first_token_seconds, ...); units are seconds and bytes; counters end in `_total`.
+// Names: Spade's own series are vLLM's names with a `spade_` prefix where vLLM has one
+// (spade_num_requests_running, spade_time_to_first_token_seconds, ...); the vLLM-compatible series carry vLLM's
+// exact names (`vllm:num_requests_running`, ...; a ':' is legal in metric names, not in label names) with a
+// `model_name` label. Units are seconds and bytes; counters end in `_total`.
 //
-// Thread safety: every metric and family may be updated from any thread; render() takes a consistent-enough
-// snapshot (each family under its own lock). Metrics live as long as the registry; references returned by
-// family().with() stay valid.
+// Thread safety: every metric and family may be updated from any thread; render() collects each series under its
+// own lock. Metrics live as long as the registry; references returned by family().with() stay valid.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -28,36 +40,49 @@
 #include <string_view>
 #include <vector>
 
+namespace prometheus {
+class Counter;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
 namespace spade::metrics {
 
-using Labels = std::vector<std::pair<std::string, std::string>>;  // (name, value), in declaration order
-
-/// Monotonic counter. inc() with a negative amount throws spade::Error.
+/// Monotonic counter. inc() with a negative or NaN amount throws spade::Error.
 class Counter {
  public:
   void inc(double amount = 1.0);
-  double value() const { return value_.load(std::memory_order_relaxed); }
+  double value() const;
 
  private:
-  std::atomic<double> value_{0.0};
+  template <typename M>
+  friend class Family;
+  explicit Counter(prometheus::Counter& c) : c_(&c) {}
+  prometheus::Counter* c_;
 };
 
 /// Gauge: a value that goes up and down.
 class Gauge {
  public:
-  void set(double v) { value_.store(v, std::memory_order_relaxed); }
+  void set(double v);
   void inc(double amount = 1.0);
-  void dec(double amount = 1.0) { inc(-amount); }
-  double value() const { return value_.load(std::memory_order_relaxed); }
+  void dec(double amount = 1.0);
+  double value() const;
 
  private:
-  std::atomic<double> value_{0.0};
+  template <typename M>
+  friend class Family;
+  explicit Gauge(prometheus::Gauge& g) : g_(&g) {}
+  prometheus::Gauge* g_;
 };
 
-/// Histogram with fixed upper bounds (strictly increasing; +Inf is implicit).
+/// Histogram with fixed upper bounds (strictly increasing; +Inf is implicit). A value v falls in every bucket
+/// with v <= bound (Prometheus' "le"); NaN only in +Inf.
 class Histogram {
  public:
-  explicit Histogram(std::vector<double> bounds);
   void observe(double v);
   struct Snapshot {
     std::vector<double> bounds;
@@ -68,41 +93,61 @@ class Histogram {
   Snapshot snapshot() const;
 
  private:
-  std::vector<double> bounds_;
-  mutable std::mutex mu_;
-  std::vector<uint64_t> counts_;  // per bucket (not cumulative), size bounds + 1
-  double sum_ = 0;
-  uint64_t count_ = 0;
+  template <typename M>
+  friend class Family;
+  Histogram(prometheus::Histogram& h, size_t num_bounds) : h_(&h), num_bounds_(num_bounds) {}
+  prometheus::Histogram* h_;
+  size_t num_bounds_;
 };
 
 enum class MetricType { kCounter, kGauge, kHistogram };
+
+/// The prometheus-cpp metric behind each facade type.
+template <typename M>
+struct Backend;
+template <>
+struct Backend<Counter> {
+  using type = prometheus::Counter;
+};
+template <>
+struct Backend<Gauge> {
+  using type = prometheus::Gauge;
+};
+template <>
+struct Backend<Histogram> {
+  using type = prometheus::Histogram;
+};
 
 /// All series of one metric name: one per distinct label-value tuple.
 template <typename M>
 class Family {
  public:
-  /// The series for `values` (one value per label name of the family, in order); created on first use.
+  /// The series for `values` (one value per label name of the family, in declaration order); created on first use.
   /// Throws spade::Error when the number of values differs from the family's label names.
   M& with(const std::vector<std::string>& values = {});
 
  private:
   friend class Registry;
-  Family(std::string name, std::string help, std::vector<std::string> label_names, std::vector<double> bounds)
-      : name_(std::move(name)),
-        help_(std::move(help)),
-        label_names_(std::move(label_names)),
-        bounds_(std::move(bounds)) {}
-  std::string name_, help_;
+  using Backing = prometheus::Family<typename Backend<M>::type>;
+  Family(std::string name, std::vector<std::string> label_names, std::vector<double> bounds, Backing& family)
+      : name_(std::move(name)), label_names_(std::move(label_names)), bounds_(std::move(bounds)), family_(&family) {}
+  std::string name_;
   std::vector<std::string> label_names_;
   std::vector<double> bounds_;  // histograms only
+  Backing* family_;             // owned by the Registry's prometheus::Registry
   mutable std::mutex mu_;
   std::map<std::vector<std::string>, std::unique_ptr<M>> series_;
 };
 
-/// Default latency buckets in seconds (vLLM's TTFT buckets, 1 ms .. 2560 s).
+/// vLLM's buckets for vllm:time_to_first_token_seconds (1 ms .. 2560 s, 22 bounds); also Spade's latency default.
 std::vector<double> latency_buckets_seconds();
-/// Finer buckets for per-token latency (vLLM's inter-token latency buckets, 10 ms .. 80 s, plus 1/2.5/5 ms).
+/// Finer buckets for per-token latency (vLLM's inter-token latency buckets, 10 ms .. 80 s, plus 0.5/1/2.5/5 ms).
 std::vector<double> token_latency_buckets_seconds();
+/// vLLM's buckets for vllm:inter_token_latency_seconds exactly (10 ms .. 80 s, 19 bounds).
+std::vector<double> vllm_inter_token_latency_buckets();
+/// vLLM's request_latency_buckets, for vllm:e2e_request_latency_seconds and vllm:request_queue_time_seconds
+/// (0.3 s .. 7680 s, 21 bounds).
+std::vector<double> vllm_request_latency_buckets();
 /// `count` buckets start, start*factor, ... (Prometheus' ExponentialBuckets).
 std::vector<double> exponential_buckets(double start, double factor, int count);
 /// `count` buckets start, start+width, ... (LinearBuckets).
@@ -110,10 +155,16 @@ std::vector<double> linear_buckets(double start, double width, int count);
 
 class Registry {
  public:
-  /// Declare (or fetch, if the same name was declared with the same type and labels) a metric family.
-  /// Throws spade::Error for an invalid metric or label name ([a-zA-Z_:][a-zA-Z0-9_:]*, labels without ':' and
-  /// not starting with "__", no "le" on histograms), a counter whose name does not end in "_total", or a name
-  /// already declared with a different type, help or label names.
+  Registry();
+  ~Registry();
+  Registry(const Registry&) = delete;
+  Registry& operator=(const Registry&) = delete;
+
+  /// Declare (or fetch, if the same name was declared with the same type, help, labels and buckets) a metric
+  /// family. Throws spade::Error for an invalid metric or label name ([a-zA-Z_:][a-zA-Z0-9_:]*, labels without ':'
+  /// and not starting with "__", no "le" on histograms), a counter whose name does not end in "_total", bucket
+  /// bounds that are not finite and strictly increasing, or a name already declared differently (or clashing with
+  /// a histogram's _bucket/_sum/_count series).
   Family<Counter>& counter(const std::string& name, const std::string& help,
                            std::vector<std::string> label_names = {});
   Family<Gauge>& gauge(const std::string& name, const std::string& help,
@@ -121,7 +172,8 @@ class Registry {
   Family<Histogram>& histogram(const std::string& name, const std::string& help, std::vector<double> bounds,
                                std::vector<std::string> label_names = {});
 
-  /// The text exposition format 0.0.4, families in declaration order, series sorted by label values.
+  /// The text exposition format 0.0.4 (prometheus::TextSerializer), families in declaration order, each series'
+  /// labels in declaration order, series sorted by their label values; families without series are left out.
   std::string render() const;
 
   /// Content-Type to serve render() with.
@@ -130,20 +182,16 @@ class Registry {
  private:
   struct Entry {
     MetricType type;
-    std::string name;
+    std::string name, help;
     std::unique_ptr<Family<Counter>> counters;
     std::unique_ptr<Family<Gauge>> gauges;
     std::unique_ptr<Family<Histogram>> histograms;
   };
   Entry* find_or_check(const std::string& name, MetricType type, const std::string& help,
                        const std::vector<std::string>& labels, const std::vector<double>* bounds);
+  std::unique_ptr<prometheus::Registry> registry_;
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<Entry>> entries_;
 };
-
-/// Number formatting of the exposition format ("3", "0.25", "+Inf", "NaN").
-std::string format_value(double v);
-/// Label value escaping (\\, \", \n).
-std::string escape_label_value(std::string_view v);
 
 }  // namespace spade::metrics

@@ -241,16 +241,17 @@ int32_t PageAllocator::lookup(uint64_t prev_serial, const int32_t* tokens) const
   return -1;
 }
 
-int PageAllocator::match_prefix(uint64_t seq, const int32_t* tokens, int n) {
+int PageAllocator::match_prefix(uint64_t seq, const int32_t* tokens, int n, int max_reuse) {
   auto it = seqs_.find(seq);
   SPADE_CHECK(it != seqs_.end(), "PageAllocator: unknown sequence {}", seq);
   Seq& s = it->second;
   SPADE_CHECK(s.len == 0 && s.pages.empty(), "PageAllocator: match_prefix on sequence {} that holds tokens", seq);
   SPADE_CHECK(n >= 0 && (n == 0 || tokens != nullptr), "PageAllocator: match_prefix with {} tokens", n);
+  if (!prefix_caching_) return 0;
   prefix_stats_.queried_tokens += static_cast<uint64_t>(n);
-  if (!prefix_caching_ || n <= 1) return 0;
+  if (n <= 1) return 0;
   uint64_t prev = 0;
-  for (int i = 0; i < (n - 1) / page_size_; ++i) {
+  for (int i = 0; i < std::min(n - 1, max_reuse) / page_size_; ++i) {
     const int32_t p = lookup(prev, tokens + static_cast<size_t>(i) * page_size_);
     if (p < 0) break;
     ref(p);

@@ -95,10 +95,11 @@ class PageAllocator {
   int refcount(int32_t page) const;
 
   /// Prefix cache: `seq` was just admitted (no tokens yet) for a prompt of `n` tokens `tokens`. Shares the cached
-  /// pages of the longest cached prefix of the prompt (whole pages, at most n - 1 tokens) with `seq`, whose length
-  /// becomes the number of tokens reused (returned; the caller computes only the rest). Counts n queried tokens and
-  /// the reused ones as hits. Returns 0 with prefix caching off. Throws for an unknown or non-empty sequence.
-  int match_prefix(uint64_t seq, const int32_t* tokens, int n);
+  /// pages of the longest cached prefix of the prompt (whole pages, at most min(n - 1, max_reuse) tokens) with `seq`,
+  /// whose length becomes the number of tokens reused (returned; the caller computes only the rest). Counts n queried
+  /// tokens and the reused ones as hits. Returns 0 and counts nothing with prefix caching off. Throws for an unknown or non-empty
+  /// sequence.
+  int match_prefix(uint64_t seq, const int32_t* tokens, int n, int max_reuse = 1 << 30);
   /// Prefix cache: publishes the full pages of `seq` that hold tokens [0, n) (`tokens` = its first n token ids, n <=
   /// its length, the KV of those tokens already written) so that later prompts may reuse them. Pages already published
   /// are skipped; a page holding the same key as a published one stays private. No-op with prefix caching off.

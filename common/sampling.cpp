@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -61,6 +62,47 @@ int sample_token(const float* logits, int vocab, const SamplingParams& p, std::m
     if (r < 0) return idx[i];
   }
   return idx[keep - 1];
+}
+
+TokenLogprobs token_logprobs(const float* logits, int vocab, int token, int top_n) {
+  SPADE_CHECK(vocab > 0 && token >= 0 && token < vocab, "token_logprobs: token {} is outside the vocabulary [0, {})",
+              token, vocab);
+  SPADE_CHECK(top_n >= 0 && top_n <= kMaxTopLogprobs, "token_logprobs: top_n must be in [0, {}], got {}",
+              kMaxTopLogprobs, top_n);
+  auto canon = [&](int i) { return std::isnan(logits[i]) ? -std::numeric_limits<float>::infinity() : logits[i]; };
+  float m = canon(0);
+  for (int i = 1; i < vocab; ++i) m = std::max(m, canon(i));
+  double s = 0;
+  for (int i = 0; i < vocab; ++i) {
+    const float c = canon(i);
+    s += c == m ? 1.0 : std::exp(static_cast<double>(c) - static_cast<double>(m));
+  }
+  const double log_s = std::log(s);
+  auto lp = [&](int i) {
+    const float c = canon(i);
+    return static_cast<float>((c == m ? 0.0 : static_cast<double>(c) - static_cast<double>(m)) - log_s);
+  };
+  TokenLogprobs out;
+  out.logprob = lp(token);
+  const size_t n = static_cast<size_t>(std::min(top_n, vocab));
+  if (n > 0) {
+    // The n best so far, best first; indices arrive ascending, so a tie never displaces an earlier id.
+    std::vector<int> top;
+    top.reserve(n + 1);
+    auto better = [&](int a, int b) { return canon(a) > canon(b) || (canon(a) == canon(b) && a < b); };
+    for (int i = 0; i < vocab; ++i) {
+      if (top.size() == n && !better(i, top.back())) continue;
+      size_t j = top.size();
+      while (j > 0 && better(i, top[j - 1])) --j;
+      top.insert(top.begin() + static_cast<long>(j), i);
+      if (top.size() > n) top.pop_back();
+    }
+    for (int i : top) {
+      out.top_ids.push_back(i);
+      out.top_logprobs.push_back(lp(i));
+    }
+  }
+  return out;
 }
 
 }  // namespace spade

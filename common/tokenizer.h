@@ -108,6 +108,11 @@ class Tokenizer {
   /// library's decode drops it (models pad their embedding past the tokenizer: a sampled id may land there);
   /// a negative id throws spade::Error.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
+  /// The bytes token `id` contributes to decoded text, before any UTF-8 repair: the decoder chain's per-token steps
+  /// (ByteLevel's bytes, a <0xNN> byte token's byte, Replace on valid UTF-8) without the whole-text ones (Fuse,
+  /// Strip). May be part of a UTF-8 character (OpenAI's logprobs `bytes`). "" for an id the tokenizer lacks; a
+  /// negative id throws spade::Error.
+  std::string token_bytes(int32_t id) const;
 
   /// Added tokens first, then the model vocabulary (the library's order). std::nullopt when unknown.
   std::optional<int32_t> token_to_id(std::string_view token) const;

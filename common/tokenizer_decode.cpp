@@ -176,6 +176,36 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
   return out;
 }
 
+std::string Tokenizer::token_bytes(int32_t id) const {
+  const Impl& t = *impl_;
+  const std::string* tok = t.token_of(id);
+  if (tok == nullptr) return {};
+  std::string cur = *tok;
+  if (!t.has_decoder) return cur;
+  for (const DecStep& s : t.decoders) {
+    switch (s.kind) {
+      case DecStep::Kind::kByteLevel: {
+        std::string bytes;
+        byte_level_token_bytes(cur, bytes);
+        cur.swap(bytes);
+        break;
+      }
+      case DecStep::Kind::kReplace:
+        if (first_invalid_utf8(cur) == std::string_view::npos) cur = s.pattern.replace_all(cur, s.text);
+        break;
+      case DecStep::Kind::kByteFallback: {
+        unsigned char b;
+        if (parse_byte_token(cur, &b)) cur.assign(1, static_cast<char>(b));
+        break;
+      }
+      case DecStep::Kind::kFuse:
+      case DecStep::Kind::kStrip:
+        break;  // whole-text steps
+    }
+  }
+  return cur;
+}
+
 // ================================================================================================
 // StreamingDecoder: the decoder chain as a chain of stream stages (see tokenizer.h for what each holds back).
 // ================================================================================================

@@ -364,6 +364,12 @@ class CoordinatorClient::Impl {
     send(env);
   }
 
+  void send_pair_offer(const proto::PairOffer& offer) {
+    proto::Envelope env;
+    *env.mutable_pair_offer() = offer;
+    send(env);
+  }
+
   bool connected() const {
     std::lock_guard lk(mu_);
     return connected_ && !shutdown_ && !lost_;
@@ -482,6 +488,16 @@ class CoordinatorClient::Impl {
           ev->peer_down = pd;
           ev->message = fmt::format("{}: peer {} rank {} (#{}) on host {} is down: {}", coord_name_,
                                     role_name(pd.role()), pd.rank(), pd.role_index(), pd.host(), pd.reason());
+          break;
+        }
+        case proto::Envelope::kPeerReplaced: {
+          const auto& p = env.peer_replaced().peer();
+          ev = ClientEvent{};
+          ev->kind = ClientEvent::Kind::kPeerReplaced;
+          ev->peer_replaced = env.peer_replaced();
+          ev->message = fmt::format("{}: peer {} rank {} (#{}) was replaced by incarnation {} on host {} pid {}",
+                                    coord_name_, role_name(p.role()), p.rank(), p.role_index(), p.incarnation(),
+                                    p.host(), p.pid());
           break;
         }
         case proto::Envelope::kShutdown: {
@@ -681,6 +697,7 @@ std::optional<proto::GenerateRequest> CoordinatorClient::next_request(Deadline d
 void CoordinatorClient::send_chunk(const proto::GenerateChunk& c) {
   impl_->send_chunk(c);
 }
+void CoordinatorClient::send_pair_offer(const proto::PairOffer& o) { impl_->send_pair_offer(o); }
 bool CoordinatorClient::connected() const {
   return impl_->connected();
 }

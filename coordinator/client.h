@@ -7,7 +7,7 @@
 //   start
 //                                                      // heartbeats, wait view
 //   ... connect the data plane to view.peers(0).transport() ...
-//   while (auto ev = cc.next_event(deadline)) ...     // PeerDown / Shutdown / CoordinatorLost
+//   while (auto ev = cc.next_event(deadline)) ...     // PeerDown / PeerReplaced / Shutdown / CoordinatorLost
 //
 // Threading: the client owns one background io thread that reads frames, sends heartbeats every
 // heartbeat_interval (taken from the coordinator's RegisterReply unless set here) and fills the queues below.
@@ -59,12 +59,15 @@ struct ClientOptions {
 /// `env`. Transport and device fields are left for the caller.
 ClientOptions client_options_for(const LaunchEnv& env);
 
-/// Something the coordinator told us (or the loss of the coordinator itself).
+/// Something the coordinator told us (or the loss of the coordinator itself). kPeerReplaced: a paired rank that was
+/// declared dead has a replacement (same role and index, peer_replaced.peer().incarnation() higher); the data plane
+/// may be re-paired with it (an inference rank answers with send_pair_offer()).
 struct ClientEvent {
-  enum class Kind { kPeerDown, kShutdown, kCoordinatorLost };
+  enum class Kind { kPeerDown, kShutdown, kCoordinatorLost, kPeerReplaced };
   Kind kind = Kind::kShutdown;
-  proto::PeerDown peer_down;  // kPeerDown
-  proto::Shutdown shutdown;   // kShutdown
+  proto::PeerDown peer_down;          // kPeerDown
+  proto::Shutdown shutdown;           // kShutdown
+  proto::PeerReplaced peer_replaced;  // kPeerReplaced
   std::string message;        // human-readable, names the coordinator endpoint and the peer
 };
 
@@ -135,6 +138,9 @@ class CoordinatorClient {
   std::optional<proto::CancelRequest> next_cancel(Deadline deadline);
   /// (inference rank) Sends one chunk of a routed request back (request_id as received).
   void send_chunk(const proto::GenerateChunk& chunk);
+  /// (inference rank) Answers a kPeerReplaced for its cache rank: the data-plane address the replacement joins
+  /// (the coordinator forwards it in the replacement's ClusterView). Returns at once.
+  void send_pair_offer(const proto::PairOffer& offer);
 
   /// True while the TCP connection is up and no Shutdown has been received.
   bool connected() const;

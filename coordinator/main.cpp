@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
     so.heartbeat_timeout = std::chrono::milliseconds(hb_timeout_ms);
     so.rendezvous_timeout = std::chrono::milliseconds(rendezvous_ms);
     so.handle_signals = true;
+    if (!api_opt.model_dir.empty()) so.served_model_name = spade::coord::served_model_name(api_opt);
     spade::coord::CoordinatorServer server(so);
     spdlog::info(
         "coordinator: listening on {}:{} for {} inference + {} cache ranks (role map {}), rendezvous "
@@ -240,6 +241,9 @@ int main(int argc, char** argv) {
       if (h.live_inference == 0) return "no live inference rank";
       return "";
     };
+    // A dead rank (until its replacement has re-paired) leaves the world serving, degraded: /ready 200
+    // {"status":"degraded"} naming it; back to "ok" once the pair is whole again.
+    checks.degraded = [&]() -> std::string { return server.health().degraded; };
     std::unique_ptr<spade::http::HttpServer> http;
     if (http_port > 0) {
       spade::http::HttpServerOptions ho;

@@ -18,6 +18,7 @@
 #include <unordered_set>
 
 #include "common/error.h"
+#include "common/sampling.h"  // kMaxTopLogprobs
 
 namespace spade::coord {
 
@@ -74,6 +75,12 @@ std::string random_id(const char* prefix) {
 int64_t unix_now() { return static_cast<int64_t>(std::time(nullptr)); }
 
 // ---- the request body: parsed with bounds, fields read with OpenAI-style messages ----
+
+/// /v1/completions' integer logprobs is at most this (OpenAI's bound; chat's top_logprobs goes to kMaxTopLogprobs).
+constexpr int kMaxCompletionLogprobs = 5;
+
+/// A logprob as JSON: -inf (probability 0) as -9999.0, the value vLLM sends (JSON has no infinity).
+double logprob_json(float v) { return std::isfinite(v) ? static_cast<double>(v) : -9999.0; }
 
 /// Nesting deeper than this is refused while parsing (no request field nests more than a few levels).
 constexpr int kMaxJsonDepth = 64;
@@ -253,6 +260,8 @@ struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
   metrics::Gauge& in_flight_gauge;
   metrics::Counter& cancelled_disconnect;
   metrics::Histogram& api_e2e;
+  metrics::Histogram& vllm_ttft;  // vLLM's names, label model_name (docs/DEPLOY.md, "Metrics")
+  metrics::Histogram& vllm_e2e;
   std::optional<boost::asio::thread_pool::executor_type> workers;  // set by OpenAiApi; the pool is OpenAiApi's
 
   Impl(ApiOptions o, CoordinatorServer& s, metrics::Registry& reg)
@@ -272,10 +281,14 @@ struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
         api_e2e(reg.histogram("spade_api_e2e_request_latency_seconds",
                               "End-to-end latency of API generation requests as the client sees it.",
                               metrics::latency_buckets_seconds())
-                    .with()) {
-    name = opt.served_model_name;
-    if (name.empty()) name = std::filesystem::path(opt.model_dir).lexically_normal().filename().string();
-    if (name.empty()) name = std::filesystem::path(opt.model_dir).parent_path().filename().string();
+                    .with()),
+        vllm_ttft(reg.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                metrics::latency_buckets_seconds(), {"model_name"})
+                      .with({served_model_name(opt)})),
+        vllm_e2e(reg.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                               metrics::vllm_request_latency_buckets(), {"model_name"})
+                     .with({served_model_name(opt)})) {
+    name = served_model_name(opt);
     max_len = opt.max_model_len > 0 ? opt.max_model_len : config.max_position_embeddings;
     SPADE_CHECK(max_len > 0, "{}: no max_position_embeddings in config.json; pass --max-model-len", opt.model_dir);
     SPADE_CHECK(opt.max_num_requests > 0, "--max-num-requests must be > 0");
@@ -387,6 +400,7 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
   bool chat = false;
   bool stream = false;
   bool include_usage = false;
+  int logprobs = -1;  // -1: none; else the alternatives per token (top_logprobs / completions' logprobs)
   std::vector<std::string> stops;
   size_t max_stop = 0;
   std::string id;
@@ -401,6 +415,75 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
   int completion_tokens = 0;
   std::string text;      // generated text so far (after any stop truncation)
   size_t emitted = 0;    // bytes of `text` sent (stream) / fixed (a stop string cut)
+  /// A generated token with its logprobs, not yet sent. `start` / `end`: `text`'s size before / after the chunk that
+  /// carried it (a token is streamed with the delta that completes its text; a stop string drops the tokens that
+  /// start at or after the cut).
+  struct LpToken {
+    uint32_t id;
+    proto::TokenLogprobs lp;
+    size_t start, end;
+  };
+  std::vector<LpToken> lp_pending;
+  bool cut_text = false;   // a stop string ended the text
+  size_t text_offset = 0;  // completions: code points of the token strings sent so far (vLLM's text_offset)
+
+  /// A token's string and bytes (OpenAI: `token` is the text, `bytes` its exact bytes, which may be part of a UTF-8
+  /// character: then the string has U+FFFD in its place).
+  std::pair<std::string, json> token_text(uint32_t token_id) const {
+    const std::string b = api->tok.token_bytes(static_cast<int32_t>(token_id));
+    json bytes = json::array();
+    for (unsigned char c : b) bytes.push_back(static_cast<int>(c));
+    return {utf8_lossy(b), std::move(bytes)};
+  }
+  static size_t code_points(const std::string& s) {
+    size_t n = 0;
+    for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+    return n;
+  }
+
+  /// The choice's "logprobs" for `toks` in OpenAI's shape: chat {"content": [{token, logprob, bytes, top_logprobs:
+  /// [{token, logprob, bytes}]}], "refusal": null}; completions {tokens, token_logprobs, top_logprobs (a dict per
+  /// token: the alternatives and the sampled token, as vLLM), text_offset}. null when the request did not ask.
+  json logprobs_json(const std::vector<LpToken>& toks) {
+    if (logprobs < 0) return nullptr;
+    if (chat) {
+      json content = json::array();
+      for (const LpToken& t : toks) {
+        auto [s, b] = token_text(t.id);
+        json top = json::array();
+        for (int i = 0; i < t.lp.top_ids_size(); ++i) {
+          auto [ts, tb] = token_text(t.lp.top_ids(i));
+          top.push_back({{"token", ts}, {"logprob", logprob_json(t.lp.top_logprobs(i))}, {"bytes", tb}});
+        }
+        content.push_back(
+            {{"token", s}, {"logprob", logprob_json(t.lp.logprob())}, {"bytes", b}, {"top_logprobs", top}});
+      }
+      return {{"content", content}, {"refusal", nullptr}};
+    }
+    json tokens = json::array(), values = json::array(), tops = json::array(), offsets = json::array();
+    for (const LpToken& t : toks) {
+      const std::string s = token_text(t.id).first;
+      tokens.push_back(s);
+      values.push_back(logprob_json(t.lp.logprob()));
+      json top = json::object();
+      for (int i = 0; i < t.lp.top_ids_size(); ++i)
+        top.emplace(token_text(t.lp.top_ids(i)).first, logprob_json(t.lp.top_logprobs(i)));
+      top.emplace(s, logprob_json(t.lp.logprob()));  // no-op when the sampled token is among the alternatives
+      tops.push_back(std::move(top));
+      offsets.push_back(text_offset);
+      text_offset += code_points(s);
+    }
+    return {{"tokens", tokens}, {"token_logprobs", values}, {"top_logprobs", tops}, {"text_offset", offsets}};
+  }
+  /// Takes the pending tokens whose text ends at or before `upto` (all of them: SIZE_MAX), in order.
+  std::vector<LpToken> take_lp(size_t upto) {
+    size_t k = 0;
+    while (k < lp_pending.size() && lp_pending[k].end <= upto) ++k;
+    std::vector<LpToken> out(std::make_move_iterator(lp_pending.begin()),
+                             std::make_move_iterator(lp_pending.begin() + static_cast<long>(k)));
+    lp_pending.erase(lp_pending.begin(), lp_pending.begin() + static_cast<long>(k));
+    return out;
+  }
 
   json base_chunk() const {
     return json{{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created},
@@ -413,9 +496,11 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
   }
   void sse(const json& j) { res->write("data: " + j.dump() + "\n\n"); }
 
-  void send_delta(const std::string& delta, const std::string& finish) {
+  void send_delta(const std::string& delta, const std::string& finish, const std::vector<LpToken>& toks = {}) {
     json c = base_chunk();
-    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish.empty() ? json(nullptr) : json(finish)}};
+    json choice = {{"index", 0},
+                   {"logprobs", toks.empty() ? json(nullptr) : logprobs_json(toks)},
+                   {"finish_reason", finish.empty() ? json(nullptr) : json(finish)}};
     if (chat) {
       choice["delta"] = finish.empty() || !delta.empty() ? json{{"content", delta}} : json::object();
     } else {
@@ -429,7 +514,12 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
   void begin() {  // stream: headers and (chat) the role chunk right away
     if (!stream) return;
     std::lock_guard<std::mutex> lk(mu);
-    if (done || started) return;
+    begin_locked();
+  }
+  /// The stream's headers and role chunk, once: from begin() after the submit, or from the first chunk when the rank
+  /// answers before the submitting worker gets there (else that chunk would be written before the headers).
+  void begin_locked() {
+    if (!stream || done || started) return;
     started = true;
     res->begin_stream(200, "text/event-stream", {{"X-Accel-Buffering", "no"}});
     if (chat) {
@@ -449,7 +539,17 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
     if (ch.finish_reason() == proto::FINISH_ERROR || (!ch.error().empty() && ch.finished())) {
       return fail_locked(ch.error().empty() ? std::string("generation failed") : ch.error());
     }
+    begin_locked();
+    if (completion_tokens == 0 && ch.token_ids_size() > 0)
+      api->vllm_ttft.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     completion_tokens += ch.token_ids_size();
+    if (logprobs >= 0) {
+      if (ch.logprobs_size() != ch.token_ids_size())
+        return fail_locked(fmt::format("the rank sent {} logprobs for {} tokens", ch.logprobs_size(),
+                                       ch.token_ids_size()));
+      for (int i = 0; i < ch.token_ids_size(); ++i)
+        lp_pending.push_back({ch.token_ids(i), ch.logprobs(i), text.size(), text.size() + ch.text().size()});
+    }
     text += ch.text();
     // Stop strings: search the part that could contain a new match.
     size_t cut = std::string::npos;
@@ -462,6 +562,7 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
     }
     if (cut != std::string::npos) {
       text.resize(cut);
+      cut_text = true;
       finish_locked("stop");
       api->server.cancel_local(routed_id, "stop string matched");
       return;
@@ -472,7 +573,7 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
       size_t safe = text.size() > (max_stop ? max_stop - 1 : 0) ? text.size() - (max_stop ? max_stop - 1 : 0) : 0;
       safe = utf8_safe_prefix(text, std::max(safe, emitted));
       if (safe > emitted) {
-        send_delta(text.substr(emitted, safe - emitted), "");
+        send_delta(text.substr(emitted, safe - emitted), "", take_lp(safe));
         emitted = safe;
       }
     }
@@ -480,9 +581,14 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
 
   void finish_locked(const std::string& reason) {
     done = true;
-    api->api_e2e.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    // A stop string cut the text: the tokens from the cut on are not part of the answer.
+    while (!lp_pending.empty() && lp_pending.back().start >= text.size() && cut_text) lp_pending.pop_back();
+    const double e2e = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    api->api_e2e.observe(e2e);
+    api->vllm_e2e.observe(e2e);
     if (stream) {
-      send_delta(text.substr(std::min(emitted, text.size())), reason);  // the rest (may be empty) + finish_reason
+      send_delta(text.substr(std::min(emitted, text.size())), reason,  // the rest (may be empty) + finish_reason
+                 take_lp(std::numeric_limits<size_t>::max()));
       emitted = text.size();
       if (include_usage) {
         json c = base_chunk();
@@ -494,7 +600,9 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
       res->end();
       api->http_requests.with({endpoint, "200"}).inc();
     } else {
-      json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", reason}};
+      json choice = {{"index", 0},
+                     {"logprobs", logprobs_json(take_lp(std::numeric_limits<size_t>::max()))},
+                     {"finish_reason", reason}};
       if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", text}};
       } else {
@@ -566,9 +674,28 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
   if (auto n = get_int(body, "n"); n && *n != 1) bad(fmt::format("only n = 1 is supported, got {}", *n), "n");
   if (auto b = get_int(body, "best_of"); b && *b != 1) bad("best_of > 1 is not supported", "best_of");
   if (auto e = get_bool(body, "echo"); e && *e) bad("echo is not supported", "echo");
-  if (const json* lp = field(body, "logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>()))
-    bad("logprobs are not supported", "logprobs");
-  if (const json* tl = field(body, "top_logprobs"); tl) bad("top_logprobs are not supported", "top_logprobs");
+  // logprobs (raw mode, common/sampling.h TokenLogprobs): chat takes logprobs (boolean) + top_logprobs (0..20),
+  // completions an integer logprobs (0..5) = the number of alternatives.
+  int logprobs = -1;  // -1: none; else the alternatives per token
+  if (is_chat) {
+    const std::optional<bool> on = get_bool(body, "logprobs");
+    const std::optional<int64_t> top = get_int(body, "top_logprobs");
+    if (top && (*top < 0 || *top > kMaxTopLogprobs))
+      bad(fmt::format("'top_logprobs' must be an integer in [0, {}], got {}", kMaxTopLogprobs, *top), "top_logprobs");
+    if (top && !on.value_or(false)) bad("'top_logprobs' needs 'logprobs': true", "top_logprobs");
+    if (on.value_or(false)) logprobs = static_cast<int>(top.value_or(0));
+  } else {
+    if (const auto n = get_int(body, "logprobs")) {
+      if (*n < 0 || *n > kMaxCompletionLogprobs)
+        bad(fmt::format("'logprobs' must be an integer in [0, {}], got {}", kMaxCompletionLogprobs, *n), "logprobs");
+      logprobs = static_cast<int>(*n);
+    }
+    if (field(body, "top_logprobs"))
+      bad(fmt::format("'top_logprobs' belongs to /v1/chat/completions; on /v1/completions 'logprobs' (0-{}) is the "
+                      "number of alternatives",
+                      kMaxCompletionLogprobs),
+          "top_logprobs");
+  }
   for (const char* f : {"suffix", "tools", "functions", "tool_choice", "function_call"})
     if (const json* x = field(body, f); x && !(x->is_array() && x->empty())) bad(fmt::format("'{}' is not supported", f), f);
   if (const json* rf = field(body, "response_format")) {
@@ -712,6 +839,8 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
     sp->set_seed(std::random_device{}());
   }
   if (auto ie = get_bool(body, "ignore_eos")) g.set_ignore_eos(*ie);  // vLLM's extension
+  g.set_logprobs(logprobs >= 0);
+  g.set_top_logprobs(static_cast<uint32_t>(std::max(logprobs, 0)));
   for (const char* f : {"presence_penalty", "frequency_penalty"})
     if (auto v = get_number(body, f, -2, 2); v && *v != 0) bad(fmt::format("'{}' is not supported", f), f);
 
@@ -779,6 +908,7 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
   job->res = res;
   job->endpoint = endpoint;
   job->chat = is_chat;
+  job->logprobs = logprobs;
   job->id = random_id(is_chat ? "chatcmpl-" : "cmpl-");
   job->created = unix_now();
   job->prompt_tokens = static_cast<int>(P);
@@ -792,6 +922,13 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+
+std::string served_model_name(const ApiOptions& opt) {
+  if (!opt.served_model_name.empty()) return opt.served_model_name;
+  std::string name = std::filesystem::path(opt.model_dir).lexically_normal().filename().string();
+  if (name.empty()) name = std::filesystem::path(opt.model_dir).parent_path().filename().string();
+  return name;
+}
 
 OpenAiApi::OpenAiApi(ApiOptions options, CoordinatorServer& server, metrics::Registry& registry)
     : impl_(std::make_shared<Impl>(std::move(options), server, registry)),

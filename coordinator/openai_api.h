@@ -9,7 +9,20 @@
 // Request fields: model (must name the served model), max_tokens (chat: also max_completion_tokens; default 16 for
 // completions as in OpenAI, the rest of the context for chat), temperature [0, 2], top_p (0, 1], top_k (-1/0 = off),
 // seed, stop (string or up to 4 strings; the text ends before the first match, finish_reason "stop"), n (only 1),
-// stream, stream_options.include_usage. Spade's own fields go in an object "spade":
+// stream, stream_options.include_usage, and log-probabilities: chat "logprobs": true with "top_logprobs": 0..20,
+// completions "logprobs": 0..5 (out of range, a non-boolean / non-integer, or top_logprobs without logprobs: 400).
+// Logprobs are "raw" (vLLM's default logprobs_mode): the log-softmax of the model's logits of the step that sampled
+// the token, before temperature / top-k / top-p (common/sampling.h token_logprobs), natural log; a probability of 0
+// is sent as -9999.0, as vLLM does. Shapes are OpenAI's:
+//   chat         choices[0].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}],
+//                "refusal": null}; top_logprobs has exactly top_logprobs entries, most likely first
+//   completions  choices[0].logprobs = {tokens, token_logprobs, top_logprobs: [{token: logprob, ...}] (the
+//                alternatives plus the sampled token, as vLLM), text_offset (code points of the token strings
+//                before each, from 0)}
+// `token` is the token's text (U+FFFD where it holds part of a UTF-8 character), `bytes` its exact bytes
+// (Tokenizer::token_bytes). Streamed, each chunk carries the logprobs of the tokens whose text it completes (a
+// token whose text is held back for a stop string or a split UTF-8 character comes with the chunk that sends it);
+// tokens cut by a stop string are left out. Spade's own fields go in an object "spade":
 //   "selection": "auto" (the rank's sparse decoding, default) | "dense" (never go sparse for this request)
 //   "sparse_threshold": N  context length at which this request switches to sparse decoding
 //   "token_budget": K      selected tokens per layer and KV head for this request (at most the rank's
@@ -18,7 +31,7 @@
 // application/*+json (parameters such as charset ignored; the body must be UTF-8); any other type is 415. A repeated
 // key in one object, nesting deeper than 64 levels and a number outside double range are 400s. Integers must fit
 // int64 and are range-checked before any arithmetic (max_tokens > the context left is the context-length 400).
-// Unsupported OpenAI features that change results (logprobs, echo, best_of > 1, suffix, tools, functions,
+// Unsupported OpenAI features that change results (echo, best_of > 1, suffix, tools, functions,
 // response_format other than text, logit_bias) are rejected with 400 rather than ignored; other unknown fields are
 // ignored.
 //
@@ -69,6 +82,10 @@ struct ApiOptions {
   int max_num_requests = 256;     // generation requests in flight through the API; more get 429
   int request_threads = 2;        // workers that parse, validate and tokenize generation requests (> 0)
 };
+
+/// The model name the API serves and reports (`model`; the vllm: metrics' model_name label): --served-model-name,
+/// else the checkpoint directory's name.
+std::string served_model_name(const ApiOptions& opt);
 
 /// OpenAI error object: {"error": {"message", "type", "param", "code"}} for `status`.
 std::string openai_error_json(int status, const std::string& message, const std::string& param = "",

@@ -257,6 +257,14 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
       case proto::Envelope::kCancelRequest:
         router_.on_cancel_request(c, env.cancel_request());
         break;
+      case proto::Envelope::kPairOffer:
+        if (c->kind != Conn::Kind::kMember) {
+          spdlog::warn("coordinator: ignoring a pair offer from {}: only a registered rank may offer",
+                       c->remote + label(*c));
+          break;
+        }
+        membership_.on_pair_offer(c, env.pair_offer());
+        break;
       default:
         spdlog::warn("coordinator: rejecting connection from {}{}: unexpected {} frame; closing it",
                      c->remote, label(*c), proto::envelope_case_name(env));
@@ -334,6 +342,7 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
     h.num_inference = membership_.num_inference();
     h.num_cache = membership_.num_cache();
     membership_.count_live(&h.live_inference, &h.live_cache);
+    h.degraded = membership_.degraded();
     h.auth_required = auth_.required();
     h.unauthenticated_connections = connections_.unauthenticated();
     h.rejected_connections = ctx_.rejected_connections;

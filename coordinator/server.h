@@ -81,6 +81,9 @@ struct Health {
   uint32_t unauthenticated_connections = 0;      // open connections not yet admitted (see ServerOptions)
   uint64_t rejected_connections = 0;  // closed before admission: over the limit, no or wrong proof,
                                       // deadline missed, oversized or forbidden frame (since start)
+  /// "" while the complete world has every rank alive and paired; else which ranks are dead (waiting for a
+  /// replacement) or re-pairing. Back to "" once replacements have re-paired.
+  std::string degraded;
 };
 
 struct ServerOptions {
@@ -110,6 +113,8 @@ struct ServerOptions {
   /// An admitted connection that sends no frame for this long is closed; at least twice heartbeat_interval.
   std::chrono::milliseconds idle_timeout{30000};
   bool handle_signals = false;  // install SIGINT/SIGTERM handlers (the executable does; tests do not)
+  /// The API's model name (coord::served_model_name()), sent to every rank in its ClusterView; "" without an API.
+  std::string served_model_name;
 };
 
 /// How the coordinator ended: code 0 = clean shutdown, 1 = rendezvous deadline or other fatal condition.

@@ -106,6 +106,25 @@ std::vector<std::string> Membership::missing_ranks() const {
   return missing;
 }
 
+std::string Membership::degraded() const {
+  if (!world_complete_) return "";
+  std::string out;
+  for (uint32_t r = 0; r < members_.size(); ++r) {
+    const auto& m = members_[r];
+    if (m.info.role() == proto::COORDINATOR) continue;
+    std::string why;
+    if (m.state != proto::ALIVE)
+      why = fmt::format("{} rank {} (#{}) is dead ({}); waiting for its replacement", role_name(m.info.role()), r,
+                        m.info.role_index(), m.dead_reason);
+    else if (!m.view_sent)
+      why = fmt::format("{} rank {} (#{}) incarnation {} is re-pairing", role_name(m.info.role()), r,
+                        m.info.role_index(), m.info.incarnation());
+    if (why.empty()) continue;
+    out += (out.empty() ? "" : "; ") + why;
+  }
+  return out;
+}
+
 // ---- status
 // ----------------------------------------------------------------------------------------------------
 
@@ -146,6 +165,7 @@ void Membership::reject_registration(const ConnPtr& c, const std::string& error)
 void Membership::send_register_reply(const ConnPtr& c) {
   proto::Envelope out;
   auto* rep = out.mutable_register_reply();
+  if (c->kind == Conn::Kind::kMember) rep->set_incarnation(members_[c->rank].info.incarnation());
   rep->set_world_size(static_cast<uint32_t>(members_.size()));
   rep->set_heartbeat_interval_ms(static_cast<uint32_t>(ctx_.opts.heartbeat_interval.count()));
   rep->set_heartbeat_timeout_ms(static_cast<uint32_t>(ctx_.opts.heartbeat_timeout.count()));
@@ -198,33 +218,86 @@ std::string Membership::rank_registration_error(const proto::RegisterRequest& re
                        role_name(m.info.role()), m.info.role_index());
   }
   if (m.state == proto::ALIVE) {
-    return fmt::format("{}: duplicate registration, rank {} is already registered by {}", who, self.rank(),
-                       describe(self.rank()));
+    // No split brain: a replacement is admitted only once the coordinator declared the holder dead.
+    return fmt::format(
+        "{}: duplicate registration, rank {} is already registered by {} and alive (incarnation {}); a replacement "
+        "is admitted only after the coordinator declared it dead",
+        who, self.rank(), describe(self.rank()), m.info.incarnation());
   }
-  if (m.state == proto::DEAD) {
-    return fmt::format("{}: rank {} was declared dead ({}); restart the world", who, self.rank(),
-                       m.dead_reason);
-  }
-  return "";
+  return "";  // MISSING, or DEAD: a replacement (a new incarnation)
 }
 
 void Membership::register_rank(const ConnPtr& c, const proto::RankInfo& self) {
   // Accept.
   auto& m = members_[self.rank()];
+  const bool replacement = m.state == proto::DEAD;
   proto::RankInfo info = self;
   info.set_rank(self.rank());
+  info.set_incarnation(replacement ? m.info.incarnation() + 1 : 0);
   m.info = info;
   m.state = proto::ALIVE;
+  m.view_sent = false;
   m.conn = c;
   m.last_seen = Clock::now();
   m.heartbeat_seq = 0;
   m.stats.clear();
   c->kind = Conn::Kind::kMember;
   c->rank = self.rank();
-  spdlog::info("coordinator: registered {} (device {}, transport {} bytes)", describe(self.rank()),
-               self.device(), self.transport().address().size());
+  spdlog::info("coordinator: registered {} (device {}, transport {} bytes){}", describe(self.rank()),
+               self.device(), self.transport().address().size(),
+               replacement ? fmt::format(", replacing incarnation {} declared dead ({})", m.info.incarnation() - 1,
+                                         m.dead_reason)
+                           : std::string());
   send_register_reply(c);
+  if (replacement) return pair_replacement(self.rank());
   maybe_complete();
+}
+
+// A replacement joins a complete world. Its peer, when alive and paired, re-handshakes with it:
+//   replacement cache rank     -> PeerReplaced to the inference rank, which answers with a PairOffer (its data-plane
+//                                 address; for NCCL fresh ids); on_pair_offer then sends the replacement its view.
+//   replacement inference rank -> its ClusterView now (the cache rank's address), PeerReplaced to the cache rank.
+// A peer that is itself a replacement still waiting for its view (both died) gets it now, as at the first pairing;
+// a dead peer leaves the replacement waiting for the peer's own replacement (its rendezvous deadline bounds that).
+void Membership::pair_replacement(uint32_t r) {
+  auto& m = members_[r];
+  for (uint32_t q : paired_ranks(r)) {
+    auto& peer = members_[q];
+    if (peer.state != proto::ALIVE || !peer.conn) continue;
+    if (!peer.view_sent) {  // both were replaced: pair them as at the world's start
+      send_cluster_view(q);
+      send_cluster_view(r);
+      continue;
+    }
+    proto::Envelope out;
+    *out.mutable_peer_replaced()->mutable_peer() = m.info;
+    out.mutable_peer_replaced()->set_previous_reason(m.dead_reason);
+    conns_.send(peer.conn, out);
+    spdlog::info("coordinator: sent PeerReplaced({} incarnation {}) to {}", r, m.info.incarnation(), describe(q));
+    if (m.info.role() == proto::INFERENCE) send_cluster_view(r);
+  }
+}
+
+void Membership::on_pair_offer(const ConnPtr& c, const proto::PairOffer& offer) {
+  const uint32_t from = c->rank;
+  const uint32_t r = offer.peer_rank();
+  auto stale = [&](const std::string& why) {
+    spdlog::warn("coordinator: ignoring a pair offer from {} for rank {} incarnation {}: {}", describe(from), r,
+                 offer.peer_incarnation(), why);
+  };
+  if (members_[from].info.role() != proto::INFERENCE) return stale("only an inference rank offers a pairing");
+  if (r >= members_.size()) return stale("no such rank");
+  const auto pairs = paired_ranks(from);
+  if (std::find(pairs.begin(), pairs.end(), r) == pairs.end()) return stale("not its paired cache rank");
+  auto& m = members_[r];
+  if (m.state != proto::ALIVE || !m.conn) return stale("that rank is not alive");
+  if (m.info.incarnation() != offer.peer_incarnation())
+    return stale(fmt::format("the rank's incarnation is {}", m.info.incarnation()));
+  if (m.view_sent) return stale("that incarnation is paired already");
+  *members_[from].info.mutable_transport() = offer.transport();
+  spdlog::info("coordinator: {} offered its data plane ({} bytes) to {}; sending its ClusterView", describe(from),
+               offer.transport().address().size(), describe(r));
+  send_cluster_view(r);
 }
 
 void Membership::maybe_complete() {
@@ -240,8 +313,9 @@ void Membership::maybe_complete() {
 }
 
 void Membership::send_cluster_view(uint32_t r) {
-  const auto& m = members_[r];
+  auto& m = members_[r];
   if (!m.conn) return;
+  m.view_sent = true;
   proto::Envelope out;
   auto* view = out.mutable_cluster_view();
   *view->mutable_self() = m.info;
@@ -251,6 +325,7 @@ void Membership::send_cluster_view(uint32_t r) {
   view->set_num_cache(num_cache_);
   view->set_pairing_rule(kPairingRule);
   view->set_session_id(ctx_.session_id);
+  view->set_served_model_name(ctx_.opts.served_model_name);
   conns_.send(m.conn, out);
 }
 
@@ -358,6 +433,7 @@ void Membership::send_peer_down(uint32_t r, const std::string& why) {
     pd->set_role_index(m.info.role_index());
     pd->set_host(m.info.host());
     pd->set_reason(why);
+    pd->set_incarnation(m.info.incarnation());
     conns_.send(peer.conn, out);
     spdlog::info("coordinator: sent PeerDown({}) to {}", r, describe(q));
   }

@@ -1,7 +1,8 @@
 // Internal to the coordinator server: the world's membership. Holds the ranks table (one Member per global
 // rank, from the role map), checks RegisterRequests against it, completes the world and sends every rank its
 // ClusterView (pairing: kPairingRule), tracks heartbeats and their deadline, declares ranks dead (PeerDown to
-// the paired peer) and snapshots it all for StatusReply and health.
+// the paired peer), admits a replacement for a dead rank (a new incarnation of its slot: the live peer gets
+// PeerReplaced and the pair re-handshakes) and snapshots it all for StatusReply and health.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@ struct Member {
   uint64_t heartbeat_seq = 0;
   std::map<std::string, double> stats;
   std::string dead_reason;
+  bool view_sent = false;  // this incarnation has its ClusterView (a replacement cache rank: once its peer offered)
 };
 
 /// What Membership reports upward (implemented by CoordinatorServer::Impl). Called on the io thread.
@@ -65,6 +67,9 @@ class Membership {
   void count_live(uint32_t* inference, uint32_t* cache) const;
   /// "r (role #i)" for every rank not alive, ascending (what the rendezvous deadline reports).
   std::vector<std::string> missing_ranks() const;
+  /// "" while every rank is alive and paired, else why the world is degraded ("cache rank 2 (#0) is dead: ...;
+  /// ..."): a dead rank whose replacement has not registered, or a replacement not yet re-paired.
+  std::string degraded() const;
   /// The world snapshot of a StatusReply (every rank but the coordinator; ages in ms).
   proto::StatusReply build_status() const;
 
@@ -82,6 +87,9 @@ class Membership {
   void on_connection_closed(const ConnPtr& c, const std::string& why);
   /// Declares lost every live rank silent for longer than heartbeat_timeout.
   void check_heartbeats();
+  /// PairOffer from inference rank `c` for its replacement cache rank: records the new address and sends the
+  /// replacement its ClusterView. A stale offer (another incarnation, not the paired rank) is logged and ignored.
+  void on_pair_offer(const ConnPtr& c, const proto::PairOffer& offer);
 
  private:
   uint32_t role_index_of(uint32_t r) const;
@@ -92,6 +100,8 @@ class Membership {
   // Why the rank registration `req` (announced as `who`) cannot be accepted; "" when it can.
   std::string rank_registration_error(const proto::RegisterRequest& req, const std::string& who) const;
   void register_rank(const ConnPtr& c, const proto::RankInfo& self);
+  // After the world is complete: `r` replaces a dead incarnation; re-pairs it with its live peer(s).
+  void pair_replacement(uint32_t r);
   void maybe_complete();
   void send_cluster_view(uint32_t r);
   void on_member_lost(uint32_t r, const std::string& why);

@@ -2,11 +2,13 @@
 # Starts a whole Spade cluster on this host — coordinator, N inference ranks, M cache ranks — and either serves the
 # OpenAI-compatible API until Ctrl-C (no --prompt) or submits one prompt and prints the generated text on stdout;
 # tears every process down on exit, Ctrl-C or the death of the coordinator or an inference rank (a cache rank's death
-# is logged and its inference rank goes on decoding densely).
+# is logged, its inference rank goes on decoding densely, and the cache rank is restarted with the same index: it
+# rejoins the world and the pair decodes sparsely again).
 #
-#   deploy/launch_local.sh --model DIR [--http-port 8000] [--no-metrics]
+#   deploy/launch_local.sh --model DIR [--http-port 8000] [--no-metrics] [--restart-cache-rank N]
 #       serve: the API and the coordinator's /metrics on --http-port; inference #i serves /metrics on 8100+i and cache
-#       #i on 8200+i (the ports deploy/prometheus/prometheus.yml scrapes)
+#       #i on 8200+i (the ports deploy/prometheus/prometheus.yml scrapes); a cache rank that dies is restarted up to N
+#       times (default 3 when serving, 0 with --prompt; 0 = never)
 #   deploy/launch_local.sh --model DIR --prompt TEXT [--max-tokens N --temperature T --top-p P --top-k K --seed S]
 #                          [--chat] [--selection dense|oracle|predicted --sparse-threshold N --token-budget K
 #                                    --layers-per-pack P --local-window R --sink-tokens S --query-window W]
@@ -21,7 +23,7 @@ build="${SPADE_BUILD_DIR:-$root/build}"
 logs="${SPADE_LOG_DIR:-$(mktemp -d /tmp/spade-cluster.XXXXXX)}"
 mkdir -p "$logs"
 
-model="" ; prompt="" ; have_prompt=0 ; chat=0 ; n_inf=1 ; n_cache=1 ; http_port="" ; metrics=1
+model="" ; prompt="" ; have_prompt=0 ; chat=0 ; n_inf=1 ; n_cache=1 ; http_port="" ; metrics=1 ; restarts=
 gen_flags=() ; rank_flags=() ; cache_flags=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,18 +33,21 @@ while [ $# -gt 0 ]; do
     --num-cache) n_cache="$2"; shift 2 ;;
     --http-port) http_port="$2"; shift 2 ;;
     --no-metrics) metrics=0; shift ;;
+    --restart-cache-rank) restarts="$2"; shift 2 ;;
     --chat) chat=1; shift ;;
     --max-tokens|--temperature|--top-p|--top-k|--seed) gen_flags+=("$1" "$2"); shift 2 ;;
     --token-budget|--local-window|--sink-tokens|--query-window|--ridge-eps|--gqa-rule|--predictor|--successor-expand)
       rank_flags+=("$1" "$2"); cache_flags+=("$1" "$2"); shift 2 ;;
     --selection|--sparse-threshold|--layers-per-pack|--selection-deadline-ms|--page-size|--max-num-seqs)
       rank_flags+=("$1" "$2"); shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "launch_local: unknown flag $1" >&2; exit 2 ;;
   esac
 done
 [ -n "$model" ] || { echo "launch_local: --model DIR is required" >&2; exit 2; }
 [ -n "$http_port" ] || { [ $have_prompt -eq 1 ] && http_port=0 || http_port=8000; }
+[ -n "$restarts" ] || { [ $have_prompt -eq 1 ] && restarts=0 || restarts=3; }
+[[ "$restarts" =~ ^[0-9]+$ ]] || { echo "launch_local: --restart-cache-rank must be a count >= 0, got '$restarts'" >&2; exit 2; }
 [ $chat -eq 0 ] || [ $have_prompt -eq 1 ] || { echo "launch_local: --chat needs --prompt" >&2; exit 2; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 [ $chat -eq 0 ] || [ "$http_port" != 0 ] || http_port="$(free_port)"  # --chat goes through the HTTP API
@@ -65,6 +70,8 @@ fi
 pids=()
 cleanup() {
   trap - EXIT INT TERM
+  # Restarted cache ranks were started by the watchdog, which records them in restarted.pids.
+  [ -f "$logs/restarted.pids" ] && mapfile -t -O "${#pids[@]}" pids <"$logs/restarted.pids"
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   sleep 0.2
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
@@ -82,22 +89,39 @@ for ((i = 0; i < n_inf; i++)); do
     --num-cache "$n_cache" --log-level info $(metrics_flag 8100 "$i") "${rank_flags[@]}" >"$logs/inference_$i.log" 2>&1 &
   pids+=($!)
 done
+# Cache rank #$1 in the background (its log appended to: a restart keeps the previous run's lines).
+start_cache() {
+  RANK=$((1 + n_inf + $1)) "$build/cache_rank/cache_rank" --model "$model" --num-inference "$n_inf" \
+    --num-cache "$n_cache" $(metrics_flag 8200 "$1") "${cache_flags[@]}" >>"$logs/cache_$1.log" 2>&1 &
+}
 for ((i = 0; i < n_cache; i++)); do
-  RANK=$((1 + n_inf + i)) "$build/cache_rank/cache_rank" --model "$model" --num-inference "$n_inf" \
-    --num-cache "$n_cache" $(metrics_flag 8200 "$i") "${cache_flags[@]}" >"$logs/cache_$i.log" 2>&1 &
+  start_cache "$i"
   pids+=($!)
 done
 
 # Watchdog: the coordinator's or an inference rank's death takes the cluster (and this script) down. A cache rank's
-# does not: its inference rank decodes every request densely from then on (the dense fallback), which is logged here.
+# does not: its inference rank decodes every request densely (the dense fallback), and the cache rank is restarted
+# with the same index (--restart-cache-rank times): the coordinator admits it as a replacement, the pair
+# re-handshakes, and new requests decode sparsely again (docs/ARCHITECTURE.md, "Failure handling").
 self=$$
 ( watched=("${pids[@]}")  # coordinator, inference #0..n_inf-1, cache #0..n_cache-1
+  declare -A restarted=()
   while sleep 0.5; do
     for i in "${!watched[@]}"; do
       p="${watched[$i]}"
       kill -0 "$p" 2>/dev/null && continue
       if [ "$i" -gt "$n_inf" ]; then
         k=$((i - 1 - n_inf))
+        r=${restarted[$k]:-0}
+        if [ "$r" -lt "$restarts" ]; then
+          restarted[$k]=$((r + 1))
+          start_cache "$k"
+          watched[$i]=$!
+          echo "$!" >>"$logs/restarted.pids"
+          echo "launch_local: cache rank #$k (pid $p) exited; restarted it as pid $! (restart $((r + 1)) of $restarts):" \
+               "inference rank #$k serves densely until it rejoins (logs in $logs)" >&2
+          continue
+        fi
         echo "launch_local: cache rank #$k (pid $p) exited; inference rank #$k keeps serving, densely (logs in $logs)" >&2
         unset "watched[$i]"
         continue

@@ -24,6 +24,11 @@ EngineOptions normalise(EngineOptions o, const ModelConfig& cfg) {
     o.num_pages = static_cast<int>(std::max<int64_t>(1, std::min(full, budget)));
   }
   if (o.max_context_pages == 0) o.max_context_pages = o.num_pages;
+  SPADE_CHECK(!o.enable_prefix_caching || !cfg.is_hybrid(),
+              "engine: prefix caching is not supported for hybrid (linear-attention) models: their recurrent state is "
+              "not paged; turn it off (--no-enable-prefix-caching)");
+  SPADE_CHECK(o.prefix_recompute_tokens >= 1, "engine: prefix_recompute_tokens must be >= 1, got {}",
+              o.prefix_recompute_tokens);
   return o;
 }
 
@@ -55,7 +60,7 @@ Engine::Engine(const Model& model, EngineOptions opt, const BackendFactory& make
       attention_(make_attention ? make_attention(*attn_cfg_, *cache_)
                                 : std::make_unique<DensePagedAttention>(*attn_cfg_, *cache_)),
       hooks_(attention_.get()),
-      alloc_(opt_.num_pages, opt_.page_size) {
+      alloc_(opt_.num_pages, opt_.page_size, opt_.enable_prefix_caching) {
   if (model.config().is_hybrid()) states_ = std::make_unique<GdnStatePool>(model.config(), opt_.max_num_seqs);
 }
 
@@ -69,7 +74,7 @@ Engine::Engine(const ModelConfig& cfg, EngineOptions opt, ForwardFn forward)
       cache_(std::make_unique<KvCache>(*attn_cfg_, opt_.num_pages, opt_.page_size)),
       attention_(std::make_unique<DensePagedAttention>(*attn_cfg_, *cache_)),
       hooks_(attention_.get()),
-      alloc_(opt_.num_pages, opt_.page_size) {
+      alloc_(opt_.num_pages, opt_.page_size, opt_.enable_prefix_caching) {
   SPADE_CHECK(forward_ != nullptr, "Engine: no forward pass given");
   // Hybrid models: the external forward pass holds the GDN states; the engine hands out their slot ids.
   if (cfg.is_hybrid())
@@ -83,7 +88,7 @@ Engine::Engine(const ModelConfig& cfg, EngineOptions opt, ForwardSampleFn forwar
   SPADE_CHECK(forward_sample_ != nullptr, "Engine: no forward pass given");
 }
 
-uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
+void Engine::check_request(const GenerateRequest& req) const {
   const ModelConfig& cfg = cfg_;
   SPADE_CHECK(!req.prompt_ids.empty(), "request has an empty prompt");
   for (int32_t id : req.prompt_ids)
@@ -91,6 +96,8 @@ uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
                 cfg.vocab_size);
   SPADE_CHECK(req.max_tokens > 0, "max_tokens must be positive, got {}", req.max_tokens);
   validate(req.sampling);
+  SPADE_CHECK(req.logprobs >= -1 && req.logprobs <= kMaxTopLogprobs,
+              "logprobs must be -1 (none) or in [0, {}] top alternatives, got {}", kMaxTopLogprobs, req.logprobs);
   const int64_t total = static_cast<int64_t>(req.prompt_ids.size()) + req.max_tokens;
   if (total > opt_.max_model_len)
     fail("This model's maximum context length is {} tokens and your request has {} tokens ({} in the prompt, {} to "
@@ -102,27 +109,97 @@ uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
   SPADE_CHECK(pages <= opt_.max_context_pages,
               "request needs {} KV pages but its cache rank holds {} in all (max_context_pages)", pages,
               opt_.max_context_pages);
+}
+
+std::unique_ptr<Engine::Seq> Engine::make_seq(const GenerateRequest& req, const TokenCallback& cb, uint64_t seed) {
   auto s = std::make_unique<Seq>();
   s->id = next_id_++;
   s->tokens = req.prompt_ids;
-  s->rng.seed(req.sampling.seed);
-  s->req = std::move(req);
-  s->cb = std::move(cb);
+  s->req = req;
+  s->req.sampling.seed = seed;
+  s->rng.seed(seed);
+  s->cb = cb;
   s->arrival = std::chrono::steady_clock::now();
+  return s;
+}
+
+uint64_t Engine::submit(GenerateRequest req, TokenCallback cb) {
+  check_request(req);
+  auto s = make_seq(req, cb, req.sampling.seed);
   const uint64_t id = s->id;
   waiting_.push_back(std::move(s));
   return id;
 }
 
+std::vector<uint64_t> Engine::submit_samples(GenerateRequest req, int n, TokenCallback cb) {
+  SPADE_CHECK(n >= 1 && n <= opt_.max_num_seqs, "n must be in [1, {}] (the rank's max_num_seqs), got {}",
+              opt_.max_num_seqs, n);
+  check_request(req);
+  const int prompt = static_cast<int>(req.prompt_ids.size()), page = opt_.page_size;
+  const int shared = std::max(0, prompt - opt_.prefix_recompute_tokens) / page * page;
+  std::vector<uint64_t> ids;
+  if (n == 1 || shared < page || cfg_.is_hybrid() || !hooks_->shares_prompt_pages()) {
+    for (int i = 0; i < n; ++i) {
+      auto s = make_seq(req, cb, req.sampling.seed + static_cast<uint64_t>(i));
+      ids.push_back(s->id);
+      waiting_.push_back(std::move(s));
+    }
+    return ids;
+  }
+  const int full = alloc_.pages_for(prompt + req.max_tokens), shared_pages = shared / page;
+  const int64_t need = shared_pages + static_cast<int64_t>(n) * (full - shared_pages);
+  SPADE_CHECK(need <= alloc_.num_pages(), "request with n = {} needs {} KV pages but the pool has {} in all", n, need,
+              alloc_.num_pages());
+  SPADE_CHECK(static_cast<int64_t>(n) * full <= opt_.max_context_pages,
+              "request with n = {} needs {} KV pages of full contexts but its cache rank holds {} in all "
+              "(max_context_pages)",
+              n, static_cast<int64_t>(n) * full, opt_.max_context_pages);
+  auto group = make_seq(req, nullptr, req.sampling.seed);
+  group->prefill_only = shared;
+  for (int i = 0; i < n; ++i) {
+    group->samples.push_back(make_seq(req, cb, req.sampling.seed + static_cast<uint64_t>(i)));
+    ids.push_back(group->samples.back()->id);
+  }
+  waiting_.push_back(std::move(group));
+  return ids;
+}
+
 void Engine::abort(uint64_t request_id) {
+  auto end_waiting = [&](std::unique_ptr<Seq> s) {
+    if (observer_)
+      observer_->on_finished(FinishReason::Abort, seconds_since(s->arrival), static_cast<int>(s->req.prompt_ids.size()),
+                             0);
+    if (s->cb) s->cb(TokenEvent{s->id, -1, true, FinishReason::Abort, "", std::nullopt});
+  };
+  // One sample of a group that has not forked yet: it leaves the group; the group goes when no sample is left.
+  auto leave_group = [&](Seq& g, bool running) -> bool {
+    for (auto it = g.samples.begin(); it != g.samples.end(); ++it) {
+      if ((*it)->id != request_id) continue;
+      auto sample = std::move(*it);
+      g.samples.erase(it);
+      if (running) {
+        const int full = alloc_.pages_for(static_cast<int>(g.req.prompt_ids.size()) + g.req.max_tokens);
+        const int own = full - g.prefill_only / opt_.page_size;
+        g.reserved_pages -= own;
+        reserved_pages_ -= own;
+        g.context_pages -= full;
+        context_pages_ -= full;
+        if (!g.samples.empty()) --group_slots_;
+      }
+      end_waiting(std::move(sample));
+      return true;
+    }
+    return false;
+  };
   for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
     if ((*it)->id == request_id) {
       auto s = std::move(*it);
       waiting_.erase(it);
-      if (observer_)
-        observer_->on_finished(FinishReason::Abort, seconds_since(s->arrival),
-                               static_cast<int>(s->req.prompt_ids.size()), 0);
-      if (s->cb) s->cb(TokenEvent{request_id, -1, true, FinishReason::Abort, ""});
+      end_waiting(std::move(s));
+      return;
+    }
+    if (leave_group(**it, false)) {
+      if ((*it)->samples.empty()) waiting_.erase(it);
       return;
     }
   }
@@ -130,12 +207,21 @@ void Engine::abort(uint64_t request_id) {
   if (it != running_.end()) {
     finish(*it->second, FinishReason::Abort);
     running_.erase(it);
+    return;
+  }
+  for (auto g = running_.begin(); g != running_.end(); ++g) {
+    if (g->second->prefill_only < 0 || !leave_group(*g->second, true)) continue;
+    if (g->second->samples.empty()) {
+      finish(*g->second, FinishReason::Abort);
+      running_.erase(g);
+    }
+    return;
   }
 }
 
 void Engine::finish(Seq& s, FinishReason r, const std::string& error) {
   reserved_pages_ -= s.reserved_pages - static_cast<int>(alloc_.block_table(s.id).size());
-  context_pages_ -= s.reserved_pages;
+  context_pages_ -= s.context_pages;
   alloc_.release(s.id);
   if (s.state_slot >= 0) {
     if (states_) {
@@ -146,21 +232,64 @@ void Engine::finish(Seq& s, FinishReason r, const std::string& error) {
     s.state_slot = -1;
   }
   hooks_->on_release(s.id);
+  if (s.prefill_only >= 0) {  // a group prefill that ended before its samples started: they end with it
+    if (!s.samples.empty()) group_slots_ -= static_cast<int>(s.samples.size()) - 1;
+    for (auto& sample : s.samples) {
+      if (observer_)
+        observer_->on_finished(r, seconds_since(sample->arrival), static_cast<int>(sample->req.prompt_ids.size()), 0);
+      if (sample->cb) sample->cb(TokenEvent{sample->id, -1, true, r, error, std::nullopt});
+    }
+    s.samples.clear();
+    return;
+  }
   if (observer_)
     observer_->on_finished(r, seconds_since(s.arrival), static_cast<int>(s.req.prompt_ids.size()), s.generated);
   if (r == FinishReason::Abort || r == FinishReason::Error) {
-    if (s.cb) s.cb(TokenEvent{s.id, -1, true, r, error});
+    if (s.cb) s.cb(TokenEvent{s.id, -1, true, r, error, std::nullopt});
   }
+}
+
+void Engine::fork_group(Seq& g) {
+  const int full = alloc_.pages_for(static_cast<int>(g.req.prompt_ids.size()) + g.req.max_tokens);
+  alloc_.cache_prompt(g.id, g.req.prompt_ids.data(), g.prefill_only);
+  SPADE_CHECK(static_cast<int>(alloc_.block_table(g.id).size()) * opt_.page_size == g.prefill_only,
+              "engine: group prefill {} holds {} pages for {} tokens", g.id, alloc_.block_table(g.id).size(),
+              g.prefill_only);
+  // The group's remaining reservation and its context pages pass to the samples (each: `full` pages of context, of
+  // which the shared ones are taken already).
+  if (!g.samples.empty()) group_slots_ -= static_cast<int>(g.samples.size()) - 1;
+  for (auto& sp : g.samples) {
+    Seq& c = *sp;
+    alloc_.fork(g.id, c.id);
+    c.num_computed = g.prefill_only;
+    c.reserved_pages = full;
+    c.context_pages = full;
+    const uint64_t id = c.id;
+    running_.emplace(id, std::move(sp));
+  }
+  g.samples.clear();
+  reserved_pages_ -= g.reserved_pages - static_cast<int>(alloc_.block_table(g.id).size());
+  context_pages_ -= g.context_pages;
+  alloc_.release(g.id);
+  hooks_->on_release(g.id);
 }
 
 bool Engine::admit_waiting() {
   bool any = false;
-  while (!waiting_.empty() && static_cast<int>(running_.size()) < opt_.max_num_seqs) {
+  while (!waiting_.empty()) {
     Seq& s = *waiting_.front();
-    const int need = alloc_.pages_for(static_cast<int>(s.req.prompt_ids.size()) + s.req.max_tokens);
+    const bool group = s.prefill_only >= 0;
+    const int slots = group ? static_cast<int>(s.samples.size()) : 1;  // a group admits all its samples at once
+    if (static_cast<int>(running_.size()) + group_slots_ + slots > opt_.max_num_seqs) break;
+    const int prompt = static_cast<int>(s.req.prompt_ids.size());
+    const int full = alloc_.pages_for(prompt + s.req.max_tokens);
+    const int shared_pages = group ? s.prefill_only / opt_.page_size : 0;
+    const int need = group ? shared_pages + slots * (full - shared_pages) : full;
+    const int context = slots * full;
     if (alloc_.num_free_pages() - reserved_pages_ < need) break;  // FIFO: wait for memory
-    if (context_pages_ + need > opt_.max_context_pages) break;  // the cache rank's pool (full contexts)
-    // Hybrid: one recurrent-state slot per running sequence; the pool has max_num_seqs slots, so one is free here.
+    if (context_pages_ + context > opt_.max_context_pages) break;  // the cache rank's pool (full contexts)
+    // Hybrid: one recurrent-state slot per running sequence; the pool has max_num_seqs slots, so one is free here
+    // (hybrid models have no groups).
     if (states_) {
       s.state_slot = states_->allocate();
     } else if (cfg_.is_hybrid()) {
@@ -168,12 +297,24 @@ bool Engine::admit_waiting() {
       free_state_slots_.pop_back();
     }
     alloc_.admit(s.id);
+    // Prefix cache: reuse the KV of the prompt's longest cached prefix (whole pages; the last
+    // prefix_recompute_tokens prompt tokens are always computed; a group prefill at most its shared part).
+    s.num_computed = alloc_.match_prefix(s.id, s.req.prompt_ids.data(), prompt,
+                                         group ? s.prefill_only : prompt - opt_.prefix_recompute_tokens);
     s.reserved_pages = need;
-    reserved_pages_ += need;
-    context_pages_ += need;
-    if (observer_) observer_->on_scheduled(seconds_since(s.arrival));
-    running_.emplace(s.id, std::move(waiting_.front()));
+    s.context_pages = context;
+    reserved_pages_ += need - static_cast<int>(alloc_.block_table(s.id).size());
+    context_pages_ += context;
+    group_slots_ += slots - 1;
+    if (observer_)
+      for (int i = 0; i < slots; ++i) observer_->on_scheduled(seconds_since(s.arrival));
+    const uint64_t id = s.id;
+    running_.emplace(id, std::move(waiting_.front()));
     waiting_.pop_front();
+    if (group && s.num_computed >= s.prefill_only) {  // the whole shared part came from the prefix cache
+      fork_group(*running_.at(id));
+      running_.erase(id);
+    }
     any = true;
   }
   return any;
@@ -186,6 +327,7 @@ bool Engine::step() {
   ForwardBatch batch;
   std::vector<Seq*> in_batch;     // sequences in the batch, in batch order
   std::vector<int> logit_owner;   // for each logit row: index into in_batch
+  std::vector<uint64_t> forks;    // group prefills whose shared part this step completes
   int budget = opt_.max_num_batched_tokens;
   batch.cu_q_lens.push_back(0);
   // Decode tokens first (one each), then prefill chunks, so running requests are never starved by long prompts.
@@ -196,7 +338,8 @@ bool Engine::step() {
     if (s->num_computed < static_cast<int>(s->req.prompt_ids.size())) order.push_back(s.get());
   for (Seq* s : order) {
     if (budget <= 0) break;
-    const int pending = static_cast<int>(s->tokens.size()) - s->num_computed;  // >= 1
+    // >= 1: a request computes its prompt (and then one token per step), a group prefill its shared part.
+    const int pending = (s->prefill_only >= 0 ? s->prefill_only : static_cast<int>(s->tokens.size())) - s->num_computed;
     const int n = std::min(pending, budget);
     const int old_pages = static_cast<int>(alloc_.block_table(s->id).size());
     SPADE_CHECK(alloc_.append(s->id, n), "engine: KV pool exhausted despite reservation (sequence {})", s->id);
@@ -211,7 +354,9 @@ bool Engine::step() {
     batch.seq_ids.push_back(s->id);
     if (cfg_.is_hybrid()) batch.state_slots.push_back(s->state_slot);
     s->num_computed += n;
-    if (s->num_computed == static_cast<int>(s->tokens.size())) {  // last token known: sample the next one
+    if (s->prefill_only >= 0) {
+      if (s->num_computed == s->prefill_only) forks.push_back(s->id);
+    } else if (s->num_computed == static_cast<int>(s->tokens.size())) {  // last token known: sample the next one
       batch.logit_rows.push_back(batch.cu_q_lens.back() - 1);
       logit_owner.push_back(static_cast<int>(in_batch.size()));
     }
@@ -228,6 +373,7 @@ bool Engine::step() {
 
   std::vector<float> logits;
   std::vector<int32_t> sampled;
+  std::vector<TokenLogprobs> sampled_logprobs;
   try {
     if (forward_sample_) {
       std::vector<RowSampling> rows(logit_owner.size());
@@ -235,10 +381,12 @@ bool Engine::step() {
         const Seq& s = *in_batch[logit_owner[r]];
         rows[r].params = s.req.sampling;
         rows[r].step = static_cast<uint64_t>(s.generated);
+        rows[r].logprobs = s.req.logprobs;
       }
-      forward_sample_(batch, rows, sampled);
-      SPADE_CHECK(sampled.size() == rows.size(), "Engine: the forward pass sampled {} tokens for {} rows",
-                  sampled.size(), rows.size());
+      forward_sample_(batch, rows, sampled, sampled_logprobs);
+      SPADE_CHECK(sampled.size() == rows.size() && sampled_logprobs.size() == rows.size(),
+                  "Engine: the forward pass sampled {} tokens and {} logprob rows for {} rows", sampled.size(),
+                  sampled_logprobs.size(), rows.size());
     } else if (forward_) {
       forward_(batch, logits);
     } else {
@@ -264,9 +412,11 @@ bool Engine::step() {
     Seq& s = *in_batch[logit_owner[r]];
     if (failed(s.id)) continue;
     const bool was_prefill = s.generated == 0;
+    // The prompt's KV is complete: its full pages may serve later prompts.
+    if (was_prefill) alloc_.cache_prompt(s.id, s.req.prompt_ids.data(), static_cast<int>(s.req.prompt_ids.size()));
     if (was_prefill) stats_.prompt_tokens += s.req.prompt_ids.size();
-    const int tok = forward_sample_ ? sampled[r]
-                                    : sample_token(&logits[r * static_cast<size_t>(vocab)], vocab, s.req.sampling, s.rng);
+    const float* row_logits = forward_sample_ ? nullptr : &logits[r * static_cast<size_t>(vocab)];
+    const int tok = forward_sample_ ? sampled[r] : sample_token(row_logits, vocab, s.req.sampling, s.rng);
     if (observer_) {
       const auto now = std::chrono::steady_clock::now();
       if (was_prefill) observer_->on_prompt_tokens(static_cast<int>(s.req.prompt_ids.size()));
@@ -283,7 +433,10 @@ bool Engine::step() {
     } else if (s.generated >= s.req.max_tokens) {
       reason = FinishReason::Length;
     }
-    TokenEvent ev{s.id, tok, reason != FinishReason::None, reason, ""};
+    TokenEvent ev{s.id, tok, reason != FinishReason::None, reason, "", std::nullopt};
+    if (s.req.logprobs >= 0)  // from the very logits `tok` was sampled from
+      ev.logprobs = forward_sample_ ? std::move(sampled_logprobs[r])
+                                    : token_logprobs(row_logits, vocab, tok, s.req.logprobs);
     if (ev.finished) {
       const uint64_t id = s.id;
       TokenCallback cb = std::move(s.cb);
@@ -298,6 +451,12 @@ bool Engine::step() {
     auto it = running_.find(id);
     if (it == running_.end()) continue;
     finish(*it->second, FinishReason::Error, why);
+    running_.erase(it);
+  }
+  for (uint64_t id : forks) {  // the shared prompt pages are complete: the samples take over
+    auto it = running_.find(id);
+    if (it == running_.end()) continue;
+    fork_group(*it->second);
     running_.erase(it);
   }
   // Sparse sequences keep only sink tokens + local window locally: free the pages in between.
@@ -317,6 +476,8 @@ EngineStats Engine::stats() const {
   s.num_running = static_cast<int>(running_.size());
   s.num_waiting = static_cast<int>(waiting_.size());
   s.kv_cache_usage = alloc_.usage();
+  s.prefix_queried_tokens = alloc_.prefix_stats().queried_tokens;
+  s.prefix_hit_tokens = alloc_.prefix_stats().hit_tokens;
   return s;
 }
 

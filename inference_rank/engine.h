@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -37,6 +38,10 @@ struct GenerateRequest {
   SamplingParams sampling;
   std::vector<int> stop_token_ids;   // generation stops after sampling one of these (e.g. EOS)
   bool ignore_eos = false;           // keep generating through stop_token_ids (benchmarks, parity fixtures)
+  // Log-probabilities of each generated token (common/sampling.h TokenLogprobs, raw mode: the log-softmax of the
+  // logits the token was sampled from, before temperature / top-k / top-p): -1 none; 0..kMaxTopLogprobs the
+  // sampled token's logprob and that many most likely alternatives.
+  int logprobs = -1;
 };
 
 /// One event per generated token; the last event of a request has finished == true.
@@ -46,6 +51,7 @@ struct TokenEvent {
   bool finished = false;
   FinishReason reason = FinishReason::None;
   std::string error;         // set when reason == Error
+  std::optional<TokenLogprobs> logprobs;  // of `token`, when the request asked (GenerateRequest::logprobs >= 0)
 };
 
 using TokenCallback = std::function<void(const TokenEvent&)>;
@@ -63,6 +69,15 @@ struct EngineOptions {
   // admission reuses them only up to this bound. 0: num_pages (freed pages are not admitted again; the CPU path's
   // cache rank has a pool of num_pages, so leave it 0 there).
   int max_context_pages = 0;
+  // Automatic prefix caching (common/page_allocator.h): full KV pages of finished prefills are kept, keyed by their
+  // tokens, and a later prompt with the same leading tokens reuses them instead of recomputing (vLLM's
+  // --enable-prefix-caching; the rank's flag sets it). Refused for hybrid models (a linear-attention layer's recurrent
+  // state is not paged: Engine throws spade::Error).
+  bool enable_prefix_caching = false;
+  // Prompt tokens always recomputed at the end of a prompt, >= 1 (the prefill must yield the next token's logits).
+  // Sparse decoding needs the prompt's last queries (the predictor's window and the prompt anchors: its INIT ship),
+  // so a sparse backend sets this to the number of queries it keeps.
+  int prefix_recompute_tokens = 1;
 };
 
 struct EngineStats {
@@ -74,6 +89,8 @@ struct EngineStats {
   uint64_t generated_tokens = 0;
   uint64_t dropped_pages = 0;         // KV pages freed early: a sparse sequence's pages outside what it still reads
                                       // locally (AttentionBackend::droppable_range)
+  uint64_t prefix_queried_tokens = 0; // prompt tokens looked up in the prefix cache (0 with it off)
+  uint64_t prefix_hit_tokens = 0;     // of those, tokens whose KV was reused (not recomputed)
 };
 
 /// Per-request timing hooks (metrics). Called on the engine's thread; must be cheap. Times in seconds.
@@ -108,14 +125,17 @@ using ForwardFn = std::function<void(const ForwardBatch& batch, std::vector<floa
 struct RowSampling {
   SamplingParams params;
   uint64_t step = 0;
+  int logprobs = -1;  // GenerateRequest::logprobs: -1 none, else the number of top alternatives
 };
 
 /// An external forward pass that also samples on its device (the GPU path: kernels::sample_rows, whose draw depends
 /// on the request's seed and step only, kernels/sampling_ref.h — seeded sampling therefore differs from the CPU
 /// path's std::mt19937_64 stream; greedy is the same argmax rule): fills `tokens` [batch.logit_rows.size()] from
-/// `rows` (one per logit row). Only token ids cross back to the host. Throws spade::Error to fail the batch.
+/// `rows` (one per logit row), and `logprobs` [same size] for the rows with RowSampling::logprobs >= 0 (the others
+/// are left default), computed from the same logits as common/sampling.h token_logprobs defines. Only token ids and
+/// those logprobs cross back to the host. Throws spade::Error to fail the batch.
 using ForwardSampleFn = std::function<void(const ForwardBatch& batch, const std::vector<RowSampling>& rows,
-                                           std::vector<int32_t>& tokens)>;
+                                           std::vector<int32_t>& tokens, std::vector<TokenLogprobs>& logprobs)>;
 
 class Engine {
  public:
@@ -130,10 +150,20 @@ class Engine {
   Engine(const ModelConfig& cfg, EngineOptions opt, ForwardSampleFn forward);
 
   /// Validates and queues a request; returns its id. Throws spade::Error (nothing queued) for an empty prompt,
-  /// an id outside the vocabulary, max_tokens <= 0, invalid sampling parameters, or a request longer than the
+  /// an id outside the vocabulary, max_tokens <= 0, invalid sampling parameters, logprobs outside
+  /// [-1, kMaxTopLogprobs], or a request longer than the
   /// context: "This model's maximum context length is N tokens and your request has M tokens (P in the prompt,
   /// K to generate)".
   uint64_t submit(GenerateRequest req, TokenCallback cb);
+  /// n samples of one prompt (OpenAI's `n`, self-consistency / best-of-N): n requests, returned in sample order, whose
+  /// events all go to `cb` (TokenEvent::request_id tells them apart). Sample i samples with seed sampling.seed + i.
+  /// The prompt's KV is computed once and shared: a group prefill computes the prompt's whole pages up to
+  /// prefix_recompute_tokens before its end, then every sample holds those pages (reference counts,
+  /// common/page_allocator.h) and computes only the rest itself. Without shareable pages (hybrid models, a backend
+  /// whose shares_prompt_pages() is false, or a prompt shorter than a page plus prefix_recompute_tokens) the samples
+  /// are n independent requests. Each sample counts against max_num_seqs. abort() of one sample ends it alone.
+  /// Throws as submit(), and for n < 1 or n > max_num_seqs.
+  std::vector<uint64_t> submit_samples(GenerateRequest req, int n, TokenCallback cb);
   /// Ends a queued or running request with FinishReason::Abort and frees its pages. Unknown ids are ignored.
   void abort(uint64_t request_id);
   /// Runs one scheduling step + forward. Returns false when there was nothing to do.
@@ -165,12 +195,20 @@ class Engine {
     std::vector<int32_t> tokens;  // prompt + generated
     int num_computed = 0;         // tokens whose KV is in the cache
     int generated = 0;
-    int reserved_pages = 0;
+    int reserved_pages = 0;       // pages of its own it may take (its reservation; a sample: after the shared ones)
+    int context_pages = 0;        // its full context, counted against max_context_pages
     int state_slot = -1;          // GdnStatePool slot while running (hybrid models), else -1
+    // A sample group's shared prefill (submit_samples): computes prefill_only prompt tokens, samples nothing, then
+    // hands its pages to `samples` and leaves. -1 for a request.
+    int prefill_only = -1;
+    std::vector<std::unique_ptr<Seq>> samples;
     std::chrono::steady_clock::time_point arrival, last_token;
   };
   void finish(Seq& s, FinishReason r, const std::string& error = "");
   bool admit_waiting();
+  void check_request(const GenerateRequest& req) const;  // submit()'s validation
+  std::unique_ptr<Seq> make_seq(const GenerateRequest& req, const TokenCallback& cb, uint64_t seed);
+  void fork_group(Seq& group);  // a group prefill is done: its samples start from its pages
 
   const Model* model_ = nullptr;  // the CPU model, or
   ForwardFn forward_;              // an external forward pass, or
@@ -188,6 +226,7 @@ class Engine {
   uint64_t next_id_ = 1;
   int reserved_pages_ = 0;  // pages promised to running sequences but not yet allocated
   int context_pages_ = 0;   // full-context pages of the running sequences (bounded by max_context_pages)
+  int group_slots_ = 0;     // running-batch slots promised to the samples of running group prefills
   std::deque<std::unique_ptr<Seq>> waiting_;
   std::map<uint64_t, std::unique_ptr<Seq>> running_;  // ordered by id = arrival order
   EngineStats stats_;

@@ -6,10 +6,14 @@
 
 #include "common/error.h"
 #include "kernels/layer_ops.cuh"
+#include "kernels/sampling_ref.h"  // kernels::LogprobEntry
 
 namespace spade {
 
 namespace {
+// Per logit row: seed u64, step u64, temperature f32, top_p f32, top_k i32, logprob top-n i32, logprob offset i32.
+constexpr size_t kSampleParamBytes = 36;
+
 int bucket_for(int batch) {
   int b = 1;
   while (b < batch) b *= 2;
@@ -48,8 +52,10 @@ GpuEngineForward::GpuEngineForward(std::unique_ptr<GpuModel> model, const GpuEng
   SPADE_CHECK(opt.engine.num_pages > 0 && opt.engine.max_model_len > 0,
               "GPU engine: num_pages and max_model_len must be set");
   max_rows_ = model_options(opt).max_logit_rows;
-  sample_params_ = DeviceBuffer(static_cast<size_t>(max_rows_) * 28, "GPU engine sampling parameters");
+  sample_params_ = DeviceBuffer(static_cast<size_t>(max_rows_) * kSampleParamBytes, "GPU engine sampling parameters");
   sampled_ = DeviceBuffer(static_cast<size_t>(max_rows_) * 4, "GPU engine sampled tokens");
+  logprob_entries_ = DeviceBuffer(static_cast<size_t>(max_rows_) * (kMaxTopLogprobs + 1) * sizeof(kernels::LogprobEntry),
+                                  "GPU engine logprobs");
   cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "GPU engine stream");
 }
 
@@ -195,24 +201,34 @@ void GpuEngineForward::operator()(const ForwardBatch& fb, std::vector<float>& lo
 }
 
 void GpuEngineForward::sample(const ForwardBatch& fb, const std::vector<RowSampling>& rows,
-                              std::vector<int32_t>& tokens) {
+                              std::vector<int32_t>& tokens, std::vector<TokenLogprobs>& logprobs) {
   const int R = static_cast<int>(fb.logit_rows.size());
+  const int vocab = model_->config().vocab_size;
   SPADE_CHECK(static_cast<int>(rows.size()) == R, "GPU engine: {} sampling rows for {} logit rows", rows.size(), R);
   SPADE_CHECK(R <= max_rows_, "GPU engine: {} logit rows exceed the {} the step buffers hold", R, max_rows_);
-  // One upload of the rows' parameters: [seeds u64][steps u64][temperature f32][top_p f32][top_k i32], R each.
+  // One upload of the rows' parameters: [seeds u64][steps u64][temperature f32][top_p f32][top_k i32][logprob top-n
+  // i32][logprob offset i32], R each. Rows asking for logprobs get n + 1 entries each in logprob_entries_.
   std::vector<uint8_t>& h = sample_host_;
-  h.assign(static_cast<size_t>(R) * 28, 0);
+  h.assign(static_cast<size_t>(R) * kSampleParamBytes, 0);
   auto* seeds = reinterpret_cast<uint64_t*>(h.data());
   auto* steps = seeds + R;
   auto* temp = reinterpret_cast<float*>(steps + R);
   auto* top_p = temp + R;
   auto* top_k = reinterpret_cast<int32_t*>(top_p + R);
+  auto* lp_n = top_k + R;
+  auto* lp_off = lp_n + R;
+  int entries = 0;
   for (int r = 0; r < R; ++r) {
     seeds[r] = rows[r].params.seed;
     steps[r] = rows[r].step;
     temp[r] = rows[r].params.temperature;
     top_p[r] = rows[r].params.top_p;
     top_k[r] = rows[r].params.top_k;
+    SPADE_CHECK(rows[r].logprobs <= kMaxTopLogprobs, "GPU engine: row {} asks for {} top logprobs (at most {})", r,
+                rows[r].logprobs, kMaxTopLogprobs);
+    lp_n[r] = rows[r].logprobs < 0 ? -1 : std::min(rows[r].logprobs, vocab);
+    lp_off[r] = entries;
+    if (lp_n[r] >= 0) entries += lp_n[r] + 1;
   }
   run(fb);
   char* d = sample_params_.as<char>();
@@ -227,13 +243,43 @@ void GpuEngineForward::sample(const ForwardBatch& fb, const std::vector<RowSampl
   p.top_k = reinterpret_cast<const int32_t*>(p.top_p + R);
   p.out_tokens = sampled_.as<int32_t>();
   p.rows = R;
-  p.vocab = model_->config().vocab_size;
+  p.vocab = vocab;
   cuda_check(kernels::sample_rows(p, stream_), "GPU engine: sampling");
+  std::vector<kernels::LogprobEntry>& lp_host = logprob_host_;
+  lp_host.resize(static_cast<size_t>(entries));
+  if (entries > 0) {  // from the same logits, on the device: n + 1 (logprob, id) pairs per row come back
+    kernels::LogprobParams lp;
+    lp.logits_dtype = DType::F32;
+    lp.logits = model_->logits();
+    lp.tokens = p.out_tokens;
+    lp.top_n = p.top_k + R;
+    lp.out_offset = lp.top_n + R;
+    lp.out = logprob_entries_.as<kernels::LogprobEntry>();
+    lp.rows = R;
+    lp.vocab = vocab;
+    cuda_check(kernels::logprob_rows(lp, stream_), "GPU engine: logprobs");
+    cuda_check(cudaMemcpyAsync(lp_host.data(), lp.out, lp_host.size() * sizeof(kernels::LogprobEntry),
+                               cudaMemcpyDeviceToHost, stream_),
+               "GPU engine: logprobs");
+  }
   tokens.resize(R);
   cuda_check(cudaMemcpyAsync(tokens.data(), sampled_.get(), static_cast<size_t>(R) * 4, cudaMemcpyDeviceToHost,
                              stream_),
              "GPU engine: sampled tokens");
   finish(fb);
+  logprobs.assign(static_cast<size_t>(R), TokenLogprobs{});
+  for (int r = 0; r < R; ++r) {
+    if (lp_n[r] < 0) continue;
+    const kernels::LogprobEntry* e = lp_host.data() + lp_off[r];
+    SPADE_CHECK(e[0].id == tokens[r], "GPU engine: the logprobs of row {} are for token {}, sampled {}", r, e[0].id,
+                tokens[r]);
+    TokenLogprobs& t = logprobs[static_cast<size_t>(r)];
+    t.logprob = e[0].logprob;
+    for (int i = 1; i <= lp_n[r]; ++i) {
+      t.top_ids.push_back(e[i].id);
+      t.top_logprobs.push_back(e[i].logprob);
+    }
+  }
 }
 
 }  // namespace spade

@@ -6,7 +6,8 @@
 // The host waits once per step, for the logits. Decode-only steps replay a CUDA graph captured per batch-size bucket
 // (1, 2, 4, ... max_num_seqs): the bucket's padding rows are sequences of one token on a scratch page, so the
 // graph's shapes are fixed while the batch's lengths, positions and pages are data. Mixed / prefill steps run eagerly.
-// sample() samples on the device (kernels::sample_rows, after the graph) and returns only token ids.
+// sample() samples on the device (kernels::sample_rows, after the graph) and returns only token ids (plus, for rows
+// that ask, the logprobs kernels::logprob_rows computes from the same logits: n + 1 pairs per row).
 // Errors (bad token id / position / page flagged on the device, CUDA failures) throw spade::Error naming the step.
 #pragma once
 
@@ -19,6 +20,7 @@
 #include "inference_rank/engine.h"
 #include "inference_rank/gpu_model.h"
 #include "inference_rank/gpu_sparse.h"
+#include "kernels/sampling_ref.h"  // kernels::LogprobEntry
 
 namespace spade {
 
@@ -52,8 +54,11 @@ class GpuEngineForward {
   /// engine.h ForwardFn: the step's fp32 logits come back to the host.
   void operator()(const ForwardBatch& batch, std::vector<float>& logits);
   /// engine.h ForwardSampleFn: the step, then kernels::sample_rows over its logits on the device; only the sampled
-  /// token ids (4 bytes per row) come back. What `inference_rank --device cuda` runs.
-  void sample(const ForwardBatch& batch, const std::vector<RowSampling>& rows, std::vector<int32_t>& tokens);
+  /// token ids (4 bytes per row) come back, and for rows with RowSampling::logprobs = n >= 0 their logprobs from
+  /// kernels::logprob_rows over the same logits (n + 1 pairs of 8 bytes; `logprobs` [rows], others left empty).
+  /// What `inference_rank --device cuda` runs.
+  void sample(const ForwardBatch& batch, const std::vector<RowSampling>& rows, std::vector<int32_t>& tokens,
+              std::vector<TokenLogprobs>& logprobs);
   /// Sparse decoding through a cache rank (gpu_sparse.h), not owned; nullptr = dense. Set before the first step.
   /// While its link is up, decode-only steps with a plan replay a graph per (bucket, controller variant): the
   /// controller's waits and pack-end records are external event nodes inside it, and the sends are enqueued after
@@ -86,8 +91,9 @@ class GpuEngineForward {
   std::unique_ptr<GpuModel> model_;
   GpuEngineOptions opt_;
   int max_rows_ = 0;
-  DeviceBuffer sample_params_, sampled_;
+  DeviceBuffer sample_params_, sampled_, logprob_entries_;
   std::vector<uint8_t> sample_host_;
+  std::vector<kernels::LogprobEntry> logprob_host_;
   int max_pages_;
   GpuKvPool kv_;
   GpuDenseAttention attention_;

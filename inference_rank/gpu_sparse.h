@@ -107,6 +107,9 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   /// sparsely from its next step on), else {0, 0}; nothing once the link failed or was closed. The engine frees the
   /// pages entirely inside it; from then on the sequence is never attended densely (gpu_sparse.h, page dropping).
   std::pair<int, int> droppable_range(uint64_t seq_id, int seq_len) override;
+  /// The cache rank receives each token's rows as the forward pass computes them, under the sequence's id: a
+  /// sequence cannot start from pages another one computed (prefix cache, n samples), so every prompt is computed.
+  bool shares_prompt_pages() const override { return false; }
   /// Per-request overrides, set before the request's first step: `force_dense` keeps it dense; `sparse_threshold`
   /// > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);

@@ -71,6 +71,7 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
     r.refuse("--device cpu", {"--delta-capacity"},
              "it bounds the GPU pair's selection deltas; the CPU cache rank's --delta-transfer sends every entering "
              "token");
+    r.refuse("--device cpu", {"--score-keys"}, "it selects what the GPU cache rank scores with");
     r.refuse("--device cpu", {"--max-context-pages"},
              "--max-context-pages sizes the GPU cache rank's pool; the CPU cache rank's pool is the local one");
   } else {
@@ -82,9 +83,11 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
                 fmt::format("--sink-tokens {} does not apply to --device cuda (the GPU path attends no sink tokens "
                             "of its own: they compete in the top-k); use 0",
                             sparse.selection.sink_tokens));
+    r.refuse("--device cuda", {"--anchor-queries", "--anchor-span"},
+             "the GPU path has no prompt anchors yet (the CPU cache rank's; docs/FIDELITY.md)");
     if (serve)
       r.refuse("--serve --device cuda",
-               {"--query-window", "--ridge-eps", "--gqa-rule", "--predictor", "--successor-expand"},
+               {"--query-window", "--ridge-eps", "--gqa-rule", "--predictor", "--successor-expand", "--score-keys"},
                "the cache_rank --device cuda process predicts and selects with its own: give them to it");
   }
   r.check();
@@ -123,6 +126,7 @@ struct Flags {
   int gpu_index = 0;
   std::string gpu_link = "nccl";
   bool host_sampling = false;
+  bool prefix_caching = true;  // --enable-prefix-caching / --no-enable-prefix-caching (EngineOptions)
 };
 
 // Registers every flag on `app`, writing into `f`.
@@ -137,7 +141,7 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--selection", f.selection, "dense | oracle | quest (CPU: synchronous, true query) | predicted (AsyncSpade)");
   spade::pair::add_sparse_flags(app, f.so, f.sparse_text,
                                 spade::pair::kSelectionFlags | spade::pair::kScheduleFlags |
-                                    spade::pair::kDeltaCapacityFlag);
+                                    spade::pair::kDeltaCapacityFlag | spade::pair::kScoreKeysFlag);
   app.add_option("--selection-deadline-ms", f.deadline_ms, "longest wait for a late selection")->check(CLI::PositiveNumber);
   // Cluster (--serve).
   spade::coord::add_launch_flags(app, f.lf);
@@ -156,6 +160,9 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--max-num-seqs", f.eo.max_num_seqs, "sequences decoded together at most")->check(CLI::PositiveNumber);
   app.add_option("--max-num-batched-tokens", f.eo.max_num_batched_tokens, "tokens per forward (prefill chunk) at most")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", f.prefix_caching,
+               "automatic prefix caching: reuse the KV pages of earlier prompts' identical leading tokens (default on "
+               "where it applies: off for hybrid models and for GPU sparse decoding, which refuse the flag)");
   app.add_option("--log-level", f.log_level, "trace|debug|info|warn|error|off");
   app.add_option("--device", f.device, "cpu (fp32) | cuda (bf16; standalone on GPU 0 with --selection predicted running the GPU cache rank in this process; --serve pairs with cache_rank --device cuda)");
   auto* random_opt = app.add_flag("--random-weights", f.random_weights,
@@ -178,6 +185,26 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_flag("--host-sampling", f.host_sampling,
                "--device cuda: copy the logits back and sample on the host (the CPU path's sampler) instead of on the "
                "GPU");
+}
+
+// --enable-prefix-caching: on by default where it applies. Hybrid models (a recurrent state is not paged) and GPU
+// sparse decoding (the GPU cache rank receives each token's rows as they are computed, so a reused prefix would never
+// reach it) turn it off, and refuse the flag given explicitly. A sparse CPU backend needs the prompt's last queries
+// (the predictor's window, the prompt anchors): those prompt tokens are always recomputed.
+void resolve_prefix_caching(const CLI::App& app, Flags& f) {
+  const bool explicit_on = app.get_option("--enable-prefix-caching")->count() > 0 && f.prefix_caching;
+  const bool hybrid = spade::load_model_config(f.model_dir).is_hybrid();
+  const bool gpu_sparse = f.device == "cuda" && f.so.mode != spade::SelectionMode::Dense;
+  if (explicit_on && hybrid)
+    spade::fail("--enable-prefix-caching: not supported for hybrid (linear-attention) models such as {} (their "
+                "recurrent state is not paged)", f.model_dir);
+  if (explicit_on && gpu_sparse)
+    spade::fail("--enable-prefix-caching: not supported with --device cuda and --selection {} (the GPU cache rank "
+                "receives each token's rows as they are computed; a reused prefix would never reach it)", f.selection);
+  f.eo.enable_prefix_caching = f.prefix_caching && !hybrid && !gpu_sparse;
+  if (f.so.mode != spade::SelectionMode::Dense)
+    f.eo.prefix_recompute_tokens =
+        std::max(f.so.selection.query_window + 1, std::max(1, f.so.selection.anchor_queries));
 }
 
 // A standalone run (--prompt): generates for every prompt with the cache rank, if any, in this process; the text
@@ -211,7 +238,9 @@ int run_standalone(Flags& f) {
     } else {  // on-device sampling: only the sampled token ids come back each step
       engine_ptr = std::make_unique<spade::Engine>(
           cfg, f.eo, spade::ForwardSampleFn([&](const spade::ForwardBatch& b, const std::vector<spade::RowSampling>& r,
-                                              std::vector<int32_t>& t) { gpu->sample(b, r, t); }));
+                                              std::vector<int32_t>& t, std::vector<spade::TokenLogprobs>& l) {
+            gpu->sample(b, r, t, l);
+          }));
     }
     spade::GpuEngineOptions go = spade::gpu_engine_options(engine_ptr->options(), !f.no_cuda_graphs);
     go.link_graphs = false;  // the cache rank runs in this process (gpu_engine.h GpuEngineOptions::link_graphs)
@@ -404,6 +433,7 @@ int main(int argc, char** argv) {
     if (f.eo.max_context_pages > 0 && (f.device != "cuda" || f.so.mode != spade::SelectionMode::Predicted))
       spade::fail("--max-context-pages sizes the GPU cache rank's pool: it needs --device cuda and --selection "
                   "predicted (the CPU cache rank's pool is the local one)");
+    resolve_prefix_caching(app, f);
     if (f.so.mode != spade::SelectionMode::Dense && f.eo.max_num_batched_tokens < f.eo.max_num_seqs)
       spade::fail("sparse decoding needs --max-num-batched-tokens ({}) >= --max-num-seqs ({})",
                   f.eo.max_num_batched_tokens, f.eo.max_num_seqs);

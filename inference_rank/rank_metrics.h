@@ -18,14 +18,26 @@
 //   spade_sparse_sequence_steps_total              counter  (sequence, step) pairs decoded sparsely
 //   spade_sparse_failed_sequences_total            counter  sequences failed because their cache rank failed
 //   spade_kv_pages_dropped_total                   counter  local KV pages freed early (page dropping of sparse sequences)
+//   spade_prefix_cache_queries_total               counter  prompt tokens looked up in the prefix cache
+//   spade_prefix_cache_hits_total                  counter  of those, tokens whose KV was reused (not recomputed)
 //   spade_transfer_bytes_total{direction,transport} counter  data-plane bytes, direction send|recv
 //   spade_cache_select_seconds_total               counter  cache-rank selection time reported with the selections
 //   spade_sparse_config_info{...}                  gauge    1, labels = the rank's sparse settings
 //   spade_pair_degraded                            gauge    1 while the paired cache rank is down or its link failed
 //                                                           (every request decodes densely), else 0
+//
+// vLLM's exact names, alongside (same values as their spade_ twins; vLLM's buckets; label model_name = the served
+// model name, which the coordinator sends in the ClusterView):
+//   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (0..1)          gauge
+//   vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:request_success_total{finished_reason}  counter
+//   vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total (tokens)                          counter
+//   vllm:inter_token_latency_seconds, vllm:request_queue_time_seconds                               histogram
+// (vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds are the coordinator's: its API sees the
+// whole request, and each vllm: name lives on one kind of process so that sums over targets count each once.)
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "pair/link.h"
 #include "common/metrics.h"
@@ -34,9 +46,15 @@
 
 namespace spade {
 
+/// The model_name label of the vllm: series: the served model name the coordinator announced (ClusterView), else
+/// (a coordinator without an API) the checkpoint directory's name, the coordinator's default.
+std::string metrics_model_name(const std::string& served_model_name, const std::string& model_dir);
+
 class InferenceMetrics : public EngineObserver {
  public:
-  InferenceMetrics(metrics::Registry& registry, const SparseOptions& sparse, const char* transport);
+  /// `model_name`: the value of the vllm: series' model_name label (metrics_model_name()).
+  InferenceMetrics(metrics::Registry& registry, const SparseOptions& sparse, const char* transport,
+                   const std::string& model_name);
 
   void on_scheduled(double queue_time) override;
   void on_prompt_tokens(int n) override;
@@ -55,8 +73,16 @@ class InferenceMetrics : public EngineObserver {
   metrics::Histogram &ttft_, &itl_, &e2e_, &queue_;
   metrics::Counter &stalls_, &stall_seconds_, &fallbacks_, &switches_, &sparse_steps_, &failed_seqs_;
   metrics::Counter &bytes_sent_, &bytes_recv_, &select_seconds_, &pages_dropped_;
+  metrics::Counter &prefix_queries_, &prefix_hits_, &v_prefix_queries_, &v_prefix_hits_;
   metrics::Gauge& pair_degraded_;
+  // vLLM's names (model_name label)
+  metrics::Gauge &v_running_, &v_waiting_, &v_kv_usage_;
+  metrics::Counter &v_prompt_tokens_, &v_generation_tokens_;
+  metrics::Family<metrics::Counter>& v_success_;
+  metrics::Histogram &v_itl_, &v_queue_;
+  std::string model_name_;
   uint64_t last_pages_dropped_ = 0;
+  uint64_t last_prefix_queries_ = 0, last_prefix_hits_ = 0;
   SparseStats last_sparse_;
   pair::LinkStats last_link_;
 };

@@ -5,7 +5,9 @@
 #include <atomic>
 #include <climits>
 #include <csignal>
+#include <future>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <thread>
 #include <unistd.h>
@@ -46,6 +48,8 @@ struct Active {
   uint64_t request_id = 0;  // the coordinator's id
   StreamingDecoder decoder;
   bool silent = false;      // withdrawn before its first step (its rejection is the answer): no chunk of its own
+  int sparse_threshold = 0;  // the request's own sparse options (0: the rank's), kept for a re-pairing
+  int token_budget = 0;
 };
 
 // What a GenerateRequest is checked against before it reaches the engine.
@@ -103,6 +107,10 @@ IntakeRequest parse_request(const proto::GenerateRequest& req, const IntakeLimit
   g.sampling.top_k = static_cast<int>(sp.top_k());
   g.sampling.seed = sp.seed();
   validate(g.sampling);
+  SPADE_CHECK(req.top_logprobs() <= static_cast<uint32_t>(kMaxTopLogprobs), "top_logprobs must be in [0, {}], got {}",
+              kMaxTopLogprobs, req.top_logprobs());
+  SPADE_CHECK(req.logprobs() || req.top_logprobs() == 0, "top_logprobs {} needs logprobs set", req.top_logprobs());
+  g.logprobs = req.logprobs() ? static_cast<int>(req.top_logprobs()) : -1;
   g.stop_token_ids = gen.eos_token_ids;
   for (uint32_t s : sp.stop_token_ids()) {
     SPADE_CHECK(s < vocab, "stop token id {} is outside the vocabulary [0, {})", s, vocab);
@@ -148,11 +156,11 @@ class PairHealth {
     endpoint_ = endpoint;
     gpu_link_ = gpu_link;
   }
-  /// Marks the pair degraded (the first reason stays) and, with `abort_link`, aborts the armed link once. Returns
-  /// at once.
-  void degrade(const std::string& why, bool abort_link) {
+  /// Marks the pair degraded (the first reason stays unless `replace_reason`) and, with `abort_link`, aborts the armed
+  /// link once. Returns at once.
+  void degrade(const std::string& why, bool abort_link, bool replace_reason = false) {
     std::lock_guard<std::mutex> lk(mu_);
-    if (why_.empty()) why_ = why;
+    if (why_.empty() || replace_reason) why_ = why;
     if (!abort_link || abort_started_ || disarmed_) return;
     abort_started_ = true;
     aborter_ = std::thread([this, why] {
@@ -171,6 +179,25 @@ class PairHealth {
     }
     if (t.joinable()) t.join();
     arm(nullptr, nullptr);
+  }
+  /// Waits for an abort in progress, then arms these links (null: none) without touching the reason: before the armed
+  /// link's owner destroys it. Main thread.
+  void rearm(transport::Endpoint* endpoint, transport::GpuLink* gpu_link) {
+    std::thread t;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      t = std::move(aborter_);
+    }
+    if (t.joinable()) t.join();
+    arm(endpoint, gpu_link);
+  }
+  /// The pair is whole again (a replacement cache rank re-paired): waits for the old link's abort, arms the new link
+  /// (not owned; its owner must disarm or restore before destroying it) and clears the reason. Main thread.
+  void restore(transport::Endpoint* endpoint, transport::GpuLink* gpu_link) {
+    rearm(endpoint, gpu_link);
+    std::lock_guard<std::mutex> lk(mu_);
+    why_.clear();
+    abort_started_ = false;
   }
   /// "" while the pair is whole, else why it is not.
   std::string degraded() const {
@@ -316,9 +343,8 @@ int run_serve(const ServeOptions& opt) {
     cuda_check(cudaSetDevice(opt.gpu), "inference rank: cudaSetDevice");
     engine_ptr = std::make_unique<Engine>(
         model_cfg, opt.engine,
-        ForwardSampleFn([&](const ForwardBatch& b, const std::vector<RowSampling>& r, std::vector<int32_t>& t) {
-          gpu->sample(b, r, t);
-        }));
+        ForwardSampleFn([&](const ForwardBatch& b, const std::vector<RowSampling>& r, std::vector<int32_t>& t,
+                            std::vector<TokenLogprobs>& l) { gpu->sample(b, r, t, l); }));
     const GpuEngineOptions go = gpu_engine_options(engine_ptr->options(), opt.cuda_graphs);
     gpu = std::make_unique<GpuEngineForward>(
         GpuModel::upload(model_cfg, model->weights(), GpuEngineForward::model_options(go)), go);
@@ -353,18 +379,23 @@ int run_serve(const ServeOptions& opt) {
                                           });
   }
   Engine& engine = *engine_ptr;
-  // The GPU path's counters in the CPU path's shapes (metrics and coordinator stats).
+  // The GPU path's counters in the CPU path's shapes (metrics and coordinator stats), over every controller a
+  // re-pairing replaced too.
+#ifdef SPADE_HAVE_GPU_PATH
+  GpuSparseStats retired_gpu_stats;
+#endif
   auto gpu_stats = [&](SparseStats& s, pair::LinkStats& l) -> bool {
 #ifdef SPADE_HAVE_GPU_PATH
     if (!gpu_sparse) return false;
     const GpuSparseStats& g = gpu_sparse->stats();
-    s.steps = g.steps;
-    s.sparse_seq_steps = g.sparse_seq_steps;
-    s.switches = g.switches;
-    s.failed_seqs = g.failed_seqs;
-    l.bytes_sent = g.bytes_sent;
-    l.bytes_received = g.bytes_received;
-    l.updates = g.steps;
+    const GpuSparseStats& r = retired_gpu_stats;
+    s.steps = g.steps + r.steps;
+    s.sparse_seq_steps = g.sparse_seq_steps + r.sparse_seq_steps;
+    s.switches = g.switches + r.switches;
+    s.failed_seqs = g.failed_seqs + r.failed_seqs;
+    l.bytes_sent = g.bytes_sent + r.bytes_sent;
+    l.bytes_received = g.bytes_received + r.bytes_received;
+    l.updates = s.steps;
     return true;
 #else
     (void)s;
@@ -376,7 +407,8 @@ int run_serve(const ServeOptions& opt) {
   const std::string transport_name =
       on_gpu ? (cache_name.empty() ? std::string("none") : std::string(opt.gpu_link == "ipc" ? "cuda_ipc" : "nccl"))
              : (net ? net->kind() : std::string("none"));
-  InferenceMetrics rank_metrics(registry, sparse, transport_name.c_str());
+  InferenceMetrics rank_metrics(registry, sparse, transport_name.c_str(),
+                                metrics_model_name(view.served_model_name(), opt.model_dir));
   engine.set_observer(&rank_metrics);
   // From here a PeerDown for the cache rank aborts the link at once (the coordinator client's I/O thread); the guard
   // detaches the link before the engine (its owner) is destroyed.
@@ -386,11 +418,180 @@ int run_serve(const ServeOptions& opt) {
     ~DisarmAtExit() { health.disarm(); }
   } disarm_at_exit{*pair_health};
   const bool has_link = endpoint != nullptr || gpu_link != nullptr;
+  // The newest incarnation of the cache rank declared dead (-1: none): a replacement that dies while it is being
+  // connected is not swapped in.
+  auto cache_down_incarnation = std::make_shared<std::atomic<int64_t>>(-1);
+  auto cache_down_reason = [](const proto::PeerDown& pd) {
+    return fmt::format("cache rank {} (#{}) on {} is down: {}", pd.rank(), pd.role_index(), pd.host(), pd.reason());
+  };
   if (has_link)
-    cc.set_event_callback([pair_health, cache_rank, cache_name](const coord::ClientEvent& ev) {
-      if (ev.kind == coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() == cache_rank)
-        pair_health->degrade(fmt::format("{} is down: {}", cache_name, ev.peer_down.reason()), true);
+    cc.set_event_callback([pair_health, cache_rank, cache_down_incarnation,
+                           cache_down_reason](const coord::ClientEvent& ev) {
+      if (ev.kind != coord::ClientEvent::Kind::kPeerDown || ev.peer_down.rank() != cache_rank) return;
+      int64_t seen = cache_down_incarnation->load();
+      while (seen < ev.peer_down.incarnation() &&
+             !cache_down_incarnation->compare_exchange_weak(seen, ev.peer_down.incarnation())) {
+      }
+      pair_health->degrade(cache_down_reason(ev.peer_down), true);
     });
+  // Rejoin: a replacement of the cache rank (PeerReplaced) is connected on a thread of its own, so that the dense
+  // requests keep decoding meanwhile, within the rendezvous timeout; the loop swaps the new link in once it is up.
+  // Requests admitted before the swap stay dense to their end; new ones decode sparsely again.
+  std::map<uint64_t, Active> active;    // engine id -> request
+  std::map<uint64_t, uint64_t> by_rid;  // coordinator request id -> engine id
+  uint32_t cache_incarnation = 0;
+  pair::LinkStats retired_link_stats;  // of the links a re-pairing replaced (CPU)
+  struct Repair {
+    proto::RankInfo peer;
+    std::string name;
+    std::future<std::unique_ptr<transport::Endpoint>> endpoint;  // CPU
+#ifdef SPADE_HAVE_GPU_PATH
+    struct Gpu {
+      std::unique_ptr<transport::GpuLink> link;
+      std::unique_ptr<GpuSparseController> controller;
+    };
+    std::future<Gpu> gpu;
+#endif
+  };
+  std::optional<Repair> repair;
+  auto on_peer_replaced = [&](const proto::PeerReplaced& pr) {
+    const proto::RankInfo& peer = pr.peer();
+    const std::string name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
+    if (!has_link || peer.rank() != cache_rank) {
+      spdlog::warn("{}: ignoring a replacement of rank {}: not this rank's cache rank", self, peer.rank());
+      return;
+    }
+    if (peer.incarnation() <= cache_incarnation) {
+      spdlog::warn("{}: ignoring a replacement of {} with incarnation {} (the pair's is {})", self, name,
+                   peer.incarnation(), cache_incarnation);
+      return;
+    }
+    const bool predicted = on_gpu || (backend != nullptr && backend->options().mode == SelectionMode::Predicted);
+    pair_health->degrade(fmt::format("{} was replaced (previous incarnation: {})", cache_name, pr.previous_reason()),
+                         true);
+    if (!predicted) {
+      spdlog::info("{}: {} replaced; this rank decodes densely (--selection {}), nothing to re-pair", self, name,
+                   selection_mode_name(sparse.mode));
+      return;
+    }
+    repair.reset();  // a newer replacement supersedes one still connecting (its connect ends at its deadline)
+    Repair rp;
+    rp.peer = peer;
+    rp.name = name;
+    proto::PairOffer po;
+    po.set_peer_rank(peer.rank());
+    po.set_peer_incarnation(peer.incarnation());
+    const auto connect_deadline = Clock::now() + opt.rendezvous_timeout;
+    try {
+      if (!on_gpu) {
+        po.mutable_transport()->set_kind(proto::TRANSPORT_UCX);
+        po.mutable_transport()->set_address(net->local_address());
+        cc.send_pair_offer(po);
+        transport::Transport* t = net.get();
+        const std::string addr = peer.transport().address();
+        rp.endpoint = std::async(std::launch::async, [t, addr, name, connect_deadline] {
+          return t->connect(addr, name, connect_deadline);
+        });
+      } else {
+#ifdef SPADE_HAVE_GPU_PATH
+        // NCCL ids are single-use: a fresh offer (CUDA IPC: fresh memory), brokered like the first pairing.
+        transport::LinkOptions glo = lo;
+        glo.peer_name = name;
+        std::shared_ptr<transport::GpuLinkOffer> fresh = transport::offer_gpu_link(glo);
+        po.mutable_transport()->set_kind(glo.kind == transport::LinkKind::kNccl ? proto::TRANSPORT_NCCL
+                                                                                  : proto::TRANSPORT_CUDA_IPC);
+        po.mutable_transport()->set_address(fresh->address());
+        cc.send_pair_offer(po);
+        const EngineOptions en = engine.options();
+        const GpuSparseOptions gso = gpu_sparse_options(sparse, en, name);
+        const ModelConfig* attn = gpu_attn_cfg.get();
+        const int max_batch = gpu->max_batch();
+        const int device = opt.gpu;
+        const auto timeout = opt.rendezvous_timeout;
+        rp.gpu = std::async(std::launch::async, [fresh, name, en, gso, attn, max_batch, device, timeout] {
+          cuda_check(cudaSetDevice(device), "inference rank: cudaSetDevice (re-pairing)");
+          Repair::Gpu g;
+          g.link = fresh->connect(name, timeout);
+          g.controller = std::make_unique<GpuSparseController>(*attn, gso, *g.link, en.page_size, max_batch);
+          g.controller->send_hello(make_gpu_pair_hello(*attn, gso, en));
+          return g;
+        });
+#endif
+      }
+    } catch (const std::exception& e) {
+      pair_health->degrade(fmt::format("re-pairing with {} failed: {}", name, e.what()), false, true);
+      spdlog::error("{}: re-pairing with {} failed: {}; decoding densely", self, name, e.what());
+      return;
+    }
+    spdlog::info("{}: {} replaced {} (incarnation {}); offered the data plane, connecting", self, name, cache_name,
+                 peer.incarnation());
+    repair = std::move(rp);
+  };
+  // Swaps the replacement's link in once it is up (main thread, between steps).
+  auto finish_repair = [&] {
+    if (!repair) return;
+    const bool cpu_ready =
+        repair->endpoint.valid() && repair->endpoint.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    bool gpu_ready = false;
+#ifdef SPADE_HAVE_GPU_PATH
+    gpu_ready = repair->gpu.valid() && repair->gpu.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+#endif
+    if (!cpu_ready && !gpu_ready) return;
+    Repair rp = std::move(*repair);
+    repair.reset();
+    try {
+      if (cpu_ready) {
+        std::unique_ptr<transport::Endpoint> ep = rp.endpoint.get();
+        SPADE_CHECK(cache_down_incarnation->load() < static_cast<int64_t>(rp.peer.incarnation()),
+                    "it was declared dead while connecting");
+        transport::Endpoint* raw = ep.get();
+        pair_health->rearm(nullptr, nullptr);  // the old link goes with replace_link
+        if (const pair::CacheRankLink* old = backend->link()) {  // its counters keep counting in the metrics
+          retired_link_stats.bytes_sent += old->stats().bytes_sent;
+          retired_link_stats.bytes_received += old->stats().bytes_received;
+          retired_link_stats.updates += old->stats().updates;
+          retired_link_stats.cache_select_ms += old->stats().cache_select_ms;
+        }
+        backend->replace_link(std::make_unique<pair::TransportLink>(std::move(ep),
+                                                                    pair::pack_shape(model_cfg, sparse.selection)));
+        for (const auto& [eid, a] : active) backend->set_request_options(eid, true, a.sparse_threshold, a.token_budget);
+        endpoint = raw;
+        pair_health->restore(endpoint, nullptr);
+      }
+#ifdef SPADE_HAVE_GPU_PATH
+      if (gpu_ready) {
+        Repair::Gpu g = rp.gpu.get();
+        SPADE_CHECK(cache_down_incarnation->load() < static_cast<int64_t>(rp.peer.incarnation()),
+                    "it was declared dead while connecting");
+        for (const auto& [eid, a] : active) g.controller->set_request_options(eid, true, a.sparse_threshold);
+        if (gpu_sparse) {  // the old controller's counters keep counting
+          const GpuSparseStats& o = gpu_sparse->stats();
+          retired_gpu_stats.steps += o.steps;
+          retired_gpu_stats.sparse_seq_steps += o.sparse_seq_steps;
+          retired_gpu_stats.switches += o.switches;
+          retired_gpu_stats.failed_seqs += o.failed_seqs;
+          retired_gpu_stats.bytes_sent += o.bytes_sent;
+          retired_gpu_stats.bytes_received += o.bytes_received;
+        }
+        pair_health->rearm(nullptr, nullptr);  // the old link goes below
+        gpu->set_sparse(g.controller.get());
+        engine.set_attention_hooks(g.controller.get());
+        gpu_sparse = std::move(g.controller);  // the old controller goes before its link
+        gpu_link_owner = std::move(g.link);
+        gpu_link = gpu_link_owner.get();
+        pair_health->restore(nullptr, gpu_link);
+      }
+#endif
+    } catch (const std::exception& e) {
+      pair_health->degrade(fmt::format("re-pairing with {} failed: {}", rp.name, e.what()), false, true);
+      spdlog::error("{}: re-pairing with {} failed: {}; decoding densely", self, rp.name, e.what());
+      return;
+    }
+    cache_name = rp.name;
+    cache_incarnation = rp.peer.incarnation();
+    spdlog::info("{}: the pair is whole again: {} (incarnation {}) connected; new requests decode sparsely", self,
+                 cache_name, cache_incarnation);
+  };
   IntakeLimits limits;
   limits.vocab_size = model_cfg.vocab_size;
   limits.max_model_len = engine.options().max_model_len;
@@ -399,8 +600,6 @@ int run_serve(const ServeOptions& opt) {
   limits.cpu_backend = backend != nullptr;
   set_stage("");  // ready: weights loaded, world complete, data plane connected
 
-  std::map<uint64_t, Active> active;    // engine id -> request
-  std::map<uint64_t, uint64_t> by_rid;  // coordinator request id -> engine id
   int exit_code = 0;
   bool running = true;
   std::signal(SIGINT, on_signal);
@@ -419,10 +618,13 @@ int run_serve(const ServeOptions& opt) {
       if (ev->kind == coord::ClientEvent::Kind::kPeerDown) {
         spdlog::error("{}: {}", self, ev->message);
         if (has_link && ev->peer_down.rank() == cache_rank) {  // the callback has aborted the link already
-          pair_health->degrade(fmt::format("{} is down: {}", cache_name, ev->peer_down.reason()), true);
+          pair_health->degrade(cache_down_reason(ev->peer_down), true);
           spdlog::warn("{}: {} is down: sparse requests in flight fail, every other and every new request decodes "
                        "densely", self, cache_name);
         }
+      } else if (ev->kind == coord::ClientEvent::Kind::kPeerReplaced) {
+        spdlog::info("{}: {}", self, ev->message);
+        on_peer_replaced(ev->peer_replaced);
       } else {
         spdlog::info("{}: {}", self, ev->message);
         exit_code = ev->kind == coord::ClientEvent::Kind::kShutdown && !ev->shutdown.is_error() ? 0 : 1;
@@ -430,6 +632,7 @@ int run_serve(const ServeOptions& opt) {
       }
     }
     if (!running) break;
+    finish_repair();
     // Cancellations (client gone): the request ends with FINISH_CANCELLED and its KV is freed (here at once, on the
     // cache rank with the next update or the idle flush below).
     while (auto c = cc.next_cancel(Clock::now())) {
@@ -471,6 +674,12 @@ int run_serve(const ServeOptions& opt) {
             if (ev.token >= 0 && ev.reason != FinishReason::Stop) {
               c.add_token_ids(static_cast<uint32_t>(ev.token));
               if (it != active.end()) c.set_text(it->second.decoder.push(ev.token));
+              if (ev.logprobs) {  // aligned with token_ids
+                proto::TokenLogprobs* lp = c.add_logprobs();
+                lp->set_logprob(ev.logprobs->logprob);
+                for (int32_t id : ev.logprobs->top_ids) lp->add_top_ids(static_cast<uint32_t>(id));
+                for (float v : ev.logprobs->top_logprobs) lp->add_top_logprobs(v);
+              }
             }
             if (ev.finished) {
               if (it != active.end()) c.set_text(c.text() + it->second.decoder.finish());
@@ -490,6 +699,8 @@ int run_serve(const ServeOptions& opt) {
         return;
       }
       active.emplace(eid, Active{rid, StreamingDecoder(tok, true)});
+      active.at(eid).sparse_threshold = r.sparse_threshold;
+      active.at(eid).token_budget = r.token_budget;
       by_rid[rid] = eid;
       // The options were checked by parse_request; should a backend still refuse them, the request is withdrawn
       // before its first step (engine.abort, silently) and only the rejection answers it.
@@ -535,8 +746,16 @@ int run_serve(const ServeOptions& opt) {
       cc.set_stat("sparse_seq_steps", static_cast<double>(gs.sparse_seq_steps));
       rank_metrics.update(engine.stats(), &gs, &gl);
     } else {
+      pair::LinkStats ls = retired_link_stats;  // every link of the pair so far
+      if (backend && backend->link()) {
+        const pair::LinkStats& now = backend->link()->stats();
+        ls.bytes_sent += now.bytes_sent;
+        ls.bytes_received += now.bytes_received;
+        ls.updates += now.updates;
+        ls.cache_select_ms += now.cache_select_ms;
+      }
       rank_metrics.update(engine.stats(), backend ? &backend->stats() : nullptr,
-                          backend && backend->link() ? &backend->link()->stats() : nullptr);
+                          backend && backend->link() ? &ls : nullptr);
     }
   }
   {

@@ -13,7 +13,11 @@
 // cache rank (the coordinator's heartbeat deadline, or its connection dropped) aborts the data-plane link at once,
 // from the coordinator client's I/O thread, also while a step is waiting on that link: the sparse requests in flight
 // fail naming the cache rank, every other and every new request decodes densely, and the pair reports itself
-// degraded (/ready 200 {"status":"degraded"}, spade_pair_degraded 1) while /health stays 200.
+// degraded (/ready 200 {"status":"degraded"}, spade_pair_degraded 1) while /health stays 200. When a replacement
+// cache rank registers (PeerReplaced), the rank offers it the data plane again through the coordinator (PairOffer; on
+// the GPU a fresh NCCL / CUDA IPC offer), connects on a thread of its own within the rendezvous timeout and swaps the
+// new link in between two steps: requests admitted before stay dense to their end, new ones decode sparsely, the pair
+// is whole again (/ready, spade_pair_degraded 0). A failed re-handshake leaves it degraded, saying why.
 #pragma once
 
 #include <chrono>

@@ -157,6 +157,20 @@ void SparseAttention::set_request_options(uint64_t seq_id, bool force_dense, int
   s.token_budget = token_budget;
 }
 
+void SparseAttention::replace_link(std::unique_ptr<pair::CacheRankLink> link) {
+  SPADE_CHECK(opt_.mode == SelectionMode::Predicted, "replace_link: selection mode {} uses no cache rank",
+              selection_mode_name(opt_.mode));
+  SPADE_CHECK(link != nullptr, "replace_link: no link");
+  // The old link's sequences cannot go on over the new one: fail them (their requests end with this error), as a
+  // failing link would.
+  if (link_error_.empty()) fail_link(link_ ? link_->peer() + " was replaced" : std::string("the link was replaced"));
+  link_ = std::move(link);
+  link_error_.clear();
+  released_.clear();
+  std::fill(expect_reply_.begin(), expect_reply_.end(), false);
+  std::fill(expect_now_.begin(), expect_now_.end(), false);
+}
+
 void SparseAttention::idle_flush() {
   if (opt_.mode != SelectionMode::Predicted || !link_error_.empty()) {
     released_.clear();
@@ -248,7 +262,7 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
     if (pack == 0) pending_.released.swap(released_);
   }
 
-  const int W1 = sc.query_window + 1;
+  const int W1 = std::max(sc.query_window + 1, sc.anchor_queries);  // the predictor's window; the prompt anchors
   for (int b = 0; b < batch.batch(); ++b) {
     const uint64_t id = batch.seq_ids[b];
     SeqState& s = seqs_[id];

@@ -95,6 +95,11 @@ class SparseAttention : public AttentionBackend {
   const SparseOptions& options() const { return opt_; }
   pair::CacheRankLink* link() { return link_.get(); }
   bool link_failed() const { return !link_error_.empty(); }
+  /// Predicted mode: takes `link` to a replacement cache rank, which holds nothing of the old one's. A link not yet
+  /// failed is failed first ("<peer> was replaced": its sparse sequences end with that error). Sequences already known
+  /// stay as they are (a failed one dense to its end); pending releases are dropped (their KV died with the old cache
+  /// rank). New sequences may switch to sparse again. Throws spade::Error for a null link or another mode.
+  void replace_link(std::unique_ptr<pair::CacheRankLink> link);
 
  private:
   enum class Phase { Dense, Switching, Sparse, Failed };

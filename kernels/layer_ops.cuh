@@ -220,4 +220,28 @@ struct SampleParams {
 
 cudaError_t sample_rows(const SampleParams& p, cudaStream_t stream);
 
+struct LogprobEntry;  // kernels/sampling_ref.h: {float logprob; int32_t id;}, 8 bytes
+
+/// Log-probabilities of sampled tokens (OpenAI's logprobs, raw mode: log-softmax of the logits, before temperature /
+/// top-k / top-p), so that only n + 1 pairs per row cross to the host, never the vocabulary. Per row r with
+/// n_r = top_n[r] >= 0 (n_r = min(top_n[r], vocab)), writes n_r + 1 entries at out + out_offset[r]: [0] tokens[r]
+/// and its logprob, [1..n_r] the n_r most likely tokens, most likely first (ties: lower id). Exactly
+/// kernels/sampling_ref.h logprobs_ref's ids; values within fp32 summation error of it (logsumexp summed in fp32
+/// per CTA in a fixed order: deterministic). Rows with top_n[r] < 0 are skipped. A tokens[r] outside [0, vocab)
+/// gives id -1 and logprob NaN in entry 0. One CTA of 512 threads per row: a max / sum pass, and for n_r > 0 the
+/// sampler's 4-pass radix descent to the n_r-th largest key.
+struct LogprobParams {
+  DType logits_dtype = DType::F32;     // F32, BF16 or F16.
+  const void* logits = nullptr;        // [rows, logits_stride] logits_dtype (NaN read as -inf, as sample_rows).
+  const int32_t* tokens = nullptr;     // [rows] int32: the sampled token of each row (sample_rows' out_tokens).
+  const int32_t* top_n = nullptr;      // [rows] int32: < 0 skip the row, else 0..20 (kMaxTopLogprobs) alternatives.
+  const int32_t* out_offset = nullptr; // [rows] int32: first entry of row r in out.
+  LogprobEntry* out = nullptr;         // [sum over rows of n_r + 1] entries.
+  int rows = 0;
+  int vocab = 0;
+  int logits_stride = 0;  // 0 = vocab.
+};
+
+cudaError_t logprob_rows(const LogprobParams& p, cudaStream_t stream);
+
 }  // namespace spade::kernels

@@ -1,4 +1,5 @@
-// Layer ops of the GPU inference rank: greedy argmax and temperature / top-k / top-p sampling (kernels/sampling_ref.h).
+// Layer ops of the GPU inference rank: greedy argmax, temperature / top-k / top-p sampling and the sampled tokens'
+// logprobs (kernels/sampling_ref.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -11,6 +12,7 @@
 #include "kernels/kernel_common.cuh"
 #include "kernels/launch_util.cuh"
 #include "kernels/layer_ops.cuh"
+#include "common/sampling.h"  // kMaxTopLogprobs
 #include "kernels/sampling_ref.h"
 
 namespace spade::kernels {
@@ -363,6 +365,97 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const LT* __rest
   if (threadIdx.x == 0) out[r] = static_cast<int32_t>(tok);
 }
 
+// =================================================================================================================
+// 6. Logprobs of the sampled tokens (raw: log-softmax of the canonical logits) and the top n <= kMaxTopLogprobs.
+// =================================================================================================================
+
+template <typename LT, int V>
+__global__ void __launch_bounds__(kSampleThreads) logprob_kernel(const LT* __restrict__ logits, long long stride,
+                                                                 int vocab, int seg, const int32_t* tokens,
+                                                                 const int32_t* top_n, const int32_t* out_offset,
+                                                                 LogprobEntry* out) {
+  const int r = blockIdx.x;
+  const int want = top_n[r];
+  if (want < 0) return;
+  __shared__ SampleShared sh;
+  using Reduce = cub::BlockReduce<ArgPair, kSampleThreads>;
+  __shared__ typename Reduce::TempStorage red;
+  __shared__ float s_max;
+  __shared__ float s_sum[kSampleWarps];
+  __shared__ int s_count;
+  __shared__ LogprobEntry s_top[kMaxTopLogprobs];
+  const LT* row = logits + r * stride;
+  RowSampler<LT, V> rs(row, vocab, seg, sh);
+
+  // The maximum m, then S = sum of (c == m ? 1 : expf(c - m)) in fp32 (warp shuffles, then the warps in order).
+  ArgPair best{__int_as_float(0xff800000u), INT_MAX};
+  rs.for_each([&](long long i, float c) {
+    if (best.i == INT_MAX || c > best.v) best = {c, static_cast<int>(i)};
+  });
+  const ArgPair b = Reduce(red).Reduce(best, ArgPairMax{});
+  if (threadIdx.x == 0) s_max = b.v;
+  __syncthreads();
+  const float m = s_max;
+  auto term = [m](float c) { return c == m ? 1.0f : expf(__fsub_rn(c, m)); };
+  float part = 0.f;
+  rs.for_each([&](long long, float c) { part += term(c); });
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if ((threadIdx.x & 31) == 0) s_sum[threadIdx.x / 32] = part;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kSampleWarps; ++w) total += s_sum[w];
+  const float log_s = logf(total);
+  auto logprob = [&](float c) { return (c == m ? 0.f : __fsub_rn(c, m)) - log_s; };
+
+  LogprobEntry* o = out + out_offset[r];
+  if (threadIdx.x == 0) {
+    const int tok = tokens[r];
+    if (tok >= 0 && tok < vocab) {
+      o[0] = {logprob(sample_canonical(to_f(row[tok]))), tok};
+    } else {
+      o[0] = {__int_as_float(0x7fc00000), -1};
+    }
+  }
+  int n = want < kMaxTopLogprobs ? want : kMaxTopLogprobs;
+  if (n > vocab) n = vocab;
+  if (n == 0) return;
+
+  // The n-th largest key kk (descending order; ties by lower index): keys above it, then the first `need` at it.
+  unsigned long long above = 0, at = 0;
+  const uint32_t kk = rs.descend(static_cast<unsigned long long>(n), [](long long, uint32_t) { return true; },
+                                 [](float) -> unsigned long long { return 1ull; }, &above, &at);
+  const unsigned long long need = static_cast<unsigned long long>(n) - above;
+  long long ik = LLONG_MAX;
+  if (need < at)
+    ik = rs.ordered_find(need - 1, [&](long long, float c) -> unsigned long long { return sample_key(c) == kk; },
+                         LLONG_MAX);
+  if (threadIdx.x == 0) s_count = 0;
+  __syncthreads();
+  rs.for_each([&](long long i, float c) {
+    const uint32_t key = sample_key(c);
+    if (key > kk || (key == kk && i <= ik)) {
+      const int slot = atomicAdd(&s_count, 1);
+      if (slot < kMaxTopLogprobs) s_top[slot] = {c, static_cast<int32_t>(i)};
+    }
+  });
+  __syncthreads();
+  if (threadIdx.x == 0) {  // exactly n selected: insertion sort by (logit descending, id ascending)
+    const int cnt = s_count < n ? s_count : n;
+    for (int a = 1; a < cnt; ++a) {
+      const LogprobEntry e = s_top[a];
+      int j = a;
+      while (j > 0 && (s_top[j - 1].logprob < e.logprob || (s_top[j - 1].logprob == e.logprob && s_top[j - 1].id > e.id))) {
+        s_top[j] = s_top[j - 1];
+        --j;
+      }
+      s_top[j] = e;
+    }
+    for (int a = 0; a < cnt; ++a) o[1 + a] = {logprob(s_top[a].logprob), s_top[a].id};
+  }
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -435,6 +528,32 @@ cudaError_t sample_rows(const SampleParams& p, cudaStream_t stream) {
     };
     return logits_vec4(p.logits, stride, sizeof(LT)) ? launch(detail::sample_kernel<LT, 4>, 4)
                                                       : launch(detail::sample_kernel<LT, 1>, 1);
+  });
+}
+
+cudaError_t logprob_rows(const LogprobParams& p, cudaStream_t stream) {
+  const char* w = "logprob_rows";
+  const int stride = p.logits_stride == 0 ? p.vocab : p.logits_stride;
+  if (p.rows > 0 && p.tokens == nullptr) return invalid_argument(w, "tokens must be set");
+  if (const cudaError_t e = check_logits(w, p.logits_dtype, p.logits, p.rows, p.vocab, stride, p.tokens);
+      e != cudaSuccess)
+    return e;
+  if (p.rows == 0) return cudaSuccess;
+  if (p.top_n == nullptr || p.out_offset == nullptr || p.out == nullptr)
+    return invalid_argument(w, "top_n, out_offset and out must be set");
+  return detail::dispatch_logits(p.logits_dtype, [&](auto tag) {
+    using LT = decltype(tag);
+    const LT* lg = static_cast<const LT*>(p.logits);
+    auto launch = [&](auto kernel, int v) {
+      const long long step = 32LL * v;
+      const long long per_warp = (static_cast<long long>(p.vocab) + detail::kSampleWarps - 1) / detail::kSampleWarps;
+      const int seg = static_cast<int>((per_warp + step - 1) / step * step);
+      kernel<<<p.rows, detail::kSampleThreads, 0, stream>>>(lg, stride, p.vocab, seg, p.tokens, p.top_n,
+                                                             p.out_offset, p.out);
+      return cudaGetLastError();
+    };
+    return logits_vec4(p.logits, stride, sizeof(LT)) ? launch(detail::logprob_kernel<LT, 4>, 4)
+                                                      : launch(detail::logprob_kernel<LT, 1>, 1);
   });
 }
 

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <numeric>
 
+#include "common/sampling.h"
+
 namespace spade::kernels {
 
 int argmax_ref(const float* logits, int vocab) {
@@ -98,6 +100,14 @@ int sample_ref(const float* logits, int vocab, float temperature, int top_k, flo
     }
   }
   return order.back();  // unreachable: r < kept_total
+}
+
+std::vector<LogprobEntry> logprobs_ref(const float* logits, int vocab, int token, int top_n) {
+  const TokenLogprobs t = token_logprobs(logits, vocab, token, top_n);
+  std::vector<LogprobEntry> out;
+  out.push_back({t.logprob, token});
+  for (size_t i = 0; i < t.top_ids.size(); ++i) out.push_back({t.top_logprobs[i], t.top_ids[i]});
+  return out;
 }
 
 }  // namespace spade::kernels

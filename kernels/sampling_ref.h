@@ -142,4 +142,17 @@ int sample_ref(const float* logits, int vocab, float temperature, int top_k, flo
 /// Greedy rule of the sampler: index of the largest canonical logit, lowest index on ties (0 if all are NaN/-inf).
 int argmax_ref(const float* logits, int vocab);
 
+/// One (logprob, token id) pair of logprob_rows' output (kernels/layer_ops.cuh): 8 bytes.
+struct LogprobEntry {
+  float logprob;  // natural log, fp32; -inf for probability 0
+  int32_t id;
+};
+
+/// CPU reference of logprob_rows for one row: n + 1 entries, n = min(top_n, vocab): [0] the sampled `token` and its
+/// logprob, [1..n] the n most likely tokens, most likely first (ties: lower id). The values are common/sampling.h
+/// token_logprobs' (raw mode: log-softmax of the canonical logits, computed in double); the kernel sums in fp32, so
+/// its values agree within 1e-5 + 2^-20 |value| (tests/kernels/test_logprobs.cu), its ids exactly. Throws spade::Error for a token outside [0, vocab) or top_n outside
+/// [0, kMaxTopLogprobs].
+std::vector<LogprobEntry> logprobs_ref(const float* logits, int vocab, int token, int top_n);
+
 }  // namespace spade::kernels

@@ -48,12 +48,19 @@ struct PredictQueryParams {
 cudaError_t predict_next_query(const PredictQueryParams& p, cudaStream_t stream);
 
 /// Token scores of predicted queries against the paged keys (score_tokens_ref's math), GQA-batched on tensor
-/// cores: each CTA reads a KV head's keys once for the whole group; q_hat is split into hi + lo halves of the
-/// cache dtype so the scores keep ~fp32 accuracy.
+/// cores: each CTA reads a KV head's keys once for the whole group.
+/// keys == kBf16: the cache's keys; q_hat is split into hi + lo halves of the cache dtype so the scores keep ~fp32
+/// accuracy. keys == kInt8: the compact copy (quantize_keys; half the bytes of bf16 keys plus 4 per row), scored
+/// against the dequantised keys (selection_ref.h); each head's q_hat is carried as two int8 parts, hi + lo / 254 in
+/// steps of a = max_d |q_hat[d]| / 127, so |score - score on the dequantised keys| <= k_scale[t] * sum_d |k_int8[d]| *
+/// a / 508 per query head, plus fp32 rounding (integer dot products on tensor cores, exact).
 struct ScoreTokensParams {
-  DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache.
+  DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache (kBf16 only).
+  ScoreKeys keys = ScoreKeys::kBf16;     // which keys are read: k_cache, or k_int8 + k_scale.
   const float* q_hat = nullptr;          // [batch, num_q_heads, head_dim] fp32.
-  const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype (kBf16).
+  const int8_t* k_int8 = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] int8 (kInt8).
+  const float* k_scale = nullptr;        // [num_pages, page_size, num_kv_heads] fp32 (kInt8).
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
   const int32_t* num_tokens = nullptr;   // [batch] int32 positions scored: 0..num_tokens-1.
   float* scores = nullptr;  // [batch, num_kv_heads, score_stride] fp32; entries >= num_tokens[b] not written.
@@ -68,6 +75,29 @@ struct ScoreTokensParams {
 };
 
 cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream);
+
+/// The compact scoring copy of keys (quantize_keys_ref's rule, bit for bit) for the cache rows of `tokens` tokens:
+/// the rows an append (rope_kv_append) just wrote, addressed as it addresses them (positions, seq_idx, block_table;
+/// a token whose row, position or page is outside the table or the pool is skipped), or, with positions ==
+/// nullptr, cache rows 0..tokens-1 (a whole pool). One warp per (token, KV head). tokens == 0 launches nothing.
+struct QuantizeKeysParams {
+  DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache.
+  const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  int8_t* k_int8 = nullptr;              // [num_pages, page_size, num_kv_heads, head_dim] int8 out.
+  float* k_scale = nullptr;              // [num_pages, page_size, num_kv_heads] fp32 out.
+  const int32_t* positions = nullptr;    // [tokens] int32 positions in their sequences, or nullptr (cache rows).
+  const int32_t* seq_idx = nullptr;      // [tokens] int32 block-table row of each token (with positions).
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32 (with positions).
+  int batch = 0;                         // with positions: block-table rows (a token's seq_idx outside: skipped).
+  int tokens = 0;                        // >= 0: tokens, or cache rows (<= num_pages * page_size)
+  int num_kv_heads = 0;
+  int head_dim = 0;                      // any of kSupportedHeadDims.
+  int page_size = 0;                     // a power of two.
+  int max_pages_per_seq = 0;             // with positions: block-table row length (> 0).
+  int num_pages = 0;                     // pages of the pool (> 0).
+};
+
+cudaError_t quantize_keys(const QuantizeKeysParams& p, cudaStream_t stream);
 
 /// Exact top-k per score row with topk_ref's order and tie rule (radix select, one CTA per row); with `successor`,
 /// topk_ref's successor expansion: entry i > 0 of a row ranks by max(topk_key(s[i]), topk_key(s[i-1])), entry 0 by

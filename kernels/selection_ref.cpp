@@ -200,6 +200,47 @@ void score_tokens_ref(const ScoreTokensRefParams& p) {
   }
 }
 
+ScoreKeys parse_score_keys(const char* s) {
+  const std::string v = s == nullptr ? "" : s;
+  if (v == "bf16") return ScoreKeys::kBf16;
+  if (v == "int8") return ScoreKeys::kInt8;
+  fail("score keys must be bf16 or int8, got '{}'", v);
+}
+
+const char* score_keys_name(ScoreKeys k) { return k == ScoreKeys::kInt8 ? "int8" : "bf16"; }
+
+void quantize_keys_ref(const QuantizeKeysRefParams& p) {
+  SPADE_CHECK(p.rows == 0 || (p.k != nullptr && p.k_int8 != nullptr && p.k_scale != nullptr),
+              "quantize_keys_ref: k, k_int8 and k_scale must be set");
+  SPADE_CHECK(p.head_dim > 0, "quantize_keys_ref: head_dim {} must be > 0", p.head_dim);
+  const size_t D = static_cast<size_t>(p.head_dim);
+  for (size_t r = 0; r < p.rows; ++r) {
+    const float* k = p.k + r * D;
+    float amax = 0.f;
+    bool nan = false;
+    for (size_t d = 0; d < D; ++d) {
+      nan = nan || std::isnan(k[d]);
+      amax = std::fmax(amax, std::fabs(k[d]));
+    }
+    const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+    p.k_scale[r] = scale;
+    for (size_t d = 0; d < D; ++d) {
+      float q = scale > 0.f && std::isfinite(scale) ? std::nearbyint(k[d] / scale) : 0.f;
+      q = std::fmin(127.f, std::fmax(-127.f, q));
+      p.k_int8[r * D + d] = static_cast<int8_t>(q);
+    }
+  }
+}
+
+void dequantize_keys_ref(const int8_t* k_int8, const float* k_scale, size_t rows, int head_dim, float* k) {
+  SPADE_CHECK(rows == 0 || (k_int8 != nullptr && k_scale != nullptr && k != nullptr),
+              "dequantize_keys_ref: k_int8, k_scale and k must be set");
+  SPADE_CHECK(head_dim > 0, "dequantize_keys_ref: head_dim {} must be > 0", head_dim);
+  const size_t D = static_cast<size_t>(head_dim);
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t d = 0; d < D; ++d) k[r * D + d] = static_cast<float>(k_int8[r * D + d]) * k_scale[r];
+}
+
 void topk_ref(const TopkRefParams& p) {
   SPADE_CHECK(p.scores != nullptr && p.row_lens != nullptr && p.indices != nullptr,
               "topk_ref: scores, row_lens and indices must be set");
@@ -234,6 +275,62 @@ void topk_ref(const TopkRefParams& p) {
       }
       for (int i = 0; i < p.k; ++i) out[i] = i < take ? order[i] : -1;
       if (p.counts != nullptr) p.counts[row] = take;
+    }
+  }
+}
+
+void select_anchors_ref(const SelectAnchorsRefParams& p) {
+  SPADE_CHECK(p.queries != nullptr && p.k_cache != nullptr && p.block_table != nullptr && p.anchors != nullptr,
+              "select_anchors_ref: queries, k_cache, block_table and anchors must be set");
+  SPADE_CHECK(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0 && p.head_dim > 0 && p.page_size > 0,
+              "select_anchors_ref: num_q_heads {} / num_kv_heads {} / head_dim {} / page_size {} invalid",
+              p.num_q_heads, p.num_kv_heads, p.head_dim, p.page_size);
+  SPADE_CHECK(p.num_queries >= 0 && p.first_pos >= 0 && p.span >= 1 && p.begin >= 0 && p.begin <= p.end,
+              "select_anchors_ref: num_queries {} / first_pos {} / span {} / [begin {}, end {}) invalid",
+              p.num_queries, p.first_pos, p.span, p.begin, p.end);
+  const int last = p.first_pos + p.num_queries;  // keys [0, last) are read
+  SPADE_CHECK(last <= p.max_pages_per_seq * p.page_size,
+              "select_anchors_ref: queries up to position {} beyond max_pages_per_seq {} * page_size {}", last - 1,
+              p.max_pages_per_seq, p.page_size);
+  const int G = p.num_q_heads / p.num_kv_heads, D = p.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::fill(p.anchors, p.anchors + static_cast<size_t>(p.num_kv_heads) * kMaxAnchors, -1);
+  const int end = std::min(p.end, last);
+  if (end <= p.begin || p.num_queries == 0) return;
+  std::vector<float> best(static_cast<size_t>(end - p.begin));
+  std::vector<double> s(static_cast<size_t>(last));
+  for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+    std::fill(best.begin(), best.end(), 0.f);
+    for (int i = 0; i < p.num_queries; ++i) {
+      const int n = p.first_pos + i + 1;  // causal context of query i
+      for (int g = 0; g < G; ++g) {
+        const float* q = p.queries + (static_cast<size_t>(i) * p.num_q_heads + kvh * G + g) * D;
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int t = 0; t < n; ++t) {
+          const float* k = paged_row(p.k_cache, p.block_table, 0, t, kvh, p.page_size, p.max_pages_per_seq,
+                                     p.num_kv_heads, D, "select_anchors_ref");
+          float d = 0.f;
+          for (int j = 0; j < D; ++j) d += q[j] * k[j];
+          s[t] = d * scale;
+          mx = std::max(mx, s[t]);
+        }
+        double z = 0.0;
+        for (int t = 0; t < n; ++t) z += std::exp(s[t] - mx);
+        for (int t = p.begin; t < std::min(end, n); ++t)
+          best[t - p.begin] = std::max(best[t - p.begin], static_cast<float>(std::exp(s[t] - mx) / z));
+      }
+    }
+    int32_t* out = p.anchors + static_cast<size_t>(kvh) * kMaxAnchors;
+    for (int a = 0; a < kMaxAnchors; ++a) {
+      int arg = -1;
+      for (int t = p.begin; t < end; ++t) {
+        if (best[t - p.begin] < kAnchorMinMass || (arg >= 0 && best[t - p.begin] <= best[arg - p.begin])) continue;
+        bool near = false;
+        for (int b = 0; b < a; ++b) near = near || std::abs(t - out[b]) < p.span;
+        if (!near) arg = t;
+      }
+      if (arg < 0) break;
+      out[a] = arg;
     }
   }
 }

@@ -47,6 +47,13 @@
 // any head of the group wants it), kMean = mean over the group (equivalent to scoring with the mean query).
 // To keep the local window out of the selection, pass num_tokens = seq_len - local_window.
 //
+// Compact scoring keys (ScoreKeys::kInt8, the GPU cache rank's --score-keys int8): the scoring reads an int8 copy of
+// the keys instead of the cache's bf16 keys (half the bytes), written when keys are appended; the K/V that is gathered
+// and sent stays the cache's, exact. Per (cache row, KV head): scale = max_d |K[d]| / 127 (fp32 division), and
+// k_int8[d] = round_half_even(K[d] / scale) clamped to [-127, 127]; an all-zero row has scale 0 and k_int8 0
+// (quantize_keys_ref). Its scores are score_tokens_ref's on the dequantised keys k_int8[d] * scale
+// (dequantize_keys_ref); the CUDA kernel's bound against them is in kernels/selection.cuh (ScoreTokensParams).
+//
 // ---- Top-k (topk_ref) ----
 // For each row r (sequence b = r / rows_per_batch) over its first n = row_lens[b] scores: the k best by
 // (topk_key(score) descending, position ascending), i.e. ties at the threshold go to the EARLIER positions; output
@@ -57,10 +64,23 @@
 // position p at step t reads p + 1 at step t + 1, with a query that depends on the token sampled at t, which the
 // cache rank never sees; a one-step-stale token-level selection misses p + 1, page-level selection gets it for free.
 //
+// ---- Prompt anchors (select_anchors_ref) ----
+// A retrieval head can fire at one decode step out of nowhere: on longctx-22m the head that reads a pass key puts
+// ~0 attention on the needle at every reply step before the key and 0.9 at the step that writes its first digit, a
+// jump no query of earlier steps predicts (docs/FIDELITY.md). The same head read the needle line while the PROMPT's
+// question was prefilled. So at the switch to sparse decoding the cache rank takes the prompt's last queries (up to
+// SelectionConfig::anchor_queries), and per KV head keeps as anchors the candidate tokens that some query head of
+// its group attended most (softmax probability over the query's causal context, scale 1/sqrt(head_dim)): best first,
+// at least kAnchorMinMass, at most kMaxAnchors, each at least `span` positions from the ones kept before, from the
+// range [begin, end) the caller gives (the Selector leaves out the first `span` tokens — attention sinks, which the
+// prediction keeps anyway — and the anchor queries' own recent span). Each predicted selection then holds
+// [a, a + span) of its best anchors (up to a quarter of its budget, Selector).
+//
 // ---- Gather (gather_kv_ref) ----
 // packed_k[b][kvh][i] = K[b][indices[b][kvh][i]][kvh] (likewise V) for i < k; index -1 gives a zero row.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace spade::kernels {
@@ -76,6 +96,13 @@ const char* predictor_kind_name(PredictorKind k);
 
 /// How a KV head combines the scores of its GQA group's query heads (see the header comment).
 enum class GqaScoreRule : uint8_t { kMax = 0, kMean = 1 };
+
+/// Which keys the scoring reads (see the header comment, "Compact scoring keys"): the cache's own (kBf16) or the int8
+/// copy with one fp32 scale per (token, KV head) (kInt8).
+enum class ScoreKeys : uint8_t { kBf16 = 0, kInt8 = 1 };
+/// "bf16" | "int8"; throws spade::Error listing them otherwise.
+ScoreKeys parse_score_keys(const char* s);
+const char* score_keys_name(ScoreKeys k);
 
 struct PredictQueryRefParams {
   const float* window = nullptr;         // [batch, num_heads, window_capacity, head_dim] fp32, oldest first.
@@ -144,6 +171,44 @@ struct GatherKvRefParams {
 
 /// Copies the selected K/V rows into the packed layout the sparse decode reads.
 void gather_kv_ref(const GatherKvRefParams& p);
+
+struct QuantizeKeysRefParams {
+  const float* k = nullptr;   // [rows, head_dim] fp32 keys (a row: one token's KV head).
+  int8_t* k_int8 = nullptr;   // [rows, head_dim] int8 output.
+  float* k_scale = nullptr;   // [rows] fp32 output.
+  size_t rows = 0;
+  int head_dim = 0;           // > 0
+};
+
+/// The compact scoring copy of `rows` key rows (see the header comment: absmax / 127 per row, round half to even).
+/// A non-finite key gives a non-finite scale (the row then scores NaN, which ranks lowest).
+void quantize_keys_ref(const QuantizeKeysRefParams& p);
+
+/// k[r][d] = k_int8[r][d] * k_scale[r] (fp32): the keys the int8 scoring scores with. Same params (k written).
+void dequantize_keys_ref(const int8_t* k_int8, const float* k_scale, size_t rows, int head_dim, float* k);
+
+/// Anchors per KV head at most, and the attention probability an anchor needs (see the header comment).
+inline constexpr int kMaxAnchors = 8;
+inline constexpr float kAnchorMinMass = 0.1f;
+
+struct SelectAnchorsRefParams {
+  const float* queries = nullptr;        // [num_queries, num_q_heads, head_dim] fp32, query i at position first_pos + i.
+  const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32, one sequence.
+  const int32_t* block_table = nullptr;  // [max_pages_per_seq] int32.
+  int32_t* anchors = nullptr;            // [num_kv_heads, kMaxAnchors] int32 output, best first, -1 padding.
+  int num_queries = 0;
+  int first_pos = 0;                     // the keys [0, first_pos + i] are query i's context.
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int begin = 0, end = 0;                // anchors are taken from the positions [begin, end).
+  int span = 1;                          // >= 1: anchors of one head are at least `span` apart.
+};
+
+/// The prompt anchors of one sequence (see the header comment).
+void select_anchors_ref(const SelectAnchorsRefParams& p);
 
 /// Order-preserving map fp32 -> uint32 used by the top-k (larger float -> larger key; NaN -> 0).
 uint32_t topk_key(float x);

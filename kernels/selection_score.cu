@@ -176,6 +176,311 @@ cudaError_t score_smem_attribute() {
   return ensure_smem_attribute<score_kernel<T, D>>(ScoreConfig<D>::kSmemBytes);
 }
 
+// =====================================================================================================================
+// Scoring with the compact int8 keys (ScoreKeys::kInt8): the same grid, warps and per-warp cp.async pipeline over
+// 16-token tiles, half the key bytes per tile plus the tile's 16 fp32 row scales. S^T[16 x 8] = Kq_tile . Qq^T with
+// mma.m16n8k32 on int8 (s32 accumulation, exact): each query head is carried as int8 hi + lo parts (x = q * 127 /
+// max|q|, hi = rint(x), lo = rint((x - hi) * 254)), hi in columns 0..G-1 and lo in G..2G-1 (G <= 4), or hi and lo in
+// two mmas (G in 5..8). score = k_scale[t] * (max|q| / 127) * (hi . k + lo . k / 254), combined over the group.
+// The int8 tile's 16-byte chunks are laid out as the bf16 kernel's (same ldmatrix addressing: a b16 8x8 matrix row
+// is 16 int8 keys, which is the m16n8k32 A fragment); rows of 4 chunks (D 64) swizzle by (row / 2) % 4.
+// =====================================================================================================================
+
+template <int D>
+struct ScoreI8Config {
+  static constexpr int kChunks = D / 16;  // 16-byte chunks per token row
+  static constexpr int kChunksPerLane = 16 * kChunks / 32;
+  // Half the bytes per tile of the bf16 kernel: twice its stages keep as many bytes in flight.
+  static constexpr int kStages = D == 256 ? 6 : 12;
+  static constexpr int kKeyBytes = 16 * D;
+  static constexpr int kTileBytes = kKeyBytes + 16 * 4;  // keys, then the 16 rows' scales
+  static constexpr int kScratch = 2 * 16 * 9 + 8;        // floats per warp: two 16 x 9 tiles, the heads' steps
+  static constexpr size_t kSmemBytes =
+      kScoreTable * 4 + size_t{kScoreWarps} * kStages * kTileBytes + size_t{kScoreWarps} * kScratch * 4;
+};
+
+struct ScoreI8Args {
+  PagedKv kv;  // kv.k: the int8 keys (kv.v unused)
+  GqaHeads heads;
+  const float* k_scale;  // [cache rows, hkv]
+  const float* q_hat;
+  const int32_t* num_tokens;
+  float* scores;
+  int score_stride;
+  int chunk;
+  int rule_max;
+};
+
+// Offset in 16-bit words of 16-byte chunk `chunk` of row `row` of an int8 tile with kChunks chunks per row.
+template <int kChunks>
+__device__ __forceinline__ int swz_i8(int row, int chunk) {
+  if constexpr (kChunks >= 8) {
+    return swz(row, chunk, kChunks);
+  } else {
+    return row * kChunks * 8 + ((chunk ^ ((row >> 1) & (kChunks - 1))) << 3);
+  }
+}
+
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void mma_s8(int d[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
+  return (static_cast<uint32_t>(a) & 0xFFu) | ((static_cast<uint32_t>(b) & 0xFFu) << 8) |
+         ((static_cast<uint32_t>(c) & 0xFFu) << 16) | ((static_cast<uint32_t>(d) & 0xFFu) << 24);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Args a) {
+  using Cfg = ScoreI8Config<D>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
+  unsigned char* stage_base = smem_raw + kScoreTable * 4;
+  float* scratch_base = reinterpret_cast<float*>(stage_base + size_t{kScoreWarps} * Cfg::kStages * Cfg::kTileBytes);
+
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int G = a.heads.group;
+  const int L = a.num_tokens[b];
+  const int begin = split * a.chunk;
+  if (begin >= L) return;
+  const int end = min(L, begin + a.chunk);
+
+  const int p0 = a.kv.page_of(begin);
+  {
+    const int np = a.kv.page_of(end - 1) - p0 + 1;
+    const int32_t* bt = a.kv.table_row(b) + p0;
+    for (int i = tid; i < np; i += kScoreThreads) tab[i] = bt[i];
+  }
+  __syncthreads();
+
+  const size_t row_stride = static_cast<size_t>(a.kv.hkv) * D;  // bytes between cache rows
+  const int8_t* kc = static_cast<const int8_t*>(a.kv.k) + static_cast<size_t>(kvh) * D;
+  unsigned char* my_stages = stage_base + static_cast<size_t>(warp) * Cfg::kStages * Cfg::kTileBytes;
+  float* scratch = scratch_base + warp * Cfg::kScratch;
+  float* head_step = scratch + 2 * 16 * 9;  // [G] max|q| / 127 per group head
+  auto issue = [&](int tile_start, int stage) {
+    unsigned char* st = my_stages + stage * Cfg::kTileBytes;
+    uint16_t* sk = reinterpret_cast<uint16_t*>(st);
+    for_each_tile_chunk<Cfg::kChunks, Cfg::kChunksPerLane, 32>(lane, tile_start, end, [&](int tok, int col, int v,
+                                                                                         bool valid) {
+      const int8_t* gk = kc;
+      if (valid) gk = kc + a.kv.slot(tab[a.kv.page_of(v) - p0], v) * row_stride;
+      cp_async_16(sk + swz_i8<Cfg::kChunks>(tok, col), gk + col * 16, valid);
+    });
+    if (lane < 16) {
+      const int v = tile_start + lane;
+      const bool valid = v < end;
+      const float* gs = a.k_scale;
+      if (valid) gs = a.k_scale + a.kv.slot(tab[a.kv.page_of(v) - p0], v) * a.kv.hkv + kvh;
+      cp_async_4(st + Cfg::kKeyBytes + lane * 4, gs, valid);
+    }
+  };
+
+  // B operands (m16n8k32, int8): column n = lane / 4 of Qq^T, rows d = 32 ks + 4 c (+0..3) and 32 ks + 16 + 4 c.
+  const int n = lane >> 2;
+  const int c4 = lane & 3;
+  const bool two = 2 * G > 8;
+  int head0 = -1;
+  bool lo0 = false;
+  if (n < G) {
+    head0 = n;
+  } else if (!two && n < 2 * G) {
+    head0 = n - G;
+    lo0 = true;
+  }
+  const int head1 = (two && n < G) ? n : -1;
+  const float* qbase = a.q_hat + (static_cast<size_t>(b) * a.heads.hq + kvh * G) * D;
+  // max |q| of this lane's head (both of its operands are the same head): the 4 lanes of a column split d.
+  float amax = 0.f;
+  if (head0 >= 0) {
+    const float* q = qbase + static_cast<size_t>(head0) * D;
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float x = q[ks * 32 + 16 * r + 4 * c4 + i];
+          amax = fmaxf(amax, isnan(x) ? INFINITY : fabsf(x));
+        }
+  }
+  amax = warp_max_xor(amax, 1, 2);
+  // A non-finite query scores NaN (ranks lowest), a zero one 0.
+  const bool usable = amax > 0.f && isfinite(amax);
+  const float inv = usable ? __fdiv_rn(127.f, amax) : 0.f;
+  if (c4 == 0 && head0 >= 0 && !lo0) head_step[head0] = usable ? amax / 127.f : (amax == 0.f ? 0.f : NAN);
+  auto part = [&](int head, bool lo, int d) -> int {
+    if (head < 0) return 0;
+    const float x = qbase[static_cast<size_t>(head) * D + d] * inv;
+    const float hi = fminf(127.f, fmaxf(-127.f, rintf(x)));
+    return lo ? static_cast<int>(fminf(127.f, fmaxf(-127.f, rintf((x - hi) * 254.f)))) : static_cast<int>(hi);
+  };
+  uint32_t qf0[D / 32][2];
+  uint32_t qf1[D / 32][2];
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int d = ks * 32 + 16 * r + 4 * c4;
+      qf0[ks][r] = pack_s8x4(part(head0, lo0, d), part(head0, lo0, d + 1), part(head0, lo0, d + 2),
+                             part(head0, lo0, d + 3));
+      qf1[ks][r] = pack_s8x4(part(head1, true, d), part(head1, true, d + 1), part(head1, true, d + 2),
+                             part(head1, true, d + 3));
+    }
+  }
+  __syncwarp();
+
+  const int n_tiles = (end - begin + 15) / 16;
+  const int nj = warp < n_tiles ? (n_tiles - warp + kScoreWarps - 1) / kScoreWarps : 0;
+  auto tile_begin = [&](int j) { return begin + (warp + kScoreWarps * j) * 16; };
+  float* out = a.scores + (static_cast<size_t>(b) * a.kv.hkv + kvh) * a.score_stride;
+
+  auto issue_tile = [&](int j, int stage) { issue(tile_begin(j), stage); };
+  warp_cp_async_pipeline<Cfg::kStages>(nj, issue_tile, [&](int j, int stage) {
+    const unsigned char* st = my_stages + stage * Cfg::kTileBytes;
+    const uint16_t* sk = reinterpret_cast<const uint16_t*>(st);
+    int s0[4] = {0, 0, 0, 0};
+    int s1[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ++ks) {
+      uint32_t af[4];
+      const int i = lane >> 3;
+      const int tok = (lane & 7) + ((i & 1) << 3);
+      ldmatrix_x4(af, sk + swz_i8<Cfg::kChunks>(tok, 2 * ks + (i >> 1)));
+      mma_s8(s0, af, qf0[ks]);
+      if (two) mma_s8(s1, af, qf1[ks]);
+    }
+    const int g = lane >> 2;
+    scratch[g * 9 + 2 * c4] = static_cast<float>(s0[0]);
+    scratch[g * 9 + 2 * c4 + 1] = static_cast<float>(s0[1]);
+    scratch[(g + 8) * 9 + 2 * c4] = static_cast<float>(s0[2]);
+    scratch[(g + 8) * 9 + 2 * c4 + 1] = static_cast<float>(s0[3]);
+    if (two) {
+      scratch[144 + g * 9 + 2 * c4] = static_cast<float>(s1[0]);
+      scratch[144 + g * 9 + 2 * c4 + 1] = static_cast<float>(s1[1]);
+      scratch[144 + (g + 8) * 9 + 2 * c4] = static_cast<float>(s1[2]);
+      scratch[144 + (g + 8) * 9 + 2 * c4 + 1] = static_cast<float>(s1[3]);
+    }
+    __syncwarp();
+    const int t0 = tile_begin(j);
+    if (lane < 16 && t0 + lane < end) {
+      const float* r0 = scratch + lane * 9;
+      const float row_scale = reinterpret_cast<const float*>(st + Cfg::kKeyBytes)[lane];
+      float best = -INFINITY;
+      float sum = 0.f;
+      for (int h = 0; h < G; ++h) {
+        const float lo = two ? r0[144 + h] : r0[G + h];
+        const float v = (r0[h] + lo * (1.f / 254.f)) * head_step[h];
+        best = fmaxf(best, v);
+        sum += v;
+      }
+      out[t0 + lane] = (a.rule_max ? best : sum / static_cast<float>(G)) * row_scale;
+    }
+    __syncwarp();
+  });
+}
+
+template <int D>
+cudaError_t score_i8_smem_attribute() {
+  return ensure_smem_attribute<score_i8_kernel<D>>(ScoreI8Config<D>::kSmemBytes);
+}
+
+template <int D>
+cudaError_t launch_score_i8(ScoreI8Args a, int batch, int page_size, int max_len, cudaStream_t stream) {
+  using Cfg = ScoreI8Config<D>;
+  auto kernel = score_i8_kernel<D>;
+  cudaError_t e = score_i8_smem_attribute<D>();
+  if (e != cudaSuccess) return e;
+  int occ = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kScoreThreads, Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const long long slots = static_cast<long long>(std::max(1, current_sm_count())) * std::max(1, occ);
+  const long long cap = static_cast<long long>(kScoreTable - 2) * page_size;
+  const int splits =
+      choose_splits(static_cast<long long>(batch) * a.kv.hkv, slots, max_len, 256, ceil_div(max_len, cap), 1 << 20);
+  a.chunk = ceil_div(ceil_div(max_len, splits), 16) * 16;
+  const dim3 grid(ceil_div(max_len, a.chunk), a.kv.hkv, batch);
+  kernel<<<grid, kScoreThreads, Cfg::kSmemBytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// =====================================================================================================================
+// Quantize-on-append: one warp per (token, KV head), D / 32 contiguous keys per lane.
+// =====================================================================================================================
+
+constexpr int kQuantWarps = 8;
+
+struct QuantArgs {
+  const void* k;
+  int8_t* q;
+  float* scale;
+  const int32_t* positions;
+  const int32_t* seq_idx;
+  const int32_t* block_table;
+  int tokens, hkv, page_size, max_pages, num_pages, batch;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kQuantWarps * 32) quantize_keys_kernel(const QuantArgs a) {
+  using Tr = ElemTraits<T>;
+  constexpr int E = D / 32;
+  const long long w = static_cast<long long>(blockIdx.x) * kQuantWarps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (w >= static_cast<long long>(a.tokens) * a.hkv) return;
+  const int t = static_cast<int>(w / a.hkv);
+  const int kvh = static_cast<int>(w % a.hkv);
+  long long row = t;
+  if (a.positions != nullptr) {
+    const int b = a.seq_idx[t];
+    const int pos = a.positions[t];
+    if (b < 0 || b >= a.batch || pos < 0 ||
+        static_cast<long long>(pos) >= static_cast<long long>(a.max_pages) * a.page_size)
+      return;
+    const int page = a.block_table[static_cast<size_t>(b) * a.max_pages + pos / a.page_size];
+    if (page < 0 || page >= a.num_pages) return;
+    row = static_cast<long long>(page) * a.page_size + pos % a.page_size;
+  }
+  const size_t base = (static_cast<size_t>(row) * a.hkv + kvh) * D + static_cast<size_t>(lane) * E;
+  const T* src = static_cast<const T*>(a.k) + base;
+  float v[E];
+  float amax = 0.f;
+  bool nan = false;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    v[i] = Tr::to_float(src[i]);
+    nan = nan || isnan(v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  amax = warp_max_xor(amax, 1, 16);
+  nan = __any_sync(0xffffffffu, nan);
+  const float scale = nan ? NAN : __fdiv_rn(amax, 127.f);
+  const bool usable = scale > 0.f && isfinite(scale);
+  int8_t out[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    const float x = usable ? rintf(__fdiv_rn(v[i], scale)) : 0.f;
+    out[i] = static_cast<int8_t>(fminf(127.f, fmaxf(-127.f, x)));
+  }
+  int8_t* dst = a.q + base;
+#pragma unroll
+  for (int i = 0; i < E; ++i) dst[i] = out[i];
+  if (lane == 0) a.scale[static_cast<size_t>(row) * a.hkv + kvh] = scale;
+}
+
 template <typename T, int D>
 cudaError_t launch_score_typed(ScoreArgs a, int batch, int page_size, int max_len, cudaStream_t stream) {
   using Cfg = ScoreConfig<D>;
@@ -199,7 +504,9 @@ cudaError_t launch_score_typed(ScoreArgs a, int batch, int page_size, int max_le
 
 cudaError_t prepare_score_kernels() {
   return for_each_type_head_dim<__nv_bfloat16, __half>([](auto tag, auto dim) {
-    return score_smem_attribute<decltype(tag), decltype(dim)::value>();
+    cudaError_t e = score_smem_attribute<decltype(tag), decltype(dim)::value>();
+    if (e == cudaSuccess) e = score_i8_smem_attribute<decltype(dim)::value>();
+    return e;
   });
 }
 
@@ -208,13 +515,34 @@ cudaError_t prepare_score_kernels() {
 cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream) {
   using namespace detail;
   const char* what = "score_tokens";
-  if (p.q_hat == nullptr || p.k_cache == nullptr || p.block_table == nullptr || p.num_tokens == nullptr ||
-      p.scores == nullptr) {
-    return invalid_argument(what, "q_hat, k_cache, block_table, num_tokens and scores must be set");
+  if (p.keys != ScoreKeys::kBf16 && p.keys != ScoreKeys::kInt8)
+    return invalid_argument(what, "keys ", static_cast<int>(p.keys), " is not bf16 or int8");
+  const bool i8 = p.keys == ScoreKeys::kInt8;
+  if (p.q_hat == nullptr || p.block_table == nullptr || p.num_tokens == nullptr || p.scores == nullptr) {
+    return invalid_argument(what, "q_hat, block_table, num_tokens and scores must be set");
   }
+  if (!i8 && p.k_cache == nullptr) return invalid_argument(what, "k_cache must be set (keys bf16)");
+  if (i8 && (p.k_int8 == nullptr || p.k_scale == nullptr))
+    return invalid_argument(what, "k_int8 and k_scale must be set (keys int8)");
   const cudaError_t e = check_paged_gqa(what, p);
   if (e != cudaSuccess) return e;
   if (p.score_stride <= 0) return invalid_argument(what, "score_stride ", p.score_stride, " must be > 0");
+  if (i8) {
+    ScoreI8Args a{};
+    a.kv = paged_kv(p, p.k_int8, nullptr);
+    a.heads = gqa_heads(p);
+    a.k_scale = p.k_scale;
+    a.q_hat = p.q_hat;
+    a.num_tokens = p.num_tokens;
+    a.scores = p.scores;
+    a.score_stride = p.score_stride;
+    a.rule_max = p.rule == GqaScoreRule::kMax ? 1 : 0;
+    const int max_len = static_cast<int>(std::min<long long>(
+        p.score_stride, static_cast<long long>(p.max_pages_per_seq) * p.page_size));
+    return dispatch_head_dim(what, p.head_dim, [&](auto dim) {
+      return launch_score_i8<decltype(dim)::value>(a, p.batch, p.page_size, max_len, stream);
+    });
+  }
   ScoreArgs a{};
   a.kv = paged_kv(p, p.k_cache, nullptr);
   a.heads = gqa_heads(p);
@@ -227,6 +555,35 @@ cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream) {
       p.score_stride, static_cast<long long>(p.max_pages_per_seq) * p.page_size));
   return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
     return launch_score_typed<decltype(tag), decltype(dim)::value>(a, p.batch, p.page_size, max_len, stream);
+  });
+}
+
+cudaError_t quantize_keys(const QuantizeKeysParams& p, cudaStream_t stream) {
+  using namespace detail;
+  const char* what = "quantize_keys";
+  if (p.tokens < 0) return invalid_argument(what, "tokens ", p.tokens, " must be >= 0");
+  if (p.tokens == 0) return cudaSuccess;
+  if (p.k_cache == nullptr || p.k_int8 == nullptr || p.k_scale == nullptr)
+    return invalid_argument(what, "k_cache, k_int8 and k_scale must be set");
+  if (p.num_kv_heads <= 0) return invalid_argument(what, "num_kv_heads ", p.num_kv_heads, " must be > 0");
+  if (!is_pow2(p.page_size)) return invalid_argument(what, "page_size ", p.page_size, " must be a power of two");
+  if (p.num_pages <= 0) return invalid_argument(what, "num_pages ", p.num_pages, " must be > 0");
+  if (p.positions != nullptr) {
+    if (p.seq_idx == nullptr || p.block_table == nullptr)
+      return invalid_argument(what, "seq_idx and block_table must be set with positions");
+    if (p.max_pages_per_seq <= 0 || p.batch <= 0)
+      return invalid_argument(what, "max_pages_per_seq ", p.max_pages_per_seq, " / batch ", p.batch, " must be > 0");
+  } else if (static_cast<long long>(p.tokens) > static_cast<long long>(p.num_pages) * p.page_size) {
+    return invalid_argument(what, "tokens ", p.tokens, " exceed the pool's ", p.num_pages, " x ", p.page_size,
+                            " cache rows");
+  }
+  QuantArgs a{p.k_cache, p.k_int8, p.k_scale, p.positions, p.seq_idx, p.block_table, p.tokens, p.num_kv_heads,
+              p.page_size, p.max_pages_per_seq, p.num_pages, p.batch};
+  const long long warps = static_cast<long long>(p.tokens) * p.num_kv_heads;
+  return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
+    quantize_keys_kernel<decltype(tag), decltype(dim)::value>
+        <<<ceil_div(warps, kQuantWarps), kQuantWarps * 32, 0, stream>>>(a);
+    return cudaGetLastError();
   });
 }
 

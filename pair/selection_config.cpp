@@ -11,6 +11,9 @@ void validate(const SelectionConfig& c) {
   SPADE_CHECK(c.query_window >= 1 && c.query_window <= kernels::kMaxPredictorWindow,
               "query window must be in 1..{}, got {}", kernels::kMaxPredictorWindow, c.query_window);
   SPADE_CHECK(c.ridge_eps > 0, "ridge epsilon must be positive, got {}", c.ridge_eps);
+  SPADE_CHECK(c.anchor_queries >= 0 && c.anchor_queries <= kMaxAnchorQueries,
+              "anchor queries must be in 0..{} (0 = off), got {}", kMaxAnchorQueries, c.anchor_queries);
+  SPADE_CHECK(c.anchor_span >= 1, "anchor span must be >= 1, got {}", c.anchor_span);
 }
 
 void validate(const SparseConfig& c) {

@@ -14,6 +14,9 @@
 
 namespace spade::pair {
 
+/// Most prompt queries shipped at the switch (pair/pack.cpp checks the same bound on the wire).
+inline constexpr int kMaxAnchorQueries = 64;
+
 struct SelectionConfig {
   int token_budget = 256;  // k: tokens selected per (sequence, layer, KV head)
   int local_window = 32;   // R: most recent tokens the inference rank attends from its own KV
@@ -28,6 +31,19 @@ struct SelectionConfig {
   kernels::GqaScoreRule gqa_rule = kernels::GqaScoreRule::kMax;
   kernels::PredictorKind predictor = kernels::PredictorKind::kRidge;
   bool successor_expand = true;  // a token ranks by max(own score, predecessor's score) (kernels/selection_ref.h)
+  // Prompt anchors (kernels/selection_ref.h select_anchors_ref): the prompt's last `anchor_queries` queries, shipped
+  // at the switch to sparse decoding, pick per KV head up to kernels::kMaxAnchors tokens they attended most; each
+  // predicted selection holds [a, a + anchor_span) of the best ones, within a quarter of its budget. 0 = off (the
+  // earlier default); at most kMaxAnchorQueries (the pack's limit on shipped queries).
+  int anchor_queries = 64;
+  int anchor_span = 16;
+  // GPU cache rank only: the keys its scoring reads, the cache's bf16 keys or a compact int8 copy with one fp32 scale
+  // per (token, KV head) written on append (kernels/selection_ref.h, "Compact scoring keys"). The K/V it gathers and
+  // sends stays bf16 and exact either way; int8 reads about half the bytes per step and costs 26 % more memory per
+  // page at head_dim 128 (cache_rank/gpu_server.h gpu_cache_page_bytes). The cache rank's own setting (not in the
+  // pair hello). int8 by default: on longctx-7m it answered the same pass-key prompts as bf16 at budgets 1/16 and
+  // 1/32, in a shorter cache-rank step (measured in bench/results/score_keys-*).
+  kernels::ScoreKeys score_keys = kernels::ScoreKeys::kInt8;
 };
 
 /// Throws spade::Error naming the field when a value is out of range.

@@ -34,6 +34,12 @@ void add_sparse_flags(CLI::App& app, SparseConfig& c, SparseFlagText& text, unsi
                    "a token ranks by the higher of its own and its predecessor's score (a selected token brings the "
                    "next one)")
         ->capture_default_str();
+    app.add_option("--anchor-queries", sc.anchor_queries,
+                   "prompt anchors: the prompt's last N queries (0..64, shipped at the switch) pick per KV head the "
+                   "tokens they attended most; each predicted selection keeps [anchor, anchor + span) of them within a "
+                   "quarter of its budget (a retrieval head can fire at a step no earlier query predicts). 0 = off")
+        ->capture_default_str();
+    counted("--anchor-span", sc.anchor_span, "prompt anchors: tokens kept from each anchor on");
   }
   if ((groups & kScheduleFlags) != 0) {
     counted("--sparse-threshold", c.sparse_threshold, "context length at which decoding turns sparse");
@@ -46,6 +52,14 @@ void add_sparse_flags(CLI::App& app, SparseConfig& c, SparseFlagText& text, unsi
             "tokens out for a step when more enter (bounded staleness; its cost on pass-key accuracy is in "
             "docs/FIDELITY.md)",
             true);
+  }
+  text.score_keys = kernels::score_keys_name(sc.score_keys);
+  if ((groups & kScoreKeysFlag) != 0) {
+    app.add_option("--score-keys", text.score_keys,
+                   "GPU cache rank: the keys its scoring reads: bf16 (the cache's) | int8 (a compact copy with one "
+                   "scale per token and KV head, written on append: about half the bytes read per step, 26 % more "
+                   "memory per page at head_dim 128). The K/V sent stays bf16 and exact")
+        ->capture_default_str();
   }
   if ((groups & kDeltaTransferFlag) != 0) {
     app.add_option("--delta-transfer", c.delta_transfer,
@@ -67,6 +81,12 @@ void resolve_sparse_flags(const SparseFlagText& text, SparseConfig& c) {
     sc.predictor = kernels::parse_predictor_kind(text.predictor.c_str());
   } else {
     fail("--predictor must be ridge, paper or last, got '{}'", text.predictor);
+  }
+  if (text.score_keys.empty()) {  // not registered: the config's value stands
+  } else if (text.score_keys == "bf16" || text.score_keys == "int8") {
+    sc.score_keys = kernels::parse_score_keys(text.score_keys.c_str());
+  } else {
+    fail("--score-keys must be bf16 or int8, got '{}'", text.score_keys);
   }
   validate(c);
 }

@@ -4,9 +4,11 @@
 //
 //   selection        --token-budget K  --local-window R  --sink-tokens S  --query-window W  --ridge-eps E
 //                    --gqa-rule max|mean  --predictor ridge|paper|last  --successor-expand true|false
+//                    --anchor-queries N  --anchor-span A
 //   schedule         --sparse-threshold N  --layers-per-pack P      (the inference rank's)
 //   delta capacity   --delta-capacity C                             (the GPU inference rank's)
 //   delta transfer   --delta-transfer true|false                    (the CPU cache rank's)
+//   score keys       --score-keys bf16|int8                         (the GPU cache rank's)
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -26,12 +28,14 @@ enum SparseFlagGroup : unsigned {
   kScheduleFlags = 2u,       // sparse_threshold, layers_per_pack
   kDeltaCapacityFlag = 4u,   // delta_capacity
   kDeltaTransferFlag = 8u,   // delta_transfer
+  kScoreKeysFlag = 16u,      // selection.score_keys
 };
 
 /// The flags' text values that need parsing after CLI11 has run (resolve_sparse_flags).
 struct SparseFlagText {
   std::string gqa_rule = "max";
   std::string predictor = "ridge";
+  std::string score_keys;  // set from the config's default by add_sparse_flags
 };
 
 /// Registers the flags of `groups` (SparseFlagGroup bits) on `app`, writing into `c` (its values are the defaults

@@ -49,15 +49,24 @@ OpRequest GpuLinkWatch::check_post(PairRole role, bool is_send, const void* buf,
 
 cudaEvent_t GpuLinkWatch::take_event(const OpRequest& op) {
   cudaEvent_t ev = nullptr;
+  size_t in_flight = 0;
+  bool first_late = false;
   {
     std::lock_guard lk(mu_);
     throw_if_failed_locked(op, nullptr, "refused");
     if (!free_events_.empty()) {
       ev = free_events_.back();
       free_events_.pop_back();
+    } else if (started_) {
+      first_late = late_events_++ == 0;
+      in_flight = pending_.size();
     }
   }
   if (ev == nullptr) {
+    if (first_late)
+      spdlog::warn("{}: {} operation(s) in flight, more than the {} completion events reserved: creating more while "
+                   "the peer's operations are pending",
+                   opts_.label, in_flight, opts_.reserve_events);
     const cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
     SPADE_CHECK(e == cudaSuccess, "{}: {}: cudaEventCreate: {}", opts_.label, op.desc, cudaGetErrorString(e));
   }
@@ -167,6 +176,21 @@ std::string GpuLinkWatch::oldest_locked() const {
 
 void GpuLinkWatch::start_watchdog() {
   if (watchdog_.joinable()) return;
+  {
+    DeviceGuard g(opts_.device);
+    std::lock_guard lk(mu_);
+    while (free_events_.size() < opts_.reserve_events) {
+      cudaEvent_t ev = nullptr;
+      const cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+      if (e != cudaSuccess) {
+        spdlog::warn("{}: reserving completion events: cudaEventCreate: {} ({} reserved)", opts_.label,
+                     cudaGetErrorString(e), free_events_.size());
+        break;
+      }
+      free_events_.push_back(ev);
+    }
+    started_ = true;
+  }
   watchdog_ = std::thread([this] { watchdog_loop(); });
 }
 

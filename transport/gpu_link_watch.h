@@ -83,6 +83,11 @@ class GpuLinkWatch {
     std::chrono::milliseconds op_timeout{10000};     // default deadline of an operation, and teardown's drain bound
     std::chrono::milliseconds watchdog_period{2};    // how often the watchdog polls
     bool watch_after_failure = false;  // keep the watchdog thread ticking (tick_locked) after a failure
+    // Completion events created by start_watchdog(), before anything is posted. Posting takes them from this pool
+    // (refilled as operations complete) and creates one only while more operations than this are in flight: a CUDA
+    // event created while the peer's operations are pending is what the reserve avoids (with both ends in one
+    // process, the in-process pair stalled at the first steps that had more operations in flight than before).
+    size_t reserve_events = 64;
   };
 
   /// What a failure leaves to do outside the mutex (finish()). `first` is false when the link had already failed.
@@ -156,7 +161,9 @@ class GpuLinkWatch {
 
   // ---- watchdog and teardown ----
 
-  /// Starts the watchdog thread (once).
+  /// Creates the reserve of completion events (Options::reserve_events; on the link's device, the calling thread's
+  /// current device is kept) and starts the watchdog thread (once). A reserve CUDA cannot create is logged (warn) and
+  /// left to take_event().
   void start_watchdog();
   /// Stops and joins the watchdog (detaches it when called on the watchdog thread itself, e.g. from a callback that
   /// destroys the link, which the contract forbids). Idempotent.
@@ -204,6 +211,8 @@ class GpuLinkWatch {
   std::list<Pending> pending_;
   uint64_t next_id_ = 1;
   std::vector<cudaEvent_t> free_events_;
+  uint64_t late_events_ = 0;
+  bool started_ = false;
   bool failed_ = false;
   std::string failure_;
   std::function<void(const std::string&)> on_failure_;

@@ -279,6 +279,8 @@ int main(int argc, char** argv) {
       variants_json.push_back({{"name", v.name}, {"mode", selection_mode_name(v.mode)},
                                {"predictor", kernels::predictor_kind_name(v.selection.predictor)},
                                {"successor_expand", v.selection.successor_expand},
+                               {"anchor_queries", v.selection.anchor_queries},
+                               {"anchor_span", v.selection.anchor_span},
                                {"query_window", v.selection.query_window}, {"ridge_eps", v.selection.ridge_eps},
                                {"gqa_rule", v.selection.gqa_rule == kernels::GqaScoreRule::kMax ? "max" : "mean"},
                                {"sink_tokens", v.selection.sink_tokens}, {"local_window", v.selection.local_window}});

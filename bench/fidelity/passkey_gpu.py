@@ -51,14 +51,27 @@ def parse_budget(s):
     return int(s), None
 
 
+def flag_names(tokens):
+    """The option names among inference_rank arguments ("--layers-per-pack 6" and "--layers-per-pack=6" alike)."""
+    return {t.split("=", 1)[0] for t in tokens if t.startswith("--")}
+
+
 def run_group(args, flags, prompts, budget):
-    cmd = [args.inference_rank, "--model", args.model, "--device", args.device, "--chat", "--temperature", "0",
-           "--max-tokens", str(args.max_new_tokens), "--sparse-threshold", str(args.sparse_threshold),
-           "--layers-per-pack", str(args.layers_per_pack), "--max-num-seqs", str(len(prompts)),
-           "--max-num-batched-tokens", "8192", "--kv-cache-gib", "16", "--log-level", "warn"]
+    # The script's settings, each left out when the variant or --extra-flags gives it: inference_rank refuses an
+    # option given twice (CLI11's ArgumentMismatch, exit status 114), e.g. a variant's --layers-per-pack 6.
+    own = shlex.split(flags) + shlex.split(args.extra_flags)
+    given = flag_names(own)
+    defaults = [("--model", args.model), ("--device", args.device), ("--chat", None), ("--temperature", "0"),
+                ("--max-tokens", str(args.max_new_tokens)), ("--sparse-threshold", str(args.sparse_threshold)),
+                ("--layers-per-pack", str(args.layers_per_pack)), ("--max-num-seqs", str(len(prompts))),
+                ("--max-num-batched-tokens", "8192"), ("--kv-cache-gib", "16"), ("--log-level", "warn")]
     if budget:
-        cmd += ["--token-budget", str(budget)]
-    cmd += shlex.split(flags) + shlex.split(args.extra_flags)
+        defaults.append(("--token-budget", str(budget)))
+    cmd = [args.inference_rank]
+    for name, value in defaults:
+        if name not in given:
+            cmd += [name] + ([value] if value is not None else [])
+    cmd += own
     for p in prompts:
         cmd += ["--prompt", p["prompt"]]
     t0 = time.time()
@@ -70,7 +83,8 @@ def run_group(args, flags, prompts, budget):
         sys.stderr.write(f"inference_rank exited {r.returncode} ({len(failed)} failed requests): {flags} budget "
                          f"{budget}\n{r.stderr[-1500:]}\n")
         if not failed:
-            raise RuntimeError(f"inference_rank failed ({r.returncode}): {flags} budget {budget}")
+            tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"inference_rank failed ({r.returncode}): {flags} budget {budget}: {tail}")
     # "=== prompt i ===\n<text>\n" per prompt (batched output of inference_rank).
     parts = re.split(r"^=== prompt (\d+) ===\n", r.stdout, flags=re.M)
     replies = {}
@@ -96,7 +110,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--device", default="cuda", help="cuda (the GPU path); cpu only to try the script itself")
     ap.add_argument("--sparse-threshold", type=int, default=256)
-    ap.add_argument("--layers-per-pack", type=int, default=2)
+    ap.add_argument("--layers-per-pack", type=int, default=2,
+                    help="unless a variant or --extra-flags gives --layers-per-pack (then that one applies)")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--extra-flags", default="", help="inference_rank flags added to every run (e.g. --no-cuda-graphs)")
     ap.add_argument("--min-accuracy", action="append", default=[],

@@ -17,7 +17,8 @@ namespace spade::fidelity {
 
 namespace {
 
-constexpr int kTail = 40;          // prompt tokens each variant prefills itself (>= the largest window W + 1 = 33)
+// Prompt tokens each variant prefills itself (>= the largest window W + 1 = 33 and the prompt anchors' queries).
+constexpr int kTail = pair::kMaxAnchorQueries + 8;
 constexpr int kPrefillChunk = 2048;  // the engine's default max_num_batched_tokens
 
 int argmax(const float* x, int n) { return static_cast<int>(std::max_element(x, x + n) - x); }
@@ -88,10 +89,12 @@ Variant parse_variant(const std::string& spec, const pair::SelectionConfig& base
     v.selection.predictor = kernels::PredictorKind::kPaper;
     v.selection.ridge_eps = 1e-3f;
     v.selection.successor_expand = false;
+    v.selection.anchor_queries = 0;
   } else if (mode == "last") {
     v.mode = SelectionMode::Predicted;
     v.selection.predictor = kernels::PredictorKind::kLastQuery;
     v.selection.successor_expand = false;
+    v.selection.anchor_queries = 0;
   } else {
     fail("variant '{}': unknown mode '{}' (dense | oracle | quest | predicted | paper | last)", spec, mode);
   }
@@ -115,11 +118,15 @@ Variant parse_variant(const std::string& spec, const pair::SelectionConfig& base
         v.selection.sink_tokens = std::stoi(val);
       } else if (key == "local") {
         v.selection.local_window = std::stoi(val);
+      } else if (key == "anchors") {
+        v.selection.anchor_queries = std::stoi(val);
+      } else if (key == "span") {
+        v.selection.anchor_span = std::stoi(val);
       } else {
         fail("unknown key");
       }
     } catch (const std::exception& ex) {
-      fail("variant '{}': bad '{}': {} (keys: predictor, successor, window, eps, gqa, sinks, local)", spec, item,
+      fail("variant '{}': bad '{}': {} (keys: predictor, successor, window, eps, gqa, sinks, local, anchors, span)", spec, item,
            ex.what());
     }
   }

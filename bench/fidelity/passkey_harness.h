@@ -48,11 +48,12 @@ struct Variant {
 };
 
 /// Parses "NAME" (a built-in: dense, oracle, quest, predicted, paper, last) or "NAME=MODE[:key=value...]" (e.g. "w16=predicted:window=16") with keys
-/// predictor (ridge|paper|last), successor (0|1), window (W), eps, gqa (max|mean), sinks, local. `base` holds the
+/// predictor (ridge|paper|last), successor (0|1), window (W), eps, gqa (max|mean), sinks, local, anchors (prompt anchor
+/// queries, 0 = off), span (anchor span). `base` holds the
 /// settings the built-ins and overrides start from (the command line's selection flags). Built-ins: predicted = base;
 /// oracle and quest = base without successor expansion (exact top-k / Quest with the true query); paper = Algorithm
-/// 1 as published (paper predictor, absolute eps 1e-3, no successor expansion); last = the previous step's true
-/// query (last predictor, no expansion). Throws spade::Error for an unknown name or key.
+/// 1 as published (paper predictor, absolute eps 1e-3, no successor expansion, no prompt anchors); last = the
+/// previous step's true query (last predictor, no expansion, no anchors). Throws spade::Error for an unknown name or key.
 Variant parse_variant(const std::string& spec, const pair::SelectionConfig& base);
 
 /// A token budget: absolute tokens (per layer and KV head) or a fraction of the prompt's tokens (rounded up).

@@ -51,6 +51,10 @@ const char* envelope_case_name(const Envelope& env) {
       return "auth_challenge";
     case Envelope::kAuthProof:
       return "auth_proof";
+    case Envelope::kPeerReplaced:
+      return "peer_replaced";
+    case Envelope::kPairOffer:
+      return "pair_offer";
     case Envelope::MSG_NOT_SET:
       return "<none>";
   }

@@ -17,6 +17,7 @@ PKGS=(
   libopenblas-openmp-dev                    # CPU GEMMs (kernels/linear_ref.h), OpenMP threads
   libucx-dev                                # UCX host-memory transport
   libssl-dev                                # OpenSSL libcrypto: control-plane authentication (HMAC-SHA256)
+  prometheus-cpp-dev                        # metrics registry + text serializer (core; common/metrics.h)
 )
 if [ "$build_only" -eq 0 ]; then
   PKGS+=(

@@ -176,6 +176,7 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
   sc.token_budget = kBudget;
   sc.local_window = kWindow;
   sc.sink_tokens = 0;  // the GPU path has none
+  sc.anchor_queries = 0;  // nor prompt anchors yet (docs/FIDELITY.md)
   ASSERT_EQ(sc.predictor, kernels::PredictorKind::kRidge);
   ASSERT_TRUE(sc.successor_expand);
   ASSERT_EQ(sc.gqa_rule, kernels::GqaScoreRule::kMax);

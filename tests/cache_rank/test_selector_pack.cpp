@@ -94,6 +94,52 @@ TEST(Selector, SuccessorExpansionBringsTheNextToken) {
   }
 }
 
+// A retrieval head that fires at a step no earlier decode query predicts (docs/FIDELITY.md: the step that writes a pass
+// key's first digit): the prompt's question read the needle, the decode queries never did. Keys: the needle block
+// 40..55 scores 0 for every decode query; the other candidates score 1. The prompt's query (the first of the queries
+// init_layer gets) attends position 40 alone. Without anchors the predicted selection holds none of 41..55; with
+// them it holds [40, 40 + span).
+TEST(Selector, PromptAnchorsHoldTheSpanAfterATokenThePromptAttended) {
+  const ModelConfig c = small_cfg();
+  const int D = c.head_dim, KV = c.kv_dim(), L = 120, span = 16;
+  std::vector<float> k(static_cast<size_t>(L) * KV, 0.f), v(k.size(), 1.f);
+  for (int t = 0; t < L; ++t)
+    for (int h = 0; h < c.num_kv_heads; ++h) {
+      float* kr = &k[(static_cast<size_t>(t) * c.num_kv_heads + h) * D];
+      if (t == 40) kr[1] = 8.f;                // the needle's anchor: only the prompt query's direction
+      else if (t < 40 || t >= 56) kr[0] = 1.f;  // everything else matches the decode queries
+    }
+  // Queries oldest first: the prompt's question (direction e1, at position L - 3), then two decode-like ones (e0).
+  std::vector<float> qs(static_cast<size_t>(3) * c.q_dim(), 0.f);
+  for (int h = 0; h < c.num_q_heads; ++h) {
+    qs[static_cast<size_t>(h) * D + 1] = 4.f;
+    qs[c.q_dim() + static_cast<size_t>(h) * D] = 1.f;
+    qs[2 * c.q_dim() + static_cast<size_t>(h) * D] = 1.f;
+  }
+  for (const int anchors : {0, 3}) {
+    SelectionConfig sc;
+    sc.token_budget = 4 * (span + 1);  // one span fits in a quarter of the budget
+    sc.local_window = 4;
+    sc.anchor_queries = anchors;
+    sc.anchor_span = span;
+    Selector sel(c, sc, 64, 4);
+    sel.init_layer(5, 0, L, k.data(), v.data(), 3, qs.data());
+    LayerSelection out;
+    sel.select(5, 0, L + 1, nullptr, out);
+    ASSERT_EQ(out.count, sc.token_budget);
+    for (int h = 0; h < c.num_kv_heads; ++h) {
+      const std::set<int> got(out.positions.begin() + h * sc.token_budget,
+                              out.positions.begin() + (h + 1) * sc.token_budget);
+      int in_block = 0;
+      for (int t = 41; t < 56; ++t) in_block += got.count(t);  // (40 itself comes as 39's successor either way)
+      EXPECT_EQ(in_block, anchors > 0 ? 15 : 0) << "anchors " << anchors << " head " << h;
+    }
+    // The oracle (a given query) never uses anchors.
+    sel.select(5, 0, L + 1, qs.data() + 2 * c.q_dim(), out);
+    EXPECT_EQ(std::count(out.positions.begin(), out.positions.begin() + sc.token_budget, 41), 0);
+  }
+}
+
 TEST(Selector, QuestPagesMatchBruteForceBoundsAndFillTheBudget) {
   const ModelConfig c = small_cfg();
   SelectionConfig sc;

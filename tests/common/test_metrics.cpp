@@ -1,23 +1,24 @@
-// The Prometheus text-format writer: golden output, escaping, validation errors, concurrency, and
-// `promtool check metrics` on the rendered text (promtool comes with Debian's prometheus package, which
-// deploy/scripts/setup_deps.sh installs; the test fails, never skips, without it).
+// The metrics facade over prometheus-cpp: golden text output (the contract of every /metrics), escaping, vLLM's
+// colon names, validation errors, concurrency, and `promtool check metrics` on the rendered text (promtool comes
+// with Debian's prometheus package, which deploy/scripts/setup_deps.sh installs; the test fails, never skips,
+// without it).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
-#include <fstream>
 #include <limits>
 #include <thread>
 
 #include "common/error.h"
 #include "common/metrics.h"
+#include "tests/promtool_check.h"
 #include "tests/test_util.h"
 
 namespace spade::metrics {
 namespace {
 
 using ::testing::HasSubstr;
+using test::promtool_check_metrics;
 
 std::string golden_text() {
   Registry r;
@@ -43,6 +44,17 @@ std::string golden_text() {
       std::numeric_limits<double>::infinity());
   r.gauge("spade_special_values", "Non-finite values.", {"kind"}).with({"nan"}).set(std::nan(""));
   r.gauge("spade_declared_but_empty", "A labelled family with no series yet.", {"rank"});
+  r.gauge("spade_precision", "Value formatting.", {"v"}).with({"tenth"}).set(0.1);
+  r.gauge("spade_precision", "Value formatting.", {"v"}).with({"sum"}).set(0.1 + 0.2);
+  r.gauge("spade_precision", "Value formatting.", {"v"}).with({"big"}).set(12345678901234567.0);
+  // vLLM's names: a ':' in the metric name, the model_name label; labels print sorted by name.
+  auto& vsuccess = r.counter("vllm:request_success_total", "Count of successfully processed requests.",
+                             {"model_name", "finished_reason"});
+  vsuccess.with({"stories260K", "stop"}).inc(5);
+  vsuccess.with({"stories260K", "length"}).inc(2);
+  auto& vttft = r.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                            {0.5, 1}, {"model_name"});
+  vttft.with({"stories260K"}).observe(0.25);
   return r.render();
 }
 
@@ -53,35 +65,40 @@ TEST(Metrics, GoldenTextFormat) {
 }
 
 TEST(Metrics, PromtoolAcceptsTheOutput) {
-  const std::string dir = test::make_temp_dir("spade-metrics");
-  const std::string file = dir + "/metrics.txt";
-  std::ofstream(file) << golden_text();
-  const std::string cmd = "promtool check metrics < " + file + " > " + dir + "/promtool.log 2>&1";
-  const int rc = std::system(cmd.c_str());
-  ASSERT_EQ(rc, 0) << "promtool check metrics failed (is Debian's prometheus package installed? "
-                      "deploy/scripts/setup_deps.sh installs it):\n"
-                   << test::read_file(dir + "/promtool.log");
+  const std::string problems = promtool_check_metrics(golden_text());
+  EXPECT_EQ(problems, "");
 }
 
 TEST(Metrics, PromtoolRejectsBrokenText) {
-  // The check above must be able to fail: a counter without _total and a malformed line are reported.
-  const std::string dir = test::make_temp_dir("spade-metrics-bad");
-  const std::string file = dir + "/bad.txt";
-  std::ofstream(file) << "# HELP x_seconds a\n# TYPE x_seconds counter\nx_seconds 1\nbroken{ 2\n";
-  const std::string cmd = "promtool check metrics < " + file + " > /dev/null 2>&1";
-  EXPECT_NE(std::system(cmd.c_str()), 0);
+  // The check above must be able to fail: a counter without _total, a colon name that is not vLLM's, and a
+  // malformed line are each reported.
+  EXPECT_NE(promtool_check_metrics("# HELP x_seconds a\n# TYPE x_seconds counter\nx_seconds 1\n"), "");
+  EXPECT_NE(promtool_check_metrics("# HELP spade:x a\n# TYPE spade:x gauge\nspade:x 1\n"), "");
+  EXPECT_NE(promtool_check_metrics("# HELP vllm:x_seconds a\n# TYPE vllm:x_seconds counter\nvllm:x_seconds 1\n"), "");
+  EXPECT_NE(promtool_check_metrics("# HELP y a\n# TYPE y gauge\nbroken{ 2\n"), "");
 }
 
-TEST(Metrics, FormatValue) {
-  EXPECT_EQ(format_value(0), "0");
-  EXPECT_EQ(format_value(-7), "-7");
-  EXPECT_EQ(format_value(0.25), "0.25");
-  EXPECT_EQ(format_value(1e300), "1e+300");
-  EXPECT_EQ(format_value(0.1), "0.1");
-  EXPECT_EQ(format_value(std::numeric_limits<double>::infinity()), "+Inf");
-  EXPECT_EQ(format_value(-std::numeric_limits<double>::infinity()), "-Inf");
-  EXPECT_EQ(format_value(std::nan("")), "NaN");
-  EXPECT_EQ(escape_label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+TEST(Metrics, SnapshotAndValues) {
+  Registry r;
+  auto& h = r.histogram("spade_h_seconds", "x", {0.5, 1});
+  h.with().observe(0.5);  // le is inclusive
+  h.with().observe(2);
+  h.with().observe(std::nan(""));  // NaN counts in +Inf only
+  const auto s = h.with().snapshot();
+  EXPECT_EQ(s.bounds, (std::vector<double>{0.5, 1}));
+  EXPECT_EQ(s.cumulative, (std::vector<uint64_t>{1, 1, 3}));
+  EXPECT_EQ(s.count, 3u);
+  auto& g = r.gauge("spade_g", "x").with();
+  g.set(2);
+  g.inc(0.5);
+  g.dec(3);
+  EXPECT_DOUBLE_EQ(g.value(), -0.5);
+  auto& c = r.counter("spade_c_total", "x").with();
+  c.inc(2);
+  c.inc();
+  EXPECT_DOUBLE_EQ(c.value(), 3);
+  // Same declaration, same series: with() hands back the same object.
+  EXPECT_EQ(&r.counter("spade_c_total", "x").with(), &c);
 }
 
 TEST(Metrics, RejectsBadDeclarations) {
@@ -96,6 +113,9 @@ TEST(Metrics, RejectsBadDeclarations) {
   };
   expect_error([&] { r.counter("requests", "no suffix"); }, "must end in _total");
   expect_error([&] { r.gauge("1bad", "x"); }, "invalid metric name '1bad'");
+  expect_error([&] { r.gauge("__internal", "x"); }, "invalid metric name '__internal'");
+  expect_error([&] { r.gauge("vllm:x", "x", {"model:name"}); }, "invalid label name 'model:name'");
+  expect_error([&] { r.histogram("spade_h", "x", {1, std::numeric_limits<double>::infinity()}); }, "not finite");
   expect_error([&] { r.gauge("spade_x", "x", {"__reserved"}); }, "invalid label name '__reserved'");
   expect_error([&] { r.gauge("spade_x", "x", {"a", "a"}); }, "duplicate label 'a'");
   expect_error([&] { r.histogram("spade_h", "x", {1, 1}); }, "increase strictly");
@@ -109,6 +129,8 @@ TEST(Metrics, RejectsBadDeclarations) {
   auto& fam = r.gauge("spade_z", "x", {"rank"});
   expect_error([&] { fam.with({}); }, "0 label value(s) given, the family has 1");
   expect_error([&] { r.counter("spade_c_total", "x").with().inc(-1); }, "must be >= 0");
+  expect_error([&] { r.counter("spade_c_total", "x").with().inc(std::nan("")); }, "must be >= 0");
+  expect_error([&] { r.histogram("spade_lat", "x", {2}); }, "different type, help, labels or buckets");
 }
 
 TEST(Metrics, ConcurrentUpdatesAreNotLost) {

@@ -336,14 +336,17 @@ TEST(PrefixCache, ARepeatedPromptReusesItsFullPagesAndLeavesOneTokenToCompute) {
   const auto aligned = tokens(8, 100);
   a.admit(3);
   EXPECT_EQ(a.match_prefix(3, aligned.data(), 8), 4);
+  a.release(3);
+  a.admit(3);
+  EXPECT_EQ(a.match_prefix(3, p.data(), 10, /*max_reuse=*/7), 4) << "at most 7 tokens: one whole page";
   // A different first page matches nothing, though its second page's tokens are the same.
   auto other = p;
   other[0] = 7;
   a.admit(4);
   EXPECT_EQ(a.match_prefix(4, other.data(), 10), 0);
   const auto& st = a.prefix_stats();
-  EXPECT_EQ(st.queried_tokens, 38u);
-  EXPECT_EQ(st.hit_tokens, 12u);
+  EXPECT_EQ(st.queried_tokens, 48u);
+  EXPECT_EQ(st.hit_tokens, 16u);
   for (uint64_t s : {2, 3, 4}) a.release(s);
   EXPECT_EQ(a.num_free_pages(), 16);
 }
@@ -405,7 +408,7 @@ TEST(PrefixCache, AnEvictedPageNeverMatchesThroughItsReusedIdAndOffMeansOff) {
   off.release(1);
   off.admit(2);
   EXPECT_EQ(off.match_prefix(2, p.data(), 5), 0);
-  EXPECT_EQ(off.prefix_stats().queried_tokens, 5u);
+  EXPECT_EQ(off.prefix_stats().queried_tokens, 0u);
   EXPECT_EQ(off.num_free_pages(), 4);
 }
 

@@ -51,6 +51,7 @@ struct ApiCluster {
   int cache_metrics_port = free_port();
   std::string model = data_path("models/stories260K");
   std::unique_ptr<ChildProcess> coord, inf, cache;
+  std::vector<std::unique_ptr<ChildProcess>> retired;  // ranks replaced by a restart (their logs stay readable)
 
   std::map<std::string, std::string> env(int rank) const {
     return {{"MASTER_ADDR", "127.0.0.1"},
@@ -78,15 +79,25 @@ struct ApiCluster {
     coord = std::make_unique<ChildProcess>(bin("coordinator/coordinator"), a, env(0), "coordinator");
   }
   void start_ranks(const ClusterOptions& o) {
+    start_inference(o.inference_flags);
+    start_cache(o.cache_flags);
+  }
+  /// (Re)starts the inference rank (rank 1) with these extra flags; a restart replaces a dead one (rejoin).
+  void start_inference(const std::vector<std::string>& flags) {
     std::vector<std::string> a = {"--serve", "--model", model, "--num-inference", "1", "--num-cache", "1",
                                   "--rendezvous-timeout-ms", "60000", "--log-level", "info", "--metrics-port",
                                   std::to_string(inference_metrics_port), "--metrics-host", "127.0.0.1"};
-    a.insert(a.end(), o.inference_flags.begin(), o.inference_flags.end());
+    a.insert(a.end(), flags.begin(), flags.end());
+    if (inf) retired.push_back(std::move(inf));
     inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), a, env(1), "inference rank");
+  }
+  /// (Re)starts the cache rank (rank 2) with these extra flags; a restart replaces a dead one (rejoin).
+  void start_cache(const std::vector<std::string>& flags) {
     std::vector<std::string> c = {"--model", model, "--num-inference", "1", "--num-cache", "1",
                                   "--rendezvous-timeout-ms", "60000", "--metrics-port",
                                   std::to_string(cache_metrics_port), "--metrics-host", "127.0.0.1"};
-    c.insert(c.end(), o.cache_flags.begin(), o.cache_flags.end());
+    c.insert(c.end(), flags.begin(), flags.end());
+    if (cache) retired.push_back(std::move(cache));
     cache = std::make_unique<ChildProcess>(bin("cache_rank/cache_rank"), c, env(2), "cache rank");
   }
   /// Waits until GET /ready on `port` answers 200.
@@ -103,6 +114,7 @@ struct ApiCluster {
   }
   std::string logs() const {
     std::string s;
+    for (const auto& p : retired) s += "---- " + p->name() + " (replaced) ----\n" + p->log();
     for (auto* p : {coord.get(), inf.get(), cache.get()})
       if (p) s += "---- " + p->name() + " ----\n" + p->log();
     return s;

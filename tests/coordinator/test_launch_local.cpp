@@ -1,6 +1,7 @@
 // deploy/launch_local.sh in serving mode when a process of its cluster dies: a cache rank's death is logged and the
 // cluster keeps serving (its inference rank decodes densely: a dense stream in flight ends with every token and
-// [DONE], a new request is answered in full); an inference rank's death still tears the whole cluster down.
+// [DONE], a new request is answered in full); by default the cache rank is restarted with the same index and rejoins
+// (the coordinator's /ready is whole again); an inference rank's death still tears the whole cluster down.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -77,7 +78,8 @@ TEST(LaunchLocal, ServesDenselyWhenTheCacheRankDiesAndTearsDownWhenTheInferenceR
   const int http = free_port();
   const std::string logs = make_temp_dir("spade-launch-local");
   Launch l({"--model", data_path("models/stories260K"), "--http-port", std::to_string(http), "--no-metrics",
-            "--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "16"},
+            "--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "16",
+            "--restart-cache-rank", "0"},
            {{"SPADE_BUILD_DIR", binary_dir()}, {"SPADE_LOG_DIR", logs}, {"UCX_LOG_LEVEL", "error"}});
   ApiCluster api;  // for its helpers; starts nothing
   api.http_port = http;
@@ -141,6 +143,70 @@ TEST(LaunchLocal, ServesDenselyWhenTheCacheRankDiesAndTearsDownWhenTheInferenceR
        !coordinator_gone && std::chrono::steady_clock::now() < until; std::this_thread::sleep_for(100ms))
     coordinator_gone = !alive(coord[0]);
   EXPECT_TRUE(coordinator_gone) << "the coordinator outlived the teardown";
+}
+
+/// The pid in the launcher's "restarted it as pid N" line (0 when there is none yet).
+pid_t restarted_pid(const std::string& log) {
+  const std::string key = "restarted it as pid ";
+  const size_t at = log.find(key);
+  return at == std::string::npos ? 0 : static_cast<pid_t>(std::atoi(log.c_str() + at + key.size()));
+}
+
+TEST(LaunchLocal, RestartsADeadCacheRankWhichRejoinsAndTheWorldIsWholeAgain) {
+  const int http = free_port();
+  const std::string logs = make_temp_dir("spade-launch-local");
+  Launch l({"--model", data_path("models/stories260K"), "--http-port", std::to_string(http), "--no-metrics",
+            "--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "16"},
+           {{"SPADE_BUILD_DIR", binary_dir()}, {"SPADE_LOG_DIR", logs}, {"UCX_LOG_LEVEL", "error"}});
+  ApiCluster api;  // for its helpers; starts nothing
+  api.http_port = http;
+  ASSERT_TRUE(api.wait_ready(http, 90s)) << l.proc.log();
+  const std::vector<pid_t> cache = children(l.proc.pid(), "cache_rank/cache_rank");
+  const std::vector<pid_t> inf = children(l.proc.pid(), "inference_rank/inference_rank");
+  const std::vector<pid_t> coord = children(l.proc.pid(), "coordinator/coordinator");
+  ASSERT_EQ(cache.size(), 1u) << l.proc.log();
+  ASSERT_EQ(inf.size(), 1u) << l.proc.log();
+  ASSERT_EQ(coord.size(), 1u) << l.proc.log();
+  l.ranks = {coord[0], inf[0], cache[0]};
+  ASSERT_EQ(::kill(cache[0], SIGKILL), 0);
+
+  // The watchdog restarts it (default policy when serving) and says so.
+  pid_t again = 0;
+  for (auto until = std::chrono::steady_clock::now() + 10s; again == 0 && std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(100ms))
+    again = restarted_pid(l.proc.log());
+  ASSERT_NE(again, 0) << l.proc.log();
+  l.ranks.push_back(again);
+  EXPECT_THAT(l.proc.log(), HasSubstr("restart 1 of 3"));
+  // The replacement rejoins: the coordinator's /ready is whole again (no "degraded").
+  bool whole = false;
+  std::string ready;
+  for (auto until = std::chrono::steady_clock::now() + 30s; !whole && std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(100ms)) {
+    const http::HttpResponse r = api.get("/ready");
+    ready = r.body;
+    whole = r.status == 200 && ready.find("degraded") == std::string::npos;
+  }
+  EXPECT_TRUE(whole) << ready << "\n" << l.proc.log();
+  std::ifstream cache_log(logs + "/cache_0.log");
+  const std::string clog((std::istreambuf_iterator<char>(cache_log)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(clog, HasSubstr("serving inference rank 1 (#0)"));
+  const http::HttpResponse r = api.post("/v1/completions", json{{"model", "stories260K"},
+                                                                {"prompt", json::array({1})},
+                                                                {"max_tokens", 64},
+                                                                {"ignore_eos", true},
+                                                                {"temperature", 0}}
+                                                               .dump());
+  ASSERT_EQ(r.status, 200) << r.body << l.proc.log();
+  EXPECT_EQ(json::parse(r.body)["usage"]["completion_tokens"], 64) << r.body;
+  // The launcher's teardown stops the restarted rank too.
+  l.proc.signal(SIGTERM);
+  EXPECT_NE(l.proc.wait_exit(15s), -1) << l.proc.log();
+  bool gone = false;
+  for (auto until = std::chrono::steady_clock::now() + 5s; !gone && std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(100ms))
+    gone = !alive(again);
+  EXPECT_TRUE(gone) << "the restarted cache rank outlived the launcher";
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/coordinator/api_cluster.h"
+#include "tests/promtool_check.h"
 
 namespace spade::test {
 namespace {
@@ -273,9 +274,9 @@ TEST_F(OpenAiApi, BadRequestsGetOpenAiErrorsAndNeverReachTheEngine) {
        "invalid_request_error", "'top_p' must be in (0, 1]"},
       {"n=2", "POST", "/v1/completions", "{" + m + R"(,"prompt":"hi","n":2})", 400, "invalid_request_error",
        "only n = 1"},
-      {"logprobs", "POST", "/v1/chat/completions",
-       "{" + m + R"(,"messages":[{"role":"user","content":"hi"}],"logprobs":true})", 400, "invalid_request_error",
-       "logprobs are not supported"},
+      {"top_logprobs over 20", "POST", "/v1/chat/completions",
+       "{" + m + R"(,"messages":[{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":21})", 400,
+       "invalid_request_error", "'top_logprobs' must be an integer in [0, 20]"},
       {"five stops", "POST", "/v1/completions", "{" + m + R"(,"prompt":"hi","stop":["a","b","c","d","e"]})", 400,
        "invalid_request_error", "at most 4"},
       {"stream_options without stream", "POST", "/v1/completions",
@@ -458,13 +459,8 @@ TEST_F(OpenAiApi, EveryMetricsEndpointPassesPromtool) {
   // Some traffic first so histograms and labelled series exist.
   ASSERT_EQ(c->post("/v1/completions", R"({"model":"stories260K","prompt":[1],"max_tokens":50,"temperature":0})").status,
             200);
-  const std::string dir = make_temp_dir("spade-promtool");
-  for (int port : {c->http_port, c->inference_metrics_port, c->cache_metrics_port}) {
-    const std::string file = dir + "/metrics-" + std::to_string(port) + ".txt";
-    std::ofstream(file) << c->metrics_text(port);
-    const std::string cmd = "promtool check metrics < " + file + " > " + file + ".log 2>&1";
-    EXPECT_EQ(std::system(cmd.c_str()), 0) << "promtool on port " << port << ":\n" << read_file(file + ".log");
-  }
+  for (int port : {c->http_port, c->inference_metrics_port, c->cache_metrics_port})
+    EXPECT_EQ(promtool_check_metrics(c->metrics_text(port)), "") << "on port " << port;
   const auto cache = c->metrics(c->cache_metrics_port);
   EXPECT_GT(cache.at("spade_selection_time_seconds_count"), 0);
   EXPECT_GT(cache.at("spade_selection_overlap_ratio_count"), 0) << "overlap sampling never ran";

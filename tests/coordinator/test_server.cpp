@@ -249,6 +249,128 @@ TEST_F(CoordinatorTest, ConnectionDropDeclaresDeadAndNotifiesPeer) {
   EXPECT_EQ(via_callback[0].kind, ClientEvent::Kind::kPeerDown);
 }
 
+// Rejoin of a cache rank: the replacement (same rank and index, after the old one was declared dead) is admitted
+// with the next incarnation; the live inference rank gets PeerReplaced with the replacement's address, answers with a
+// fresh PairOffer (as NCCL needs: ids are single-use), and only then does the replacement get its ClusterView, carrying
+// the offered address. The world is degraded while the cache rank is dead or re-pairing and whole afterwards.
+TEST_F(CoordinatorTest, ReplacementCacheRankIsAdmittedAndRePairedThroughAFreshOffer) {
+  start_server(1);
+  bring_up_world();
+  ASSERT_TRUE(health_reaches([](const Health& h) { return h.world_complete && h.degraded.empty(); }));
+  EXPECT_EQ(inf_[0]->registration()->incarnation(), 0u);
+  cache_[0].reset();  // the cache rank "dies"
+  auto down = inf_[0]->next_event(in(3000ms));
+  ASSERT_TRUE(down.has_value());
+  ASSERT_EQ(down->kind, ClientEvent::Kind::kPeerDown) << down->message;
+  EXPECT_EQ(down->peer_down.incarnation(), 0u);
+  ASSERT_TRUE(health_reaches(
+      [](const Health& h) { return h.degraded.find("cache rank 2 (#0) is dead") != std::string::npos; }))
+      << server_->health().degraded;
+
+  ClientOptions ro = rank_opts(proto::CACHE, 0);
+  ro.transport_address = "cache-addr-0-incarnation-1";
+  auto replacement = std::make_unique<CoordinatorClient>(ro);
+  auto view = std::async(std::launch::async, [&] { return replacement->rendezvous(in(5000ms)); });
+  auto ev = inf_[0]->next_event(in(3000ms));
+  ASSERT_TRUE(ev.has_value());
+  ASSERT_EQ(ev->kind, ClientEvent::Kind::kPeerReplaced) << ev->message;
+  EXPECT_EQ(ev->peer_replaced.peer().rank(), 2u);
+  EXPECT_EQ(ev->peer_replaced.peer().incarnation(), 1u);
+  EXPECT_EQ(ev->peer_replaced.peer().transport().address(), "cache-addr-0-incarnation-1");
+  EXPECT_NE(ev->peer_replaced.previous_reason().find("connection"), std::string::npos);
+  // No view before the offer; the world says it is re-pairing.
+  EXPECT_EQ(view.wait_for(200ms), std::future_status::timeout);
+  EXPECT_NE(server_->health().degraded.find("re-pairing"), std::string::npos) << server_->health().degraded;
+  // A stale offer (wrong incarnation) is ignored; the right one releases the view.
+  proto::PairOffer stale;
+  stale.set_peer_rank(2);
+  stale.set_peer_incarnation(0);
+  stale.mutable_transport()->set_kind(proto::TRANSPORT_NCCL);
+  stale.mutable_transport()->set_address("stale-ids");
+  inf_[0]->send_pair_offer(stale);
+  EXPECT_EQ(view.wait_for(200ms), std::future_status::timeout);
+  proto::PairOffer offer = stale;
+  offer.set_peer_incarnation(1);
+  offer.mutable_transport()->set_address("fresh-ids");
+  inf_[0]->send_pair_offer(offer);
+  ASSERT_EQ(view.wait_for(3000ms), std::future_status::ready);
+  const proto::ClusterView v = view.get();
+  EXPECT_EQ(v.self().incarnation(), 1u);
+  ASSERT_EQ(v.peers_size(), 1);
+  EXPECT_EQ(v.peers(0).rank(), 1u);
+  EXPECT_EQ(v.peers(0).transport().address(), "fresh-ids");
+  EXPECT_EQ(replacement->registration()->incarnation(), 1u);
+  EXPECT_TRUE(health_reaches([](const Health& h) { return h.degraded.empty() && h.live_cache == 1; }))
+      << server_->health().degraded;
+  EXPECT_TRUE(log_contains("replacing incarnation 0 declared dead"));
+  auto st = server_->status(in(2000ms));
+  EXPECT_EQ(st.ranks(1).state(), proto::ALIVE);
+  EXPECT_EQ(st.ranks(1).info().incarnation(), 1u);
+  // The replacement dies too: its PeerDown carries its incarnation.
+  replacement.reset();
+  auto down2 = inf_[0]->next_event(in(3000ms));
+  ASSERT_TRUE(down2.has_value());
+  ASSERT_EQ(down2->kind, ClientEvent::Kind::kPeerDown);
+  EXPECT_EQ(down2->peer_down.incarnation(), 1u);
+}
+
+// Rejoin of an inference rank: the replacement gets its ClusterView at once (the live cache rank's address) and the
+// cache rank gets PeerReplaced carrying the replacement's freshly registered address.
+TEST_F(CoordinatorTest, ReplacementInferenceRankIsPairedWithTheLiveCacheRank) {
+  start_server(1);
+  bring_up_world();
+  inf_[0].reset();
+  auto down = cache_[0]->next_event(in(3000ms));
+  ASSERT_TRUE(down.has_value());
+  ASSERT_EQ(down->kind, ClientEvent::Kind::kPeerDown);
+  ClientOptions ro = rank_opts(proto::INFERENCE, 0);
+  ro.transport_address = "inf-addr-0-new";
+  auto replacement = std::make_unique<CoordinatorClient>(ro);
+  const proto::ClusterView v = replacement->rendezvous(in(5000ms));
+  EXPECT_EQ(v.self().incarnation(), 1u);
+  ASSERT_EQ(v.peers_size(), 1);
+  EXPECT_EQ(v.peers(0).transport().address(), "cache-addr-0");
+  auto ev = cache_[0]->next_event(in(3000ms));
+  ASSERT_TRUE(ev.has_value());
+  ASSERT_EQ(ev->kind, ClientEvent::Kind::kPeerReplaced) << ev->message;
+  EXPECT_EQ(ev->peer_replaced.peer().rank(), 1u);
+  EXPECT_EQ(ev->peer_replaced.peer().transport().address(), "inf-addr-0-new");
+  EXPECT_TRUE(health_reaches([](const Health& h) { return h.degraded.empty() && h.live_inference == 1; }))
+      << server_->health().degraded;
+  // Requests are routed to the replacement.
+  CoordinatorClient submitter(submit_opts());
+  submitter.rendezvous(in(3000ms));
+  proto::GenerateRequest r;
+  r.set_text("hi");
+  r.set_max_tokens(1);
+  submitter.submit(r);
+  auto routed = replacement->next_request(in(3000ms));
+  ASSERT_TRUE(routed.has_value()) << "the replacement got no request";
+}
+
+// No split brain: while a rank is alive, a second registration for its index is refused by name, and the live
+// rank keeps its slot and pairing.
+TEST_F(CoordinatorTest, RegistrationForALiveIndexIsRefusedByName) {
+  start_server(1);
+  bring_up_world();
+  CoordinatorClient intruder(rank_opts(proto::CACHE, 0));
+  intruder.connect(in(3000ms));
+  try {
+    intruder.register_self(in(3000ms));
+    FAIL() << "a second cache rank #0 was admitted while the first is alive";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("rank 2 is already registered"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("alive"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("declared it dead"), std::string::npos) << msg;
+  }
+  EXPECT_FALSE(inf_[0]->next_event(in(300ms)).has_value()) << "the live pair was disturbed";
+  auto st = server_->status(in(2000ms));
+  EXPECT_EQ(st.ranks(1).state(), proto::ALIVE);
+  EXPECT_EQ(st.ranks(1).info().incarnation(), 0u);
+  EXPECT_TRUE(server_->health().degraded.empty());
+}
+
 TEST_F(CoordinatorTest, DuplicateAndInconsistentRegistrationsAreRejected) {
   start_server(1);
   CoordinatorClient first(rank_opts(proto::INFERENCE, 0));

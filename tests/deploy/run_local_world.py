@@ -318,6 +318,48 @@ def run(a):
         if errs:
             raise Failure("metrics:\n  " + "\n  ".join(errs))
         print(f"metrics: {len(dumps)} /metrics outputs pass promtool and contain all {len(cd.METRICS)} metrics")
+        # A pod restart (docs/DEPLOY.md, "Failures and restarts"): SIGKILL cache pod 0, start its container again with
+        # the same command and environment (same ordinal, so the same index and rank); the coordinator admits it as a
+        # replacement, the pair re-handshakes and sparse decoding resumes on the new process.
+        cache0 = next(p for p in pods if p.name.startswith("spade-cache-") and p.ordinal == 0)
+        os.killpg(cache0.proc.pid, signal.SIGKILL)
+        cache0.proc.wait()
+        t_kill = time.time()
+        while True:  # the coordinator reports the dead rank (readiness stays 200: degraded)
+            code, body = http("GET", api, "/ready")
+            if code == 200 and "degraded" in body:
+                break
+            if time.time() > t_kill + 30:
+                raise Failure(f"coordinator /ready after killing {cache0.name}: {code} {body[:300]} (expected degraded)")
+            time.sleep(0.2)
+        argv, env = command_of(cache0, cache0.main, over, bin_dir)
+        with open(cache0.log, "a") as log:
+            log.write("$ (restart) " + " ".join(argv) + "\n")
+            log.flush()
+            cache0.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=child_setup)
+        sp = cache0.main.get("startupProbe") or {}
+        wait_probe(cache0, "startupProbe",
+                   time.time() + min(sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3), a.startup_timeout))
+        while True:  # whole again: plain 200 "ready"
+            code, body = http("GET", api, "/ready")
+            if code == 200 and "degraded" not in body:
+                break
+            if time.time() > t_kill + 60:
+                raise Failure(f"coordinator /ready after restarting {cache0.name}: {code} {body[:300]} (still degraded)")
+            time.sleep(0.2)
+        for _ in range(int(over_num_pairs(coord))):  # round robin: one request reaches every pair
+            code, body = http("POST", api, "/v1/completions",
+                              {"model": served, "prompt": prompt, "max_tokens": 48, "temperature": 0}, timeout=300)
+            if code != 200:
+                raise Failure(f"POST /v1/completions after the restart of {cache0.name}: {code} {body[:300]}")
+        ann = (cache0.w["spec"]["template"].get("metadata") or {}).get("annotations") or {}
+        code, body = http("GET", cache0.ports.get(ann.get("prometheus.io/port")), "/metrics")
+        updates = metrics_value(body, "spade_cache_pack_updates_total") if code == 200 else None
+        if not updates:
+            raise Failure(f"{cache0.name} after its restart: spade_cache_pack_updates_total is {updates} after a "
+                          "request past the sparse threshold per pair (sparse decoding did not resume)")
+        print(f"pod restart: {cache0.name} killed, restarted with the same environment, rejoined "
+              f"({time.time() - t_kill:.1f} s); the next request decoded sparsely ({updates:.0f} pack updates)")
         # Peak memory of every process against its container's memory limit (the kubelet would OOM-kill it).
         peaks = []
         for p in pods:

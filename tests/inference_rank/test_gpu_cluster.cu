@@ -81,6 +81,11 @@ struct Cluster {
                                   "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--log-level", "info"};
     a.insert(a.end(), sparse_flags.begin(), sparse_flags.end());
     inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), a, env(1), "inference rank");
+    start_cache();
+  }
+  /// (Re)starts the cache rank (rank 2); a restart is a replacement of a dead one (rejoin).
+  void start_cache() {
+    if (cache) retired.push_back(std::move(cache));
     cache = std::make_unique<ChildProcess>(
         bin("cache_rank/cache_rank"),
         std::vector<std::string>{"--model", checkpoint(), "--num-inference", "1", "--num-cache", "1",
@@ -88,8 +93,10 @@ struct Cluster {
                                  std::to_string(link.cache_gpu), "--query-window", "4"},
         env(2), "cache rank");
   }
+  std::vector<std::unique_ptr<ChildProcess>> retired;  // replaced cache ranks
   std::string logs() const {
     std::string s;
+    for (const auto& p : retired) s += "---- " + p->name() + " (replaced) ----\n" + p->log();
     for (auto* p : {coord.get(), inf.get(), cache.get()})
       if (p) s += "---- " + p->name() + " ----\n" + p->log();
     return s;
@@ -183,6 +190,40 @@ TEST_P(GpuCluster, KilledGpuCacheRankFailsTheSparseRequestAndServiceContinuesDen
   EXPECT_TRUE(cl.inf->running());
   c->request_shutdown("test done");
   EXPECT_EQ(cl.inf->wait_exit(30s), 0) << cl.logs();
+}
+
+// Rejoin: the cache rank SIGKILLed mid-decode is replaced by a new process on the same GPU (same rank and index);
+// the inference rank offers a fresh link (NCCL: new ids, CUDA IPC: new memory) through the coordinator, swaps in a
+// new controller after the pair hello, and the next request decodes sparsely again over the new link.
+TEST_P(GpuCluster, KilledGpuCacheRankIsReplacedAndSparseDecodingResumes) {
+  Cluster cl(GetParam());
+  cl.start({"--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "64", "--layers-per-pack", "2",
+            "--local-window", "16", "--delta-capacity", "16", "--selection-deadline-ms", "3000"});
+  auto c = client(cl.port);
+  bool killed = false;
+  const Outcome o = generate(*c, "Once upon a time", 400, [&](size_t n) {
+    if (!killed && n >= 60) {
+      cl.cache->signal(SIGKILL);
+      killed = true;
+    }
+  });
+  ASSERT_TRUE(killed) << o.error << cl.logs();
+  EXPECT_EQ(o.reason, proto::FINISH_ERROR) << cl.logs();
+  EXPECT_THAT(o.error, HasSubstr("cache rank 2"));
+  cl.start_cache();
+  bool whole = false;
+  for (auto until = Clock::now() + 120s; !whole && Clock::now() < until; std::this_thread::sleep_for(100ms))
+    whole = cl.inf->log().find("the pair is whole again") != std::string::npos;
+  ASSERT_TRUE(whole) << "the inference rank never re-paired\n" << cl.logs();
+  const Outcome after = generate(*c, "Once upon a time", 200);
+  EXPECT_EQ(after.reason, proto::FINISH_LENGTH) << after.error << cl.logs();
+  EXPECT_EQ(after.ids.size(), 200u);
+  c->request_shutdown("test done");
+  EXPECT_EQ(cl.inf->wait_exit(30s), 0) << cl.logs();
+  EXPECT_EQ(cl.cache->wait_exit(30s), 0) << cl.logs();
+  EXPECT_EQ(cl.coord->wait_exit(30s), 0) << cl.logs();
+  // The replacement selected for the request after the rejoin (its shutdown summary).
+  EXPECT_GT(logged(cl.cache->log(), "selections"), 50) << cl.cache->log();
 }
 
 INSTANTIATE_TEST_SUITE_P(Links, GpuCluster,

@@ -714,7 +714,9 @@ TEST(GpuEngine, OnDeviceSamplingAgreesWithHostSamplingAndIsSeeded) {
     auto device_engine = [&](GpuEngineForward& g) {
       return Engine(cfg, eo,
                     ForwardSampleFn([&g](const ForwardBatch& b, const std::vector<RowSampling>& r,
-                                         std::vector<int32_t>& t) { g.sample(b, r, t); }));
+                                         std::vector<int32_t>& t, std::vector<TokenLogprobs>& l) {
+                      g.sample(b, r, t, l);
+                    }));
     };
     GpuEngineForward dev_side(GpuModel::upload(cfg, w, GpuEngineForward::model_options(go)), go);
     Engine dev = device_engine(dev_side);

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <thread>
@@ -496,6 +497,21 @@ TEST(GpuSparseBadInput, AHelloForAnotherModelFailsTheCacheRankByName) {
   for (int i = 0; i < 200 && !local.inference_link().failed(); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_TRUE(local.inference_link().failed());
+}
+
+// CUDA_LAUNCH_BLOCKING=1 makes each stream wait of the link a wait of the posting thread: the in-process cache rank's
+// first plan receive blocked its start-up while the inference side waited for that start-up (a hang). Refused by name.
+TEST(GpuSparseBadInput, LaunchBlockingIsRefusedByTheInProcessCacheRank) {
+  ASSERT_EQ(setenv("CUDA_LAUNCH_BLOCKING", "1", 1), 0);
+  try {
+    cache::LocalGpuCacheRank local(qwen3_like().attention_view(), pair::SparseConfig{}, 0);
+    ADD_FAILURE() << "the in-process cache rank started under CUDA_LAUNCH_BLOCKING=1";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CUDA_LAUNCH_BLOCKING=1"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(setenv("CUDA_LAUNCH_BLOCKING", "0", 1), 0);  // "0": off, accepted
+  EXPECT_NO_THROW(cache::LocalGpuCacheRank(qwen3_like().attention_view(), pair::SparseConfig{}, 0));
+  unsetenv("CUDA_LAUNCH_BLOCKING");
 }
 
 TEST(GpuSparseBadInput, OptionsAreRefusedByName) {

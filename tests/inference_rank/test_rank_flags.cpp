@@ -171,5 +171,25 @@ TEST(InferenceRankFlags, EachModeAcceptsItsOwnFlags) {
   }
 }
 
+// Prefix caching is on by default where it applies; given explicitly where it does not, it is refused by name.
+TEST(InferenceRankFlags, PrefixCachingIsRefusedWhereItDoesNotApply) {
+  const std::string hybrid = test::data_path("models/tiny-random-qwen3_5");
+  Exit r = run({"--model", hybrid, "--prompt", "hi", "--max-tokens", "2"}, {"--enable-prefix-caching"});
+  EXPECT_NE(r.rc, 0) << r.log;
+  EXPECT_THAT(r.log, HasSubstr("--enable-prefix-caching: not supported for hybrid")) << r.log;
+  // The default turns itself off for a hybrid model, and --no-enable-prefix-caching is always accepted: the run gets
+  // past the flags to the next error (this checkpoint has no tokenizer).
+  for (const Args& extra : {Args{}, Args{"--no-enable-prefix-caching"}}) {
+    r = run({"--model", hybrid, "--prompt", "hi", "--max-tokens", "2"}, extra);
+    EXPECT_THAT(r.log, HasSubstr("tokenizer.json is required")) << r.log;
+    EXPECT_THAT(r.log, Not(HasSubstr("prefix"))) << r.log;
+  }
+  const std::string dense = test::data_path("models/stories260K");
+  r = run({"--model", dense, "--device", "cuda", "--selection", "predicted", "--prompt", "hi"},
+          {"--enable-prefix-caching"});
+  EXPECT_NE(r.rc, 0) << r.log;
+  EXPECT_THAT(r.log, HasSubstr("--enable-prefix-caching: not supported with --device cuda")) << r.log;
+}
+
 }  // namespace
 }  // namespace spade

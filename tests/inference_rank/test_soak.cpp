@@ -2,10 +2,11 @@
 // rank (ApiCluster) on stories260K with sparse decoding, under a bounded mixed load from several client threads —
 // over the control port: requests past the sparse threshold, forced dense ones, short ones, ones cancelled
 // mid-stream (CancelRequest) or abandoned (the client disconnects), malformed ones (a field out of range); over HTTP:
-// streams, streams hung up on, malformed bodies, plain completions — with the cache rank SIGKILLed half-way through.
+// streams, streams hung up on, malformed bodies, plain completions — with the cache rank SIGKILLed part-way through
+// and a replacement started a few seconds later (rejoin: the pair re-handshakes and decodes sparsely again).
 // At the end: every request ended (tokens and a finish reason, or an error naming its cause), none got stuck, the
-// inference rank's KV pages are all free again, its and the coordinator's RSS stayed bounded, and the cluster still
-// answers a greedy request exactly as before the load.
+// inference rank's KV pages are all free again and so are the replacement cache rank's, its and the coordinator's RSS
+// stayed bounded, and the cluster still answers a greedy request exactly as before the load.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -34,7 +35,8 @@ using json = nlohmann::json;
 
 // ---- the load's shape
 constexpr auto kSoakDuration = 24s;     // wall time of the mixed load
-constexpr auto kKillAt = 10s;           // SIGKILL of the cache rank, counted from the start of the load
+constexpr auto kKillAt = 8s;            // SIGKILL of the cache rank, counted from the start of the load
+constexpr auto kRejoinAt = 12s;         // its replacement starts (same index), counted from the start of the load
 constexpr int kControlThreads = 4;      // clients of the control port
 constexpr int kHttpThreads = 2;         // clients of the OpenAI API
 constexpr uint32_t kSeed = 20;          // of every thread's random choices (thread i: kSeed + i)
@@ -341,7 +343,7 @@ void http_worker(Soak& s, int t) {
   }
 }
 
-TEST(Soak, MixedLoadWithCancelsBadRequestsAndACacheRankKillLosesNothing) {
+TEST(Soak, MixedLoadWithCancelsBadRequestsAndACacheRankKillAndRejoinLosesNothing) {
   Soak s;
   s.cl.start_coordinator({});
   s.cl.start_ranks({{}, kInferenceFlags, kCacheFlags});
@@ -378,8 +380,8 @@ TEST(Soak, MixedLoadWithCancelsBadRequestsAndACacheRankKillLosesNothing) {
     threads.emplace_back([&s, t] { s.guarded("control client " + std::to_string(t), [&] { control_worker(s, t); }); });
   for (int t = kControlThreads; t < kControlThreads + kHttpThreads; ++t)
     threads.emplace_back([&s, t] { s.guarded("HTTP client " + std::to_string(t), [&] { http_worker(s, t); }); });
-  // Half-way: the cache rank dies. Rejoin does not exist yet, so from here on the pair stays degraded: requests in
-  // flight on the sparse path fail with an error naming the cache rank, every later one is served densely.
+  // Part-way: the cache rank dies. Requests in flight on the sparse path fail with an error naming the cache rank,
+  // later ones are served densely until the replacement has rejoined, then sparsely again.
   std::this_thread::sleep_until(s.start + kKillAt);
   const Clock::time_point killed_at = Clock::now();
   s.cl.cache->signal(SIGKILL);
@@ -392,9 +394,22 @@ TEST(Soak, MixedLoadWithCancelsBadRequestsAndACacheRankKillLosesNothing) {
       break;
     }
   }
+  // The replacement: same rank and index, a fresh process (a restarted pod); the pair is whole once it re-paired.
+  std::this_thread::sleep_until(s.start + kRejoinAt);
+  s.cl.start_cache(kCacheFlags);
+  Clock::time_point whole_at{};
+  for (auto until = Clock::now() + 20s; Clock::now() < until; std::this_thread::sleep_for(50ms)) {
+    if (inf_metric("spade_pair_degraded") == 0) {
+      whole_at = Clock::now();
+      break;
+    }
+  }
+  const double sparse_at_rejoin = inf_metric("spade_sparse_sequence_steps_total");
   for (auto& th : threads) th.join();
   const auto load_end = Clock::now();
   ASSERT_NE(degraded_at, Clock::time_point{}) << "the inference rank never said it is degraded\n" << s.cl.logs();
+  ASSERT_NE(whole_at, Clock::time_point{}) << "the pair never became whole after the rejoin\n" << s.cl.logs();
+  ASSERT_LT(whole_at, s.end) << "the rejoin came after the load";
 
   // Classify every request.
   std::map<std::string, int> table;  // "kind: outcome" -> count
@@ -494,17 +509,32 @@ TEST(Soak, MixedLoadWithCancelsBadRequestsAndACacheRankKillLosesNothing) {
   EXPECT_EQ(json::parse(h.body)["choices"][0]["text"].get<std::string>(), after[0].outcome.text);
   EXPECT_TRUE(s.cl.inf->running());
   EXPECT_TRUE(s.cl.coord->running());
-  EXPECT_GT(inf_metric("spade_dense_fallbacks_total"), 0) << "requests past the threshold after the kill ran densely";
-  EXPECT_EQ(inf_metric("spade_pair_degraded"), 1);
+  EXPECT_EQ(inf_metric("spade_pair_degraded"), 0) << "the pair is whole again after the rejoin";
+  EXPECT_GT(inf_metric("spade_sparse_sequence_steps_total"), sparse_at_rejoin)
+      << "no request decoded sparsely after the rejoin";
+  // The replacement cache rank holds no sequence once the load is over (every release reached it).
+  double cache_seqs = -1;
+  for (auto until = Clock::now() + 10s; Clock::now() < until; std::this_thread::sleep_for(100ms)) {
+    const auto m = s.cl.metrics(s.cl.cache_metrics_port);
+    const auto it = m.find("spade_cache_sequences");
+    cache_seqs = it == m.end() ? -1 : it->second;
+    if (cache_seqs == 0) break;
+  }
+  EXPECT_EQ(cache_seqs, 0) << "the replacement cache rank leaked sequences\n" << s.cl.logs();
+  EXPECT_TRUE(s.cl.cache->running());
 
   std::printf("soak summary: %zu requests in %.1f s, %zu problems; cache rank killed at %.1f s, pair degraded %.2f s "
-              "later; KV usage %.3f (idle %.3f); RSS KiB inference %ld -> %ld, coordinator %ld -> %ld\n",
+              "later, whole again at %.1f s (replacement started at %.1f s); KV usage %.3f (idle %.3f); RSS KiB "
+              "inference %ld -> %ld, coordinator %ld -> %ld\n",
               s.records.size(), std::chrono::duration<double>(load_end - s.start).count(), problems.size(),
               std::chrono::duration<double>(killed_at - s.start).count(),
-              std::chrono::duration<double>(degraded_at - killed_at).count(), kv, kv_idle, inf_rss0, inf_rss1,
-              coord_rss0, coord_rss1);
+              std::chrono::duration<double>(degraded_at - killed_at).count(),
+              std::chrono::duration<double>(whole_at - s.start).count(),
+              std::chrono::duration<double>(kRejoinAt).count(), kv, kv_idle, inf_rss0, inf_rss1, coord_rss0,
+              coord_rss1);
   c->request_shutdown("soak done");
   EXPECT_EQ(s.cl.inf->wait_exit(10s), 0) << s.cl.logs();
+  EXPECT_EQ(s.cl.cache->wait_exit(10s), 0) << s.cl.logs();
   EXPECT_EQ(s.cl.coord->wait_exit(10s), 0) << s.cl.logs();
 }
 

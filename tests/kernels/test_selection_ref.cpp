@@ -342,6 +342,60 @@ TEST(TopkRef, KeyOrder) {
 
 // ---- gather ----
 
+// Anchors: per KV head the tokens some query head of the group attends with probability >= kAnchorMinMass, best
+// first, at least `span` apart, only from [begin, end); a head whose queries attend nothing sharply has none.
+TEST(AnchorsRef, PickTheMostAttendedTokensSpacedAndWithinRange) {
+  const int Hq = 4, Hkv = 2, D = 4, P = 4, len = 40;
+  std::vector<float> k(static_cast<size_t>(len) * Hkv * D, 0.f);
+  auto key = [&](int t, int h) { return &k[(static_cast<size_t>(t) * Hkv + h) * D]; };
+  // KV head 0 only: tokens 10 and 36 (6 on e0), 12 (5 on e0), 20 (5 on e1). KV head 1: all keys zero.
+  key(10, 0)[0] = 6.f;
+  key(12, 0)[0] = 5.f;
+  key(20, 0)[1] = 5.f;
+  key(36, 0)[0] = 6.f;
+  std::vector<int32_t> bt(len / P);
+  std::iota(bt.begin(), bt.end(), 0);
+  std::reverse(bt.begin(), bt.end());  // pages out of order: positions go through the block table
+  std::vector<float> kc(k.size());
+  for (int t = 0; t < len; ++t)
+    std::copy(key(t, 0), key(t, 0) + Hkv * D, &kc[((static_cast<size_t>(bt[t / P]) * P + t % P) * Hkv) * D]);
+  // Two queries at positions 38, 39 (scale 1/sqrt(4)): query 0's head 0 along e0 (2): probabilities of 10 and 36
+  // e^6 / (2 e^6 + e^5 + 36) = 0.41, of 12 0.15; query 1's head 1 along e1 (2): 20 gets e^5 / (e^5 + 39) = 0.79.
+  std::vector<float> q(static_cast<size_t>(2) * Hq * D, 0.f);
+  q[0] = 2.f;
+  q[static_cast<size_t>(Hq) * D + 1 * D + 1] = 2.f;
+  std::vector<int32_t> anchors(static_cast<size_t>(Hkv) * kMaxAnchors, 7);
+  SelectAnchorsRefParams p;
+  p.queries = q.data();
+  p.k_cache = kc.data();
+  p.block_table = bt.data();
+  p.anchors = anchors.data();
+  p.num_queries = 2;
+  p.first_pos = 38;
+  p.num_q_heads = Hq;
+  p.num_kv_heads = Hkv;
+  p.head_dim = D;
+  p.page_size = P;
+  p.max_pages_per_seq = len / P;
+  p.begin = 2;
+  p.end = 32;  // 36 is outside
+  p.span = 4;  // 12 is within the span of 10
+  select_anchors_ref(p);
+  EXPECT_EQ(anchors[0], 20);
+  EXPECT_EQ(anchors[1], 10);
+  EXPECT_EQ(anchors[2], -1);
+  EXPECT_EQ(anchors[3], -1);
+  for (int a = 0; a < kMaxAnchors; ++a) EXPECT_EQ(anchors[kMaxAnchors + a], -1) << "KV head 1 has no sharp query";
+  p.span = 1;
+  select_anchors_ref(p);
+  EXPECT_EQ(anchors[0], 20);
+  EXPECT_EQ(anchors[1], 10);
+  EXPECT_EQ(anchors[2], 12);
+  EXPECT_EQ(anchors[3], -1);
+  p.span = 0;
+  EXPECT_THROW(select_anchors_ref(p), Error);
+}
+
 TEST(GatherRef, CopiesRowsAndZeroPads) {
   const int hkv = 2, D = 4, ps = 2, k = 3;
   const std::vector<int32_t> bt = {1, 0};  // positions 0,1 in page 1; 2,3 in page 0

@@ -132,6 +132,32 @@ TEST(SparseFlags, BadTextValuesAreRefusedByName) {
   }
 }
 
+TEST(SparseFlags, PromptAnchorsParseValidateAndCanBeTurnedOff) {
+  EXPECT_EQ(SelectionConfig{}.anchor_queries, kMaxAnchorQueries);  // on by default
+  {
+    CLI::App app;
+    SparseConfig c;
+    SparseFlagText t;
+    parse(app, c, t, kSelectionFlags, {"--anchor-queries", "0", "--anchor-span", "24"});
+    EXPECT_EQ(c.selection.anchor_queries, 0);  // off: the earlier default
+    EXPECT_EQ(c.selection.anchor_span, 24);
+  }
+  for (const char* bad : {"65", "-1"}) {
+    CLI::App app;
+    SparseConfig c;
+    SparseFlagText t;
+    try {
+      parse(app, c, t, kSelectionFlags, {"--anchor-queries", bad});
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const std::exception& e) {
+      EXPECT_THAT(e.what(), HasSubstr("anchor queries")) << bad;
+    }
+  }
+  SelectionConfig sc;
+  sc.anchor_span = 0;
+  EXPECT_THROW(validate(sc), Error);
+}
+
 TEST(FlagRefusals, NamesEveryGivenFlagOnceAndIgnoresDefaults) {
   CLI::App app;
   SparseConfig c;

@@ -131,6 +131,45 @@ TEST(CudaIpcLinkOneProcess, AFailureOnOneEndFailsTheOtherAndDrainsItsStreams) {
   cudaFree(buf);
 }
 
+// The in-process pair's stall (docs/FIDELITY.md): posting must never wait for the peer. With receives of both ends
+// pending on the device (as the cache rank's next-plan receive always is), one thread posts more operations than the
+// link ever had in flight before (each needs a completion event); every post must return at once, and the data must
+// arrive once the sends come.
+TEST(CudaIpcLinkOneProcess, PostingManyOperationsWhileReceivesArePendingNeverWaits) {
+  CudaIpcLinkOptions o;
+  o.chunk_bytes = 4096;
+  o.ring_slots = 64;
+  Pair p(o);
+  Streams st;
+  constexpr int kOps = 48;  // more than any step of the pair has in flight
+  constexpr size_t kBytes = 1024;
+  void *src = nullptr, *dst = nullptr, *plan = nullptr;
+  ASSERT_EQ(cudaMalloc(&src, kOps * kBytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dst, kOps * kBytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&plan, kBytes), cudaSuccess);
+  const auto data = pattern(kOps * kBytes, 7);
+  ASSERT_EQ(cudaMemcpy(src, data.data(), data.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  p.cache->recv(plan, kBytes, st.s[2], "the next step's plan", GpuLink::kNoTimeout);  // pending throughout
+  const auto t0 = Clock::now();
+  for (int i = 0; i < kOps; ++i)
+    p.inf->recv(static_cast<char*>(dst) + i * kBytes, kBytes, st.s[1], "selections of a pack");
+  const auto posted = Clock::now() - t0;
+  EXPECT_LT(posted, std::chrono::milliseconds(1000)) << kOps << " receives posted while receives were pending";
+  EXPECT_EQ(p.inf->in_flight(), static_cast<size_t>(kOps));
+  for (int i = 0; i < kOps; ++i)
+    p.cache->send(static_cast<char*>(src) + i * kBytes, kBytes, st.s[3], "selections of a pack");
+  ASSERT_EQ(cudaStreamSynchronize(st.s[1]), cudaSuccess);
+  std::vector<unsigned char> got(data.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), dst, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, data);
+  p.inf->send(src, kBytes, st.s[0], "the next step's plan");  // completes the pending receive
+  ASSERT_EQ(cudaStreamSynchronize(st.s[2]), cudaSuccess);
+  EXPECT_FALSE(p.inf->failed());
+  EXPECT_FALSE(p.cache->failed());
+  for (void* x : {src, dst, plan}) cudaFree(x);
+}
+
 TEST(CudaIpcLinkOneProcess, CreatorThatNobodyOpensTimesOutNamingThePeer) {
   CudaIpcLinkOptions o;
   o.connect_timeout = std::chrono::milliseconds(300);

@@ -279,7 +279,42 @@ struct CudaIpcLink::State final : detail::GpuLinkWatch {
     return done;
   }
 
+  // Where each direction stood, from this end's view (before any release): chunks this end enqueued, and the header's
+  // posted / consumed counts (what the two ends' streams have executed). A chunk enqueued here but not yet posted by
+  // the sender's stream names the stream that did not progress.
+  std::string state_locked() const {
+    Header* h = m->h;
+    std::string s;
+    for (int d = 0; d < 2; ++d) {
+      const bool sender = (d == 0) == (end_role == PairRole::kInference);
+      const uint32_t posted = load(&h->posted[d][0]), consumed = load(&h->consumed[d][0]);
+      s += fmt::format("{}{} ({} -> {}): this end enqueued {} chunk(s) as {}, the sender's stream posted {}, the "
+                       "receiver's stream consumed {}",
+                       d == 0 ? "" : "; ", d == 0 ? "up" : "down", d == 0 ? "inference" : "cache",
+                       d == 0 ? "cache" : "inference", seq[d].load(), sender ? "sender" : "receiver", posted, consumed);
+    }
+    return s;
+  }
+
  protected:
+  // The link state at the first failure, for the log, when a chunk this end enqueued was still incomplete (this
+  // end's failure: before its release moves the counters) or the peer failed the link (its release already moved
+  // them: this end's counts still say what it had enqueued). Not after an orderly close.
+  void on_fail_locked() override {
+    Header* h = m->h;
+    bool incomplete = false;
+    for (int d = 0; d < 2; ++d) {
+      const auto q = static_cast<uint32_t>(seq[d].load());
+      incomplete = incomplete || static_cast<int32_t>(q - load(&h->posted[d][0])) > 0 ||
+                   static_cast<int32_t>(q - load(&h->consumed[d][0])) > 0;
+    }
+    if (incomplete) {
+      spdlog::warn("{}: link state at the failure: {}", who(), state_locked());
+    } else if (load(&h->abort) == kAborted) {
+      spdlog::warn("{}: link state when the peer failed the link (counters already released): {}", who(),
+                   state_locked());
+    }
+  }
   // A failure releases every counter (the blocked copies of both ends run, on garbage) until the events drain.
   void release_transfers(std::vector<cudaEvent_t>& events) override {
     release_until_drained(events, kAborted, options().op_timeout);

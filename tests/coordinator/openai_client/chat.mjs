@@ -1,5 +1,5 @@
 // Drives Spade's OpenAI-compatible API with the official `openai` npm client: non-streaming and streaming chat
-// completions and a completion. Prints one JSON line with what it saw; exits non-zero (with the reason) on any
+// completions and a completion, and logprobs on both (whole and streamed). Prints one JSON line with what it saw; exits non-zero (with the reason) on any
 // mismatch. Run by tests/coordinator/test_openai_api.cpp against a running cluster on stories260K:
 //   node chat.mjs http://127.0.0.1:PORT/v1 MODEL
 import OpenAI from "openai";
@@ -54,6 +54,49 @@ check(usage && usage.completion_tokens === full.usage.completion_tokens, `stream
 const completion = await client.completions.create({ model, prompt: "Once upon a time", max_tokens: 8, temperature: 0 });
 check(completion.choices[0].text.length > 0, "completion text");
 
+// logprobs: chat (logprobs + top_logprobs, whole and streamed) and completions (integer logprobs), OpenAI's shapes;
+// exp(logprob) of the alternatives sums to <= 1, and the sampled token's logprob equals its entry among them.
+function checkChatLogprobs(content, top, what) {
+  check(Array.isArray(content) && content.length > 0, `${what}: logprobs.content is a non-empty array`);
+  for (const e of content) {
+    check(typeof e.token === "string" && typeof e.logprob === "number" && e.logprob <= 0, `${what}: entry ${JSON.stringify(e)}`);
+    check(Array.isArray(e.bytes) && e.bytes.every((b) => Number.isInteger(b) && b >= 0 && b < 256), `${what}: bytes ${JSON.stringify(e.bytes)}`);
+    check(Array.isArray(e.top_logprobs) && e.top_logprobs.length === top, `${what}: ${top} top_logprobs in ${JSON.stringify(e)}`);
+    let mass = 0;
+    for (const t of e.top_logprobs) {
+      check(typeof t.token === "string" && typeof t.logprob === "number" && Array.isArray(t.bytes), `${what}: alternative ${JSON.stringify(t)}`);
+      mass += Math.exp(t.logprob);
+      if (JSON.stringify(t.bytes) === JSON.stringify(e.bytes))
+        check(t.logprob === e.logprob, `${what}: the sampled token's logprob ${e.logprob} equals its alternative's ${t.logprob}`);
+    }
+    check(mass <= 1 + 1e-5, `${what}: exp(top logprobs) sums to ${mass} <= 1`);
+  }
+}
+const lpFull = await client.chat.completions.create({ model, messages, max_tokens: 12, temperature: 0.8, seed: 3, logprobs: true, top_logprobs: 4 });
+checkChatLogprobs(lpFull.choices[0].logprobs?.content, 4, "chat logprobs");
+check(lpFull.choices[0].logprobs.content.length === lpFull.usage.completion_tokens, "one logprobs entry per completion token");
+const lpStream = await client.chat.completions.create({
+  model, messages, max_tokens: 12, temperature: 0.8, seed: 3, logprobs: true, top_logprobs: 4, stream: true,
+});
+const lpStreamed = [];
+for await (const chunk of lpStream)
+  for (const c of chunk.choices) if (c.logprobs?.content) lpStreamed.push(...c.logprobs.content);
+checkChatLogprobs(lpStreamed, 4, "streamed chat logprobs");
+check(JSON.stringify(lpStreamed) === JSON.stringify(lpFull.choices[0].logprobs.content),
+      "streamed logprobs equal the non-streamed ones (same seed)");
+const lpCompletion = await client.completions.create({ model, prompt: "Once upon a time", max_tokens: 8, temperature: 0, logprobs: 3 });
+const clp = lpCompletion.choices[0].logprobs;
+check(clp && Array.isArray(clp.tokens) && clp.tokens.length === lpCompletion.usage.completion_tokens &&
+      clp.token_logprobs.length === clp.tokens.length && clp.top_logprobs.length === clp.tokens.length &&
+      clp.text_offset.length === clp.tokens.length && clp.text_offset[0] === 0,
+      `completion logprobs shape ${JSON.stringify(clp)}`);
+for (let i = 0; i < clp.tokens.length; ++i) {
+  const top = clp.top_logprobs[i];
+  check(top[clp.tokens[i]] === clp.token_logprobs[i], `completion: the sampled token's entry in ${JSON.stringify(top)}`);
+  const mass = Object.values(top).reduce((a, v) => a + Math.exp(v), 0);
+  check(mass <= 1 + 1e-5, `completion: exp(top logprobs) sums to ${mass} <= 1`);
+}
+
 let rejected = null;
 try {
   await client.chat.completions.create({ model: "no-such-model", messages });
@@ -62,4 +105,5 @@ try {
 }
 check(rejected instanceof OpenAI.NotFoundError, `unknown model raises NotFoundError, got ${rejected}`);
 
-console.log(JSON.stringify({ ok: true, content: choice.message.content, streamed_chunks: chunks, usage: full.usage }));
+console.log(JSON.stringify({ ok: true, content: choice.message.content, streamed_chunks: chunks, usage: full.usage,
+                             logprob_entries: lpFull.choices[0].logprobs.content.length }));
