@@ -67,6 +67,14 @@ GpuEngineForward::~GpuEngineForward() {
   }
 }
 
+void GpuEngineForward::set_sparse(GpuSparseController* sparse) {
+  if (sparse_ != nullptr && sparse != sparse_) {
+    cuda_check(cudaStreamSynchronize(stream_), "GPU engine: stream before replacing the sparse controller");
+    graphs_.clear();
+  }
+  sparse_ = sparse;
+}
+
 int GpuEngineForward::max_batch() const { return bucket_for(opt_.engine.max_num_seqs); }
 
 int GpuEngineForward::warm_up() {

@@ -65,7 +65,10 @@ class GpuEngineForward {
   /// the launch (GpuSparseController::ship_graph_step); mixed and prefill steps run eagerly. After a link failure
   /// the controller attends densely and the dense graphs resume, from the first step without a sequence whose pages
   /// were dropped (GpuSparseController::graph_safe).
-  void set_sparse(GpuSparseController* sparse) { sparse_ = sparse; }
+  /// The sparse controller the forward passes attend with (nullptr: dense). Replacing one controller by another (a
+  /// replaced cache rank re-paired) drops every captured graph: they bake the old controller's buffers and events.
+  /// Waits for this engine's stream first.
+  void set_sparse(GpuSparseController* sparse);
   /// Start-up pass (vLLM's profile run, in spirit): every cuBLASLt kernel a step of 1..max_num_batched_tokens rows
   /// can pick, launched once (GpuModel::warm_up_gemms), one eager step of max_num_batched_tokens prompt tokens, then one
   /// decode step per graph bucket (capturing its graph when graphs are on), all on the scratch page, so that every

@@ -177,6 +177,10 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
   sc.local_window = kWindow;
   sc.sink_tokens = 0;  // the GPU path has none
   sc.anchor_queries = 0;  // nor prompt anchors yet (docs/FIDELITY.md)
+  // The CPU selector scores with the exact keys; the GPU cache rank's default int8 scoring keys can reorder tokens
+  // whose scores differ by less than the quantisation step (kernels_test_score_keys checks that path against its
+  // reference), so the exact comparison is with bf16 keys.
+  sc.score_keys = kernels::ScoreKeys::kBf16;
   ASSERT_EQ(sc.predictor, kernels::PredictorKind::kRidge);
   ASSERT_TRUE(sc.successor_expand);
   ASSERT_EQ(sc.gqa_rule, kernels::GqaScoreRule::kMax);
