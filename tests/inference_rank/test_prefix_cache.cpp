@@ -35,6 +35,25 @@ GenerateRequest greedy(std::vector<int32_t> ids, int n) {
   return r;
 }
 
+// Sparse decoding from 24 tokens on with a budget of 16, its cache rank in process.
+SparseOptions sparse_options() {
+  SparseOptions so;
+  so.mode = SelectionMode::Predicted;
+  so.sparse_threshold = 24;
+  so.layers_per_pack = 2;
+  so.selection.token_budget = 16;
+  so.selection.local_window = 8;
+  so.selection.sink_tokens = 0;
+  so.selection.query_window = 4;
+  return so;
+}
+BackendFactory in_process_sparse(const SparseOptions& so) {
+  return [so](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
+    return std::make_unique<SparseAttention>(
+        cfg, kv, so, std::make_unique<cache::InProcessLink>(cfg, so.selection, kv.num_pages(), kv.page_size()));
+  };
+}
+
 // Runs each prompt to completion, one after the other, on one engine; returns the generated ids of each.
 std::vector<std::vector<int32_t>> run_in_turn(Engine& e, const std::vector<std::vector<int32_t>>& prompts, int n) {
   std::vector<std::vector<int32_t>> out(prompts.size());
@@ -85,18 +104,8 @@ TEST_F(PrefixCache, RepeatedPromptReusesPagesAndDecodesTheSameTokens) {
 }
 
 TEST_F(PrefixCache, SparseDecodingWithCachedPrefixDecodesAsWithout) {
-  SparseOptions so;
-  so.mode = SelectionMode::Predicted;
-  so.sparse_threshold = 24;
-  so.layers_per_pack = 2;
-  so.selection.token_budget = 16;
-  so.selection.local_window = 8;
-  so.selection.sink_tokens = 0;
-  so.selection.query_window = 4;
-  auto factory = [&so](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<SparseAttention>(
-        cfg, kv, so, std::make_unique<cache::InProcessLink>(cfg, so.selection, kv.num_pages(), kv.page_size()));
-  };
+  const SparseOptions so = sparse_options();
+  const BackendFactory factory = in_process_sparse(so);
   const auto a = prompt(200, 3);
   Engine cold(*model, options(false), factory);
   const auto expected = run_in_turn(cold, {a}, 60);
@@ -174,6 +183,20 @@ struct Samples : PrefixCache {
     r.sampling.seed = seed;
     return r;
   }
+  // `n` independent requests of `p`, one after the other, seeds seed .. seed + n - 1 (what sample i must decode).
+  static std::vector<std::vector<int32_t>> run_alone(Engine& e, const std::vector<int32_t>& p, int tokens, uint64_t seed,
+                                                     int n) {
+    std::vector<std::vector<int32_t>> out;
+    for (int i = 0; i < n; ++i) {
+      std::vector<int32_t> got;
+      e.submit(sampled(p, tokens, seed + static_cast<uint64_t>(i)), [&](const TokenEvent& ev) {
+        if (ev.token >= 0) got.push_back(ev.token);
+      });
+      e.run_until_idle();
+      out.push_back(got);
+    }
+    return out;
+  }
 };
 
 TEST_F(Samples, EachSampleDecodesAsAnIndependentRequestWithItsSeedAndThePromptIsStoredOnce) {
@@ -182,15 +205,7 @@ TEST_F(Samples, EachSampleDecodesAsAnIndependentRequestWithItsSeedAndThePromptIs
   EngineOptions o = options(false);
   o.max_num_seqs = 8;
   Engine alone(*model, o);
-  std::vector<std::vector<int32_t>> expected;
-  for (int i = 0; i < n; ++i) {
-    std::vector<int32_t> got;
-    alone.submit(sampled(p, gen, 100 + static_cast<uint64_t>(i)), [&](const TokenEvent& ev) {
-      if (ev.token >= 0) got.push_back(ev.token);
-    });
-    alone.run_until_idle();
-    expected.push_back(got);
-  }
+  const auto expected = run_alone(alone, p, gen, 100, n);
   EXPECT_NE(expected[0], expected[1]) << "sampling at temperature 1 with different seeds";
 
   Engine shared(*model, o);
@@ -207,32 +222,14 @@ TEST_F(Samples, EachSampleDecodesAsAnIndependentRequestWithItsSeedAndThePromptIs
 }
 
 TEST_F(Samples, SparseDecodingSamplesDecodeAsIndependentRequests) {
-  SparseOptions so;
-  so.mode = SelectionMode::Predicted;
-  so.sparse_threshold = 24;
-  so.layers_per_pack = 2;
-  so.selection.token_budget = 16;
-  so.selection.local_window = 8;
-  so.selection.sink_tokens = 0;
-  so.selection.query_window = 4;
-  auto factory = [&so](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<SparseAttention>(
-        cfg, kv, so, std::make_unique<cache::InProcessLink>(cfg, so.selection, kv.num_pages(), kv.page_size()));
-  };
+  const SparseOptions so = sparse_options();
+  const BackendFactory factory = in_process_sparse(so);
   EngineOptions o = options(false);
   o.prefix_recompute_tokens = std::max(so.selection.query_window + 1, so.selection.anchor_queries);
   const auto p = prompt(220, 6);
   const int n = 3;
   Engine alone(*model, o, factory);
-  std::vector<std::vector<int32_t>> expected;
-  for (int i = 0; i < n; ++i) {
-    std::vector<int32_t> got;
-    alone.submit(sampled(p, 50, 7 + static_cast<uint64_t>(i)), [&](const TokenEvent& ev) {
-      if (ev.token >= 0) got.push_back(ev.token);
-    });
-    alone.run_until_idle();
-    expected.push_back(got);
-  }
+  const auto expected = run_alone(alone, p, 50, 7, n);
   Engine shared(*model, o, factory);
   const auto got = run_samples(shared, sampled(p, 50, 7), n);
   for (int i = 0; i < n; ++i) EXPECT_EQ(got[static_cast<size_t>(i)], expected[static_cast<size_t>(i)]) << "sample " << i;
