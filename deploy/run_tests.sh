@@ -25,4 +25,8 @@ if [ "${gpu_tests:-0}" != "0" ]; then
   echo "run_tests: ${gpu_tests} gpu-labelled tests are NOT run here (no GPU); run bench/run_gpu.sh on a GPU machine."
 fi
 cd "$build"
+# ctest runs one test per core, and the multi-process tests start three ranks each: OpenBLAS's OpenMP threads (one per
+# core by default, spin-waiting between GEMMs) would oversubscribe the cores several times over and slow a 260K-param
+# model's decode steps tenfold, past the tests' latency bounds. One BLAS thread per process unless the caller says so.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 ctest --output-on-failure -LE gpu -j "$jobs" --timeout 900 "$@"

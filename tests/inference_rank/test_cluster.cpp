@@ -202,7 +202,7 @@ TEST(Cluster, CacheRankLostBetweenRequestsNewRequestsDecodeDensely) {
     const Outcome after = generate(*c, "", 120);
     EXPECT_EQ(after.reason, proto::FINISH_LENGTH) << after.error << cl.logs();
     EXPECT_EQ(after.ids.size(), 120u);
-    EXPECT_LT(Clock::now() - t0, 5s) << "the dense request waited on the dead link";
+    EXPECT_LT(Clock::now() - t0, 5s) << "the dense request waited on the dead link" << cl.logs();
     std::this_thread::sleep_for(200ms);
     EXPECT_GT(cl.inf_metric("spade_dense_fallbacks_total"), 0) << "counted as a dense fallback";
     EXPECT_EQ(cl.inf_metric("spade_pair_degraded"), 1);
