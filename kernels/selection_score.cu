@@ -27,6 +27,73 @@ constexpr int kScoreWarps = 4;
 constexpr int kScoreThreads = kScoreWarps * 32;
 constexpr int kScoreTable = 2048;
 
+// The token range [begin, end) of this block's split (blockIdx.x) of sequence blockIdx.z's candidates, and the
+// block-table slice it reads, copied to shared memory: tab[i] = the page of logical page p0 + i. False when the split
+// starts past the sequence's num_tokens (the whole block returns; the test is uniform over the block).
+struct ScoreChunk {
+  int begin = 0;
+  int end = 0;
+  int p0 = 0;
+};
+
+__device__ __forceinline__ bool load_score_chunk(const PagedKv& kv, const int32_t* num_tokens, int chunk, int32_t* tab,
+                                                 ScoreChunk& c) {
+  const int b = blockIdx.z;
+  const int L = num_tokens[b];
+  c.begin = blockIdx.x * chunk;
+  if (c.begin >= L) return false;
+  c.end = min(L, c.begin + chunk);
+  c.p0 = kv.page_of(c.begin);
+  const int np = kv.page_of(c.end - 1) - c.p0 + 1;
+  const int32_t* bt = kv.table_row(b) + c.p0;
+  for (int i = threadIdx.x; i < np; i += kScoreThreads) tab[i] = bt[i];
+  __syncthreads();
+  return true;
+}
+
+// The query heads whose parts this lane's B-operand column n = lane / 4 carries (n8 mma: 8 columns). Group G <= 4
+// (two = false): one mma, columns 0..G-1 hold the heads' high parts and G..2G-1 their low parts (lo0). G in 5..8
+// (two): two mmas, head0's high part in the first and head1's (the same head) low part in the second. -1: no head.
+struct LaneHeads {
+  bool two = false;
+  int head0 = -1;
+  bool lo0 = false;
+  int head1 = -1;
+};
+
+__device__ __forceinline__ LaneHeads lane_heads(int lane, int G) {
+  const int n = lane >> 2;
+  LaneHeads h;
+  h.two = 2 * G > 8;
+  if (n < G) {
+    h.head0 = n;
+  } else if (!h.two && n < 2 * G) {
+    h.head0 = n - G;
+    h.lo0 = true;
+  }
+  h.head1 = (h.two && n < G) ? n : -1;
+  return h;
+}
+
+// Writes a warp's m16n8 accumulators (s0; s1 too with `two`) transposed into its scratch: [16 tokens][9] floats per
+// mma (8 columns and a pad), the second mma's tile at offset 144.
+template <typename Acc>
+__device__ __forceinline__ void store_score_fragments(float* scratch, int lane, const Acc s0[4], const Acc s1[4],
+                                                      bool two) {
+  const int g = lane >> 2;
+  const int c2 = 2 * (lane & 3);
+  scratch[g * 9 + c2] = static_cast<float>(s0[0]);
+  scratch[g * 9 + c2 + 1] = static_cast<float>(s0[1]);
+  scratch[(g + 8) * 9 + c2] = static_cast<float>(s0[2]);
+  scratch[(g + 8) * 9 + c2 + 1] = static_cast<float>(s0[3]);
+  if (two) {
+    scratch[144 + g * 9 + c2] = static_cast<float>(s1[0]);
+    scratch[144 + g * 9 + c2 + 1] = static_cast<float>(s1[1]);
+    scratch[144 + (g + 8) * 9 + c2] = static_cast<float>(s1[2]);
+    scratch[144 + (g + 8) * 9 + c2 + 1] = static_cast<float>(s1[3]);
+  }
+}
+
 template <int D>
 struct ScoreConfig {
   // K only (half the bytes per stage of the decode kernel): deeper pipeline to keep as many bytes in flight.
@@ -59,25 +126,16 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
   T* stage_base = reinterpret_cast<T*>(smem_raw + kScoreTable * 4);
   float* scratch_base = reinterpret_cast<float*>(stage_base + size_t{kScoreWarps} * Cfg::kStages * Cfg::kTileElems);
 
-  const int split = blockIdx.x;
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int G = a.heads.group;
-  const int L = a.num_tokens[b];
-  const int begin = split * a.chunk;
-  if (begin >= L) return;
-  const int end = min(L, begin + a.chunk);
-
-  const int p0 = a.kv.page_of(begin);
-  {
-    const int np = a.kv.page_of(end - 1) - p0 + 1;
-    const int32_t* bt = a.kv.table_row(b) + p0;
-    for (int i = tid; i < np; i += kScoreThreads) tab[i] = bt[i];
-  }
-  __syncthreads();
+  ScoreChunk ch;
+  if (!load_score_chunk(a.kv, a.num_tokens, a.chunk, tab, ch)) return;
+  const int begin = ch.begin;
+  const int end = ch.end;
+  const int p0 = ch.p0;
 
   const size_t row_stride = a.kv.row_stride<D>();
   const T* kc = a.kv.k_head<T, D>(kvh);
@@ -94,18 +152,12 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
   };
 
   // B operands: column n = lane / 4 of Qhat^T, rows d = 16ks + 2c (+1, +8, +9).
-  const int n = lane >> 2;
   const int c4 = lane & 3;
-  const bool two = 2 * G > 8;
-  int head0 = -1;
-  bool lo0 = false;
-  if (n < G) {
-    head0 = n;
-  } else if (!two && n < 2 * G) {
-    head0 = n - G;
-    lo0 = true;
-  }
-  const int head1 = (two && n < G) ? n : -1;
+  const LaneHeads lh = lane_heads(lane, G);
+  const bool two = lh.two;
+  const int head0 = lh.head0;
+  const bool lo0 = lh.lo0;
+  const int head1 = lh.head1;
   const float* qbase = a.q_hat + (static_cast<size_t>(b) * a.heads.hq + kvh * G) * D;
   auto part = [&](int head, bool lo, int d) -> float {
     if (head < 0) return 0.f;
@@ -142,17 +194,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
       Tr::mma(s0, af, qf0[ks], s0);
       if (two) Tr::mma(s1, af, qf1[ks], s1);
     }
-    const int g = lane >> 2;
-    scratch[g * 9 + 2 * c4] = s0[0];
-    scratch[g * 9 + 2 * c4 + 1] = s0[1];
-    scratch[(g + 8) * 9 + 2 * c4] = s0[2];
-    scratch[(g + 8) * 9 + 2 * c4 + 1] = s0[3];
-    if (two) {
-      scratch[144 + g * 9 + 2 * c4] = s1[0];
-      scratch[144 + g * 9 + 2 * c4 + 1] = s1[1];
-      scratch[144 + (g + 8) * 9 + 2 * c4] = s1[2];
-      scratch[144 + (g + 8) * 9 + 2 * c4 + 1] = s1[3];
-    }
+    store_score_fragments(scratch, lane, s0, s1, two);
     __syncwarp();
     const int t0 = tile_begin(j);
     if (lane < 16 && t0 + lane < end) {
@@ -247,25 +289,16 @@ __global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Ar
   unsigned char* stage_base = smem_raw + kScoreTable * 4;
   float* scratch_base = reinterpret_cast<float*>(stage_base + size_t{kScoreWarps} * Cfg::kStages * Cfg::kTileBytes);
 
-  const int split = blockIdx.x;
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int G = a.heads.group;
-  const int L = a.num_tokens[b];
-  const int begin = split * a.chunk;
-  if (begin >= L) return;
-  const int end = min(L, begin + a.chunk);
-
-  const int p0 = a.kv.page_of(begin);
-  {
-    const int np = a.kv.page_of(end - 1) - p0 + 1;
-    const int32_t* bt = a.kv.table_row(b) + p0;
-    for (int i = tid; i < np; i += kScoreThreads) tab[i] = bt[i];
-  }
-  __syncthreads();
+  ScoreChunk ch;
+  if (!load_score_chunk(a.kv, a.num_tokens, a.chunk, tab, ch)) return;
+  const int begin = ch.begin;
+  const int end = ch.end;
+  const int p0 = ch.p0;
 
   const size_t row_stride = static_cast<size_t>(a.kv.hkv) * D;  // bytes between cache rows
   const int8_t* kc = static_cast<const int8_t*>(a.kv.k) + static_cast<size_t>(kvh) * D;
@@ -291,18 +324,12 @@ __global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Ar
   };
 
   // B operands (m16n8k32, int8): column n = lane / 4 of Qq^T, rows d = 32 ks + 4 c (+0..3) and 32 ks + 16 + 4 c.
-  const int n = lane >> 2;
   const int c4 = lane & 3;
-  const bool two = 2 * G > 8;
-  int head0 = -1;
-  bool lo0 = false;
-  if (n < G) {
-    head0 = n;
-  } else if (!two && n < 2 * G) {
-    head0 = n - G;
-    lo0 = true;
-  }
-  const int head1 = (two && n < G) ? n : -1;
+  const LaneHeads lh = lane_heads(lane, G);
+  const bool two = lh.two;
+  const int head0 = lh.head0;
+  const bool lo0 = lh.lo0;
+  const int head1 = lh.head1;
   const float* qbase = a.q_hat + (static_cast<size_t>(b) * a.heads.hq + kvh * G) * D;
   // max |q| of this lane's head (both of its operands are the same head): the 4 lanes of a column split d.
   float amax = 0.f;
@@ -364,17 +391,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Ar
       mma_s8(s0, af, qf0[ks]);
       if (two) mma_s8(s1, af, qf1[ks]);
     }
-    const int g = lane >> 2;
-    scratch[g * 9 + 2 * c4] = static_cast<float>(s0[0]);
-    scratch[g * 9 + 2 * c4 + 1] = static_cast<float>(s0[1]);
-    scratch[(g + 8) * 9 + 2 * c4] = static_cast<float>(s0[2]);
-    scratch[(g + 8) * 9 + 2 * c4 + 1] = static_cast<float>(s0[3]);
-    if (two) {
-      scratch[144 + g * 9 + 2 * c4] = static_cast<float>(s1[0]);
-      scratch[144 + g * 9 + 2 * c4 + 1] = static_cast<float>(s1[1]);
-      scratch[144 + (g + 8) * 9 + 2 * c4] = static_cast<float>(s1[2]);
-      scratch[144 + (g + 8) * 9 + 2 * c4 + 1] = static_cast<float>(s1[3]);
-    }
+    store_score_fragments(scratch, lane, s0, s1, two);
     __syncwarp();
     const int t0 = tile_begin(j);
     if (lane < 16 && t0 + lane < end) {
