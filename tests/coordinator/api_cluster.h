@@ -53,14 +53,19 @@ struct ApiCluster {
   std::unique_ptr<ChildProcess> coord, inf, cache;
   std::vector<std::unique_ptr<ChildProcess>> retired;  // ranks replaced by a restart (their logs stay readable)
 
+  std::map<std::string, std::string> extra_env;  // added to every process's environment (e.g. CUDA settings)
+
   std::map<std::string, std::string> env(int rank) const {
-    return {{"MASTER_ADDR", "127.0.0.1"},
-            {"MASTER_PORT", std::to_string(control_port)},
-            {"RANK", std::to_string(rank)},
-            {"WORLD_SIZE", "3"},
-            {"UCX_LOG_LEVEL", "error"},
-            // Every process authenticates its control connection (docs/DEPLOY.md, "Security model").
-            {"SPADE_CLUSTER_SECRET", kSecret}};
+    std::map<std::string, std::string> e = {{"MASTER_ADDR", "127.0.0.1"},
+                                            {"MASTER_PORT", std::to_string(control_port)},
+                                            {"RANK", std::to_string(rank)},
+                                            {"WORLD_SIZE", "3"},
+                                            {"UCX_LOG_LEVEL", "error"},
+                                            // Every process authenticates its control connection (docs/DEPLOY.md,
+                                            // "Security model").
+                                            {"SPADE_CLUSTER_SECRET", kSecret}};
+    for (const auto& [k, v] : extra_env) e[k] = v;
+    return e;
   }
   static constexpr const char* kSecret = "api-cluster-test-secret-0123456789";
 

@@ -23,6 +23,7 @@
 
 #include "coordinator/client.h"
 #include "tests/inference_rank/cluster_client.h"
+#include "tests/inference_rank/gpu_demo_checkpoint.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -36,18 +37,7 @@ using test::Outcome;
 using Clock = std::chrono::steady_clock;
 
 // A Qwen3 demo checkpoint the GPU kernels accept (head_dim 64), written once per test binary.
-const std::string& checkpoint() {
-  static const std::string dir = [] {
-    const std::string d = test::make_temp_dir("spade_gpu_cluster") + "/ckpt";
-    ChildProcess mk(bin("inference_rank/make_demo_checkpoint"),
-                    {"--out", d, "--hidden", "256", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--head-dim",
-                     "64", "--intermediate", "512", "--seed", "5"},
-                    {}, "make_demo_checkpoint");
-    if (mk.wait_exit(60s) != 0) throw std::runtime_error("make_demo_checkpoint failed:\n" + mk.log());
-    return d;
-  }();
-  return dir;
-}
+const std::string& checkpoint() { return test::gpu_demo_checkpoint(); }
 
 // The pair's data plane: the inference rank's --gpu-link and the cache rank's GPU.
 struct LinkSetup {

@@ -39,6 +39,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -747,6 +748,92 @@ TEST(GpuEngine, OnDeviceSamplingAgreesWithHostSamplingAndIsSeeded) {
     }
     EXPECT_GE(differ_from_greedy, 3) << "temperature 0.9 should leave greedy decoding";
     EXPECT_GE(differ_from_other_seed, 3) << "another seed should give other text";
+  }
+}
+
+// n samples of one prompt on the GPU path (Engine::submit_samples over GpuEngineForward with on-device sampling):
+// the prompt's whole pages are computed once and held by every sample, so the peak KV is the shared prompt once plus
+// n tails, against n whole prompts for n independent requests; and every sample decodes what an independent request
+// with its seed decodes in a batch of the same size (bf16 may flip a near-tie where the prompt's KV was computed in
+// another chunking, so the agreement is counted as in ContinuousBatchingAgreesWithTheCpuEngine; a sample reading a
+// wrong page would disagree from its first token).
+TEST(GpuEngine, SamplesShareThePromptPagesAndDecodeAsIndependentRequests) {
+  const ModelConfig cfg = qwen3_like();
+  const ModelWeights w = load_weights(cfg, random_source(21));
+  EngineOptions eo = small_engine_options();
+  eo.max_num_seqs = 4;
+  eo.max_num_batched_tokens = 64;
+  eo.num_pages = 128;
+  constexpr int kSamples = 4, kTokens = 24;
+  std::mt19937_64 rng(5);
+  GenerateRequest req;
+  req.prompt_ids = random_tokens(100, cfg.vocab_size, rng);  // 6 whole pages of 16 and a partial one
+  req.max_tokens = kTokens;
+  req.ignore_eos = true;
+  req.sampling.temperature = 0.9f;
+  req.sampling.top_k = 500;
+  req.sampling.seed = 700;
+  for (const bool graphs : {true, false}) {
+    const GpuEngineOptions go = gpu_engine_options(eo, graphs);
+    auto run = [&](bool shared, int* peak_pages) {
+      GpuEngineForward g(GpuModel::upload(cfg, w, GpuEngineForward::model_options(go)), go);
+      Engine e(cfg, eo,
+               ForwardSampleFn([&g](const ForwardBatch& b, const std::vector<RowSampling>& r, std::vector<int32_t>& t,
+                                    std::vector<TokenLogprobs>& l) { g.sample(b, r, t, l); }));
+      std::map<uint64_t, std::vector<int32_t>> by_id;
+      std::map<uint64_t, FinishReason> reason;
+      auto cb = [&](const TokenEvent& ev) {
+        if (ev.token >= 0) by_id[ev.request_id].push_back(ev.token);
+        if (ev.finished) reason[ev.request_id] = ev.reason;
+      };
+      std::vector<uint64_t> ids;
+      if (shared) {
+        ids = e.submit_samples(req, kSamples, cb);
+      } else {
+        for (int i = 0; i < kSamples; ++i) {
+          GenerateRequest r = req;
+          r.sampling.seed = req.sampling.seed + static_cast<uint64_t>(i);
+          ids.push_back(e.submit(r, cb));
+        }
+      }
+      int low = e.pages().num_free_pages();
+      while (!e.idle()) {
+        e.step();
+        low = std::min(low, e.pages().num_free_pages());
+      }
+      *peak_pages = e.pages().num_pages() - low;
+      EXPECT_EQ(e.pages().num_free_pages(), e.pages().num_pages()) << "a page is still held after every sample ended";
+      std::vector<std::vector<int32_t>> out;
+      for (uint64_t id : ids) {
+        EXPECT_EQ(reason[id], FinishReason::Length) << "request " << id;
+        out.push_back(by_id[id]);
+      }
+      return out;
+    };
+    int peak_shared = 0, peak_alone = 0;
+    const auto samples = run(true, &peak_shared);
+    const auto alone = run(false, &peak_alone);
+    size_t total = 0, matched_prefix = 0, first_match = 0, distinct = 0;
+    for (int i = 0; i < kSamples; ++i) {
+      ASSERT_EQ(samples[i].size(), static_cast<size_t>(kTokens)) << "sample " << i;
+      ASSERT_EQ(alone[i].size(), static_cast<size_t>(kTokens)) << "request " << i;
+      total += alone[i].size();
+      size_t k = 0;
+      while (k < samples[i].size() && samples[i][k] == alone[i][k]) ++k;
+      matched_prefix += k;
+      first_match += k > 0;
+      distinct += i > 0 && samples[i] != samples[0];
+    }
+    std::printf("[ samples  ] graphs=%d: peak KV %d pages for %d samples of a 100-token prompt, %d for %d independent "
+                "requests; %zu of %zu tokens agree before the first divergence, first token %zu of %d\n",
+                graphs, peak_shared, kSamples, peak_alone, kSamples, matched_prefix, total, first_match, kSamples);
+    // Shared: 6 prompt pages once + per sample its partial page and tail (100 + 24 tokens -> pages 6 and 7);
+    // independent: up to 8 pages each, the prompt's 6 among them (when their decodes overlap, as here).
+    EXPECT_LE(peak_shared, 6 + kSamples * 2);
+    EXPECT_GE(peak_alone, peak_shared + 2 * 6) << "fewer than two prompt copies saved";
+    EXPECT_GE(first_match, 3u);
+    EXPECT_GE(matched_prefix * 2, total);
+    EXPECT_GE(distinct, 2u) << "the samples' seeds differ, so should most of their texts";
   }
 }
 
