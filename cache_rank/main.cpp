@@ -23,6 +23,9 @@
 //   spade_cache_selection_errors_total    counter    updates answered with an error (e.g. pool exhausted)
 //   spade_cache_sequences                 gauge      sequences whose KV this rank holds
 //   spade_cache_kv_usage_perc             gauge      0..1, used fraction of the KV pool
+//   spade_cache_kv_pages_used             gauge      KV pages held (a page that sequences share counts once)
+//   spade_cache_shard_layers{shard,num_shards}  gauge  layers held: all of them, or its shard's when the inference
+//                                                    rank has N > 1 cache ranks (docs/ARCHITECTURE.md, "Sharding")
 //
 // The model directory is read for config.json only (shapes); the selection flags must match the inference rank's.
 // Exits 0 when the coordinator shuts the world down, 1 when the coordinator is lost. When its inference rank dies, the
@@ -40,6 +43,7 @@
 
 #include "cache_rank/pack_server.h"
 #include "pair/link.h"
+#include "pair/sharded_link.h"
 #include "pair/selection_flags.h"
 #include "common/config.h"
 #include "common/error.h"
@@ -146,6 +150,35 @@ std::string inference_name(const spade::proto::RankInfo& peer) {
   return fmt::format("inference rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
 }
 
+// The layers (and pool pages) this cache rank holds for inference rank `peer`: all of them (and --kv-pages) when it
+// is the only cache rank of its inference rank; else its shard's (pair/sharded_link.h: the layers of the packs
+// p mod N == shard, with the inference rank's --layers-per-pack), in a pool of the same memory (more pages).
+struct Shard {
+  uint32_t index = 0, count = 1;
+  std::vector<int> layers;  // empty: every layer
+  int pages = 0;
+};
+Shard shard_for(const spade::proto::ClusterView& view, const spade::proto::RankInfo& peer,
+                const spade::ModelConfig& cfg, int kv_pages, const std::string& self, const std::string& peer_name) {
+  Shard s;
+  s.index = view.self().shard();
+  s.count = std::max<uint32_t>(1, view.cache_ranks_per_inference());
+  s.pages = kv_pages;
+  if (s.count == 1) return s;
+  SPADE_CHECK(peer.layers_per_pack() >= 1,
+              "{}: {} registered no --layers-per-pack, and this rank is shard {} of {} of its layer packs", self,
+              peer_name, s.index, s.count);
+  s.layers = spade::pair::shard_layers(static_cast<int>(s.index), static_cast<int>(s.count), cfg.num_layers,
+                                       static_cast<int>(peer.layers_per_pack()));
+  SPADE_CHECK(!s.layers.empty(),
+              "{}: shard {} of {} holds no layer: the model has {} attention layers in packs of {} (--layers-per-pack "
+              "of {}), fewer packs than cache ranks; start fewer cache ranks per inference rank or pass a smaller "
+              "--layers-per-pack",
+              self, s.index, s.count, cfg.num_layers, peer.layers_per_pack(), peer_name);
+  s.pages = spade::pair::shard_pool_pages(kv_pages, cfg.num_layers, static_cast<int>(s.layers.size()));
+  return s;
+}
+
 Paired rendezvous_with_inference(spade::coord::CoordinatorClient& cc, spade::coord::Deadline deadline,
                                  const std::string& self) {
   Paired p{cc.rendezvous(deadline), {}};
@@ -176,7 +209,10 @@ void add_flags(CLI::App& app, Flags& f) {
   spade::pair::add_sparse_flags(app, f.sparse, f.sparse_text,
                                 spade::pair::kSelectionFlags | spade::pair::kDeltaTransferFlag |
                                     spade::pair::kScoreKeysFlag);
-  app.add_option("--kv-pages", f.kv_pages, "KV pool size in pages (all layers)")->check(CLI::PositiveNumber);
+  app.add_option("--kv-pages", f.kv_pages,
+                 "KV pool size in pages of every layer; a layer shard (N cache ranks per inference rank) holds "
+                 "fewer layers and gets as many more pages in the same memory")
+      ->check(CLI::PositiveNumber);
   app.add_option("--page-size", f.page_size, "tokens per page")->check(CLI::PositiveNumber);
   spade::coord::add_launch_flags(app, f.lf);
   app.add_option("--rendezvous-timeout-ms", f.rendezvous_ms, "deadline for the whole world to register");
@@ -361,6 +397,7 @@ int serve_cpu(const Flags& f, const Rank& r) {
   const Paired paired = rendezvous_with_inference(cc, deadline, self);
   spade::proto::RankInfo peer = paired.view.peers(0);
   std::string peer_name = paired.peer_name;
+  Shard shard = shard_for(paired.view, peer, cfg, f.kv_pages, self, peer_name);
   // Control-plane events: a PeerDown ends the session with the inference rank (the rank then waits for its
   // replacement), a Shutdown or the coordinator's loss stops the rank. Shared: the callback may still run on the
   // client's I/O thread while this scope unwinds.
@@ -398,7 +435,17 @@ int serve_cpu(const Flags& f, const Rank& r) {
   std::unique_ptr<spade::pair::SelectionMirror> mirror;
   spade::pair::DeltaStats seen;
   auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
+  auto& shard_gauge = registry
+                          .gauge("spade_cache_shard_layers",
+                                  "Layers whose KV this cache rank holds, labelled with its shard among the num_shards "
+                                  "cache ranks of its inference rank.",
+                                  {"shard", "num_shards"})
+                           .with({std::to_string(shard.index), std::to_string(shard.count)});
   auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
+  auto& kv_pages = registry
+                       .gauge("spade_cache_kv_pages_used",
+                              "KV pages this cache rank holds (a page its sequences share counts once).")
+                       .with();
   std::unique_ptr<spade::cache::OverlapSampler> sampler;
   if (f.overlap_every > 0) sampler = std::make_unique<spade::cache::OverlapSampler>(f.overlap_every);
   spade::cache::ServeHooks hooks;
@@ -429,23 +476,30 @@ int serve_cpu(const Flags& f, const Rank& r) {
     }
     seqs.set(static_cast<double>(sel->num_sequences()));
     kv_usage.set(1.0 - static_cast<double>(sel->num_free_pages()) / sel->num_pages());
+    kv_pages.set(static_cast<double>(sel->num_used_pages()));
     if (sampler)
       for (double ratio : sampler->take()) overlap.observe(ratio);
   };
   // One session per incarnation of the inference rank: when it dies, its sequences' KV is dropped with the
   // session's Selector and the rank waits (--rejoin-timeout-ms) for a replacement to register.
   for (;;) {
-    sel = std::make_unique<spade::cache::Selector>(cfg, f.sparse.selection, f.kv_pages, f.page_size);
+    sel = std::make_unique<spade::cache::Selector>(cfg, f.sparse.selection, shard.pages, f.page_size, shard.layers);
+    shard_gauge.set(static_cast<double>(shard.layers.empty() ? static_cast<size_t>(cfg.num_layers)
+                                                             : shard.layers.size()));
     mirror.reset();
     if (f.sparse.delta_transfer)
       mirror = std::make_unique<spade::pair::SelectionMirror>(cfg.num_kv_heads, f.sparse.selection.token_budget,
                                                               cfg.head_dim);
     seen = {};
     hooks.mirror = mirror.get();
-    spdlog::info("{}: serving {} ({} pages x {} tokens, budget {}, window W={}, eps={})", self, peer_name, f.kv_pages,
-                 f.page_size, f.sparse.selection.token_budget, f.sparse.selection.query_window,
-                 f.sparse.selection.ridge_eps);
+    spdlog::info("{}: serving {} ({} pages x {} tokens, budget {}, window W={}, eps={}){}", self, peer_name,
+                 shard.pages, f.page_size, f.sparse.selection.token_budget, f.sparse.selection.query_window,
+                 f.sparse.selection.ridge_eps,
+                 shard.count == 1 ? std::string()
+                                  : fmt::format(", shard {} of {}: {} of {} layers", shard.index, shard.count,
+                                                shard.layers.size(), cfg.num_layers));
     kv_usage.set(0);
+    kv_pages.set(0);
     seqs.set(0);
     session_stop = g_stop || watch->down;
     connected = true;
@@ -475,6 +529,7 @@ int serve_cpu(const Flags& f, const Rank& r) {
     ep.reset();
     sel.reset();
     kv_usage.set(0);
+    kv_pages.set(0);
     seqs.set(0);
     spdlog::warn("{}: {} is gone; its KV is dropped; waiting up to {} ms for its replacement", self, peer_name,
                  f.rejoin_timeout_ms);
@@ -489,6 +544,12 @@ int serve_cpu(const Flags& f, const Rank& r) {
       }
       peer = *next;
       peer_name = inference_name(peer);
+      try {  // the replacement's --layers-per-pack decides the shard's layers
+        shard = shard_for(paired.view, peer, cfg, f.kv_pages, self, peer_name);
+      } catch (const std::exception& e) {
+        spdlog::error("{}: {}; exiting", self, e.what());
+        return 1;
+      }
       try {
         ep = net->connect(peer.transport().address(), peer_name,
                           spade::coord::Clock::now() + std::chrono::milliseconds(f.rendezvous_ms));
@@ -520,6 +581,11 @@ int main(int argc, char** argv) {
     SPADE_CHECK(env.role == spade::proto::CACHE, "cache_rank: {} is not a cache rank (role map {})",
                 env.describe_rank(env.rank), env.role_map_string());
     const std::string self = fmt::format("cache rank {} (#{})", env.rank, env.role_index);
+    if (f.device == "cuda" && env.cache_per_inference > 1)
+      spade::fail("{}: --device cuda pairs one cache rank with one inference rank (NCCL / CUDA IPC), but this world "
+                  "gives each inference rank {} cache ranks (--num-cache {} / --num-inference {}); shard over several "
+                  "cache ranks with --device cpu (UCX), or start as many cache ranks as inference ranks",
+                  self, env.cache_per_inference, env.num_cache, env.num_inference);
     spade::metrics::Registry registry;
     spade::LoopHeartbeat heartbeat(std::chrono::milliseconds(30000));
     std::atomic<bool> connected{false};

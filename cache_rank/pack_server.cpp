@@ -101,13 +101,13 @@ PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* s
       for (int i = 0; i < u.num_layers; ++i) {
         const int layer = u.first_layer + i;
         const size_t qd = e.q.size() / (static_cast<size_t>(u.num_layers) * std::max(1, e.num_queries));
-        const size_t tokens = e.init ? e.context_len : 1;
+        const size_t tokens = static_cast<size_t>(e.kv_tokens());
         const size_t kvd = e.k.size() / (static_cast<size_t>(u.num_layers) * tokens);
         const float* q = e.q.data() + static_cast<size_t>(i) * e.num_queries * qd;
         const float* k = e.k.data() + static_cast<size_t>(i) * tokens * kvd;
         const float* v = e.v.data() + static_cast<size_t>(i) * tokens * kvd;
         if (e.init) {
-          sel.init_layer(e.seq_id, layer, e.context_len, k, v, e.num_queries, q);
+          sel.init_layer(e.seq_id, layer, e.context_len, k, v, e.num_queries, q, {e.shared_from, e.shared_tokens});
         } else {
           sel.append_layer(e.seq_id, layer, e.context_len - 1, q, k, v);
         }

@@ -3,18 +3,37 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "common/error.h"
 
 namespace spade::cache {
 
-Selector::Selector(const ModelConfig& cfg, SelectionConfig sc, int num_pages, int page_size)
+Selector::Selector(const ModelConfig& cfg, SelectionConfig sc, int num_pages, int page_size,
+                   const std::vector<int>& layers)
     : cfg_(cfg), sc_(sc), window_cap_(sc.query_window + 1), alloc_(num_pages, page_size) {
   validate(sc_);
   const size_t n = static_cast<size_t>(num_pages) * page_size * cfg.kv_dim();
+  k_.resize(static_cast<size_t>(cfg.num_layers));
+  v_.resize(static_cast<size_t>(cfg.num_layers));
   for (int l = 0; l < cfg.num_layers; ++l) {
-    k_.emplace_back(new float[n]);
-    v_.emplace_back(new float[n]);
+    if (!layers.empty() && std::find(layers.begin(), layers.end(), l) == layers.end()) continue;
+    k_[static_cast<size_t>(l)].reset(new float[n]);
+    v_[static_cast<size_t>(l)].reset(new float[n]);
+  }
+  for (int l : layers)
+    SPADE_CHECK(l >= 0 && l < cfg.num_layers, "cache rank: layer {} to hold is outside 0..{}", l, cfg.num_layers - 1);
+}
+
+void Selector::check_held(int layer) const {
+  SPADE_CHECK(layer >= 0 && layer < cfg_.num_layers, "cache rank: layer {} outside 0..{}", layer, cfg_.num_layers - 1);
+  if (!k_[static_cast<size_t>(layer)]) {
+    std::string held;
+    for (int l = 0; l < cfg_.num_layers; ++l)
+      if (k_[static_cast<size_t>(l)]) held += (held.empty() ? "" : ",") + std::to_string(l);
+    fail("cache rank: layer {} is not held by this shard (it holds layers {}): the inference rank's layer packs and "
+         "this rank's shard disagree",
+         layer, held);
   }
 }
 
@@ -39,22 +58,59 @@ void Selector::push_query(SeqState& s, int layer, const float* q) {
 }
 
 void Selector::write_token(uint64_t seq, int layer, int pos, const float* k, const float* v) {
+  check_held(layer);
   const auto [page, slot] = alloc_.locate(seq, pos);
   const size_t off = (static_cast<size_t>(page) * alloc_.page_size() + slot) * cfg_.kv_dim();
   std::memcpy(k_[layer].get() + off, k, cfg_.kv_dim() * sizeof(float));
   std::memcpy(v_[layer].get() + off, v, cfg_.kv_dim() * sizeof(float));
 }
 
+void Selector::copy_pages(const std::vector<PageAllocator::PageCopy>& copies, int first, int last) {
+  const size_t row = static_cast<size_t>(cfg_.kv_dim()), page = static_cast<size_t>(alloc_.page_size()) * row;
+  for (const PageAllocator::PageCopy& c : copies)
+    for (int l = first; l <= last; ++l) {
+      if (!k_[static_cast<size_t>(l)]) continue;  // a layer this shard does not hold
+      std::memcpy(k_[l].get() + c.dst * page, k_[l].get() + c.src * page, c.slots * row * sizeof(float));
+      std::memcpy(v_[l].get() + c.dst * page, v_[l].get() + c.src * page, c.slots * row * sizeof(float));
+    }
+}
+
 void Selector::init_layer(uint64_t seq, int layer, int len, const float* k, const float* v, int num_queries,
-                          const float* queries) {
-  SPADE_CHECK(layer >= 0 && layer < cfg_.num_layers, "cache rank: layer {} outside 0..{}", layer, cfg_.num_layers - 1);
+                          const float* queries, const SharedPrefix& share) {
+  check_held(layer);
   SPADE_CHECK(len > 0, "cache rank: sequence {} initialised with {} tokens", seq, len);
+  SPADE_CHECK(share.tokens >= 0 && share.tokens < len,
+              "cache rank: sequence {} initialised with {} tokens shares {} tokens of sequence {}", seq, len,
+              share.tokens, share.from);
+  // A shared INIT reads `from`'s KV of this layer: it must be held and have written this layer.
+  auto check_from = [&] {
+    auto src = seqs_.find(share.from);
+    SPADE_CHECK(src != seqs_.end() && share.from != seq,
+                "cache rank: sequence {} shares its first {} tokens with sequence {}, which this cache rank does not "
+                "hold",
+                seq, share.tokens, share.from);
+    SPADE_CHECK(alloc_.seq_len(share.from) >= share.tokens,
+                "cache rank: sequence {} shares its first {} tokens with sequence {}, which holds only {}", seq,
+                share.tokens, share.from, alloc_.seq_len(share.from));
+    SPADE_CHECK(src->second.layer_ready[static_cast<size_t>(layer)] != 0,
+                "cache rank: sequence {} shares the KV of layer {} of sequence {} before that sequence initialised it "
+                "(its INIT must come first)",
+                seq, layer, share.from);
+  };
   if (!seqs_.count(seq)) {
-    alloc_.admit(seq);
-    if (!alloc_.append(seq, len)) {
+    if (share.tokens > 0) {
+      check_from();
+      alloc_.fork_prefix(share.from, seq, share.tokens);
+    } else {
+      alloc_.admit(seq);
+    }
+    if (!alloc_.append(seq, len - share.tokens)) {
       alloc_.release(seq);
-      fail("cache rank KV pool exhausted: sequence {} needs {} pages, {} of {} free", seq, alloc_.pages_for(len),
-           alloc_.num_free_pages(), alloc_.num_pages());
+      (void)alloc_.take_copies();
+      fail("cache rank KV pool exhausted: sequence {} needs {} pages, {} of {} free{}", seq, alloc_.pages_for(len),
+           alloc_.num_free_pages(), alloc_.num_pages(),
+           share.tokens > 0 ? fmt::format(" (its first {} tokens shared with sequence {})", share.tokens, share.from)
+                            : std::string());
     }
     SeqState s;
     s.window.assign(cfg_.num_layers, std::vector<float>(static_cast<size_t>(cfg_.num_q_heads) * window_cap_ * cfg_.head_dim));
@@ -62,13 +118,26 @@ void Selector::init_layer(uint64_t seq, int layer, int len, const float* k, cons
     s.anchor_q.assign(cfg_.num_layers, {});
     s.anchor_pos_end.assign(cfg_.num_layers, 0);
     s.anchors.assign(cfg_.num_layers, {});
+    s.layer_ready.assign(cfg_.num_layers, 0);
+    s.share = share;
+    s.init_copies = alloc_.take_copies();  // a shared partial page: copied layer by layer below
     seqs_.emplace(seq, std::move(s));
   }
+  SeqState& s = state(seq);
   SPADE_CHECK(alloc_.seq_len(seq) == len, "cache rank: sequence {} layer {} initialised with {} tokens, other layers {}",
               seq, layer, len, alloc_.seq_len(seq));
-  for (int t = 0; t < len; ++t)
-    write_token(seq, layer, t, k + static_cast<size_t>(t) * cfg_.kv_dim(), v + static_cast<size_t>(t) * cfg_.kv_dim());
-  SeqState& s = state(seq);
+  SPADE_CHECK(s.share.tokens == share.tokens && (share.tokens == 0 || s.share.from == share.from),
+              "cache rank: sequence {} layer {} initialised sharing {} tokens of sequence {}, other layers {} of {}",
+              seq, layer, share.tokens, share.from, s.share.tokens, s.share.from);
+  if (share.tokens > 0) {
+    check_from();
+    copy_pages(s.init_copies, layer, layer);
+  }
+  for (int t = share.tokens; t < len; ++t) {
+    const size_t i = static_cast<size_t>(t - share.tokens) * cfg_.kv_dim();
+    write_token(seq, layer, t, k + i, v + i);
+  }
+  s.layer_ready[static_cast<size_t>(layer)] = 1;
   s.window_len[layer] = 0;
   const int first = std::max(0, num_queries - window_cap_);
   for (int i = first; i < num_queries; ++i) push_query(s, layer, queries + static_cast<size_t>(i) * cfg_.q_dim());
@@ -125,11 +194,14 @@ void Selector::apply_anchors(uint64_t seq, SeqState& s, int layer, int n, int bu
 }
 
 void Selector::append_layer(uint64_t seq, int layer, int pos, const float* q, const float* k, const float* v) {
+  check_held(layer);
   SeqState& s = state(seq);
   const int len = alloc_.seq_len(seq);
   if (pos == len) {
     if (!alloc_.append(seq, 1))
       fail("cache rank KV pool exhausted while appending to sequence {} ({} pages in all)", seq, alloc_.num_pages());
+    // Copy-on-write of a last page shared with another sequence: every layer's tokens so far are written.
+    copy_pages(alloc_.take_copies(), 0, cfg_.num_layers - 1);
   } else {
     SPADE_CHECK(pos == len - 1, "cache rank: sequence {} layer {} appends position {} but holds {} tokens", seq, layer,
                 pos, len);
@@ -155,6 +227,7 @@ void Selector::predict(uint64_t seq, int layer, float* q_hat) {
 }
 
 void Selector::select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out, int budget) {
+  check_held(layer);
   const int Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, K = sc_.token_budget;
   SPADE_CHECK(budget >= 0 && budget <= K, "sequence {}: token budget {} outside [1, {}] (0 = the rank's)", seq, budget,
               K);
@@ -221,6 +294,7 @@ void Selector::select_pages(uint64_t seq, int layer, int context_len, const floa
                             int budget) {
   const int Hkv = cfg_.num_kv_heads, Hq = cfg_.num_q_heads, D = cfg_.head_dim, K = sc_.token_budget;
   const int G = Hq / Hkv, P = alloc_.page_size();
+  check_held(layer);
   SPADE_CHECK(query != nullptr, "sequence {}: page selection needs the true query", seq);
   SPADE_CHECK(budget >= 0 && budget <= K, "sequence {}: token budget {} outside [1, {}] (0 = the rank's)", seq, budget,
               K);

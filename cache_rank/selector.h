@@ -33,22 +33,36 @@ namespace spade::cache {
 using pair::LayerSelection;
 using pair::SelectionConfig;
 
+/// A shared INIT (pair::SeqUpdate::shared_from): the first `tokens` tokens of the new sequence are the same KV as
+/// those of sequence `from`, which the selector holds. tokens == 0: nothing shared.
+struct SharedPrefix {
+  uint64_t from = 0;
+  int tokens = 0;
+};
+
 class Selector {
  public:
-  /// `num_pages` × `page_size` bounds the tokens held over all sequences.
-  Selector(const ModelConfig& cfg, SelectionConfig sc, int num_pages, int page_size);
+  /// `num_pages` × `page_size` bounds the tokens held over all sequences. `layers`: the layers whose KV this
+  /// selector holds (a layer shard, pair/sharded_link.h shard_layers; indices in [0, cfg.num_layers)); empty = every
+  /// layer. A layer not held is refused by name (spade::Error) by init_layer, append_layer and select.
+  Selector(const ModelConfig& cfg, SelectionConfig sc, int num_pages, int page_size,
+           const std::vector<int>& layers = {});
 
   const SelectionConfig& config() const { return sc_; }
   bool tracks(uint64_t seq) const { return seqs_.count(seq) != 0; }
   /// Tokens held for `seq` (throws for an unknown sequence).
   int seq_len(uint64_t seq) const;
 
-  /// Starts (or continues) tracking `seq` with its existing KV of one layer: k, v [len, kv_dim]; queries
-  /// [num_queries, q_dim], oldest first, the last one at position len - 1 (at most W+1 are kept in the predictor's
-  /// window, at most anchor_queries pick the prompt anchors). All layers of a sequence must be given the same len.
-  /// Throws spade::Error when the pool is full ("cache rank KV pool exhausted ...") or lengths disagree.
+  /// Starts (or continues) tracking `seq` with its existing KV of one layer: k, v [len - share.tokens, kv_dim] (the
+  /// tokens from share.tokens on); queries [num_queries, q_dim], oldest first, the last one at position len - 1 (at
+  /// most W+1 are kept in the predictor's window, at most anchor_queries pick the prompt anchors). All layers of a
+  /// sequence must be given the same len and share. With share.tokens > 0 the sequence holds the pages of
+  /// share.from that cover those tokens (reference counts; a partly shared last page is copied, layer by layer, as each
+  /// layer is initialised), so `from`'s layer must have been initialised before. Throws spade::Error when the pool is
+  /// full ("cache rank KV pool exhausted ..."), lengths or shares disagree, or `from` is not held, is shorter, or has
+  /// not initialised this layer yet (each names the sequence and `from`).
   void init_layer(uint64_t seq, int layer, int len, const float* k, const float* v, int num_queries,
-                  const float* queries);
+                  const float* queries, const SharedPrefix& share = {});
   /// Appends one token of one layer at position `pos` (== current length, or == length - 1 when another layer of
   /// the same step already appended): q [q_dim] joins the query window, k, v [kv_dim] the KV store.
   void append_layer(uint64_t seq, int layer, int pos, const float* q, const float* k, const float* v);
@@ -70,9 +84,13 @@ class Selector {
   void release(uint64_t seq);
 
   int num_free_pages() const { return alloc_.num_free_pages(); }
+  /// Pages held (a page shared by several sequences counts once).
+  int num_used_pages() const { return alloc_.num_pages() - alloc_.num_free_pages(); }
   /// Sequences tracked (holding KV here).
   size_t num_sequences() const { return seqs_.size(); }
   int num_pages() const { return alloc_.num_pages(); }
+  /// The page allocator (reference counts and block tables; tests).
+  const PageAllocator& pages() const { return alloc_; }
 
  private:
   struct SeqState {
@@ -83,11 +101,18 @@ class Selector {
     std::vector<std::vector<float>> anchor_q;
     std::vector<int> anchor_pos_end;
     std::vector<std::vector<int32_t>> anchors;
+    std::vector<uint8_t> layer_ready;  // per layer: its KV of the INIT was written (a later shared INIT may read it)
+    SharedPrefix share;                // the INIT's shared prefix (every layer must give the same)
+    std::vector<PageAllocator::PageCopy> init_copies;  // copy-on-write of a shared partial page, done per layer
   };
+  /// Copies token slots of pages (PageAllocator::PageCopy) in the K and V of the held layers among [first, last].
+  void copy_pages(const std::vector<PageAllocator::PageCopy>& copies, int first, int last);
   /// Marks the anchor spans of (seq, layer) in `scores_` ([num_kv_heads, n] over the candidates [S, S + n)) with
   /// +inf, as many whole spans per head as fit in budget / 4.
   void apply_anchors(uint64_t seq, SeqState& s, int layer, int n, int budget);
   SeqState& state(uint64_t seq);
+  /// Throws spade::Error unless `layer`'s KV is held here.
+  void check_held(int layer) const;
   void push_query(SeqState& s, int layer, const float* q);
   void write_token(uint64_t seq, int layer, int pos, const float* k, const float* v);
   /// Fills out.k / out.v from out.positions ([num_kv_heads, token_budget], -1 = zero row).
@@ -97,7 +122,7 @@ class Selector {
   SelectionConfig sc_;
   int window_cap_;
   PageAllocator alloc_;
-  std::vector<std::unique_ptr<float[]>> k_, v_;  // per layer [num_pages, page_size, kv_dim]
+  std::vector<std::unique_ptr<float[]>> k_, v_;  // per layer [num_pages, page_size, kv_dim]; null: not held
   std::unordered_map<uint64_t, SeqState> seqs_;
   std::vector<float> scores_;                    // scratch
   std::vector<int32_t> idx_;                     // scratch

@@ -14,6 +14,7 @@ PageAllocator::PageAllocator(int num_pages, int page_size, bool prefix_caching)
   runs_.emplace(0, num_pages);
   num_free_ = num_pages;
   refs_.assign(static_cast<size_t>(num_pages), 0);
+  serials_.assign(static_cast<size_t>(num_pages), 0);
 }
 
 bool PageAllocator::is_free(int32_t page) const {
@@ -30,6 +31,7 @@ void PageAllocator::take(int32_t page) {
   if (page > first) runs_.emplace(first, page - first);
   if (page + 1 < first + len) runs_.emplace(page + 1, first + len - page - 1);
   --num_free_;
+  serials_[static_cast<size_t>(page)] = next_page_serial_++;
 }
 
 void PageAllocator::give(int32_t page) {
@@ -85,6 +87,7 @@ int32_t PageAllocator::take_any(int need, int32_t after) {
     p = lru_.front();
     uncache(p);
     ++prefix_stats_.evicted_pages;
+    serials_[static_cast<size_t>(p)] = next_page_serial_++;  // new content from here on
   }
   refs_[static_cast<size_t>(p)] = 1;
   return p;
@@ -205,6 +208,25 @@ void PageAllocator::fork(uint64_t parent, uint64_t child) {
   Seq c = p;  // copied before the insert, which may rehash
   for (int32_t page : c.pages) ref(page);
   seqs_.emplace(child, std::move(c));
+}
+
+void PageAllocator::fork_prefix(uint64_t parent, uint64_t child, int tokens) {
+  const Seq& p = get(parent);
+  SPADE_CHECK(!seqs_.count(child), "PageAllocator: sequence {} is already admitted", child);
+  SPADE_CHECK(tokens > 0 && tokens <= p.len, "PageAllocator: cannot share {} tokens of sequence {} of length {}",
+              tokens, parent, p.len);
+  Seq c;
+  c.pages.assign(p.pages.begin(), p.pages.begin() + pages_for(tokens));
+  c.len = tokens;
+  for (int32_t page : c.pages)
+    SPADE_CHECK(page >= 0, "PageAllocator: cannot share tokens of sequence {}: a page among them was dropped", parent);
+  for (int32_t page : c.pages) ref(page);
+  seqs_.emplace(child, std::move(c));
+}
+
+uint64_t PageAllocator::page_serial(int32_t page) const {
+  SPADE_CHECK(page >= 0 && page < num_pages_, "PageAllocator: page {} outside [0, {})", page, num_pages_);
+  return serials_[static_cast<size_t>(page)];
 }
 
 std::vector<PageAllocator::PageCopy> PageAllocator::take_copies() {

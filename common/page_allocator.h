@@ -84,6 +84,11 @@ class PageAllocator {
   /// must not exist): both reference every page; an append into the shared last partial page copies it first
   /// (take_copies). Throws spade::Error otherwise.
   void fork(uint64_t parent, uint64_t child);
+  /// Admits `child` holding the pages of `parent` that cover its first `tokens` tokens (0 < tokens <= parent's
+  /// length), with length `tokens`: a sequence whose leading KV is the same as another's (the cache rank's shared
+  /// INIT). A partly covered last page is shared too and copied on `child`'s first append (take_copies). Throws
+  /// spade::Error for an unknown parent, an existing child, tokens out of range or a dropped page among them.
+  void fork_prefix(uint64_t parent, uint64_t child, int tokens);
   /// A copy the caller must make before writing into `dst`: token slots [0, slots) of page `src` to page `dst`.
   struct PageCopy {
     int32_t src = -1, dst = -1;
@@ -93,6 +98,13 @@ class PageAllocator {
   std::vector<PageCopy> take_copies();
   /// Sequences holding `page` (0: free or cached and unreferenced). Throws for a page id out of range.
   int refcount(int32_t page) const;
+  /// A number that changes whenever `page` is given new content (taken from the free pool, or evicted from the prefix
+  /// cache and reused), never reused: while a page keeps its serial, the token slots written into it keep their KV.
+  /// So two sequences whose block tables show the same (page, serial) at a full page hold the same KV there, however
+  /// they came to hold it (fork, prefix-cache hit). 0 for a page never taken. Throws for a page id out of range.
+  uint64_t page_serial(int32_t page) const;
+  /// Whether `page` is a published prefix-cache page (held or not; a later prompt may still match it).
+  bool is_published(int32_t page) const { return cached_.count(page) != 0; }
 
   /// Prefix cache: `seq` was just admitted (no tokens yet) for a prompt of `n` tokens `tokens`. Shares the cached
   /// pages of the longest cached prefix of the prompt (whole pages, at most min(n - 1, max_reuse) tokens) with `seq`,
@@ -155,6 +167,8 @@ class PageAllocator {
   std::unordered_multimap<uint64_t, int32_t> by_hash_;  // key hash -> published page
   std::list<int32_t> lru_;                           // unreferenced published pages, least recently used first
   std::vector<PageCopy> copies_;
+  std::vector<uint64_t> serials_;                    // [num_pages] page_serial()
+  uint64_t next_page_serial_ = 1;
   uint64_t next_serial_ = 1;
   PrefixStats prefix_stats_;
 };

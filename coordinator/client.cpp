@@ -185,6 +185,7 @@ class CoordinatorClient::Impl {
     self->set_pid(static_cast<uint32_t>(::getpid()));
     self->mutable_transport()->set_kind(opts_.transport_kind);
     self->mutable_transport()->set_address(opts_.transport_address);
+    self->set_layers_per_pack(opts_.layers_per_pack);
     send(env);
     std::unique_lock lk(mu_);
     auto start = Clock::now();
@@ -335,10 +336,11 @@ class CoordinatorClient::Impl {
     return c;
   }
 
-  void cancel(uint64_t request_id, const std::string& reason) {
+  void cancel(uint64_t request_id, const std::string& reason, std::optional<uint32_t> sample) {
     proto::Envelope env;
     env.mutable_cancel_request()->set_request_id(request_id);
     env.mutable_cancel_request()->set_reason(reason);
+    if (sample) env.mutable_cancel_request()->set_index(*sample);
     send(env);
   }
 
@@ -685,8 +687,8 @@ uint64_t CoordinatorClient::submit(proto::GenerateRequest r) {
 std::optional<proto::GenerateChunk> CoordinatorClient::next_chunk(Deadline d) {
   return impl_->next_chunk(d);
 }
-void CoordinatorClient::cancel(uint64_t id, const std::string& reason) {
-  impl_->cancel(id, reason);
+void CoordinatorClient::cancel(uint64_t id, const std::string& reason, std::optional<uint32_t> sample) {
+  impl_->cancel(id, reason, sample);
 }
 std::optional<proto::CancelRequest> CoordinatorClient::next_cancel(Deadline d) {
   return impl_->next_cancel(d);

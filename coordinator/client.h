@@ -16,6 +16,7 @@
 // and this rank (role, rank, role index).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -32,6 +33,17 @@ namespace spade::coord {
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
+/// GenerateRequest.n (samples of one prompt) at most this: the coordinator refuses a request with more (one
+/// FINISH_ERROR chunk naming `n`), the OpenAI API answers 400. An inference rank also refuses n above its
+/// max_num_seqs.
+inline constexpr uint32_t kMaxSamplesPerRequest = 64;
+
+/// How many FINISH_ERROR chunks refuse `request` before it runs (the coordinator's or an inference rank's refusal):
+/// one per sample (index 0..n-1), a single one (index 0) when its n is above kMaxSamplesPerRequest.
+inline uint32_t refusal_chunks(const proto::GenerateRequest& request) {
+  return request.n() > kMaxSamplesPerRequest ? 1 : std::max<uint32_t>(1, request.n());
+}
+
 struct ClientOptions {
   std::string coordinator_host = "127.0.0.1";  // MASTER_ADDR
   uint16_t coordinator_port = 29500;           // MASTER_PORT
@@ -44,6 +56,7 @@ struct ClientOptions {
   std::string device;  // e.g. "cpu", "cuda:0"
   proto::TransportKind transport_kind = proto::TRANSPORT_UNSPECIFIED;
   std::string transport_address;                    // opaque bytes from transport::Transport::local_address()
+  uint32_t layers_per_pack = 0;  // inference rank: its --layers-per-pack, which its cache ranks' shards follow
   std::chrono::milliseconds heartbeat_interval{0};  // 0 = use the coordinator's heartbeat_interval_ms
   std::chrono::milliseconds connect_retry_interval{100};
   size_t max_frame_bytes = proto::kMaxFrameBytes;
@@ -124,16 +137,21 @@ class CoordinatorClient {
 
   // ---- request routing ----
   /// Submits a GenerateRequest through the coordinator; request_id 0 is replaced by a fresh id. Returns the
-  /// id the chunks will carry.
+  /// id the chunks will carry. With n > 1 (at most kMaxSamplesPerRequest) the chunks of the n samples interleave,
+  /// each naming its sample (GenerateChunk.index); each sample ends with one finished chunk of its own, and the
+  /// request is over when all n have. A request refused before it runs (not routable, invalid) gets a FINISH_ERROR
+  /// chunk for each sample; a single one (index 0) when n itself is above kMaxSamplesPerRequest.
   uint64_t submit(proto::GenerateRequest request);
   /// Next GenerateChunk for any request this client submitted; nullopt at the deadline.
   std::optional<proto::GenerateChunk> next_chunk(Deadline deadline);
   /// (inference rank) Next GenerateRequest routed to us; nullopt at the deadline.
   std::optional<proto::GenerateRequest> next_request(Deadline deadline);
   /// Cancels a request this client submitted (id as returned by submit()). Chunks already under way may still
-  /// arrive, then exactly one final chunk, FINISH_CANCELLED (sent by the coordinator when it forwards the cancel), or
-  /// the request's own final chunk if it finished first. Unknown or finished ids are ignored.
-  void cancel(uint64_t request_id, const std::string& reason);
+  /// arrive, then exactly one final chunk per sample not yet finished, FINISH_CANCELLED (sent by the coordinator when
+  /// it forwards the cancel), or the sample's own final chunk if it finished first. Unknown or finished ids are
+  /// ignored. With `sample` set, only that sample of a request with n > 1: it ends with its own final chunk
+  /// (FINISH_CANCELLED, from the inference rank) and the other samples go on.
+  void cancel(uint64_t request_id, const std::string& reason, std::optional<uint32_t> sample = std::nullopt);
   /// (inference rank) Next CancelRequest routed to us (ids as in next_request()); nullopt at the deadline.
   std::optional<proto::CancelRequest> next_cancel(Deadline deadline);
   /// (inference rank) Sends one chunk of a routed request back (request_id as received).

@@ -159,6 +159,25 @@ std::string role_name(proto::Role role) {
   }
 }
 
+uint32_t cache_ranks_per_inference(uint32_t num_inference, uint32_t num_cache) {
+  if (num_cache == 0) return 0;
+  SPADE_CHECK(num_inference > 0, "a world of {} cache rank(s) and no inference rank: every cache rank serves one",
+              num_cache);
+  if (num_cache % num_inference != 0)
+    fail(
+        "cannot pair {} inference rank(s) with {} cache rank(s): each inference rank takes the same number N of cache "
+        "ranks (its layer shards), so --num-cache must be a multiple of --num-inference (N = --num-cache / "
+        "--num-inference)",
+        num_inference, num_cache);
+  return num_cache / num_inference;
+}
+
+std::string pairing_rule(uint32_t cache_per_inference) {
+  if (cache_per_inference <= 1) return "inference #i <-> cache #i";
+  return fmt::format("inference #i <-> cache #(i*{} + s), s = 0..{} (layer shards)", cache_per_inference,
+                     cache_per_inference - 1);
+}
+
 std::vector<proto::Role> parse_role_map(std::string_view text) {
   std::vector<proto::Role> out;
   size_t start = 0;
@@ -327,6 +346,7 @@ LaunchEnv LaunchEnv::resolve(const LaunchFlags& flags, const EnvLookup& env) {
   } else {
     le.sources["local_rank"] = "default";
   }
+  le.cache_per_inference = cache_ranks_per_inference(le.num_inference, le.num_cache);
   le.role = le.role_map[le.rank];
   le.role_index = le.role_index_of(le.rank);
   return le;
@@ -369,7 +389,9 @@ void add_launch_flags(CLI::App& app, LaunchFlags& lf) {
   app.add_option("--rank", lf.rank, "global rank (else RANK / OMPI_COMM_WORLD_RANK)");
   app.add_option("--world-size", lf.world_size, "world size (else WORLD_SIZE / OMPI_COMM_WORLD_SIZE)");
   app.add_option("--num-inference", lf.num_inference, "inference ranks in the world");
-  app.add_option("--num-cache", lf.num_cache, "cache ranks in the world");
+  app.add_option("--num-cache", lf.num_cache,
+                 "cache ranks in the world (a multiple N of --num-inference: each inference rank takes N, its layer "
+                 "shards)");
   app.add_option("--role-map", lf.role_map, "explicit role per rank, e.g. c,i,k");
   add_cluster_secret_flag(app, lf.cluster_secret_file);
 }

@@ -11,7 +11,8 @@
 // the precedence rule decides).
 //
 // Role map rule: global rank 0 is the coordinator, ranks 1..N are inference #0..#N-1, ranks N+1..N+M are
-// cache #0..#M-1 (world size = 1 + N + M). An explicit role map lists the role of every global rank,
+// cache #0..#M-1 (world size = 1 + N + M). M must be a multiple of N: each inference rank pairs with M / N cache
+// ranks (cache_ranks_per_inference). An explicit role map lists the role of every global rank,
 // comma-separated: "c,i,i,k,k" (c = coordinator, i = inference, k = cache; full names "coordinator",
 // "inference", "cache" work too). It must contain exactly one coordinator. role_index = position among the
 // ranks of the same role.
@@ -89,6 +90,17 @@ EnvLookup process_env();
 /// Lower-case role name: "coordinator", "inference", "cache", "client", "unspecified".
 std::string role_name(proto::Role role);
 
+/// N, the cache ranks of each inference rank: num_cache / num_inference, or 0 when the world has no cache rank.
+/// Inference #i pairs with cache #(i*N + s), s = 0..N-1, each holding the layers of one shard (pair/sharded_link.h).
+/// Derived from the world's role counts, its one home (no flag of its own): every rank computes the same N.
+/// Throws spade::Error naming both counts when num_cache is not a multiple of num_inference (or there are cache
+/// ranks but no inference rank).
+uint32_t cache_ranks_per_inference(uint32_t num_inference, uint32_t num_cache);
+
+/// "inference #i <-> cache #i" (N = 1) or "inference #i <-> cache #(i*N + s), s = 0..N-1" with N's value: the
+/// pairing rule, as ClusterView.pairing_rule and the logs state it.
+std::string pairing_rule(uint32_t cache_per_inference);
+
 /// Parses "c,i,i,k,k" (or full role names). Throws spade::Error naming the bad entry and its position.
 std::vector<proto::Role> parse_role_map(std::string_view text);
 
@@ -112,6 +124,7 @@ struct LaunchEnv {
   uint32_t local_rank = 0;
   uint32_t num_inference = 0;
   uint32_t num_cache = 0;
+  uint32_t cache_per_inference = 0;            // cache_ranks_per_inference(num_inference, num_cache)
   std::vector<proto::Role> role_map;           // role of every global rank; size == world_size
   proto::Role role = proto::ROLE_UNSPECIFIED;  // role_map[rank]
   uint32_t role_index = 0;                     // index of `rank` among ranks of its role

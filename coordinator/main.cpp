@@ -62,7 +62,8 @@ void write_port_file(const std::string& path, uint16_t port) {
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "Spade coordinator: rendezvous, pairing (inference #i <-> cache #i), heartbeats, request routing"};
+      "Spade coordinator: rendezvous, pairing (inference #i <-> cache #(i*K + s), s < K = M / N), heartbeats, "
+      "request routing"};
   spade::coord::LaunchFlags flags;
   spade::coord::ServerOptions so;  // the defaults of the control port's settings
   std::string port_file;
@@ -98,7 +99,8 @@ int main(int argc, char** argv) {
   app.add_option("--port", flags.master_port,
                  "TCP port to listen on (0 = ephemeral; default MASTER_PORT or 29500)");
   app.add_option("--num-inference", flags.num_inference, "Number of inference ranks (N)");
-  app.add_option("--num-cache", flags.num_cache, "Number of cache ranks (M, must equal N)");
+  app.add_option("--num-cache", flags.num_cache,
+                 "Number of cache ranks (M, a multiple of N: each inference rank takes K = M / N, its layer shards)");
   app.add_option("--world-size", flags.world_size,
                  "World size 1 + N + M (default WORLD_SIZE / OMPI_COMM_WORLD_SIZE)");
   app.add_option("--rank", flags.rank,

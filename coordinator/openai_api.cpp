@@ -19,6 +19,7 @@
 
 #include "common/error.h"
 #include "common/sampling.h"  // kMaxTopLogprobs
+#include "coordinator/client.h"   // kMaxSamplesPerRequest
 
 namespace spade::coord {
 
@@ -392,7 +393,9 @@ struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
                 bool& handed_over);
 };
 
-/// One API generation request: turns the rank's chunks into the OpenAI response (whole or SSE).
+/// One API generation request: turns the rank's chunks into the OpenAI response (whole or SSE). With n > 1 the rank's
+/// chunks of the n samples interleave (GenerateChunk.index); each becomes choices[index], with its own text, stop
+/// strings, logprobs and finish_reason, and the response ends when every choice has.
 struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job> {
   std::shared_ptr<Impl> api;
   std::shared_ptr<http::HttpResponder> res;
@@ -412,20 +415,27 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
   uint64_t routed_id = 0;
   bool done = false;
   bool started = false;  // stream headers sent
-  int completion_tokens = 0;
-  std::string text;      // generated text so far (after any stop truncation)
-  size_t emitted = 0;    // bytes of `text` sent (stream) / fixed (a stop string cut)
-  /// A generated token with its logprobs, not yet sent. `start` / `end`: `text`'s size before / after the chunk that
-  /// carried it (a token is streamed with the delta that completes its text; a stop string drops the tokens that
-  /// start at or after the cut).
+  int completion_tokens = 0;  // of every choice (usage: the prompt counts once)
+  int open_choices = 1;       // choices not finished yet
+  /// A generated token with its logprobs, not yet sent. `start` / `end`: its choice's `text` size before / after the
+  /// chunk that carried it (a token is streamed with the delta that completes its text; a stop string drops the
+  /// tokens that start at or after the cut).
   struct LpToken {
     uint32_t id;
     proto::TokenLogprobs lp;
     size_t start, end;
   };
-  std::vector<LpToken> lp_pending;
-  bool cut_text = false;   // a stop string ended the text
-  size_t text_offset = 0;  // completions: code points of the token strings sent so far (vLLM's text_offset)
+  /// One sample of the prompt: choices[index].
+  struct Choice {
+    std::string text;      // generated text so far (after any stop truncation)
+    size_t emitted = 0;    // bytes of `text` sent (stream)
+    std::vector<LpToken> lp_pending;
+    bool cut_text = false;   // a stop string ended the text
+    size_t text_offset = 0;  // completions: code points of the token strings sent so far (vLLM's text_offset)
+    bool finished = false;
+    std::string finish_reason;
+  };
+  std::vector<Choice> choices;  // n of them
 
   /// A token's string and bytes (OpenAI: `token` is the text, `bytes` its exact bytes, which may be part of a UTF-8
   /// character: then the string has U+FFFD in its place).
@@ -443,8 +453,9 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
 
   /// The choice's "logprobs" for `toks` in OpenAI's shape: chat {"content": [{token, logprob, bytes, top_logprobs:
   /// [{token, logprob, bytes}]}], "refusal": null}; completions {tokens, token_logprobs, top_logprobs (a dict per
-  /// token: the alternatives and the sampled token, as vLLM), text_offset}. null when the request did not ask.
-  json logprobs_json(const std::vector<LpToken>& toks) {
+  /// token: the alternatives and the sampled token, as vLLM), text_offset (advancing `c`'s)}. null when the request
+  /// did not ask.
+  json logprobs_json(Choice& c, const std::vector<LpToken>& toks) {
     if (logprobs < 0) return nullptr;
     if (chat) {
       json content = json::array();
@@ -470,18 +481,18 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
         top.emplace(token_text(t.lp.top_ids(i)).first, logprob_json(t.lp.top_logprobs(i)));
       top.emplace(s, logprob_json(t.lp.logprob()));  // no-op when the sampled token is among the alternatives
       tops.push_back(std::move(top));
-      offsets.push_back(text_offset);
-      text_offset += code_points(s);
+      offsets.push_back(c.text_offset);
+      c.text_offset += code_points(s);
     }
     return {{"tokens", tokens}, {"token_logprobs", values}, {"top_logprobs", tops}, {"text_offset", offsets}};
   }
-  /// Takes the pending tokens whose text ends at or before `upto` (all of them: SIZE_MAX), in order.
-  std::vector<LpToken> take_lp(size_t upto) {
+  /// Takes `c`'s pending tokens whose text ends at or before `upto` (all of them: SIZE_MAX), in order.
+  static std::vector<LpToken> take_lp(Choice& c, size_t upto) {
     size_t k = 0;
-    while (k < lp_pending.size() && lp_pending[k].end <= upto) ++k;
-    std::vector<LpToken> out(std::make_move_iterator(lp_pending.begin()),
-                             std::make_move_iterator(lp_pending.begin() + static_cast<long>(k)));
-    lp_pending.erase(lp_pending.begin(), lp_pending.begin() + static_cast<long>(k));
+    while (k < c.lp_pending.size() && c.lp_pending[k].end <= upto) ++k;
+    std::vector<LpToken> out(std::make_move_iterator(c.lp_pending.begin()),
+                             std::make_move_iterator(c.lp_pending.begin() + static_cast<long>(k)));
+    c.lp_pending.erase(c.lp_pending.begin(), c.lp_pending.begin() + static_cast<long>(k));
     return out;
   }
 
@@ -496,10 +507,12 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
   }
   void sse(const json& j) { res->write("data: " + j.dump() + "\n\n"); }
 
-  void send_delta(const std::string& delta, const std::string& finish, const std::vector<LpToken>& toks = {}) {
+  /// One SSE chunk of choice `index`: text `delta`, `finish` ("" while it goes on) and the logprobs of `toks`.
+  void send_delta(size_t index, const std::string& delta, const std::string& finish,
+                  const std::vector<LpToken>& toks = {}) {
     json c = base_chunk();
-    json choice = {{"index", 0},
-                   {"logprobs", toks.empty() ? json(nullptr) : logprobs_json(toks)},
+    json choice = {{"index", index},
+                   {"logprobs", toks.empty() ? json(nullptr) : logprobs_json(choices[index], toks)},
                    {"finish_reason", finish.empty() ? json(nullptr) : json(finish)}};
     if (chat) {
       choice["delta"] = finish.empty() || !delta.empty() ? json{{"content", delta}} : json::object();
@@ -511,24 +524,27 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
     sse(c);
   }
 
-  void begin() {  // stream: headers and (chat) the role chunk right away
+  void begin() {  // stream: headers and (chat) the role chunks right away
     if (!stream) return;
     std::lock_guard<std::mutex> lk(mu);
     begin_locked();
   }
-  /// The stream's headers and role chunk, once: from begin() after the submit, or from the first chunk when the rank
-  /// answers before the submitting worker gets there (else that chunk would be written before the headers).
+  /// The stream's headers and (chat) one role chunk per choice, once: from begin() after the submit, or from the
+  /// first chunk when the rank answers before the submitting worker gets there (else that chunk would be written
+  /// before the headers).
   void begin_locked() {
     if (!stream || done || started) return;
     started = true;
     res->begin_stream(200, "text/event-stream", {{"X-Accel-Buffering", "no"}});
     if (chat) {
-      json c = base_chunk();
-      c["choices"] = json::array(
-          {{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
-            {"finish_reason", nullptr}}});
-      if (include_usage) c["usage"] = nullptr;
-      sse(c);
+      for (size_t i = 0; i < choices.size(); ++i) {
+        json c = base_chunk();
+        c["choices"] = json::array(
+            {{{"index", i}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+              {"finish_reason", nullptr}}});
+        if (include_usage) c["usage"] = nullptr;
+        sse(c);
+      }
     }
   }
 
@@ -539,6 +555,11 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
     if (ch.finish_reason() == proto::FINISH_ERROR || (!ch.error().empty() && ch.finished())) {
       return fail_locked(ch.error().empty() ? std::string("generation failed") : ch.error());
     }
+    if (ch.index() >= choices.size())
+      return fail_locked(fmt::format("the rank sent sample {} of a request with n = {}", ch.index(), choices.size()));
+    const size_t index = ch.index();
+    Choice& c = choices[index];
+    if (c.finished) return;  // a stop string ended it; the rank's chunks still under way are not part of the answer
     begin_locked();
     if (completion_tokens == 0 && ch.token_ids_size() > 0)
       api->vllm_ttft.observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -548,48 +569,65 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
         return fail_locked(fmt::format("the rank sent {} logprobs for {} tokens", ch.logprobs_size(),
                                        ch.token_ids_size()));
       for (int i = 0; i < ch.token_ids_size(); ++i)
-        lp_pending.push_back({ch.token_ids(i), ch.logprobs(i), text.size(), text.size() + ch.text().size()});
+        c.lp_pending.push_back({ch.token_ids(i), ch.logprobs(i), c.text.size(), c.text.size() + ch.text().size()});
     }
-    text += ch.text();
+    c.text += ch.text();
     // Stop strings: search the part that could contain a new match.
     size_t cut = std::string::npos;
     if (!stops.empty()) {
-      const size_t from = emitted > max_stop ? emitted - max_stop : 0;
+      const size_t from = c.emitted > max_stop ? c.emitted - max_stop : 0;
       for (const auto& s : stops) {
-        const size_t p = text.find(s, from);
+        const size_t p = c.text.find(s, from);
         if (p != std::string::npos && p < cut) cut = p;
       }
     }
     if (cut != std::string::npos) {
-      text.resize(cut);
-      cut_text = true;
-      finish_locked("stop");
-      api->server.cancel_local(routed_id, "stop string matched");
+      c.text.resize(cut);
+      c.cut_text = true;
+      finish_choice_locked(index, "stop");
+      // The rest of this sample is not wanted: the whole request once every choice is done, else this sample alone.
+      if (done) {
+        api->server.cancel_local(routed_id, "stop string matched");
+      } else {
+        api->server.cancel_local(routed_id, "stop string matched", static_cast<uint32_t>(index));
+      }
       return;
     }
-    if (ch.finished()) return finish_locked(finish_reason_text(ch.finish_reason()));
+    if (ch.finished()) return finish_choice_locked(index, finish_reason_text(ch.finish_reason()));
     if (stream) {
       // Hold back what could still become a stop string, and never split a UTF-8 character.
-      size_t safe = text.size() > (max_stop ? max_stop - 1 : 0) ? text.size() - (max_stop ? max_stop - 1 : 0) : 0;
-      safe = utf8_safe_prefix(text, std::max(safe, emitted));
-      if (safe > emitted) {
-        send_delta(text.substr(emitted, safe - emitted), "", take_lp(safe));
-        emitted = safe;
+      const size_t hold = max_stop ? max_stop - 1 : 0;
+      size_t safe = c.text.size() > hold ? c.text.size() - hold : 0;
+      safe = utf8_safe_prefix(c.text, std::max(safe, c.emitted));
+      if (safe > c.emitted) {
+        send_delta(index, c.text.substr(c.emitted, safe - c.emitted), "", take_lp(c, safe));
+        c.emitted = safe;
       }
     }
   }
 
-  void finish_locked(const std::string& reason) {
-    done = true;
+  /// Choice `index` ended with `reason`: streamed, its rest and finish_reason go out now; the response ends with the
+  /// last choice.
+  void finish_choice_locked(size_t index, const std::string& reason) {
+    Choice& c = choices[index];
+    c.finished = true;
+    c.finish_reason = reason;
     // A stop string cut the text: the tokens from the cut on are not part of the answer.
-    while (!lp_pending.empty() && lp_pending.back().start >= text.size() && cut_text) lp_pending.pop_back();
+    while (c.cut_text && !c.lp_pending.empty() && c.lp_pending.back().start >= c.text.size()) c.lp_pending.pop_back();
+    if (stream) {
+      send_delta(index, c.text.substr(std::min(c.emitted, c.text.size())), reason,  // the rest (may be empty)
+                 take_lp(c, std::numeric_limits<size_t>::max()));
+      c.emitted = c.text.size();
+    }
+    if (--open_choices == 0) finish_locked();
+  }
+
+  void finish_locked() {
+    done = true;
     const double e2e = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     api->api_e2e.observe(e2e);
     api->vllm_e2e.observe(e2e);
     if (stream) {
-      send_delta(text.substr(std::min(emitted, text.size())), reason,  // the rest (may be empty) + finish_reason
-                 take_lp(std::numeric_limits<size_t>::max()));
-      emitted = text.size();
       if (include_usage) {
         json c = base_chunk();
         c["choices"] = json::array();
@@ -600,25 +638,32 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
       res->end();
       api->http_requests.with({endpoint, "200"}).inc();
     } else {
-      json choice = {{"index", 0},
-                     {"logprobs", logprobs_json(take_lp(std::numeric_limits<size_t>::max()))},
-                     {"finish_reason", reason}};
-      if (chat) {
-        choice["message"] = {{"role", "assistant"}, {"content", text}};
-      } else {
-        choice["text"] = text;
+      json out = json::array();
+      for (size_t i = 0; i < choices.size(); ++i) {
+        Choice& c = choices[i];
+        json choice = {{"index", i},
+                       {"logprobs", logprobs_json(c, take_lp(c, std::numeric_limits<size_t>::max()))},
+                       {"finish_reason", c.finish_reason}};
+        if (chat) {
+          choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+        } else {
+          choice["text"] = c.text;
+        }
+        out.push_back(std::move(choice));
       }
       json body = {{"id", id},
                    {"object", chat ? "chat.completion" : "text_completion"},
                    {"created", created},
                    {"model", api->name},
-                   {"choices", json::array({choice})},
+                   {"choices", std::move(out)},
                    {"usage", usage()}};
       api->reply(*res, endpoint, 200, body.dump());
     }
     release();
   }
 
+  /// The request failed (any sample: OpenAI has no per-choice error): the response is the error, and whatever still
+  /// runs of it on the rank is cancelled.
   void fail_locked(const std::string& error) {
     done = true;
     const bool unavailable = error.find("no live inference rank") != std::string::npos ||
@@ -628,6 +673,7 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
     const bool invalid = error.find("invalid request: ") != std::string::npos;  // a rank's own validation
     const int status = unavailable ? 503 : invalid ? 400 : 500;
     spdlog::warn("coordinator API: {} request {} failed: {}", endpoint, routed_id, error);
+    api->server.cancel_local(routed_id, "the request failed");  // its other samples (a finished route: ignored)
     if (stream && started) {
       sse(json::parse(openai_error_json(status, error)));
       res->write("data: [DONE]\n\n");
@@ -671,8 +717,19 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
                    "model", "model_not_found"};
 
   // features we do not have: reject rather than silently ignore
-  if (auto n = get_int(body, "n"); n && *n != 1) bad(fmt::format("only n = 1 is supported, got {}", *n), "n");
-  if (auto b = get_int(body, "best_of"); b && *b != 1) bad("best_of > 1 is not supported", "best_of");
+  // n samples of the prompt (its KV computed once on the rank); best_of (n samples ranked server-side) is not built.
+  int64_t samples = 1;
+  if (auto v = get_int(body, "n")) {
+    if (*v < 1 || *v > kMaxSamplesPerRequest)
+      bad(fmt::format("'n' must be an integer in [1, {}], got {}", kMaxSamplesPerRequest, *v), "n");
+    samples = *v;
+  }
+  if (auto b = get_int(body, "best_of")) {
+    if (*b != 1)
+      bad(fmt::format("'best_of' is not supported (only 1), got {}; 'n' returns n samples, to rank client-side", *b),
+          "best_of");
+    if (samples > 1) bad(fmt::format("'best_of' (1) must be at least 'n' ({})", samples), "best_of");
+  }
   if (auto e = get_bool(body, "echo"); e && *e) bad("echo is not supported", "echo");
   // logprobs (raw mode, common/sampling.h TokenLogprobs): chat takes logprobs (boolean) + top_logprobs (0..20),
   // completions an integer logprobs (0..5) = the number of alternatives.
@@ -839,6 +896,7 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
     sp->set_seed(std::random_device{}());
   }
   if (auto ie = get_bool(body, "ignore_eos")) g.set_ignore_eos(*ie);  // vLLM's extension
+  g.set_n(static_cast<uint32_t>(samples));
   g.set_logprobs(logprobs >= 0);
   g.set_top_logprobs(static_cast<uint32_t>(std::max(logprobs, 0)));
   for (const char* f : {"presence_penalty", "frequency_penalty"})
@@ -912,6 +970,8 @@ void OpenAiApi::Impl::generate(const http::HttpRequest& req, std::shared_ptr<htt
   job->id = random_id(is_chat ? "chatcmpl-" : "cmpl-");
   job->created = unix_now();
   job->prompt_tokens = static_cast<int>(P);
+  job->choices.resize(static_cast<size_t>(samples));
+  job->open_choices = static_cast<int>(samples);
   handed_over = true;  // from here on the Job answers and releases the slot
   {
     std::lock_guard<std::mutex> lk(job->mu);

@@ -8,8 +8,9 @@
 //
 // Request fields: model (must name the served model), max_tokens (chat: also max_completion_tokens; default 16 for
 // completions as in OpenAI, the rest of the context for chat), temperature [0, 2], top_p (0, 1], top_k (-1/0 = off),
-// seed, stop (string or up to 4 strings; the text ends before the first match, finish_reason "stop"), n (only 1),
-// stream, stream_options.include_usage, and log-probabilities: chat "logprobs": true with "top_logprobs": 0..20,
+// seed, stop (string or up to 4 strings; the text ends before the first match, finish_reason "stop"), n (1 to
+// kMaxSamplesPerRequest = 64, coordinator/client.h; see "Samples" below), stream, stream_options.include_usage, and
+// log-probabilities: chat "logprobs": true with "top_logprobs": 0..20,
 // completions "logprobs": 0..5 (out of range, a non-boolean / non-integer, or top_logprobs without logprobs: 400).
 // Logprobs are "raw" (vLLM's default logprobs_mode): the log-softmax of the model's logits of the step that sampled
 // the token, before temperature / top-k / top-p (common/sampling.h token_logprobs), natural log; a probability of 0
@@ -31,7 +32,15 @@
 // application/*+json (parameters such as charset ignored; the body must be UTF-8); any other type is 415. A repeated
 // key in one object, nesting deeper than 64 levels and a number outside double range are 400s. Integers must fit
 // int64 and are range-checked before any arithmetic (max_tokens > the context left is the context-length 400).
-// Unsupported OpenAI features that change results (echo, best_of > 1, suffix, tools, functions,
+// Samples (n > 1): one request to one inference rank, which prefills the prompt once and decodes n sequences that
+// share its KV pages (Engine::submit_samples); sample i samples with seed + i (seed: the request's, else a random
+// one), so a request with a seed is reproducible. choices has n entries, choices[i].index = i, each with its own
+// text, finish_reason, stop-string cut and logprobs; usage counts the prompt once and the completion tokens of every
+// choice. Streamed, every chunk carries one choice (its index), chat sends each choice's role chunk first, a choice's
+// finish_reason comes with its last delta, and the usage chunk and [DONE] follow the last choice. A stop string ends
+// its choice only (that sample is cancelled on the rank). A failing sample fails the whole response (500, or the SSE
+// error event), and the other samples are cancelled. Per-request `spade` fields apply to every sample.
+// Unsupported OpenAI features that change results (echo, best_of other than 1, suffix, tools, functions,
 // response_format other than text, logit_bias) are rejected with 400 rather than ignored; other unknown fields are
 // ignored.
 //
@@ -53,7 +62,7 @@
 //
 // Cancellation: a client that disconnects before its response is complete (streaming or not) has its request
 // cancelled on the inference rank (CoordinatorServer::cancel_local), which frees its KV there and on its cache
-// rank. A stop-string match cancels the rest of the generation the same way.
+// rank. A stop-string match cancels the rest of the generation the same way (with n > 1: of its sample).
 #pragma once
 
 #include <atomic>

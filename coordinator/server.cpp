@@ -24,7 +24,8 @@ namespace {
 // ---- setup
 // -------------------------------------------------------------------------------------------------
 
-// Throws spade::Error naming the first problem: bad role map, N != M, bad timeouts or frame size.
+// Throws spade::Error naming the first problem: bad role map (no cache rank, cache ranks not a multiple of the
+// inference ranks), bad timeouts or frame size.
 void validate_options(const ServerOptions& opts) {
   const auto& rm = opts.role_map;
   SPADE_CHECK(!rm.empty(), "coordinator: empty role map");
@@ -35,12 +36,12 @@ void validate_options(const ServerOptions& opts) {
   SPADE_CHECK(num_inference + num_cache + 1 == rm.size(), "coordinator: role map has unknown roles");
   SPADE_CHECK(num_inference >= 1,
               "coordinator: the world needs at least one inference rank (role map has 0)");
-  if (num_inference != num_cache) {
-    fail(
-        "coordinator: cannot pair {} inference rank(s) with {} cache rank(s): the pairing rule ({}) needs "
-        "equal "
-        "numbers (--num-inference == --num-cache)",
-        num_inference, num_cache, kPairingRule);
+  SPADE_CHECK(num_cache >= 1, "coordinator: the world needs at least one cache rank per inference rank (role map "
+              "has 0)");
+  try {
+    (void)cache_ranks_per_inference(num_inference, num_cache);
+  } catch (const Error& e) {
+    fail("coordinator: {}", e.what());
   }
   SPADE_CHECK(opts.heartbeat_interval.count() > 0, "coordinator: heartbeat interval must be > 0 ms");
   SPADE_CHECK(opts.heartbeat_timeout > opts.heartbeat_interval,
@@ -201,8 +202,14 @@ class CoordinatorServer::Impl final : private ConnectionEvents, private Membersh
     return id;
   }
 
-  void cancel_local(uint64_t routed_id, const std::string& reason) {
-    asio::post(ctx_.io, [this, routed_id, reason] { router_.cancel_route(routed_id, reason); });
+  void cancel_local(uint64_t routed_id, const std::string& reason, std::optional<uint32_t> sample) {
+    asio::post(ctx_.io, [this, routed_id, reason, sample] {
+      if (sample) {
+        router_.cancel_sample(routed_id, *sample, reason);
+      } else {
+        router_.cancel_route(routed_id, reason);
+      }
+    });
   }
 
  private:
@@ -475,8 +482,8 @@ uint64_t CoordinatorServer::submit_local(proto::GenerateRequest request, ChunkSi
   return impl_->submit_local(std::move(request), std::move(sink));
 }
 
-void CoordinatorServer::cancel_local(uint64_t routed_id, const std::string& reason) {
-  impl_->cancel_local(routed_id, reason);
+void CoordinatorServer::cancel_local(uint64_t routed_id, const std::string& reason, std::optional<uint32_t> sample) {
+  impl_->cancel_local(routed_id, reason, sample);
 }
 
 Health CoordinatorServer::health() const {

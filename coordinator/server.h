@@ -51,6 +51,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,8 +64,9 @@ using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
 /// Receives the chunks of an in-process submission (CoordinatorServer::submit_local). Runs on the coordinator's io
-/// thread: must not block. The last chunk has finished == true (FINISH_ERROR with `error` set when the request could
-/// not be routed or its inference rank died).
+/// thread: must not block. Each sample's last chunk (GenerateChunk.index, 0..n-1 for GenerateRequest.n) has
+/// finished == true (FINISH_ERROR with `error` set when the request could not be routed or its inference rank died:
+/// one such chunk for every sample not finished yet).
 using ChunkSink = std::function<void(const proto::GenerateChunk&)>;
 
 /// What /health and /ready report (thread-safe snapshot).
@@ -125,7 +127,8 @@ struct ExitStatus {
 
 class CoordinatorServer {
  public:
-  /// Validates options (throws spade::Error: bad role map, N != M, bad timeouts or limits, a non-loopback
+  /// Validates options (throws spade::Error: bad role map, cache ranks not a non-zero multiple of the inference
+  /// ranks (launch_env.h cache_ranks_per_inference), bad timeouts or limits, a non-loopback
   /// bind_host without a cluster secret, a secret shorter than kMinClusterSecretBytes) and binds the
   /// listening socket (throws spade::Error naming host:port when it cannot). The rendezvous clock starts
   /// here.
@@ -156,8 +159,10 @@ class CoordinatorServer {
   /// chunks carry). Every outcome, routing errors included, arrives at `sink`.
   uint64_t submit_local(proto::GenerateRequest request, ChunkSink sink);
   /// Cancels an in-process submission: its inference rank stops it (and frees its KV on both ranks); no further
-  /// chunks reach the sink. Thread-safe; unknown or finished ids are ignored.
-  void cancel_local(uint64_t routed_id, const std::string& reason);
+  /// chunks reach the sink. With `sample` set, only that sample of a request with n > 1: the rank ends it with a
+  /// FINISH_CANCELLED chunk that still reaches the sink, and the other samples go on. Thread-safe; unknown or
+  /// finished ids (and samples) are ignored.
+  void cancel_local(uint64_t routed_id, const std::string& reason, std::optional<uint32_t> sample = std::nullopt);
   /// Liveness / readiness snapshot (thread-safe, never blocks).
   Health health() const;
 
@@ -170,7 +175,5 @@ class CoordinatorServer {
   std::unique_ptr<Impl> impl_;
 };
 
-/// "inference #i <-> cache #i": the pairing rule, also sent in ClusterView.pairing_rule.
-inline constexpr const char* kPairingRule = "inference #i <-> cache #i";
 
 }  // namespace spade::coord

@@ -15,11 +15,13 @@ Membership::Membership(ServerContext& ctx, Connections& conns, MembershipEvents&
   const auto& rm = ctx_.opts.role_map;
   num_inference_ = static_cast<uint32_t>(std::count(rm.begin(), rm.end(), proto::INFERENCE));
   num_cache_ = static_cast<uint32_t>(std::count(rm.begin(), rm.end(), proto::CACHE));
+  cache_per_inference_ = cache_ranks_per_inference(num_inference_, num_cache_);
   for (uint32_t r = 0; r < rm.size(); ++r) {
     Member m;
     m.info.set_role(rm[r]);
     m.info.set_rank(r);
     m.info.set_role_index(role_index_of(r));
+    if (rm[r] == proto::CACHE) m.info.set_shard(m.info.role_index() % cache_per_inference_);
     m.state = rm[r] == proto::COORDINATOR ? proto::ALIVE : proto::MISSING;
     if (rm[r] == proto::COORDINATOR) {
       m.info.set_host(asio::ip::host_name());
@@ -64,17 +66,19 @@ std::string Membership::role_map_string() const {
 }
 
 std::vector<uint32_t> Membership::paired_ranks(uint32_t r) const {
-  // inference #i <-> cache #i
+  // inference #i <-> cache #(i*N + s), s = 0..N-1: an inference rank's cache ranks in shard order; a cache rank's one
+  // inference rank.
   const auto& info = members_[r].info;
-  proto::Role other = info.role() == proto::INFERENCE ? proto::CACHE
-                      : info.role() == proto::CACHE   ? proto::INFERENCE
-                                                      : proto::ROLE_UNSPECIFIED;
   std::vector<uint32_t> out;
-  if (other == proto::ROLE_UNSPECIFIED) return out;
-  for (uint32_t q = 0; q < members_.size(); ++q) {
-    if (members_[q].info.role() == other && members_[q].info.role_index() == info.role_index())
-      out.push_back(q);
-  }
+  const uint32_t n = cache_per_inference_;
+  auto rank_of = [&](proto::Role role, uint32_t index) {
+    for (uint32_t q = 0; q < members_.size(); ++q)
+      if (members_[q].info.role() == role && members_[q].info.role_index() == index) out.push_back(q);
+  };
+  if (info.role() == proto::INFERENCE)
+    for (uint32_t s = 0; s < n; ++s) rank_of(proto::CACHE, info.role_index() * n + s);
+  else if (info.role() == proto::CACHE && n > 0)
+    rank_of(proto::INFERENCE, info.role_index() / n);
   return out;
 }
 
@@ -224,6 +228,14 @@ std::string Membership::rank_registration_error(const proto::RegisterRequest& re
         "is admitted only after the coordinator declared it dead",
         who, self.rank(), describe(self.rank()), m.info.incarnation());
   }
+  const auto kind = self.transport().kind();
+  if (cache_per_inference_ > 1 && (kind == proto::TRANSPORT_NCCL || kind == proto::TRANSPORT_CUDA_IPC)) {
+    return fmt::format(
+        "{}: its data plane is {}, which pairs one cache rank with one inference rank, but this world pairs each "
+        "inference rank with {} cache ranks ({} cache / {} inference); shard over several cache ranks with the CPU "
+        "ranks (UCX), or start as many cache ranks as inference ranks",
+        who, kind == proto::TRANSPORT_NCCL ? "NCCL" : "CUDA IPC", cache_per_inference_, num_cache_, num_inference_);
+  }
   return "";  // MISSING, or DEAD: a replacement (a new incarnation)
 }
 
@@ -233,6 +245,7 @@ void Membership::register_rank(const ConnPtr& c, const proto::RankInfo& self) {
   const bool replacement = m.state == proto::DEAD;
   proto::RankInfo info = self;
   info.set_rank(self.rank());
+  info.set_shard(m.info.shard());  // the coordinator's (role map), whatever the rank sent
   info.set_incarnation(replacement ? m.info.incarnation() + 1 : 0);
   m.info = info;
   m.state = proto::ALIVE;
@@ -253,29 +266,54 @@ void Membership::register_rank(const ConnPtr& c, const proto::RankInfo& self) {
   maybe_complete();
 }
 
-// A replacement joins a complete world. Its peer, when alive and paired, re-handshakes with it:
+// A replacement joins a complete world. Its peers, when alive and paired, re-handshake with it:
 //   replacement cache rank     -> PeerReplaced to the inference rank, which answers with a PairOffer (its data-plane
 //                                 address; for NCCL fresh ids); on_pair_offer then sends the replacement its view.
-//   replacement inference rank -> its ClusterView now (the cache rank's address), PeerReplaced to the cache rank.
+//   replacement inference rank -> PeerReplaced to each of its paired cache ranks, and its ClusterView (the cache
+//                                 ranks' addresses) once all N of them are alive.
 // A peer that is itself a replacement still waiting for its view (both died) gets it now, as at the first pairing;
 // a dead peer leaves the replacement waiting for the peer's own replacement (its rendezvous deadline bounds that).
 void Membership::pair_replacement(uint32_t r) {
   auto& m = members_[r];
-  for (uint32_t q : paired_ranks(r)) {
-    auto& peer = members_[q];
-    if (peer.state != proto::ALIVE || !peer.conn) continue;
-    if (!peer.view_sent) {  // both were replaced: pair them as at the world's start
-      send_cluster_view(q);
-      send_cluster_view(r);
-      continue;
+  auto live = [&](uint32_t q) { return members_[q].state == proto::ALIVE && members_[q].conn != nullptr; };
+  const std::vector<uint32_t> peers = paired_ranks(r);
+  if (m.info.role() == proto::CACHE) {
+    for (uint32_t q : peers) {  // its one inference rank
+      if (!live(q)) continue;
+      if (!members_[q].view_sent) {  // both were replaced: pair them as at the world's start
+        pair_inference(q);
+        continue;
+      }
+      proto::Envelope out;
+      *out.mutable_peer_replaced()->mutable_peer() = m.info;
+      out.mutable_peer_replaced()->set_previous_reason(m.dead_reason);
+      conns_.send(members_[q].conn, out);
+      spdlog::info("coordinator: sent PeerReplaced({} incarnation {}) to {}", r, m.info.incarnation(), describe(q));
     }
+    return;
+  }
+  for (uint32_t q : peers) {
+    if (!live(q) || !members_[q].view_sent) continue;  // a waiting replacement gets its view with ours
     proto::Envelope out;
     *out.mutable_peer_replaced()->mutable_peer() = m.info;
     out.mutable_peer_replaced()->set_previous_reason(m.dead_reason);
-    conns_.send(peer.conn, out);
+    conns_.send(members_[q].conn, out);
     spdlog::info("coordinator: sent PeerReplaced({} incarnation {}) to {}", r, m.info.incarnation(), describe(q));
-    if (m.info.role() == proto::INFERENCE) send_cluster_view(r);
   }
+  pair_inference(r);
+}
+
+// Inference rank `r` waits for its view: sends it, and their views to its cache ranks still waiting for theirs, once
+// the rank and all its N cache ranks are alive (the view names every shard's current address).
+void Membership::pair_inference(uint32_t r) {
+  auto live = [&](uint32_t q) { return members_[q].state == proto::ALIVE && members_[q].conn != nullptr; };
+  if (!live(r) || members_[r].view_sent) return;
+  const std::vector<uint32_t> peers = paired_ranks(r);
+  for (uint32_t q : peers)
+    if (!live(q)) return;
+  send_cluster_view(r);
+  for (uint32_t q : peers)
+    if (!members_[q].view_sent) send_cluster_view(q);
 }
 
 void Membership::on_pair_offer(const ConnPtr& c, const proto::PairOffer& offer) {
@@ -308,7 +346,7 @@ void Membership::maybe_complete() {
   world_complete_ = true;
   events_.on_world_complete();
   spdlog::info("coordinator: world complete ({} inference + {} cache ranks) after {} ms; pairing {}",
-               num_inference_, num_cache_, age_ms(ctx_.start_time, Clock::now()), kPairingRule);
+               num_inference_, num_cache_, age_ms(ctx_.start_time, Clock::now()), pairing_rule(cache_per_inference_));
   for (uint32_t r = 0; r < members_.size(); ++r) send_cluster_view(r);
 }
 
@@ -323,7 +361,8 @@ void Membership::send_cluster_view(uint32_t r) {
   view->set_world_size(static_cast<uint32_t>(members_.size()));
   view->set_num_inference(num_inference_);
   view->set_num_cache(num_cache_);
-  view->set_pairing_rule(kPairingRule);
+  view->set_pairing_rule(pairing_rule(cache_per_inference_));
+  view->set_cache_ranks_per_inference(cache_per_inference_);
   view->set_session_id(ctx_.session_id);
   view->set_served_model_name(ctx_.opts.served_model_name);
   conns_.send(m.conn, out);

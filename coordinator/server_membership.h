@@ -1,8 +1,9 @@
 // Internal to the coordinator server: the world's membership. Holds the ranks table (one Member per global
 // rank, from the role map), checks RegisterRequests against it, completes the world and sends every rank its
-// ClusterView (pairing: kPairingRule), tracks heartbeats and their deadline, declares ranks dead (PeerDown to
-// the paired peer), admits a replacement for a dead rank (a new incarnation of its slot: the live peer gets
-// PeerReplaced and the pair re-handshakes) and snapshots it all for StatusReply and health.
+// ClusterView (pairing: launch_env.h pairing_rule, inference #i with its N cache ranks), tracks heartbeats and
+// their deadline, declares ranks dead (PeerDown to the paired peer), admits a replacement for a dead rank (a new
+// incarnation of its slot: the live peer gets PeerReplaced and the pair re-handshakes) and snapshots it all for
+// StatusReply and health.
 #pragma once
 
 #include <cstdint>
@@ -41,7 +42,8 @@ class MembershipEvents {
 /// The ranks table and the registration / heartbeat protocol. Io thread only (the constructor excepted).
 class Membership {
  public:
-  /// Builds the table from ctx.opts.role_map, which must be valid (one coordinator, N inference == N cache):
+  /// Builds the table from ctx.opts.role_map, which must be valid (one coordinator, the cache ranks a multiple N of
+  /// the inference ranks):
   /// every rank MISSING but the coordinator's own, ALIVE with this host, pid and device "cpu". Keeps
   /// references to all three arguments; they must outlive this object.
   Membership(ServerContext& ctx, Connections& conns, MembershipEvents& events);
@@ -51,6 +53,8 @@ class Membership {
   uint32_t world_size() const { return static_cast<uint32_t>(members_.size()); }
   uint32_t num_inference() const { return num_inference_; }
   uint32_t num_cache() const { return num_cache_; }
+  /// N: the cache ranks (layer shards) of each inference rank.
+  uint32_t cache_per_inference() const { return cache_per_inference_; }
   /// Every rank has registered (stays true once set, even when ranks die later).
   bool world_complete() const { return world_complete_; }
   /// The row of global rank `r` (< world_size()).
@@ -102,6 +106,8 @@ class Membership {
   void register_rank(const ConnPtr& c, const proto::RankInfo& self);
   // After the world is complete: `r` replaces a dead incarnation; re-pairs it with its live peer(s).
   void pair_replacement(uint32_t r);
+  // Sends inference rank `r` (waiting for its view) and its waiting cache ranks their views once all are alive.
+  void pair_inference(uint32_t r);
   void maybe_complete();
   void send_cluster_view(uint32_t r);
   void on_member_lost(uint32_t r, const std::string& why);
@@ -114,6 +120,7 @@ class Membership {
   MembershipEvents& events_;
   uint32_t num_inference_ = 0;
   uint32_t num_cache_ = 0;
+  uint32_t cache_per_inference_ = 0;
   std::vector<Member> members_;  // indexed by global rank
   bool world_complete_ = false;
 };

@@ -1,15 +1,19 @@
 // Internal to the coordinator server: generation-request routing. A GenerateRequest (from a TCP client, or
 // in-process through CoordinatorServer::submit_local) goes to an inference rank (target_inference, or round
 // robin over the live ones) under a coordinator-unique routed id; the rank's GenerateChunks go back to the
-// submitter under the submitter's own request id. Cancellation (CancelRequest, cancel_local, a submitter
-// disconnecting) and the death of an inference rank end the routes concerned.
+// submitter under the submitter's own request id. A request of n samples (GenerateRequest.n) stays routed until each
+// of its samples has had its finished chunk (GenerateChunk.index names the sample). Cancellation (CancelRequest,
+// cancel_local, a submitter disconnecting) and the death of an inference rank end the routes concerned; a
+// CancelRequest with an index ends one sample only.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "common/proto/coordinator.pb.h"
 #include "coordinator/server_connection.h"
@@ -23,6 +27,8 @@ struct Route {
   uint64_t submitter_request_id = 0;
   uint32_t inference_rank = 0;
   ChunkSink local_sink;  // in-process submissions: chunks go here (io thread)
+  std::vector<bool> sample_done;  // per sample (GenerateRequest.n, at least 1): its finished chunk has passed
+  uint32_t open_samples = 1;      // samples without their finished chunk yet; the route ends at 0
 };
 
 /// The table of requests in flight (routed id -> Route). Io thread only, except reserve_id().
@@ -47,10 +53,15 @@ class RequestRouter {
   /// Cancels route `routed_id` on its inference rank and forgets it (later chunks are dropped). Unknown ids
   /// are ignored.
   void cancel_route(uint64_t routed_id, const std::string& reason);
-  /// GenerateChunk from inference-rank connection `c`: forwarded to its submitter; a finished chunk ends the
-  /// route. Chunks of unknown routes, or from a rank that does not serve the route, are dropped.
+  /// Cancels sample `sample` of route `routed_id` on its inference rank; the route stays (the rank's FINISH_CANCELLED
+  /// chunk of that sample is forwarded as usual). Unknown routes and samples, or finished ones, are ignored.
+  void cancel_sample(uint64_t routed_id, uint32_t sample, const std::string& reason);
+  /// GenerateChunk from inference-rank connection `c`: forwarded to its submitter; the finished chunk of the last
+  /// open sample ends the route. Chunks of unknown routes or samples, of samples already finished, or from a rank
+  /// that does not serve the route, are dropped.
   void on_generate_chunk(const ConnPtr& c, const proto::GenerateChunk& chunk);
-  /// Inference rank `r` died: each of its routes gets a final FINISH_ERROR chunk with `why` and is dropped.
+  /// Inference rank `r` died: each open sample of its routes gets a final FINISH_ERROR chunk with `why`, and the
+  /// routes are dropped.
   void fail_routes_of_inference(uint32_t r, const std::string& why);
   /// TCP submitter `c` went away: its routes (and any whose submitter is gone) are cancelled on their
   /// inference ranks and forgotten. In-process routes are untouched.
@@ -59,8 +70,9 @@ class RequestRouter {
  private:
   std::string pick_target(const proto::GenerateRequest& req, uint32_t* target);
   void forward(uint64_t routed_id, const proto::GenerateRequest& req, uint32_t target);
-  void send_error_chunk(const ConnPtr& c, uint64_t request_id, const std::string& error);
-  void send_cancel(uint32_t inference_rank, uint64_t routed_id, const std::string& reason);
+  void send_error_chunk(const ConnPtr& c, uint64_t request_id, const std::string& error, uint32_t sample = 0);
+  void send_cancel(uint32_t inference_rank, uint64_t routed_id, const std::string& reason,
+                   std::optional<uint32_t> sample = std::nullopt);
 
   ServerContext& ctx_;
   const Membership& membership_;

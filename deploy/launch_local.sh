@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Starts a whole Spade cluster on this host — coordinator, N inference ranks, M cache ranks — and either serves the
+# Starts a whole Spade cluster on this host — coordinator, I inference ranks, C cache ranks — and either serves the
 # OpenAI-compatible API until Ctrl-C (no --prompt) or submits one prompt and prints the generated text on stdout;
 # tears every process down on exit, Ctrl-C or the death of the coordinator or an inference rank (a cache rank's death
 # is logged, its inference rank goes on decoding densely, and the cache rank is restarted with the same index: it
@@ -12,7 +12,9 @@
 #   deploy/launch_local.sh --model DIR --prompt TEXT [--max-tokens N --temperature T --top-p P --top-k K --seed S]
 #                          [--chat] [--selection dense|oracle|predicted --sparse-threshold N --token-budget K
 #                                    --layers-per-pack P --local-window R --sink-tokens S --query-window W]
-#                          [--num-inference 1 --num-cache 1]
+#                          [--num-inference I --num-cache C]
+#       C = N x I (default C = I): inference #i pairs with cache #(i*N + s), s = 0..N-1, its N layer shards
+#       (docs/ARCHITECTURE.md, "Sharding over N cache ranks"); a dead cache rank is restarted with the same index
 #       --chat: send TEXT as one user message through the coordinator's OpenAI API (/v1/chat/completions, the
 #       checkpoint's chat template) instead of as raw text through spade_submit
 # Env: SPADE_BUILD_DIR (binaries, default build/), SPADE_LOG_DIR (rank logs, default a fresh temp dir),
@@ -54,7 +56,11 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 for b in coordinator/coordinator inference_rank/inference_rank cache_rank/cache_rank coordinator/spade_submit; do
   [ -x "$build/$b" ] || { echo "launch_local: $build/$b not built (cmake --build $build)" >&2; exit 2; }
 done
-[ "$n_cache" -eq 0 ] || [ "$n_cache" -eq "$n_inf" ] || { echo "launch_local: --num-cache must be 0 or equal --num-inference" >&2; exit 2; }
+[[ "$n_inf" =~ ^[1-9][0-9]*$ ]] || { echo "launch_local: --num-inference must be a count >= 1, got '$n_inf'" >&2; exit 2; }
+[[ "$n_cache" =~ ^[1-9][0-9]*$ ]] && [ $((n_cache % n_inf)) -eq 0 ] || {
+  echo "launch_local: --num-cache ($n_cache) must be a multiple N >= 1 of --num-inference ($n_inf): each inference" \
+       "rank takes N cache ranks, its layer shards" >&2; exit 2; }
+per_inf=$((n_cache / n_inf))  # N: cache #k serves inference #(k / N) as shard k mod N
 
 port="${MASTER_PORT:-$(free_port)}"
 world=$((1 + n_inf + n_cache))
@@ -119,10 +125,11 @@ self=$$
           watched[$i]=$!
           echo "$!" >>"$logs/restarted.pids"
           echo "launch_local: cache rank #$k (pid $p) exited; restarted it as pid $! (restart $((r + 1)) of $restarts):" \
-               "inference rank #$k serves densely until it rejoins (logs in $logs)" >&2
+               "inference rank #$((k / per_inf)) serves densely until it rejoins (logs in $logs)" >&2
           continue
         fi
-        echo "launch_local: cache rank #$k (pid $p) exited; inference rank #$k keeps serving, densely (logs in $logs)" >&2
+        echo "launch_local: cache rank #$k (pid $p) exited; inference rank #$((k / per_inf)) keeps serving, densely" \
+             "(logs in $logs)" >&2
         unset "watched[$i]"
         continue
       fi

@@ -7,9 +7,12 @@
 #   One prompt (rank 0 submits it, prints the text, shuts the cluster down):
 #     mpirun -np 3 deploy/spade_rank.sh --model DIR --prompt TEXT [--max-tokens N --temperature T ...]
 #   torchrun-style: any launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and LOCAL_RANK) per process.
+#   Layer shards: --cache-ranks-per-inference K (default 1) gives each inference rank K cache ranks
+#     (mpirun -np $((1 + N*(1+K))); inference #i pairs with cache #(i*K + s), s = 0..K-1).
 #
-# Roles: rank 0 the coordinator, ranks 1..N inference ranks, N+1..2N cache ranks (N = (WORLD_SIZE-1)/2), or the
-# explicit --role-map (c = coordinator, i = inference, k = cache; one letter per rank), which every rank also checks.
+# Roles: rank 0 the coordinator, ranks 1..N inference ranks, the rest (N*K) cache ranks (N = (WORLD_SIZE-1)/(1+K)),
+# or the explicit --role-map (c = coordinator, i = inference, k = cache; one letter per rank), which every rank also
+# checks (its cache ranks must be a multiple of its inference ranks).
 # The rank comes from OMPI_COMM_WORLD_RANK/SIZE (Open MPI) or RANK/WORLD_SIZE. MASTER_ADDR defaults to 127.0.0.1, MASTER_PORT
 # to 29500 (set it when several clusters share a host). With --metrics-port-base B, rank r serves /metrics,
 # /health and /ready on port B + r (inference and cache ranks; the coordinator serves them on --http-port).
@@ -30,13 +33,14 @@ world="${OMPI_COMM_WORLD_SIZE:-${WORLD_SIZE:-}}"
 export MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}" MASTER_PORT="${MASTER_PORT:-29500}"
 export UCX_LOG_LEVEL="${UCX_LOG_LEVEL:-error}"  # UCX warnings would land in the text on stdout
 
-model="" ; prompt="" ; have_prompt=0 ; role_map="" ; http_port=8000 ; http_host=127.0.0.1 ; metrics_base=0
+model="" ; prompt="" ; have_prompt=0 ; role_map="" ; http_port=8000 ; http_host=127.0.0.1 ; metrics_base=0 ; per_inf=1
 gen=() ; inf=() ; cache=() ; coord=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) model="$2"; shift 2 ;;
     --prompt) prompt="$2"; have_prompt=1; shift 2 ;;
     --role-map) role_map="$2"; shift 2 ;;
+    --cache-ranks-per-inference) per_inf="$2"; shift 2 ;;
     --http-port) http_port="$2"; shift 2 ;;
     --http-host) http_host="$2"; shift 2 ;;
     --metrics-port-base) metrics_base="$2"; shift 2 ;;
@@ -45,7 +49,7 @@ while [ $# -gt 0 ]; do
     --token-budget|--local-window|--sink-tokens|--query-window|--ridge-eps|--gqa-rule|--predictor|--successor-expand) inf+=("$1" "$2"); cache+=("$1" "$2"); shift 2 ;;
     --selection|--sparse-threshold|--layers-per-pack|--selection-deadline-ms|--page-size|--max-num-seqs) inf+=("$1" "$2"); shift 2 ;;
     --overlap-sample-every|--kv-pages) cache+=("$1" "$2"); shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "spade_rank: unknown flag $1" >&2; exit 2 ;;
   esac
 done
@@ -55,12 +59,20 @@ if [ -n "$role_map" ]; then
   IFS=, read -r -a roles <<<"$role_map"
   [ "${#roles[@]}" -eq "$world" ] || { echo "spade_rank: --role-map has ${#roles[@]} entries for world size $world" >&2; exit 2; }
   role="${roles[$rank]}"
+  [ "$per_inf" = 1 ] || { echo "spade_rank: --cache-ranks-per-inference with --role-map: the role map's counts set it" >&2; exit 2; }
   common=(--role-map "$role_map")
 else
-  [ $(( (world - 1) % 2 )) -eq 0 ] && [ "$world" -ge 3 ] || { echo "spade_rank: world size $world must be 1 + 2N (N >= 1)" >&2; exit 2; }
-  n=$(( (world - 1) / 2 ))
+  [[ "$per_inf" =~ ^[1-9][0-9]*$ ]] || { echo "spade_rank: --cache-ranks-per-inference must be >= 1, got '$per_inf'" >&2; exit 2; }
+  if [ "$per_inf" -eq 1 ]; then
+    [ $(( (world - 1) % 2 )) -eq 0 ] && [ "$world" -ge 3 ] || { echo "spade_rank: world size $world must be 1 + 2N (N >= 1)" >&2; exit 2; }
+  else
+    [ $(( (world - 1) % (1 + per_inf) )) -eq 0 ] && [ "$world" -ge $((2 + per_inf)) ] || {
+      echo "spade_rank: world size $world must be 1 + N x (1 + $per_inf) (N >= 1 inference ranks with" \
+           "--cache-ranks-per-inference $per_inf cache ranks each)" >&2; exit 2; }
+  fi
+  n=$(( (world - 1) / (1 + per_inf) ))
   if [ "$rank" -eq 0 ]; then role=c; elif [ "$rank" -le "$n" ]; then role=i; else role=k; fi
-  common=(--num-inference "$n" --num-cache "$n")
+  common=(--num-inference "$n" --num-cache "$((n * per_inf))")
 fi
 case "$role" in
   c|coordinator|i|inference|k|cache) ;;

@@ -62,6 +62,7 @@ Engine::Engine(const Model& model, EngineOptions opt, const BackendFactory& make
       hooks_(attention_.get()),
       alloc_(opt_.num_pages, opt_.page_size, opt_.enable_prefix_caching) {
   if (model.config().is_hybrid()) states_ = std::make_unique<GdnStatePool>(model.config(), opt_.max_num_seqs);
+  attention_->set_page_allocator(&alloc_);
 }
 
 Engine::Engine(const ModelConfig& cfg, EngineOptions opt, ForwardFn forward)

@@ -26,6 +26,8 @@
 
 namespace spade {
 
+class PageAllocator;  // common/page_allocator.h
+
 /// KV storage for every full-attention layer: k(layer), v(layer) are [num_pages, page_size, num_kv_heads, head_dim]
 /// fp32, layer = the attention-layer index 0..cfg.num_attention_layers()-1 (all layers of a dense model).
 class KvCache {
@@ -89,6 +91,10 @@ class AttentionBackend {
   /// must see every token of a sequence computed under that sequence's id (the GPU cache rank receives each token's
   /// rows as they are computed) returns false, and the engine then computes every sample's prompt itself.
   virtual bool shares_prompt_pages() const { return true; }
+  /// The engine's page allocator (block tables, reference counts, page serials), given by the engine once, before its
+  /// first step; not owned, it outlives the backend's steps. A backend that ships KV elsewhere uses it to tell which
+  /// sequences share pages (the sparse backend's shared INIT). Default: ignored.
+  virtual void set_page_allocator(const PageAllocator* /*pages*/) {}
 };
 
 /// Dense attention: appends k/v into the paged KvCache, then kernels::paged_attention_ref over the full context.

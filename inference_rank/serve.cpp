@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <csignal>
@@ -18,6 +19,7 @@
 #include "common/tokenizer.h"
 #include "coordinator/client.h"
 #include "inference_rank/rank_metrics.h"
+#include "pair/sharded_link.h"
 #include "transport/link_factory.h"
 #include "transport/transport.h"
 #ifdef SPADE_HAVE_GPU_PATH
@@ -46,6 +48,7 @@ proto::FinishReason to_proto(FinishReason r) {
 
 struct Active {
   uint64_t request_id = 0;  // the coordinator's id
+  uint32_t index = 0;       // the sample of that request (GenerateChunk.index)
   StreamingDecoder decoder;
   bool silent = false;      // withdrawn before its first step (its rejection is the answer): no chunk of its own
   int sparse_threshold = 0;  // the request's own sparse options (0: the rank's), kept for a re-pairing
@@ -67,6 +70,7 @@ struct IntakeRequest {
   bool force_dense = false;
   int sparse_threshold = 0;  // 0: the rank's
   int token_budget = 0;      // 0: the rank's
+  int samples = 1;           // GenerateRequest.n (0 and 1: one)
   bool has_sparse_options() const { return force_dense || sparse_threshold > 0 || token_budget > 0; }
 };
 
@@ -116,6 +120,10 @@ IntakeRequest parse_request(const proto::GenerateRequest& req, const IntakeLimit
     SPADE_CHECK(s < vocab, "stop token id {} is outside the vocabulary [0, {})", s, vocab);
     g.stop_token_ids.push_back(static_cast<int>(s));
   }
+  // Samples: the engine also refuses n above its max_num_seqs (Engine::submit_samples).
+  SPADE_CHECK(req.n() <= coord::kMaxSamplesPerRequest, "n = {} samples is above the limit of {} per request", req.n(),
+              coord::kMaxSamplesPerRequest);
+  out.samples = std::max<int>(1, static_cast<int>(req.n()));
   // Sparse fields: the per-request ones are bounded; the rank-level ones are refused by name, not ignored.
   const proto::SparseParams& p = req.sparse();
   const std::pair<const char*, bool> rank_level[] = {
@@ -152,20 +160,26 @@ class PairHealth {
   ~PairHealth() { disarm(); }
   /// The link to abort (not owned; either may be null). Main thread, once the link's owner (the engine) exists.
   void arm(transport::Endpoint* endpoint, transport::GpuLink* gpu_link) {
+    arm(endpoint != nullptr ? std::vector<transport::Endpoint*>{endpoint} : std::vector<transport::Endpoint*>{},
+        gpu_link);
+  }
+  /// Layer shards: one endpoint per cache rank, in shard order (degrade's `shard` indexes them).
+  void arm(std::vector<transport::Endpoint*> endpoints, transport::GpuLink* gpu_link) {
     std::lock_guard<std::mutex> lk(link_mu_);
-    endpoint_ = endpoint;
+    endpoints_ = std::move(endpoints);
     gpu_link_ = gpu_link;
   }
   /// Marks the pair degraded (the first reason stays unless `replace_reason`) and, with `abort_link`, aborts the armed
-  /// link once. Returns at once.
-  void degrade(const std::string& why, bool abort_link, bool replace_reason = false) {
+  /// link once: of the endpoints only shard `shard`'s (the dead cache rank's; -1: all). Returns at once.
+  void degrade(const std::string& why, bool abort_link, bool replace_reason = false, int shard = -1) {
     std::lock_guard<std::mutex> lk(mu_);
     if (why_.empty() || replace_reason) why_ = why;
     if (!abort_link || abort_started_ || disarmed_) return;
     abort_started_ = true;
-    aborter_ = std::thread([this, why] {
+    aborter_ = std::thread([this, why, shard] {
       std::lock_guard<std::mutex> l(link_mu_);
-      if (endpoint_ != nullptr) endpoint_->abort(why);
+      for (size_t i = 0; i < endpoints_.size(); ++i)
+        if (endpoints_[i] != nullptr && (shard < 0 || static_cast<size_t>(shard) == i)) endpoints_[i]->abort(why);
       if (gpu_link_ != nullptr) gpu_link_->abort(why);
     });
   }
@@ -211,8 +225,8 @@ class PairHealth {
   bool abort_started_ = false;
   bool disarmed_ = false;
   std::thread aborter_;
-  std::mutex link_mu_;  // endpoint_, gpu_link_ (held during the abort)
-  transport::Endpoint* endpoint_ = nullptr;
+  std::mutex link_mu_;  // endpoints_, gpu_link_ (held during the abort)
+  std::vector<transport::Endpoint*> endpoints_;  // one per cache rank, shard order
   transport::GpuLink* gpu_link_ = nullptr;
 };
 
@@ -276,6 +290,11 @@ int run_serve(const ServeOptions& opt) {
   if (env.num_cache > 0 && on_gpu && opt.sparse.mode == SelectionMode::Predicted) {
     SPADE_CHECK(opt.gpu_link == "nccl" || opt.gpu_link == "ipc", "{}: --gpu-link must be nccl or ipc, got '{}'", self,
                 opt.gpu_link);
+    if (env.cache_per_inference > 1)
+      fail("{}: --gpu-link {} pairs one cache rank with one inference rank, but this world gives each inference rank "
+           "{} cache ranks (--num-cache {} / --num-inference {}); shard over several cache ranks with --device cpu "
+           "(UCX), or start as many cache ranks as inference ranks",
+           self, opt.gpu_link, env.cache_per_inference, env.num_cache, env.num_inference);
     lo.kind = opt.gpu_link == "nccl" ? transport::LinkKind::kNccl : transport::LinkKind::kCudaIpc;
     offer = transport::offer_gpu_link(lo);
     co.transport_kind = lo.kind == transport::LinkKind::kNccl ? proto::TRANSPORT_NCCL : proto::TRANSPORT_CUDA_IPC;
@@ -285,6 +304,7 @@ int run_serve(const ServeOptions& opt) {
     net = transport::make_host_transport(lo);
     co.transport_kind = proto::TRANSPORT_UCX;
     co.transport_address = net->local_address();
+    co.layers_per_pack = static_cast<uint32_t>(opt.sparse.layers_per_pack);  // its cache ranks' layer shards follow
   }
   coord::CoordinatorClient cc(co);
   set_stage("waiting for the world to register with " + cc.coordinator_name());
@@ -293,6 +313,8 @@ int run_serve(const ServeOptions& opt) {
   spdlog::info("{}: world of {} ({})", self, view.world_size(), view.pairing_rule());
 
   transport::Endpoint* endpoint = nullptr;
+  std::vector<transport::Endpoint*> shard_endpoints;  // CPU: one per cache rank, in shard order
+  std::vector<uint32_t> shard_ranks;                  // their global ranks (the GPU link's one cache rank)
   std::unique_ptr<pair::CacheRankLink> link;
   std::string cache_name;
   uint32_t cache_rank = 0;
@@ -302,6 +324,7 @@ int run_serve(const ServeOptions& opt) {
   if (offer && view.peers_size() > 0) {
     const proto::RankInfo& peer = view.peers(0);
     cache_rank = peer.rank();
+    shard_ranks = {cache_rank};
     cache_name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
     set_stage("connecting the GPU data plane to " + cache_name);
     // CUDA IPC waits for its peer up to the rendezvous timeout (as the link was offered); NCCL up to what is left of
@@ -318,14 +341,35 @@ int run_serve(const ServeOptions& opt) {
   SPADE_CHECK(!on_gpu || (sparse.mode != SelectionMode::Oracle && sparse.mode != SelectionMode::Quest),
               "{}: --selection {} is CPU only", self, selection_mode_name(sparse.mode));
   if (!on_gpu && net && view.peers_size() > 0) {
-    const proto::RankInfo& peer = view.peers(0);
-    cache_rank = peer.rank();
-    cache_name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
-    set_stage("connecting the data plane to " + cache_name);
-    auto ep = net->connect(peer.transport().address(), cache_name, deadline);
-    endpoint = ep.get();
-    link = std::make_unique<pair::TransportLink>(std::move(ep), pair::pack_shape(model->config(), sparse.selection));
-    spdlog::info("{}: data plane to {} over {}", self, cache_name, net->kind());
+    // One link per cache rank; with N > 1 the layer packs are sharded over them (pack p to shard p mod N,
+    // pair/sharded_link.h), each cache rank holding its shard's layers.
+    const int packs = (model_cfg.attention_view().num_layers + sparse.layers_per_pack - 1) / sparse.layers_per_pack;
+    SPADE_CHECK(packs >= view.peers_size(),
+                "{}: {} cache ranks but only {} layer packs ({} attention layers, --layers-per-pack {}): a cache rank "
+                "would hold no layer; pass a smaller --layers-per-pack or start fewer cache ranks",
+                self, view.peers_size(), packs, model_cfg.attention_view().num_layers, sparse.layers_per_pack);
+    std::vector<std::unique_ptr<pair::CacheRankLink>> shards;
+    for (const proto::RankInfo& peer : view.peers()) {
+      const std::string name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
+      set_stage("connecting the data plane to " + name);
+      auto ep = net->connect(peer.transport().address(), name, deadline);
+      shard_endpoints.push_back(ep.get());
+      shard_ranks.push_back(peer.rank());
+      shards.push_back(
+          std::make_unique<pair::TransportLink>(std::move(ep), pair::pack_shape(model->config(), sparse.selection)));
+      cache_name += (cache_name.empty() ? "" : ", ") + name;
+    }
+    cache_rank = shard_ranks.front();
+    endpoint = shard_endpoints.front();
+    if (shards.size() == 1) {
+      link = std::move(shards.front());
+    } else {
+      link = std::make_unique<pair::ShardedLink>(std::move(shards));
+    }
+    spdlog::info("{}: data plane to {} over {}{}", self, cache_name, net->kind(),
+                 shard_ranks.size() > 1 ? fmt::format(" ({} layer shards, pack p to shard p mod {})",
+                                                      shard_ranks.size(), shard_ranks.size())
+                                        : std::string());
   } else if (!on_gpu && sparse.mode == SelectionMode::Predicted) {
     spdlog::warn("{}: no cache rank in the world: predicted selection unavailable, decoding densely", self);
     sparse.mode = SelectionMode::Dense;
@@ -412,7 +456,7 @@ int run_serve(const ServeOptions& opt) {
   engine.set_observer(&rank_metrics);
   // From here a PeerDown for the cache rank aborts the link at once (the coordinator client's I/O thread); the guard
   // detaches the link before the engine (its owner) is destroyed.
-  pair_health->arm(endpoint, gpu_link);
+  pair_health->arm(shard_endpoints, gpu_link);
   struct DisarmAtExit {
     PairHealth& health;
     ~DisarmAtExit() { health.disarm(); }
@@ -424,21 +468,28 @@ int run_serve(const ServeOptions& opt) {
   auto cache_down_reason = [](const proto::PeerDown& pd) {
     return fmt::format("cache rank {} (#{}) on {} is down: {}", pd.rank(), pd.role_index(), pd.host(), pd.reason());
   };
+  // The shard of global rank `r` among this rank's cache ranks, -1 for another rank.
+  auto shard_of_rank = [shard_ranks](uint32_t r) {
+    const auto it = std::find(shard_ranks.begin(), shard_ranks.end(), r);
+    return it == shard_ranks.end() ? -1 : static_cast<int>(it - shard_ranks.begin());
+  };
   if (has_link)
-    cc.set_event_callback([pair_health, cache_rank, cache_down_incarnation,
+    cc.set_event_callback([pair_health, shard_of_rank, cache_down_incarnation,
                            cache_down_reason](const coord::ClientEvent& ev) {
-      if (ev.kind != coord::ClientEvent::Kind::kPeerDown || ev.peer_down.rank() != cache_rank) return;
+      if (ev.kind != coord::ClientEvent::Kind::kPeerDown) return;
+      const int shard = shard_of_rank(ev.peer_down.rank());
+      if (shard < 0) return;
       int64_t seen = cache_down_incarnation->load();
       while (seen < ev.peer_down.incarnation() &&
              !cache_down_incarnation->compare_exchange_weak(seen, ev.peer_down.incarnation())) {
       }
-      pair_health->degrade(cache_down_reason(ev.peer_down), true);
+      pair_health->degrade(cache_down_reason(ev.peer_down), true, false, shard);
     });
   // Rejoin: a replacement of the cache rank (PeerReplaced) is connected on a thread of its own, so that the dense
   // requests keep decoding meanwhile, within the rendezvous timeout; the loop swaps the new link in once it is up.
   // Requests admitted before the swap stay dense to their end; new ones decode sparsely again.
   std::map<uint64_t, Active> active;    // engine id -> request
-  std::map<uint64_t, uint64_t> by_rid;  // coordinator request id -> engine id
+  std::map<uint64_t, std::vector<uint64_t>> by_rid;  // coordinator request id -> its samples' engine ids, by index
   uint32_t cache_incarnation = 0;
   pair::LinkStats retired_link_stats;  // of the links a re-pairing replaced (CPU)
   struct Repair {
@@ -454,11 +505,36 @@ int run_serve(const ServeOptions& opt) {
 #endif
   };
   std::optional<Repair> repair;
+  // Layer shards (N > 1): a replaced cache rank is connected (so that it leaves its rendezvous) but not used: the
+  // other shards still hold the KV of the sequences the failure ended, so the pair stays dense until this rank
+  // restarts.
+  std::vector<std::future<std::unique_ptr<transport::Endpoint>>> parked_shards;
   auto on_peer_replaced = [&](const proto::PeerReplaced& pr) {
     const proto::RankInfo& peer = pr.peer();
     const std::string name = fmt::format("cache rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
-    if (!has_link || peer.rank() != cache_rank) {
+    if (!has_link || shard_of_rank(peer.rank()) < 0) {
       spdlog::warn("{}: ignoring a replacement of rank {}: not this rank's cache rank", self, peer.rank());
+      return;
+    }
+    if (shard_ranks.size() > 1) {
+      const int shard = shard_of_rank(peer.rank());
+      pair_health->degrade(fmt::format("{} (layer shard {} of {}) was replaced (previous incarnation: {}); a replaced "
+                                       "shard is not re-paired, this rank decodes densely until it restarts",
+                                       name, shard, shard_ranks.size(), pr.previous_reason()),
+                           true, true, shard);
+      proto::PairOffer po;
+      po.set_peer_rank(peer.rank());
+      po.set_peer_incarnation(peer.incarnation());
+      po.mutable_transport()->set_kind(proto::TRANSPORT_UCX);
+      po.mutable_transport()->set_address(net->local_address());
+      cc.send_pair_offer(po);
+      transport::Transport* t = net.get();
+      const std::string addr = peer.transport().address();
+      const auto connect_deadline = Clock::now() + opt.rendezvous_timeout;
+      parked_shards.push_back(std::async(std::launch::async, [t, addr, name, connect_deadline] {
+        return t->connect(addr, name, connect_deadline);
+      }));
+      spdlog::warn("{}: {}", self, pair_health->degraded());
       return;
     }
     if (peer.incarnation() <= cache_incarnation) {
@@ -617,10 +693,10 @@ int run_serve(const ServeOptions& opt) {
     while (auto ev = cc.next_event(Clock::now())) {
       if (ev->kind == coord::ClientEvent::Kind::kPeerDown) {
         spdlog::error("{}: {}", self, ev->message);
-        if (has_link && ev->peer_down.rank() == cache_rank) {  // the callback has aborted the link already
-          pair_health->degrade(cache_down_reason(ev->peer_down), true);
-          spdlog::warn("{}: {} is down: sparse requests in flight fail, every other and every new request decodes "
-                       "densely", self, cache_name);
+        if (has_link && shard_of_rank(ev->peer_down.rank()) >= 0) {  // the callback has aborted the link already
+          pair_health->degrade(cache_down_reason(ev->peer_down), true, false, shard_of_rank(ev->peer_down.rank()));
+          spdlog::warn("{}: cache rank {} of {} is down: sparse requests in flight fail, every other and every new "
+                       "request decodes densely", self, ev->peer_down.rank(), cache_name);
         }
       } else if (ev->kind == coord::ClientEvent::Kind::kPeerReplaced) {
         spdlog::info("{}: {}", self, ev->message);
@@ -633,27 +709,37 @@ int run_serve(const ServeOptions& opt) {
     }
     if (!running) break;
     finish_repair();
-    // Cancellations (client gone): the request ends with FINISH_CANCELLED and its KV is freed (here at once, on the
-    // cache rank with the next update or the idle flush below).
+    // Cancellations (client gone): each sample of the request (or the one named) ends with FINISH_CANCELLED and its
+    // KV is freed (here at once, on the cache rank with the next update or the idle flush below).
     while (auto c = cc.next_cancel(Clock::now())) {
       auto it = by_rid.find(c->request_id());
       if (it == by_rid.end()) continue;
+      if (c->has_index()) {
+        if (c->index() >= it->second.size()) continue;
+        spdlog::info("{}: cancelling sample {} of request {}: {}", self, c->index(), c->request_id(), c->reason());
+        engine.abort(it->second[c->index()]);  // a sample that finished already: ignored
+        continue;
+      }
       spdlog::info("{}: cancelling request {}: {}", self, c->request_id(), c->reason());
-      engine.abort(it->second);
+      const std::vector<uint64_t> samples = it->second;  // each abort may end the request's entry
+      for (uint64_t eid : samples) engine.abort(eid);
     }
     // New requests: wait briefly only when idle, and only for the first one (take_requests).
     const auto first_deadline = engine.idle() ? Clock::now() + std::chrono::milliseconds(50) : Clock::now();
     take_requests([&](coord::Deadline d) { return cc.next_request(d); }, first_deadline,
                   [&](const proto::GenerateRequest& req) {
       const uint64_t rid = req.request_id();
-      auto reject = [&](const std::string& why) {
-        proto::GenerateChunk c;
-        c.set_request_id(rid);
-        c.set_finished(true);
-        c.set_finish_reason(proto::FINISH_ERROR);
-        c.set_error(fmt::format("{}: {}", self, why));
-        c.set_served_by_rank(env.rank);
-        cc.send_chunk(c);
+      auto reject = [&](const std::string& why) {  // one final chunk per sample (coord::refusal_chunks)
+        for (uint32_t i = 0; i < coord::refusal_chunks(req); ++i) {
+          proto::GenerateChunk c;
+          c.set_request_id(rid);
+          c.set_index(i);
+          c.set_finished(true);
+          c.set_finish_reason(proto::FINISH_ERROR);
+          c.set_error(fmt::format("{}: {}", self, why));
+          c.set_served_by_rank(env.rank);
+          cc.send_chunk(c);
+        }
       };
       IntakeRequest r;
       try {
@@ -662,15 +748,18 @@ int run_serve(const ServeOptions& opt) {
         reject(fmt::format("invalid request: {}", e.what()));  // the API answers these with 400
         return;
       }
-      uint64_t eid = 0;
+      // n samples (engine ids in index order) share the prompt's KV; each streams its own chunks, with its own
+      // decoder, and ends on its own (an error in one ends that sample alone).
+      std::vector<uint64_t> eids;
       try {
-        eid = engine.submit(std::move(r.engine), [&, rid](const TokenEvent& ev) {
+        eids = engine.submit_samples(std::move(r.engine), r.samples, [&, rid](const TokenEvent& ev) {
           auto it = active.find(ev.request_id);
           const bool silent = it != active.end() && it->second.silent;
           if (!silent) {
             proto::GenerateChunk c;
             c.set_request_id(rid);
             c.set_served_by_rank(env.rank);
+            if (it != active.end()) c.set_index(it->second.index);
             if (ev.token >= 0 && ev.reason != FinishReason::Stop) {
               c.add_token_ids(static_cast<uint32_t>(ev.token));
               if (it != active.end()) c.set_text(it->second.decoder.push(ev.token));
@@ -690,30 +779,40 @@ int run_serve(const ServeOptions& opt) {
             cc.send_chunk(c);
           }
           if (ev.finished && it != active.end()) {
-            by_rid.erase(it->second.request_id);
+            const uint64_t req_id = it->second.request_id;
             active.erase(it);
+            auto r_it = by_rid.find(req_id);
+            if (r_it != by_rid.end() && std::none_of(r_it->second.begin(), r_it->second.end(),
+                                                     [&](uint64_t e) { return active.count(e) > 0; }))
+              by_rid.erase(r_it);  // its last sample ended
           }
         });
       } catch (const Error& e) {
         reject(fmt::format("invalid request: {}", e.what()));  // nothing was queued
         return;
       }
-      active.emplace(eid, Active{rid, StreamingDecoder(tok, true)});
-      active.at(eid).sparse_threshold = r.sparse_threshold;
-      active.at(eid).token_budget = r.token_budget;
-      by_rid[rid] = eid;
-      // The options were checked by parse_request; should a backend still refuse them, the request is withdrawn
-      // before its first step (engine.abort, silently) and only the rejection answers it.
+      for (size_t i = 0; i < eids.size(); ++i) {
+        Active a{rid, static_cast<uint32_t>(i), StreamingDecoder(tok, true)};
+        a.sparse_threshold = r.sparse_threshold;
+        a.token_budget = r.token_budget;
+        active.emplace(eids[i], std::move(a));
+      }
+      by_rid[rid] = eids;
+      // The options were checked by parse_request and apply to every sample; should a backend still refuse them, the
+      // request is withdrawn before its first step (engine.abort of each sample, silently) and only the rejection
+      // answers it.
       try {
-        if (backend && r.has_sparse_options())
-          backend->set_request_options(eid, r.force_dense, r.sparse_threshold, r.token_budget);
+        for (uint64_t eid : eids) {
+          if (backend && r.has_sparse_options())
+            backend->set_request_options(eid, r.force_dense, r.sparse_threshold, r.token_budget);
 #ifdef SPADE_HAVE_GPU_PATH
-        if (gpu_sparse && (r.force_dense || r.sparse_threshold > 0))
-          gpu_sparse->set_request_options(eid, r.force_dense, r.sparse_threshold);
+          if (gpu_sparse && (r.force_dense || r.sparse_threshold > 0))
+            gpu_sparse->set_request_options(eid, r.force_dense, r.sparse_threshold);
 #endif
+        }
       } catch (const Error& e) {
-        active.at(eid).silent = true;
-        engine.abort(eid);
+        for (uint64_t eid : eids) active.at(eid).silent = true;
+        for (uint64_t eid : eids) engine.abort(eid);
         reject(fmt::format("invalid request: {}", e.what()));
       }
     });
@@ -727,7 +826,8 @@ int run_serve(const ServeOptions& opt) {
       failed = failed || (gpu_sparse && gpu_sparse->link_failed());
 #endif
       if (failed) {
-        const std::string why = endpoint != nullptr ? endpoint->failure() : gpu_link->failure();
+        std::string why = backend != nullptr && backend->link() != nullptr ? backend->link()->failure() : "";
+        if (why.empty()) why = endpoint != nullptr ? endpoint->failure() : gpu_link->failure();
         pair_health->degrade(fmt::format("the data plane to {} failed{}{}", cache_name, why.empty() ? "" : ": ", why),
                              false);
         spdlog::warn("{}: {}; decoding densely", self, pair_health->degraded());
@@ -776,6 +876,9 @@ int run_serve(const ServeOptions& opt) {
     spdlog::info("{}: {} steps, {} sparse sequence-steps, {} stalls ({:.1f} ms), {} failed, {} dense fallbacks", self,
                  s.steps, s.sparse_seq_steps, s.stalls, s.stall_ms, s.failed_seqs, s.dense_fallbacks);
     if (auto* l = dynamic_cast<pair::TransportLink*>(backend->link())) l->shutdown();
+    if (auto* sl = dynamic_cast<pair::ShardedLink*>(backend->link()))  // every shard's cache rank ends its session
+      for (int i = 0; i < sl->num_shards(); ++i)
+        if (auto* l = dynamic_cast<pair::TransportLink*>(&sl->shard(i))) l->shutdown();
   }
 #ifdef SPADE_HAVE_GPU_PATH
   if (gpu_sparse) gpu_sparse->close();  // the close plan: the cache rank posts nothing more

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/page_allocator.h"
 #include "kernels/paged_attention_ref.h"
 
 namespace spade {
@@ -240,6 +241,35 @@ void SparseAttention::receive_pack(int pack) {
   }
 }
 
+void SparseAttention::choose_shared_prefix(uint64_t id, SeqState& s, const int32_t* pages, int len) {
+  s.init_pages.clear();
+  s.shared_tokens = 0;
+  s.shared_from = 0;
+  if (!pages_) return;
+  const int page = cache_.page_size();
+  for (int i = 0; i < len / page && pages[i] >= 0; ++i) s.init_pages.emplace_back(pages[i], pages_->page_serial(pages[i]));
+  // A source must be held by the cache rank when this INIT arrives there: sparse already (its INIT went out in an
+  // earlier step), or switching with its INIT earlier in this update.
+  int best = 0;
+  for (const auto& [xid, x] : seqs_) {
+    if (xid == id || x.init_pages.empty()) continue;
+    bool held = x.phase == Phase::Sparse;
+    if (x.phase == Phase::Switching)
+      for (const pair::SeqUpdate& e : pending_.seqs) held = held || (e.seq_id == xid && e.init);
+    if (!held) continue;
+    int run = 0;
+    const size_t n = std::min(s.init_pages.size(), x.init_pages.size());
+    while (static_cast<size_t>(run) < n && s.init_pages[run] == x.init_pages[run]) ++run;
+    if (run > best || (run == best && run > 0 && xid < s.shared_from)) {
+      best = run;
+      s.shared_from = xid;
+    }
+  }
+  // The current token (position len - 1) is this sequence's own: never shared.
+  s.shared_tokens = std::min(best * page, (len - 1) / page * page);
+  if (s.shared_tokens == 0) s.shared_from = 0;
+}
+
 void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* q, const float* k, const float* v,
                              float* out) {
   if (layer == 0) begin_step(batch);
@@ -324,6 +354,16 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
         u.init = ph == Phase::Switching;
         u.num_queries = u.init ? static_cast<int>(qw.size() / Q) : 1;
         u.token_budget = s.token_budget;
+        if (u.init) {
+          if (pack == 0) {  // decided once per INIT; every pack's update carries the same share
+            choose_shared_prefix(id, s, pages, L);
+            stats_.init_tokens += static_cast<uint64_t>(L);
+            stats_.init_shared_tokens += static_cast<uint64_t>(s.shared_tokens);
+            stats_.shared_inits += s.shared_tokens > 0;
+          }
+          u.shared_tokens = s.shared_tokens;
+          u.shared_from = s.shared_from;
+        }
         pending_.seqs.push_back(std::move(u));
       }
       pair::SeqUpdate* u = nullptr;
@@ -331,7 +371,7 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
         if (e.seq_id == id) u = &e;
       if (u->init) {
         u->q.insert(u->q.end(), qw.end() - static_cast<long>(u->num_queries) * Q, qw.end());
-        for (int t = 0; t < L; ++t) {
+        for (int t = u->shared_tokens; t < L; ++t) {
           u->k.insert(u->k.end(), row(cache_.k(layer), t, 0), row(cache_.k(layer), t, 0) + KV);
           u->v.insert(u->v.end(), row(cache_.v(layer), t, 0), row(cache_.v(layer), t, 0) + KV);
         }

@@ -20,6 +20,13 @@
 // W+1 queries (INIT, the bulk ship); from the next step on it is sparse and each update carries the step's q/k/v
 // (APPEND). If the cache rank fails, every sequence in sparse mode fails with an error naming it (take_failures),
 // and every other sequence, new ones included, continues densely (a dense fallback).
+//
+// Shared INIT (predicted mode, with the engine's page allocator: set_page_allocator): a switching sequence whose
+// leading full pages are the very pages (same page id and PageAllocator::page_serial, so the same KV) that a sequence
+// the cache rank holds had at its own INIT — n samples of one prompt, or a prompt that hit the prefix cache while such
+// a sequence runs — ships only the tokens past them and names that sequence (pair::SeqUpdate::shared_from); the cache
+// rank shares its pages. The source is one already sparse, or switching earlier in the same update; the longest
+// shared run wins (ties: the lowest id). What the cache rank stores and selects is unchanged, bit for bit.
 // Requires every running decode sequence in every step (max_num_batched_tokens >= max_num_seqs).
 #pragma once
 
@@ -59,6 +66,9 @@ struct SparseStats {
   uint64_t dense_fallbacks = 0;   // sequences past the threshold decoded densely because no cache rank was usable
   uint64_t dropped_answers = 0;   // selections read and dropped after a step that ended with an error
   std::vector<uint64_t> stalls_per_step;  // stalls of each forward pass (predicted mode)
+  uint64_t init_tokens = 0;         // context tokens of the INIT ships (each sequence once, not per layer)
+  uint64_t init_shared_tokens = 0;  // of those, tokens not shipped: shared from a sequence the cache rank holds
+  uint64_t shared_inits = 0;        // INITs that shared tokens
 };
 
 class SparseAttention : public AttentionBackend {
@@ -74,6 +84,8 @@ class SparseAttention : public AttentionBackend {
   /// Sparse (and switched) sequences: [sink_tokens, seq_len + 1 - local_window) — their cache rank holds those
   /// tokens; the local KV keeps only the sinks and the local window.
   std::pair<int, int> droppable_range(uint64_t seq_id, int seq_len) override;
+  /// Enables the shared INIT (the header comment); nullptr turns it off.
+  void set_page_allocator(const PageAllocator* pages) override { pages_ = pages; }
 
   /// Per-request overrides (the API's `spade` fields), set right after Engine::submit and before the request's
   /// first step: `force_dense` keeps it dense for its whole life; `sparse_threshold` > 0 replaces the rank's;
@@ -114,7 +126,15 @@ class SparseAttention : public AttentionBackend {
     bool force_dense = false;
     int sparse_threshold = 0;  // 0: opt_.sparse_threshold
     int token_budget = 0;      // 0: opt_.selection.token_budget
+    // The full pages (page id, page serial) of the context at the INIT: what the cache rank holds for tokens
+    // [0, page_size * init_pages.size()) of this sequence. Empty without a page allocator.
+    std::vector<std::pair<int32_t, uint64_t>> init_pages;
+    int shared_tokens = 0;     // the INIT's shared prefix (decided at its first pack)
+    uint64_t shared_from = 0;
   };
+  /// At the INIT of `id` (context `len`, block table `pages`): records its init_pages and picks the sequence the cache
+  /// rank holds that shares the longest run of them (shared_tokens / shared_from; 0 tokens when none).
+  void choose_shared_prefix(uint64_t id, SeqState& s, const int32_t* pages, int len);
   void begin_step(const ForwardBatch& batch);
   void drop_unread_answers();
   void fail_link(const std::string& why);
@@ -122,6 +142,7 @@ class SparseAttention : public AttentionBackend {
 
   const ModelConfig& cfg_;
   KvCache& cache_;
+  const PageAllocator* pages_ = nullptr;  // the engine's (shared INIT); not owned
   SparseOptions opt_;
   std::unique_ptr<pair::CacheRankLink> link_;
   std::unique_ptr<cache::InProcessLink> oracle_;  // oracle mode's inline selector

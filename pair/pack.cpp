@@ -9,7 +9,9 @@
 namespace spade::pair {
 namespace {
 
-constexpr uint32_t kUpdateMagic = 0x55504b53;     // "SKPU"
+constexpr uint32_t kUpdateMagic = 0x56504b53;     // "SKPV" (v2: flags word, shared INIT)
+constexpr uint32_t kUpdateMagicV1 = 0x55504b53;   // "SKPU" (v1: refused by name)
+constexpr uint32_t kSeqInit = 1u, kSeqShared = 2u;  // SeqUpdate flags word
 constexpr uint32_t kSelectionMagic = 0x54504b53;  // "SKPT" (v2: flags word, delta layers)
 
 class Writer {
@@ -101,11 +103,14 @@ std::vector<uint8_t> encode(const PackUpdate& u, const PackShape& s) {
   w.put(u.first_layer, u.num_layers, static_cast<uint32_t>(u.released.size()), static_cast<uint32_t>(u.seqs.size()));
   w.put_vec(u.released);
   for (const SeqUpdate& e : u.seqs) {
-    const size_t tokens = e.init ? e.context_len : 1;
+    const size_t tokens = static_cast<size_t>(e.kv_tokens());
     SPADE_CHECK(e.q.size() == static_cast<size_t>(u.num_layers) * e.num_queries * s.q_dim &&
                     e.k.size() == static_cast<size_t>(u.num_layers) * tokens * s.kv_dim && e.v.size() == e.k.size(),
                 "encode: sequence {} update has inconsistent tensor sizes", e.seq_id);
-    w.put(e.seq_id, e.context_len, static_cast<int32_t>(e.init), e.num_queries, e.token_budget);
+    SPADE_CHECK(e.shared_tokens == 0 || e.init, "encode: sequence {} shares tokens on an APPEND", e.seq_id);
+    const uint32_t flags = (e.init ? kSeqInit : 0u) | (e.shared_tokens > 0 ? kSeqShared : 0u);
+    w.put(e.seq_id, e.context_len, flags, e.num_queries, e.token_budget);
+    if (e.shared_tokens > 0) w.put(e.shared_tokens, int32_t{0}, e.shared_from);
     w.put_vec(e.q, e.k, e.v);
   }
   return std::move(w.buf);
@@ -113,6 +118,14 @@ std::vector<uint8_t> encode(const PackUpdate& u, const PackShape& s) {
 
 PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, const std::string& peer) {
   Reader r(data, len, peer, "pack update");
+  if (len >= 4) {
+    uint32_t magic = 0;
+    std::memcpy(&magic, data, 4);
+    if (magic == kUpdateMagicV1)
+      fail("{}: pack update of wire format v1 (\"SKPU\"); this rank speaks v2 (\"SKPV\"): run the same build on both "
+           "ranks",
+           peer);
+  }
   auto u = r.head<PackUpdate>(kUpdateMagic);
   u.first_layer = r.get<int32_t>();
   u.num_layers = r.get<int32_t>();
@@ -121,18 +134,32 @@ PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, co
   const uint32_t nseq = r.get<uint32_t>();
   check_count(nrel, static_cast<int64_t>(r.remaining() / 8), peer, "released count");
   r.get_vec(u.released, nrel);
-  check_count(nseq, static_cast<int64_t>(r.remaining() / 20), peer, "sequence count");
+  check_count(nseq, static_cast<int64_t>(r.remaining() / 24), peer, "sequence count");
   u.seqs.resize(nseq);
   for (SeqUpdate& e : u.seqs) {
     e.seq_id = r.get<uint64_t>();
     e.context_len = r.get<int32_t>();
-    e.init = r.get<int32_t>() != 0;
+    const uint32_t flags = r.get<uint32_t>();
     e.num_queries = r.get<int32_t>();
     e.token_budget = r.get<int32_t>();
+    if ((flags & ~(kSeqInit | kSeqShared)) != 0)
+      fail("{}: malformed pack update: sequence {} has unknown flags {:#x}", peer, e.seq_id, flags);
+    e.init = (flags & kSeqInit) != 0;
     check_count(e.context_len, 1 << 30, peer, "context_len");
     check_count(e.token_budget, s.token_budget, peer, "token_budget");
     check_count(e.num_queries, 64, peer, "num_queries");
-    const size_t tokens = e.init ? e.context_len : 1;
+    if ((flags & kSeqShared) != 0) {
+      e.shared_tokens = r.get<int32_t>();
+      const int32_t pad = r.get<int32_t>();
+      e.shared_from = r.get<uint64_t>();
+      if (!e.init)
+        fail("{}: malformed pack update: sequence {} shares KV of sequence {} on an APPEND (only an INIT may)", peer,
+             e.seq_id, e.shared_from);
+      if (e.shared_tokens < 1 || e.shared_tokens >= e.context_len || pad != 0 || e.shared_from == e.seq_id)
+        fail("{}: malformed pack update: sequence {} (context {}) shares {} tokens of sequence {}", peer, e.seq_id,
+             e.context_len, e.shared_tokens, e.shared_from);
+    }
+    const size_t tokens = static_cast<size_t>(e.kv_tokens());
     const size_t nq = static_cast<size_t>(u.num_layers) * e.num_queries * s.q_dim;
     const size_t nkv = static_cast<size_t>(u.num_layers) * tokens * s.kv_dim;
     r.need((nq + 2 * nkv) * sizeof(float));

@@ -9,7 +9,13 @@
 //
 // Wire format (encode/decode): little-endian, host fp32, a fixed header then the entries. Framing over a transport
 // is two messages with one tag: a 16-byte prefix {magic "SPK1", kind, payload bytes} and the payload. decode()
-// checks every length against the buffer and throws spade::Error naming `peer` on malformed input.
+// checks every length against the buffer and throws spade::Error naming `peer` on malformed input. A payload's magic
+// names its version (update v2 "SKPV": flags word, shared INIT; v1 "SKPU" is refused by name).
+//
+// Shared KV (the CPU pair): an INIT may name a sequence the cache rank holds whose first tokens are the same KV
+// (SeqUpdate::shared_from): n samples of one prompt, or requests whose prompts hit the inference rank's prefix cache
+// while a sequence holding that prefix is tracked, ship and store the shared part once; the cache rank shares the
+// pages (reference counts, common/page_allocator.h).
 #pragma once
 
 #include <cstdint>
@@ -25,12 +31,19 @@ namespace spade::pair {
 struct SeqUpdate {
   uint64_t seq_id = 0;
   int32_t context_len = 0;   // tokens of the sequence after this step (the current token included)
-  bool init = false;         // INIT: k/v hold all context_len tokens; APPEND: only the current token
+  bool init = false;         // INIT: k/v hold tokens [shared_tokens, context_len); APPEND: only the current token
   int32_t num_queries = 0;   // queries per layer in q (INIT: up to W+1 most recent; APPEND: 1)
   int32_t token_budget = 0;  // this request's token budget per KV head; 0 = the rank's (1..the rank's otherwise)
+  // INIT only, 0 = none (the whole context travels): the first shared_tokens tokens (1..context_len - 1) are the same
+  // KV as the first shared_tokens of sequence `shared_from`, which the cache rank holds (INIT in an earlier update, or
+  // an entry earlier in this one), so they are not shipped: the cache rank shares those pages.
+  int32_t shared_tokens = 0;
+  uint64_t shared_from = 0;
   std::vector<float> q;      // [num_layers, num_queries, q_dim]
-  std::vector<float> k;      // [num_layers, init ? context_len : 1, kv_dim]
+  std::vector<float> k;      // [num_layers, init ? context_len - shared_tokens : 1, kv_dim]
   std::vector<float> v;      // same as k
+  /// Tokens whose K/V rows this entry carries per layer.
+  int32_t kv_tokens() const { return init ? context_len - shared_tokens : 1; }
 };
 
 struct PackUpdate {

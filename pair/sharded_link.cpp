@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
+
 #include "common/error.h"
 
 namespace spade::pair {
@@ -23,6 +25,16 @@ std::vector<int> shard_layers(int shard, int num_shards, int num_layers, int lay
   return layers;
 }
 
+int shard_pool_pages(int full_pages, int num_layers, int shard_layers) {
+  SPADE_CHECK(full_pages >= 1, "sharded KV pool: {} pages (need at least 1)", full_pages);
+  SPADE_CHECK(shard_layers >= 1 && shard_layers <= num_layers, "sharded KV pool: a shard of {} of {} layers",
+              shard_layers, num_layers);
+  const int64_t pages = int64_t{full_pages} * num_layers / shard_layers;
+  SPADE_CHECK(pages <= INT32_MAX, "sharded KV pool: {} pages x {} layers / {} overflows", full_pages, num_layers,
+              shard_layers);
+  return static_cast<int>(pages);
+}
+
 ShardedLink::ShardedLink(std::vector<std::unique_ptr<CacheRankLink>> shards)
     : shards_(std::move(shards)), pending_released_(shards_.size()) {
   SPADE_CHECK(!shards_.empty(), "sharded link: no cache rank link");
@@ -30,6 +42,20 @@ ShardedLink::ShardedLink(std::vector<std::unique_ptr<CacheRankLink>> shards)
 }
 
 void ShardedLink::send(PackUpdate&& u) {
+  if (u.seqs.empty() && u.num_layers == 0) {  // releases only (an idle flush): every shard frees them now
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      PackUpdate c;
+      c.step = u.step;
+      c.pack = u.pack;
+      c.first_layer = u.first_layer;
+      c.num_layers = 0;
+      c.released.swap(pending_released_[i]);
+      c.released.insert(c.released.end(), u.released.begin(), u.released.end());
+      shards_[i]->send(std::move(c));
+    }
+    order_.push_back(kAllShards);
+    return;
+  }
   const int s = shard_of_pack(u.pack, num_shards());
   // Releases reach every shard: this update carries them to its shard, the others get them with their next update.
   for (size_t i = 0; i < shards_.size(); ++i)
@@ -47,6 +73,19 @@ void ShardedLink::send(PackUpdate&& u) {
 PackSelection ShardedLink::receive(transport::Deadline deadline, bool* waited) {
   SPADE_CHECK(!order_.empty(), "sharded link ({}): receive without a pending update", peer());
   const int s = order_.front();
+  if (s == kAllShards) {  // one answer per shard, all for this update (the earlier ones were received first)
+    PackSelection first;
+    bool any_waited = false;
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      bool w = false;
+      PackSelection p = shards_[i]->receive(deadline, &w);
+      any_waited = any_waited || w;
+      if (i == 0) first = std::move(p);
+    }
+    if (waited) *waited = any_waited;
+    order_.pop_front();
+    return first;
+  }
   PackSelection p = shards_[static_cast<size_t>(s)]->receive(deadline, waited);
   order_.pop_front();
   return p;

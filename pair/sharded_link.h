@@ -8,7 +8,9 @@
 // Ordering: receive() answers the oldest update not yet received, as CacheRankLink promises: the shard of each
 // update is remembered in send order and the answer is taken from that shard (each shard answers its own updates in
 // order). Released sequences are forwarded to every shard: the released ids of an update are sent with it to its
-// shard and queued for the other shards' next updates (a shard frees them at its next update).
+// shard and queued for the other shards' next updates (a shard frees them at its next update); an update that
+// carries releases only (no layer, no sequence: the idle flush) goes to every shard at once, and its one answer is
+// taken once every shard has answered.
 //
 // Errors: a failed shard fails the whole link (spade::Error naming the shard's cache rank): the inference rank then
 // fails or densifies the affected requests as for one cache rank.
@@ -31,6 +33,12 @@ int shard_of_pack(int pack, int num_shards);
 /// Returns the sorted layer indices (empty when the shard serves no pack: more shards than packs).
 std::vector<int> shard_layers(int shard, int num_shards, int num_layers, int layers_per_pack);
 
+/// The KV pool of a shard holding `shard_layers` of `num_layers` layers, in pages, from `full_pages`, the pages a
+/// pool holding every layer would have in the same memory (the cache rank's --kv-pages): full_pages * num_layers /
+/// shard_layers, rounded down (N shards of equal size hold N times the tokens of one). Throws spade::Error when
+/// full_pages < 1, shard_layers is outside [1, num_layers], or the result overflows int.
+int shard_pool_pages(int full_pages, int num_layers, int shard_layers);
+
 class ShardedLink : public CacheRankLink {
  public:
   /// `shards`: one link per cache rank, in shard order (shard i serves packs p with p mod N == i). At least one;
@@ -51,6 +59,7 @@ class ShardedLink : public CacheRankLink {
  private:
   std::vector<std::unique_ptr<CacheRankLink>> shards_;
   std::vector<std::vector<uint64_t>> pending_released_;  // per shard: released ids not yet sent to it
+  static constexpr int kAllShards = -1;                  // order_ entry of a releases-only update sent to every shard
   std::deque<int> order_;                                // shard of each update not yet received, oldest first
   mutable LinkStats stats_;
 };

@@ -219,6 +219,47 @@ TEST(Selector, FullBudgetReturnsEveryCandidateAndAppendGrows) {
   EXPECT_THROW(Selector(c, SelectionConfig{.token_budget = 0}, 4, 4), Error);
 }
 
+// A layer shard (pair/sharded_link.h): a Selector holding layers {1} of 2 selects for layer 1 exactly what a
+// Selector holding every layer does (prompt and appended tokens, predicted query), and refuses layer 0 by name
+// without admitting the sequence.
+TEST(Selector, AShardHoldsItsLayersOnlyAndSelectsLikeTheFullSelector) {
+  const ModelConfig c = small_cfg();
+  SelectionConfig sc;
+  sc.token_budget = 6;
+  sc.local_window = 4;
+  Selector full(c, sc, 16, 4);
+  Selector shard(c, sc, 16, 4, {1});
+  std::mt19937 g(3);
+  const int L = 40;
+  auto k = randn(static_cast<size_t>(L) * c.kv_dim(), g), v = randn(k.size(), g);
+  auto qs = randn(static_cast<size_t>(4) * c.q_dim(), g);
+  try {
+    shard.init_layer(9, 0, L, k.data(), v.data(), 4, qs.data());
+    FAIL() << "layer 0 accepted by the shard holding layer 1";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("layer 0 is not held by this shard (it holds layers 1)"));
+  }
+  EXPECT_FALSE(shard.tracks(9));
+  EXPECT_EQ(shard.num_free_pages(), 16);
+  for (Selector* s : {&full, &shard}) s->init_layer(9, 1, L, k.data(), v.data(), 4, qs.data());
+  full.init_layer(9, 0, L, k.data(), v.data(), 4, qs.data());
+  for (int step = 0; step < 3; ++step) {
+    LayerSelection a, b;
+    full.select(9, 1, L + step + 1, nullptr, a);
+    shard.select(9, 1, L + step + 1, nullptr, b);
+    EXPECT_EQ(a.count, b.count);
+    EXPECT_EQ(a.positions, b.positions) << "step " << step;
+    EXPECT_EQ(a.k, b.k);
+    EXPECT_EQ(a.v, b.v);
+    auto q = randn(c.q_dim(), g), kt = randn(c.kv_dim(), g), vt = randn(c.kv_dim(), g);
+    full.append_layer(9, 0, L + step, q.data(), kt.data(), vt.data());
+    full.append_layer(9, 1, L + step, q.data(), kt.data(), vt.data());
+    shard.append_layer(9, 1, L + step, q.data(), kt.data(), vt.data());
+  }
+  EXPECT_EQ(shard.seq_len(9), full.seq_len(9));
+  EXPECT_THROW(Selector(c, sc, 16, 4, {2}), Error);  // outside the model's layers
+}
+
 TEST(Selector, PoolExhaustionIsAClearError) {
   const ModelConfig c = small_cfg();
   Selector sel(c, {}, 2, 4);

@@ -114,6 +114,32 @@ TEST(LaunchEnv, CountsFromFlags) {
   EXPECT_EQ(le.role_map_string(), "c,i,i,i,k,k,k");
 }
 
+TEST(LaunchEnv, CacheRanksPerInferenceIsTheRatioOfTheCounts) {
+  EXPECT_EQ(cache_ranks_per_inference(1, 1), 1u);
+  EXPECT_EQ(cache_ranks_per_inference(2, 6), 3u);
+  EXPECT_EQ(cache_ranks_per_inference(3, 0), 0u);  // no cache rank: nothing to pair
+  LaunchFlags f;
+  f.num_inference = 2;
+  f.num_cache = 4;
+  auto le = LaunchEnv::resolve(f, env_of({{"RANK", "6"}}));
+  EXPECT_EQ(le.cache_per_inference, 2u);
+  EXPECT_EQ(le.role, proto::CACHE);
+  EXPECT_EQ(le.role_index, 3u);
+  auto mapped = LaunchEnv::resolve({}, env_of({{"RANK", "1"}, {"SPADE_ROLE_MAP", "c,k,i,k,k"}}));
+  EXPECT_EQ(mapped.cache_per_inference, 3u);
+  EXPECT_EQ(pairing_rule(1), "inference #i <-> cache #i");
+  EXPECT_EQ(pairing_rule(3), "inference #i <-> cache #(i*3 + s), s = 0..2 (layer shards)");
+  // Not a multiple: refused by name with both counts, wherever the counts came from.
+  f.num_inference = 2;
+  f.num_cache = 3;
+  EXPECT_NE(error_of(f, {{"RANK", "0"}}).find("cannot pair 2 inference rank(s) with 3 cache rank(s)"),
+            std::string::npos)
+      << error_of(f, {{"RANK", "0"}});
+  EXPECT_NE(error_of({}, {{"RANK", "0"}, {"SPADE_ROLE_MAP", "c,i,i,k,k,k"}}).find("multiple of --num-inference"),
+            std::string::npos);
+  EXPECT_THROW(cache_ranks_per_inference(0, 2), spade::Error);
+}
+
 TEST(LaunchEnv, InconsistentValuesAreClearErrors) {
   LaunchFlags counts;
   counts.num_inference = 1;

@@ -145,6 +145,32 @@ TEST(LaunchLocal, ServesDenselyWhenTheCacheRankDiesAndTearsDownWhenTheInferenceR
   EXPECT_TRUE(coordinator_gone) << "the coordinator outlived the teardown";
 }
 
+// Layer shards: one inference rank with two cache ranks (--num-cache 2). One prompt through the whole cluster gives
+// the dense greedy continuation at full budget; each cache rank served its shard; a --num-cache that is not a
+// multiple of --num-inference is refused before anything starts.
+TEST(LaunchLocal, OneInferenceRankWithTwoCacheRanksServesAPrompt) {
+  const std::string logs = make_temp_dir("spade-launch-local");
+  ChildProcess p(launcher(),
+                 {"--model", data_path("models/stories260K"), "--prompt", "", "--max-tokens", "40", "--temperature",
+                  "0", "--num-inference", "1", "--num-cache", "2", "--selection", "predicted", "--sparse-threshold",
+                  "16", "--token-budget", "512", "--layers-per-pack", "1"},
+                 {{"SPADE_BUILD_DIR", binary_dir()}, {"SPADE_LOG_DIR", logs}, {"UCX_LOG_LEVEL", "error"}},
+                 "launch_local");
+  ASSERT_EQ(p.wait_exit(180s), 0) << p.log();
+  const std::string reference = read_file(data_path("models/stories260K/expected_greedy_200tok.txt"));
+  EXPECT_THAT(p.log(), HasSubstr(reference.substr(0, 60))) << p.log();
+  for (int s = 0; s < 2; ++s) {
+    const std::string cache_log = read_file(logs + "/cache_" + std::to_string(s) + ".log");
+    EXPECT_THAT(cache_log, HasSubstr("shard " + std::to_string(s) + " of 2")) << cache_log;
+  }
+  ChildProcess bad(launcher(),
+                   {"--model", data_path("models/stories260K"), "--prompt", "", "--num-inference", "2", "--num-cache",
+                    "3"},
+                   {{"SPADE_BUILD_DIR", binary_dir()}}, "launch_local");
+  EXPECT_EQ(bad.wait_exit(30s), 2) << bad.log();
+  EXPECT_THAT(bad.log(), HasSubstr("--num-cache (3) must be a multiple N >= 1 of --num-inference (2)"));
+}
+
 /// The pid in the launcher's "restarted it as pid N" line (0 when there is none yet).
 pid_t restarted_pid(const std::string& log) {
   const std::string key = "restarted it as pid ";

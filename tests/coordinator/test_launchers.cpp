@@ -64,6 +64,24 @@ TEST(Launchers, MpirunOnePromptDefaultRoleMap) {
   EXPECT_THAT(std::regex_replace(mpi.log(), kLogLine, ""), HasSubstr(reference().substr(0, 60))) << mpi.log();
 }
 
+// Layer shards under mpirun: --cache-ranks-per-inference 2 makes a world of 4 (coordinator, 1 inference, 2 cache
+// ranks) that reproduces the reference continuation at full budget.
+TEST(Launchers, MpirunWithTwoCacheRanksPerInferenceRank) {
+  const int port = free_port();
+  std::vector<std::string> a = mpirun_args(4);
+  for (std::string s : {script(), std::string("--model"), model(), std::string("--prompt"), std::string(""),
+                        std::string("--max-tokens"), std::string("30"), std::string("--temperature"),
+                        std::string("0"), std::string("--cache-ranks-per-inference"), std::string("2"),
+                        std::string("--selection"), std::string("predicted"), std::string("--sparse-threshold"),
+                        std::string("16"), std::string("--token-budget"), std::string("512"),
+                        std::string("--layers-per-pack"), std::string("1")})
+    a.push_back(s);
+  ChildProcess mpi("/usr/bin/mpirun", a, base_env(port), "mpirun");
+  ASSERT_EQ(mpi.wait_exit(180s), 0) << mpi.log();
+  static const std::regex kLogLine(R"(\[(spade|\d\d:\d\d:\d\d\.\d\d\d)\][^\n]*\n)");
+  EXPECT_THAT(std::regex_replace(mpi.log(), kLogLine, ""), HasSubstr(reference().substr(0, 60))) << mpi.log();
+}
+
 TEST(Launchers, MpirunServesTheApiWithAnExplicitRoleMap) {
   const int port = free_port(), http = free_port(), metrics = free_port() + 100;
   std::vector<std::string> a = mpirun_args(3);
@@ -138,6 +156,9 @@ TEST(Launchers, BadLaunchesFailWithClearErrors) {
   auto [rc2, log2] = run(env, {"--model", model()});
   EXPECT_EQ(rc2, 2);
   EXPECT_THAT(log2, HasSubstr("world size 4 must be 1 + 2N"));
+  auto [rc_k, log_k] = run(env, {"--model", model(), "--cache-ranks-per-inference", "3"});
+  EXPECT_EQ(rc_k, 2);
+  EXPECT_THAT(log_k, HasSubstr("world size 4 must be 1 + N x (1 + 3)"));
   auto [rc3, log3] = run(env, {"--model", model(), "--role-map", "c,i,k"});
   EXPECT_EQ(rc3, 2);
   EXPECT_THAT(log3, HasSubstr("--role-map has 3 entries for world size 4"));

@@ -9,6 +9,7 @@
 #include <future>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "common/error.h"
 #include "common/proto/framing.h"
@@ -180,7 +181,7 @@ TEST_F(CoordinatorTest, PairsInferenceWithCacheAndExchangesAddresses) {
     EXPECT_EQ(cv.peers(0).transport().address(), fmt::format("inf-addr-{}", i));
     EXPECT_EQ(cv.peers(0).rank(), 1 + i);
     EXPECT_EQ(iv.world_size(), 5u);
-    EXPECT_EQ(iv.pairing_rule(), kPairingRule);
+    EXPECT_EQ(iv.pairing_rule(), pairing_rule(1));
     EXPECT_EQ(iv.session_id(), cv.session_id());
   }
   auto st = server_->status(in(2000ms));
@@ -606,6 +607,112 @@ TEST_F(CoordinatorTest, RoutesGenerateRequestsAndChunks) {
   EXPECT_NE(dead->error().find("inference rank 1"), std::string::npos) << dead->error();
 }
 
+// A request of n samples (GenerateRequest.n): each chunk names its sample, the route stays until each sample has had
+// its finished chunk (a repeated final chunk or a sample >= n is dropped), a cancel of one sample reaches the rank
+// with its index and keeps the route, a cancel of the whole request ends each open sample with FINISH_CANCELLED,
+// the rank's death ends each open sample with FINISH_ERROR, and n above kMaxSamplesPerRequest is refused.
+TEST_F(CoordinatorTest, RoutesTheSamplesOfARequestUntilEachHasFinished) {
+  start_server(1);
+  bring_up_world();
+  CoordinatorClient sub(submit_opts());
+  sub.rendezvous(in(3000ms));
+  auto request = [](uint32_t n) {
+    proto::GenerateRequest r;
+    r.mutable_prompt_ids()->add_ids(100);
+    r.set_max_tokens(3);
+    r.set_n(n);
+    return r;
+  };
+  auto chunk = [&](uint64_t routed, uint32_t index, bool finished, proto::FinishReason why = proto::FINISH_LENGTH) {
+    proto::GenerateChunk ch;
+    ch.set_request_id(routed);
+    ch.set_index(index);
+    ch.add_token_ids(10 + index);
+    ch.set_finished(finished);
+    if (finished) ch.set_finish_reason(why);
+    inf_[0]->send_chunk(ch);
+  };
+  // (index, finished, reason) of every chunk `sub` gets within `wait` after the last one.
+  using Seen = std::vector<std::tuple<uint32_t, bool, proto::FinishReason>>;
+  auto received = [&](uint64_t id, std::chrono::milliseconds wait = 300ms) {
+    Seen seen;
+    while (auto ch = sub.next_chunk(in(wait))) {
+      EXPECT_EQ(ch->request_id(), id);
+      seen.emplace_back(ch->index(), ch->finished(), ch->finish_reason());
+    }
+    return seen;
+  };
+
+  const uint64_t id = sub.submit(request(3));
+  auto routed = inf_[0]->next_request(in(3000ms));
+  ASSERT_TRUE(routed.has_value());
+  EXPECT_EQ(routed->n(), 3u);
+  chunk(routed->request_id(), 1, false);
+  chunk(routed->request_id(), 0, true);
+  chunk(routed->request_id(), 7, true);   // no such sample: dropped
+  chunk(routed->request_id(), 0, true);   // sample 0 finished already: dropped
+  chunk(routed->request_id(), 2, true);
+  chunk(routed->request_id(), 1, true);   // the last open sample: the route ends
+  chunk(routed->request_id(), 1, false);  // unknown route now: dropped
+  EXPECT_EQ(received(id), (Seen{{1, false, proto::FINISH_NONE},
+                                {0, true, proto::FINISH_LENGTH},
+                                {2, true, proto::FINISH_LENGTH},
+                                {1, true, proto::FINISH_LENGTH}}));
+  EXPECT_TRUE(log_contains("chunk for sample 7 of request")) << "the stray chunk is logged";
+
+  // One sample cancelled: the rank is told which, the route stays for the rank's own final chunks.
+  const uint64_t id2 = sub.submit(request(2));
+  routed = inf_[0]->next_request(in(3000ms));
+  ASSERT_TRUE(routed.has_value());
+  sub.cancel(id2, "only the second", 1);
+  auto cancel = inf_[0]->next_cancel(in(3000ms));
+  ASSERT_TRUE(cancel.has_value());
+  EXPECT_EQ(cancel->request_id(), routed->request_id());
+  ASSERT_TRUE(cancel->has_index());
+  EXPECT_EQ(cancel->index(), 1u);
+  chunk(routed->request_id(), 1, true, proto::FINISH_CANCELLED);
+  chunk(routed->request_id(), 0, true);
+  EXPECT_EQ(received(id2), (Seen{{1, true, proto::FINISH_CANCELLED}, {0, true, proto::FINISH_LENGTH}}));
+
+  // The whole request cancelled after sample 2 finished: samples 0 and 1 end with FINISH_CANCELLED.
+  const uint64_t id3 = sub.submit(request(3));
+  routed = inf_[0]->next_request(in(3000ms));
+  ASSERT_TRUE(routed.has_value());
+  chunk(routed->request_id(), 2, true);
+  ASSERT_TRUE(sub.next_chunk(in(3000ms)).has_value());
+  sub.cancel(id3, "all of it");
+  cancel = inf_[0]->next_cancel(in(3000ms));
+  ASSERT_TRUE(cancel.has_value());
+  EXPECT_FALSE(cancel->has_index());
+  EXPECT_EQ(received(id3), (Seen{{0, true, proto::FINISH_CANCELLED}, {1, true, proto::FINISH_CANCELLED}}));
+
+  // Above the limit: refused with one error chunk naming n; nothing reaches the rank.
+  const uint64_t id4 = sub.submit(request(kMaxSamplesPerRequest + 1));
+  auto refused = sub.next_chunk(in(3000ms));
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->request_id(), id4);
+  EXPECT_EQ(refused->finish_reason(), proto::FINISH_ERROR);
+  EXPECT_NE(refused->error().find("n = 65 samples is above the limit of 64"), std::string::npos) << refused->error();
+  EXPECT_FALSE(inf_[0]->next_request(in(200ms)).has_value());
+
+  // The rank dies with sample 1 finished: samples 0 and 2 end with FINISH_ERROR naming it.
+  const uint64_t id5 = sub.submit(request(3));
+  routed = inf_[0]->next_request(in(3000ms));
+  ASSERT_TRUE(routed.has_value());
+  chunk(routed->request_id(), 1, true);
+  ASSERT_TRUE(sub.next_chunk(in(3000ms)).has_value());
+  inf_[0].reset();
+  std::vector<uint32_t> failed;
+  while (auto ch = sub.next_chunk(in(3000ms))) {
+    EXPECT_EQ(ch->request_id(), id5);
+    EXPECT_EQ(ch->finish_reason(), proto::FINISH_ERROR);
+    EXPECT_NE(ch->error().find("inference rank 1"), std::string::npos) << ch->error();
+    failed.push_back(ch->index());
+    if (failed.size() == 2) break;
+  }
+  EXPECT_EQ(failed, (std::vector<uint32_t>{0, 2}));
+}
+
 TEST_F(CoordinatorTest, ClientRetriesUntilTheCoordinatorStarts) {
   // Reserve a free port, release it, start the coordinator there only after the client began connecting.
   uint16_t port;
@@ -719,6 +826,110 @@ TEST(CoordinatorServerOptions, UnequalRoleCountsAreRefused) {
     EXPECT_NE(std::string(e.what()).find("cannot pair 2 inference rank(s) with 1 cache rank(s)"),
               std::string::npos)
         << e.what();
+  }
+}
+
+TEST(CoordinatorServerOptions, CacheRanksMustBeANonZeroMultipleOfTheInferenceRanks) {
+  ServerOptions o;
+  o.bind_host = "127.0.0.1";
+  o.port = 0;
+  for (auto [i, c] : {std::pair<uint32_t, uint32_t>{2, 3}, {2, 0}, {3, 4}}) {
+    o.role_map = default_role_map(i, c);
+    EXPECT_THROW(CoordinatorServer s(o), spade::Error) << i << " inference, " << c << " cache";
+  }
+  o.role_map = default_role_map(2, 6);  // N = 3
+  EXPECT_NO_THROW(CoordinatorServer s(o));
+}
+
+// Layer shards: a world of 2 inference and 4 cache ranks (N = 2). Inference #i is paired with cache #(2i) and
+// #(2i+1), in shard order, and learns N; each cache rank learns its shard and its one inference rank (with its
+// --layers-per-pack). A dead shard's PeerDown goes to its own inference rank only; its replacement re-pairs through
+// the inference rank's offer, as with one cache rank.
+TEST_F(CoordinatorTest, ShardedWorldPairsEachInferenceRankWithItsNCacheRanksInShardOrder) {
+  tweak_ = [](ServerOptions& o) { o.role_map = default_role_map(2, 4); };
+  start_server(2);
+  auto opts = [&](proto::Role role, uint32_t idx) {
+    ClientOptions o = rank_opts(role, idx);
+    o.rank = role == proto::INFERENCE ? 1 + idx : 3 + idx;
+    o.world_size = 7;
+    o.layers_per_pack = role == proto::INFERENCE ? 2 : 0;
+    return o;
+  };
+  std::vector<std::future<proto::ClusterView>> futs;
+  for (uint32_t i = 0; i < 2; ++i) inf_.push_back(std::make_unique<CoordinatorClient>(opts(proto::INFERENCE, i)));
+  for (uint32_t c = 0; c < 4; ++c) cache_.push_back(std::make_unique<CoordinatorClient>(opts(proto::CACHE, c)));
+  for (auto& r : inf_) futs.push_back(std::async(std::launch::async, [&r] { return r->rendezvous(in(5000ms)); }));
+  for (auto& r : cache_) futs.push_back(std::async(std::launch::async, [&r] { return r->rendezvous(in(5000ms)); }));
+  for (auto& f : futs) views_.push_back(f.get());
+  for (uint32_t i = 0; i < 2; ++i) {
+    const proto::ClusterView& iv = views_[i];
+    EXPECT_EQ(iv.cache_ranks_per_inference(), 2u);
+    EXPECT_EQ(iv.pairing_rule(), pairing_rule(2));
+    ASSERT_EQ(iv.peers_size(), 2);
+    for (uint32_t s = 0; s < 2; ++s) {
+      EXPECT_EQ(iv.peers(static_cast<int>(s)).rank(), 3 + 2 * i + s);
+      EXPECT_EQ(iv.peers(static_cast<int>(s)).shard(), s);
+      EXPECT_EQ(iv.peers(static_cast<int>(s)).transport().address(), fmt::format("cache-addr-{}", 2 * i + s));
+    }
+  }
+  for (uint32_t c = 0; c < 4; ++c) {
+    const proto::ClusterView& cv = views_[2 + c];
+    EXPECT_EQ(cv.self().shard(), c % 2);
+    EXPECT_EQ(cv.cache_ranks_per_inference(), 2u);
+    ASSERT_EQ(cv.peers_size(), 1);
+    EXPECT_EQ(cv.peers(0).rank(), 1 + c / 2);
+    EXPECT_EQ(cv.peers(0).layers_per_pack(), 2u);
+    EXPECT_EQ(cv.peers(0).transport().address(), fmt::format("inf-addr-{}", c / 2));
+  }
+  // Cache #3 (rank 6, shard 1 of inference #1) dies: inference #1 hears of it, inference #0 does not.
+  cache_[3].reset();
+  auto down = inf_[1]->next_event(in(3000ms));
+  ASSERT_TRUE(down.has_value());
+  ASSERT_EQ(down->kind, ClientEvent::Kind::kPeerDown) << down->message;
+  EXPECT_EQ(down->peer_down.rank(), 6u);
+  EXPECT_FALSE(inf_[0]->next_event(in(300ms)).has_value()) << "inference #0 is not paired with cache #3";
+  ClientOptions ro = opts(proto::CACHE, 3);
+  ro.transport_address = "cache-addr-3-new";
+  auto replacement = std::make_unique<CoordinatorClient>(ro);
+  auto view = std::async(std::launch::async, [&] { return replacement->rendezvous(in(5000ms)); });
+  auto ev = inf_[1]->next_event(in(3000ms));
+  ASSERT_TRUE(ev.has_value());
+  ASSERT_EQ(ev->kind, ClientEvent::Kind::kPeerReplaced) << ev->message;
+  EXPECT_EQ(ev->peer_replaced.peer().rank(), 6u);
+  EXPECT_EQ(ev->peer_replaced.peer().shard(), 1u);
+  proto::PairOffer offer;
+  offer.set_peer_rank(6);
+  offer.set_peer_incarnation(1);
+  offer.mutable_transport()->set_kind(proto::TRANSPORT_LOOPBACK);
+  offer.mutable_transport()->set_address("inf-addr-1-again");
+  inf_[0]->send_pair_offer(offer);  // not its shard: ignored
+  EXPECT_EQ(view.wait_for(300ms), std::future_status::timeout);
+  inf_[1]->send_pair_offer(offer);
+  ASSERT_EQ(view.wait_for(3000ms), std::future_status::ready);
+  const proto::ClusterView v = view.get();
+  EXPECT_EQ(v.self().shard(), 1u);
+  ASSERT_EQ(v.peers_size(), 1);
+  EXPECT_EQ(v.peers(0).rank(), 2u);
+  EXPECT_EQ(v.peers(0).transport().address(), "inf-addr-1-again");
+  EXPECT_TRUE(health_reaches([](const Health& h) { return h.degraded.empty() && h.live_cache == 4; }))
+      << server_->health().degraded;
+}
+
+// A GPU data plane (NCCL, CUDA IPC) pairs one cache rank with one inference rank: in a world with N > 1 a rank that
+// registers one is refused by name.
+TEST_F(CoordinatorTest, AGpuTransportIsRefusedInAShardedWorld) {
+  tweak_ = [](ServerOptions& o) { o.role_map = default_role_map(1, 2); };
+  start_server(1);
+  ClientOptions o = rank_opts(proto::INFERENCE, 0);
+  o.world_size = 4;
+  o.transport_kind = proto::TRANSPORT_NCCL;
+  CoordinatorClient c(o);
+  try {
+    c.rendezvous(in(3000ms));
+    FAIL() << "an NCCL inference rank was admitted to a world of 2 cache ranks per inference rank";
+  } catch (const spade::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NCCL"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("with 2 cache ranks"), std::string::npos) << e.what();
   }
 }
 

@@ -399,7 +399,7 @@ SOURCE_MUTATIONS = [
     ("overlay references a missing file", "overlays/cpu/kustomization.yaml", "- namespace.yaml",
      "- namespace-missing.yaml", r"kubectl kustomize overlays/cpu failed"),
     ("scaled without the pair-count component", "overlays/cpu/kustomization.yaml", "  - ../../components/pair-count\n",
-     "configMapGenerator:\n  - name: spade-config\n    behavior: merge\n    literals: [SPADE_NUM_PAIRS=2]\n",
+     "configMapGenerator:\n  - name: spade-config\n    behavior: merge\n    literals: [SPADE_NUM_PAIRS=2, SPADE_NUM_CACHE=2]\n",
      r"ranks of the pods .* expected 0\.\.4"),
     ("non-numeric pair count", "base/spade.env", "SPADE_NUM_PAIRS=1", "SPADE_NUM_PAIRS=zero",
      r"kubectl kustomize overlays/\w+ failed: .*cannot decode !!str `zero` as a !!int"),
@@ -468,18 +468,22 @@ def self_test(a, ctx):
             print(f"  {'caught' if hit else 'MISSED'}: {name} (source copy)" + (f"  <- {hit[0]}" if hit else ""))
             if not hit:
                 failures.append(f"{name}: no new error matching /{pattern}/ (new errors: {sorted(new)[:3]})")
-        # The documented way to scale (a configMapGenerator merge of SPADE_NUM_PAIRS) must pass every check.
-        d = copy_k8s(ctx.source_dir, os.path.join(tmp, "scaled"))
-        with open(os.path.join(d, "overlays/cpu/kustomization.yaml"), "a", encoding="utf-8") as f:
-            f.write("configMapGenerator:\n  - name: spade-config\n    behavior: merge\n"
-                    "    literals: [SPADE_NUM_PAIRS=3]\n")
-        scaled = [r for r in render_all(a.kubectl, d) if r[0] == "cpu"]
-        new = set(check_renders(scaled, ctx)) - baseline
-        reps = [x["spec"]["replicas"] for x in scaled[0][1] if x["kind"] == "StatefulSet"]
-        if new or reps != [3, 3]:
-            failures.append(f"scaling to 3 pairs with SPADE_NUM_PAIRS: replicas {reps}, new errors {sorted(new)[:3]}")
-        else:
-            print("  ok: SPADE_NUM_PAIRS=3 renders 3 + 3 rank pods with ranks 0..6 and passes")
+        # The documented way to scale (a configMapGenerator merge of SPADE_NUM_PAIRS and SPADE_NUM_CACHE) must pass
+        # every check: 3 pairs, and 2 inference ranks with 2 cache ranks (layer shards) each.
+        for inf_n, cache_n in ((3, 3), (2, 4)):
+            d = copy_k8s(ctx.source_dir, os.path.join(tmp, f"scaled-{inf_n}-{cache_n}"))
+            with open(os.path.join(d, "overlays/cpu/kustomization.yaml"), "a", encoding="utf-8") as f:
+                f.write("configMapGenerator:\n  - name: spade-config\n    behavior: merge\n"
+                        f"    literals: [SPADE_NUM_PAIRS={inf_n}, SPADE_NUM_CACHE={cache_n}]\n")
+            scaled = [r for r in render_all(a.kubectl, d) if r[0] == "cpu"]
+            new = set(check_renders(scaled, ctx)) - baseline
+            reps = {x["metadata"]["name"]: x["spec"]["replicas"] for x in scaled[0][1] if x["kind"] == "StatefulSet"}
+            if new or reps != {"spade-inference": inf_n, "spade-cache": cache_n}:
+                failures.append(f"scaling to {inf_n} inference + {cache_n} cache ranks: replicas {reps}, new errors "
+                                f"{sorted(new)[:3]}")
+            else:
+                print(f"  ok: SPADE_NUM_PAIRS={inf_n} SPADE_NUM_CACHE={cache_n} renders {inf_n} + {cache_n} rank pods "
+                      f"with ranks 0..{inf_n + cache_n} and passes")
         # The image checks.
         for name, rel, old, new_text, pattern in DOCKER_MUTATIONS:
             src = os.path.join(tmp, f"docker-{abs(hash(name)) % 10**8}")
@@ -502,6 +506,10 @@ def self_test(a, ctx):
         ({"SPADE_NUM_PAIRS": "2", "POD_NAME": "spade-cache-1", "SPADE_POD_INDEX": "0"}, ["cache"], r"disagrees"),
         ({"SPADE_NUM_PAIRS": "1"}, ["inference"], r"needs a pod index"),
         ({"SPADE_NUM_PAIRS": "1", "POD_NAME": "x-0"}, ["router"], r"unknown role"),
+        ({"SPADE_NUM_PAIRS": "2", "SPADE_NUM_CACHE": "3", "POD_NAME": "spade-cache-0"}, ["cache"],
+         r"not a multiple of SPADE_NUM_PAIRS"),
+        ({"SPADE_NUM_PAIRS": "2", "SPADE_NUM_CACHE": "4", "POD_NAME": "spade-inference-2"}, ["inference"],
+         r"out of range for SPADE_NUM_PAIRS=2"),
     ]:
         penv = dict(env, PATH=os.environ.get("PATH", ""), SPADE_ENTRYPOINT_DRY_RUN="1")
         p = subprocess.run([ctx.entrypoint] + args, env=penv, capture_output=True, text=True)
@@ -519,10 +527,19 @@ def self_test(a, ctx):
         failures.append(f"entrypoint cache #2 of 3 pairs: expected rank 6 of 7, got {argv} ({p.stderr.strip()})")
     else:
         print("  ok: entrypoint maps cache #2 of 3 pairs to rank 6 of world size 7")
+    p = subprocess.run([ctx.entrypoint, "cache"], capture_output=True, text=True,
+                       env={"PATH": os.environ.get("PATH", ""), "SPADE_ENTRYPOINT_DRY_RUN": "1",
+                            "SPADE_NUM_PAIRS": "2", "SPADE_NUM_CACHE": "4", "POD_NAME": "spade-cache-3"})
+    argv = p.stdout.split("\0")
+    if p.returncode != 0 or argv[1:9] != ["--rank", "6", "--world-size", "7", "--num-inference", "2",
+                                          "--num-cache", "4"]:
+        failures.append(f"entrypoint cache #3 of 2 x 2 shards: expected rank 6 of 7, got {argv} ({p.stderr.strip()})")
+    else:
+        print("  ok: entrypoint maps cache #3 of 2 inference ranks x 2 shards to rank 6 of world size 7")
     if failures:
         print("self-test FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
-    n = len(RENDER_MUTATIONS) + len(SOURCE_MUTATIONS) + len(DOCKER_MUTATIONS) + 4
+    n = len(RENDER_MUTATIONS) + len(SOURCE_MUTATIONS) + len(DOCKER_MUTATIONS) + 6
     print(f"self-test passed: {n} mutations caught, entrypoint mapping and scaling verified")
     return 0
 

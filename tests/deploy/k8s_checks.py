@@ -1056,12 +1056,13 @@ class OverlayCheck:
             except (TypeError, ValueError):
                 self.err("world", f"identity flags missing or not numeric: {ident}")
                 continue
-            if W != 1 + N + M or N != M:
-                self.err("world", f"world size {W} != 1 + {N} inference + {M} cache, or N != M")
+            if W != 1 + N + M or N < 1 or M < 1 or M % N != 0:
+                self.err("world", f"world size {W} != 1 + {N} inference + {M} cache, or the cache ranks are not a "
+                                  "multiple of the inference ranks")
             ranks = sorted(x[0] for x in entries)
             if ranks != list(range(W)):
                 self.err("world", f"ranks of the pods ({how}) are {ranks}, expected 0..{W - 1} once each: check "
-                                  "the StatefulSet replicas against SPADE_NUM_PAIRS")
+                                  "the StatefulSet replicas against SPADE_NUM_PAIRS / SPADE_NUM_CACHE")
             for rank, binary, w, pod, _, _, ordinal in entries:
                 want = "coordinator" if rank == 0 else "inference_rank" if rank <= N else "cache_rank"
                 if binary != want:
@@ -1070,9 +1071,12 @@ class OverlayCheck:
             for w in pod_templates(self.docs):
                 if w["kind"] == "StatefulSet":
                     reps = w["spec"].get("replicas")
-                    if reps != N:
+                    is_cache = "cache" in w["metadata"]["name"]
+                    want, key = (M, "SPADE_NUM_CACHE") if is_cache else (N, "SPADE_NUM_PAIRS")
+                    if reps != want:
                         self.err(f"StatefulSet {w['metadata']['name']}",
-                                 f"replicas {reps} != the {N} pairs the ranks were given (SPADE_NUM_PAIRS)")
+                                 f"replicas {reps} != the {want} {'cache' if is_cache else 'inference'} ranks the "
+                                 f"ranks were given ({key})")
 
     def check_pairs(self, role_vals):
         inf, cache = role_vals.get("inference", []), role_vals.get("cache", [])

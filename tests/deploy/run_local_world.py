@@ -225,10 +225,10 @@ def run(a):
     try:
         k8s = ck.copy_k8s(ctx.source_dir, os.path.join(root, "k8s"))
         if a.pairs:
-            # Scale the way docs/DEPLOY.md says: a configMapGenerator merge of SPADE_NUM_PAIRS in the overlay.
+            # Scale the way docs/DEPLOY.md says: a configMapGenerator merge of SPADE_NUM_PAIRS and SPADE_NUM_CACHE.
             with open(os.path.join(k8s, "overlays", a.overlay, "kustomization.yaml"), "a") as f:
                 f.write("configMapGenerator:\n  - name: spade-config\n    behavior: merge\n"
-                        f"    literals: [SPADE_NUM_PAIRS={a.pairs}]\n")
+                        f"    literals: [SPADE_NUM_PAIRS={a.pairs}, SPADE_NUM_CACHE={a.pairs}]\n")
         renders = ck.render_all(a.kubectl, k8s)
         match = [r for r in renders if r[0] == a.overlay]
         if not match:
@@ -302,7 +302,7 @@ def run(a):
             dumps.append((f"{p.name} /metrics", body))
         errs = cd.check_dumps(dumps, set(cd.METRICS), a.promtool)
         coord_dump = dumps[pods.index(coord)][1]
-        world = 1 + 2 * int(over_num_pairs(coord))
+        world = 1 + int(over_num_pairs(coord)) + int(over_num_cache(coord))
         for r in range(1, world):  # the coordinator reports the ranks that register with it
             if metrics_value(coord_dump, "spade_rank_up", {"rank": str(r)}) != 1:
                 errs.append(f"coordinator: spade_rank_up{{rank=\"{r}\"}} is not 1")
@@ -412,6 +412,11 @@ def run(a):
 def over_num_pairs(coord):
     env = coord.oc.container_env(coord.w, coord.main, coord.name, None, True, "coordinator")
     return env.get("SPADE_NUM_PAIRS", "0")
+
+
+def over_num_cache(coord):
+    env = coord.oc.container_env(coord.w, coord.main, coord.name, None, True, "coordinator")
+    return env.get("SPADE_NUM_CACHE", over_num_pairs(coord))
 
 
 def main():

@@ -104,6 +104,26 @@ TEST_F(Sharded, ReleasesReachEveryShardOnItsNextUpdate) {
   EXPECT_THAT(rec[1]->got[1].released, ElementsAre(9));
 }
 
+TEST_F(Sharded, AReleasesOnlyUpdateReachesEveryShardAtOnceAndIsAnsweredOnce) {
+  auto link = make(3);
+  link->send(update(0, 1, {5}));  // shards 0 and 2 have 5 pending
+  PackUpdate flush;
+  flush.step = 1;
+  flush.pack = 0;
+  flush.num_layers = 0;
+  flush.released = {6};
+  link->send(std::move(flush));
+  EXPECT_EQ(link->in_flight(), 2u);
+  EXPECT_THAT(rec[0]->got.back().released, ElementsAre(5, 6));
+  EXPECT_THAT(rec[1]->got.back().released, ElementsAre(6));
+  EXPECT_THAT(rec[2]->got.back().released, ElementsAre(5, 6));
+  EXPECT_EQ(link->receive(transport::Clock::now(), nullptr).pack, 1);
+  const PackSelection p = link->receive(transport::Clock::now(), nullptr);
+  EXPECT_EQ(p.step, 1);
+  for (Recorder* r : rec) EXPECT_EQ(r->in_flight(), 0u) << r->peer();  // every shard's answer was taken
+  EXPECT_EQ(link->in_flight(), 0u);
+}
+
 TEST_F(Sharded, AFailedShardFailsTheLinkNamingIt) {
   auto link = make(2);
   EXPECT_EQ(link->failure(), "");
@@ -124,6 +144,20 @@ TEST_F(Sharded, BadInputIsRefused) {
   EXPECT_THROW(shard_of_pack(-1, 2), Error);
   EXPECT_THROW(shard_layers(2, 2, 8, 2), Error);
   EXPECT_THROW(shard_layers(0, 1, 8, 0), Error);
+}
+
+TEST(ShardLayers, AShardsPoolHasTheFullPoolsMemory) {
+  EXPECT_EQ(shard_pool_pages(100, 5, 5), 100);  // every layer: the flag's pages
+  EXPECT_EQ(shard_pool_pages(100, 5, 3), 166);  // 3 of 5 layers: 500 / 3, rounded down
+  EXPECT_EQ(shard_pool_pages(100, 36, 12), 300);
+  // N equal shards hold N times the tokens of one full pool in N times its memory.
+  const int layers = 36, per_pack = 2, n = 3;
+  for (int s = 0; s < n; ++s)
+    EXPECT_EQ(shard_pool_pages(1000, layers, static_cast<int>(shard_layers(s, n, layers, per_pack).size())), 3000);
+  EXPECT_THROW(shard_pool_pages(0, 5, 1), Error);
+  EXPECT_THROW(shard_pool_pages(10, 5, 0), Error);
+  EXPECT_THROW(shard_pool_pages(10, 5, 6), Error);
+  EXPECT_THROW(shard_pool_pages(1 << 30, 64, 1), Error);  // overflows int
 }
 
 TEST(ShardLayers, EveryLayerHasExactlyOneShard) {

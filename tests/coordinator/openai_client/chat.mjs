@@ -1,5 +1,5 @@
 // Drives Spade's OpenAI-compatible API with the official `openai` npm client: non-streaming and streaming chat
-// completions and a completion, and logprobs on both (whole and streamed). Prints one JSON line with what it saw; exits non-zero (with the reason) on any
+// completions and a completion, logprobs on both (whole and streamed), and n > 1 on both (whole and streamed). Prints one JSON line with what it saw; exits non-zero (with the reason) on any
 // mismatch. Run by tests/coordinator/test_openai_api.cpp against a running cluster on stories260K:
 //   node chat.mjs http://127.0.0.1:PORT/v1 MODEL
 import OpenAI from "openai";
@@ -97,6 +97,45 @@ for (let i = 0; i < clp.tokens.length; ++i) {
   check(mass <= 1 + 1e-5, `completion: exp(top logprobs) sums to ${mass} <= 1`);
 }
 
+// n > 1: n choices (index 0..n-1, each a sample with seed + i), streamed and not; streamed chunks carry their
+// choice's index, and usage counts the prompt once and every choice's tokens.
+const nFull = await client.chat.completions.create({ model, messages, max_tokens: 12, temperature: 1, seed: 21, n: 3 });
+check(nFull.choices.length === 3 && nFull.choices.every((c, i) => c.index === i && c.message.role === "assistant" &&
+      typeof c.message.content === "string" && c.finish_reason),
+      `n = 3: three indexed choices ${JSON.stringify(nFull.choices)}`);
+check(new Set(nFull.choices.map((c) => c.message.content)).size > 1, "n = 3 at temperature 1: the samples differ");
+check(nFull.usage.prompt_tokens === full.usage.prompt_tokens, `n = 3: the prompt counts once ${JSON.stringify(nFull.usage)}`);
+const nStream = await client.chat.completions.create({
+  model, messages, max_tokens: 12, temperature: 1, seed: 21, n: 3, stream: true, stream_options: { include_usage: true },
+});
+const nText = ["", "", ""];
+const nFinish = [null, null, null];
+let nUsage = null;
+for await (const chunk of nStream) {
+  if (chunk.usage) nUsage = chunk.usage;
+  for (const c of chunk.choices) {
+    check(Number.isInteger(c.index) && c.index >= 0 && c.index < 3, `n = 3: streamed choice index ${c.index}`);
+    if (c.delta?.content) nText[c.index] += c.delta.content;
+    if (c.finish_reason) nFinish[c.index] = c.finish_reason;
+  }
+}
+for (let i = 0; i < 3; ++i) {
+  check(nText[i] === nFull.choices[i].message.content, `n = 3: streamed choice ${i} ${JSON.stringify(nText[i])} equals the non-streamed ${JSON.stringify(nFull.choices[i].message.content)}`);
+  check(nFinish[i] === nFull.choices[i].finish_reason, `n = 3: streamed choice ${i} finish_reason ${nFinish[i]}`);
+}
+check(nUsage && nUsage.completion_tokens === nFull.usage.completion_tokens && nUsage.prompt_tokens === nFull.usage.prompt_tokens,
+      `n = 3: stream usage ${JSON.stringify(nUsage)}`);
+const nCompletion = await client.completions.create({ model, prompt: "Once upon a time", max_tokens: 8, temperature: 1, seed: 4, n: 2 });
+check(nCompletion.choices.length === 2 && nCompletion.choices.every((c, i) => c.index === i && typeof c.text === "string"),
+      `completions n = 2: ${JSON.stringify(nCompletion.choices)}`);
+const nCompletionStream = await client.completions.create({
+  model, prompt: "Once upon a time", max_tokens: 8, temperature: 1, seed: 4, n: 2, stream: true,
+});
+const nCompletionText = ["", ""];
+for await (const chunk of nCompletionStream) for (const c of chunk.choices) nCompletionText[c.index] += c.text;
+check(nCompletionText.every((t, i) => t === nCompletion.choices[i].text),
+      `completions n = 2: streamed ${JSON.stringify(nCompletionText)} equal the non-streamed`);
+
 let rejected = null;
 try {
   await client.chat.completions.create({ model: "no-such-model", messages });
@@ -106,4 +145,5 @@ try {
 check(rejected instanceof OpenAI.NotFoundError, `unknown model raises NotFoundError, got ${rejected}`);
 
 console.log(JSON.stringify({ ok: true, content: choice.message.content, streamed_chunks: chunks, usage: full.usage,
-                             logprob_entries: lpFull.choices[0].logprobs.content.length }));
+                             logprob_entries: lpFull.choices[0].logprobs.content.length,
+                             samples: nFull.choices.map((c) => c.message.content) }));
