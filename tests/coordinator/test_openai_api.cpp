@@ -476,11 +476,12 @@ TEST_F(OpenAiApi, OfficialOpenAiNodeClient) {
       << " (deploy/scripts/setup_deps.sh does)";
   ChildProcess node("/usr/bin/env",
                     {"node", dir + "/chat.mjs", "http://127.0.0.1:" + std::to_string(c->http_port) + "/v1",
-                     "stories260K"},
+                     "stories260K", "http://127.0.0.1:" + std::to_string(c->inference_metrics_port) + "/metrics"},
                     {}, "node openai client");
   const int rc = node.wait_exit(120s);
   EXPECT_EQ(rc, 0) << node.log();
   EXPECT_THAT(node.log(), HasSubstr("\"ok\":true"));
+  std::printf("[ node     ] %s\n", node.log().c_str());
 }
 
 }  // namespace

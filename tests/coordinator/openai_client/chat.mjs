@@ -1,12 +1,15 @@
 // Drives Spade's OpenAI-compatible API with the official `openai` npm client: non-streaming and streaming chat
-// completions and a completion, logprobs on both (whole and streamed), and n > 1 on both (whole and streamed). Prints one JSON line with what it saw; exits non-zero (with the reason) on any
-// mismatch. Run by tests/coordinator/test_openai_api.cpp against a running cluster on stories260K:
-//   node chat.mjs http://127.0.0.1:PORT/v1 MODEL
+// completions and a completion, logprobs on both (whole and streamed), n > 1 on both (whole and streamed), and a
+// repeated long prompt that hits the inference rank's prefix cache (its vllm:prefix_cache_hits_total moves by at least
+// a page more than on the prompt's first request; both TTFTs are printed). Prints one JSON line with what it saw;
+// exits non-zero (with the reason) on any mismatch. Run by tests/coordinator/test_openai_api.cpp against a running
+// cluster on stories260K:
+//   node chat.mjs http://127.0.0.1:PORT/v1 MODEL http://127.0.0.1:INFERENCE_METRICS_PORT/metrics
 import OpenAI from "openai";
 
-const [baseURL, model] = process.argv.slice(2);
-if (!baseURL || !model) {
-  console.error("usage: node chat.mjs BASE_URL MODEL");
+const [baseURL, model, metricsURL] = process.argv.slice(2);
+if (!baseURL || !model || !metricsURL) {
+  console.error("usage: node chat.mjs BASE_URL MODEL INFERENCE_RANK_METRICS_URL");
   process.exit(2);
 }
 const client = new OpenAI({ baseURL, apiKey: "unused", maxRetries: 0, timeout: 60_000 });
@@ -136,6 +139,34 @@ for await (const chunk of nCompletionStream) for (const c of chunk.choices) nCom
 check(nCompletionText.every((t, i) => t === nCompletion.choices[i].text),
       `completions n = 2: streamed ${JSON.stringify(nCompletionText)} equal the non-streamed`);
 
+// Prefix caching: the same long prompt twice. The rank reuses the prompt's whole pages (16 tokens) but the last ones it
+// recomputes for the sparse path's query window, so the prompt is well past a few pages.
+async function prefixHits() {
+  const res = await fetch(metricsURL);
+  check(res.ok, `GET ${metricsURL}: ${res.status}`);
+  let sum = 0;
+  for (const line of (await res.text()).split("\n"))
+    if (line.startsWith("vllm:prefix_cache_hits_total")) sum += Number(line.split(" ").pop());
+  return sum;
+}
+async function ttft(content) {
+  const t0 = performance.now();
+  const s = await client.chat.completions.create({
+    model, messages: [{ role: "user", content }], max_tokens: 4, temperature: 0, stream: true,
+  });
+  let first = null;
+  for await (const chunk of s) if (first === null && chunk.choices.length && chunk.choices[0].delta.content) first = performance.now();
+  return (first ?? performance.now()) - t0;
+}
+const longPrompt = "Lily and Tom went to the park to play with the big red ball. They ran and laughed in the sun. ".repeat(12);
+const hits0 = await prefixHits();
+const ttftCold = await ttft(longPrompt);
+const hits1 = await prefixHits();
+const ttftWarm = await ttft(longPrompt);
+const hits2 = await prefixHits();
+check(hits2 - hits1 >= hits1 - hits0 + 16,
+      `a repeated prompt hits the prefix cache: hits ${hits0} -> ${hits1} (first) -> ${hits2} (repeat)`);
+
 let rejected = null;
 try {
   await client.chat.completions.create({ model: "no-such-model", messages });
@@ -146,4 +177,6 @@ check(rejected instanceof OpenAI.NotFoundError, `unknown model raises NotFoundEr
 
 console.log(JSON.stringify({ ok: true, content: choice.message.content, streamed_chunks: chunks, usage: full.usage,
                              logprob_entries: lpFull.choices[0].logprobs.content.length,
-                             samples: nFull.choices.map((c) => c.message.content) }));
+                             samples: nFull.choices.map((c) => c.message.content),
+                             prefix_cache: { hit_tokens_first: hits1 - hits0, hit_tokens_repeat: hits2 - hits1,
+                                             ttft_first_ms: ttftCold, ttft_repeat_ms: ttftWarm } }));
