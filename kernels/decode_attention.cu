@@ -270,9 +270,7 @@ __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t af[4];
-      const int i = lane >> 3;
-      const int tok = (lane & 7) + ((i & 1) << 3);
-      ldmatrix_x4(af, sk + swz(tok, 2 * ks + (i >> 1), Cfg::kChunks));
+      ldmatrix_tile_a(af, sk, lane, ks, [](int r, int c) { return swz(r, c, Cfg::kChunks); });
       Tr::mma(s, af, qf[ks], s);
     }
     // Online softmax (exp2 domain); token g holds s0,s1, token g+8 holds s2,s3.

@@ -166,6 +166,16 @@ __device__ __forceinline__ int swz(int row, int chunk, int chunks_per_row) {
   return row * chunks_per_row * 8 + ((chunk ^ (row & 7)) << 3);
 }
 
+/// The mma A fragment of k-step `ks` (16 rows x two 16-byte chunks, 2 ks and 2 ks + 1) of a row-major tile in shared
+/// memory, by ldmatrix x4: lane l addresses row (l & 7) + 8 ((l >> 3) & 1), chunk 2 ks + (l >> 4).
+/// `offset(row, chunk)` is the tile's swizzle, in elements of `tile`.
+template <typename T, typename Swizzle>
+__device__ __forceinline__ void ldmatrix_tile_a(uint32_t af[4], const T* tile, int lane, int ks, Swizzle offset) {
+  const int i = lane >> 3;
+  const int row = (lane & 7) + ((i & 1) << 3);
+  ldmatrix_x4(af, tile + offset(row, 2 * ks + (i >> 1)));
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 

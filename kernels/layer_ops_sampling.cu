@@ -86,6 +86,14 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const LT* __rest
 constexpr int kSampleThreads = 512;
 constexpr int kSampleWarps = kSampleThreads / 32;
 
+// Elements of the vocabulary each of a row's kSampleWarps warps scans: a multiple of one warp step (32 lanes x `vec`
+// elements), so that every warp but the last starts on a whole step.
+inline int warp_segment(int vocab, int vec) {
+  const long long step = 32LL * vec;
+  const long long per_warp = (static_cast<long long>(vocab) + kSampleWarps - 1) / kSampleWarps;
+  return static_cast<int>((per_warp + step - 1) / step * step);
+}
+
 /// Float of an order-preserving key (inverse of sample_key for canonical floats).
 __device__ __forceinline__ float key_to_float(uint32_t key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
@@ -518,10 +526,7 @@ cudaError_t sample_rows(const SampleParams& p, cudaStream_t stream) {
     using LT = decltype(tag);
     const LT* lg = static_cast<const LT*>(p.logits);
     auto launch = [&](auto kernel, int v) {
-      // Warp segments: a multiple of one warp step (32 * V elements).
-      const long long step = 32LL * v;
-      const long long per_warp = (static_cast<long long>(p.vocab) + detail::kSampleWarps - 1) / detail::kSampleWarps;
-      const int seg = static_cast<int>((per_warp + step - 1) / step * step);
+      const int seg = detail::warp_segment(p.vocab, v);
       kernel<<<p.rows, detail::kSampleThreads, 0, stream>>>(lg, stride, p.vocab, seg, p.temperature, p.top_k, p.top_p,
                                                              p.seeds, p.steps, p.out_tokens);
       return cudaGetLastError();
@@ -545,9 +550,7 @@ cudaError_t logprob_rows(const LogprobParams& p, cudaStream_t stream) {
     using LT = decltype(tag);
     const LT* lg = static_cast<const LT*>(p.logits);
     auto launch = [&](auto kernel, int v) {
-      const long long step = 32LL * v;
-      const long long per_warp = (static_cast<long long>(p.vocab) + detail::kSampleWarps - 1) / detail::kSampleWarps;
-      const int seg = static_cast<int>((per_warp + step - 1) / step * step);
+      const int seg = detail::warp_segment(p.vocab, v);
       kernel<<<p.rows, detail::kSampleThreads, 0, stream>>>(lg, stride, p.vocab, seg, p.tokens, p.top_n,
                                                              p.out_offset, p.out);
       return cudaGetLastError();

@@ -188,9 +188,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t af[4];
-      const int i = lane >> 3;
-      const int tok = (lane & 7) + ((i & 1) << 3);
-      ldmatrix_x4(af, sk + swz(tok, 2 * ks + (i >> 1), Cfg::kChunks));
+      ldmatrix_tile_a(af, sk, lane, ks, [](int r, int c) { return swz(r, c, Cfg::kChunks); });
       Tr::mma(s0, af, qf0[ks], s0);
       if (two) Tr::mma(s1, af, qf1[ks], s1);
     }
@@ -385,9 +383,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Ar
 #pragma unroll
     for (int ks = 0; ks < D / 32; ++ks) {
       uint32_t af[4];
-      const int i = lane >> 3;
-      const int tok = (lane & 7) + ((i & 1) << 3);
-      ldmatrix_x4(af, sk + swz_i8<Cfg::kChunks>(tok, 2 * ks + (i >> 1)));
+      ldmatrix_tile_a(af, sk, lane, ks, [](int r, int c) { return swz_i8<Cfg::kChunks>(r, c); });
       mma_s8(s0, af, qf0[ks]);
       if (two) mma_s8(s1, af, qf1[ks]);
     }
