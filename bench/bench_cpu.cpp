@@ -2,7 +2,8 @@
 // to: the BLAS's own SGEMM rate (kernels/linear_ref.h) measured in the same run on the model's largest GEMM shape.
 //
 //   bench_cpu [--model DIR] [--prefill 2048,7680] [--decode-context 2048] [--decode-batch 1,8] [--decode-steps 8]
-//             [--shared-prompt 2048] [--samples 8] [--sample-tokens 32] [--out FILE.json]
+//             [--shared-prompt 2048] [--samples 8] [--sample-tokens 32] [--sparse-samples [sparse flags]]
+//             [--out FILE.json]
 //
 // --model defaults to $SPADE_DATA_DIR/models/longctx-22m. Prefill: one sequence of N tokens in one chunk (a token
 // sequence drawn from the vocabulary), dense paged attention, logits of the last token. Decode: B sequences at the
@@ -12,6 +13,14 @@
 // prefix cache (its peer: the same repeat with prefix caching off); and --samples samples of that prompt
 // (Engine::submit_samples, the prompt's KV stored once) against as many separate requests submitted together: peak KV
 // pages, time to every first token, decode tokens/s.
+// --sparse-samples: the same n samples against n separate requests (and n samples with the shared INIT off) on the
+// CPU sparse pair (bench/sparse_pair.h: predicted selection, the cache rank served by a thread over a loopback
+// transport, the pair's wire as between the processes), on both ranks: peak KV pages and bytes (fp32 K and V of every
+// layer per page on either rank), bytes to the cache rank (INIT bulk ship, appends) and back (selections), time to
+// every first token, total time, decode tokens/s (tokens after the last first token over the time after it), and
+// separate / samples ratios. The sparse settings are the ranks' flags (pair/selection_flags.h: --token-budget,
+// --local-window, --sparse-threshold, --layers-per-pack, --delta-transfer, ...); the threshold must let the samples
+// switch (below --shared-prompt + --sample-tokens). An empty --prefill / --decode-batch skips that section.
 // The JSON carries date, commit (SPADE_COMMIT), the CPU, the BLAS and every figure beside the SGEMM floor.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -27,10 +36,13 @@
 #include <vector>
 
 #include "bench/run_stamp.h"
+#include "bench/sparse_pair.h"
 #include "common/error.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/model.h"
+#include "inference_rank/sparse_attention.h"
 #include "kernels/linear_ref.h"
+#include "pair/selection_flags.h"
 
 namespace {
 
@@ -105,12 +117,20 @@ ForwardBatch make_batch(const std::vector<int>& lens, const std::vector<int>& q_
   return fb;
 }
 
-std::vector<int> parse_list(const std::string& s) {
+// "a,b,c" -> {a, b, c}; "" -> {}. Throws spade::Error naming `flag` for an item that is not an integer.
+std::vector<int> parse_list(const std::string& s, const char* flag) {
   std::vector<int> out;
   size_t at = 0;
   while (at < s.size()) {
     const size_t comma = s.find(',', at);
-    out.push_back(std::stoi(s.substr(at, comma - at)));
+    const std::string item = s.substr(at, comma - at);
+    size_t used = 0;
+    try {
+      out.push_back(std::stoi(item, &used));
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    SPADE_CHECK(used > 0 && used == item.size(), "{} '{}': '{}' is not an integer", flag, s, item);
     if (comma == std::string::npos) break;
     at = comma + 1;
   }
@@ -120,10 +140,12 @@ std::vector<int> parse_list(const std::string& s) {
 }  // namespace
 
 // One engine run of `requests` (a request is `n` samples when n > 1): seconds to the first token of every sequence,
-// seconds to the end, generated tokens, the most KV pages held at once.
+// seconds to the end, generated tokens (of those, generated after every sequence had its first), the most KV pages
+// held at once, the first error a sequence ended with ("" if none).
 struct EngineRun {
   double all_first_s = 0, total_s = 0;
-  int generated = 0, peak_pages = 0;
+  int generated = 0, after_all_first = 0, peak_pages = 0;
+  std::string error;
 };
 EngineRun run_engine(spade::Engine& e, const std::vector<int32_t>& prompt, int requests, int n, int tokens) {
   spade::GenerateRequest r;
@@ -136,8 +158,11 @@ EngineRun run_engine(spade::Engine& e, const std::vector<int32_t>& prompt, int r
   std::vector<bool> seen;
   const auto t0 = Clock::now();
   auto cb = [&](const spade::TokenEvent& ev) {
+    if (ev.finished && !ev.error.empty() && out.error.empty())
+      out.error = "request " + std::to_string(ev.request_id) + ": " + ev.error;
     if (ev.token < 0) return;
     ++out.generated;
+    if (firsts == sequences) ++out.after_all_first;
     if (ev.request_id >= seen.size()) seen.resize(ev.request_id + 1, false);
     if (!seen[ev.request_id]) {
       seen[ev.request_id] = true;
@@ -157,6 +182,100 @@ EngineRun run_engine(spade::Engine& e, const std::vector<int32_t>& prompt, int r
   return out;
 }
 
+// --sparse-samples: n separate requests, n samples with the shared INIT off, and n samples, each on a fresh CPU
+// sparse pair (bench/sparse_pair.h) with engine options `eo`; rows into doc["sparse_samples"], the separate / samples
+// ratios into doc["sparse_samples_ratio"]. Throws spade::Error when a sequence failed or did not decode sparsely.
+void run_sparse_samples(const Model& model, const ModelConfig& attn_cfg, const spade::EngineOptions& eo,
+                        const spade::SparseOptions& so, const std::vector<int32_t>& prompt, int samples,
+                        int sample_tokens, nlohmann::json& doc) {
+  struct Mode {
+    const char* name;
+    bool grouped, shared_init;
+  };
+  const double page_bytes = static_cast<double>(KvCache::page_bytes(attn_cfg, eo.page_size));
+  nlohmann::json rows;
+  for (const Mode m : {Mode{"n separate requests", false, true}, Mode{"n samples, shared INIT off", true, false},
+                       Mode{"n samples (submit_samples)", true, true}}) {
+    spade::bench::LoopbackSparsePair pair(model, eo, so, m.shared_init);
+    const EngineRun r = m.grouped ? run_engine(pair.engine(), prompt, 1, samples, sample_tokens)
+                                  : run_engine(pair.engine(), prompt, samples, 1, sample_tokens);
+    SPADE_CHECK(r.error.empty(), "--sparse-samples ({}): {}", m.name, r.error);
+    const spade::bench::CacheRankTally t = pair.finish();
+    const spade::SparseStats& st = pair.sparse().stats();
+    SPADE_CHECK(st.switches == static_cast<uint64_t>(samples) && st.dense_fallbacks == 0 && st.failed_seqs == 0,
+                "--sparse-samples ({}): {} of {} sequences switched to sparse decoding ({} dense "
+                "fallbacks, {} failed)",
+                m.name, st.switches, samples, st.dense_fallbacks, st.failed_seqs);
+    const double decode_s = r.total_s - r.all_first_s;
+    nlohmann::json row = {
+        {"mode", m.name},
+        {"n", samples},
+        {"prompt_tokens", prompt.size()},
+        {"tokens_per_sample", sample_tokens},
+        {"inference_rank", {{"peak_kv_pages", r.peak_pages}, {"peak_kv_bytes", r.peak_pages * page_bytes}}},
+        {"cache_rank", {{"peak_kv_pages", t.peak_pages}, {"peak_kv_bytes", t.peak_pages * page_bytes}}},
+        {"bytes_to_cache_rank",
+         {{"total", t.to_cache_bytes}, {"init_bulk_ship", t.init_bytes}, {"appends_and_headers", t.append_bytes}}},
+        {"bytes_to_inference_rank", t.to_inference_bytes},
+        {"updates", t.updates},
+        {"init_tokens", st.init_tokens},
+        {"init_shared_tokens", st.init_shared_tokens},
+        {"shared_inits", st.shared_inits},
+        {"sparse_seq_steps", st.sparse_seq_steps},
+        {"selection_stalls", st.stalls},
+        {"selection_stall_ms", st.stall_ms},
+        {"all_first_tokens_s", r.all_first_s},
+        {"total_s", r.total_s},
+        {"generated_tokens", r.generated},
+        {"tokens_per_s", r.generated / r.total_s},
+        {"decode_tokens", r.after_all_first},
+        {"decode_tokens_per_s", decode_s > 0 ? r.after_all_first / decode_s : 0.0}};
+    std::printf("sparse %-26s n=%d: peak KV %5d pages (%.1f MB) inference, %5d (%.1f MB) cache rank; to cache "
+                "%.1f MB (INIT %.1f MB); all first tokens %.2f s, %d tokens in %.2f s, decode %.1f tok/s\n",
+                m.name, samples, r.peak_pages, r.peak_pages * page_bytes / 1e6, t.peak_pages,
+                t.peak_pages * page_bytes / 1e6, t.to_cache_bytes / 1e6, t.init_bytes / 1e6, r.all_first_s,
+                r.generated, r.total_s, row["decode_tokens_per_s"].get<double>());
+    rows.push_back(std::move(row));
+  }
+  doc["sparse_samples_settings"] = {{"selection", "predicted"},
+                                    {"sparse_threshold", so.sparse_threshold},
+                                    {"token_budget", so.selection.token_budget},
+                                    {"local_window", so.selection.local_window},
+                                    {"sink_tokens", so.selection.sink_tokens},
+                                    {"query_window", so.selection.query_window},
+                                    {"anchor_queries", so.selection.anchor_queries},
+                                    {"layers_per_pack", so.layers_per_pack},
+                                    {"delta_transfer", so.delta_transfer},
+                                    {"page_size", eo.page_size},
+                                    {"max_num_batched_tokens", eo.max_num_batched_tokens},
+                                    {"transport", "loopback (in process), cache rank on its own thread"}};
+  doc["sparse_samples"] = rows;
+  // Separate requests over n samples (shared INIT on): above 1 = the samples hold, ship or take less (for the decode
+  // tokens/s: below 1 = the samples decode faster).
+  const nlohmann::json &sep = rows.front(), &grp = rows.back();
+  auto ratio = [](const nlohmann::json& a, const nlohmann::json& b) {
+    return b.get<double>() > 0 ? a.get<double>() / b.get<double>() : 0.0;
+  };
+  doc["sparse_samples_ratio"] = {
+      {"what", "n separate requests / n samples (shared INIT on)"},
+      {"inference_peak_kv_pages", ratio(sep["inference_rank"]["peak_kv_pages"], grp["inference_rank"]["peak_kv_pages"])},
+      {"cache_peak_kv_pages", ratio(sep["cache_rank"]["peak_kv_pages"], grp["cache_rank"]["peak_kv_pages"])},
+      {"bytes_to_cache_rank", ratio(sep["bytes_to_cache_rank"]["total"], grp["bytes_to_cache_rank"]["total"])},
+      {"init_bulk_ship_bytes",
+       ratio(sep["bytes_to_cache_rank"]["init_bulk_ship"], grp["bytes_to_cache_rank"]["init_bulk_ship"])},
+      {"all_first_tokens_s", ratio(sep["all_first_tokens_s"], grp["all_first_tokens_s"])},
+      {"total_s", ratio(sep["total_s"], grp["total_s"])},
+      {"decode_tokens_per_s", ratio(sep["decode_tokens_per_s"], grp["decode_tokens_per_s"])}};
+  std::printf("sparse separate / samples: inference peak %.2fx, cache rank peak %.2fx, bytes to cache %.2fx, all "
+              "first tokens %.2fx, total %.2fx, decode tok/s %.2fx\n",
+              doc["sparse_samples_ratio"]["inference_peak_kv_pages"].get<double>(),
+              doc["sparse_samples_ratio"]["cache_peak_kv_pages"].get<double>(),
+              doc["sparse_samples_ratio"]["bytes_to_cache_rank"].get<double>(),
+              doc["sparse_samples_ratio"]["all_first_tokens_s"].get<double>(),
+              doc["sparse_samples_ratio"]["total_s"].get<double>(),
+              doc["sparse_samples_ratio"]["decode_tokens_per_s"].get<double>());
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"bench_cpu: CPU prefill / decode FLOP rates against the BLAS SGEMM rate"};
   std::string model_dir, out_path, prefill_list = "2048,7680", batch_list = "1,8";
@@ -171,9 +290,32 @@ int main(int argc, char** argv) {
   app.add_option("--samples", samples, "n of the n-sample run")->capture_default_str()->check(CLI::Range(2, 64));
   app.add_option("--sample-tokens", sample_tokens, "tokens each sample generates")->capture_default_str()
       ->check(CLI::PositiveNumber);
+  bool sparse_samples = false;
+  app.add_flag("--sparse-samples", sparse_samples,
+               "also run the n samples and the n separate requests on the CPU sparse pair (both ranks)");
+  spade::SparseOptions so;  // the sparse settings: the ranks' flags, one home (pair/selection_flags.h)
+  so.mode = spade::SelectionMode::Predicted;
+  spade::pair::SparseFlagText sparse_text;
+  spade::pair::add_sparse_flags(app, so, sparse_text,
+                                spade::pair::kSelectionFlags | spade::pair::kScheduleFlags |
+                                    spade::pair::kDeltaTransferFlag);
   app.add_option("--out", out_path, "JSON output (default: stdout only)");
   CLI11_PARSE(app, argc, argv);
   try {
+    spade::pair::resolve_sparse_flags(sparse_text, so);
+    spade::pair::FlagRefusals refusals(app);
+    if (!sparse_samples)
+      refusals.refuse("bench_cpu without --sparse-samples",
+                      {"--token-budget", "--local-window", "--sink-tokens", "--query-window", "--ridge-eps",
+                       "--gqa-rule", "--predictor", "--successor-expand", "--anchor-queries", "--anchor-span",
+                       "--sparse-threshold", "--layers-per-pack", "--delta-transfer"},
+                      "only the --sparse-samples section decodes sparsely");
+    refusals.refuse_if(sparse_samples && shared_prompt <= 0,
+                       "--sparse-samples needs --shared-prompt > 0 (the samples' prompt length)");
+    refusals.refuse_if(sparse_samples && shared_prompt > 0 && so.sparse_threshold >= shared_prompt + sample_tokens,
+                       "--sparse-threshold " + std::to_string(so.sparse_threshold) +
+                           ": no sample would switch to sparse decoding (at least --shared-prompt + --sample-tokens)");
+    refusals.check();
     if (model_dir.empty()) {
       const char* data = std::getenv("SPADE_DATA_DIR");
       SPADE_CHECK(data != nullptr, "bench_cpu: give --model or set SPADE_DATA_DIR");
@@ -186,6 +328,9 @@ int main(int argc, char** argv) {
     nlohmann::json doc;
     spade::bench::stamp_run(doc);
     doc["bench"] = "bench_cpu";
+    doc["args"] = std::vector<std::string>(argv + 1, argv + argc);
+    for (const char* var : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS"})  // the threads' settings
+      if (const char* val = std::getenv(var)) doc["env"][var] = val;
     doc["device"] = {{"cpu", cpu_name()}, {"hardware_threads", std::thread::hardware_concurrency()}};
     doc["blas"] = spade::kernels::blas_description();
     doc["model"] = model_dir;
@@ -199,7 +344,7 @@ int main(int argc, char** argv) {
                 spade::kernels::blas_description(), floor_model, big_n, big_k, floor_square);
     std::mt19937 rng(1234);
     std::vector<float> logits;
-    for (int n : parse_list(prefill_list)) {
+    for (int n : parse_list(prefill_list, "--prefill")) {
       SPADE_CHECK(n >= 1 && n <= cfg.max_position_embeddings, "bench_cpu: --prefill {} outside 1..{}", n,
                   cfg.max_position_embeddings);
       KvCache cache(attn_cfg, (n + page_size - 1) / page_size, page_size);
@@ -220,7 +365,7 @@ int main(int argc, char** argv) {
       std::printf("prefill %5d tokens: %7.2f s  %8.1f tok/s  %6.1f GFLOP/s = %.2f of SGEMM\n", n, s, n / s, gflops,
                   gflops / floor_model);
     }
-    for (int B : parse_list(batch_list)) {
+    for (int B : parse_list(batch_list, "--decode-batch")) {
       SPADE_CHECK(B >= 1 && decode_context >= 2 && decode_context <= cfg.max_position_embeddings,
                   "bench_cpu: decode batch {} / context {} out of range", B, decode_context);
       const int pages_per_seq = (decode_context + page_size - 1) / page_size;
@@ -296,6 +441,7 @@ int main(int argc, char** argv) {
                     grouped ? "n samples (shared prompt)" : "n separate requests", samples, r.peak_pages,
                     r.peak_pages * kv_page_bytes / 1e6, r.all_first_s, r.generated, r.total_s);
       }
+      if (sparse_samples) run_sparse_samples(*model, attn_cfg, eo, so, prompt, samples, sample_tokens, doc);
     }
     if (!out_path.empty()) {
       std::ofstream f(out_path);

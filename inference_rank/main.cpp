@@ -202,9 +202,7 @@ void resolve_prefix_caching(const CLI::App& app, Flags& f) {
     spade::fail("--enable-prefix-caching: not supported with --device cuda and --selection {} (the GPU cache rank "
                 "receives each token's rows as they are computed; a reused prefix would never reach it)", f.selection);
   f.eo.enable_prefix_caching = f.prefix_caching && !hybrid && !gpu_sparse;
-  if (f.so.mode != spade::SelectionMode::Dense)
-    f.eo.prefix_recompute_tokens =
-        std::max(f.so.selection.query_window + 1, std::max(1, f.so.selection.anchor_queries));
+  f.eo.prefix_recompute_tokens = f.so.prefix_recompute_tokens();
 }
 
 // A standalone run (--prompt): generates for every prompt with the cache rank, if any, in this process; the text

@@ -42,6 +42,11 @@ SparseAttention::SparseAttention(const ModelConfig& cfg, KvCache& cache, const S
     oracle_ = std::make_unique<cache::InProcessLink>(cfg, opt_.selection, cache.num_pages(), cache.page_size());
 }
 
+int SparseOptions::prefix_recompute_tokens() const {
+  if (mode == SelectionMode::Dense) return 1;
+  return std::max({1, selection.query_window + 1, selection.anchor_queries});
+}
+
 void SparseAttention::fail_link(const std::string& why) {
   if (!link_error_.empty()) return;
   link_error_ = why;

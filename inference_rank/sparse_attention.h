@@ -54,6 +54,11 @@ const char* selection_mode_name(SelectionMode m);
 struct SparseOptions : pair::SparseConfig {
   SelectionMode mode = SelectionMode::Predicted;
   std::chrono::milliseconds selection_deadline{10000};  // longest wait for a late selection before failing
+
+  /// Prompt tokens a sequence computes itself instead of taking them from shared or prefix-cached pages
+  /// (EngineOptions::prefix_recompute_tokens): its switch to sparse ships the queries of its last W + 1 tokens and of
+  /// the anchor_queries prompt anchors, which only a computed token has. 1 with mode Dense.
+  int prefix_recompute_tokens() const;
 };
 
 struct SparseStats {

@@ -111,7 +111,7 @@ TEST_F(PrefixCache, SparseDecodingWithCachedPrefixDecodesAsWithout) {
   const auto expected = run_in_turn(cold, {a}, 60);
   EngineOptions o = options(true);
   // The sparse backend's INIT ship needs the prompt's last queries: those tokens are always recomputed.
-  o.prefix_recompute_tokens = std::max(so.selection.query_window + 1, so.selection.anchor_queries);
+  o.prefix_recompute_tokens = so.prefix_recompute_tokens();
   Engine warm(*model, o, factory);
   const auto got = run_in_turn(warm, {a, a}, 60);
   EXPECT_EQ(got[0], expected[0]);
@@ -225,7 +225,7 @@ TEST_F(Samples, SparseDecodingSamplesDecodeAsIndependentRequests) {
   const SparseOptions so = sparse_options();
   const BackendFactory factory = in_process_sparse(so);
   EngineOptions o = options(false);
-  o.prefix_recompute_tokens = std::max(so.selection.query_window + 1, so.selection.anchor_queries);
+  o.prefix_recompute_tokens = so.prefix_recompute_tokens();
   const auto p = prompt(220, 6);
   const int n = 3;
   Engine alone(*model, o, factory);

@@ -108,7 +108,7 @@ struct Pair {
   RecordingLink* link = nullptr;
   SparseAttention* sparse = nullptr;
   Pair(const Model& m, EngineOptions o, const SparseOptions& so, bool sharing, int cache_page = 0) {
-    o.prefix_recompute_tokens = std::max(so.selection.query_window + 1, so.selection.anchor_queries);
+    o.prefix_recompute_tokens = so.prefix_recompute_tokens();
     engine = std::make_unique<Engine>(m, o, [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
       auto l = std::make_unique<RecordingLink>(cfg, so.selection, kv.num_pages() * 2,
                                                cache_page > 0 ? cache_page : kv.page_size());
@@ -302,7 +302,7 @@ TEST_F(SharedPromptPair, OverATransportTheSharedTokensAreNotShipped) {
   for (bool sharing : {false, true}) {
     LoopbackCacheRank cr;
     EngineOptions o = options();
-    o.prefix_recompute_tokens = std::max(so.selection.query_window + 1, so.selection.anchor_queries);
+    o.prefix_recompute_tokens = so.prefix_recompute_tokens();
     Engine e(*model, o, [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
       return std::make_unique<SparseAttention>(cfg, kv, so, cr.start(cfg, so));
     });
