@@ -297,7 +297,7 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
     if (pack == 0) pending_.released.swap(released_);
   }
 
-  const int W1 = std::max(sc.query_window + 1, sc.anchor_queries);  // the predictor's window; the prompt anchors
+  const int W1 = opt_.prefix_recompute_tokens();  // the predictor's window; the prompt anchors
   for (int b = 0; b < batch.batch(); ++b) {
     const uint64_t id = batch.seq_ids[b];
     SeqState& s = seqs_[id];
@@ -387,6 +387,29 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
       }
     }
 
+    // A prefill chunk without a selection: the dense path's tiled prefill attention (DensePagedAttention's
+    // kernels::paged_attention_ref over this sequence alone), so prefill costs and computes what it does densely.
+    // Decode rows keep the two-pass rows below, the arithmetic a sparse step uses.
+    if (sel == nullptr && q_len > 1) {
+      const int32_t cu[2] = {0, q_len};
+      kernels::PagedAttentionParams p;
+      p.q = q + static_cast<size_t>(q0) * Q;
+      p.k_cache = cache_.k(layer);
+      p.v_cache = cache_.v(layer);
+      p.block_table = pages;
+      p.cu_q_lens = cu;
+      p.seq_lens = &batch.seq_lens[b];
+      p.out = out + static_cast<size_t>(q0) * Q;
+      p.batch = 1;
+      p.num_q_heads = Hq;
+      p.num_kv_heads = Hkv;
+      p.head_dim = D;
+      p.page_size = page;
+      p.max_pages_per_seq = batch.max_pages;
+      p.scale = scale;
+      kernels::paged_attention_ref(p);
+      continue;
+    }
     // Attention, per KV head: rows in ascending position order.
     for (int kvh = 0; kvh < Hkv; ++kvh) {
       for (int i = 0; i < q_len; ++i) {

@@ -78,7 +78,7 @@ struct RejoinTest : ::testing::Test {
     b.outcome = std::async(std::launch::async, [&c, &b] {
       test::GenerateOptions o;
       o.ignore_eos = true;
-      return test::generate(c, kPrompt, 400, [&b](size_t n) { b.tokens = n; }, o);
+      return test::generate(c, kPrompt, 500, [&b](size_t n) { b.tokens = n; }, o);  // 4 + 500 <= 512
     });
   }
   /// Waits until the background request is past the sparse threshold (decoding sparsely).
@@ -154,8 +154,12 @@ TEST_F(RejoinTest, KilledInferenceRankIsReplacedAndTheLiveCacheRankServesIt) {
   Background b;
   run_long(*c, b);
   ASSERT_TRUE(mid_decode(b)) << cl.logs();
-  std::this_thread::sleep_for(300ms);
-  EXPECT_GT(metric(cl.cache_metrics_port, "spade_cache_sequences"), 0) << "the cache rank holds the sparse sequence";
+  // The cache rank holds the sparse sequence (its gauge follows each pack, so poll rather than wait a fixed time:
+  // the request must still be decoding when the rank is killed).
+  bool held = false;
+  for (auto until = Clock::now() + 5s; !held && Clock::now() < until; std::this_thread::sleep_for(5ms))
+    held = metric(cl.cache_metrics_port, "spade_cache_sequences") > 0;
+  EXPECT_TRUE(held) << "the cache rank holds the sparse sequence";
   cl.inf->signal(SIGKILL);
   const test::Outcome cut = b.outcome.get();
   EXPECT_EQ(cut.reason, proto::FINISH_ERROR) << cut.error;
