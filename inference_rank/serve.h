@@ -18,6 +18,10 @@
 // the GPU a fresh NCCL / CUDA IPC offer), connects on a thread of its own within the rendezvous timeout and swaps the
 // new link in between two steps: requests admitted before stay dense to their end, new ones decode sparsely, the pair
 // is whole again (/ready, spade_pair_degraded 0). A failed re-handshake leaves it degraded, saying why.
+//
+// The units: run_serve (serve.cpp: setup, the loop, shutdown), the pair side (serve_pairing.h: PairHealth and the
+// CPU / GPU DataPlane: links, engine, PeerDown / PeerReplaced, the pair's statistics) and the request side
+// (serve_requests.h: parse_request and the RequestTable: intake, cancellation, chunks).
 #pragma once
 
 #include <chrono>
