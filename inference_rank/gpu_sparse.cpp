@@ -223,6 +223,8 @@ void GpuSparseController::set_request_options(uint64_t seq_id, bool force_dense,
   st_->planner.set_request_options(seq_id, force_dense, sparse_threshold);
 }
 
+void GpuSparseController::detach(uint64_t seq_id) { st_->planner.detach(seq_id); }
+
 void GpuSparseController::on_release(uint64_t seq_id) { st_->planner.on_release(seq_id); }
 
 std::pair<int, int> GpuSparseController::droppable_range(uint64_t seq_id, int seq_len) {

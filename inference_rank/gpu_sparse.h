@@ -113,6 +113,9 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   /// Per-request overrides, set before the request's first step: `force_dense` keeps it dense; `sparse_threshold`
   /// > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);
+  /// A sequence the engine ran before this controller's cache rank was paired (rejoin): dense to its end, and the
+  /// new cache rank holds only its tokens from its next step on (SparseStepPlanner::detach).
+  void detach(uint64_t seq_id);
 
   /// Sends the pair hello (make_gpu_pair_hello) as the link's first message and waits until it left (at most the
   /// link's op_timeout). Call once, after construction and before the first step: every CUDA call that synchronises

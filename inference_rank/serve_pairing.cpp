@@ -148,8 +148,8 @@ void DataPlane::on_peer_down(const proto::PeerDown& pd) {
   const int shard = shard_of_rank(pd.rank());
   if (!has_link_ || shard < 0) return;
   health_->degrade(cache_down_reason(pd), true, false, shard);  // the callback has aborted the link already
-  spdlog::warn("{}: cache rank {} of {} is down: sparse requests in flight fail, every other and every new request "
-               "decodes densely", self_, pd.rank(), cache_name_);
+  spdlog::warn("{}: {}; sparse requests in flight fail, every other and every new request decodes densely", self_,
+               cache_down_reason(pd));
 }
 
 bool DataPlane::replace_shard(const proto::PeerReplaced&, const std::string&, coord::CoordinatorClient&) {

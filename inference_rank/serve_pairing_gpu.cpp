@@ -138,9 +138,8 @@ class GpuDataPlane final : public DataPlane {
   void swap_in(const proto::RankInfo& peer, const RequestTable& requests) override {
     Repaired g = repair_gpu_.get();
     check_not_declared_dead(peer.incarnation());
-    requests.for_each_sample([&g](uint64_t eid, int threshold, int /*token_budget: the rank's on the GPU*/) {
-      g.controller->set_request_options(eid, true, threshold);
-    });
+    // The samples admitted before the swap have tokens the new cache rank never received: dense to their end.
+    requests.for_each_sample([&g](uint64_t eid, int /*threshold*/, int /*token_budget*/) { g.controller->detach(eid); });
     if (gpu_sparse_) add(retired_stats_, gpu_sparse_->stats());  // the old controller's counters keep counting
     health_->rearm(nullptr, nullptr);  // the old link goes below
     gpu_->set_sparse(g.controller.get());

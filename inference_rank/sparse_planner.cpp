@@ -38,6 +38,12 @@ void SparseStepPlanner::set_request_options(uint64_t seq_id, bool force_dense, i
   s.threshold = sparse_threshold;
 }
 
+void SparseStepPlanner::detach(uint64_t seq_id) {
+  Seq& s = seqs_[seq_id];
+  s.force_dense = true;
+  s.rebase = true;
+}
+
 void SparseStepPlanner::on_release(uint64_t seq_id) {
   auto it = seqs_.find(seq_id);
   if (it == seqs_.end()) return;
@@ -142,6 +148,15 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
     const int q_len = fb.cu_q_lens[static_cast<size_t>(r) + 1] - fb.cu_q_lens[static_cast<size_t>(r)];
     const int ctx = fb.seq_lens[static_cast<size_t>(r)];
     pair::GpuPlanRow row{s.slot, q_len, ctx, 0u};
+    if (ctx == q_len) {
+      s.rebase = false;
+      s.offset = 0;
+    } else if (s.rebase) {  // detached: the cache rank's slot starts with this step's tokens
+      s.rebase = false;
+      s.offset = ctx - q_len;
+      row.flags |= pair::kRowFresh;
+    }
+    row.ctx_len = ctx - s.offset;
     if (ctx == q_len) {
       row.flags |= pair::kRowFresh;
       // Starting over: the cache rank forgets this slot, so its selection starts over too.

@@ -75,6 +75,11 @@ class SparseStepPlanner {
   explicit SparseStepPlanner(const GpuSparseOptions& o);
   /// Per request, before its first step: force_dense keeps it dense; threshold > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);
+  /// A sequence the engine already ran before this planner's cache rank was paired (a replacement cache rank,
+  /// rejoin): that rank holds none of its tokens. It stays dense to its end, and its plan rows count from its next
+  /// step as if it started there (the first one kRowFresh, ctx_len minus the tokens before it), so the cache rank
+  /// keeps a consistent (never selected) slot for it instead of refusing a row that continues past what it holds.
+  void detach(uint64_t seq_id);
   /// The step `fb` (the engine's batch; seq_ids required). `step` numbers the plan. Throws spade::Error when more
   /// than max_slots sequences are live at once.
   StepDecision plan_step(const ForwardBatch& fb, int64_t step);
@@ -109,6 +114,8 @@ class SparseStepPlanner {
     bool dropped = false;        // droppable_range() handed out a range: never attend densely again
     bool force_dense = false;
     int threshold = 0;
+    bool rebase = false;  // detach()ed: its next row starts it over on the cache rank
+    int offset = 0;       // tokens the cache rank does not hold (before its rebased row)
   };
   GpuSparseOptions o_;
   std::unordered_map<uint64_t, Seq> seqs_;

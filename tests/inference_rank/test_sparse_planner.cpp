@@ -290,6 +290,29 @@ TEST(SparsePlanner, PerRequestOptions) {
   EXPECT_THROW(p.set_request_options(4, false, -1), Error);
 }
 
+// Rejoin on the GPU: a sequence the engine ran before a replacement cache rank was paired is detached on the new
+// planner. Its rows start over on the cache rank at its next step (kRowFresh, ctx_len counted from there: the
+// replacement holds none of its earlier tokens), it never switches, and a real restart at position 0 ends the offset.
+TEST(SparsePlanner, ADetachedSequenceStartsOverOnTheCacheRankAndStaysDense) {
+  SparseStepPlanner p(opts());
+  p.detach(1);
+  StepDecision d = p.plan_step(batch({{1, 1, 137}, {2, 30, 30}}), 0);
+  EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowFresh));
+  EXPECT_EQ(d.plan.rows[0].q_len, 1);
+  EXPECT_EQ(d.plan.rows[0].ctx_len, 1) << "the cache rank's slot holds this step's token alone";
+  EXPECT_EQ(d.windows[0], 137) << "attended densely over all of its local KV";
+  EXPECT_EQ(d.plan.rows[1].ctx_len, 30);
+  for (int t = 1; t <= 3; ++t) {
+    d = p.plan_step(batch({{1, 1, 137 + t}, {2, 1, 30 + t}}), t);
+    EXPECT_EQ(d.plan.rows[0].flags, 0u) << "past the threshold, but detached: never selected";
+    EXPECT_EQ(d.plan.rows[0].ctx_len, 1 + t);
+    EXPECT_EQ(d.windows[0], 137 + t);
+  }
+  d = p.plan_step(batch({{1, 40, 40}}), 4);  // the engine restarts it at position 0
+  EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowFresh));
+  EXPECT_EQ(d.plan.rows[0].ctx_len, 40);
+}
+
 TEST(SparsePlanner, AFreshRestartDropsTheSelection) {
   SparseStepPlanner p(opts());
   p.plan_step(batch({{1, 110, 110}}), 0);
