@@ -121,22 +121,27 @@ void write_kv_pages(const ForwardBatch& batch, const float* k, const float* v, f
 void DensePagedAttention::attend(int layer, const ForwardBatch& batch, const float* q, const float* k,
                                  const float* v, float* out) {
   write_kv_pages(batch, k, v, cache_.k(layer), cache_.v(layer), cache_.page_size(), cfg_.kv_dim());
+  kernels::paged_attention_ref(paged_attention_params(cfg_, cache_, layer, batch, q, out));
+}
+
+kernels::PagedAttentionParams paged_attention_params(const ModelConfig& cfg, const KvCache& cache, int layer,
+                                                     const ForwardBatch& batch, const float* q, float* out) {
   kernels::PagedAttentionParams p;
   p.q = q;
-  p.k_cache = cache_.k(layer);
-  p.v_cache = cache_.v(layer);
+  p.k_cache = cache.k(layer);
+  p.v_cache = cache.v(layer);
   p.block_table = batch.block_table.data();
   p.cu_q_lens = batch.cu_q_lens.data();
   p.seq_lens = batch.seq_lens.data();
   p.out = out;
   p.batch = batch.batch();
-  p.num_q_heads = cfg_.num_q_heads;
-  p.num_kv_heads = cfg_.num_kv_heads;
-  p.head_dim = cfg_.head_dim;
-  p.page_size = cache_.page_size();
+  p.num_q_heads = cfg.num_q_heads;
+  p.num_kv_heads = cfg.num_kv_heads;
+  p.head_dim = cfg.head_dim;
+  p.page_size = cache.page_size();
   p.max_pages_per_seq = batch.max_pages;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(cfg_.head_dim));
-  kernels::paged_attention_ref(p);
+  p.scale = 1.0f / std::sqrt(static_cast<float>(cfg.head_dim));
+  return p;
 }
 
 Model::Model(ModelConfig cfg, ModelWeights w) : cfg_(std::move(cfg)), w_(std::move(w)) {

@@ -23,6 +23,7 @@
 
 #include "common/config.h"
 #include "inference_rank/weights.h"
+#include "kernels/paged_attention_ref.h"
 
 namespace spade {
 
@@ -108,6 +109,13 @@ class DensePagedAttention : public AttentionBackend {
   const ModelConfig& cfg_;
   KvCache& cache_;
 };
+
+/// The arguments of kernels::paged_attention_ref for `layer` of `cache`, the sequences of `batch` (q [total_tokens,
+/// num_q_heads, head_dim] fp32 -> out, same shape): the model's heads and head_dim, softmax scale 1/sqrt(head_dim),
+/// the layer's K/V pages, `batch`'s block table, q lengths and context lengths. A caller attending a subset points
+/// q / out / cu_q_lens / seq_lens / block_table / batch at it.
+kernels::PagedAttentionParams paged_attention_params(const ModelConfig& cfg, const KvCache& cache, int layer,
+                                                     const ForwardBatch& batch, const float* q, float* out);
 
 /// Writes the batch's new k/v rows ([total_tokens, num_kv_heads, head_dim]) into one layer's paged K/V storage.
 void write_kv_pages(const ForwardBatch& batch, const float* k, const float* v, float* k_cache, float* v_cache,

@@ -392,21 +392,13 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
     // Decode rows keep the two-pass rows below, the arithmetic a sparse step uses.
     if (sel == nullptr && q_len > 1) {
       const int32_t cu[2] = {0, q_len};
-      kernels::PagedAttentionParams p;
-      p.q = q + static_cast<size_t>(q0) * Q;
-      p.k_cache = cache_.k(layer);
-      p.v_cache = cache_.v(layer);
+      kernels::PagedAttentionParams p = paged_attention_params(cfg_, cache_, layer, batch,
+                                                               q + static_cast<size_t>(q0) * Q,
+                                                               out + static_cast<size_t>(q0) * Q);
       p.block_table = pages;
       p.cu_q_lens = cu;
       p.seq_lens = &batch.seq_lens[b];
-      p.out = out + static_cast<size_t>(q0) * Q;
       p.batch = 1;
-      p.num_q_heads = Hq;
-      p.num_kv_heads = Hkv;
-      p.head_dim = D;
-      p.page_size = page;
-      p.max_pages_per_seq = batch.max_pages;
-      p.scale = scale;
       kernels::paged_attention_ref(p);
       continue;
     }

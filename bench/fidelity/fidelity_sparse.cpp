@@ -154,21 +154,10 @@ void GrowingBudgetSparse::diagnose(int layer, const ForwardBatch& batch, const f
   // Dense attention of the same query over the same run's KV (the arithmetic SparseAttention's rows use).
   dense_out_.resize(static_cast<size_t>(Hq) * D);
   const int32_t cu[2] = {0, 1};
-  kernels::PagedAttentionParams p;
-  p.q = q_t;
-  p.k_cache = kv_.k(layer);
-  p.v_cache = kv_.v(layer);
-  p.block_table = batch.block_table.data();
+  kernels::PagedAttentionParams p = paged_attention_params(cfg_, kv_, layer, batch, q_t, dense_out_.data());
   p.cu_q_lens = cu;
   p.seq_lens = &L;
-  p.out = dense_out_.data();
   p.batch = 1;
-  p.num_q_heads = Hq;
-  p.num_kv_heads = cfg_.num_kv_heads;
-  p.head_dim = D;
-  p.page_size = kv_.page_size();
-  p.max_pages_per_seq = batch.max_pages;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(D));
   kernels::paged_attention_ref(p);
   for (int h = 0; h < Hq; ++h) {
     const double r = mass_recall(cfg_, probs_, h, L, sel, v_.S, v_.R);
