@@ -2,11 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <random>
 #include <sstream>
-#include <cstring>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -148,18 +151,27 @@ ProcessExit run_to_exit(const std::string& exe, const std::vector<std::string>& 
 }
 
 int free_port() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  if (s < 0 || ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0)
-    throw std::runtime_error("free_port: cannot bind a socket");
-  const int port = ntohs(a.sin_port);
-  ::close(s);
-  return port;
+  // Below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default): a port from bind(0)
+  // lies in that range, where any outgoing connection of a parallel test (a cluster opens thousands) may take it as
+  // its source port before the process meant to listen on it has started. Here only another explicit bind can, and
+  // a random start per process (pid, time) spreads parallel tests apart. Each candidate is checked bindable.
+  static std::mt19937 rng(static_cast<uint32_t>(::getpid()) * 2654435761u ^
+                          static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lk(mu);
+  for (int attempt = 0; attempt < 2000; ++attempt) {
+    const int port = 20000 + static_cast<int>(rng() % 12000);
+    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (s < 0) throw std::runtime_error("free_port: cannot create a socket");
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    ::close(s);
+    if (ok) return port;
+  }
+  throw std::runtime_error("free_port: no bindable port in 20000-31999 after 2000 tries");
 }
 
 }  // namespace spade::test

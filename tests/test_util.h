@@ -68,7 +68,8 @@ struct ProcessExit {
 ProcessExit run_to_exit(const std::string& exe, const std::vector<std::string>& args, const std::string& name,
                         std::chrono::milliseconds timeout);
 
-/// A free TCP port on 127.0.0.1 (bound and released; racy but fine for tests).
+/// A free TCP port on 127.0.0.1 in 20000-31999, below the ephemeral range (bound and released: another explicit
+/// bind may still take it before its user does, but no outgoing connection will).
 int free_port();
 
 }  // namespace spade::test

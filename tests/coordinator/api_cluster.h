@@ -43,6 +43,18 @@ struct ClusterOptions {
   std::vector<std::string> cache_flags;
 };
 
+/// The `data: ` payloads of a server-sent-events body (already de-chunked), in order, "[DONE]" included.
+inline std::vector<std::string> sse_payloads(const std::string& body) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while ((pos = body.find("data: ", pos)) != std::string::npos) {
+    const size_t end = body.find("\n\n", pos);
+    out.push_back(body.substr(pos + 6, end == std::string::npos ? std::string::npos : end - pos - 6));
+    pos = end;
+  }
+  return out;
+}
+
 /// coordinator (rank 0) + inference (rank 1) + cache (rank 2), all on 127.0.0.1 with free ports.
 struct ApiCluster {
   int control_port = free_port();

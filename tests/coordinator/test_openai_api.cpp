@@ -32,11 +32,7 @@ struct Sse {
 };
 Sse parse_sse(const std::string& body, bool chat) {
   Sse s;
-  size_t pos = 0;
-  while ((pos = body.find("data: ", pos)) != std::string::npos) {
-    const size_t end = body.find("\n\n", pos);
-    const std::string payload = body.substr(pos + 6, end - pos - 6);
-    pos = end;
+  for (const std::string& payload : sse_payloads(body)) {
     if (payload == "[DONE]") {
       s.done = true;
       continue;

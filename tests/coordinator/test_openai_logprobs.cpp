@@ -49,11 +49,7 @@ class OpenAiLogprobs : public ::testing::Test {
     const auto r = c->post(path, body.dump());
     EXPECT_EQ(r.status, 200) << r.body;
     std::vector<json> ev;
-    size_t pos = 0;
-    while ((pos = r.body.find("data: ", pos)) != std::string::npos) {
-      const size_t end = r.body.find("\n\n", pos);
-      const std::string payload = r.body.substr(pos + 6, end - pos - 6);
-      pos = end;
+    for (const std::string& payload : sse_payloads(r.body)) {
       if (payload != "[DONE]") ev.push_back(json::parse(payload));
     }
     return ev;

@@ -32,11 +32,7 @@ struct Stream {
 };
 Stream parse_stream(const std::string& body, bool chat) {
   Stream s;
-  size_t pos = 0;
-  while ((pos = body.find("data: ", pos)) != std::string::npos) {
-    const size_t end = body.find("\n\n", pos);
-    const std::string payload = body.substr(pos + 6, end - pos - 6);
-    pos = end;
+  for (const std::string& payload : sse_payloads(body)) {
     if (payload == "[DONE]") {
       s.done = true;
       continue;

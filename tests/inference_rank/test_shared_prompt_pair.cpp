@@ -16,6 +16,7 @@
 #include "inference_rank/engine.h"
 #include "inference_rank/sparse_attention.h"
 #include "pair/link.h"
+#include "tests/inference_rank/loopback_cache_rank.h"
 #include "tests/test_util.h"
 #include "transport/loopback.h"
 
@@ -263,35 +264,7 @@ TEST_F(SharedPromptPair, APrefixCacheHitSharesTheRunningHoldersPagesOnTheCacheRa
 // Over a transport: a cache rank served by a thread (cache::serve_cache_rank, pair::TransportLink), so the shared
 // INIT crosses the wire encoded. The tokens match the unshared run, and the cache rank receives exactly the shared
 // tokens' K/V fewer bytes (less the 16-byte share of each pack's INIT entry).
-struct LoopbackCacheRank {
-  std::shared_ptr<transport::LoopbackFabric> fabric = transport::LoopbackFabric::create();
-  std::unique_ptr<transport::Transport> t_inf = fabric->make_transport("inference rank 0");
-  std::unique_ptr<transport::Transport> t_cache = fabric->make_transport("cache rank 1");
-  std::unique_ptr<transport::Endpoint> ep_cache;
-  std::unique_ptr<cache::Selector> sel;
-  std::atomic<bool> stop{false};
-  std::thread th;
-  std::string served_error;
-  pair::LinkStats stats;
-  std::unique_ptr<pair::CacheRankLink> start(const ModelConfig& cfg, const SparseOptions& o) {
-    const auto dl = transport::Clock::now() + std::chrono::seconds(5);
-    std::unique_ptr<transport::Endpoint> ep_inf;
-    std::thread c([&] { ep_cache = t_cache->connect(t_inf->local_address(), "inference rank 0", dl); });
-    ep_inf = t_inf->connect(t_cache->local_address(), "cache rank 1", dl);
-    c.join();
-    sel = std::make_unique<cache::Selector>(cfg, o.selection, 1024, 16);
-    const pair::PackShape shape = pair::pack_shape(cfg, o.selection);
-    th = std::thread([this, shape] {
-      served_error = cache::serve_cache_rank(*ep_cache, *sel, shape, stop, &stats, std::chrono::milliseconds(50));
-    });
-    return std::make_unique<pair::TransportLink>(std::move(ep_inf), shape);
-  }
-  void join() {
-    stop = true;
-    if (th.joinable()) th.join();
-  }
-  ~LoopbackCacheRank() { join(); }
-};
+using test::LoopbackCacheRank;
 
 TEST_F(SharedPromptPair, OverATransportTheSharedTokensAreNotShipped) {
   const SparseOptions so = stories_sparse();
@@ -304,7 +277,7 @@ TEST_F(SharedPromptPair, OverATransportTheSharedTokensAreNotShipped) {
     EngineOptions o = options();
     o.prefix_recompute_tokens = so.prefix_recompute_tokens();
     Engine e(*model, o, [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
-      return std::make_unique<SparseAttention>(cfg, kv, so, cr.start(cfg, so));
+      return std::make_unique<SparseAttention>(cfg, kv, so, cr.start(cfg, so, false, 1024));
     });
     auto* sparse = dynamic_cast<SparseAttention*>(&e.attention());
     if (!sharing) sparse->set_page_allocator(nullptr);

@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/sparse_attention.h"
+#include "tests/inference_rank/loopback_cache_rank.h"
 #include "tests/test_util.h"
 #include "transport/loopback.h"
 
@@ -96,40 +97,7 @@ BackendFactory in_process(SparseOptions o, bool delta = false) {
   };
 }
 
-// A cache rank served by a thread over an in-process loopback transport.
-struct LoopbackCacheRank {
-  std::shared_ptr<transport::LoopbackFabric> fabric = transport::LoopbackFabric::create();
-  std::unique_ptr<transport::Transport> t_inf = fabric->make_transport("inference rank 0");
-  std::unique_ptr<transport::Transport> t_cache = fabric->make_transport("cache rank 1");
-  std::unique_ptr<transport::Endpoint> ep_cache;
-  std::unique_ptr<cache::Selector> sel;
-  std::atomic<bool> stop{false};
-  std::thread th;
-  std::string served_error;
-  pair::LinkStats stats;
-  std::unique_ptr<pair::SelectionMirror> mirror;  // delta transfer when set
-
-  std::unique_ptr<pair::CacheRankLink> start(const ModelConfig& cfg, const SparseOptions& o, bool delta = false) {
-    const auto dl = transport::Clock::now() + std::chrono::seconds(5);
-    std::unique_ptr<transport::Endpoint> ep_inf;
-    std::thread c([&] { ep_cache = t_cache->connect(t_inf->local_address(), "inference rank 0", dl); });
-    ep_inf = t_inf->connect(t_cache->local_address(), "cache rank 1", dl);
-    c.join();
-    sel = std::make_unique<cache::Selector>(cfg, o.selection, 4096, 16);
-    const pair::PackShape shape = pair::pack_shape(cfg, o.selection);
-    if (delta) mirror = std::make_unique<pair::SelectionMirror>(cfg.num_kv_heads, o.selection.token_budget, cfg.head_dim);
-    th = std::thread([this, shape] {
-      cache::ServeHooks hooks;
-      hooks.mirror = mirror.get();
-      served_error = cache::serve_cache_rank(*ep_cache, *sel, shape, stop, &stats, std::chrono::milliseconds(100), hooks);
-    });
-    return std::make_unique<pair::TransportLink>(std::move(ep_inf), shape);
-  }
-  ~LoopbackCacheRank() {
-    stop = true;
-    if (th.joinable()) th.join();
-  }
-};
+using test::LoopbackCacheRank;
 
 struct Stories : ::testing::Test {
   std::unique_ptr<Model> model;
