@@ -83,33 +83,39 @@ struct Timing {
   int iters = 0;
 };
 
-// Times fn(set) for `iters` launches (set = i % sets) after `warmup` launches; one event pair per launch.
-Timing time_it(const Options& o, int sets, const std::function<void(int)>& fn) {
-  for (int i = 0; i < o.warmup; ++i) fn(i % sets);
-  CK(cudaDeviceSynchronize());
-  std::vector<cudaEvent_t> ev(2 * o.iters);
+// Times `iters` runs of run(i), each between an event pair on stream `st` (nullptr: the legacy default stream, and
+// the wait is for the whole device), as `calls` calls each: the statistics are of the per-call times.
+Timing time_events(int iters, cudaStream_t st, int calls, const std::function<void(int)>& run) {
+  std::vector<cudaEvent_t> ev(2 * iters);
   for (auto& e : ev) CK(cudaEventCreate(&e));
-  for (int i = 0; i < o.iters; ++i) {
-    CK(cudaEventRecord(ev[2 * i]));
-    fn(i % sets);
-    CK(cudaEventRecord(ev[2 * i + 1]));
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(ev[2 * i], st));
+    run(i);
+    CK(cudaEventRecord(ev[2 * i + 1], st));
   }
-  CK(cudaDeviceSynchronize());
-  std::vector<double> us(o.iters);
-  for (int i = 0; i < o.iters; ++i) {
+  CK(st == nullptr ? cudaDeviceSynchronize() : cudaStreamSynchronize(st));
+  std::vector<double> us(iters);
+  for (int i = 0; i < iters; ++i) {
     float ms = 0.f;
     CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    us[i] = 1000.0 * ms;
+    us[i] = 1000.0 * ms / calls;
   }
   for (auto& e : ev) CK(cudaEventDestroy(e));
   std::sort(us.begin(), us.end());
   Timing t;
-  t.iters = o.iters;
+  t.iters = iters;
   t.median_us = us[us.size() / 2];
   t.p10_us = us[us.size() / 10];
   t.p90_us = us[(us.size() * 9) / 10];
   t.min_us = us.front();
   return t;
+}
+
+// Times fn(set) for `iters` launches (set = i % sets) after `warmup` launches; one event pair per launch.
+Timing time_it(const Options& o, int sets, const std::function<void(int)>& fn) {
+  for (int i = 0; i < o.warmup; ++i) fn(i % sets);
+  CK(cudaDeviceSynchronize());
+  return time_events(o.iters, nullptr, 1, [&](int i) { fn(i % sets); });
 }
 
 // Times fn(set, stream) captured o.graph_calls times back to back (set = i % sets) in one CUDA graph: warm-up
@@ -126,30 +132,9 @@ Timing time_graph(const Options& o, int sets, cudaStream_t st, const std::functi
   CK(cudaGraphInstantiate(&exec, graph, 0));
   for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, st));
   CK(cudaStreamSynchronize(st));
-  std::vector<cudaEvent_t> ev(2 * o.iters);
-  for (auto& e : ev) CK(cudaEventCreate(&e));
-  for (int i = 0; i < o.iters; ++i) {
-    CK(cudaEventRecord(ev[2 * i], st));
-    CK(cudaGraphLaunch(exec, st));
-    CK(cudaEventRecord(ev[2 * i + 1], st));
-  }
-  CK(cudaStreamSynchronize(st));
-  std::vector<double> us(o.iters);
-  for (int i = 0; i < o.iters; ++i) {
-    float ms = 0.f;
-    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    us[i] = 1000.0 * ms / o.graph_calls;
-  }
-  for (auto& e : ev) CK(cudaEventDestroy(e));
+  const Timing t = time_events(o.iters, st, o.graph_calls, [&](int) { CK(cudaGraphLaunch(exec, st)); });
   CK(cudaGraphExecDestroy(exec));
   CK(cudaGraphDestroy(graph));
-  std::sort(us.begin(), us.end());
-  Timing t;
-  t.iters = o.iters;
-  t.median_us = us[us.size() / 2];
-  t.p10_us = us[us.size() / 10];
-  t.p90_us = us[(us.size() * 9) / 10];
-  t.min_us = us.front();
   return t;
 }
 
@@ -196,6 +181,12 @@ void log_line(const json& r) {
   std::fflush(stdout);
 }
 
+// Adds row `r` to the results and prints it.
+void record(Ctx& c, const json& r) {
+  c.results.push_back(r);
+  log_line(r);
+}
+
 double measure_copy(Ctx& c) {
   const size_t bytes = size_t{1} << 30;
   void* a = dmalloc(bytes);
@@ -210,8 +201,7 @@ double measure_copy(Ctx& c) {
   r["name"] = "copy_d2d_1GiB";
   r["kind"] = "copy";
   r["note"] = "cudaMemcpyAsync device-to-device of 1 GiB; bytes = read + write";
-  c.results.push_back(r);
-  log_line(r);
+  record(c, r);
   return gbps;
 }
 
@@ -247,6 +237,35 @@ void free_kv(KvSet& s) {
 
 constexpr int kHq = 32, kHkv = 8, kD = 128;  // Qwen3-8B attention
 
+// The fields every decode-attention parameter struct (PagedDecodeParams, SparseIndexDecodeParams,
+// SparsePackedDecodeParams) shares, for the bench's heads (kHq, kHkv, kD): batch rows of q / out, the cache's page
+// geometry, the softmax scale 1/sqrt(kD) and the split-K workspace.
+template <typename Params>
+void set_decode_common(Params& p, DType dtype, void* q, void* out, int batch, int ps, int max_pages,
+                       DecodeWorkspace ws) {
+  p.dtype = dtype;
+  p.q = q;
+  p.out = out;
+  p.batch = batch;
+  p.num_q_heads = kHq;
+  p.num_kv_heads = kHkv;
+  p.head_dim = kD;
+  p.page_size = ps;
+  p.max_pages_per_seq = max_pages;
+  p.scale = 1.f / std::sqrt(static_cast<float>(kD));
+  p.workspace = ws;
+}
+
+// A decode case's timing row: `launch(set, stream)` timed over the `sets` input sets (and, with `graph`, as a CUDA
+// graph: r["graph"]), moving `bytes` per call. The caller adds name, kind, dtype and shape, then record()s it.
+json time_decode(Ctx& c, int sets, const std::function<void(int, cudaStream_t)>& launch, double bytes, bool graph) {
+  const Timing t = time_it(c.opt, sets, [&](int s) { launch(s, nullptr); });
+  json r = timing_json(t, bytes, c.copy_gbps);
+  if (graph) r["graph"] = graph_json(time_graph(c.opt, sets, c.stream, launch), bytes, c.copy_gbps, c.opt.graph_calls);
+  r["input_sets"] = sets;
+  return r;
+}
+
 // `layout`: "contiguous" (page_size == len) or "paged<ps>[ascending|allocator]" (placement, header comment).
 // `graph`: also time the case as a CUDA graph of back-to-back launches (r["graph"]).
 void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const char* layout, int splits = 0,
@@ -269,19 +288,9 @@ void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const c
   void* ws = dmalloc(ws_bytes);
   CK(decode_workspace_init({ws, ws_bytes}, nullptr));
   PagedDecodeParams p;
-  p.dtype = dtype;
-  p.q = q;
-  p.out = out;
+  set_decode_common(p, dtype, q, out, batch, ps, kv[0].max_pages, {ws, ws_bytes});
   p.seq_lens = lens;
-  p.batch = batch;
-  p.num_q_heads = kHq;
-  p.num_kv_heads = kHkv;
-  p.head_dim = kD;
-  p.page_size = ps;
-  p.max_pages_per_seq = kv[0].max_pages;
   p.max_seq_len = len;
-  p.scale = 1.f / std::sqrt(static_cast<float>(kD));
-  p.workspace = {ws, ws_bytes};
   p.num_splits = splits;
   p.kv_heads_per_cta = heads_per_cta;
   auto launch = [&](int s, cudaStream_t st) {
@@ -290,9 +299,7 @@ void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const c
     p.block_table = kv[s].bt;
     CK(paged_decode_attention(p, st));
   };
-  const Timing t = time_it(c.opt, sets, [&](int s) { launch(s, nullptr); });
-  json r = timing_json(t, bytes, c.copy_gbps);
-  if (graph) r["graph"] = graph_json(time_graph(c.opt, sets, c.stream, launch), bytes, c.copy_gbps, c.opt.graph_calls);
+  json r = time_decode(c, sets, launch, bytes, graph);
   r["name"] = std::string("paged_decode_") + (dtype == DType::BF16 ? "bf16" : "fp16") + "_B" +
               std::to_string(batch) + "_T" + std::to_string(len) + "_" + layout +
               (splits > 0 ? "_splits" + std::to_string(splits) : std::string()) +
@@ -307,9 +314,7 @@ void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const c
   r["placement_stats"] = kv[0].stats;
   r["shape"] = {{"batch", batch}, {"seq_len", len}, {"num_q_heads", kHq}, {"num_kv_heads", kHkv},
                 {"head_dim", kD}, {"page_size", ps}};
-  r["input_sets"] = sets;
-  c.results.push_back(r);
-  log_line(r);
+  record(c, r);
   for (auto& s : kv) free_kv(s);
   CK(cudaFree(q));
   CK(cudaFree(out));
@@ -357,19 +362,9 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
                       {"num_kv_heads", kHkv}, {"head_dim", kD},  {"page_size", ps}};
   {
     SparseIndexDecodeParams p;
-    p.dtype = DType::BF16;
-    p.q = q;
-    p.out = out;
+    set_decode_common(p, DType::BF16, q, out, batch, ps, kv[0].max_pages, {ws, ws_bytes});
     p.num_indices = counts;
-    p.batch = batch;
-    p.num_q_heads = kHq;
-    p.num_kv_heads = kHkv;
-    p.head_dim = kD;
-    p.page_size = ps;
-    p.max_pages_per_seq = kv[0].max_pages;
     p.index_stride = k;
-    p.scale = 1.f / std::sqrt(static_cast<float>(kD));
-    p.workspace = {ws, ws_bytes};
     auto launch = [&](int s, cudaStream_t st) {
       p.k_cache = kv[s].k;
       p.v_cache = kv[s].v;
@@ -377,36 +372,21 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
       p.indices = idx[s];
       CK(sparse_decode_attention_indexed(p, st));
     };
-    const Timing t = time_it(c.opt, sets, [&](int s) { launch(s, nullptr); });
-    const double bytes = sel_bytes + batch * kHkv * k * 4.0 + 2.0 * batch * kHq * kD * 2;
-    json r = timing_json(t, bytes, c.copy_gbps);
-    r["graph"] = graph_json(time_graph(c.opt, sets, c.stream, launch), bytes, c.copy_gbps, c.opt.graph_calls);
+    json r = time_decode(c, sets, launch, sel_bytes + batch * kHkv * k * 4.0 + 2.0 * batch * kHq * kD * 2, true);
     r["name"] = "sparse_decode_indexed_bf16_B" + std::to_string(batch) + "_k" + std::to_string(k) + "_ps" +
                 std::to_string(ps);
     r["kind"] = "sparse_decode_indexed";
     r["dtype"] = "bf16";
     r["shape"] = shape;
-    r["input_sets"] = sets;
-    c.results.push_back(r);
-    log_line(r);
+    record(c, r);
   }
   {
     SparsePackedDecodeParams p;
-    p.dtype = DType::BF16;
-    p.q = q;
-    p.out = out;
+    set_decode_common(p, DType::BF16, q, out, batch, ps, kv[0].max_pages, {ws, ws_bytes});
     p.num_packed = counts;
     p.seq_lens = lens;
-    p.batch = batch;
-    p.num_q_heads = kHq;
-    p.num_kv_heads = kHkv;
-    p.head_dim = kD;
-    p.page_size = ps;
-    p.max_pages_per_seq = kv[0].max_pages;
     p.packed_capacity = k;
     p.local_window = window;
-    p.scale = 1.f / std::sqrt(static_cast<float>(kD));
-    p.workspace = {ws, ws_bytes};
     auto launch = [&](int s, cudaStream_t st) {
       p.k_cache = kv[s].k;
       p.v_cache = kv[s].v;
@@ -415,10 +395,8 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
       p.packed_v = pv[s];
       CK(sparse_decode_attention_packed(p, st));
     };
-    const Timing t = time_it(c.opt, sets, [&](int s) { launch(s, nullptr); });
-    const double bytes = 2.0 * batch * kHkv * (k + window) * kD * 2 + 2.0 * batch * kHq * kD * 2;
-    json r = timing_json(t, bytes, c.copy_gbps);
-    r["graph"] = graph_json(time_graph(c.opt, sets, c.stream, launch), bytes, c.copy_gbps, c.opt.graph_calls);
+    json r = time_decode(c, sets, launch, 2.0 * batch * kHkv * (k + window) * kD * 2 + 2.0 * batch * kHq * kD * 2,
+                         true);
     r["name"] = "sparse_decode_packed_bf16_B" + std::to_string(batch) + "_k" + std::to_string(k) + "_w" +
                 std::to_string(window);
     r["kind"] = "sparse_decode_packed";
@@ -426,9 +404,7 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
     json sh = shape;
     sh["local_window"] = window;
     r["shape"] = sh;
-    r["input_sets"] = sets;
-    c.results.push_back(r);
-    log_line(r);
+    record(c, r);
   }
   for (int s = 0; s < sets; ++s) {
     free_kv(kv[s]);
@@ -443,14 +419,37 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
   CK(cudaFree(ws));
 }
 
+// The cache rank's default predictor (pair::SelectionConfig: ridge, relative eps 1e-2) over `rows` rows (sequences,
+// or layers x sequences) of kHq heads, each with a full window of window_cap random fp32 queries (seed `seed`): the
+// window, its lengths and q_hat are allocated here and appended to `owned` (the caller frees them).
+PredictQueryParams make_predict(int rows, int window_cap, uint64_t seed, std::vector<void*>& owned) {
+  float* win = static_cast<float*>(dmalloc(sizeof(float) * rows * kHq * window_cap * kD));
+  fill32(win, static_cast<size_t>(rows) * kHq * window_cap * kD, seed, -3.f, 3.f);
+  CK(cudaGetLastError());
+  int32_t* wlen = upload(std::vector<int32_t>(rows, window_cap));
+  float* qhat = static_cast<float*>(dmalloc(sizeof(float) * rows * kHq * kD));
+  owned.insert(owned.end(), {win, wlen, qhat});
+  PredictQueryParams pp;
+  pp.window_dtype = DType::F32;
+  pp.window = win;
+  pp.window_len = wlen;
+  pp.q_hat = qhat;
+  pp.batch = rows;
+  pp.num_heads = kHq;
+  pp.window_capacity = window_cap;
+  pp.head_dim = kD;
+  pp.max_regressors = window_cap - 1;
+  pp.eps = 1e-2f;
+  pp.kind = PredictorKind::kRidge;
+  return pp;
+}
+
 // One layer of cache-rank selection: predict + score + top-k + gather (AsyncSpade Table 2 setting).
 void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) {
   KvSet kv = make_kv(batch, len, ps, kHkv, kD, 500);
-  float* win = static_cast<float*>(dmalloc(sizeof(float) * batch * kHq * window_cap * kD));
-  fill32(win, static_cast<size_t>(batch) * kHq * window_cap * kD, 7, -3.f, 3.f);
-  CK(cudaGetLastError());
-  int32_t* wlen = upload(std::vector<int32_t>(batch, window_cap));
-  float* qhat = static_cast<float*>(dmalloc(sizeof(float) * batch * kHq * kD));
+  std::vector<void*> owned;
+  const PredictQueryParams pp = make_predict(batch, window_cap, 7, owned);
+  float* qhat = pp.q_hat;
   int32_t* lens = upload(std::vector<int32_t>(batch, len));
   float* scores = static_cast<float*>(dmalloc(sizeof(float) * batch * kHkv * len));
   int32_t* idx = static_cast<int32_t*>(dmalloc(sizeof(int32_t) * batch * kHkv * k));
@@ -458,18 +457,6 @@ void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) 
   void* pk = dmalloc(size_t{2} * batch * kHkv * k * kD);
   void* pv = dmalloc(size_t{2} * batch * kHkv * k * kD);
 
-  PredictQueryParams pp;
-  pp.window_dtype = DType::F32;
-  pp.window = win;
-  pp.window_len = wlen;
-  pp.q_hat = qhat;
-  pp.batch = batch;
-  pp.num_heads = kHq;
-  pp.window_capacity = window_cap;
-  pp.head_dim = kD;
-  pp.max_regressors = window_cap - 1;
-  pp.eps = 1e-2f;  // the cache rank's default predictor (pair::SelectionConfig): ridge, relative eps 1e-2
-  pp.kind = PredictorKind::kRidge;
   ScoreTokensParams sp;
   sp.dtype = DType::BF16;
   sp.q_hat = qhat;
@@ -545,34 +532,19 @@ void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) 
     r["dtype"] = "bf16";
     r["shape"] = shape;
     r["floor_us_at_copy_bw"] = part.bytes / (c.copy_gbps * 1e3);
-    c.results.push_back(r);
-    log_line(r);
+    record(c, r);
   }
   free_kv(kv);
-  for (void* p : std::vector<void*>{win, wlen, qhat, lens, scores, idx, cnt, pk, pv}) CK(cudaFree(p));
+  owned.insert(owned.end(), {lens, scores, idx, cnt, pk, pv});
+  for (void* p : owned) CK(cudaFree(p));
 }
 
 // The predictor is latency-bound (one fp64 solve per (sequence, head) on one warp): a layer pack of `layers` layers
 // in ONE launch (rows = layers x batch x heads) costs about as much as one layer.
 void bench_predict_pack(Ctx& c, int batch, int layers, int window_cap) {
   const int rows_batch = layers * batch;
-  float* win = static_cast<float*>(dmalloc(sizeof(float) * rows_batch * kHq * window_cap * kD));
-  fill32(win, static_cast<size_t>(rows_batch) * kHq * window_cap * kD, 9, -3.f, 3.f);
-  CK(cudaGetLastError());
-  int32_t* wlen = upload(std::vector<int32_t>(rows_batch, window_cap));
-  float* qhat = static_cast<float*>(dmalloc(sizeof(float) * rows_batch * kHq * kD));
-  PredictQueryParams pp;
-  pp.window_dtype = DType::F32;
-  pp.window = win;
-  pp.window_len = wlen;
-  pp.q_hat = qhat;
-  pp.batch = rows_batch;
-  pp.num_heads = kHq;
-  pp.window_capacity = window_cap;
-  pp.head_dim = kD;
-  pp.max_regressors = window_cap - 1;
-  pp.eps = 1e-2f;  // the cache rank's default predictor (pair::SelectionConfig): ridge, relative eps 1e-2
-  pp.kind = PredictorKind::kRidge;
+  std::vector<void*> owned;
+  const PredictQueryParams pp = make_predict(rows_batch, window_cap, 9, owned);
   const Timing t = time_it(c.opt, 1, [&](int) { CK(predict_next_query(pp, nullptr)); });
   const double bytes = 4.0 * rows_batch * kHq * window_cap * kD + 4.0 * rows_batch * kHq * kD;
   json r = timing_json(t, bytes, c.copy_gbps);
@@ -581,9 +553,8 @@ void bench_predict_pack(Ctx& c, int batch, int layers, int window_cap) {
   r["shape"] = {{"batch", batch}, {"layers", layers}, {"num_heads", kHq}, {"head_dim", kD}, {"window", window_cap}};
   r["per_layer_us"] = t.median_us / layers;
   r["floor_us_at_copy_bw"] = bytes / (c.copy_gbps * 1e3);
-  c.results.push_back(r);
-  log_line(r);
-  for (void* p : std::vector<void*>{win, wlen, qhat}) CK(cudaFree(p));
+  record(c, r);
+  for (void* p : owned) CK(cudaFree(p));
 }
 
 void bench_prefill(Ctx& c, int len, int ps) {

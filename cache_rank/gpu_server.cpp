@@ -55,6 +55,15 @@ struct GpuCacheServer::State {
   DeviceBuffer kq, kscale;
   bool int8_keys = false;
   DeviceBuffer windows;  // [slots][L][Hq][cap_w][D] bf16
+  // Prompt anchors (SelectionConfig::anchor_queries = A > 0): the last A queries of each (slot, layer) until the
+  // slot's first selection, which picks its anchors from them (kernels::select_anchors), and the anchors every
+  // selection of the slot then holds (kernels::apply_anchor_spans).
+  int A = 0;
+  DeviceBuffer awin;      // [slots][L][Hq][A][D] bf16
+  DeviceBuffer awin_len;  // [slots * L] int32
+  DeviceBuffer anchors;   // [slots][L][Hkv][kMaxAnchors] int32, -1 padding
+  std::vector<char> anchor_pending;  // per slot: its anchors are still to be picked (its queries are pushed)
+  std::vector<int> host_awlen;       // per slot: anchor-window entries (the same in every layer)
   DeviceBuffer mirror;   // [slots][L][Hkv][k] int32
   DeviceBuffer window_len;  // [slots * L] int32 (the kernel's counts; the host keeps its own copy)
   DeviceBuffer plan_dev;
@@ -89,8 +98,9 @@ struct GpuCacheServer::State {
 
   // Offsets (words) of this step's arrays in meta.
   struct Meta {
-    size_t tok_pos = 0, tok_row = 0, bt = 0, cu = 0, win_idx = 0, reset = 0;
+    size_t tok_pos = 0, tok_row = 0, bt = 0, cu = 0, win_idx = 0, reset = 0, awin_idx = 0;
     size_t g_bt[2] = {0, 0}, g_lens[2] = {0, 0}, g_wlen[2] = {0, 0}, g_mrows[2] = {0, 0};
+    size_t g_aw[2] = {0, 0}, g_anq[2] = {0, 0}, g_actx[2] = {0, 0};  // anchors: windows [L][S], queries, context [S]
   } m;
   std::vector<int> group_rows[2];  // plan row indices of each group
 
@@ -103,8 +113,9 @@ struct GpuCacheServer::State {
         stride(opts.max_pages_per_seq * opts.page_size),
         row_elems(static_cast<size_t>(c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim),
         pool(c.num_layers, opts.num_pages, opts.page_size, c.num_kv_heads, c.head_dim),
-        alloc(opts.num_pages, opts.page_size), host_wlen(static_cast<size_t>(opts.max_slots), 0),
-        live(static_cast<size_t>(opts.max_slots), 0) {}
+        A(opts.sparse.selection.anchor_queries), anchor_pending(static_cast<size_t>(opts.max_slots), 0),
+        host_awlen(static_cast<size_t>(opts.max_slots), 0), alloc(opts.num_pages, opts.page_size),
+        host_wlen(static_cast<size_t>(opts.max_slots), 0), live(static_cast<size_t>(opts.max_slots), 0) {}
   ~State() {
     for (cudaStream_t s : {score, sel})
       if (s != nullptr && s != work) cudaStreamDestroy(s);
@@ -122,6 +133,7 @@ struct GpuCacheServer::State {
     return rows.as<uint16_t>() + static_cast<size_t>(p) * P * o.max_step_tokens * row_elems;
   }
   size_t win_elems() const { return static_cast<size_t>(Hq) * cap_w * D; }
+  bool anchors_on() const { return A > 0; }
 
   void post_plan_recv() {
     link.recv(plan_dev.get(), kGpuPlanBytes, up, "the next step's plan", transport::GpuLink::kNoTimeout);
@@ -135,6 +147,10 @@ struct GpuCacheServer::State {
     if (live[static_cast<size_t>(slot)]) alloc.release(static_cast<uint64_t>(slot));
     live[static_cast<size_t>(slot)] = 0;
     host_wlen[static_cast<size_t>(slot)] = 0;
+    // A new sequence in this slot picks its own anchors at its first selection (which overwrites the slot's rows of
+    // `anchors` before any selection of it reads them); until then its queries go to the anchor windows.
+    anchor_pending[static_cast<size_t>(slot)] = anchors_on() ? 1 : 0;
+    host_awlen[static_cast<size_t>(slot)] = 0;
     const size_t mirror_slot = static_cast<size_t>(L) * Hkv * k;
     cuda_check(cudaMemsetAsync(mirror.as<int32_t>() + static_cast<size_t>(slot) * mirror_slot, 0xFF, mirror_slot * 4,
                                sel),
@@ -157,6 +173,7 @@ struct GpuCacheServer::State {
     m.cu = take(static_cast<size_t>(B) + 1);
     m.win_idx = take(static_cast<size_t>(L) * B);
     m.reset = take(static_cast<size_t>(B));
+    m.awin_idx = take(static_cast<size_t>(L) * B);
     int t = 0;
     for (int b = 0; b < B; ++b) {
       const GpuPlanRow& r = plan.rows[static_cast<size_t>(b)];
@@ -171,7 +188,11 @@ struct GpuCacheServer::State {
         w[m.tok_pos + static_cast<size_t>(t)] = r.ctx_len - r.q_len + i;
         w[m.tok_row + static_cast<size_t>(t)] = b;
       }
-      for (int l = 0; l < L; ++l) w[m.win_idx + static_cast<size_t>(l) * B + b] = r.slot * L + l;
+      const bool pending = anchor_pending[static_cast<size_t>(r.slot)] != 0;
+      for (int l = 0; l < L; ++l) {
+        w[m.win_idx + static_cast<size_t>(l) * B + b] = r.slot * L + l;
+        w[m.awin_idx + static_cast<size_t>(l) * B + b] = pending ? r.slot * L + l : -1;
+      }
       w[m.reset + static_cast<size_t>(b)] = (r.flags & kRowFresh) != 0 ? 1 : 0;
     }
     w[m.cu + static_cast<size_t>(B)] = t;
@@ -182,6 +203,9 @@ struct GpuCacheServer::State {
       m.g_lens[g] = take(static_cast<size_t>(P) * S);
       m.g_wlen[g] = take(static_cast<size_t>(P) * S);
       m.g_mrows[g] = take(static_cast<size_t>(L) * S * Hkv);
+      m.g_aw[g] = take(static_cast<size_t>(L) * S);
+      m.g_anq[g] = take(static_cast<size_t>(S));
+      m.g_actx[g] = take(static_cast<size_t>(S));
       for (int s = 0; s < S; ++s) {
         const int b = rows_g[static_cast<size_t>(s)];
         const GpuPlanRow& r = plan.rows[static_cast<size_t>(b)];
@@ -196,6 +220,12 @@ struct GpuCacheServer::State {
         for (int l = 0; l < L; ++l)
           for (int h = 0; h < Hkv; ++h)
             w[m.g_mrows[g] + (static_cast<size_t>(l) * S + s) * Hkv + h] = (r.slot * L + l) * Hkv + h;
+        // Anchors are picked at a sequence's first selection, from the anchor window pushed until then (a later
+        // FIRST row, a table restart, keeps the anchors it has).
+        const bool picks = g == kFirst && anchor_pending[static_cast<size_t>(r.slot)] != 0;
+        for (int l = 0; l < L; ++l) w[m.g_aw[g] + static_cast<size_t>(l) * S + s] = r.slot * L + l;
+        w[m.g_anq[g] + static_cast<size_t>(s)] = picks ? host_awlen[static_cast<size_t>(r.slot)] : 0;
+        w[m.g_actx[g] + static_cast<size_t>(s)] = r.ctx_len;
       }
     }
     SPADE_CHECK(w.size() <= meta_words, "{}: step arrays of {} words exceed the {} reserved", peer, w.size(),
@@ -264,6 +294,13 @@ struct GpuCacheServer::State {
       w.capacity = cap_w;
       w.head_dim = D;
       cuda_check(kernels::push_query_window(w, work), "GPU cache rank: query windows");
+      if (anchors_on()) {  // the rows whose anchors are still to be picked (window index -1 for the others)
+        w.windows = awin.get();
+        w.window_len = awin_len.as<int32_t>();
+        w.window_idx = md(m.awin_idx + static_cast<size_t>(l) * B);
+        w.capacity = A;
+        cuda_check(kernels::push_query_window(w, work), "GPU cache rank: anchor windows");
+      }
     }
     cuda_check(cudaEventRecord(appended[static_cast<size_t>(p)]->e, work), "appended event");
   }
@@ -329,9 +366,51 @@ struct GpuCacheServer::State {
       sp.rule = o.sparse.selection.gqa_rule;
       cuda_check(kernels::score_tokens(sp, score), "GPU cache rank: score");
     }
+    if (g == kFirst && group_picks_anchors) {  // 3b. the anchors of the rows at their first selection
+      for (int j = 0; j < n; ++j) {
+        const int l = p * P + j;
+        kernels::SelectAnchorsParams ap;
+        ap.windows = awin.get();
+        ap.window_idx = md(m.g_aw[g] + static_cast<size_t>(l) * S);
+        ap.num_queries = md(m.g_anq[g]);
+        ap.context_len = md(m.g_actx[g]);
+        ap.k_cache = pool.k(l);
+        ap.block_table = md(m.g_bt[g]);
+        ap.anchor_rows = md(m.g_mrows[g] + static_cast<size_t>(l) * S * Hkv);
+        ap.anchors = anchors.as<int32_t>();
+        ap.batch = S;
+        ap.num_windows = o.max_slots * L;
+        ap.window_capacity = A;
+        ap.num_q_heads = Hq;
+        ap.num_kv_heads = Hkv;
+        ap.head_dim = D;
+        ap.page_size = o.page_size;
+        ap.max_pages_per_seq = o.max_pages_per_seq;
+        // The GPU path has no sink tokens: anchors leave out the first `span` positions (Selector: max(sinks, span)).
+        ap.begin = o.sparse.selection.anchor_span;
+        ap.local_window = o.sparse.selection.local_window;
+        ap.span = o.sparse.selection.anchor_span;
+        cuda_check(kernels::select_anchors(ap, score), "GPU cache rank: prompt anchors");
+      }
+    }
     cuda_check(cudaEventRecord(scored[b].e, score), "scored event");
     // 4. top-k per (layer, sequence, KV head) (sel stream, as everything after it)
     cuda_check(cudaStreamWaitEvent(sel, scored[b].e, 0), "wait scores");
+    if (anchors_on()) {  // every selection holds its sequence's anchor spans (none before they are picked: -1)
+      kernels::ApplyAnchorSpansParams as;
+      as.scores = sc;
+      as.row_lens = md(m.g_lens[g]);
+      as.anchors = anchors.as<int32_t>();
+      as.anchor_rows = md(m.g_mrows[g] + static_cast<size_t>(p) * P * S * Hkv);
+      as.rows = n * S * Hkv;
+      as.rows_per_batch = Hkv;
+      as.score_stride = stride;
+      as.first_pos = 0;
+      as.span = o.sparse.selection.anchor_span;
+      as.budget = k;
+      as.successor = o.sparse.selection.successor_expand;
+      cuda_check(kernels::apply_anchor_spans(as, sel), "GPU cache rank: anchor spans");
+    }
     kernels::TopkParams tp;
     tp.scores = sc;
     tp.row_lens = md(m.g_lens[g]);
@@ -384,6 +463,7 @@ struct GpuCacheServer::State {
     stats_bytes_sent += lay.bytes;
   }
   uint64_t stats_bytes_sent = 0;
+  bool group_picks_anchors = false;  // this step's FIRST group has a row whose anchors are still to be picked
 };
 
 GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts, transport::GpuLink& link,
@@ -421,6 +501,14 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
     s.kscale = DeviceBuffer(Lz * s.layer_rows() * 4, "GPU cache rank: int8 key scales");
   }
   s.windows = DeviceBuffer(S * Lz * s.win_elems() * 2, "GPU cache rank: query windows");
+  if (s.anchors_on()) {
+    s.awin = DeviceBuffer(S * Lz * s.Hq * static_cast<size_t>(s.A) * s.D * 2, "GPU cache rank: anchor windows");
+    s.awin_len = DeviceBuffer(S * Lz * 4, "GPU cache rank: anchor window lengths");
+    cuda_check(cudaMemset(s.awin_len.get(), 0, s.awin_len.bytes()), "anchor window init");
+    s.anchors = DeviceBuffer(S * Lz * s.Hkv * kernels::kMaxAnchors * 4, "GPU cache rank: prompt anchors");
+    cuda_check(cudaMemset(s.anchors.get(), 0xFF, s.anchors.bytes()), "anchors init");
+    std::fill(s.anchor_pending.begin(), s.anchor_pending.end(), 1);
+  }
   s.mirror = DeviceBuffer(S * Lz * s.Hkv * s.k * 4, "GPU cache rank: slot table mirrors");
   cuda_check(cudaMemset(s.mirror.get(), 0xFF, s.mirror.bytes()), "mirror init");
   s.window_len = DeviceBuffer(S * Lz * 4, "GPU cache rank: window lengths");
@@ -431,7 +519,8 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
                         "GPU cache rank: received rows");
   s.q_out = DeviceBuffer(static_cast<size_t>(opts.max_step_tokens) * s.Hq * s.D * 2, "GPU cache rank: queries");
   const size_t T = opts.max_step_tokens, maxp = opts.max_pages_per_seq;
-  s.meta_words = 2 * T + S * maxp + S + 1 + Lz * S + S + 2 * (S * maxp + 2 * P * S + Lz * S * s.Hkv);
+  s.meta_words = 2 * T + S * maxp + S + 1 + 2 * Lz * S + S +
+                 2 * (S * maxp + 2 * P * S + Lz * S * s.Hkv + Lz * S + 2 * S);
   s.meta = DeviceBuffer(s.meta_words * 4, "GPU cache rank: step arrays");
   cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.meta_host), s.meta_words * 4), "GPU cache rank: pinned");
   s.win_scratch = DeviceBuffer(P * S * s.win_elems() * 2, "GPU cache rank: window scratch");
@@ -472,8 +561,8 @@ void GpuCacheServer::synchronize() {
 size_t GpuCacheServer::device_bytes() const {
   const State& s = *st_;
   size_t b = s.pool.bytes();
-  for (const DeviceBuffer* x : {&s.kq, &s.kscale, &s.windows, &s.mirror, &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta,
-                                &s.win_scratch, &s.q_hat[0], &s.q_hat[1], &s.scores[0], &s.scores[1], &s.indices})
+  for (const DeviceBuffer* x : {&s.kq, &s.kscale, &s.windows, &s.awin, &s.awin_len, &s.anchors, &s.mirror,
+                                &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta, &s.win_scratch, &s.q_hat[0], &s.q_hat[1], &s.scores[0], &s.scores[1], &s.indices})
     b += x->bytes();
   for (const auto& g : s.msg)
     for (const auto& m : g) b += m.bytes();
@@ -543,9 +632,15 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   s.group_rows[kSteady] = plan.steady_rows();
   s.group_rows[kFirst] = plan.first_rows();
   // The windows hold, after this step's push, min(W + 1, len + q_len) queries: the predictor reads that.
+  s.group_picks_anchors = false;
   for (const GpuPlanRow& r : plan.rows) {
     int& wl = s.host_wlen[static_cast<size_t>(r.slot)];
     wl = std::min(s.cap_w, ((r.flags & kRowFresh) != 0 ? 0 : wl) + r.q_len);
+    if (s.anchor_pending[static_cast<size_t>(r.slot)]) {  // the anchor window, pushed until the first selection
+      int& al = s.host_awlen[static_cast<size_t>(r.slot)];
+      al = std::min(s.A, ((r.flags & kRowFresh) != 0 ? 0 : al) + r.q_len);
+      s.group_picks_anchors = s.group_picks_anchors || (r.flags & kRowFirstSelect) != 0;
+    }
   }
   s.fill_meta(plan);
 
@@ -566,6 +661,8 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   }
   cuda_check(cudaEventRecord(s.sel_step_end.e, s.sel), "step end event");
   s.sel_step_pending = true;
+  // The first selections of this step picked their anchors: those slots' queries no longer go to anchor windows.
+  for (int b : s.group_rows[kFirst]) s.anchor_pending[static_cast<size_t>(plan.rows[static_cast<size_t>(b)].slot)] = 0;
   // 4. the next plan
   s.post_plan_recv();
   ++stats_.steps;

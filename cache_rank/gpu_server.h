@@ -19,8 +19,11 @@
 // high priority), `down` (sends); events order them (GpuCacheOptions::pipeline; without it score = sel = work).
 //
 // The selection follows SelectionConfig as the CPU cache rank (cache_rank/selector.h) does: predictor kind, ridge eps,
-// query window, GQA rule, successor expansion. Differences from it, as on the GPU benchmark path: sink tokens are not
-// special-cased (they compete in the top-k, and successor expansion starts at position 0, not at the first token
+// query window, GQA rule, successor expansion, prompt anchors (anchor_queries > 0: each slot's queries go to an anchor
+// window [slots][L][Hq][anchor_queries][D] bf16 until its first selection, which picks the anchors from it with
+// kernels::select_anchors on the score stream; every selection then sets the anchor spans to +inf before its top-k,
+// kernels::apply_anchor_spans on the sel stream; a later FIRST row of the same sequence keeps them).
+// Differences from it, as on the GPU benchmark path: sink tokens are not special-cased (they compete in the top-k, and successor expansion starts at position 0, not at the first token
 // after the sinks); one token budget for every sequence (the hello's; no per-request budget); the selection is exact
 // top-k on the GPU scores (bf16 keys and fp32 queries split hi + lo, or with SelectionConfig::score_keys int8 the
 // compact int8 copy of the keys, written per layer on append and read only by the scoring, the K/V sent staying the

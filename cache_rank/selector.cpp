@@ -178,19 +178,19 @@ void Selector::apply_anchors(uint64_t seq, SeqState& s, int layer, int n, int bu
     }
     std::vector<float>().swap(s.anchor_q[layer]);
   }
-  const int cap = budget / 4;
-  for (int h = 0; h < Hkv; ++h) {
-    int used = 0;
-    for (int a = 0; a < kernels::kMaxAnchors; ++a) {
-      const int32_t t0 = anchors[static_cast<size_t>(h) * kernels::kMaxAnchors + a];
-      // A span costs span tokens, one more with successor expansion (the token after it inherits +inf).
-      const int cost = span + (sc_.successor_expand ? 1 : 0);
-      if (t0 < 0 || used + cost > cap) break;
-      used += cost;
-      for (int t = std::max(t0, S); t < std::min(t0 + span, S + n); ++t)
-        scores_[static_cast<size_t>(h) * n + (t - S)] = std::numeric_limits<float>::infinity();
-    }
-  }
+  // Rows [KV head] of the candidates [S, S + n): the spans within a quarter of the budget become +inf.
+  const std::vector<int32_t> lens(static_cast<size_t>(Hkv), n);
+  kernels::ApplyAnchorSpansRefParams ap;
+  ap.scores = scores_.data();
+  ap.row_lens = lens.data();
+  ap.anchors = anchors.data();
+  ap.rows = Hkv;
+  ap.score_stride = n;
+  ap.first_pos = S;
+  ap.span = span;
+  ap.budget = budget;
+  ap.successor = sc_.successor_expand;
+  kernels::apply_anchor_spans_ref(ap);
 }
 
 void Selector::append_layer(uint64_t seq, int layer, int pos, const float* q, const float* k, const float* v) {

@@ -228,14 +228,6 @@ std::string Membership::rank_registration_error(const proto::RegisterRequest& re
         "is admitted only after the coordinator declared it dead",
         who, self.rank(), describe(self.rank()), m.info.incarnation());
   }
-  const auto kind = self.transport().kind();
-  if (cache_per_inference_ > 1 && (kind == proto::TRANSPORT_NCCL || kind == proto::TRANSPORT_CUDA_IPC)) {
-    return fmt::format(
-        "{}: its data plane is {}, which pairs one cache rank with one inference rank, but this world pairs each "
-        "inference rank with {} cache ranks ({} cache / {} inference); shard over several cache ranks with the CPU "
-        "ranks (UCX), or start as many cache ranks as inference ranks",
-        who, kind == proto::TRANSPORT_NCCL ? "NCCL" : "CUDA IPC", cache_per_inference_, num_cache_, num_inference_);
-  }
   return "";  // MISSING, or DEAD: a replacement (a new incarnation)
 }
 

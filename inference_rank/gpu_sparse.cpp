@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "pair/gpu_shard.h"
 #include "kernels/attention.cuh"
 #include "kernels/selection.cuh"
 #include "inference_rank/sparse_planner.h"
@@ -20,7 +21,10 @@ using Event = CudaEvent;
 struct GpuSparseController::State {
   ModelConfig cfg;
   GpuSparseOptions o;
-  transport::GpuLink& link;
+  // One link per layer shard (pair/gpu_shard.h): model pack p's rows go to, and its selections come from,
+  // links[p mod N]; every link gets every plan. All on one up and one down stream, in pack order.
+  std::vector<transport::GpuLink*> links;
+  std::vector<std::string> names;  // per shard, in failure messages: the links' peer names, or set_shard_names
   int L = 0, Hq = 0, Hkv = 0, D = 0, P = 0, packs = 0, k = 0;
   int C = 0;  // delta capacity (o.sparse.effective_delta_capacity())
   int R = 0;  // local window
@@ -67,8 +71,8 @@ struct GpuSparseController::State {
   bool capturing = false;  // the engine is capturing this step's graph
   StepDecision dec;  // this step's
 
-  State(const ModelConfig& c, const GpuSparseOptions& opts, transport::GpuLink& l, int ps, int mb)
-      : cfg(c), o(opts), link(l), L(c.num_layers), Hq(c.num_q_heads), Hkv(c.num_kv_heads), D(c.head_dim),
+  State(const ModelConfig& c, const GpuSparseOptions& opts, std::vector<transport::GpuLink*> l, int ps, int mb)
+      : cfg(c), o(opts), links(std::move(l)), L(c.num_layers), Hq(c.num_q_heads), Hkv(c.num_kv_heads), D(c.head_dim),
         P(opts.sparse.layers_per_pack),
         packs((c.num_layers + opts.sparse.layers_per_pack - 1) / opts.sparse.layers_per_pack),
         k(opts.sparse.selection.token_budget), C(opts.sparse.effective_delta_capacity()),
@@ -82,6 +86,23 @@ struct GpuSparseController::State {
     if (arrays_pinned != nullptr) cudaFreeHost(arrays_pinned);
   }
   int pack_layers(int p) const { return std::min(P, L - p * P); }
+  int N() const { return static_cast<int>(links.size()); }
+  transport::GpuLink& link_of(int p) const { return *links[static_cast<size_t>(p % N())]; }
+  int device() const { return links.front()->device(); }
+  bool any_failed() const {
+    for (const transport::GpuLink* l : links)
+      if (l->failed()) return true;
+    return false;
+  }
+  /// The first failed link's failure(), "" while all are healthy; with layer shards prefixed with the shard and
+  /// its cache rank.
+  std::string failure() const {
+    for (size_t i = 0; i < links.size(); ++i)
+      if (links[i]->failed())
+        return N() == 1 ? links[i]->failure()
+                        : fmt::format("layer shard {} of {} ({}): {}", i, N(), names[i], links[i]->failure());
+    return "";
+  }
   size_t table_elems() const { return static_cast<size_t>(L) * Hkv * k * D; }
   char* held_k() const { return held.as<char>(); }
   char* held_v() const { return held.as<char>() + static_cast<size_t>(o.max_sparse_seqs) * table_elems() * 2; }
@@ -118,7 +139,11 @@ pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSpa
 }
 
 GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
-                                         transport::GpuLink& link, int page_size, int max_batch) {
+                                         transport::GpuLink& link, int page_size, int max_batch)
+    : GpuSparseController(attn_cfg, o, std::vector<transport::GpuLink*>{&link}, page_size, max_batch) {}
+
+GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
+                                         std::vector<transport::GpuLink*> links, int page_size, int max_batch) {
   SPADE_CHECK(!attn_cfg.is_hybrid(), "GPU sparse: pass the model's attention view");
   const pair::SparseConfig& c = o.sparse;
   pair::validate(c);  // names the setting
@@ -131,9 +156,17 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, const GpuS
               "tokens {})",
               c.selection.token_budget, kernels::kMaxDeltaBudget, c.effective_delta_capacity(), o.max_sparse_seqs,
               o.max_slots, pair::gpu_plan_max_rows(), o.max_step_tokens);
-  cuda_check(cudaSetDevice(link.device()), "GPU sparse: cudaSetDevice");
-  st_ = std::make_unique<State>(attn_cfg, o, link, page_size, max_batch);
+  SPADE_CHECK(!links.empty(), "GPU sparse: no link to a cache rank");
+  for (size_t i = 0; i < links.size(); ++i)
+    SPADE_CHECK(links[i] != nullptr && links[i]->device() == links.front()->device(),
+                "GPU sparse: the link of layer shard {} is null or on another GPU than shard 0's", i);
+  // Every shard serves at least one pack, with the local view its server cuts (names --layers-per-pack).
+  for (int s = 0; s < static_cast<int>(links.size()); ++s)
+    pair::gpu_shard_view(s, static_cast<int>(links.size()), attn_cfg.num_layers, c.layers_per_pack);
+  cuda_check(cudaSetDevice(links.front()->device()), "GPU sparse: cudaSetDevice");
+  st_ = std::make_unique<State>(attn_cfg, o, std::move(links), page_size, max_batch);
   State& s = *st_;
+  for (const transport::GpuLink* l : s.links) s.names.push_back(l->peer_name());
   for (cudaStream_t* x : {&s.up, &s.down})
     cuda_check(cudaStreamCreateWithFlags(x, cudaStreamNonBlocking), "GPU sparse: stream");
   s.held = DeviceBuffer(2 * static_cast<size_t>(o.max_sparse_seqs) * s.table_elems() * 2, "GPU sparse: held tables");
@@ -167,20 +200,30 @@ GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, const GpuS
 void GpuSparseController::send_hello(const pair::GpuPairHello& hello) {
   State& st = *st_;
   SPADE_CHECK(!st.hello_sent, "GPU sparse: the pair hello was already sent");
-  const std::vector<uint8_t> bytes = pair::encode_gpu_hello(hello);
-  cuda_check(cudaSetDevice(st.link.device()), "GPU sparse: cudaSetDevice");
-  std::string err;
-  try {
-    std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
-    cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
-               "GPU sparse: hello upload");
-    st.link.send(st.plan_dev.get(), pair::kGpuHelloBytes, st.up, "the pair hello");
-    cuda_check(cudaStreamSynchronize(st.up), "GPU sparse: hello");  // the watchdog releases it by op_timeout
-  } catch (const std::exception& e) {
-    err = e.what();
+  cuda_check(cudaSetDevice(st.device()), "GPU sparse: cudaSetDevice");
+  // Shard by shard, each with its layer count (pair/gpu_shard.h); each send is waited for (at most op_timeout)
+  // before the staging buffer takes the next one.
+  for (int s = 0; s < st.N(); ++s) {
+    transport::GpuLink& link = *st.links[static_cast<size_t>(s)];
+    const std::vector<uint8_t> bytes = pair::encode_gpu_hello(pair::shard_gpu_hello(hello, s, st.N()));
+    std::string err;
+    try {
+      std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
+      cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
+                 "GPU sparse: hello upload");
+      link.send(st.plan_dev.get(), pair::kGpuHelloBytes, st.up, "the pair hello");
+      cuda_check(cudaStreamSynchronize(st.up), "GPU sparse: hello");  // the watchdog releases it by op_timeout
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    if (err.empty() && link.failed()) err = link.failure();
+    if (!err.empty()) {
+      // The shards already greeted wait for plans that will not come: release them too.
+      for (transport::GpuLink* l : st.links) l->abort("the pair hello to " + link.peer_name() + " failed: " + err);
+      fail("sending the pair hello to {}{}: {}", link.peer_name(),
+           st.N() > 1 ? fmt::format(" (layer shard {} of {})", s, st.N()) : std::string(), err);
+    }
   }
-  if (err.empty() && st.link.failed()) err = st.link.failure();
-  SPADE_CHECK(err.empty(), "sending the pair hello to {}: {}", st.link.peer_name(), err);
   st.hello_sent = true;
 }
 
@@ -188,20 +231,26 @@ void GpuSparseController::close() {
   State& st = *st_;
   if (st.closed) return;
   st.closed = true;
-  if (!st.hello_sent || st.link.failed()) return;
+  if (!st.hello_sent) return;
+  if (st.any_failed()) {  // nothing more on any link: a failed shard aborts the others
+    link_failure_seen(st.failure());
+    return;
+  }
   // No selection will come any more: the sparse sequences cannot go on (their dropped pages are gone).
   fail_link("the link to it was closed");
   try {
-    cuda_check(cudaSetDevice(st.link.device()), "GPU sparse: cudaSetDevice");
+    cuda_check(cudaSetDevice(st.device()), "GPU sparse: cudaSetDevice");
     if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
     st.plan_pending = false;
     const std::vector<uint8_t> bytes = pair::encode_gpu_plan(pair::GpuStepPlan::close_plan());
     std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
     cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
                "GPU sparse: close plan upload");
-    st.link.send(st.plan_dev.get(), pair::kGpuPlanBytes, st.up, "the close plan");
+    // Every shard is at a message boundary here (a step either completed on every link or failed them all).
+    for (transport::GpuLink* l : st.links) l->send(st.plan_dev.get(), pair::kGpuPlanBytes, st.up, "the close plan");
     for (cudaStream_t x : {st.up, st.down}) cuda_check(cudaStreamSynchronize(x), "GPU sparse: close");
   } catch (const std::exception& e) {
+    for (transport::GpuLink* l : st.links) l->abort(std::string("closing the link: ") + e.what());
     fail_link(std::string("closing the link: ") + e.what());
   }
 }
@@ -209,7 +258,7 @@ void GpuSparseController::close() {
 GpuSparseController::~GpuSparseController() {
   if (st_ == nullptr) return;
   close();
-  if (!st_->link.failed())
+  if (!st_->any_failed())
     for (cudaStream_t x : {st_->up, st_->down}) cudaStreamSynchronize(x);
 }
 
@@ -217,7 +266,11 @@ void GpuSparseController::attend(int, const ForwardBatch&, const float*, const f
   fail("GPU sparse: the CPU attention hook is not used on the GPU path");
 }
 
-bool GpuSparseController::link_failed() const { return st_->link.failed(); }
+bool GpuSparseController::link_failed() const { return st_->any_failed(); }
+
+std::string GpuSparseController::link_failure() const { return st_->failure(); }
+
+int GpuSparseController::num_shards() const { return st_->N(); }
 
 void GpuSparseController::set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold) {
   st_->planner.set_request_options(seq_id, force_dense, sparse_threshold);
@@ -234,7 +287,25 @@ std::pair<int, int> GpuSparseController::droppable_range(uint64_t seq_id, int se
 }
 
 bool GpuSparseController::graph_safe(const ForwardBatch& fb) const {
-  return st_->link.failed() && !st_->planner.any_dropped(fb);
+  return st_->any_failed() && !st_->planner.any_dropped(fb);
+}
+
+void GpuSparseController::link_failure_seen(const std::string& why) {
+  // One shard lost fails the pair: every sparse sequence has KV on every shard. The other shards' links are aborted
+  // with it, so that none is left in the middle of a step (a plan sent, its rows or answers not): nothing more is
+  // posted on any link, and the transfers in flight on the shared streams are released.
+  State& st = *st_;
+  if (st.N() == 1) return fail_link(why);
+  // The failed shard's own failure, named, before the aborts below fail the others.
+  const std::string w = st.any_failed() ? st.failure() : why;
+  for (transport::GpuLink* l : st.links) l->abort(w);
+  fail_link(w);
+}
+
+void GpuSparseController::set_shard_names(std::vector<std::string> names) {
+  SPADE_CHECK(names.size() == st_->links.size(), "GPU sparse: {} shard names for {} links", names.size(),
+              st_->links.size());
+  st_->names = std::move(names);
 }
 
 void GpuSparseController::fail_link(const std::string& why) {
@@ -248,7 +319,7 @@ void GpuSparseController::fail_link(const std::string& why) {
 }
 
 std::vector<std::pair<uint64_t, std::string>> GpuSparseController::take_failures() {
-  if (st_->link.failed()) fail_link(st_->link.failure());
+  if (st_->any_failed()) link_failure_seen(st_->failure());
   std::vector<std::pair<uint64_t, std::string>> out;
   out.swap(st_->failures);
   return out;
@@ -264,7 +335,7 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, cudaStream_t stream
   SPADE_CHECK(B <= st.max_batch, "GPU sparse: batch {} exceeds {}", B, st.max_batch);
   st.T = fb.total_tokens();
   st.rows_layout = st.T;
-  if (st.link.failed()) fail_link(st.link.failure());
+  if (st.any_failed()) link_failure_seen(st.failure());
   if (st.failed_handled || st.closed) {
     // No link (failed or closed): dense, except the rows of sequences whose pages were dropped (they are failed
     // and end after this step): those attend only their local window, never a dropped page.
@@ -286,13 +357,16 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, cudaStream_t stream
     cuda_check(cudaEventRecord(st.plan_copied.e, st.up), "GPU sparse: plan event");
     st.plan_pending = true;
     try {
-      st.link.send(st.plan_dev.get(), pair::kGpuPlanBytes, st.up, "a step's plan");
+      // The same plan to every shard (each derives its packs' message sizes from it).
+      for (transport::GpuLink* l : st.links) {
+        l->send(st.plan_dev.get(), pair::kGpuPlanBytes, st.up, "a step's plan");
+        stats_.bytes_sent += pair::kGpuPlanBytes;
+      }
       st.planned = true;
-      stats_.bytes_sent += pair::kGpuPlanBytes;
     } catch (const Error& e) {
       // This step's sparse rows fail (take_failures). The step still attends them through the packed kernel (their
       // tables hold the last selection), as a dropped sequence must never be attended densely.
-      fail_link(e.what());
+      link_failure_seen(e.what());
     }
   }
   const StepDecision& d = st.dec;
@@ -377,9 +451,9 @@ void GpuSparseController::ship_pack(int p) {
     src = st.stage.get();
   }
   try {
-    st.link.send(src, bytes, st.up, "q|k|v rows of a pack");
+    st.link_of(p).send(src, bytes, st.up, "q|k|v rows of a pack");
   } catch (const Error& e) {
-    fail_link(e.what());
+    link_failure_seen(e.what());
     st.active = false;  // no more link operations this step
     return;
   }
@@ -451,9 +525,10 @@ void GpuSparseController::end_step(cudaStream_t stream) {
                   lay[g]->bytes, st.recv_per_pack[g]);
       bufs[g] = st.recv[g][st.parity].as<char>() + static_cast<size_t>(p) * st.recv_per_pack[g];
       try {
-        st.link.recv(bufs[g], lay[g]->bytes, st.down, g == 0 ? "steady selections of a pack" : "first selections");
+        st.link_of(p).recv(bufs[g], lay[g]->bytes, st.down,
+                           g == 0 ? "steady selections of a pack" : "first selections");
       } catch (const Error& e) {
-        fail_link(e.what());
+        link_failure_seen(e.what());
         st.active = false;
         return;
       }

@@ -36,6 +36,12 @@
 // streams are released). Rows of dropped sequences in that last step attend only their local window (packed kernel,
 // in-bounds reads only; their logits are discarded). close() fails the sparse sequences the same way.
 //
+// Layer shards (pair/gpu_shard.h): with N links (one per GPU cache rank), every link gets every plan, model pack
+// p's rows go to links[p mod N] and its selections come back from it, all on the same up and down streams in pack
+// order as with one link (each shard sees its packs as its own packs 0..n-1). One shard's link failing fails the
+// pair as one link does (every sparse sequence has KV on every shard); the other shards' links are aborted with it,
+// so that none is left in the middle of a step.
+//
 // Lifetime on the link: send_hello() first, then one plan per step, then close() (the close plan), after which the
 // cache rank leaves nothing pending.
 //
@@ -95,6 +101,11 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   /// kernels::kMaxDeltaBudget, sink tokens, ...) or an allocation failure.
   GpuSparseController(const ModelConfig& attn_cfg, const GpuSparseOptions& opts, transport::GpuLink& link,
                       int page_size, int max_batch);
+  /// Layer shards: `links[s]` goes to the cache rank of shard s (pair/gpu_shard.h), all on one GPU, kept alive by
+  /// the caller. Throws spade::Error as above, and for no link, a null link, links on different GPUs, or more links
+  /// than layer packs (naming --layers-per-pack).
+  GpuSparseController(const ModelConfig& attn_cfg, const GpuSparseOptions& opts,
+                      std::vector<transport::GpuLink*> links, int page_size, int max_batch);
   ~GpuSparseController() override;
 
   // ---- Engine side (AttentionBackend) ----
@@ -118,7 +129,8 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   void detach(uint64_t seq_id);
 
   /// Sends the pair hello (make_gpu_pair_hello) as the link's first message and waits until it left (at most the
-  /// link's op_timeout). Call once, after construction and before the first step: every CUDA call that synchronises
+  /// link's op_timeout); with layer shards each link gets pair::shard_gpu_hello (its shard's layer count), one after
+  /// the other, and a failure aborts every link. Call once, after construction and before the first step: every CUDA call that synchronises
   /// the whole device (allocation of this controller included) must happen before the cache rank can post its first
   /// receive when both ranks share a process. Throws spade::Error naming the peer if the link fails.
   void send_hello(const pair::GpuPairHello& hello);
@@ -160,12 +172,23 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   /// step's per-row arrays).
   bool graph_safe(const ForwardBatch& fb) const;
 
+  /// True once a link (any shard's) failed.
   bool link_failed() const;
+  /// The first failed link's failure() (naming its cache rank); "" while every link is healthy.
+  std::string link_failure() const;
+  /// Links (layer shards) this controller drives.
+  int num_shards() const;
+  /// Layer shards: the cache rank of each link, in shard order, as failures name them (default: the links'
+  /// peer_name(), which a CUDA IPC link offered before its peer was known does not know). Throws spade::Error for
+  /// another count than the links.
+  void set_shard_names(std::vector<std::string> names);
   const GpuSparseStats& stats() const { return stats_; }
 
  private:
   struct State;
   void fail_link(const std::string& why);
+  /// A link failed (or refused an operation): with layer shards, aborts every other link; then fail_link(why).
+  void link_failure_seen(const std::string& why);
   /// On the up stream: wait for pack p's end, compact its rows (graph steps), send it, record its send event. A send
   /// that throws fails the link and deactivates the step.
   void ship_pack(int p);

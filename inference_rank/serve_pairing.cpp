@@ -49,17 +49,27 @@ void PairHealth::disarm() {
 }
 
 void PairHealth::rearm(transport::Endpoint* endpoint, transport::GpuLink* gpu_link) {
+  rearm(endpoint != nullptr ? std::vector<transport::Endpoint*>{endpoint} : std::vector<transport::Endpoint*>{},
+        gpu_link);
+}
+
+void PairHealth::rearm(std::vector<transport::Endpoint*> endpoints, transport::GpuLink* gpu_link) {
   std::thread t;
   {
     std::lock_guard<std::mutex> lk(mu_);
     t = std::move(aborter_);
   }
   if (t.joinable()) t.join();
-  arm(endpoint, gpu_link);
+  arm(std::move(endpoints), gpu_link);
 }
 
 void PairHealth::restore(transport::Endpoint* endpoint, transport::GpuLink* gpu_link) {
-  rearm(endpoint, gpu_link);
+  restore(endpoint != nullptr ? std::vector<transport::Endpoint*>{endpoint} : std::vector<transport::Endpoint*>{},
+          gpu_link);
+}
+
+void PairHealth::restore(std::vector<transport::Endpoint*> endpoints, transport::GpuLink* gpu_link) {
+  rearm(std::move(endpoints), gpu_link);
   std::lock_guard<std::mutex> lk(mu_);
   why_.clear();
   abort_started_ = false;
@@ -114,8 +124,14 @@ int DataPlane::shard_of_rank(uint32_t r) const {
   return it == shard_ranks_.end() ? -1 : static_cast<int>(it - shard_ranks_.begin());
 }
 
-void DataPlane::check_not_declared_dead(uint32_t incarnation) const {
-  SPADE_CHECK(cache_down_incarnation_->load() < static_cast<int64_t>(incarnation),
+std::shared_ptr<std::vector<std::atomic<int64_t>>> DataPlane::down_incarnations(size_t n) {
+  auto v = std::make_shared<std::vector<std::atomic<int64_t>>>(std::max<size_t>(1, n));
+  for (auto& a : *v) a.store(-1);
+  return v;
+}
+
+void DataPlane::check_not_declared_dead(uint32_t incarnation, int shard) const {
+  SPADE_CHECK((*cache_down_incarnation_).at(static_cast<size_t>(shard)).load() < static_cast<int64_t>(incarnation),
               "it was declared dead while connecting");
 }
 
@@ -132,15 +148,18 @@ void DataPlane::watch(coord::CoordinatorClient& cc) {
   // teardown() detaches the link before the engine (its owner) is destroyed.
   arm_health();
   if (!has_link_) return;
+  cache_down_incarnation_ = down_incarnations(shard_ranks_.size());
   cc.set_event_callback([health = health_, shard_ranks = shard_ranks_,
                          down = cache_down_incarnation_](const coord::ClientEvent& ev) {
     if (ev.kind != coord::ClientEvent::Kind::kPeerDown) return;
     const auto it = std::find(shard_ranks.begin(), shard_ranks.end(), ev.peer_down.rank());
     if (it == shard_ranks.end()) return;
-    int64_t seen = down->load();
-    while (seen < ev.peer_down.incarnation() && !down->compare_exchange_weak(seen, ev.peer_down.incarnation())) {
+    const int shard = static_cast<int>(it - shard_ranks.begin());
+    std::atomic<int64_t>& d = (*down)[static_cast<size_t>(shard)];
+    int64_t seen = d.load();
+    while (seen < ev.peer_down.incarnation() && !d.compare_exchange_weak(seen, ev.peer_down.incarnation())) {
     }
-    health->degrade(cache_down_reason(ev.peer_down), true, false, static_cast<int>(it - shard_ranks.begin()));
+    health->degrade(cache_down_reason(ev.peer_down), true, false, shard);
   });
 }
 
@@ -155,6 +174,8 @@ void DataPlane::on_peer_down(const proto::PeerDown& pd) {
 bool DataPlane::replace_shard(const proto::PeerReplaced&, const std::string&, coord::CoordinatorClient&) {
   return false;
 }
+
+void DataPlane::finish_shard_repairs(const RequestTable&) {}
 
 void DataPlane::on_peer_replaced(const proto::PeerReplaced& pr, coord::CoordinatorClient& cc) {
   const proto::RankInfo& peer = pr.peer();
@@ -193,6 +214,7 @@ void DataPlane::on_peer_replaced(const proto::PeerReplaced& pr, coord::Coordinat
 }
 
 void DataPlane::finish_repair(const RequestTable& requests) {
+  finish_shard_repairs(requests);
   if (!repair_ || !repair_ready()) return;
   PendingRepair rp = std::move(*repair_);
   repair_.reset();
@@ -274,10 +296,14 @@ class CpuDataPlane final : public DataPlane {
       auto ep = net_->connect(peer.transport().address(), name, deadline);
       shard_endpoints_.push_back(ep.get());
       shard_ranks_.push_back(peer.rank());
+      shard_role_index_.push_back(peer.role_index());
+      shard_incarnations_.push_back(peer.incarnation());
+      shard_names_.push_back(name);
       shards.push_back(
           std::make_unique<pair::TransportLink>(std::move(ep), pair::pack_shape(model_cfg_, sparse_.selection)));
       cache_name_ += (cache_name_.empty() ? "" : ", ") + name;
     }
+    shard_repairs_.resize(shard_ranks_.size());
     endpoint_ = shard_endpoints_.front();
     has_link_ = true;
     if (shards.size() == 1) {
@@ -314,23 +340,89 @@ class CpuDataPlane final : public DataPlane {
     return backend_ != nullptr && backend_->options().mode == SelectionMode::Predicted;
   }
 
-  // Layer shards (N > 1): a replaced cache rank is connected (so that it leaves its rendezvous) but not used: the
-  // other shards still hold the KV of the sequences the failure ended, so the pair stays dense until this rank
-  // restarts.
+  // Layer shards (N > 1): only the replaced shard s is re-paired. The replacement must be shard s's cache rank (its
+  // RankInfo's role, role index and shard; the coordinator routes cache #c to inference #(c / N) as shard c mod N);
+  // it is offered the data plane, connected and probed (pair::probe_shard) on a thread of its own, and
+  // finish_shard_repairs() swaps it into the sharded link between two steps.
   bool replace_shard(const proto::PeerReplaced& pr, const std::string& name, coord::CoordinatorClient& cc) override {
     if (shard_ranks_.size() <= 1) return false;
     const proto::RankInfo& peer = pr.peer();
-    const int shard = shard_of_rank(peer.rank());
-    health_->degrade(fmt::format("{} (layer shard {} of {}) was replaced (previous incarnation: {}); a replaced "
-                                 "shard is not re-paired, this rank decodes densely until it restarts",
-                                 name, shard, shard_ranks_.size(), pr.previous_reason()),
-                     true, true, shard);
+    const int s = shard_of_rank(peer.rank());
+    const int n = static_cast<int>(shard_ranks_.size());
+    const size_t si = static_cast<size_t>(s);
+    if (peer.incarnation() <= shard_incarnations_[si]) {
+      spdlog::warn("{}: ignoring a replacement of {} with incarnation {} (layer shard {}'s is {})", self_, name,
+                   peer.incarnation(), s, shard_incarnations_[si]);
+      return true;
+    }
+    const ModelConfig attn = model_cfg_.attention_view();
+    const pair::ShardClaim claim{peer.role() == proto::CACHE, peer.rank(), peer.role_index(), peer.shard()};
+    if (std::string why = pair::shard_claim_error(claim, name, s, n, shard_role_index_[si], attn.num_layers,
+                                                  sparse_.layers_per_pack);
+        !why.empty()) {
+      health_->degrade(why, true, true, s);
+      spdlog::error("{}: {}", self_, why);
+      return true;
+    }
+    health_->degrade(fmt::format("{} (layer shard {} of {}) was replaced (previous incarnation: {}); re-pairing the "
+                                 "shard",
+                                 name, s, n, pr.previous_reason()),
+                     true, true, s);
+    if (!predicted()) {
+      spdlog::info("{}: {} replaced; this rank decodes densely (--selection {}), nothing to re-pair", self_, name,
+                   selection_mode_name(sparse_.mode));
+      return true;
+    }
+    if (shard_repairs_[si]) parked_shards_.push_back(std::move(shard_repairs_[si]->link));  // superseded
+    shard_repairs_[si].reset();
     proto::PairOffer po;
     po.set_peer_rank(peer.rank());
     po.set_peer_incarnation(peer.incarnation());
-    parked_shards_.push_back(offer_and_connect(peer, name, po, Clock::now() + opt_.rendezvous_timeout, cc));
-    spdlog::warn("{}: {}", self_, health_->degraded());
+    po.mutable_transport()->set_kind(proto::TRANSPORT_UCX);
+    po.mutable_transport()->set_address(net_->local_address());
+    try {
+      cc.send_pair_offer(po);
+    } catch (const std::exception& e) {
+      health_->degrade(fmt::format("re-pairing {} as layer shard {} of {} failed: {}", name, s, n, e.what()), false,
+                       true);
+      spdlog::error("{}: {}; decoding densely", self_, health_->degraded());
+      return true;
+    }
+    // Connect, then probe: the replacement must answer for shard s's layers before it is swapped in; a refused one
+    // is told to end its session.
+    transport::Transport* t = net_.get();
+    const std::string addr = peer.transport().address();
+    const auto deadline = Clock::now() + opt_.rendezvous_timeout;
+    const pair::PackShape shape = pair::pack_shape(model_cfg_, sparse_.selection);
+    const int lpp = sparse_.layers_per_pack;
+    shard_repairs_[si] = ShardRepair{
+        peer, name, std::async(std::launch::async, [t, addr, name, deadline, shape, attn, s, n, lpp] {
+          std::unique_ptr<transport::Endpoint> ep = t->connect(addr, name, deadline);
+          ShardLink r;
+          r.endpoint = ep.get();
+          auto link = std::make_unique<pair::TransportLink>(std::move(ep), shape);
+          try {
+            pair::probe_shard(*link, s, n, attn, lpp, deadline);
+          } catch (...) {
+            link->shutdown();
+            throw;
+          }
+          r.link = std::move(link);
+          return r;
+        })};
+    spdlog::info("{}: {} replaced layer shard {} of {} (incarnation {}); offered the data plane, connecting", self_,
+                 name, s, n, peer.incarnation());
     return true;
+  }
+
+  void finish_shard_repairs(const RequestTable& requests) override {
+    for (size_t si = 0; si < shard_repairs_.size(); ++si) {
+      std::optional<ShardRepair>& rp = shard_repairs_[si];
+      if (!rp || rp->link.wait_for(std::chrono::seconds(0)) != std::future_status::ready) continue;
+      ShardRepair r = std::move(*rp);
+      rp.reset();
+      swap_in_shard(static_cast<int>(si), r, requests);
+    }
   }
 
   void start_repair(const proto::RankInfo& peer, const std::string& name, proto::PairOffer& offer,
@@ -404,7 +496,8 @@ class CpuDataPlane final : public DataPlane {
   }
 
   void release() override {
-    parked_shards_.clear();  // waits for their connects (each ends at its deadline)
+    shard_repairs_.clear();  // waits for their connects (each ends at its deadline)
+    parked_shards_.clear();
     backend_ = nullptr;
     engine_.reset();  // the backend and its link(s) with it
     link_.reset();
@@ -413,6 +506,75 @@ class CpuDataPlane final : public DataPlane {
   }
 
  private:
+  // A replacement shard's link, connected and probed (its endpoint is owned by the link).
+  struct ShardLink {
+    std::unique_ptr<pair::CacheRankLink> link;
+    transport::Endpoint* endpoint = nullptr;
+  };
+  struct ShardRepair {
+    proto::RankInfo peer;
+    std::string name;
+    std::future<ShardLink> link;
+  };
+
+  // Swaps the connected replacement of shard `s` into the sharded link (pair::ShardedLink::replaced); the samples of
+  // `requests` stay dense to their end. The pair is whole again unless another shard is down or re-pairing.
+  void swap_in_shard(int s, ShardRepair& r, const RequestTable& requests) {
+    const size_t si = static_cast<size_t>(s);
+    const int n = static_cast<int>(shard_ranks_.size());
+    try {
+      ShardLink got = r.link.get();  // the connect's or the probe's error
+      check_not_declared_dead(r.peer.incarnation(), s);
+      auto* old = dynamic_cast<pair::ShardedLink*>(backend_->link());
+      SPADE_CHECK(old != nullptr, "the link to the layer shards is gone");
+      std::vector<transport::Endpoint*> eps = shard_endpoints_;
+      eps[si] = nullptr;
+      health_->rearm(eps, nullptr);  // shard s's old endpoint goes with replaced()
+      shard_endpoints_[si] = nullptr;
+      const pair::LinkStats retired = old->shard(s).stats();
+      std::unique_ptr<pair::ShardedLink> next =
+          old->replaced(s, std::move(got.link), Clock::now() + opt_.sparse.selection_deadline);
+      add_link_stats(retired_link_stats_, retired);
+      pair::ShardedLink* now = next.get();
+      backend_->replace_link(std::move(next));
+      requests.for_each_sample([this](uint64_t eid, int threshold, int budget) {
+        backend_->set_request_options(eid, true, threshold, budget);
+      });
+      shard_endpoints_[si] = got.endpoint;
+      endpoint_ = shard_endpoints_.front();
+      shard_incarnations_[si] = r.peer.incarnation();
+      shard_names_[si] = r.name;
+      cache_name_.clear();
+      for (const std::string& nm : shard_names_) cache_name_ += (cache_name_.empty() ? "" : ", ") + nm;
+      std::string other;  // a shard still down or re-pairing keeps the pair dense
+      for (int t = 0; t < n && other.empty(); ++t) {
+        if (t == s) continue;
+        if (shard_repairs_[static_cast<size_t>(t)])
+          other = fmt::format("layer shard {} ({}) is re-pairing", t, shard_repairs_[static_cast<size_t>(t)]->name);
+        else if (std::string f = now->shard(t).failure(); !f.empty())
+          other = fmt::format("layer shard {} is down: {}", t, f);
+      }
+      if (other.empty()) {
+        health_->restore(shard_endpoints_, nullptr);
+        spdlog::info("{}: the pair is whole again: {} (incarnation {}) re-paired as layer shard {} of {} (layers {}); "
+                     "new requests decode sparsely over all {} shards",
+                     self_, r.name, r.peer.incarnation(), s, n,
+                     pair::layer_list(pair::shard_layers(s, n, model_cfg_.attention_view().num_layers,
+                                                         sparse_.layers_per_pack)),
+                     n);
+      } else {
+        health_->rearm(shard_endpoints_, nullptr);
+        health_->degrade(fmt::format("{} re-paired as layer shard {} of {}, but {}", r.name, s, n, other), false, true);
+        spdlog::warn("{}: {}; decoding densely", self_, health_->degraded());
+      }
+    } catch (const std::exception& e) {
+      health_->rearm(shard_endpoints_, nullptr);
+      health_->degrade(fmt::format("re-pairing {} as layer shard {} of {} failed: {}", r.name, s, n, e.what()), false,
+                       true);
+      spdlog::error("{}: {}; decoding densely", self_, health_->degraded());
+    }
+  }
+
   static void add_link_stats(pair::LinkStats& into, const pair::LinkStats& s) {
     into.bytes_sent += s.bytes_sent;
     into.bytes_received += s.bytes_received;
@@ -441,7 +603,12 @@ class CpuDataPlane final : public DataPlane {
   std::vector<transport::Endpoint*> shard_endpoints_;  // one per cache rank, in shard order
   pair::LinkStats retired_link_stats_;                 // of the links a re-pairing replaced
   std::future<std::unique_ptr<transport::Endpoint>> repair_endpoint_;
-  std::vector<std::future<std::unique_ptr<transport::Endpoint>>> parked_shards_;
+  // Layer shards, per shard: the cache rank's role index, incarnation and name; a re-pairing under way.
+  std::vector<uint32_t> shard_role_index_;
+  std::vector<uint32_t> shard_incarnations_;
+  std::vector<std::string> shard_names_;
+  std::vector<std::optional<ShardRepair>> shard_repairs_;
+  std::vector<std::future<ShardLink>> parked_shards_;  // superseded re-pairings (each ends at its deadline)
 };
 
 }  // namespace

@@ -2,8 +2,9 @@
 // this rank's cache rank(s) (DataPlane): the link offered before registering and connected after the rendezvous
 // (UCX to one or N cache ranks, N layer shards through pair::ShardedLink; on the GPU an NcclLink or CudaIpcLink),
 // the engine with its sparse backend over that link, the handling of a dead cache rank (PeerDown) and the re-pairing
-// with its replacement (PeerReplaced), the pair's statistics and the end of its sessions. The CPU and the GPU data
-// plane are two implementations chosen at run time by make_data_plane(); the GPU one exists only in CUDA builds.
+// with its replacement (PeerReplaced; with N layer shards, of the replaced shard alone), the pair's statistics and
+// the end of its sessions. The CPU and the GPU data plane are two implementations chosen at run time by
+// make_data_plane(); the GPU one exists only in CUDA builds.
 #pragma once
 
 #include <atomic>
@@ -49,9 +50,13 @@ class PairHealth {
   /// Waits for an abort in progress, then arms these links (null: none) without touching the reason: before the armed
   /// link's owner destroys it. Main thread.
   void rearm(transport::Endpoint* endpoint, transport::GpuLink* gpu_link);
+  /// Layer shards: the endpoints of every cache rank, in shard order.
+  void rearm(std::vector<transport::Endpoint*> endpoints, transport::GpuLink* gpu_link);
   /// The pair is whole again (a replacement cache rank re-paired): waits for the old link's abort, arms the new link
   /// (not owned; its owner must disarm or restore before destroying it) and clears the reason. Main thread.
   void restore(transport::Endpoint* endpoint, transport::GpuLink* gpu_link);
+  /// Layer shards: the endpoints of every cache rank, in shard order (a replaced shard's new one included).
+  void restore(std::vector<transport::Endpoint*> endpoints, transport::GpuLink* gpu_link);
   /// "" while the pair is whole, else why it is not.
   std::string degraded() const;
 
@@ -113,13 +118,17 @@ class DataPlane {
   void on_peer_down(const proto::PeerDown& pd);
   /// A PeerReplaced for one of this rank's cache ranks: offers the replacement the data plane through `cc`
   /// (PairOffer) and connects to it on a thread of its own, within the rendezvous timeout; finish_repair() swaps it
-  /// in. A replaced layer shard is connected but not used (the pair stays dense until this rank restarts); a
-  /// replacement of another rank or of an older incarnation is ignored (a warning); a failed offer leaves the pair
-  /// degraded, saying why.
+  /// in. With N layer shards only the replaced shard s is re-paired: the replacement must be the cache rank of shard
+  /// s (RankInfo role, role_index and shard; else it is refused, naming it, and gets no offer), and once connected it
+  /// is probed (pair::probe_shard: it must hold shard s's layers; else it is refused, naming it and the layers, and
+  /// its session is ended). A replacement of another rank or of an older incarnation is ignored (a warning); a
+  /// refused replacement or a failed offer leaves the pair degraded, saying why.
   void on_peer_replaced(const proto::PeerReplaced& pr, coord::CoordinatorClient& cc);
   /// Swaps the replacement's link in once it is up, between two steps: the samples of `requests` stay dense to their
-  /// end, new requests decode sparsely and the pair is whole again. A failed connect, or a replacement declared dead
-  /// while connecting, leaves the pair degraded, saying why. Returns at once while the connect is under way.
+  /// end, new requests decode sparsely and the pair is whole again (with N layer shards: once no shard is down or
+  /// re-pairing; the other shards keep their links and release what they held, pair::ShardedLink::replaced). A
+  /// failed connect or probe, or a replacement declared dead while connecting, leaves the pair degraded, saying why.
+  /// Returns at once while the connect is under way.
   void finish_repair(const RequestTable& requests);
   /// Applies a request's own sparse options (force_dense, sparse_threshold, token_budget) to one of its samples.
   /// Throws spade::Error when the sparse backend refuses them.
@@ -148,14 +157,17 @@ class DataPlane {
   void no_cache_rank();
   /// The shard of global rank `r` among this rank's cache ranks, -1 for another rank.
   int shard_of_rank(uint32_t r) const;
-  /// Throws spade::Error when the cache rank of `incarnation` was declared dead while it was being connected.
-  void check_not_declared_dead(uint32_t incarnation) const;
+  /// Throws spade::Error when the cache rank of `incarnation` (of layer shard `shard`; 0 without shards) was declared
+  /// dead while it was being connected.
+  void check_not_declared_dead(uint32_t incarnation, int shard = 0) const;
 
   // The implementation's part of each step above.
   virtual void arm_health() = 0;
   virtual bool predicted() const = 0;
   /// Layer shards: handles a replaced shard and returns true; false when there are no shards.
   virtual bool replace_shard(const proto::PeerReplaced& pr, const std::string& name, coord::CoordinatorClient& cc);
+  /// Layer shards: swaps in the replaced shards whose connect (and probe) ended (finish_repair).
+  virtual void finish_shard_repairs(const RequestTable& requests);
   /// Sends `offer` (peer rank and incarnation set) with this rank's fresh address and starts connecting to `peer`.
   virtual void start_repair(const proto::RankInfo& peer, const std::string& name, proto::PairOffer& offer,
                             Clock::time_point deadline, coord::CoordinatorClient& cc) = 0;
@@ -191,9 +203,10 @@ class DataPlane {
     std::string name;
   };
   std::optional<PendingRepair> repair_;
-  // The newest incarnation of the cache rank declared dead (-1: none): a replacement that dies while it is being
-  // connected is not swapped in. Shared with the coordinator client's event callback.
-  std::shared_ptr<std::atomic<int64_t>> cache_down_incarnation_ = std::make_shared<std::atomic<int64_t>>(-1);
+  // Per cache rank (shard order), the newest incarnation declared dead (-1: none): a replacement that dies while it is
+  // being connected is not swapped in. Shared with the coordinator client's event callback (sized by watch()).
+  std::shared_ptr<std::vector<std::atomic<int64_t>>> cache_down_incarnation_ = down_incarnations(1);
+  static std::shared_ptr<std::vector<std::atomic<int64_t>>> down_incarnations(size_t n);
 };
 
 /// The data plane for `setup.opt.device` ("cpu": UCX to the cache rank(s) when the world has any; "cuda": an NCCL /

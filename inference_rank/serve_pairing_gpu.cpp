@@ -1,8 +1,11 @@
 // The GPU data plane of inference_rank --serve (serve_pairing.h make_gpu_data_plane): the forward pass on one GPU
-// (GpuEngineForward) and, with a cache rank, the GpuSparseController over an NcclLink or CudaIpcLink. CUDA builds only.
+// (GpuEngineForward) and, with cache ranks, the GpuSparseController over one NcclLink or CudaIpcLink per cache rank
+// (N = --num-cache / --num-inference layer shards, pair/gpu_shard.h; one NCCL communicator pair per link). CUDA
+// builds only.
 #include <cuda_runtime_api.h>
 #include <spdlog/spdlog.h>
 
+#include <cstring>
 #include <future>
 #include <utility>
 
@@ -11,9 +14,89 @@
 #include "inference_rank/gpu_sparse.h"
 #include "inference_rank/serve_pairing.h"
 #include "kernels/device.h"
+#include "pair/gpu_shard.h"
 
 namespace spade {
 namespace {
+
+// The pair's N shard links as one GpuLink for PairHealth, which aborts the pair's link on a PeerDown: aborting it
+// aborts every shard's link (one shard lost fails the pair: gpu_sparse.h, layer shards). Nothing is sent through it.
+class ShardLinks final : public transport::GpuLink {
+ public:
+  explicit ShardLinks(std::vector<transport::GpuLink*> links) : links_(std::move(links)) {
+    for (const transport::GpuLink* l : links_) names_ += (names_.empty() ? "" : ", ") + l->peer_name();
+  }
+  void send(const void*, size_t, cudaStream_t, const char*, std::chrono::milliseconds) override {
+    fail("the layer shards' links of {} take no send of their own", names_);
+  }
+  void recv(void*, size_t, cudaStream_t, const char*, std::chrono::milliseconds) override {
+    fail("the layer shards' links of {} take no receive of their own", names_);
+  }
+  void abort(const std::string& reason) override {
+    for (transport::GpuLink* l : links_) l->abort(reason);
+  }
+  bool failed() const override {
+    for (const transport::GpuLink* l : links_)
+      if (l->failed()) return true;
+    return false;
+  }
+  std::string failure() const override {
+    for (const transport::GpuLink* l : links_)
+      if (l->failed()) return l->failure();
+    return "";
+  }
+  void on_failure(std::function<void(const std::string&)>) override {
+    fail("the layer shards' links of {} take no failure callback", names_);
+  }
+  transport::GpuLinkCounters counters() const override {
+    transport::GpuLinkCounters c;
+    for (const transport::GpuLink* l : links_) {
+      const transport::GpuLinkCounters x = l->counters();
+      c.sends += x.sends;
+      c.recvs += x.recvs;
+      c.bytes_sent += x.bytes_sent;
+      c.bytes_received += x.bytes_received;
+    }
+    return c;
+  }
+  size_t in_flight() const override {
+    size_t n = 0;
+    for (const transport::GpuLink* l : links_) n += l->in_flight();
+    return n;
+  }
+  transport::PairRole role() const override { return transport::PairRole::kInference; }
+  int device() const override { return links_.front()->device(); }
+  const std::string& peer_name() const override { return names_; }
+
+ private:
+  std::vector<transport::GpuLink*> links_;
+  std::string names_;
+};
+
+// A replaced layer shard's new link, which is not used (the pair stays dense until this rank restarts): its hello,
+// then the close plan, so that the replacement's server ends its stream and waits for the shutdown with nothing
+// pending. Each send waits at most the link's op_timeout.
+void end_parked_stream(transport::GpuLink& link, const std::vector<uint8_t>& hello) {
+  cudaStream_t stream = nullptr;
+  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "parked shard: stream");
+  std::string err;
+  try {
+    DeviceBuffer buf(pair::kGpuPlanBytes, "parked shard: message");
+    cuda_check(cudaMemcpyAsync(buf.get(), hello.data(), hello.size(), cudaMemcpyHostToDevice, stream),
+               "parked shard: hello upload");
+    link.send(buf.get(), pair::kGpuHelloBytes, stream, "the pair hello");
+    cuda_check(cudaStreamSynchronize(stream), "parked shard: hello");
+    const std::vector<uint8_t> close = pair::encode_gpu_plan(pair::GpuStepPlan::close_plan());
+    cuda_check(cudaMemcpyAsync(buf.get(), close.data(), close.size(), cudaMemcpyHostToDevice, stream),
+               "parked shard: close plan upload");
+    link.send(buf.get(), pair::kGpuPlanBytes, stream, "the close plan");
+    cuda_check(cudaStreamSynchronize(stream), "parked shard: close plan");
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  cudaStreamDestroy(stream);
+  SPADE_CHECK(err.empty(), "{}", err);
+}
 
 class GpuDataPlane final : public DataPlane {
  public:
@@ -23,34 +106,51 @@ class GpuDataPlane final : public DataPlane {
     if (env_.num_cache == 0 || opt_.sparse.mode != SelectionMode::Predicted) return;
     SPADE_CHECK(opt_.gpu_link == "nccl" || opt_.gpu_link == "ipc", "{}: --gpu-link must be nccl or ipc, got '{}'",
                 self_, opt_.gpu_link);
-    if (env_.cache_per_inference > 1)
-      fail("{}: --gpu-link {} pairs one cache rank with one inference rank, but this world gives each inference rank "
-           "{} cache ranks (--num-cache {} / --num-inference {}); shard over several cache ranks with --device cpu "
-           "(UCX), or start as many cache ranks as inference ranks",
-           self_, opt_.gpu_link, env_.cache_per_inference, env_.num_cache, env_.num_inference);
+    // N cache ranks: one link each (layer shards, pair/gpu_shard.h); every shard must serve a pack.
+    const int n = static_cast<int>(std::max<uint32_t>(1, env_.cache_per_inference));
+    const int layers = model_cfg_.attention_view().num_layers;
+    const int packs = (layers + opt_.sparse.layers_per_pack - 1) / opt_.sparse.layers_per_pack;
+    SPADE_CHECK(packs >= n,
+                "{}: {} cache ranks but only {} layer packs ({} attention layers, --layers-per-pack {}): a cache rank "
+                "would hold no layer; pass a smaller --layers-per-pack or start fewer cache ranks",
+                self_, n, packs, layers, opt_.sparse.layers_per_pack);
     lo_.kind = opt_.gpu_link == "nccl" ? transport::LinkKind::kNccl : transport::LinkKind::kCudaIpc;
-    offer_ = transport::offer_gpu_link(lo_);
+    std::vector<std::string> addresses;
+    for (int s = 0; s < n; ++s) {
+      offers_.push_back(transport::offer_gpu_link(lo_));
+      addresses.push_back(offers_.back()->address());
+    }
     co.transport_kind = transport_kind(lo_.kind);
-    co.transport_address = offer_->address();
+    co.transport_address = pair::join_shard_addresses(addresses);  // one address: unchanged
+    co.layers_per_pack = static_cast<uint32_t>(opt_.sparse.layers_per_pack);  // its cache ranks' layer shards follow
   }
   ~GpuDataPlane() override { teardown(); }
 
   void connect(const proto::ClusterView& view, Clock::time_point deadline) override {
-    if (offer_ && view.peers_size() > 0) {
-      const proto::RankInfo& peer = view.peers(0);
-      shard_ranks_ = {peer.rank()};
-      cache_name_ = cache_rank_name(peer);
-      set_stage_("connecting the GPU data plane to " + cache_name_);
-      // CUDA IPC waits for its peer up to the rendezvous timeout (as the link was offered); NCCL up to what is left
-      // of the rendezvous deadline (at least 1 s).
-      const auto left = std::max(std::chrono::milliseconds(1000),
-                                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
-      gpu_link_owner_ =
-          offer_->connect(cache_name_, offer_->kind() == transport::LinkKind::kNccl ? left : lo_.connect_timeout);
-      gpu_link_ = gpu_link_owner_.get();
+    if (!offers_.empty() && view.peers_size() > 0) {
+      // The view lists this rank's cache ranks in shard order: link s to shard s.
+      SPADE_CHECK(view.peers_size() == static_cast<int>(offers_.size()),
+                  "{}: the coordinator paired {} cache ranks with this rank, the world gives it {}", self_,
+                  view.peers_size(), offers_.size());
+      for (int s = 0; s < view.peers_size(); ++s) {
+        const proto::RankInfo& peer = view.peers(s);
+        const std::string name = cache_rank_name(peer);
+        set_stage_("connecting the GPU data plane to " + name);
+        // CUDA IPC waits for its peer up to the rendezvous timeout (as the link was offered); NCCL up to what is
+        // left of the rendezvous deadline (at least 1 s).
+        const auto left = std::max(std::chrono::milliseconds(1000),
+                                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+        transport::GpuLinkOffer& offer = *offers_[static_cast<size_t>(s)];
+        links_.push_back(offer.connect(name, offer.kind() == transport::LinkKind::kNccl ? left : lo_.connect_timeout));
+        shard_ranks_.push_back(peer.rank());
+        shard_names_.push_back(name);
+        cache_name_ += (cache_name_.empty() ? "" : ", ") + name;
+      }
       has_link_ = true;
-      spdlog::info("{}: GPU data plane to {} over {}", self_, cache_name_,
-                   transport::link_kind_name(offer_->kind()));
+      spdlog::info("{}: GPU data plane to {} over {}{}", self_, cache_name_, transport::link_kind_name(lo_.kind),
+                   links_.size() > 1 ? fmt::format(" ({} layer shards, pack p to shard p mod {})", links_.size(),
+                                                   links_.size())
+                                     : std::string());
     } else {
       no_cache_rank();
     }
@@ -76,12 +176,15 @@ class GpuDataPlane final : public DataPlane {
     }
     spdlog::info("{}: GPU {}: {:.2f} GB weights, {:.2f} GB KV pool ({} pages)", self_, opt_.gpu,
                  gpu_->model().weight_bytes() / 1e9, gpu_->kv_bytes() / 1e9, go.engine.num_pages);
-    if (gpu_link_ != nullptr) {
+    if (!links_.empty()) {
       const EngineOptions& en = engine_->options();
       gpu_attn_cfg_ = std::make_unique<ModelConfig>(model_cfg_.attention_view());
       const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, cache_name_);
-      gpu_sparse_ =
-          std::make_unique<GpuSparseController>(*gpu_attn_cfg_, gso, *gpu_link_, en.page_size, gpu_->max_batch());
+      std::vector<transport::GpuLink*> raw;
+      for (const auto& l : links_) raw.push_back(l.get());
+      gpu_sparse_ = std::make_unique<GpuSparseController>(*gpu_attn_cfg_, gso, std::move(raw), en.page_size,
+                                                          gpu_->max_batch());
+      gpu_sparse_->set_shard_names(shard_names_);
       gpu_sparse_->send_hello(make_gpu_pair_hello(*gpu_attn_cfg_, gso, en));
       gpu_->set_sparse(gpu_sparse_.get());
       engine_->set_attention_hooks(gpu_sparse_.get());
@@ -102,7 +205,52 @@ class GpuDataPlane final : public DataPlane {
   }
 
  protected:
-  void arm_health() override { health_->arm(std::vector<transport::Endpoint*>{}, gpu_link_); }
+  void arm_health() override { health_->arm(std::vector<transport::Endpoint*>{}, health_link()); }
+
+  // Layer shards (N > 1): a replaced cache rank gets a fresh link (so that it leaves its rendezvous), its hello and
+  // at once the close plan, and is not used: the other shards' links were aborted with the lost one, so the pair
+  // stays dense until this rank restarts (its replacement re-pairs with all N cache ranks).
+  bool replace_shard(const proto::PeerReplaced& pr, const std::string& name, coord::CoordinatorClient& cc) override {
+    if (shard_ranks_.size() <= 1) return false;
+    const proto::RankInfo& peer = pr.peer();
+    const int shard = shard_of_rank(peer.rank());
+    const int n = static_cast<int>(shard_ranks_.size());
+    health_->degrade(fmt::format("{} (layer shard {} of {}) was replaced (previous incarnation: {}); a replaced "
+                                 "shard is not re-paired, this rank decodes densely until it restarts",
+                                 name, shard, n, pr.previous_reason()),
+                     true, true, shard);
+    spdlog::warn("{}: {}", self_, health_->degraded());
+    if (!gpu_sparse_) return true;
+    transport::LinkOptions glo = lo_;
+    glo.peer_name = name;
+    std::shared_ptr<transport::GpuLinkOffer> fresh = transport::offer_gpu_link(glo);
+    proto::PairOffer po;
+    po.set_peer_rank(peer.rank());
+    po.set_peer_incarnation(peer.incarnation());
+    po.mutable_transport()->set_kind(transport_kind(glo.kind));
+    std::vector<std::string> addresses(static_cast<size_t>(n));  // the replacement reads entry `shard` of N
+    addresses[static_cast<size_t>(shard)] = fresh->address();
+    po.mutable_transport()->set_address(pair::join_shard_addresses(addresses));
+    cc.send_pair_offer(po);
+    const EngineOptions en = engine_->options();
+    const std::vector<uint8_t> hello = pair::encode_gpu_hello(pair::shard_gpu_hello(
+        make_gpu_pair_hello(*gpu_attn_cfg_, gpu_sparse_options(sparse_, en, name), en), shard, n));
+    const int device = opt_.gpu;
+    const auto timeout = opt_.rendezvous_timeout;
+    const std::string self = self_;
+    parked_.push_back(std::async(std::launch::async, [fresh, name, hello, device, timeout, self] {
+      std::unique_ptr<transport::GpuLink> link;
+      try {
+        cuda_check(cudaSetDevice(device), "inference rank: cudaSetDevice (parked shard)");
+        link = fresh->connect(name, timeout);
+        end_parked_stream(*link, hello);
+      } catch (const std::exception& e) {
+        spdlog::warn("{}: the replaced layer shard {} was not connected: {}", self, name, e.what());
+      }
+      return link;
+    }));
+    return true;
+  }
   bool predicted() const override { return true; }
 
   void start_repair(const proto::RankInfo& /*peer*/, const std::string& name, proto::PairOffer& offer,
@@ -127,7 +275,7 @@ class GpuDataPlane final : public DataPlane {
       g.link = fresh->connect(name, timeout);
       g.controller = std::make_unique<GpuSparseController>(*attn, gso, *g.link, en.page_size, max_batch);
       g.controller->send_hello(make_gpu_pair_hello(*attn, gso, en));
-      return g;
+      return g;  // one cache rank: layer shards are never re-paired (replace_shard)
     });
   }
 
@@ -145,9 +293,9 @@ class GpuDataPlane final : public DataPlane {
     gpu_->set_sparse(g.controller.get());
     engine_->set_attention_hooks(g.controller.get());
     gpu_sparse_ = std::move(g.controller);  // the old controller goes before its link
-    gpu_link_owner_ = std::move(g.link);
-    gpu_link_ = gpu_link_owner_.get();
-    health_->restore(nullptr, gpu_link_);
+    links_.clear();
+    links_.push_back(std::move(g.link));
+    health_->restore(nullptr, links_.front().get());
   }
 
   void drop_repair() override { repair_gpu_ = {}; }
@@ -162,7 +310,7 @@ class GpuDataPlane final : public DataPlane {
 
   std::optional<std::string> link_failure() override {
     if (!gpu_sparse_ || !gpu_sparse_->link_failed()) return std::nullopt;
-    return gpu_link_->failure();
+    return gpu_sparse_->link_failure();
   }
 
   void publish_stats(coord::CoordinatorClient& cc, InferenceMetrics& metrics) override {
@@ -189,13 +337,14 @@ class GpuDataPlane final : public DataPlane {
   }
 
   void release() override {
-    // The controller before the forward pass, both before the engine; the link last.
+    // The controller before the forward pass, both before the engine; the links last.
+    parked_.clear();  // waits for their connects (each ends at its deadline)
     gpu_sparse_.reset();
     gpu_attn_cfg_.reset();
     gpu_.reset();
     engine_.reset();
-    gpu_link_owner_.reset();
-    gpu_link_ = nullptr;
+    health_links_.reset();
+    links_.clear();
   }
 
  private:
@@ -231,10 +380,23 @@ class GpuDataPlane final : public DataPlane {
     return true;
   }
 
+  // What PairHealth aborts on a PeerDown: the link itself with one cache rank, else every shard's (ShardLinks).
+  transport::GpuLink* health_link() {
+    if (links_.empty()) return nullptr;
+    if (links_.size() == 1) return links_.front().get();
+    std::vector<transport::GpuLink*> raw;
+    for (const auto& l : links_) raw.push_back(l.get());
+    health_links_ = std::make_unique<ShardLinks>(std::move(raw));
+    return health_links_.get();
+  }
+
   transport::LinkOptions lo_;
-  std::unique_ptr<transport::GpuLinkOffer> offer_;  // null without a cache rank or with dense selection
-  std::unique_ptr<transport::GpuLink> gpu_link_owner_;
-  transport::GpuLink* gpu_link_ = nullptr;
+  std::vector<std::unique_ptr<transport::GpuLinkOffer>> offers_;  // one per cache rank; none without a cache rank
+                                                                  // or with dense selection
+  std::vector<std::unique_ptr<transport::GpuLink>> links_;        // one per cache rank, shard order
+  std::vector<std::string> shard_names_;                          // the cache ranks, shard order
+  std::unique_ptr<ShardLinks> health_links_;                      // layer shards: links_ as one, for PairHealth
+  std::vector<std::future<std::unique_ptr<transport::GpuLink>>> parked_;  // replaced shards' links, unused
   std::unique_ptr<GpuEngineForward> gpu_;
   std::unique_ptr<ModelConfig> gpu_attn_cfg_;
   std::unique_ptr<GpuSparseController> gpu_sparse_;

@@ -113,7 +113,9 @@ __device__ __forceinline__ float normalise_qk_warp(const T* q, const T* k, float
 // Recurrent form
 // =====================================================================================================================
 
-struct RecArgs {
+// What the recurrent and the buffered step kernels both take (step_args fills it from either params struct): the
+// step's tokens (GdnStepTokens), the output and the state pool, the head counts and the q/k normalisation.
+struct StepArgs {
   const void* q;
   const void* k;
   const void* v;
@@ -122,12 +124,15 @@ struct RecArgs {
   const int32_t* cu_tokens;
   void* out;
   float* state_pool;
-  const int32_t* state_slots;
-  const int32_t* draft_state_slots;
-  int num_state_slots;
   int hk_heads, hv_heads, group;
   float scale, eps;
   bool l2;
+};
+
+struct RecArgs : StepArgs {
+  const int32_t* state_slots;
+  const int32_t* draft_state_slots;
+  int num_state_slots;
 };
 
 template <typename T, int D>
@@ -214,15 +219,7 @@ __global__ void __launch_bounds__(kThreads, 8) gdn_recurrent_kernel(RecArgs a) {
 // sequence kernel (gdn_buffered_finish_kernel) in the same stream, so no CTA waits on an atomic before it retires.
 // =====================================================================================================================
 
-struct BufArgs {
-  const void* q;
-  const void* k;
-  const void* v;
-  const float* g;
-  const float* beta;
-  const int32_t* cu_tokens;
-  void* out;
-  float* state_pool;
+struct BufArgs : StepArgs {
   void* buf_k;
   void* buf_u;
   float* buf_g;
@@ -239,12 +236,9 @@ struct BufArgs {
   int max_blocks_per_seq;
   int block_size;
   int tbl_entries;  // block-table entries staged per sequence: min(max_blocks_per_seq, ceil(cap_max / block_size))
-  int hk_heads, hv_heads, group;
   int next_tokens;
   int cap_max;      // max_ring_capacity: shared-memory sizing
   int max_tokens;   // host bound on tokens per sequence (<= MT)
-  float scale, eps;
-  bool l2;
   bool verify;
 };
 
@@ -658,11 +652,28 @@ cudaError_t check_common(const char* fn, DType dtype, const GdnDims& d, const Gd
 
 float resolve_scale(const GdnOptions& o, int dk) { return o.scale > 0.f ? o.scale : 1.f / sqrtf(static_cast<float>(dk)); }
 
+// StepArgs of GdnRecurrentGpuParams or GdnBufferedGpuParams `p` (head dimension D).
+template <int D, typename Params>
+StepArgs step_args(const Params& p) {
+  return StepArgs{p.tok.q,
+                  p.tok.k,
+                  p.tok.v,
+                  p.tok.g,
+                  p.tok.beta,
+                  p.tok.cu_tokens,
+                  p.out,
+                  p.state_pool,
+                  p.dims.num_k_heads,
+                  p.dims.num_v_heads,
+                  p.dims.num_v_heads / p.dims.num_k_heads,
+                  resolve_scale(p.opt, D),
+                  p.opt.l2norm_eps,
+                  p.opt.qk_l2norm};
+}
+
 template <typename T, int D>
 cudaError_t launch_recurrent(const GdnRecurrentGpuParams& p, cudaStream_t stream) {
-  RecArgs a{p.tok.q, p.tok.k, p.tok.v, p.tok.g, p.tok.beta, p.tok.cu_tokens, p.out, p.state_pool, p.state_slots,
-            p.draft_state_slots, p.num_state_slots, p.dims.num_k_heads, p.dims.num_v_heads,
-            p.dims.num_v_heads / p.dims.num_k_heads, resolve_scale(p.opt, D), p.opt.l2norm_eps, p.opt.qk_l2norm};
+  const RecArgs a{step_args<D>(p), p.state_slots, p.draft_state_slots, p.num_state_slots};
   const dim3 grid(p.tok.batch, p.dims.num_v_heads, D / kTileV);
   gdn_recurrent_kernel<T, D><<<grid, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
@@ -684,9 +695,7 @@ cudaError_t launch_buffered(const GdnBufferedGpuParams& p, bool verify, cudaStre
     if (e != cudaSuccess) return e;
   }
   BufArgs a{};
-  a.q = p.tok.q; a.k = p.tok.k; a.v = p.tok.v; a.g = p.tok.g; a.beta = p.tok.beta; a.cu_tokens = p.tok.cu_tokens;
-  a.out = p.out;
-  a.state_pool = p.state_pool;
+  static_cast<StepArgs&>(a) = step_args<D>(p);
   a.buf_k = p.buf.k; a.buf_u = p.buf.u; a.buf_g = p.buf.g;
   a.ring_start = p.seqs.ring_start; a.ring_len = p.seqs.ring_len; a.ring_capacity = p.seqs.ring_capacity;
   a.block_tables = p.seqs.block_tables; a.state_slots = p.seqs.state_slots; a.state_valid = p.seqs.state_valid;
@@ -696,10 +705,8 @@ cudaError_t launch_buffered(const GdnBufferedGpuParams& p, bool verify, cudaStre
   a.block_size = p.buf.block_size;
   a.tbl_entries = tbl;
   a.max_tokens = p.tok.max_tokens;
-  a.hk_heads = p.dims.num_k_heads; a.hv_heads = p.dims.num_v_heads; a.group = p.dims.num_v_heads / p.dims.num_k_heads;
   a.next_tokens = p.next_tokens;
   a.cap_max = p.max_ring_capacity;
-  a.scale = resolve_scale(p.opt, D); a.eps = p.opt.l2norm_eps; a.l2 = p.opt.qk_l2norm;
   a.verify = verify;
   kernel<<<dim3(p.tok.batch, p.dims.num_v_heads, D / (32 * TPC)), 128 * TPC, smem, stream>>>(a);
   cudaError_t e = cudaGetLastError();

@@ -148,11 +148,66 @@ struct PushQueryWindowParams {
   int num_windows = 0;
   int rows = 0;                         // >= 0 (0: nothing is launched)
   int num_heads = 0;
-  int capacity = 0;                     // 1..kMaxPredictorWindow + 1
+  int capacity = 0;                     // 1..max(kMaxPredictorWindow + 1, kMaxAnchorWindow)
   int head_dim = 0;                     // even
 };
 
 cudaError_t push_query_window(const PushQueryWindowParams& p, cudaStream_t stream);
+
+/// Prompt anchors on the device (select_anchors_ref's rule, kernels/selection_ref.h "Prompt anchors"), for a batch of
+/// sequences whose last queries sit in anchor windows (push_query_window with capacity <= kMaxAnchorWindow): row b
+/// reads entries 0..nq-1 of window window_idx[b], nq = min(num_queries[b], window_capacity, context_len[b]), entry i
+/// being the query at position context_len[b] - nq + i (its causal context: keys 0..that position); anchors are taken
+/// from [begin, end), end = min(max(begin, context_len[b] - max(local_window, nq)), context_len[b]). Writes kMaxAnchors
+/// int32 (best first, -1 padding) per (b, KV head) to row anchor_rows[b][kvh] of `anchors`; a row with nq == 0 (or a
+/// window index outside [0, num_windows)) is left as it is. One CTA per (sequence, KV head); the softmax in fp32
+/// (the reference's in fp64), so a probability within ~1e-6 of kAnchorMinMass, or two within ~1e-6 of each other, may
+/// decide differently. Cost: each anchor query reads its whole causal context twice (once at a sequence's switch).
+struct SelectAnchorsParams {
+  DType dtype = DType::BF16;             // BF16 or F16: k_cache and windows.
+  const void* windows = nullptr;         // [num_windows, num_q_heads, window_capacity, head_dim] dtype, oldest first.
+  const int32_t* window_idx = nullptr;   // [batch] int32 window of each sequence.
+  const int32_t* num_queries = nullptr;  // [batch] int32 valid window entries (0: the row is skipped).
+  const int32_t* context_len = nullptr;  // [batch] int32 tokens in the cache (the last window entry is the last one's).
+  const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
+  const int32_t* anchor_rows = nullptr;  // [batch, num_kv_heads] int32 row of `anchors` each (b, KV head) writes.
+  int32_t* anchors = nullptr;            // [*, kMaxAnchors] int32 out.
+  int batch = 0;
+  int num_windows = 0;
+  int window_capacity = 0;               // 1..kMaxAnchorWindow
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int begin = 0;                         // first position an anchor may take (the CPU cache rank: max(sinks, span))
+  int local_window = 0;                  // R
+  int span = 1;                          // >= 1: anchors of one KV head are at least `span` apart
+};
+
+cudaError_t select_anchors(const SelectAnchorsParams& p, cudaStream_t stream);
+
+/// Dynamic shared memory select_anchors uses (its kernels' limit is raised to the device's opt-in maximum).
+size_t select_anchors_smem_bytes(int group, int head_dim, int window_capacity);
+
+/// apply_anchor_spans_ref on the device: score row r (of rows = batch * rows_per_batch) takes the spans of anchors
+/// row anchor_rows[r], with row_lens[r / rows_per_batch] scored columns.
+struct ApplyAnchorSpansParams {
+  float* scores = nullptr;               // [rows, score_stride] fp32 in/out.
+  const int32_t* row_lens = nullptr;     // [rows / rows_per_batch] int32.
+  const int32_t* anchors = nullptr;      // [*, kMaxAnchors] int32 (select_anchors').
+  const int32_t* anchor_rows = nullptr;  // [rows] int32 anchors row of each score row.
+  int rows = 0;
+  int rows_per_batch = 1;                // e.g. num_kv_heads
+  int score_stride = 0;
+  int first_pos = 0;                     // position of column 0
+  int span = 1;
+  int budget = 0;                        // token budget k: the spans take at most k / 4 tokens
+  bool successor = false;
+};
+
+cudaError_t apply_anchor_spans(const ApplyAnchorSpansParams& p, cudaStream_t stream);
 
 /// Largest token budget (slots per row) selection_delta supports.
 inline constexpr int kMaxDeltaBudget = 4096;

@@ -411,7 +411,7 @@ cudaError_t push_query_window(const PushQueryWindowParams& p, cudaStream_t strea
   const char* what = "push_query_window";
   if (p.dtype != DType::BF16 && p.dtype != DType::F16) return invalid_argument(what, "dtype must be BF16 or F16");
   if (p.rows < 0 || p.num_windows < 1 || p.num_heads < 1 || p.capacity < 1 ||
-      p.capacity > kMaxPredictorWindow + 1 || p.head_dim < 2 || p.head_dim % 2 != 0) {
+      p.capacity > std::max(kMaxPredictorWindow + 1, kMaxAnchorWindow) || p.head_dim < 2 || p.head_dim % 2 != 0) {
     return invalid_argument(what, "rows ", p.rows, " / num_windows ", p.num_windows, " / num_heads ", p.num_heads,
                             " / capacity ", p.capacity, " / head_dim ", p.head_dim, " invalid");
   }

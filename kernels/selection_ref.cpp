@@ -335,6 +335,40 @@ void select_anchors_ref(const SelectAnchorsRefParams& p) {
   }
 }
 
+std::vector<int32_t> anchor_span_positions(const int32_t* anchors, int span, int budget, bool successor, int first_pos,
+                                           int row_len) {
+  SPADE_CHECK(anchors != nullptr && span >= 1 && budget >= 0 && row_len >= 0,
+              "anchor_span_positions: anchors set, span {} >= 1, budget {} >= 0 and row_len {} >= 0 required", span,
+              budget, row_len);
+  std::vector<int32_t> out;
+  const int cap = budget / 4;
+  const int cost = span + (successor ? 1 : 0);  // the token after a span inherits its +inf with successor expansion
+  int used = 0;
+  for (int a = 0; a < kMaxAnchors; ++a) {
+    const int32_t t0 = anchors[a];
+    if (t0 < 0 || used + cost > cap) break;
+    used += cost;
+    for (int t = std::max(t0, first_pos); t < std::min(t0 + span, first_pos + row_len); ++t) out.push_back(t);
+  }
+  return out;
+}
+
+void apply_anchor_spans_ref(const ApplyAnchorSpansRefParams& p) {
+  SPADE_CHECK(p.scores != nullptr && p.row_lens != nullptr && p.anchors != nullptr,
+              "apply_anchor_spans_ref: scores, row_lens and anchors must be set");
+  SPADE_CHECK(p.rows >= 0 && p.score_stride >= 0 && p.first_pos >= 0,
+              "apply_anchor_spans_ref: rows {} / score_stride {} / first_pos {} invalid", p.rows, p.score_stride,
+              p.first_pos);
+  for (int r = 0; r < p.rows; ++r) {
+    const int n = p.row_lens[r];
+    SPADE_CHECK(n >= 0 && n <= p.score_stride, "apply_anchor_spans_ref: row_lens[{}] = {} outside [0, {}]", r, n,
+                p.score_stride);
+    for (int32_t t : anchor_span_positions(p.anchors + static_cast<size_t>(r) * kMaxAnchors, p.span, p.budget,
+                                           p.successor, p.first_pos, n))
+      p.scores[static_cast<size_t>(r) * p.score_stride + (t - p.first_pos)] = std::numeric_limits<float>::infinity();
+  }
+}
+
 void gather_kv_ref(const GatherKvRefParams& p) {
   SPADE_CHECK(p.k_cache != nullptr && p.v_cache != nullptr && p.block_table != nullptr && p.indices != nullptr &&
                   p.packed_k != nullptr && p.packed_v != nullptr,

@@ -82,6 +82,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace spade::kernels {
 
@@ -209,6 +210,33 @@ struct SelectAnchorsRefParams {
 
 /// The prompt anchors of one sequence (see the header comment).
 void select_anchors_ref(const SelectAnchorsRefParams& p);
+
+/// Most anchor queries a query window holds (the GPU cache rank's anchor windows, push_query_window's capacity).
+inline constexpr int kMaxAnchorWindow = 64;
+
+/// The positions of the anchor spans of one score row, in the order they are taken: [a, a + span) of the row's
+/// anchors best first, as many whole spans as fit in a quarter of `budget` (a span costs `span` tokens, one more with
+/// successor expansion, whose successor inherits the span's +inf), clipped to the scored positions
+/// [first_pos, first_pos + row_len). anchors: [kMaxAnchors] int32, best first, -1 padding. Throws spade::Error for a
+/// span < 1 or a negative budget / row_len.
+std::vector<int32_t> anchor_span_positions(const int32_t* anchors, int span, int budget, bool successor, int first_pos,
+                                           int row_len);
+
+struct ApplyAnchorSpansRefParams {
+  float* scores = nullptr;               // [rows, score_stride] fp32 in/out; column c scores position first_pos + c.
+  const int32_t* row_lens = nullptr;     // [rows] int32 scored columns of each row.
+  const int32_t* anchors = nullptr;      // [rows, kMaxAnchors] int32 (select_anchors_ref's, per row), -1 padding.
+  int rows = 0;
+  int score_stride = 0;
+  int first_pos = 0;                     // position of column 0 (the CPU cache rank: its sink tokens; the GPU: 0).
+  int span = 1;                          // >= 1
+  int budget = 0;                        // the row's token budget k (the spans take at most k / 4)
+  bool successor = false;                // successor expansion in the top-k that follows
+};
+
+/// Sets the scores of every anchor_span_positions() of each row to +inf, so the top-k that follows keeps them (the
+/// prompt anchors of a predicted selection; see the header comment).
+void apply_anchor_spans_ref(const ApplyAnchorSpansRefParams& p);
 
 /// Order-preserving map fp32 -> uint32 used by the top-k (larger float -> larger key; NaN -> 0).
 uint32_t topk_key(float x);

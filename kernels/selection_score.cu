@@ -94,6 +94,53 @@ __device__ __forceinline__ void store_score_fragments(float* scratch, int lane, 
   }
 }
 
+// What both scoring kernels (16-bit keys, int8 keys) set up before their pipelines: the block's KV head (blockIdx.y)
+// and sequence (blockIdx.z), the warp's place, the split's candidates and block-table slice (load_score_chunk), the
+// warp's slices of the staging area and the scratch, the query heads its lane's B-operand column carries
+// (lane_heads), the tiles it scores and where their scores go. Dynamic shared memory: [kScoreTable int32 page table]
+// [kScoreWarps x kStageBytes staged tiles][kScoreWarps x kScratch floats].
+struct ScoreWarp {
+  int kvh = 0;
+  int b = 0;
+  int warp = 0;
+  int lane = 0;
+  int G = 0;  // query heads per KV head
+  ScoreChunk ch;
+  const int32_t* tab = nullptr;     // the split's block-table slice (tab[i]: the page of logical page ch.p0 + i)
+  unsigned char* stages = nullptr;  // this warp's kStageBytes of staged tiles
+  float* scratch = nullptr;         // this warp's kScratch floats
+  LaneHeads lh;
+  const float* qbase = nullptr;  // q_hat of the group's first query head, [G, D] fp32
+  float* out = nullptr;          // this (sequence, KV head)'s scores, indexed by token
+  int nj = 0;                    // tiles this warp scores
+
+  // First token of this warp's j-th tile (the split's 16-token tiles go round the warps).
+  __device__ __forceinline__ int tile_begin(int j) const { return ch.begin + (warp + kScoreWarps * j) * 16; }
+};
+
+// Fills `w` (above) for ScoreArgs / ScoreI8Args `a`. False when the block's split starts past its sequence's tokens
+// (the whole block returns).
+template <int D, size_t kStageBytes, int kScratch, typename Args>
+__device__ __forceinline__ bool score_warp_setup(unsigned char* smem, const Args& a, ScoreWarp& w) {
+  w.kvh = blockIdx.y;
+  w.b = blockIdx.z;
+  w.warp = threadIdx.x >> 5;
+  w.lane = threadIdx.x & 31;
+  w.G = a.heads.group;
+  int32_t* tab = reinterpret_cast<int32_t*>(smem);
+  if (!load_score_chunk(a.kv, a.num_tokens, a.chunk, tab, w.ch)) return false;
+  w.tab = tab;
+  unsigned char* stage_base = smem + kScoreTable * 4;
+  w.stages = stage_base + static_cast<size_t>(w.warp) * kStageBytes;
+  w.scratch = reinterpret_cast<float*>(stage_base + size_t{kScoreWarps} * kStageBytes) + w.warp * kScratch;
+  w.lh = lane_heads(w.lane, w.G);
+  w.qbase = a.q_hat + (static_cast<size_t>(w.b) * a.heads.hq + w.kvh * w.G) * D;
+  w.out = a.scores + (static_cast<size_t>(w.b) * a.kv.hkv + w.kvh) * a.score_stride;
+  const int n_tiles = (w.ch.end - w.ch.begin + 15) / 16;
+  w.nj = w.warp < n_tiles ? (n_tiles - w.warp + kScoreWarps - 1) / kScoreWarps : 0;
+  return true;
+}
+
 template <int D>
 struct ScoreConfig {
   // K only (half the bytes per stage of the decode kernel): deeper pipeline to keep as many bytes in flight.
@@ -107,7 +154,7 @@ struct ScoreConfig {
 };
 
 struct ScoreArgs {
-  PagedKv kv;  // K only (kv.v unused)
+  PagedKv kv;  // K only (kv.v unused); ScoreI8Args: the int8 keys
   GqaHeads heads;
   const float* q_hat;
   const int32_t* num_tokens;
@@ -122,46 +169,31 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
   using Tr = ElemTraits<T>;
   using Cfg = ScoreConfig<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
-  T* stage_base = reinterpret_cast<T*>(smem_raw + kScoreTable * 4);
-  float* scratch_base = reinterpret_cast<float*>(stage_base + size_t{kScoreWarps} * Cfg::kStages * Cfg::kTileElems);
-
-  const int kvh = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int G = a.heads.group;
-  ScoreChunk ch;
-  if (!load_score_chunk(a.kv, a.num_tokens, a.chunk, tab, ch)) return;
-  const int begin = ch.begin;
-  const int end = ch.end;
-  const int p0 = ch.p0;
-
+  ScoreWarp w;
+  if (!score_warp_setup<D, size_t{Cfg::kStages} * Cfg::kTileElems * sizeof(T), Cfg::kScratch>(smem_raw, a, w)) return;
+  const int lane = w.lane;
+  const int end = w.ch.end;
   const size_t row_stride = a.kv.row_stride<D>();
-  const T* kc = a.kv.k_head<T, D>(kvh);
-  T* my_stages = stage_base + static_cast<size_t>(warp) * Cfg::kStages * Cfg::kTileElems;
-  float* scratch = scratch_base + warp * Cfg::kScratch;
+  const T* kc = a.kv.k_head<T, D>(w.kvh);
+  T* my_stages = reinterpret_cast<T*>(w.stages);
   auto issue = [&](int tile_start, int stage) {
     T* sk = my_stages + stage * Cfg::kTileElems;
     for_each_tile_chunk<Cfg::kChunks, Cfg::kChunksPerLane, 32>(lane, tile_start, end, [&](int tok, int col, int v,
                                                                                          bool valid) {
       const T* gk = kc;
-      if (valid) gk = kc + a.kv.slot(tab[a.kv.page_of(v) - p0], v) * row_stride;
+      if (valid) gk = kc + a.kv.slot(w.tab[a.kv.page_of(v) - w.ch.p0], v) * row_stride;
       cp_async_16(sk + swz(tok, col, Cfg::kChunks), gk + col * 8, valid);
     });
   };
 
   // B operands: column n = lane / 4 of Qhat^T, rows d = 16ks + 2c (+1, +8, +9).
   const int c4 = lane & 3;
-  const LaneHeads lh = lane_heads(lane, G);
-  const bool two = lh.two;
-  const int head0 = lh.head0;
-  const bool lo0 = lh.lo0;
-  const int head1 = lh.head1;
-  const float* qbase = a.q_hat + (static_cast<size_t>(b) * a.heads.hq + kvh * G) * D;
+  const bool two = w.lh.two;
+  const int head0 = w.lh.head0;
+  const bool lo0 = w.lh.lo0;
   auto part = [&](int head, bool lo, int d) -> float {
     if (head < 0) return 0.f;
-    const float q = qbase[static_cast<size_t>(head) * D + d];
+    const float q = w.qbase[static_cast<size_t>(head) * D + d];
     return lo ? q - Tr::to_float(Tr::from_float(q)) : q;
   };
   uint32_t qf0[D / 16][2];
@@ -171,17 +203,12 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
     const int d = ks * 16 + 2 * c4;
     qf0[ks][0] = Tr::pack2(part(head0, lo0, d), part(head0, lo0, d + 1));
     qf0[ks][1] = Tr::pack2(part(head0, lo0, d + 8), part(head0, lo0, d + 9));
-    qf1[ks][0] = Tr::pack2(part(head1, true, d), part(head1, true, d + 1));
-    qf1[ks][1] = Tr::pack2(part(head1, true, d + 8), part(head1, true, d + 9));
+    qf1[ks][0] = Tr::pack2(part(w.lh.head1, true, d), part(w.lh.head1, true, d + 1));
+    qf1[ks][1] = Tr::pack2(part(w.lh.head1, true, d + 8), part(w.lh.head1, true, d + 9));
   }
 
-  const int n_tiles = (end - begin + 15) / 16;
-  const int nj = warp < n_tiles ? (n_tiles - warp + kScoreWarps - 1) / kScoreWarps : 0;
-  auto tile_begin = [&](int j) { return begin + (warp + kScoreWarps * j) * 16; };
-  float* out = a.scores + (static_cast<size_t>(b) * a.kv.hkv + kvh) * a.score_stride;
-
-  auto issue_tile = [&](int j, int stage) { issue(tile_begin(j), stage); };
-  warp_cp_async_pipeline<Cfg::kStages>(nj, issue_tile, [&](int j, int stage) {
+  auto issue_tile = [&](int j, int stage) { issue(w.tile_begin(j), stage); };
+  warp_cp_async_pipeline<Cfg::kStages>(w.nj, issue_tile, [&](int j, int stage) {
     const T* sk = my_stages + stage * Cfg::kTileElems;
     float s0[4] = {0.f, 0.f, 0.f, 0.f};
     float s1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -192,11 +219,12 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
       Tr::mma(s0, af, qf0[ks], s0);
       if (two) Tr::mma(s1, af, qf1[ks], s1);
     }
-    store_score_fragments(scratch, lane, s0, s1, two);
+    store_score_fragments(w.scratch, lane, s0, s1, two);
     __syncwarp();
-    const int t0 = tile_begin(j);
+    const int t0 = w.tile_begin(j);
     if (lane < 16 && t0 + lane < end) {
-      const float* r0 = scratch + lane * 9;
+      const float* r0 = w.scratch + lane * 9;
+      const int G = w.G;
       float best = -INFINITY;
       float sum = 0.f;
       for (int h = 0; h < G; ++h) {
@@ -204,7 +232,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
         best = fmaxf(best, v);
         sum += v;
       }
-      out[t0 + lane] = a.rule_max ? best : sum / static_cast<float>(G);
+      w.out[t0 + lane] = a.rule_max ? best : sum / static_cast<float>(G);
     }
     __syncwarp();
   });
@@ -239,16 +267,9 @@ struct ScoreI8Config {
       kScoreTable * 4 + size_t{kScoreWarps} * kStages * kTileBytes + size_t{kScoreWarps} * kScratch * 4;
 };
 
-struct ScoreI8Args {
-  PagedKv kv;  // kv.k: the int8 keys (kv.v unused)
-  GqaHeads heads;
+// ScoreArgs over the int8 keys (kv.k), plus their row scales.
+struct ScoreI8Args : ScoreArgs {
   const float* k_scale;  // [cache rows, hkv]
-  const float* q_hat;
-  const int32_t* num_tokens;
-  float* scores;
-  int score_stride;
-  int chunk;
-  int rule_max;
 };
 
 // Offset in 16-bit words of 16-byte chunk `chunk` of row `row` of an int8 tile with kChunks chunks per row.
@@ -283,52 +304,40 @@ template <int D>
 __global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Args a) {
   using Cfg = ScoreI8Config<D>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  int32_t* tab = reinterpret_cast<int32_t*>(smem_raw);
-  unsigned char* stage_base = smem_raw + kScoreTable * 4;
-  float* scratch_base = reinterpret_cast<float*>(stage_base + size_t{kScoreWarps} * Cfg::kStages * Cfg::kTileBytes);
-
-  const int kvh = blockIdx.y;
-  const int b = blockIdx.z;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int G = a.heads.group;
-  ScoreChunk ch;
-  if (!load_score_chunk(a.kv, a.num_tokens, a.chunk, tab, ch)) return;
-  const int begin = ch.begin;
-  const int end = ch.end;
-  const int p0 = ch.p0;
-
+  ScoreWarp w;
+  if (!score_warp_setup<D, size_t{Cfg::kStages} * Cfg::kTileBytes, Cfg::kScratch>(smem_raw, a, w)) return;
+  const int lane = w.lane;
+  const int end = w.ch.end;
+  const int kvh = w.kvh;
   const size_t row_stride = static_cast<size_t>(a.kv.hkv) * D;  // bytes between cache rows
   const int8_t* kc = static_cast<const int8_t*>(a.kv.k) + static_cast<size_t>(kvh) * D;
-  unsigned char* my_stages = stage_base + static_cast<size_t>(warp) * Cfg::kStages * Cfg::kTileBytes;
-  float* scratch = scratch_base + warp * Cfg::kScratch;
-  float* head_step = scratch + 2 * 16 * 9;  // [G] max|q| / 127 per group head
+  unsigned char* my_stages = w.stages;
+  float* head_step = w.scratch + 2 * 16 * 9;  // [G] max|q| / 127 per group head
   auto issue = [&](int tile_start, int stage) {
     unsigned char* st = my_stages + stage * Cfg::kTileBytes;
     uint16_t* sk = reinterpret_cast<uint16_t*>(st);
     for_each_tile_chunk<Cfg::kChunks, Cfg::kChunksPerLane, 32>(lane, tile_start, end, [&](int tok, int col, int v,
                                                                                          bool valid) {
       const int8_t* gk = kc;
-      if (valid) gk = kc + a.kv.slot(tab[a.kv.page_of(v) - p0], v) * row_stride;
+      if (valid) gk = kc + a.kv.slot(w.tab[a.kv.page_of(v) - w.ch.p0], v) * row_stride;
       cp_async_16(sk + swz_i8<Cfg::kChunks>(tok, col), gk + col * 16, valid);
     });
     if (lane < 16) {
       const int v = tile_start + lane;
       const bool valid = v < end;
       const float* gs = a.k_scale;
-      if (valid) gs = a.k_scale + a.kv.slot(tab[a.kv.page_of(v) - p0], v) * a.kv.hkv + kvh;
+      if (valid) gs = a.k_scale + a.kv.slot(w.tab[a.kv.page_of(v) - w.ch.p0], v) * a.kv.hkv + kvh;
       cp_async_4(st + Cfg::kKeyBytes + lane * 4, gs, valid);
     }
   };
 
   // B operands (m16n8k32, int8): column n = lane / 4 of Qq^T, rows d = 32 ks + 4 c (+0..3) and 32 ks + 16 + 4 c.
   const int c4 = lane & 3;
-  const LaneHeads lh = lane_heads(lane, G);
-  const bool two = lh.two;
-  const int head0 = lh.head0;
-  const bool lo0 = lh.lo0;
-  const int head1 = lh.head1;
-  const float* qbase = a.q_hat + (static_cast<size_t>(b) * a.heads.hq + kvh * G) * D;
+  const bool two = w.lh.two;
+  const int head0 = w.lh.head0;
+  const bool lo0 = w.lh.lo0;
+  const int head1 = w.lh.head1;
+  const float* qbase = w.qbase;
   // max |q| of this lane's head (both of its operands are the same head): the 4 lanes of a column split d.
   float amax = 0.f;
   if (head0 >= 0) {
@@ -369,13 +378,8 @@ __global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Ar
   }
   __syncwarp();
 
-  const int n_tiles = (end - begin + 15) / 16;
-  const int nj = warp < n_tiles ? (n_tiles - warp + kScoreWarps - 1) / kScoreWarps : 0;
-  auto tile_begin = [&](int j) { return begin + (warp + kScoreWarps * j) * 16; };
-  float* out = a.scores + (static_cast<size_t>(b) * a.kv.hkv + kvh) * a.score_stride;
-
-  auto issue_tile = [&](int j, int stage) { issue(tile_begin(j), stage); };
-  warp_cp_async_pipeline<Cfg::kStages>(nj, issue_tile, [&](int j, int stage) {
+  auto issue_tile = [&](int j, int stage) { issue(w.tile_begin(j), stage); };
+  warp_cp_async_pipeline<Cfg::kStages>(w.nj, issue_tile, [&](int j, int stage) {
     const unsigned char* st = my_stages + stage * Cfg::kTileBytes;
     const uint16_t* sk = reinterpret_cast<const uint16_t*>(st);
     int s0[4] = {0, 0, 0, 0};
@@ -387,11 +391,12 @@ __global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Ar
       mma_s8(s0, af, qf0[ks]);
       if (two) mma_s8(s1, af, qf1[ks]);
     }
-    store_score_fragments(scratch, lane, s0, s1, two);
+    store_score_fragments(w.scratch, lane, s0, s1, two);
     __syncwarp();
-    const int t0 = tile_begin(j);
+    const int t0 = w.tile_begin(j);
     if (lane < 16 && t0 + lane < end) {
-      const float* r0 = scratch + lane * 9;
+      const float* r0 = w.scratch + lane * 9;
+      const int G = w.G;
       const float row_scale = reinterpret_cast<const float*>(st + Cfg::kKeyBytes)[lane];
       float best = -INFINITY;
       float sum = 0.f;
@@ -401,7 +406,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Ar
         best = fmaxf(best, v);
         sum += v;
       }
-      out[t0 + lane] = (a.rule_max ? best : sum / static_cast<float>(G)) * row_scale;
+      w.out[t0 + lane] = (a.rule_max ? best : sum / static_cast<float>(G)) * row_scale;
     }
     __syncwarp();
   });
@@ -412,14 +417,14 @@ cudaError_t score_i8_smem_attribute() {
   return ensure_smem_attribute<score_i8_kernel<D>>(ScoreI8Config<D>::kSmemBytes);
 }
 
-template <int D>
-cudaError_t launch_score_i8(ScoreI8Args a, int batch, int page_size, int max_len, cudaStream_t stream) {
-  using Cfg = ScoreI8Config<D>;
-  auto kernel = score_i8_kernel<D>;
-  cudaError_t e = score_i8_smem_attribute<D>();
-  if (e != cudaSuccess) return e;
+// Launches scoring kernel `kernel` (score_kernel or score_i8_kernel, `smem_bytes` of dynamic shared memory, its
+// limit already set) on grid (split, KV head, sequence): as many splits of max_len as fill the device at the kernel's
+// occupancy, each short enough for its block-table slice to fit kScoreTable entries; sets a.chunk to the split length.
+template <typename Args>
+cudaError_t launch_score_splits(void (*kernel)(Args), size_t smem_bytes, Args a, int batch, int page_size,
+                                int max_len, cudaStream_t stream) {
   int occ = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kScoreThreads, Cfg::kSmemBytes);
+  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kScoreThreads, smem_bytes);
   if (e != cudaSuccess) return e;
   const long long slots = static_cast<long long>(std::max(1, current_sm_count())) * std::max(1, occ);
   const long long cap = static_cast<long long>(kScoreTable - 2) * page_size;
@@ -427,8 +432,15 @@ cudaError_t launch_score_i8(ScoreI8Args a, int batch, int page_size, int max_len
       choose_splits(static_cast<long long>(batch) * a.kv.hkv, slots, max_len, 256, ceil_div(max_len, cap), 1 << 20);
   a.chunk = ceil_div(ceil_div(max_len, splits), 16) * 16;
   const dim3 grid(ceil_div(max_len, a.chunk), a.kv.hkv, batch);
-  kernel<<<grid, kScoreThreads, Cfg::kSmemBytes, stream>>>(a);
+  kernel<<<grid, kScoreThreads, smem_bytes, stream>>>(a);
   return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t launch_score_i8(ScoreI8Args a, int batch, int page_size, int max_len, cudaStream_t stream) {
+  const cudaError_t e = score_i8_smem_attribute<D>();
+  if (e != cudaSuccess) return e;
+  return launch_score_splits(score_i8_kernel<D>, ScoreI8Config<D>::kSmemBytes, a, batch, page_size, max_len, stream);
 }
 
 // =====================================================================================================================
@@ -496,21 +508,9 @@ __global__ void __launch_bounds__(kQuantWarps * 32) quantize_keys_kernel(const Q
 
 template <typename T, int D>
 cudaError_t launch_score_typed(ScoreArgs a, int batch, int page_size, int max_len, cudaStream_t stream) {
-  using Cfg = ScoreConfig<D>;
-  auto kernel = score_kernel<T, D>;
-  cudaError_t e = score_smem_attribute<T, D>();
+  const cudaError_t e = score_smem_attribute<T, D>();
   if (e != cudaSuccess) return e;
-  int occ = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kScoreThreads, Cfg::kSmemBytes);
-  if (e != cudaSuccess) return e;
-  const long long slots = static_cast<long long>(std::max(1, current_sm_count())) * std::max(1, occ);
-  const long long cap = static_cast<long long>(kScoreTable - 2) * page_size;
-  const int splits =
-      choose_splits(static_cast<long long>(batch) * a.kv.hkv, slots, max_len, 256, ceil_div(max_len, cap), 1 << 20);
-  a.chunk = ceil_div(ceil_div(max_len, splits), 16) * 16;
-  const dim3 grid(ceil_div(max_len, a.chunk), a.kv.hkv, batch);
-  kernel<<<grid, kScoreThreads, Cfg::kSmemBytes, stream>>>(a);
-  return cudaGetLastError();
+  return launch_score_splits(score_kernel<T, D>, ScoreConfig<D>::kSmemBytes, a, batch, page_size, max_len, stream);
 }
 
 }  // namespace
@@ -540,24 +540,8 @@ cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream) {
   const cudaError_t e = check_paged_gqa(what, p);
   if (e != cudaSuccess) return e;
   if (p.score_stride <= 0) return invalid_argument(what, "score_stride ", p.score_stride, " must be > 0");
-  if (i8) {
-    ScoreI8Args a{};
-    a.kv = paged_kv(p, p.k_int8, nullptr);
-    a.heads = gqa_heads(p);
-    a.k_scale = p.k_scale;
-    a.q_hat = p.q_hat;
-    a.num_tokens = p.num_tokens;
-    a.scores = p.scores;
-    a.score_stride = p.score_stride;
-    a.rule_max = p.rule == GqaScoreRule::kMax ? 1 : 0;
-    const int max_len = static_cast<int>(std::min<long long>(
-        p.score_stride, static_cast<long long>(p.max_pages_per_seq) * p.page_size));
-    return dispatch_head_dim(what, p.head_dim, [&](auto dim) {
-      return launch_score_i8<decltype(dim)::value>(a, p.batch, p.page_size, max_len, stream);
-    });
-  }
   ScoreArgs a{};
-  a.kv = paged_kv(p, p.k_cache, nullptr);
+  a.kv = paged_kv(p, i8 ? static_cast<const void*>(p.k_int8) : p.k_cache, nullptr);
   a.heads = gqa_heads(p);
   a.q_hat = p.q_hat;
   a.num_tokens = p.num_tokens;
@@ -566,6 +550,14 @@ cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream) {
   a.rule_max = p.rule == GqaScoreRule::kMax ? 1 : 0;
   const int max_len = static_cast<int>(std::min<long long>(
       p.score_stride, static_cast<long long>(p.max_pages_per_seq) * p.page_size));
+  if (i8) {
+    ScoreI8Args a8{};
+    static_cast<ScoreArgs&>(a8) = a;
+    a8.k_scale = p.k_scale;
+    return dispatch_head_dim(what, p.head_dim, [&](auto dim) {
+      return launch_score_i8<decltype(dim)::value>(a8, p.batch, p.page_size, max_len, stream);
+    });
+  }
   return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
     return launch_score_typed<decltype(tag), decltype(dim)::value>(a, p.batch, p.page_size, max_len, stream);
   });

@@ -16,6 +16,7 @@ namespace spade::pair {
 
 /// Most prompt queries shipped at the switch (pair/pack.cpp checks the same bound on the wire).
 inline constexpr int kMaxAnchorQueries = 64;
+static_assert(kMaxAnchorQueries <= kernels::kMaxAnchorWindow, "the GPU cache rank's anchor windows hold them all");
 
 struct SelectionConfig {
   int token_budget = 256;  // k: tokens selected per (sequence, layer, KV head)
@@ -31,10 +32,11 @@ struct SelectionConfig {
   kernels::GqaScoreRule gqa_rule = kernels::GqaScoreRule::kMax;
   kernels::PredictorKind predictor = kernels::PredictorKind::kRidge;
   bool successor_expand = true;  // a token ranks by max(own score, predecessor's score) (kernels/selection_ref.h)
-  // Prompt anchors (kernels/selection_ref.h select_anchors_ref): the prompt's last `anchor_queries` queries, shipped
-  // at the switch to sparse decoding, pick per KV head up to kernels::kMaxAnchors tokens they attended most; each
-  // predicted selection holds [a, a + anchor_span) of the best ones, within a quarter of its budget. 0 = off (the
-  // earlier default); at most kMaxAnchorQueries (the pack's limit on shipped queries).
+  // Prompt anchors (kernels/selection_ref.h select_anchors_ref): the prompt's last `anchor_queries` queries (CPU
+  // pair: shipped with the INIT at the switch to sparse decoding; GPU pair: kept by the cache rank from the rows it
+  // receives) pick per KV head up to kernels::kMaxAnchors tokens they attended most; each predicted selection holds
+  // [a, a + anchor_span) of the best ones, within a quarter of its budget. 0 = off (the earlier default); at most
+  // kMaxAnchorQueries (the pack's limit on shipped queries, the GPU cache rank's anchor-window capacity).
   int anchor_queries = 64;
   int anchor_span = 16;
   // GPU cache rank only: the keys its scoring reads, the cache's bf16 keys or a compact int8 copy with one fp32 scale
@@ -51,7 +53,7 @@ void validate(const SelectionConfig& c);
 
 /// The sparse-decoding settings of an inference rank and its cache rank: the selection, and when and in which pieces
 /// the inference rank hands its sequences to the cache rank. Not every setting applies to every rank and device; a
-/// rank refuses by name the flags it would ignore (inference_rank/main.cpp, cache_rank/main.cpp).
+/// rank refuses by name the flags it would ignore (inference_rank/rank_flags.cpp, cache_rank/rank_flags.cpp).
 struct SparseConfig {
   SelectionConfig selection;
   int sparse_threshold = 256;  // context length (tokens) at which a sequence switches to sparse decoding (>= 1)

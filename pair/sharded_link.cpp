@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/error.h"
@@ -35,13 +36,123 @@ int shard_pool_pages(int full_pages, int num_layers, int shard_layers) {
   return static_cast<int>(pages);
 }
 
+std::string layer_list(const std::vector<int>& layers) {
+  std::string s;
+  for (int l : layers) s += (s.empty() ? "" : ",") + std::to_string(l);
+  return s;
+}
+
+std::string shard_claim_error(const ShardClaim& claim, const std::string& name, int shard, int num_shards,
+                              uint32_t role_index, int num_layers, int layers_per_pack) {
+  if (claim.cache && claim.role_index == role_index && claim.shard == static_cast<uint32_t>(shard)) return "";
+  return fmt::format("the replacement {} is refused: it claims layer shard {} as {} #{}, but rank {} is layer shard {} "
+                     "of {} (cache #{}, layers {}); not re-paired",
+                     name, claim.shard, claim.cache ? "cache" : "a non-cache rank", claim.role_index, claim.rank, shard,
+                     num_shards, role_index, layer_list(shard_layers(shard, num_shards, num_layers, layers_per_pack)));
+}
+
+void probe_shard(CacheRankLink& link, int shard, int num_shards, const ModelConfig& attn_cfg, int layers_per_pack,
+                 transport::Deadline deadline) {
+  const std::vector<int> layers = shard_layers(shard, num_shards, attn_cfg.num_layers, layers_per_pack);
+  SPADE_CHECK(!layers.empty(), "{}: layer shard {} of {} holds no layer ({} layers in packs of {})", link.peer(), shard,
+              num_shards, attn_cfg.num_layers, layers_per_pack);
+  SPADE_CHECK(link.in_flight() == 0, "{}: probed with {} updates in flight", link.peer(), link.in_flight());
+  const int packs = (attn_cfg.num_layers + layers_per_pack - 1) / layers_per_pack;
+  try {
+    for (int p = shard; p < packs; p += num_shards) {
+      PackUpdate u;
+      u.pack = p;
+      u.first_layer = p * layers_per_pack;
+      u.num_layers = std::min(attn_cfg.num_layers, (p + 1) * layers_per_pack) - u.first_layer;
+      SeqUpdate e;
+      e.seq_id = kProbeSeqId;
+      e.context_len = 1;
+      e.init = true;
+      e.num_queries = 1;
+      e.q.assign(static_cast<size_t>(u.num_layers) * attn_cfg.q_dim(), 0.0f);
+      e.k.assign(static_cast<size_t>(u.num_layers) * attn_cfg.kv_dim(), 0.0f);
+      e.v = e.k;
+      u.seqs.push_back(std::move(e));
+      link.send(std::move(u));
+    }
+    PackUpdate release;  // releases only: the probe leaves nothing behind
+    release.pack = shard;
+    release.first_layer = shard * layers_per_pack;
+    release.released.push_back(kProbeSeqId);
+    link.send(std::move(release));
+    // Every answer is read (an error answer is consumed too), so that a failed probe leaves nothing in flight either.
+    std::string first_error;
+    while (link.in_flight() > 0) {
+      const size_t before = link.in_flight();
+      bool waited = false;
+      try {
+        (void)link.receive(deadline, &waited);
+      } catch (const Error& e) {
+        if (first_error.empty()) first_error = e.what();
+        if (link.in_flight() == before) break;  // not consumed: the transport failed or the deadline passed
+      }
+    }
+    if (!first_error.empty()) fail("{}", first_error);
+  } catch (const Error& e) {
+    fail("{} does not serve layer shard {} of {} (layers {} of {}, --layers-per-pack {}): {}", link.peer(), shard,
+         num_shards, layer_list(layers), attn_cfg.num_layers, layers_per_pack, e.what());
+  }
+}
+
 ShardedLink::ShardedLink(std::vector<std::unique_ptr<CacheRankLink>> shards)
     : shards_(std::move(shards)), pending_released_(shards_.size()) {
   SPADE_CHECK(!shards_.empty(), "sharded link: no cache rank link");
   for (size_t i = 0; i < shards_.size(); ++i) SPADE_CHECK(shards_[i] != nullptr, "sharded link: shard {} is null", i);
+  for (const auto& l : shards_) peers_ += (peers_.empty() ? "" : ",") + l->peer();
+}
+
+CacheRankLink& ShardedLink::shard(int i) {
+  SPADE_CHECK(i >= 0 && i < num_shards(), "sharded link ({}): no shard {} ({} shards)", peers_, i, num_shards());
+  return *shards_[static_cast<size_t>(i)];
+}
+
+std::unique_ptr<ShardedLink> ShardedLink::replaced(int s, std::unique_ptr<CacheRankLink> link,
+                                                   transport::Deadline deadline) {
+  SPADE_CHECK(s >= 0 && s < num_shards(), "sharded link ({}): no shard {} to replace ({} shards)", peers_, s,
+              num_shards());
+  SPADE_CHECK(link != nullptr, "sharded link ({}): a null link for shard {}", peers_, s);
+  // The other shards' answers to updates sent before the failure come first on their links: read and drop them.
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    if (static_cast<int>(i) == s) continue;
+    CacheRankLink& l = *shards_[i];
+    if (!l.failure().empty()) continue;  // down as well: its own replacement swaps it in turn
+    while (l.in_flight() > 0) {
+      const size_t before = l.in_flight();
+      bool waited = false;
+      try {
+        (void)l.receive(deadline, &waited);
+      } catch (const Error& e) {
+        // An answer carrying the cache rank's error is consumed like the others; a failed transport or a late answer
+        // leaves it in flight.
+        if (l.in_flight() == before)
+          fail("sharded link: layer shard {} ({}) failed while shard {} was replaced: {}", i, l.peer(), s, e.what());
+      }
+    }
+  }
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    if (static_cast<int>(i) == s) continue;
+    pending_released_[i].insert(pending_released_[i].end(), live_.begin(), live_.end());
+  }
+  pending_released_[static_cast<size_t>(s)].clear();  // the replacement holds nothing
+  shards_[static_cast<size_t>(s)] = std::move(link);
+  auto next = std::make_unique<ShardedLink>(std::move(shards_));
+  next->pending_released_ = std::move(pending_released_);
+  shards_.clear();
+  pending_released_.clear();
+  order_.clear();
+  live_.clear();
+  return next;
 }
 
 void ShardedLink::send(PackUpdate&& u) {
+  SPADE_CHECK(!shards_.empty(), "sharded link ({}): used after a shard was replaced", peers_);
+  for (const SeqUpdate& e : u.seqs) live_.insert(e.seq_id);
+  for (uint64_t id : u.released) live_.erase(id);
   if (u.seqs.empty() && u.num_layers == 0) {  // releases only (an idle flush): every shard frees them now
     for (size_t i = 0; i < shards_.size(); ++i) {
       PackUpdate c;
@@ -104,6 +215,7 @@ const LinkStats& ShardedLink::stats() const {
 }
 
 std::string ShardedLink::peer() const {
+  if (shards_.empty()) return peers_;
   std::string names;
   for (const auto& l : shards_) names += (names.empty() ? "" : ",") + l->peer();
   return names;

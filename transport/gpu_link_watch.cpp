@@ -271,4 +271,28 @@ void GpuLinkWatch::destroy_free_events() {
   free_events_.clear();
 }
 
+void WatchedGpuLink::send(const void* buf, size_t bytes, cudaStream_t stream, const char* what,
+                          std::chrono::milliseconds timeout) {
+  post(true, const_cast<void*>(buf), bytes, stream, what, timeout);
+}
+
+void WatchedGpuLink::recv(void* buf, size_t bytes, cudaStream_t stream, const char* what,
+                          std::chrono::milliseconds timeout) {
+  post(false, buf, bytes, stream, what, timeout);
+}
+
+void WatchedGpuLink::abort(const std::string& reason) { watch().abort(reason); }
+
+bool WatchedGpuLink::failed() const { return watch().failed(); }
+
+std::string WatchedGpuLink::failure() const { return watch().failure(); }
+
+void WatchedGpuLink::on_failure(std::function<void(const std::string&)> callback) {
+  watch().on_failure(std::move(callback));
+}
+
+GpuLinkCounters WatchedGpuLink::counters() const { return watch().counters(); }
+
+size_t WatchedGpuLink::in_flight() const { return watch().in_flight(); }
+
 }  // namespace spade::transport::detail

@@ -1,5 +1,6 @@
-// Internal to the GPU links (NcclLink, CudaIpcLink): the watched-operation machinery both keep behind the GpuLink
-// contract (transport/gpu_link.h), so that the contract's watchdog, failure and accounting rules live in one place.
+// Internal to the GPU links (NcclLink, CudaIpcLink; their headers include it for WatchedGpuLink, below): the
+// watched-operation machinery both keep behind the GpuLink contract (transport/gpu_link.h), so that the contract's
+// watchdog, failure and accounting rules live in one place.
 //
 // GpuLinkWatch holds, under one mutex:
 //   * the pending operations: each posted send/recv with its completion event (a CUDA event recorded after it on the
@@ -21,6 +22,8 @@
 // side effects run outside the mutex, in this order: release_transfers(events of the tracked operations), log
 // (error; info when quiet), the on_failure callback.
 //
+// WatchedGpuLink (below) is the links' common GpuLink half: identity, and the calls that forward to the watch.
+//
 // Lock order: a direction's enqueue mutex (held for a whole post, so that operations of one direction reach the
 // transport in call order), then mu(). The hooks named *_locked run with mu() held; the others without it.
 #pragma once
@@ -36,6 +39,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "transport/gpu_link.h"
@@ -220,6 +224,43 @@ class GpuLinkWatch {
   std::thread watchdog_;
   std::condition_variable stop_cv_;
   bool stop_ = false;
+};
+
+/// The GpuLink half both links share: who the link is (role, peer, device), and the calls that only forward to the
+/// link's GpuLinkWatch. send() and recv() are post(); abort(), failed(), failure(), on_failure(), counters() and
+/// in_flight() are the watch's, and a link overrides the ones it refines (CUDA IPC: abort() with the link's device
+/// current, failed()/failure() also reading the peer's abort word). Not copyable.
+class WatchedGpuLink : public GpuLink {
+ public:
+  WatchedGpuLink(const WatchedGpuLink&) = delete;
+  WatchedGpuLink& operator=(const WatchedGpuLink&) = delete;
+
+  void send(const void* buf, size_t bytes, cudaStream_t stream, const char* what,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
+  void recv(void* buf, size_t bytes, cudaStream_t stream, const char* what,
+            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
+  void abort(const std::string& reason) override;
+  bool failed() const override;
+  std::string failure() const override;
+  void on_failure(std::function<void(const std::string&)> callback) override;
+  GpuLinkCounters counters() const override;
+  size_t in_flight() const override;
+  PairRole role() const override { return role_; }
+  int device() const override { return device_; }
+  const std::string& peer_name() const override { return peer_name_; }
+
+ protected:
+  WatchedGpuLink(PairRole role, std::string peer_name, int device)
+      : role_(role), peer_name_(std::move(peer_name)), device_(device) {}
+  /// The link's watch (its private state); valid for the link's lifetime.
+  virtual GpuLinkWatch& watch() const = 0;
+  /// Enqueues one send (`is_send`) or receive on `stream` (GpuLink::send / recv: same arguments and errors).
+  virtual void post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, const char* what,
+                    std::chrono::milliseconds timeout) = 0;
+
+  const PairRole role_;
+  const std::string peer_name_;
+  const int device_;
 };
 
 }  // namespace spade::transport::detail

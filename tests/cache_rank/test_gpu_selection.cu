@@ -9,8 +9,9 @@
 // decode token, then select(query = nullptr: predicted) for the next step's context.
 //
 // Both use the default SelectionConfig (ridge predictor with relative eps, successor expansion, GQA max) except
-// sink_tokens = 0: the GPU path has no sink tokens (they compete in its top-k). Compared: the selected position sets
-// per (step, sequence, layer, KV head). The GPU scores bf16 keys with the fp32 query split into bf16 hi + lo halves,
+// sink_tokens = 0: the GPU path has no sink tokens (they compete in its top-k). Prompt anchors: off in one run, on in
+// another (needles planted in the prompts so that anchors exist; a budget whose quarter fits spans). Compared: the
+// selected position sets per (step, sequence, layer, KV head). The GPU scores bf16 keys with the fp32 query split into bf16 hi + lo halves,
 // so its scores differ from the CPU's fp32 ones by up to ~2^-17 of the products' magnitude sum_d |q_d k_d|; a
 // position may be selected by one side only if its (successor-expanded) CPU score ties the CPU's k-th score within
 // 1e-5 relative to that magnitude. Everything else must be identical.
@@ -51,7 +52,8 @@ using kernels::kDeltaInfoFields;
 
 constexpr int kLayers = 3, kHq = 8, kHkv = 2, kD = 128;
 constexpr int kPack = 2;        // layers per pack: packs of 2 and 1 layers
-constexpr int kBudget = 64;     // k
+constexpr int kBudget = 64;     // k (the anchor run: kAnchorBudget, so that spans fit in a quarter of it)
+constexpr int kAnchorBudget = 136;
 constexpr int kWindow = 4;      // R: local window (short, so a 6-token prompt has candidates and a partial window)
 constexpr int kPageSize = 16;
 constexpr int kMaxSlots = 4;
@@ -116,7 +118,8 @@ struct CpuRanking {
   double kth_scale = 0.0;
 };
 
-CpuRanking cpu_ranking(const std::vector<float>& q_hat, const SeqData& s, int layer, int kvh, int n, int k) {
+CpuRanking cpu_ranking(const std::vector<float>& q_hat, const SeqData& s, int layer, int kvh, int n, int k,
+                       const std::vector<int32_t>& anchor_positions) {
   CpuRanking r;
   const int G = kHq / kHkv;
   std::vector<float> sc(static_cast<size_t>(n));
@@ -139,6 +142,7 @@ CpuRanking cpu_ranking(const std::vector<float>& q_hat, const SeqData& s, int la
     sc[static_cast<size_t>(t)] = best;
     mag[static_cast<size_t>(t)] = m;
   }
+  for (int32_t t : anchor_positions) sc[static_cast<size_t>(t)] = INFINITY;  // the prompt anchors' spans
   r.eff.resize(static_cast<size_t>(n));
   r.scale.resize(static_cast<size_t>(n));
   for (int t = 0; t < n; ++t) {
@@ -170,13 +174,68 @@ struct Seq {
   int end_step;    // released before this step (-1: never)
 };
 
-TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
+// Needles for the prompt anchors: in every layer and KV head of a prompt, key rows aligned with one of the prompt's
+// last 64 queries (of a head of the group), strong enough that the queries around it attend them with probability
+// >= 0.1 (kernels::kAnchorMinMass), inside the anchor range [span, len - 64).
+void plant_needles(SeqData& d, int count, std::mt19937_64& rng) {
+  const int G = kHq / kHkv, len = d.len, span = 16;
+  if (len - 64 - span < 2 * span) return;
+  std::uniform_int_distribution<int> pos(span, len - 64 - 1), qi(len - 64, len - 1), gi(0, G - 1);
+  for (int l = 0; l < kLayers; ++l)
+    for (int h = 0; h < kHkv; ++h)
+      for (int n = 0; n < count; ++n) {
+        const int t = pos(rng), from = qi(rng), g = gi(rng);
+        const float c = (n == 0 ? 10.f : 7.f) / std::sqrt(static_cast<float>(kD));
+        const float* q = d.q[static_cast<size_t>(l)].data() + (static_cast<size_t>(from) * kHq + h * G + g) * kD;
+        float* k = d.k[static_cast<size_t>(l)].data() + (static_cast<size_t>(t) * kHkv + h) * kD;
+        for (int i = 0; i < kD; ++i) k[i] = bf16_round(c * q[i]);
+      }
+}
+
+// The CPU cache rank's prompt anchors of a sequence's layer (Selector: computed from the init's last anchor_queries
+// queries at the first predicted selection), per KV head [kHkv][kMaxAnchors].
+std::vector<int32_t> cpu_anchors(const SeqData& d, int layer, const SelectionConfig& sc) {
+  const int nq = std::min(d.len, sc.anchor_queries);
+  std::vector<int32_t> out(static_cast<size_t>(kHkv) * kernels::kMaxAnchors, -1);
+  if (nq == 0) return out;
+  // A flat page table over the layer's keys: page i holds tokens [i * kPageSize, (i + 1) * kPageSize).
+  const int pages = (d.len + kPageSize - 1) / kPageSize;
+  const std::vector<float>& keys = d.k[static_cast<size_t>(layer)];
+  std::vector<float> k(static_cast<size_t>(pages) * kPageSize * kHkv * kD, 0.f);
+  std::copy(keys.begin(), keys.begin() + static_cast<long>(d.len) * kHkv * kD, k.begin());
+  std::vector<int32_t> bt(static_cast<size_t>(pages));
+  for (int i = 0; i < pages; ++i) bt[static_cast<size_t>(i)] = i;
+  kernels::SelectAnchorsRefParams ap;
+  ap.queries = d.q[static_cast<size_t>(layer)].data() + static_cast<size_t>(d.len - nq) * kHq * kD;
+  ap.k_cache = k.data();
+  ap.block_table = bt.data();
+  ap.anchors = out.data();
+  ap.num_queries = nq;
+  ap.first_pos = d.len - nq;
+  ap.num_q_heads = kHq;
+  ap.num_kv_heads = kHkv;
+  ap.head_dim = kD;
+  ap.page_size = kPageSize;
+  ap.max_pages_per_seq = pages;
+  ap.begin = std::max(sc.sink_tokens, sc.anchor_span);
+  ap.end = std::max(ap.begin, d.len - std::max(sc.local_window, nq));
+  ap.span = sc.anchor_span;
+  kernels::select_anchors_ref(ap);
+  return out;
+}
+
+// Plays the inference rank against the GPU cache rank and the CPU one (see the file comment). `anchors`: prompt
+// anchors on (SelectionConfig defaults: 64 queries, span 16; budget kAnchorBudget) with needles planted in the
+// prompts, else off (budget kBudget).
+void run_cpu_vs_gpu(bool anchors) {
+  const int budget = anchors ? kAnchorBudget : kBudget;
   const ModelConfig cfg = attn_config();
   SelectionConfig sc;  // the defaults: ridge predictor, relative eps, successor expansion, GQA max
-  sc.token_budget = kBudget;
+  sc.token_budget = budget;
   sc.local_window = kWindow;
   sc.sink_tokens = 0;  // the GPU path has none
-  sc.anchor_queries = 0;  // nor prompt anchors yet (docs/FIDELITY.md)
+  if (!anchors) sc.anchor_queries = 0;
+  ASSERT_EQ(sc.anchor_queries, anchors ? 64 : 0);
   // The CPU selector scores with the exact keys; the GPU cache rank's default int8 scoring keys can reorder tokens
   // whose scores differ by less than the quantisation step (kernels_test_score_keys checks that path against its
   // reference), so the exact comparison is with bf16 keys.
@@ -192,6 +251,8 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
   const int steps = 20;
   std::mt19937_64 rng(20240611);
   std::map<uint64_t, SeqData> data;
+  std::map<std::pair<uint64_t, int>, std::vector<int32_t>> seq_anchors;  // (sequence, layer) -> the CPU's anchors
+  int anchors_taken = 0;
 
   SparseConfig own;  // the cache rank's settings: the selection above (budget and window come from the hello)
   own.selection = sc;
@@ -202,7 +263,7 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
   const size_t row_elems = static_cast<size_t>(kHq + 2 * kHkv) * kD;
   const int packs = (kLayers + kPack - 1) / kPack;
   const size_t rows_bytes = static_cast<size_t>(kPack) * kMaxStepTokens * row_elems * 2;
-  const DeltaLayout most(static_cast<size_t>(kPack) * kMaxSlots * kHkv, kBudget, kD);
+  const DeltaLayout most(static_cast<size_t>(kPack) * kMaxSlots * kHkv, budget, kD);
   DeviceBuffer plan_dev(kGpuPlanBytes, "plan");
   std::vector<DeviceBuffer> rows_dev, msg_dev;
   for (int p = 0; p < packs; ++p) {
@@ -225,9 +286,9 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
   hello.num_kv_heads = kHkv;
   hello.head_dim = kD;
   hello.layers_per_pack = kPack;
-  hello.token_budget = kBudget;
+  hello.token_budget = budget;
   hello.local_window = kWindow;
-  hello.delta_capacity = kBudget;  // every entering token is sent: the held table is the selection
+  hello.delta_capacity = budget;  // every entering token is sent: the held table is the selection
   hello.max_slots = kMaxSlots;
   hello.max_step_tokens = kMaxStepTokens;
   hello.num_pages = kNumPages;
@@ -243,7 +304,7 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
 
   // The holder's slot tables: [slot][layer][KV head] -> k positions.
   std::vector<std::vector<int32_t>> held(static_cast<size_t>(kMaxSlots) * kLayers * kHkv,
-                                         std::vector<int32_t>(kBudget, -1));
+                                         std::vector<int32_t>(budget, -1));
   int compared = 0, tie_mismatches = 0, bad_rows = 0, nonempty = 0, steady_rows = 0, first_rows = 0;
   for (int step = 0; step < steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -264,6 +325,14 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
       const bool fresh = step == s->start_step;
       const int n = fresh ? s->prompt : 1;
       grow(d, n, rng);
+      if (fresh && anchors) {
+        plant_needles(d, 2, rng);
+        for (int l = 0; l < kLayers; ++l) {
+          std::vector<int32_t>& a = seq_anchors[{s->id, l}];
+          a = cpu_anchors(d, l, sc);
+          for (int32_t x : a) anchors_taken += x >= 0 ? 1 : 0;
+        }
+      }
       GpuPlanRow r;
       r.slot = s->slot;
       r.q_len = n;
@@ -324,7 +393,7 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
     // Receive the selections: per pack, steady then first, each only if its group is not empty.
     std::vector<GpuPackSizes> sizes;
     for (int p = 0; p < packs; ++p) {
-      sizes.push_back(gpu_pack_sizes(plan, std::min(kPack, kLayers - p * kPack), cfg, kBudget, kBudget));
+      sizes.push_back(gpu_pack_sizes(plan, std::min(kPack, kLayers - p * kPack), cfg, budget, budget));
       const DeltaLayout* lay[2] = {&sizes.back().steady, &sizes.back().first};
       for (int g = 0; g < 2; ++g)
         if (lay[g]->rows > 0)
@@ -379,8 +448,8 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
               ASSERT_EQ(n, want.count);
               const std::set<int32_t> got_set(table.begin(), table.begin() + n);
               ASSERT_EQ(static_cast<int>(got_set.size()), n) << "a token held twice";
-              const std::set<int32_t> want_set(want.positions.begin() + static_cast<long>(h) * kBudget,
-                                               want.positions.begin() + static_cast<long>(h) * kBudget + want.count);
+              const std::set<int32_t> want_set(want.positions.begin() + static_cast<long>(h) * budget,
+                                               want.positions.begin() + static_cast<long>(h) * budget + want.count);
               ++compared;
               nonempty += n > 0 ? 1 : 0;
               if (got_set == want_set) continue;
@@ -388,7 +457,12 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
               std::vector<float> q_hat(static_cast<size_t>(cfg.q_dim()));
               cpu.predict(s.id, layer, q_hat.data());
               const int cand = std::min(d.len, d.len + 1 - kWindow);
-              const CpuRanking rk = cpu_ranking(q_hat, d, layer, h, cand, kBudget);
+              std::vector<int32_t> spans;
+              if (anchors)
+                spans = kernels::anchor_span_positions(
+                    seq_anchors[{s.id, layer}].data() + static_cast<size_t>(h) * kernels::kMaxAnchors, sc.anchor_span,
+                    budget, sc.successor_expand, 0, cand);
+              const CpuRanking rk = cpu_ranking(q_hat, d, layer, h, cand, budget, spans);
               std::vector<int32_t> diff;
               std::set_symmetric_difference(got_set.begin(), got_set.end(), want_set.begin(), want_set.end(),
                                             std::back_inserter(diff));
@@ -441,7 +515,17 @@ TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) {
   EXPECT_LE(tie_mismatches * 10, compared) << "near-ties should be rare";
   const GpuCacheStats st = local.stats();
   EXPECT_EQ(st.steps, static_cast<uint64_t>(steps));
+  if (anchors) {
+    std::printf("%d prompt anchors picked (sequence, layer, KV head, anchor)\n", anchors_taken);
+    EXPECT_GE(anchors_taken, 2 * kLayers * kHkv) << "the needles must make anchors, or the run checks nothing";
+  }
 }
+
+TEST(GpuCacheRankSelection, CpuAndGpuSelectTheSameTokens) { run_cpu_vs_gpu(false); }
+
+// Prompt anchors on: both pick the same anchors from the prompt's last 64 queries (the GPU from its anchor windows)
+// and hold the same spans in every selection, so the selected sets still agree up to near-ties.
+TEST(GpuCacheRankSelection, CpuAndGpuPickTheSamePromptAnchors) { run_cpu_vs_gpu(true); }
 
 }  // namespace
 }  // namespace spade::cache

@@ -78,7 +78,8 @@ TEST(CacheRankFlags, UnknownDeviceIsRefusedByName) {
 // Every flag a device honours gets past the checks (to the missing checkpoint).
 TEST(CacheRankFlags, EachDeviceAcceptsItsOwnFlags) {
   const Args common = {"--query-window", "4", "--ridge-eps", "0.1", "--gqa-rule", "mean", "--predictor", "paper",
-                       "--successor-expand", "false", "--metrics-host", "127.0.0.1", "--rendezvous-timeout-ms",
+                       "--successor-expand", "false", "--anchor-queries", "32", "--anchor-span", "8",
+                       "--metrics-host", "127.0.0.1", "--rendezvous-timeout-ms",
                        "1000", "--log-level", "warn", "--num-inference", "1", "--num-cache", "1"};
   for (const std::string device : {"cpu", "cuda"}) {
     SCOPED_TRACE(device);

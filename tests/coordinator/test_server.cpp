@@ -915,21 +915,38 @@ TEST_F(CoordinatorTest, ShardedWorldPairsEachInferenceRankWithItsNCacheRanksInSh
       << server_->health().degraded;
 }
 
-// A GPU data plane (NCCL, CUDA IPC) pairs one cache rank with one inference rank: in a world with N > 1 a rank that
-// registers one is refused by name.
-TEST_F(CoordinatorTest, AGpuTransportIsRefusedInAShardedWorld) {
+// A GPU data plane (NCCL, CUDA IPC) shards too: in a world with N > 1 an inference rank registering one (its N link
+// addresses packed into one, pair/gpu_shard.h) is admitted, and each of its cache ranks gets those bytes verbatim,
+// its shard and the inference rank's --layers-per-pack.
+TEST_F(CoordinatorTest, AGpuTransportIsAdmittedInAShardedWorld) {
   tweak_ = [](ServerOptions& o) { o.role_map = default_role_map(1, 2); };
   start_server(1);
-  ClientOptions o = rank_opts(proto::INFERENCE, 0);
-  o.world_size = 4;
-  o.transport_kind = proto::TRANSPORT_NCCL;
-  CoordinatorClient c(o);
-  try {
-    c.rendezvous(in(3000ms));
-    FAIL() << "an NCCL inference rank was admitted to a world of 2 cache ranks per inference rank";
-  } catch (const spade::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("NCCL"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("with 2 cache ranks"), std::string::npos) << e.what();
+  auto opts = [&](proto::Role role, uint32_t idx) {
+    ClientOptions o = rank_opts(role, idx);
+    o.rank = role == proto::INFERENCE ? 1 : 2 + idx;
+    o.world_size = 4;
+    o.transport_kind = proto::TRANSPORT_NCCL;
+    if (role == proto::INFERENCE) {
+      o.transport_address = std::string("gpu-links\0of-two", 16);
+      o.layers_per_pack = 1;
+    }
+    return o;
+  };
+  inf_.push_back(std::make_unique<CoordinatorClient>(opts(proto::INFERENCE, 0)));
+  for (uint32_t c = 0; c < 2; ++c) cache_.push_back(std::make_unique<CoordinatorClient>(opts(proto::CACHE, c)));
+  std::vector<std::future<proto::ClusterView>> futs;
+  futs.push_back(std::async(std::launch::async, [this] { return inf_[0]->rendezvous(in(5000ms)); }));
+  for (auto& r : cache_) futs.push_back(std::async(std::launch::async, [&r] { return r->rendezvous(in(5000ms)); }));
+  for (auto& f : futs) views_.push_back(f.get());
+  EXPECT_EQ(views_[0].cache_ranks_per_inference(), 2u);
+  ASSERT_EQ(views_[0].peers_size(), 2);
+  for (uint32_t c = 0; c < 2; ++c) {
+    const proto::ClusterView& cv = views_[1 + c];
+    EXPECT_EQ(cv.self().shard(), c);
+    ASSERT_EQ(cv.peers_size(), 1);
+    EXPECT_EQ(cv.peers(0).transport().kind(), proto::TRANSPORT_NCCL);
+    EXPECT_EQ(cv.peers(0).transport().address(), std::string("gpu-links\0of-two", 16));
+    EXPECT_EQ(cv.peers(0).layers_per_pack(), 1u);
   }
 }
 

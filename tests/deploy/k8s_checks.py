@@ -37,8 +37,8 @@ SHARED_SELECTION_FLAGS = {
     "cuda": ["--model"],
 }
 # Flags a rank refuses by name on a device (it would ignore them): (binary, device) -> flags. Mirrors
-# refuse_unused_flags in cache_rank/main.cpp and inference_rank/main.cpp (--serve, the form the manifests run), whose
-# refusals tests/{cache_rank,inference_rank}/test_rank_flags.cpp check on the binaries.
+# refuse_unused_flags in cache_rank/rank_flags.cpp and inference_rank/rank_flags.cpp (--serve, the form the
+# manifests run), whose refusals tests/{cache_rank,inference_rank}/test_rank_flags.cpp check on the binaries.
 REFUSED_FLAGS = {
     ("cache_rank", "cpu"): ["--gpu", "--hello-timeout-ms", "--selection-streams"],
     ("cache_rank", "cuda"): ["--token-budget", "--local-window", "--kv-pages", "--page-size", "--sink-tokens",

@@ -110,7 +110,8 @@ TEST(InferenceRankFlags, ServeRefusesPerRequestAndStandaloneFlags) {
 
 TEST(InferenceRankFlags, ServeCudaRefusesTheCacheRanksSelectionKnobs) {
   for (const Args& extra : {Args{"--query-window", "4"}, Args{"--ridge-eps", "0.1"}, Args{"--gqa-rule", "mean"},
-                            Args{"--predictor", "paper"}, Args{"--successor-expand", "false"}})
+                            Args{"--predictor", "paper"}, Args{"--successor-expand", "false"},
+                            Args{"--anchor-queries", "32"}, Args{"--anchor-span", "8"}})
     expect_refused(serve("cuda"), extra, {extra[0]}, "--serve --device cuda");
   const Exit r = run(serve("cuda"), {"--selection", "predicted", "--sink-tokens", "2"});
   EXPECT_NE(r.rc, 0) << r.log;
@@ -152,6 +153,7 @@ TEST(InferenceRankFlags, EachModeAcceptsItsOwnFlags) {
     expect_accepted(standalone("cuda"),
                     cat({{"--selection", "predicted", "--sink-tokens", "0", "--query-window", "4", "--ridge-eps",
                           "0.1", "--gqa-rule", "mean", "--predictor", "paper", "--successor-expand", "false",
+                          "--anchor-queries", "32", "--anchor-span", "8",
                           "--delta-capacity", "16", "--no-cuda-graphs", "--host-sampling", "--max-context-pages",
                           "100"},
                          sparse, generation}));

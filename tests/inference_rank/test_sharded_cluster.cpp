@@ -222,15 +222,6 @@ TEST(ShardedCluster, CacheRanksNotAMultipleOfInferenceRanksAreRefused) {
                      env, "cache rank");
   EXPECT_EQ(cache.wait_exit(15s), 2) << cache.log();
   EXPECT_THAT(cache.log(), HasSubstr("cannot pair 2 inference rank(s) with 3 cache rank(s)"));
-  // The GPU cache rank's links pair one to one: N > 1 is refused by name at start-up.
-  env["WORLD_SIZE"] = "4";
-  env["RANK"] = "2";
-  ChildProcess gpu(bin("cache_rank/cache_rank"),
-                   {"--model", test::data_path("models/stories260K"), "--device", "cuda", "--num-inference", "1",
-                    "--num-cache", "2"},
-                   env, "cache rank");
-  EXPECT_EQ(gpu.wait_exit(15s), 2) << gpu.log();
-  EXPECT_THAT(gpu.log(), HasSubstr("--device cuda pairs one cache rank with one inference rank"));
 }
 
 // More cache ranks than layer packs (5 layers in packs of 2: 3 packs, 4 cache ranks): a shard would hold nothing, and

@@ -396,6 +396,54 @@ TEST(AnchorsRef, PickTheMostAttendedTokensSpacedAndWithinRange) {
   EXPECT_THROW(select_anchors_ref(p), Error);
 }
 
+TEST(AnchorsRef, SpansFitAQuarterOfTheBudgetAndAreClippedToTheRow) {
+  const int32_t a[kMaxAnchors] = {100, 5, 390, 200, -1, 300, 301, 302};
+  // Budget 136: a quarter is 34 = two spans of 16 + 1 (successor expansion) -> anchors 100 and 5; 5's span starts
+  // below first_pos 8 and is clipped there.
+  EXPECT_EQ(anchor_span_positions(a, 16, 136, true, 8, 1000).size(), 16u + 13u);
+  std::vector<int32_t> got = anchor_span_positions(a, 16, 136, true, 8, 1000);
+  EXPECT_EQ(got.front(), 100);
+  EXPECT_EQ(got[15], 115);
+  EXPECT_EQ(got[16], 8);
+  EXPECT_EQ(got.back(), 20);
+  // Without successor expansion a span costs 16: 34 / 16 -> still two; budget 128 (32) -> two; 127 (31) -> one.
+  EXPECT_EQ(anchor_span_positions(a, 16, 128, false, 0, 1000).size(), 32u);
+  EXPECT_EQ(anchor_span_positions(a, 16, 127, false, 0, 1000).size(), 16u);
+  // Below a quarter of 68 with expansion (16 < 17) nothing fits; a -1 ends the list (300.. never taken).
+  EXPECT_TRUE(anchor_span_positions(a, 16, 67, true, 0, 1000).empty());
+  EXPECT_EQ(anchor_span_positions(a, 16, 4000, false, 0, 1000).size(), 4u * 16u);
+  // The row ends at 395: anchor 390's span is clipped to [390, 395).
+  got = anchor_span_positions(a, 16, 4000, false, 0, 395);
+  EXPECT_EQ(std::count_if(got.begin(), got.end(), [](int32_t t) { return t >= 390; }), 5);
+  EXPECT_THROW(anchor_span_positions(a, 0, 136, true, 0, 10), Error);
+
+  // apply_anchor_spans_ref: those positions become +inf in a row whose column 0 is position first_pos; nothing else
+  // changes.
+  const int first_pos = 8, n = 400;
+  std::vector<float> scores(static_cast<size_t>(2) * n, 1.f);
+  std::vector<int32_t> anchors(2 * kMaxAnchors, -1);
+  std::copy(a, a + kMaxAnchors, anchors.begin());  // row 1: no anchors
+  const std::vector<int32_t> lens = {n, n};
+  ApplyAnchorSpansRefParams p;
+  p.scores = scores.data();
+  p.row_lens = lens.data();
+  p.anchors = anchors.data();
+  p.rows = 2;
+  p.score_stride = n;
+  p.first_pos = first_pos;
+  p.span = 16;
+  p.budget = 136;
+  p.successor = true;
+  apply_anchor_spans_ref(p);
+  int infs = 0;
+  for (int c = 0; c < 2 * n; ++c) {
+    const bool want = c < n && ((c + first_pos >= 100 && c + first_pos < 116) || (c + first_pos < 21));
+    EXPECT_EQ(std::isinf(scores[static_cast<size_t>(c)]), want) << "column " << c;
+    infs += std::isinf(scores[static_cast<size_t>(c)]) ? 1 : 0;
+  }
+  EXPECT_EQ(infs, 16 + 13);
+}
+
 TEST(GatherRef, CopiesRowsAndZeroPads) {
   const int hkv = 2, D = 4, ps = 2, k = 3;
   const std::vector<int32_t> bt = {1, 0};  // positions 0,1 in page 1; 2,3 in page 0

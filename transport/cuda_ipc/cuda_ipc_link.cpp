@@ -368,8 +368,7 @@ detail::GpuLinkWatch::Options watch_options(PairRole role, const std::string& pe
 }  // namespace
 
 CudaIpcLink::CudaIpcLink(PairRole role, std::string peer_name, CudaIpcLinkOptions opts)
-    : role_(role),
-      peer_name_(std::move(peer_name)),
+    : WatchedGpuLink(role, std::move(peer_name), opts.device),
       opts_(opts),
       st_(std::make_unique<State>(role_, watch_options(role_, peer_name_, opts_), opts_.heartbeat_timeout)) {
   const std::string& who = st_->who();
@@ -615,15 +614,7 @@ void CudaIpcLink::post(bool is_send, void* buf, size_t bytes, cudaStream_t strea
   throw Error(reason);
 }
 
-void CudaIpcLink::send(const void* buf, size_t bytes, cudaStream_t stream, const char* what,
-                       std::chrono::milliseconds timeout) {
-  post(true, const_cast<void*>(buf), bytes, stream, what, timeout);
-}
-
-void CudaIpcLink::recv(void* buf, size_t bytes, cudaStream_t stream, const char* what,
-                       std::chrono::milliseconds timeout) {
-  post(false, buf, bytes, stream, what, timeout);
-}
+detail::GpuLinkWatch& CudaIpcLink::watch() const { return *st_; }
 
 void CudaIpcLink::abort(const std::string& reason) {
   DeviceGuard g(opts_.device);
@@ -643,13 +634,5 @@ std::string CudaIpcLink::failure() const {
   const std::string signal = st_->peer_signal(role_);
   return signal.empty() ? std::string() : fmt::format("{}: {}", st_->who(), signal);
 }
-
-void CudaIpcLink::on_failure(std::function<void(const std::string&)> callback) {
-  st_->on_failure(std::move(callback));
-}
-
-GpuLinkCounters CudaIpcLink::counters() const { return st_->counters(); }
-
-size_t CudaIpcLink::in_flight() const { return st_->in_flight(); }
 
 }  // namespace spade::transport

@@ -51,6 +51,7 @@
 #include <string>
 
 #include "transport/gpu_link.h"
+#include "transport/gpu_link_watch.h"
 
 namespace spade::transport {
 
@@ -61,7 +62,7 @@ struct CudaIpcLinkOptions : GpuLinkOptions {
   std::chrono::milliseconds heartbeat_timeout{1000};  // no heartbeat from the connected peer this long: fail
 };
 
-class CudaIpcLink final : public GpuLink {
+class CudaIpcLink final : public detail::WatchedGpuLink {
  public:
   /// The inference rank's end: allocates and exports the link's memory on opts.device. Returns at once; publish
   /// address(), then connect(). Errors (spade::Error naming `peer_name`): device out of range, allocation failure,
@@ -81,31 +82,23 @@ class CudaIpcLink final : public GpuLink {
   const std::string& address() const;
 
   ~CudaIpcLink() override;
-  CudaIpcLink(const CudaIpcLink&) = delete;
-  CudaIpcLink& operator=(const CudaIpcLink&) = delete;
 
-  void send(const void* buf, size_t bytes, cudaStream_t stream, const char* what,
-            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
-  void recv(void* buf, size_t bytes, cudaStream_t stream, const char* what,
-            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
+  // send, recv, on_failure, counters, in_flight, role, device, peer_name: the GpuLink contract
+  // (detail::WatchedGpuLink). These three also read or release the shared header:
+  /// Fails the link with `reason`, the link's device current for the release. Idempotent; the first reason wins.
   void abort(const std::string& reason) override;
+  /// True once the link failed, or the peer's abort word is set (read synchronously, see the file comment).
   bool failed() const override;
+  /// Why it failed (or what the peer's abort word says), naming the peer; empty while healthy.
   std::string failure() const override;
-  void on_failure(std::function<void(const std::string&)> callback) override;
-  GpuLinkCounters counters() const override;
-  size_t in_flight() const override;
-  PairRole role() const override { return role_; }
-  int device() const override { return opts_.device; }
-  const std::string& peer_name() const override { return peer_name_; }
 
  private:
   struct State;
   CudaIpcLink(PairRole role, std::string peer_name, CudaIpcLinkOptions opts);
+  detail::GpuLinkWatch& watch() const override;
   void post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, const char* what,
-            std::chrono::milliseconds timeout);
+            std::chrono::milliseconds timeout) override;
 
-  PairRole role_;
-  std::string peer_name_;
   CudaIpcLinkOptions opts_;
   std::unique_ptr<State> st_;
 };

@@ -102,8 +102,7 @@ struct NcclLink::State final : detail::GpuLinkWatch {
 };
 
 NcclLink::NcclLink(const std::string& address, NcclRole role, std::string peer_name, NcclLinkOptions opts)
-    : role_(role),
-      peer_name_(std::move(peer_name)),
+    : WatchedGpuLink(role, std::move(peer_name), opts.device),
       opts_(opts),
       st_(std::make_unique<State>(watch_options(role_, peer_name_, opts_))) {
   const std::string& who = st_->who();
@@ -317,26 +316,6 @@ void NcclLink::post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, 
   throw Error(reason);
 }
 
-void NcclLink::send(const void* buf, size_t bytes, cudaStream_t stream, const char* what,
-                    std::chrono::milliseconds timeout) {
-  post(true, const_cast<void*>(buf), bytes, stream, what, timeout);
-}
-
-void NcclLink::recv(void* buf, size_t bytes, cudaStream_t stream, const char* what,
-                    std::chrono::milliseconds timeout) {
-  post(false, buf, bytes, stream, what, timeout);
-}
-
-void NcclLink::abort(const std::string& reason) { st_->abort(reason); }
-
-bool NcclLink::failed() const { return st_->failed(); }
-
-std::string NcclLink::failure() const { return st_->failure(); }
-
-void NcclLink::on_failure(std::function<void(const std::string&)> callback) { st_->on_failure(std::move(callback)); }
-
-NcclLinkCounters NcclLink::counters() const { return st_->counters(); }
-
-size_t NcclLink::in_flight() const { return st_->in_flight(); }
+detail::GpuLinkWatch& NcclLink::watch() const { return *st_; }
 
 }  // namespace spade::transport

@@ -46,6 +46,7 @@
 #include <string>
 
 #include "transport/gpu_link.h"
+#include "transport/gpu_link_watch.h"
 
 namespace spade::transport {
 
@@ -64,7 +65,7 @@ struct NcclLinkOptions : GpuLinkOptions {
 /// Byte and operation counters of one link since construction.
 using NcclLinkCounters = GpuLinkCounters;
 
-class NcclLink final : public GpuLink {
+class NcclLink final : public detail::WatchedGpuLink {
  public:
   /// Size of the address new_address() returns: two ncclUniqueIds (up, down) of NCCL_UNIQUE_ID_BYTES each.
   static size_t address_size();
@@ -85,52 +86,17 @@ class NcclLink final : public GpuLink {
   /// caller's current device is kept.
   ~NcclLink() override;
 
-  NcclLink(const NcclLink&) = delete;
-  NcclLink& operator=(const NcclLink&) = delete;
-
-  // GpuLink::kNoTimeout: only abort() (the coordinator's PeerDown) or an NCCL error ends such an operation.
-
-  /// Enqueues a send of `bytes` bytes at device pointer `buf` on `stream` towards the peer (inference: up; cache:
-  /// down). `what` names the message in errors, e.g. "qkv of pack 3". `timeout`: the watchdog's deadline for this
-  /// operation, counted from now; 0 = options' op_timeout; kNoTimeout = none. Throws spade::Error if the link has
-  /// failed, `bytes` is 0, `buf` is null, the current device is not the link's, or NCCL refuses the operation (the
-  /// link then fails).
-  void send(const void* buf, size_t bytes, cudaStream_t stream, const char* what,
-            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
-
-  /// Enqueues a receive of exactly `bytes` bytes into device pointer `buf` on `stream` from the peer (inference:
-  /// down; cache: up). Same arguments and errors as send().
-  void recv(void* buf, size_t bytes, cudaStream_t stream, const char* what,
-            std::chrono::milliseconds timeout = std::chrono::milliseconds::zero()) override;
-
-  /// Aborts both communicators with `reason` (see the file comment). Idempotent; the first reason wins.
-  void abort(const std::string& reason) override;
-
-  /// True once the link failed (watchdog, NCCL error or abort()).
-  bool failed() const override;
-  /// Why it failed, naming the peer; empty while healthy.
-  std::string failure() const override;
-
-  /// Called once, from the watchdog thread or from abort()'s caller, with failure() when the link fails. Set it
-  /// before posting operations; it must not call back into this link's send/recv nor destroy the link.
-  void on_failure(std::function<void(const std::string&)> callback) override;
-
-  NcclLinkCounters counters() const override;
-  /// Operations posted and not yet seen complete by the watchdog.
-  size_t in_flight() const override;
-
-  NcclRole role() const override { return role_; }
-  int device() const override { return opts_.device; }
-  const std::string& peer_name() const override { return peer_name_; }
+  // send, recv, abort, failed, failure, on_failure, counters, in_flight, role, device, peer_name: the GpuLink
+  // contract (detail::WatchedGpuLink; abort() aborts both communicators). GpuLink::kNoTimeout: only abort() (the
+  // coordinator's PeerDown) or an NCCL error ends such an operation.
 
  private:
   struct State;
+  detail::GpuLinkWatch& watch() const override;
   void connect_peer(const std::string& who, std::chrono::steady_clock::time_point deadline);
   void post(bool is_send, void* buf, size_t bytes, cudaStream_t stream, const char* what,
-            std::chrono::milliseconds timeout);
+            std::chrono::milliseconds timeout) override;
 
-  NcclRole role_;
-  std::string peer_name_;
   NcclLinkOptions opts_;
   std::unique_ptr<State> st_;
 };
