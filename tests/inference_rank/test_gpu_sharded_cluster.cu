@@ -16,7 +16,6 @@
 // - One cache rank SIGKILLed mid-request fails that request naming it, within a bounded time; the inference rank
 //   stays up and serves the next request densely, and shuts down cleanly.
 #include <cuda_runtime_api.h>
-#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -138,7 +137,7 @@ Outcome run(LinkSetup link, int n, const std::vector<std::string>& flags, const 
   for (int s = 0; s < n; ++s) {
     const std::string& log = cl.caches[static_cast<size_t>(s)]->log();
     EXPECT_GT(logged(log, "selections"), tokens / 2) << "shard " << s << " selected\n" << log;
-    if (n > 1) EXPECT_THAT(log, HasSubstr(fmt::format("layer shard {} of {}", s, n))) << log;
+    if (n > 1) EXPECT_THAT(log, HasSubstr("layer shard " + std::to_string(s) + " of " + std::to_string(n))) << log;
   }
   return o;
 }
