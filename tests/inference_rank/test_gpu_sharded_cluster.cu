@@ -66,12 +66,12 @@ struct ShardedGpuCluster {
   void start(const std::vector<std::string>& sparse_flags) {
     std::vector<std::string> c = {"--port", std::to_string(port), "--http-port", "0", "--rendezvous-timeout-ms",
                                   "60000", "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "1000"};
-    c.insert(c.end(), world().begin(), world().end());
+    const std::vector<std::string> w = world();  // one vector: begin() and end() of two temporaries is no range
+    c.insert(c.end(), w.begin(), w.end());
     coord = std::make_unique<ChildProcess>(bin("coordinator/coordinator"), c, env(0), "coordinator");
     std::vector<std::string> a = {"--serve", "--model", checkpoint(), "--rendezvous-timeout-ms", "60000", "--device",
                                   "cuda", "--gpu-link", link.gpu_link, "--max-num-seqs", "4",
                                   "--max-num-batched-tokens", "256", "--log-level", "info"};
-    const std::vector<std::string> w = world();
     a.insert(a.end(), w.begin(), w.end());
     a.insert(a.end(), sparse_flags.begin(), sparse_flags.end());
     inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), a, env(1), "inference rank");
