@@ -235,25 +235,64 @@ void free_kv(KvSet& s) {
   CK(cudaFree(s.bt));
 }
 
+// Points a kernel's parameters `p` at input set `s`: its paged K and V cache and its block table.
+template <typename Params>
+void set_kv(Params& p, const KvSet& s) {
+  p.k_cache = s.k;
+  p.v_cache = s.v;
+  p.block_table = s.bt;
+}
+
 constexpr int kHq = 32, kHkv = 8, kD = 128;  // Qwen3-8B attention
 
-// The fields every decode-attention parameter struct (PagedDecodeParams, SparseIndexDecodeParams,
-// SparsePackedDecodeParams) shares, for the bench's heads (kHq, kHkv, kD): batch rows of q / out, the cache's page
-// geometry, the softmax scale 1/sqrt(kD) and the split-K workspace.
+// The paged cache's geometry in a kernel's parameters `p`: the bench's KV heads (kHkv x kD), page size `ps` and
+// block-table rows of `max_pages`.
 template <typename Params>
-void set_decode_common(Params& p, DType dtype, void* q, void* out, int batch, int ps, int max_pages,
-                       DecodeWorkspace ws) {
-  p.dtype = dtype;
-  p.q = q;
-  p.out = out;
-  p.batch = batch;
-  p.num_q_heads = kHq;
+void set_cache_geometry(Params& p, int ps, int max_pages) {
   p.num_kv_heads = kHkv;
   p.head_dim = kD;
   p.page_size = ps;
   p.max_pages_per_seq = max_pages;
+}
+
+// A decode step's buffers for `batch` sequences of context `len`: q (random bf16/fp16 bits, seed `seed`), out,
+// seq_lens (all `len`) and an initialised split-K workspace.
+struct DecodeIo {
+  void* q = nullptr;
+  void* out = nullptr;
+  int32_t* lens = nullptr;
+  DecodeWorkspace ws;
+};
+
+DecodeIo make_decode_io(int batch, int len, uint64_t seed) {
+  DecodeIo d;
+  d.q = dmalloc(size_t{2} * batch * kHq * kD);
+  fill16(d.q, static_cast<size_t>(batch) * kHq * kD, seed);
+  d.out = dmalloc(size_t{2} * batch * kHq * kD);
+  d.lens = upload(std::vector<int32_t>(batch, len));
+  d.ws.bytes = decode_workspace_bytes(batch, kHq, kHkv, kD);
+  d.ws.ptr = dmalloc(d.ws.bytes);
+  CK(decode_workspace_init(d.ws, nullptr));
+  return d;
+}
+
+void free_decode_io(DecodeIo& d) {
+  for (void* ptr : {d.q, d.out, static_cast<void*>(d.lens), d.ws.ptr}) CK(cudaFree(ptr));
+}
+
+// The fields every decode-attention parameter struct (PagedDecodeParams, SparseIndexDecodeParams,
+// SparsePackedDecodeParams) shares, for the bench's heads (kHq, kHkv, kD): batch rows of q / out (`io`), the cache's
+// page geometry, the softmax scale 1/sqrt(kD) and the split-K workspace.
+template <typename Params>
+void set_decode_common(Params& p, DType dtype, const DecodeIo& io, int batch, int ps, int max_pages) {
+  p.dtype = dtype;
+  p.q = io.q;
+  p.out = io.out;
+  p.batch = batch;
+  p.num_q_heads = kHq;
+  set_cache_geometry(p, ps, max_pages);
   p.scale = 1.f / std::sqrt(static_cast<float>(kD));
-  p.workspace = ws;
+  p.workspace = io.ws;
 }
 
 // A decode case's timing row: `launch(set, stream)` timed over the `sets` input sets (and, with `graph`, as a CUDA
@@ -280,23 +319,15 @@ void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const c
                        : lay.find("regionshuf") != std::string::npos ? Placement::kRegionShuffled
                                                                     : Placement::kShuffled;
   for (int s = 0; s < sets; ++s) kv.push_back(make_kv(batch, len, ps, kHkv, kD, 100 + 7 * s, pl));
-  void* q = dmalloc(size_t{2} * batch * kHq * kD);
-  fill16(q, static_cast<size_t>(batch) * kHq * kD, 5);
-  void* out = dmalloc(size_t{2} * batch * kHq * kD);
-  int32_t* lens = upload(std::vector<int32_t>(batch, len));
-  const size_t ws_bytes = decode_workspace_bytes(batch, kHq, kHkv, kD);
-  void* ws = dmalloc(ws_bytes);
-  CK(decode_workspace_init({ws, ws_bytes}, nullptr));
+  DecodeIo io = make_decode_io(batch, len, 5);
   PagedDecodeParams p;
-  set_decode_common(p, dtype, q, out, batch, ps, kv[0].max_pages, {ws, ws_bytes});
-  p.seq_lens = lens;
+  set_decode_common(p, dtype, io, batch, ps, kv[0].max_pages);
+  p.seq_lens = io.lens;
   p.max_seq_len = len;
   p.num_splits = splits;
   p.kv_heads_per_cta = heads_per_cta;
   auto launch = [&](int s, cudaStream_t st) {
-    p.k_cache = kv[s].k;
-    p.v_cache = kv[s].v;
-    p.block_table = kv[s].bt;
+    set_kv(p, kv[s]);
     CK(paged_decode_attention(p, st));
   };
   json r = time_decode(c, sets, launch, bytes, graph);
@@ -316,10 +347,7 @@ void bench_paged_decode(Ctx& c, DType dtype, int batch, int len, int ps, const c
                 {"head_dim", kD}, {"page_size", ps}};
   record(c, r);
   for (auto& s : kv) free_kv(s);
-  CK(cudaFree(q));
-  CK(cudaFree(out));
-  CK(cudaFree(lens));
-  CK(cudaFree(ws));
+  free_decode_io(io);
 }
 
 // Sorted random token positions in [0, limit) per (sequence, KV head): what the top-k emits.
@@ -350,25 +378,17 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
     fill16(pk.back(), static_cast<size_t>(sel_bytes / 4), 50 + s);
     fill16(pv.back(), static_cast<size_t>(sel_bytes / 4), 60 + s);
   }
-  void* q = dmalloc(size_t{2} * batch * kHq * kD);
-  fill16(q, static_cast<size_t>(batch) * kHq * kD, 6);
-  void* out = dmalloc(size_t{2} * batch * kHq * kD);
+  DecodeIo io = make_decode_io(batch, len, 6);
   int32_t* counts = upload(std::vector<int32_t>(batch, k));
-  int32_t* lens = upload(std::vector<int32_t>(batch, len));
-  const size_t ws_bytes = decode_workspace_bytes(batch, kHq, kHkv, kD);
-  void* ws = dmalloc(ws_bytes);
-  CK(decode_workspace_init({ws, ws_bytes}, nullptr));
   const json shape = {{"batch", batch},       {"seq_len", len},  {"selected", k}, {"num_q_heads", kHq},
                       {"num_kv_heads", kHkv}, {"head_dim", kD},  {"page_size", ps}};
   {
     SparseIndexDecodeParams p;
-    set_decode_common(p, DType::BF16, q, out, batch, ps, kv[0].max_pages, {ws, ws_bytes});
+    set_decode_common(p, DType::BF16, io, batch, ps, kv[0].max_pages);
     p.num_indices = counts;
     p.index_stride = k;
     auto launch = [&](int s, cudaStream_t st) {
-      p.k_cache = kv[s].k;
-      p.v_cache = kv[s].v;
-      p.block_table = kv[s].bt;
+      set_kv(p, kv[s]);
       p.indices = idx[s];
       CK(sparse_decode_attention_indexed(p, st));
     };
@@ -382,15 +402,13 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
   }
   {
     SparsePackedDecodeParams p;
-    set_decode_common(p, DType::BF16, q, out, batch, ps, kv[0].max_pages, {ws, ws_bytes});
+    set_decode_common(p, DType::BF16, io, batch, ps, kv[0].max_pages);
     p.num_packed = counts;
-    p.seq_lens = lens;
+    p.seq_lens = io.lens;
     p.packed_capacity = k;
     p.local_window = window;
     auto launch = [&](int s, cudaStream_t st) {
-      p.k_cache = kv[s].k;
-      p.v_cache = kv[s].v;
-      p.block_table = kv[s].bt;
+      set_kv(p, kv[s]);
       p.packed_k = pk[s];
       p.packed_v = pv[s];
       CK(sparse_decode_attention_packed(p, st));
@@ -412,11 +430,8 @@ void bench_sparse(Ctx& c, int batch, int len, int ps, int k, int window) {
     CK(cudaFree(pk[s]));
     CK(cudaFree(pv[s]));
   }
-  CK(cudaFree(q));
-  CK(cudaFree(out));
+  free_decode_io(io);
   CK(cudaFree(counts));
-  CK(cudaFree(lens));
-  CK(cudaFree(ws));
 }
 
 // The cache rank's default predictor (pair::SelectionConfig: ridge, relative eps 1e-2) over `rows` rows (sequences,
@@ -466,10 +481,7 @@ void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) 
   sp.scores = scores;
   sp.batch = batch;
   sp.num_q_heads = kHq;
-  sp.num_kv_heads = kHkv;
-  sp.head_dim = kD;
-  sp.page_size = ps;
-  sp.max_pages_per_seq = kv.max_pages;
+  set_cache_geometry(sp, ps, kv.max_pages);
   sp.score_stride = len;
   TopkParams tp;
   tp.scores = scores;
@@ -483,17 +495,12 @@ void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) 
   tp.successor = true;  // the cache rank's default (pair::SelectionConfig::successor_expand)
   GatherKvParams gp;
   gp.dtype = DType::BF16;
-  gp.k_cache = kv.k;
-  gp.v_cache = kv.v;
-  gp.block_table = kv.bt;
+  set_kv(gp, kv);
   gp.indices = idx;
   gp.packed_k = pk;
   gp.packed_v = pv;
   gp.batch = batch;
-  gp.num_kv_heads = kHkv;
-  gp.head_dim = kD;
-  gp.page_size = ps;
-  gp.max_pages_per_seq = kv.max_pages;
+  set_cache_geometry(gp, ps, kv.max_pages);
   gp.k = k;
   CK(predict_next_query(pp, nullptr));
   CK(score_tokens(sp, nullptr));
@@ -567,18 +574,13 @@ void bench_prefill(Ctx& c, int len, int ps) {
   PagedPrefillParams p;
   p.dtype = DType::BF16;
   p.q = q;
-  p.k_cache = kv.k;
-  p.v_cache = kv.v;
-  p.block_table = kv.bt;
+  set_kv(p, kv);
   p.cu_q_lens = cu;
   p.seq_lens = lens;
   p.out = out;
   p.batch = 1;
   p.num_q_heads = kHq;
-  p.num_kv_heads = kHkv;
-  p.head_dim = kD;
-  p.page_size = ps;
-  p.max_pages_per_seq = kv.max_pages;
+  set_cache_geometry(p, ps, kv.max_pages);
   p.max_q_len = len;
   p.scale = 1.f / std::sqrt(static_cast<float>(kD));
   const Timing t = time_it(c.opt, 1, [&](int) { CK(paged_prefill_attention(p, nullptr)); });

@@ -284,6 +284,16 @@ void GpuModel::allocate_weights() {
   embed_ = at(embed_off);
   lm_head_ = at(lm_off);
   final_norm_ = static_cast<float*>(at(final_off));
+  // Each layer tensor's offset and the Layer pointer it becomes (nullptr where the offset is SIZE_MAX: absent).
+  static constexpr std::pair<size_t Off::*, float* Layer::*> kF32Tensors[] = {
+      {&Off::attn_norm, &Layer::attn_norm}, {&Off::mlp_norm, &Layer::mlp_norm}, {&Off::q_norm, &Layer::q_norm},
+      {&Off::k_norm, &Layer::k_norm},       {&Off::conv, &Layer::conv_w},       {&Off::a_log, &Layer::a_log},
+      {&Off::dt_bias, &Layer::dt_bias},     {&Off::gnorm, &Layer::gated_norm}};
+  static constexpr std::pair<size_t Off::*, void* Layer::*> kBf16Tensors[] = {
+      {&Off::qkv_w, &Layer::qkv_w},     {&Off::qkv_b, &Layer::qkv_b},         {&Off::o_w, &Layer::o_w},
+      {&Off::o_b, &Layer::o_b},         {&Off::in_proj, &Layer::in_proj_w},   {&Off::out_proj, &Layer::out_proj_w},
+      {&Off::gu_w, &Layer::gate_up_w},  {&Off::gu_b, &Layer::gate_up_b},      {&Off::down_w, &Layer::down_w},
+      {&Off::down_b, &Layer::down_b}};
   layers_.resize(offs.size());
   int attn_idx = 0, gdn_idx = 0;
   for (size_t l = 0; l < offs.size(); ++l) {
@@ -291,24 +301,8 @@ void GpuModel::allocate_weights() {
     Layer& L = layers_[l];
     L.type = cfg_.layer_type(static_cast<int>(l));
     L.index = L.type == LayerType::LinearAttention ? gdn_idx++ : attn_idx++;
-    L.attn_norm = static_cast<float*>(at(o.attn_norm));
-    L.mlp_norm = static_cast<float*>(at(o.mlp_norm));
-    L.q_norm = static_cast<float*>(at(o.q_norm));
-    L.k_norm = static_cast<float*>(at(o.k_norm));
-    L.qkv_w = at(o.qkv_w);
-    L.qkv_b = at(o.qkv_b);
-    L.o_w = at(o.o_w);
-    L.o_b = at(o.o_b);
-    L.in_proj_w = at(o.in_proj);
-    L.conv_w = static_cast<float*>(at(o.conv));
-    L.a_log = static_cast<float*>(at(o.a_log));
-    L.dt_bias = static_cast<float*>(at(o.dt_bias));
-    L.gated_norm = static_cast<float*>(at(o.gnorm));
-    L.out_proj_w = at(o.out_proj);
-    L.gate_up_w = at(o.gu_w);
-    L.gate_up_b = at(o.gu_b);
-    L.down_w = at(o.down_w);
-    L.down_b = at(o.down_b);
+    for (const auto& [field, ptr] : kF32Tensors) L.*ptr = static_cast<float*>(at(o.*field));
+    for (const auto& [field, ptr] : kBf16Tensors) L.*ptr = at(o.*field);
   }
 }
 
@@ -471,14 +465,7 @@ int GpuModel::warm_up_gemms(cudaStream_t stream) {
   int total = 0;
   auto warm = [&](const void* x, const void* w, const void* bias, void* y, int max_m, int n, int k, DType out,
                   const char* what) {
-    kernels::GemmParams g;
-    g.out_dtype = out;
-    g.x = x;
-    g.w = w;
-    g.bias = bias;
-    g.y = y;
-    g.n = n;
-    g.k = k;
+    const kernels::GemmParams g{.out_dtype = out, .x = x, .w = w, .bias = bias, .y = y, .n = n, .k = k};
     int launched = 0;
     cuda_check(gemm_->runner.warm_up_rows(g, max_m, stream, &launched), what);
     total += launched;
@@ -528,15 +515,7 @@ void GpuModel::forward(const GpuBatch& b, GpuKvPool& kv, GpuAttention& attention
   const int qkv_cols = static_cast<int>(qkv_rows_of(cfg_));
   auto gemm = [&](const void* x, const void* w, const void* bias, void* y, int m, int n, int k, DType out,
                   const char* what) {
-    kernels::GemmParams g;
-    g.out_dtype = out;
-    g.x = x;
-    g.w = w;
-    g.bias = bias;
-    g.y = y;
-    g.m = m;
-    g.n = n;
-    g.k = k;
+    const kernels::GemmParams g{.out_dtype = out, .x = x, .w = w, .bias = bias, .y = y, .m = m, .n = n, .k = k};
     cuda_check(gemm_->runner.run(g, stream), what);
   };
   auto norm = [&](const void* x, const float* w, void* out, bool add_residual, int rows, const char* what) {

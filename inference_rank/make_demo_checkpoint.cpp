@@ -12,9 +12,9 @@
 #include <fstream>
 
 #include "common/config.h"
+#include "common/demo_tokenizer.h"
 #include "common/error.h"
 #include "common/safetensors.h"
-#include "common/tokenizer.h"
 #include "inference_rank/weights.h"
 
 namespace {
@@ -26,44 +26,6 @@ void write_text(const std::string& path, const std::string& text) {
   if (!f) spade::fail("{}: cannot open for writing", path);
   f << text;
   if (!f) spade::fail("{}: write failed", path);
-}
-
-// Byte-level BPE without merges: one token per byte (GPT-2 byte map, ids 0..255) plus ChatML specials.
-json byte_level_tokenizer() {
-  const auto& bytes = spade::gpt2_byte_to_unicode();
-  json vocab = json::object();
-  for (int b = 0; b < 256; ++b) vocab[bytes[b]] = b;
-  const std::string qwen_regex =
-      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-  json added = json::array();
-  const char* specials[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
-  for (int i = 0; i < 3; ++i)
-    added.push_back({{"id", 256 + i}, {"content", specials[i]}, {"single_word", false}, {"lstrip", false},
-                     {"rstrip", false}, {"normalized", false}, {"special", true}});
-  return {{"version", "1.0"},
-          {"truncation", nullptr},
-          {"padding", nullptr},
-          {"added_tokens", added},
-          {"normalizer", {{"type", "NFC"}}},
-          {"pre_tokenizer",
-           {{"type", "Sequence"},
-            {"pretokenizers",
-             {{{"type", "Split"}, {"pattern", {{"Regex", qwen_regex}}}, {"behavior", "Isolated"}, {"invert", false}},
-              {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}}}}},
-          {"post_processor",
-           {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
-          {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
-          {"model",
-           {{"type", "BPE"},
-            {"dropout", nullptr},
-            {"unk_token", nullptr},
-            {"continuing_subword_prefix", nullptr},
-            {"end_of_word_suffix", nullptr},
-            {"fuse_unk", false},
-            {"byte_fallback", false},
-            {"ignore_merges", false},
-            {"vocab", vocab},
-            {"merges", json::array()}}}};
 }
 
 }  // namespace
@@ -118,7 +80,7 @@ int main(int argc, char** argv) {
     write_text(out + "/config.json", cfg.dump(2));
     write_text(out + "/generation_config.json",
                json{{"bos_token_id", 256}, {"eos_token_id", {257, 258}}, {"do_sample", false}}.dump(2));
-    write_text(out + "/tokenizer.json", byte_level_tokenizer().dump(2));
+    write_text(out + "/tokenizer.json", spade::demo_byte_level_tokenizer_json());
     const std::string chatml =
         "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
         "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";

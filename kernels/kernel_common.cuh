@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "common/dtype.h"
@@ -23,43 +24,32 @@ namespace spade::kernels::detail {
 template <typename T>
 struct ElemTraits;
 
-template <>
-struct ElemTraits<__nv_bfloat16> {
-  static constexpr DType kDType = DType::BF16;
-  __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  __device__ static __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ static __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
-  __device__ static __forceinline__ void mma(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
-  }
-};
+// One specialization per element type T (T2: its packed pair type): its DType, the float conversions (round to
+// nearest) and the tensor-core mma.m16n8k16 with fp32 accumulation on PTX element type PTX ("bf16" / "f16").
+#define SPADE_ELEM_TRAITS(T, T2, DTYPE, PACK2, TO_FLOAT, FROM_FLOAT, PTX)                                              \
+  template <>                                                                                                          \
+  struct ElemTraits<T> {                                                                                               \
+    static constexpr DType kDType = DTYPE;                                                                             \
+    __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {                                             \
+      T2 v = PACK2(lo, hi);                                                                                            \
+      return *reinterpret_cast<uint32_t*>(&v);                                                                         \
+    }                                                                                                                  \
+    __device__ static __forceinline__ float to_float(T x) { return TO_FLOAT(x); }                                      \
+    __device__ static __forceinline__ T from_float(float x) { return FROM_FLOAT(x); }                                  \
+    __device__ static __forceinline__ void mma(float d[4], const uint32_t a[4], const uint32_t b[2],                   \
+                                               const float c[4]) {                                                     \
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "          \
+                   "{%8,%9}, {%10,%11,%12,%13};\n"                                                                     \
+                   : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                                    \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),           \
+                     "f"(c[2]), "f"(c[3]));                                                                            \
+    }                                                                                                                  \
+  };
 
-template <>
-struct ElemTraits<__half> {
-  static constexpr DType kDType = DType::F16;
-  __device__ static __forceinline__ uint32_t pack2(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  __device__ static __forceinline__ float to_float(__half x) { return __half2float(x); }
-  __device__ static __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
-  __device__ static __forceinline__ void mma(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
-          "f"(c[3]));
-  }
-};
+SPADE_ELEM_TRAITS(__nv_bfloat16, __nv_bfloat162, DType::BF16, __floats2bfloat162_rn, __bfloat162float,
+                  __float2bfloat16_rn, "bf16")
+SPADE_ELEM_TRAITS(__half, __half2, DType::F16, __floats2half2_rn, __half2float, __float2half_rn, "f16")
+#undef SPADE_ELEM_TRAITS
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -188,19 +178,13 @@ constexpr int log2_int(int x) {
 /// fp32 image of an element of type T (fp32, bf16, fp16) and the round-to-nearest-even conversion back.
 template <typename T>
 __device__ __forceinline__ float to_f(T x) {
-  return ElemTraits<T>::to_float(x);
-}
-template <>
-__device__ __forceinline__ float to_f<float>(float x) {
-  return x;
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return ElemTraits<T>::to_float(x);
 }
 template <typename T>
 __device__ __forceinline__ T from_f(float x) {
-  return ElemTraits<T>::from_float(x);
-}
-template <>
-__device__ __forceinline__ float from_f<float>(float x) {
-  return x;
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return ElemTraits<T>::from_float(x);
 }
 
 /// DType of the element type T (fp32, bf16, fp16).

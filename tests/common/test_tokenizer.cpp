@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/demo_tokenizer.h"
 #include "common/error.h"
 #include "tests/test_util.h"
 
@@ -520,62 +521,12 @@ TEST(StoriesTokenizer, StreamingEqualsDecodeOnCorpusAndRandomIds) {
 // Synthetic tokenizer.json files
 // ------------------------------------------------------------------------------------------------
 
-// The byte-level layout the demo-checkpoint tool writes: vocab = the 256 byte symbols (id = byte value), no
-// merges, Qwen2 pre-tokenizer, ByteLevel decoder, three ChatML added tokens.
-json byte_level_demo_json() {
-  json vocab = json::object();
-  const auto& b2u = gpt2_byte_to_unicode();
-  for (int b = 0; b < 256; ++b) vocab[b2u[b]] = b;
-  const char* qwen_re =
-      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-  json added = json::array();
-  int id = 256;
-  for (const char* s : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) {
-    added.push_back({{"id", id++},
-                     {"content", s},
-                     {"single_word", false},
-                     {"lstrip", false},
-                     {"rstrip", false},
-                     {"normalized", false},
-                     {"special", true}});
-  }
-  return {{"version", "1.0"},
-          {"truncation", nullptr},
-          {"padding", nullptr},
-          {"added_tokens", added},
-          {"normalizer", nullptr},
-          {"pre_tokenizer",
-           {{"type", "Sequence"},
-            {"pretokenizers", json::array({{{"type", "Split"},
-                                            {"pattern", {{"Regex", qwen_re}}},
-                                            {"behavior", "Isolated"},
-                                            {"invert", false}},
-                                           {{"type", "ByteLevel"},
-                                            {"add_prefix_space", false},
-                                            {"trim_offsets", true},
-                                            {"use_regex", false}}})}}},
-          {"post_processor", nullptr},
-          {"decoder",
-           {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
-          {"model",
-           {{"type", "BPE"},
-            {"dropout", nullptr},
-            {"unk_token", nullptr},
-            {"continuing_subword_prefix", nullptr},
-            {"end_of_word_suffix", nullptr},
-            {"fuse_unk", false},
-            {"byte_fallback", false},
-            {"ignore_merges", false},
-            {"vocab", vocab},
-            {"merges", json::array()}}}};
-}
-
 TEST(ByteLevelDemoTokenizer, LoadsAndRoundTrips) {
   const std::string dir = test::make_temp_dir("spade_tok_");
   const std::string path = dir + "/tokenizer.json";
   {
     std::ofstream f(path);
-    f << byte_level_demo_json().dump(2);
+    f << demo_byte_level_tokenizer_json();  // the layout make_demo_checkpoint writes
   }
   const Tokenizer t = Tokenizer::from_file(path);
   EXPECT_EQ(t.vocab_size(), 259);
@@ -588,9 +539,11 @@ TEST(ByteLevelDemoTokenizer, LoadsAndRoundTrips) {
   EXPECT_THAT(t.encode("<|im_start|>user\n<|im_end|>", false),
               ElementsAre(257, 'u', 's', 'e', 'r', '\n', 258));
   EXPECT_EQ(t.decode(std::vector<int32_t>{257, 'h', 'i', 258}, true), "hi");
+  // The NFC normalizer runs before the byte split: a decomposed e + U+0301 becomes the two bytes of U+00E9.
+  EXPECT_THAT(t.encode("cafe\u0301", false), ElementsAre('c', 'a', 'f', 0xC3, 0xA9));
   for (size_t i = 0; i < corpus().size(); i += 97) {
     const std::string& s = corpus()[i].second;
-    EXPECT_EQ(t.decode(t.encode(s, false)), s) << corpus()[i].first;  // no normalizer: exact
+    EXPECT_EQ(t.decode(t.encode(s, false)), nfc_normalize(s)) << corpus()[i].first;
   }
   fs::remove_all(dir);
 }

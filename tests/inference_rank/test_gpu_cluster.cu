@@ -24,6 +24,7 @@
 #include "coordinator/client.h"
 #include "tests/inference_rank/cluster_client.h"
 #include "tests/inference_rank/gpu_demo_checkpoint.h"
+#include "tests/inference_rank/gpu_link_setup.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -33,19 +34,13 @@ using namespace std::chrono_literals;
 using ::testing::HasSubstr;
 using test::bin;
 using test::ChildProcess;
+using test::LinkSetup;
+using test::logged;
 using test::Outcome;
 using Clock = std::chrono::steady_clock;
 
 // A Qwen3 demo checkpoint the GPU kernels accept (head_dim 64), written once per test binary.
 const std::string& checkpoint() { return test::gpu_demo_checkpoint(); }
-
-// The pair's data plane: the inference rank's --gpu-link and the cache rank's GPU.
-struct LinkSetup {
-  const char* name;
-  const char* gpu_link;
-  int cache_gpu;
-};
-void PrintTo(const LinkSetup& l, std::ostream* os) { *os << l.name; }
 
 struct Cluster {
   explicit Cluster(LinkSetup l) : link(l) {}
@@ -53,12 +48,7 @@ struct Cluster {
   int port = test::free_port();
   std::unique_ptr<ChildProcess> coord, inf, cache;
 
-  std::map<std::string, std::string> env(int rank) {
-    // NVLink multicast stays off in NCCL (shared machines: deploy and device notes).
-    return {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}, {"RANK", std::to_string(rank)},
-            {"WORLD_SIZE", "3"}, {"CUDA_DEVICE_MAX_CONNECTIONS", "32"}, {"CUDA_MODULE_LOADING", "EAGER"},
-            {"NCCL_NVLS_ENABLE", "0"}};
-  }
+  std::map<std::string, std::string> env(int rank) { return test::gpu_rank_env(port, rank, 3); }
   void start(const std::vector<std::string>& sparse_flags) {
     coord = std::make_unique<ChildProcess>(
         bin("coordinator/coordinator"),
@@ -93,51 +83,18 @@ struct Cluster {
   }
 };
 
-std::unique_ptr<coord::CoordinatorClient> client(int port) {
-  return test::cluster_client(port, std::chrono::seconds(60), std::chrono::seconds(90));
-}
-
-// Greedy, past EOS (noise weights may emit it early), with room for a first CUDA start.
-Outcome generate(coord::CoordinatorClient& c, const std::string& prompt, int max_tokens,
-                 const std::function<void(size_t)>& on_tokens = nullptr) {
-  return test::generate(c, prompt, max_tokens, on_tokens, test::GenerateOptions{true, std::chrono::seconds(120)});
-}
-
-// The number logged before `what` in the last line that has it, e.g. "123 sparse sequence-steps".
-long long logged(const std::string& log, const std::string& what) {
-  std::smatch m;
-  long long v = -1;
-  const std::regex re("([0-9]+) " + what);
-  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator(); ++it)
-    v = std::stoll((*it)[1].str());
-  return v;
-}
-
-class GpuCluster : public ::testing::TestWithParam<LinkSetup> {
- protected:
-  void SetUp() override {
-    int n = 0;
-    ASSERT_EQ(cudaGetDeviceCount(&n), cudaSuccess);
-    ASSERT_GT(n, GetParam().cache_gpu) << GetParam().name << " puts the cache rank on GPU " << GetParam().cache_gpu
-                                       << " and this machine has " << n
-                                       << " GPU(s): its ctest entry is labelled gpu2 (bench/run_gpu.sh leaves it out on "
-                                          "one GPU and says so)";
-  }
-};
+class GpuCluster : public test::GpuLinkTest {};
 
 TEST_P(GpuCluster, SparseDecodingAcrossProcesses) {
   // Reference: the standalone dense GPU run of the same checkpoint.
-  ChildProcess ref(bin("inference_rank/inference_rank"),
-                   {"--model", checkpoint(), "--device", "cuda", "--prompt", "Once upon a time", "--max-tokens", "200",
-                    "--temperature", "0", "--ignore-eos", "--log-level", "warn", "--no-cuda-graphs", "--max-num-seqs",
-                    "4", "--max-num-batched-tokens", "256"},
-                   {}, "dense reference");
+  ChildProcess ref(bin("inference_rank/inference_rank"), test::dense_reference_args(checkpoint()), {},
+                   "dense reference");
   ASSERT_EQ(ref.wait_exit(120s), 0) << ref.log();
   Cluster cl(GetParam());
   cl.start({"--selection", "predicted", "--sparse-threshold", "64", "--token-budget", "512", "--layers-per-pack", "2",
             "--local-window", "16", "--delta-capacity", "64"});
-  auto c = client(cl.port);
-  const Outcome o = generate(*c, "Once upon a time", 200);
+  auto c = test::gpu_cluster_client(cl.port);
+  const Outcome o = test::gpu_generate(*c, "Once upon a time", 200);
   ASSERT_EQ(o.reason, proto::FINISH_LENGTH) << o.error << cl.logs();
   EXPECT_EQ(o.ids.size(), 200u);
   // The reference's stdout is the generated text (streamed), then a newline; the log also holds its stderr lines.
@@ -161,10 +118,10 @@ TEST_P(GpuCluster, KilledGpuCacheRankFailsTheSparseRequestAndServiceContinuesDen
   Cluster cl(GetParam());
   cl.start({"--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "64", "--layers-per-pack", "2",
             "--local-window", "16", "--delta-capacity", "16", "--selection-deadline-ms", "3000"});
-  auto c = client(cl.port);
+  auto c = test::gpu_cluster_client(cl.port);
   const auto t0 = Clock::now();
   bool killed = false;
-  const Outcome o = generate(*c, "Once upon a time", 400, [&](size_t n) {
+  const Outcome o = test::gpu_generate(*c, "Once upon a time", 400, [&](size_t n) {
     if (!killed && n >= 60) {  // well past the threshold: the request is sparse now
       cl.cache->signal(SIGKILL);
       killed = true;
@@ -174,7 +131,7 @@ TEST_P(GpuCluster, KilledGpuCacheRankFailsTheSparseRequestAndServiceContinuesDen
   EXPECT_EQ(o.reason, proto::FINISH_ERROR) << cl.logs();
   EXPECT_THAT(o.error, HasSubstr("cache rank 2")) << "the error names the dead rank";
   EXPECT_LT(Clock::now() - t0, 30s) << "bounded failure time";
-  const Outcome d = generate(*c, "", 120);
+  const Outcome d = test::gpu_generate(*c, "", 120);
   EXPECT_EQ(d.reason, proto::FINISH_LENGTH) << d.error << cl.logs();
   EXPECT_EQ(d.ids.size(), 120u);
   EXPECT_TRUE(cl.inf->running());
@@ -189,9 +146,9 @@ TEST_P(GpuCluster, KilledGpuCacheRankIsReplacedAndSparseDecodingResumes) {
   Cluster cl(GetParam());
   cl.start({"--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "64", "--layers-per-pack", "2",
             "--local-window", "16", "--delta-capacity", "16", "--selection-deadline-ms", "3000"});
-  auto c = client(cl.port);
+  auto c = test::gpu_cluster_client(cl.port);
   bool killed = false;
-  const Outcome o = generate(*c, "Once upon a time", 400, [&](size_t n) {
+  const Outcome o = test::gpu_generate(*c, "Once upon a time", 400, [&](size_t n) {
     if (!killed && n >= 60) {
       cl.cache->signal(SIGKILL);
       killed = true;
@@ -205,7 +162,7 @@ TEST_P(GpuCluster, KilledGpuCacheRankIsReplacedAndSparseDecodingResumes) {
   for (auto until = Clock::now() + 120s; !whole && Clock::now() < until; std::this_thread::sleep_for(100ms))
     whole = cl.inf->log().find("the pair is whole again") != std::string::npos;
   ASSERT_TRUE(whole) << "the inference rank never re-paired\n" << cl.logs();
-  const Outcome after = generate(*c, "Once upon a time", 200);
+  const Outcome after = test::gpu_generate(*c, "Once upon a time", 200);
   EXPECT_EQ(after.reason, proto::FINISH_LENGTH) << after.error << cl.logs();
   EXPECT_EQ(after.ids.size(), 200u);
   c->request_shutdown("test done");
@@ -216,9 +173,7 @@ TEST_P(GpuCluster, KilledGpuCacheRankIsReplacedAndSparseDecodingResumes) {
   EXPECT_GT(logged(cl.cache->log(), "selections"), 50) << cl.cache->log();
 }
 
-INSTANTIATE_TEST_SUITE_P(Links, GpuCluster,
-                         ::testing::Values(LinkSetup{"CudaIpcOneGpu", "ipc", 0}, LinkSetup{"Nccl2Gpu", "nccl", 1}),
-                         [](const ::testing::TestParamInfo<LinkSetup>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(Links, GpuCluster, test::gpu_links(), test::link_name);
 
 }  // namespace
 }  // namespace spade

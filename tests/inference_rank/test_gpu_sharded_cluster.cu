@@ -26,6 +26,7 @@
 #include "coordinator/client.h"
 #include "tests/inference_rank/cluster_client.h"
 #include "tests/inference_rank/gpu_demo_checkpoint.h"
+#include "tests/inference_rank/gpu_link_setup.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -35,17 +36,12 @@ using namespace std::chrono_literals;
 using ::testing::HasSubstr;
 using test::bin;
 using test::ChildProcess;
+using test::LinkSetup;
+using test::logged;
 using test::Outcome;
 using Clock = std::chrono::steady_clock;
 
 const std::string& checkpoint() { return test::gpu_demo_checkpoint(); }
-
-struct LinkSetup {
-  const char* name;
-  const char* gpu_link;
-  int cache_gpu;
-};
-void PrintTo(const LinkSetup& l, std::ostream* os) { *os << l.name; }
 
 // Coordinator (rank 0), inference #0 on GPU 0 (rank 1), cache #0..#N-1 on link.cache_gpu (ranks 2..N+1).
 struct ShardedGpuCluster {
@@ -56,12 +52,7 @@ struct ShardedGpuCluster {
   std::unique_ptr<ChildProcess> coord, inf;
   std::vector<std::unique_ptr<ChildProcess>> caches;
 
-  std::map<std::string, std::string> env(int rank) const {
-    // NVLink multicast stays off in NCCL (shared machines: deploy and device notes).
-    return {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}, {"RANK", std::to_string(rank)},
-            {"WORLD_SIZE", std::to_string(2 + n)}, {"CUDA_DEVICE_MAX_CONNECTIONS", "32"},
-            {"CUDA_MODULE_LOADING", "EAGER"}, {"NCCL_NVLS_ENABLE", "0"}};
-  }
+  std::map<std::string, std::string> env(int rank) const { return test::gpu_rank_env(port, rank, 2 + n); }
   std::vector<std::string> world() const { return {"--num-inference", "1", "--num-cache", std::to_string(n)}; }
   void start(const std::vector<std::string>& sparse_flags) {
     std::vector<std::string> c = {"--port", std::to_string(port), "--http-port", "0", "--rendezvous-timeout-ms",
@@ -102,32 +93,13 @@ struct ShardedGpuCluster {
   }
 };
 
-std::unique_ptr<coord::CoordinatorClient> client(int port) {
-  return test::cluster_client(port, std::chrono::seconds(60), std::chrono::seconds(90));
-}
-
-Outcome generate(coord::CoordinatorClient& c, const std::string& prompt, int max_tokens,
-                 const std::function<void(size_t)>& on_tokens = nullptr) {
-  return test::generate(c, prompt, max_tokens, on_tokens, test::GenerateOptions{true, std::chrono::seconds(120)});
-}
-
-// The number logged before `what` in the last line that has it, e.g. "123 sparse sequence-steps"; -1 if none.
-long long logged(const std::string& log, const std::string& what) {
-  std::smatch m;
-  long long v = -1;
-  const std::regex re("([0-9]+) " + what);
-  for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator(); ++it)
-    v = std::stoll((*it)[1].str());
-  return v;
-}
-
 // One greedy request on a fresh cluster of `n` cache ranks with `flags`; checks that it decoded sparsely on every
 // shard and that the world shut down cleanly.
 Outcome run(LinkSetup link, int n, const std::vector<std::string>& flags, const std::string& prompt, int tokens) {
   ShardedGpuCluster cl(link, n);
   cl.start(flags);
-  auto c = client(cl.port);
-  const Outcome o = generate(*c, prompt, tokens);
+  auto c = test::gpu_cluster_client(cl.port);
+  const Outcome o = test::gpu_generate(*c, prompt, tokens);
   EXPECT_EQ(o.reason, proto::FINISH_LENGTH) << o.error << cl.logs();
   EXPECT_EQ(o.ids.size(), static_cast<size_t>(tokens)) << cl.logs();
   cl.shutdown(*c);
@@ -142,23 +114,11 @@ Outcome run(LinkSetup link, int n, const std::vector<std::string>& flags, const 
   return o;
 }
 
-class GpuShardedCluster : public ::testing::TestWithParam<LinkSetup> {
- protected:
-  void SetUp() override {
-    int count = 0;
-    ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
-    ASSERT_GT(count, GetParam().cache_gpu)
-        << GetParam().name << " puts the cache ranks on GPU " << GetParam().cache_gpu << " and this machine has "
-        << count << " GPU(s): its ctest entry is labelled gpu2 (bench/run_gpu.sh leaves it out on one GPU)";
-  }
-};
+class GpuShardedCluster : public test::GpuLinkTest {};
 
 TEST_P(GpuShardedCluster, FullBudgetMatchesDenseAndOneCacheRank) {
-  ChildProcess ref(bin("inference_rank/inference_rank"),
-                   {"--model", checkpoint(), "--device", "cuda", "--prompt", "Once upon a time", "--max-tokens", "200",
-                    "--temperature", "0", "--ignore-eos", "--log-level", "warn", "--no-cuda-graphs", "--max-num-seqs",
-                    "4", "--max-num-batched-tokens", "256"},
-                   {}, "dense reference");
+  ChildProcess ref(bin("inference_rank/inference_rank"), test::dense_reference_args(checkpoint()), {},
+                   "dense reference");
   ASSERT_EQ(ref.wait_exit(120s), 0) << ref.log();
   const std::vector<std::string> flags = {"--selection", "predicted", "--sparse-threshold", "64", "--token-budget",
                                           "512", "--layers-per-pack", "1", "--local-window", "16",
@@ -190,10 +150,10 @@ TEST_P(GpuShardedCluster, KilledShardFailsTheSparseRequestAndServiceContinuesDen
   ShardedGpuCluster cl(GetParam(), 2);
   cl.start({"--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "64", "--layers-per-pack", "1",
             "--local-window", "16", "--delta-capacity", "16", "--selection-deadline-ms", "3000"});
-  auto c = client(cl.port);
+  auto c = test::gpu_cluster_client(cl.port);
   const auto t0 = Clock::now();
   bool killed = false;
-  const Outcome o = generate(*c, "Once upon a time", 400, [&](size_t got) {
+  const Outcome o = test::gpu_generate(*c, "Once upon a time", 400, [&](size_t got) {
     if (!killed && got >= 60) {  // well past the threshold: the request is sparse on both shards
       cl.caches[1]->signal(SIGKILL);
       killed = true;
@@ -208,7 +168,7 @@ TEST_P(GpuShardedCluster, KilledShardFailsTheSparseRequestAndServiceContinuesDen
   ASSERT_NE(why, std::string::npos) << o.error;
   EXPECT_THAT(o.error.substr(why), HasSubstr("cache rank 3")) << "the reason names the dead shard: " << o.error;
   EXPECT_LT(Clock::now() - t0, 30s) << "bounded failure time";
-  const Outcome d = generate(*c, "", 120);
+  const Outcome d = test::gpu_generate(*c, "", 120);
   EXPECT_EQ(d.reason, proto::FINISH_LENGTH) << d.error << cl.logs();
   EXPECT_EQ(d.ids.size(), 120u);
   EXPECT_TRUE(cl.inf->running());
@@ -220,9 +180,7 @@ TEST_P(GpuShardedCluster, KilledShardFailsTheSparseRequestAndServiceContinuesDen
   EXPECT_NE(cl.caches[0]->wait_exit(30s), -1) << cl.logs();
 }
 
-INSTANTIATE_TEST_SUITE_P(Links, GpuShardedCluster,
-                         ::testing::Values(LinkSetup{"CudaIpcOneGpu", "ipc", 0}, LinkSetup{"Nccl2Gpu", "nccl", 1}),
-                         [](const ::testing::TestParamInfo<LinkSetup>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(Links, GpuShardedCluster, test::gpu_links(), test::link_name);
 
 }  // namespace
 }  // namespace spade

@@ -15,6 +15,7 @@
 #include "coordinator/client.h"
 #include "tests/coordinator/api_cluster.h"  // parse_metrics
 #include "tests/inference_rank/cluster_client.h"
+#include "tests/inference_rank/shard_cluster.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -22,8 +23,6 @@ namespace {
 
 using namespace std::chrono_literals;
 using ::testing::HasSubstr;
-using test::bin;
-using test::ChildProcess;
 using test::generate;
 using test::Outcome;
 using Clock = std::chrono::steady_clock;
@@ -31,61 +30,11 @@ using Clock = std::chrono::steady_clock;
 constexpr int kBudget = 16;  // small: sparse steps really choose, so equal ids mean equal selections
 constexpr int kTokens = 240;
 
-// Coordinator (rank 0), inference #0 (rank 1), cache #0..#N-1 (ranks 2..N+1).
-struct ShardCluster {
-  int n = 1;
-  int port = test::free_port();
-  int inf_metrics_port = test::free_port();
-  std::vector<int> cache_metrics_ports;
-  std::string model = test::data_path("models/stories260K");
-  std::unique_ptr<ChildProcess> coord, inf;
-  std::vector<std::unique_ptr<ChildProcess>> caches;
-  std::vector<std::unique_ptr<ChildProcess>> retired;  // replaced cache ranks (their logs stay readable)
-
-  explicit ShardCluster(int num_cache) : n(num_cache) {
-    for (int s = 0; s < n; ++s) cache_metrics_ports.push_back(test::free_port());
-  }
-  std::map<std::string, std::string> env(int rank) const {
-    return {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}, {"RANK", std::to_string(rank)},
-            {"WORLD_SIZE", std::to_string(2 + n)}, {"UCX_LOG_LEVEL", "error"}};
-  }
-  std::vector<std::string> world() const { return {"--num-inference", "1", "--num-cache", std::to_string(n)}; }
-  void start() {
-    std::vector<std::string> a = {"--port", std::to_string(port), "--http-port", "0", "--rendezvous-timeout-ms",
-                                  "20000", "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "1000"};
-    for (const auto& w : world()) a.push_back(w);
-    coord = std::make_unique<ChildProcess>(bin("coordinator/coordinator"), a, env(0), "coordinator");
-    std::vector<std::string> i = {"--serve", "--model", model, "--rendezvous-timeout-ms", "20000", "--log-level",
-                                  "info", "--metrics-port", std::to_string(inf_metrics_port), "--metrics-host",
-                                  "127.0.0.1", "--selection", "predicted", "--token-budget", std::to_string(kBudget),
-                                  "--local-window", "16", "--sparse-threshold", "32", "--layers-per-pack", "1"};
-    for (const auto& w : world()) i.push_back(w);
-    inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), i, env(1), "inference rank");
-    for (int s = 0; s < n; ++s) caches.push_back(start_cache(s, model));
-  }
-  /// Cache #s (rank 2 + s) on the checkpoint in `model_dir`.
-  std::unique_ptr<ChildProcess> start_cache(int s, const std::string& model_dir) const {
-    std::vector<std::string> c = {"--model", model_dir, "--rendezvous-timeout-ms", "20000", "--token-budget",
-                                  std::to_string(kBudget), "--local-window", "16", "--metrics-port",
-                                  std::to_string(cache_metrics_ports[static_cast<size_t>(s)]), "--metrics-host",
-                                  "127.0.0.1", "--kv-pages", "512"};
-    for (const auto& w : world()) c.push_back(w);
-    return std::make_unique<ChildProcess>(bin("cache_rank/cache_rank"), c, env(2 + s),
-                                          "cache rank " + std::to_string(2 + s));
-  }
-  /// A replacement for cache #s: the old process is kept (retired) for its log.
-  void replace_cache(int s, const std::string& model_dir) {
-    retired.push_back(std::move(caches[static_cast<size_t>(s)]));
-    caches[static_cast<size_t>(s)] = start_cache(s, model_dir);
-  }
-  std::string logs() const {
-    std::string s;
-    for (auto* p : {coord.get(), inf.get()})
-      if (p) s += "---- " + p->name() + " ----\n" + p->log();
-    for (const auto& p : retired) s += "---- " + p->name() + " (retired) ----\n" + p->log();
-    for (const auto& p : caches) s += "---- " + p->name() + " ----\n" + p->log();
-    return s;
-  }
+// The shard world (shard_cluster.h) at budget kBudget, sparse from token 32, packs of one layer, with this file's
+// /ready and /metrics probes.
+struct ShardCluster : test::ShardWorld {
+  using ShardWorld::ShardWorld;
+  void start() { ShardWorld::start(kBudget, {"--sparse-threshold", "32", "--layers-per-pack", "1"}); }
   static std::string get(int port, const std::string& path) {
     try {
       return http::http_request("127.0.0.1", static_cast<uint16_t>(port), "GET", path, "", {}, 2s).body;
@@ -120,15 +69,6 @@ struct ShardCluster {
     for (auto until = Clock::now() + timeout; Clock::now() < until; std::this_thread::sleep_for(50ms))
       if (metric(port, series) == value) return true;
     return false;
-  }
-  void shutdown(coord::CoordinatorClient& c) {
-    c.request_shutdown("test done");
-    EXPECT_EQ(inf->wait_exit(15s), 0) << logs();
-    for (auto& p : caches)
-      if (p->running()) {
-        EXPECT_EQ(p->wait_exit(15s), 0) << logs();
-      }
-    EXPECT_EQ(coord->wait_exit(15s), 0) << logs();
   }
 };
 

@@ -10,6 +10,7 @@
 #include "common/http_server.h"
 #include "coordinator/client.h"
 #include "tests/inference_rank/cluster_client.h"
+#include "tests/inference_rank/shard_cluster.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -23,54 +24,9 @@ using test::generate;
 using test::Outcome;
 using Clock = std::chrono::steady_clock;
 
-// Coordinator (rank 0), inference #0 (rank 1), cache #0..#N-1 (ranks 2..N+1).
-struct ShardedCluster {
-  int n = 1;
-  int port = test::free_port();
-  int inf_metrics_port = test::free_port();
-  std::vector<int> cache_metrics_ports;
-  std::string model = test::data_path("models/stories260K");
-  std::unique_ptr<ChildProcess> coord, inf;
-  std::vector<std::unique_ptr<ChildProcess>> caches;
-
-  explicit ShardedCluster(int num_cache) : n(num_cache) {
-    for (int s = 0; s < n; ++s) cache_metrics_ports.push_back(test::free_port());
-  }
-  std::map<std::string, std::string> env(int rank) const {
-    return {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}, {"RANK", std::to_string(rank)},
-            {"WORLD_SIZE", std::to_string(2 + n)}, {"UCX_LOG_LEVEL", "error"}};
-  }
-  std::vector<std::string> world() const { return {"--num-inference", "1", "--num-cache", std::to_string(n)}; }
-  // `budget`: --token-budget of both sides; the inference rank also gets `inf_flags`.
-  void start(int budget, const std::vector<std::string>& inf_flags) {
-    std::vector<std::string> a = {"--port", std::to_string(port), "--http-port", "0", "--rendezvous-timeout-ms",
-                                  "20000", "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "1000"};
-    for (const auto& w : world()) a.push_back(w);
-    coord = std::make_unique<ChildProcess>(bin("coordinator/coordinator"), a, env(0), "coordinator");
-    std::vector<std::string> i = {"--serve", "--model", model, "--rendezvous-timeout-ms", "20000", "--log-level",
-                                  "info", "--metrics-port", std::to_string(inf_metrics_port), "--metrics-host",
-                                  "127.0.0.1", "--selection", "predicted", "--token-budget", std::to_string(budget),
-                                  "--local-window", "16"};
-    for (const auto& w : world()) i.push_back(w);
-    i.insert(i.end(), inf_flags.begin(), inf_flags.end());
-    inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), i, env(1), "inference rank");
-    for (int s = 0; s < n; ++s) {
-      std::vector<std::string> c = {"--model", model, "--rendezvous-timeout-ms", "20000", "--token-budget",
-                                    std::to_string(budget), "--local-window", "16", "--metrics-port",
-                                    std::to_string(cache_metrics_ports[static_cast<size_t>(s)]), "--metrics-host",
-                                    "127.0.0.1", "--kv-pages", "512"};
-      for (const auto& w : world()) c.push_back(w);
-      caches.push_back(std::make_unique<ChildProcess>(bin("cache_rank/cache_rank"), c, env(2 + s),
-                                                      "cache rank " + std::to_string(2 + s)));
-    }
-  }
-  std::string logs() const {
-    std::string s;
-    for (auto* p : {coord.get(), inf.get()})
-      if (p) s += "---- " + p->name() + " ----\n" + p->log();
-    for (const auto& p : caches) s += "---- " + p->name() + " ----\n" + p->log();
-    return s;
-  }
+// The shard world (shard_cluster.h) with this file's /ready and /metrics probes.
+struct ShardedCluster : test::ShardWorld {
+  using ShardWorld::ShardWorld;
   static http::HttpResponse get(int port, const std::string& path) {
     return http::http_request("127.0.0.1", static_cast<uint16_t>(port), "GET", path);
   }
@@ -94,16 +50,6 @@ struct ShardedCluster {
       if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
     }
     return -1;
-  }
-  void shutdown(coord::CoordinatorClient& c) {
-    c.request_shutdown("test done");
-    EXPECT_EQ(inf->wait_exit(15s), 0) << logs();
-    for (auto& p : caches) {
-      if (p->running()) {
-        EXPECT_EQ(p->wait_exit(15s), 0) << logs();
-      }
-    }
-    EXPECT_EQ(coord->wait_exit(15s), 0) << logs();
   }
 };
 
