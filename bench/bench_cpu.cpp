@@ -2,8 +2,8 @@
 // to: the BLAS's own SGEMM rate (kernels/linear_ref.h) measured in the same run on the model's largest GEMM shape.
 //
 //   bench_cpu [--model DIR] [--prefill 2048,7680] [--decode-context 2048] [--decode-batch 1,8] [--decode-steps 8]
-//             [--shared-prompt 2048] [--samples 8] [--sample-tokens 32] [--sparse-samples [sparse flags]]
-//             [--out FILE.json]
+//             [--shared-prompt 2048] [--samples 8] [--sample-tokens 32] [--sparse-samples] [--sparse-repeat]
+//             [sparse flags] [--out FILE.json]
 //
 // --model defaults to $SPADE_DATA_DIR/models/longctx-22m. Prefill: one sequence of N tokens in one chunk (a token
 // sequence drawn from the vocabulary), dense paged attention, logits of the last token. Decode: B sequences at the
@@ -21,6 +21,10 @@
 // separate / samples ratios. The sparse settings are the ranks' flags (pair/selection_flags.h: --token-budget,
 // --local-window, --sparse-threshold, --layers-per-pack, --delta-transfer, ...); the threshold must let the samples
 // switch (below --shared-prompt + --sample-tokens). An empty --prefill / --decode-batch skips that section.
+// --sparse-repeat: on the same CPU sparse pair with prefix caching, a request of the --shared-prompt prompt runs to
+// its end, then the same prompt again, with retained prefixes on (SparseOptions::max_retained_prefix_tokens default)
+// and off (0), each on a fresh pair in the same run: the repeat's bytes to the cache rank, its INIT's tokens shipped
+// and shared, TTFT, the switch step (first to second token: the INIT ship) and its total time; its tokens must match.
 // The JSON carries date, commit (SPADE_COMMIT), the CPU, the BLAS and every figure beside the SGEMM floor.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -182,6 +186,99 @@ EngineRun run_engine(spade::Engine& e, const std::vector<int32_t>& prompt, int r
   return out;
 }
 
+// --sparse-repeat (header comment): rows into doc["sparse_repeat"]. Throws spade::Error when a request failed, did
+// not decode sparsely, or the repeat's tokens differ between retention on and off.
+void run_sparse_repeat(const Model& model, spade::EngineOptions eo, spade::SparseOptions so,
+                       const std::vector<int32_t>& prompt, int tokens, nlohmann::json& doc) {
+  eo.enable_prefix_caching = true;
+  eo.max_num_seqs = 1;
+  std::vector<int32_t> first_tokens;
+  nlohmann::json rows;
+  for (const bool retain : {false, true}) {
+    so.max_retained_prefix_tokens = retain ? spade::SparseOptions{}.max_retained_prefix_tokens : 0;
+    spade::bench::LoopbackSparsePair pair(model, eo, so, true);
+    auto* sparse = dynamic_cast<spade::SparseAttention*>(&pair.engine().attention());
+    SPADE_CHECK(sparse != nullptr && sparse->link() != nullptr, "--sparse-repeat: no sparse backend");
+    struct Run {
+      std::vector<int32_t> tokens;
+      std::vector<double> at;  // seconds since submit of each token
+      double total_s = 0;
+      uint64_t bytes_to_cache = 0;
+      std::string error;
+    };
+    auto run = [&]() {
+      Run out;
+      spade::GenerateRequest r;
+      r.prompt_ids = prompt;
+      r.max_tokens = tokens;
+      r.sampling.temperature = 0.f;
+      r.ignore_eos = true;
+      const uint64_t before = sparse->link()->stats().bytes_sent;
+      const auto t0 = Clock::now();
+      pair.engine().submit(r, [&](const spade::TokenEvent& ev) {
+        if (ev.finished && !ev.error.empty()) out.error = ev.error;
+        if (ev.token < 0) return;
+        out.tokens.push_back(ev.token);
+        out.at.push_back(seconds_since(t0));
+      });
+      while (!pair.engine().idle()) pair.engine().step();
+      sparse->idle_flush();  // the release (and retain) of the request, as the rank's idle loop sends it
+      out.total_s = seconds_since(t0);
+      out.bytes_to_cache = sparse->link()->stats().bytes_sent - before;
+      SPADE_CHECK(out.error.empty() && out.tokens.size() >= 2, "--sparse-repeat: request failed: {}", out.error);
+      return out;
+    };
+    const Run a = run();
+    const spade::SparseStats st_a = sparse->stats();
+    const Run b = run();
+    const spade::SparseStats& st = sparse->stats();
+    SPADE_CHECK(st.switches == 2 && st.failed_seqs == 0 && st.dense_fallbacks == 0,
+                "--sparse-repeat: {} of 2 requests switched to sparse decoding", st.switches);
+    if (first_tokens.empty()) first_tokens = b.tokens;
+    SPADE_CHECK(b.tokens == first_tokens, "--sparse-repeat: the repeat's tokens differ with retained prefixes {}",
+                retain ? "on" : "off");
+    (void)pair.finish();
+    nlohmann::json row = {
+        {"retained_prefixes", retain},
+        {"max_retained_prefix_tokens", so.max_retained_prefix_tokens},
+        {"prompt_tokens", prompt.size()},
+        {"tokens", tokens},
+        {"first", {{"ttft_s", a.at[0]}, {"switch_step_s", a.at[1] - a.at[0]}, {"total_s", a.total_s},
+                   {"bytes_to_cache_rank", a.bytes_to_cache}}},
+        {"repeat",
+         {{"ttft_s", b.at[0]},
+          {"switch_step_s", b.at[1] - b.at[0]},
+          {"total_s", b.total_s},
+          {"bytes_to_cache_rank", b.bytes_to_cache},
+          {"init_tokens", st.init_tokens - st_a.init_tokens},
+          {"init_shared_tokens", st.init_shared_tokens - st_a.init_shared_tokens},
+          {"retained_reused_tokens", st.retained_reused_tokens - st_a.retained_reused_tokens},
+          {"prefix_hit_tokens", pair.engine().stats().prefix_hit_tokens}}}};
+    std::printf("sparse repeat, retained prefixes %-3s: repeat of a %zu-token prompt: %.1f MB to the cache rank "
+                "(first request %.1f MB), INIT shared %llu of %llu tokens; TTFT %.3f s, switch step %.3f s, %d tokens "
+                "in %.2f s\n",
+                retain ? "on" : "off", prompt.size(), b.bytes_to_cache / 1e6, a.bytes_to_cache / 1e6,
+                static_cast<unsigned long long>(st.init_shared_tokens - st_a.init_shared_tokens),
+                static_cast<unsigned long long>(st.init_tokens - st_a.init_tokens), b.at[0], b.at[1] - b.at[0],
+                static_cast<int>(b.tokens.size()), b.total_s);
+    rows.push_back(std::move(row));
+  }
+  doc["sparse_repeat_settings"] = {{"selection", "predicted"},
+                                   {"sparse_threshold", so.sparse_threshold},
+                                   {"token_budget", so.selection.token_budget},
+                                   {"local_window", so.selection.local_window},
+                                   {"query_window", so.selection.query_window},
+                                   {"anchor_queries", so.selection.anchor_queries},
+                                   {"layers_per_pack", so.layers_per_pack},
+                                   {"delta_transfer", so.delta_transfer},
+                                   {"page_size", eo.page_size},
+                                   {"prefix_caching", true},
+                                   {"temperature", 0},
+                                   {"repeat_tokens_identical", true},
+                                   {"transport", "loopback (in process), cache rank on its own thread"}};
+  doc["sparse_repeat"] = rows;
+}
+
 // --sparse-samples: n separate requests, n samples with the shared INIT off, and n samples, each on a fresh CPU
 // sparse pair (bench/sparse_pair.h) with engine options `eo`; rows into doc["sparse_samples"], the separate / samples
 // ratios into doc["sparse_samples_ratio"]. Throws spade::Error when a sequence failed or did not decode sparsely.
@@ -290,9 +387,12 @@ int main(int argc, char** argv) {
   app.add_option("--samples", samples, "n of the n-sample run")->capture_default_str()->check(CLI::Range(2, 64));
   app.add_option("--sample-tokens", sample_tokens, "tokens each sample generates")->capture_default_str()
       ->check(CLI::PositiveNumber);
-  bool sparse_samples = false;
+  bool sparse_samples = false, sparse_repeat = false;
   app.add_flag("--sparse-samples", sparse_samples,
                "also run the n samples and the n separate requests on the CPU sparse pair (both ranks)");
+  app.add_flag("--sparse-repeat", sparse_repeat,
+               "also run a request of the --shared-prompt prompt, then the same prompt again, on the CPU sparse pair "
+               "with retained prefixes on and off");
   spade::SparseOptions so;  // the sparse settings: the ranks' flags, one home (pair/selection_flags.h)
   so.mode = spade::SelectionMode::Predicted;
   spade::pair::SparseFlagText sparse_text;
@@ -304,15 +404,18 @@ int main(int argc, char** argv) {
   try {
     spade::pair::resolve_sparse_flags(sparse_text, so);
     spade::pair::FlagRefusals refusals(app);
-    if (!sparse_samples)
-      refusals.refuse("bench_cpu without --sparse-samples",
+    if (!sparse_samples && !sparse_repeat)
+      refusals.refuse("bench_cpu without --sparse-samples or --sparse-repeat",
                       {"--token-budget", "--local-window", "--sink-tokens", "--query-window", "--ridge-eps",
                        "--gqa-rule", "--predictor", "--successor-expand", "--anchor-queries", "--anchor-span",
                        "--sparse-threshold", "--layers-per-pack", "--delta-transfer"},
-                      "only the --sparse-samples section decodes sparsely");
+                      "only the --sparse-samples and --sparse-repeat sections decode sparsely");
+    refusals.refuse_if(sparse_repeat && shared_prompt <= 0,
+                       "--sparse-repeat needs --shared-prompt > 0 (the repeated prompt's length)");
     refusals.refuse_if(sparse_samples && shared_prompt <= 0,
                        "--sparse-samples needs --shared-prompt > 0 (the samples' prompt length)");
-    refusals.refuse_if(sparse_samples && shared_prompt > 0 && so.sparse_threshold >= shared_prompt + sample_tokens,
+    refusals.refuse_if((sparse_samples || sparse_repeat) && shared_prompt > 0 &&
+                           so.sparse_threshold >= shared_prompt + sample_tokens,
                        "--sparse-threshold " + std::to_string(so.sparse_threshold) +
                            ": no sample would switch to sparse decoding (at least --shared-prompt + --sample-tokens)");
     refusals.check();
@@ -441,7 +544,12 @@ int main(int argc, char** argv) {
                     grouped ? "n samples (shared prompt)" : "n separate requests", samples, r.peak_pages,
                     r.peak_pages * kv_page_bytes / 1e6, r.all_first_s, r.generated, r.total_s);
       }
-      if (sparse_samples) run_sparse_samples(*model, attn_cfg, eo, so, prompt, samples, sample_tokens, doc);
+      if (sparse_samples) {
+        spade::SparseOptions sso = so;
+        sso.max_retained_prefix_tokens = 0;  // prefix caching is off there: nothing to retain
+        run_sparse_samples(*model, attn_cfg, eo, sso, prompt, samples, sample_tokens, doc);
+      }
+      if (sparse_repeat) run_sparse_repeat(*model, eo, so, prompt, sample_tokens, doc);
     }
     if (!out_path.empty()) {
       std::ofstream f(out_path);

@@ -69,14 +69,16 @@ class LoopbackSparsePair {
 
   /// Once the engine is idle: sends the last releases (the rank's idle loop does the same), stops the cache rank
   /// and returns its tally. Throws spade::Error naming the cache rank if it stopped with an error or still holds
-  /// pages (a release that did not arrive).
+  /// a live sequence, or pages beyond its retained prefixes (a release that did not arrive).
   const CacheRankTally& finish() {
     SPADE_CHECK(engine_->idle(), "LoopbackSparsePair::finish: the engine still has requests");
     sparse_->idle_flush();
     stop_cache_rank();
     SPADE_CHECK(served_error_.empty(), "cache rank 1 (loopback) stopped with an error: {}", served_error_);
-    SPADE_CHECK(selector_->num_used_pages() == 0, "cache rank 1 (loopback) still holds {} pages after the releases",
-                selector_->num_used_pages());
+    SPADE_CHECK(selector_->num_sequences() == selector_->num_retained() &&
+                    (selector_->num_retained() > 0 || selector_->num_used_pages() == 0),
+                "cache rank 1 (loopback) still holds {} pages of {} sequences ({} retained prefixes) after the releases",
+                selector_->num_used_pages(), selector_->num_sequences(), selector_->num_retained());
     return tally_;
   }
 

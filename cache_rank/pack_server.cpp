@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <unordered_map>
 
 #include "cache_rank/selection_overlap.h"
 #include "common/error.h"
@@ -89,10 +90,37 @@ PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* s
   out.step = u.step;
   out.pack = u.pack;
   try {
+    // Released sequences are freed, or kept as retained prefixes (u.retained); then retained prefixes are shortened
+    // or dropped, before any INIT of this update may share from one.
+    std::unordered_map<uint64_t, int32_t> keep;
+    for (const pair::Retain& r : u.retained)
+      if (!keep.emplace(r.seq_id, r.tokens).second)
+        fail("cache rank: retained prefix of sequence {} listed twice in one update", r.seq_id);
     for (uint64_t id : u.released) {
-      sel.release(id);
+      if (auto k = keep.find(id); k != keep.end()) {
+        SPADE_CHECK(sel.tracks(id) && !sel.is_retained(id),
+                    "cache rank: retained prefix of released sequence {}: {}", id,
+                    sel.tracks(id) ? "it is a retained prefix already" : "this cache rank does not hold that sequence");
+        sel.retain(id, k->second);
+        keep.erase(k);
+      } else {
+        sel.release(id);
+      }
       if (sampler) sampler->predicted_.erase(id), sampler->predicted_len_.erase(id), sampler->previous_.erase(id);
     }
+    for (const pair::Retain& r : u.retained) {  // not released here: a retained prefix, shortened
+      if (!keep.count(r.seq_id)) continue;
+      SPADE_CHECK(sel.is_retained(r.seq_id),
+                  "cache rank: retained prefix of sequence {}: {} (only a released sequence or a retained prefix may "
+                  "be retained)", r.seq_id,
+                  sel.tracks(r.seq_id) ? "it is a live sequence not released in this update"
+                                       : "this cache rank does not hold that sequence");
+      SPADE_CHECK(r.tokens <= sel.seq_len(r.seq_id),
+                  "cache rank: retained prefix of sequence {}: retained tokens = {} beyond the {} it holds", r.seq_id,
+                  r.tokens, sel.seq_len(r.seq_id));
+      sel.retain(r.seq_id, r.tokens);
+    }
+    for (uint64_t id : u.dropped) sel.drop_retained(id);
     for (const SeqUpdate& e : u.seqs) {
       SeqSelection ss;
       ss.seq_id = e.seq_id;

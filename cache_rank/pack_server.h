@@ -66,8 +66,10 @@ class OverlapSampler {
   std::unordered_map<uint64_t, std::vector<std::vector<int32_t>>> previous_;  // seq -> per layer [heads*budget]
 };
 
-/// Applies an update to the selector (release, INIT, APPEND) and selects for the next step of every sequence in it.
-/// Errors (pool exhausted, inconsistent lengths) are returned in PackSelection::error, never thrown.
+/// Applies an update to the selector (release or retain, shorten and drop retained prefixes: pair/pack.h; then INIT,
+/// APPEND) and selects for the next step of every sequence in it. Errors (pool exhausted, inconsistent lengths, a
+/// retain or drop of a sequence not held or of the wrong kind, retained tokens beyond those held) are returned in
+/// PackSelection::error naming the sequence, never thrown.
 /// `sampler` (optional) measures the overlap ratio on sampled steps.
 PackSelection process_pack(Selector& sel, const PackUpdate& u, OverlapSampler* sampler = nullptr);
 

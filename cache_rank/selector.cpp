@@ -107,10 +107,14 @@ void Selector::init_layer(uint64_t seq, int layer, int len, const float* k, cons
     if (!alloc_.append(seq, len - share.tokens)) {
       alloc_.release(seq);
       (void)alloc_.take_copies();
-      fail("cache rank KV pool exhausted: sequence {} needs {} pages, {} of {} free{}", seq, alloc_.pages_for(len),
+      fail("cache rank KV pool exhausted: sequence {} needs {} pages, {} of {} free{}{}", seq, alloc_.pages_for(len),
            alloc_.num_free_pages(), alloc_.num_pages(),
            share.tokens > 0 ? fmt::format(" (its first {} tokens shared with sequence {})", share.tokens, share.from)
-                            : std::string());
+                            : std::string(),
+           num_retained_ > 0 ? fmt::format("; {} retained prefixes hold {} tokens (size the cache rank's --kv-pages for "
+                                           "the inference rank's pool plus its --max-retained-prefix-tokens)",
+                                           num_retained_, retained_tokens())
+                             : std::string());
     }
     SeqState s;
     s.window.assign(cfg_.num_layers, std::vector<float>(static_cast<size_t>(cfg_.num_q_heads) * window_cap_ * cfg_.head_dim));
@@ -124,6 +128,7 @@ void Selector::init_layer(uint64_t seq, int layer, int len, const float* k, cons
     seqs_.emplace(seq, std::move(s));
   }
   SeqState& s = state(seq);
+  SPADE_CHECK(!s.retained, "cache rank: INIT of sequence {}, which is a retained prefix here (an ended sequence)", seq);
   SPADE_CHECK(alloc_.seq_len(seq) == len, "cache rank: sequence {} layer {} initialised with {} tokens, other layers {}",
               seq, layer, len, alloc_.seq_len(seq));
   SPADE_CHECK(s.share.tokens == share.tokens && (share.tokens == 0 || s.share.from == share.from),
@@ -196,6 +201,8 @@ void Selector::apply_anchors(uint64_t seq, SeqState& s, int layer, int n, int bu
 void Selector::append_layer(uint64_t seq, int layer, int pos, const float* q, const float* k, const float* v) {
   check_held(layer);
   SeqState& s = state(seq);
+  SPADE_CHECK(!s.retained, "cache rank: APPEND to sequence {}, which is a retained prefix here (an ended sequence)",
+              seq);
   const int len = alloc_.seq_len(seq);
   if (pos == len) {
     if (!alloc_.append(seq, 1))
@@ -373,7 +380,51 @@ void Selector::gather(uint64_t seq, int layer, LayerSelection& out) const {
 
 void Selector::release(uint64_t seq) {
   alloc_.release(seq);
-  seqs_.erase(seq);
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return;
+  num_retained_ -= it->second.retained ? 1 : 0;
+  seqs_.erase(it);
+}
+
+void Selector::retain(uint64_t seq, int tokens) {
+  auto it = seqs_.find(seq);
+  SPADE_CHECK(it != seqs_.end(), "cache rank: retained prefix of sequence {} ({} retained tokens): this cache rank "
+              "does not hold that sequence", seq, tokens);
+  const int held = alloc_.seq_len(seq);
+  SPADE_CHECK(tokens >= 1 && tokens <= held,
+              "cache rank: retained prefix of sequence {}: retained tokens = {} outside 1..{} (the tokens it holds)",
+              seq, tokens, held);
+  SeqState& s = it->second;
+  if (!s.retained) {
+    s.retained = true;
+    ++num_retained_;
+    // KV only from here on: a later INIT shares it (layer_ready stays as it is).
+    std::vector<std::vector<float>>().swap(s.window);
+    std::vector<std::vector<float>>().swap(s.anchor_q);
+    std::vector<std::vector<int32_t>>().swap(s.anchors);
+    s.window_len.assign(s.window_len.size(), 0);
+  }
+  alloc_.truncate(seq, tokens);
+}
+
+void Selector::drop_retained(uint64_t seq) {
+  auto it = seqs_.find(seq);
+  SPADE_CHECK(it != seqs_.end() && it->second.retained,
+              "cache rank: dropped retained prefix {}: {}", seq,
+              it == seqs_.end() ? "this cache rank does not hold that sequence" : "it is a live sequence, not a retained prefix");
+  release(seq);
+}
+
+bool Selector::is_retained(uint64_t seq) const {
+  auto it = seqs_.find(seq);
+  return it != seqs_.end() && it->second.retained;
+}
+
+int64_t Selector::retained_tokens() const {
+  int64_t n = 0;
+  for (const auto& [id, s] : seqs_)
+    if (s.retained) n += alloc_.seq_len(id);
+  return n;
 }
 
 }  // namespace spade::cache

@@ -80,8 +80,22 @@ class Selector {
                     int budget = 0);
   /// The predicted next query of (seq, layer): [q_dim] (for fidelity reports).
   void predict(uint64_t seq, int layer, float* q_hat);
-  /// Forgets `seq` and frees its pages; unknown sequences are ignored.
+  /// Forgets `seq` (a live sequence or a retained prefix) and frees its pages; unknown sequences are ignored.
   void release(uint64_t seq);
+  /// Keeps the first `tokens` tokens of `seq` as a retained prefix (pair::PackUpdate::retained): a live sequence (it
+  /// ended on the inference rank) loses its query windows, anchors and every page past those tokens; a retained
+  /// prefix is shortened. A later init_layer may share from it (SharedPrefix) as from a live sequence; init_layer and
+  /// append_layer of `seq` itself are refused. Throws spade::Error naming the sequence when it is not held here or
+  /// `tokens` is outside [1, the tokens it holds].
+  void retain(uint64_t seq, int tokens);
+  /// Frees the retained prefix `seq` (pair::PackUpdate::dropped). Throws spade::Error naming it when `seq` is not a
+  /// retained prefix held here (unknown, or a live sequence).
+  void drop_retained(uint64_t seq);
+  bool is_retained(uint64_t seq) const;
+  /// Retained prefixes held, and the tokens they hold (their pages count in num_used_pages; a page a retained prefix
+  /// shares with a live sequence counts once).
+  size_t num_retained() const { return num_retained_; }
+  int64_t retained_tokens() const;
 
   int num_free_pages() const { return alloc_.num_free_pages(); }
   /// Pages held (a page shared by several sequences counts once).
@@ -104,6 +118,7 @@ class Selector {
     std::vector<uint8_t> layer_ready;  // per layer: its KV of the INIT was written (a later shared INIT may read it)
     SharedPrefix share;                // the INIT's shared prefix (every layer must give the same)
     std::vector<PageAllocator::PageCopy> init_copies;  // copy-on-write of a shared partial page, done per layer
+    bool retained = false;  // a retained prefix: KV only (no window, anchors or selection), shared by later INITs
   };
   /// Copies token slots of pages (PageAllocator::PageCopy) in the K and V of the held layers among [first, last].
   void copy_pages(const std::vector<PageAllocator::PageCopy>& copies, int first, int last);
@@ -124,6 +139,7 @@ class Selector {
   PageAllocator alloc_;
   std::vector<std::unique_ptr<float[]>> k_, v_;  // per layer [num_pages, page_size, kv_dim]; null: not held
   std::unordered_map<uint64_t, SeqState> seqs_;
+  size_t num_retained_ = 0;
   std::vector<float> scores_;                    // scratch
   std::vector<int32_t> idx_;                     // scratch
 };

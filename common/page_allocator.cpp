@@ -184,14 +184,29 @@ int PageAllocator::drop_range(uint64_t seq, int begin, int end) {
   Seq& s = it->second;
   int freed = 0;
   const int first = (std::max(begin, 0) + page_size_ - 1) / page_size_;  // first page starting at or after begin
-  const int last = std::min(end, s.len) / page_size_;                     // pages ending at or before end
-  for (int p = first; p < last && p < static_cast<int>(s.pages.size()); ++p) {
+  const int last = std::min({end, s.len, static_cast<int>(s.pages.size()) * page_size_}) / page_size_;
+  // Last page first, as release() does: of a published chain the tail is evicted before the prefix it extends.
+  for (int p = last - 1; p >= first; --p) {
     if (s.pages[p] < 0) continue;
     unref(s.pages[p]);
     s.pages[p] = -1;
     ++freed;
   }
   return freed;
+}
+
+void PageAllocator::truncate(uint64_t seq, int tokens) {
+  auto it = seqs_.find(seq);
+  SPADE_CHECK(it != seqs_.end(), "PageAllocator: unknown sequence {}", seq);
+  Seq& s = it->second;
+  SPADE_CHECK(tokens >= 0 && tokens <= s.len, "PageAllocator: cannot shorten sequence {} of length {} to {} tokens", seq,
+              s.len, tokens);
+  const size_t keep = static_cast<size_t>(pages_for(tokens));
+  while (s.pages.size() > keep) {  // last page first, as release() does
+    if (s.pages.back() >= 0) unref(s.pages.back());
+    s.pages.pop_back();
+  }
+  s.len = tokens;
 }
 
 int PageAllocator::held_pages(uint64_t seq) const {

@@ -75,8 +75,13 @@ class PageAllocator {
   void release(uint64_t seq);
   /// Frees the pages of `seq` that lie entirely inside token range [begin, end) (a sparse sequence no longer needs
   /// them locally: its cache rank holds them). Their block-table entries become -1; the table keeps its length and
-  /// later appends continue after it. Returns the number of pages freed.
+  /// later appends continue after it. Published pages join the prefix cache's LRU list last page first (as with
+  /// release), so eviction takes a chain's tail before its head. Returns the number of pages freed.
   int drop_range(uint64_t seq, int begin, int end);
+  /// Shortens `seq` to its first `tokens` tokens (0 <= tokens <= its length): the pages past them return to the pool
+  /// (or to the prefix cache's LRU list); a partly covered last page stays held. The cache rank's retained prefixes
+  /// (pair::PackUpdate::retained). Throws spade::Error for an unknown sequence or tokens out of range.
+  void truncate(uint64_t seq, int tokens);
   /// Pages of `seq` currently held (block-table entries that are not -1).
   int held_pages(uint64_t seq) const;
 

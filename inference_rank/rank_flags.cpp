@@ -37,6 +37,8 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
     r.refuse("--device cpu", {"--max-context-pages"},
              "--max-context-pages sizes the GPU cache rank's pool; the CPU cache rank's pool is the local one");
   } else {
+    r.refuse("--device cuda", {"--max-retained-prefix-tokens"},
+             "the GPU cache rank retains no prefix: it receives each token's rows as they are computed");
     r.refuse_if(mode == spade::SelectionMode::Oracle || mode == spade::SelectionMode::Quest,
                 fmt::format("--selection {} does not apply to --device cuda (CPU only: synchronous selection with "
                             "the true query); use dense or predicted",
@@ -87,6 +89,13 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", f.prefix_caching,
                "automatic prefix caching: reuse the KV pages of earlier prompts' identical leading tokens (default on "
                "where it applies: off for hybrid models and for GPU sparse decoding, which refuse the flag)");
+  app.add_option("--max-retained-prefix-tokens", f.so.max_retained_prefix_tokens,
+                 "--device cpu --selection predicted with prefix caching: tokens the cache rank may keep of ended "
+                 "requests whose prompt prefix stays in this rank's prefix cache, so that a repeated prompt is not "
+                 "shipped again (least recently used dropped beyond it; 0 = none). The cache rank's --kv-pages must "
+                 "hold this rank's KV pool plus these tokens")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--log-level", f.log_level, "trace|debug|info|warn|error|off");
   app.add_option("--device", f.device, "cpu (fp32) | cuda (bf16; standalone on GPU 0 with --selection predicted running the GPU cache rank in this process; --serve pairs with cache_rank --device cuda)");
   auto* random_opt = app.add_flag("--random-weights", f.random_weights,
@@ -128,6 +137,12 @@ void resolve_prefix_caching(const CLI::App& app, Flags& f) {
     spade::fail("--enable-prefix-caching: not supported with --device cuda and --selection {} (the GPU cache rank "
                 "receives each token's rows as they are computed; a reused prefix would never reach it)", f.selection);
   f.eo.enable_prefix_caching = f.prefix_caching && !hybrid && !gpu_sparse;
+  // Retained prefixes: the CPU pair's cache rank keeps prefixes the prefix cache still holds (sparse_attention.h).
+  if (app.get_option("--max-retained-prefix-tokens")->count() > 0 &&
+      (!f.eo.enable_prefix_caching || f.so.mode != spade::SelectionMode::Predicted))
+    spade::fail("--max-retained-prefix-tokens: needs --selection predicted with prefix caching on (got --selection {}, "
+                "prefix caching {}): the cache rank keeps only prefixes that this rank's prefix cache holds",
+                f.selection, f.eo.enable_prefix_caching ? "on" : "off");
   f.eo.prefix_recompute_tokens = f.so.prefix_recompute_tokens();
 }
 

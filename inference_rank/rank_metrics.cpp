@@ -71,6 +71,10 @@ InferenceMetrics::InferenceMetrics(Registry& r, const SparseOptions& sparse, con
       v_prefix_hits_(r.counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
                                {"model_name"})
                          .with({model_name})),
+      retained_reused_(r.counter("spade_retained_prefix_reused_tokens_total",
+                                 "Context tokens of sparse switches not shipped to the cache rank because it retained "
+                                 "that prefix of an ended request.")
+                           .with()),
       pair_degraded_(r.gauge("spade_pair_degraded",
                              "1 while the paired cache rank is lost (down or its link failed): every request decodes "
                              "densely; else 0.")
@@ -165,6 +169,8 @@ void InferenceMetrics::update(const EngineStats& engine, const SparseStats* spar
     switches_.inc(static_cast<double>(sparse->switches - last_sparse_.switches));
     sparse_steps_.inc(static_cast<double>(sparse->sparse_seq_steps - last_sparse_.sparse_seq_steps));
     failed_seqs_.inc(static_cast<double>(sparse->failed_seqs - last_sparse_.failed_seqs));
+    retained_reused_.inc(static_cast<double>(sparse->retained_reused_tokens - last_sparse_.retained_reused_tokens));
+    last_sparse_.retained_reused_tokens = sparse->retained_reused_tokens;
     last_sparse_.stalls = sparse->stalls;
     last_sparse_.stall_ms = sparse->stall_ms;
     last_sparse_.dense_fallbacks = sparse->dense_fallbacks;

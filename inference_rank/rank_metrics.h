@@ -20,6 +20,7 @@
 //   spade_kv_pages_dropped_total                   counter  local KV pages freed early (page dropping of sparse sequences)
 //   spade_prefix_cache_queries_total               counter  prompt tokens looked up in the prefix cache
 //   spade_prefix_cache_hits_total                  counter  of those, tokens whose KV was reused (not recomputed)
+//   spade_retained_prefix_reused_tokens_total      counter  INIT tokens not shipped: the cache rank retained that prefix
 //   spade_transfer_bytes_total{direction,transport} counter  data-plane bytes, direction send|recv
 //   spade_cache_select_seconds_total               counter  cache-rank selection time reported with the selections
 //   spade_sparse_config_info{...}                  gauge    1, labels = the rank's sparse settings
@@ -73,7 +74,7 @@ class InferenceMetrics : public EngineObserver {
   metrics::Histogram &ttft_, &itl_, &e2e_, &queue_;
   metrics::Counter &stalls_, &stall_seconds_, &fallbacks_, &switches_, &sparse_steps_, &failed_seqs_;
   metrics::Counter &bytes_sent_, &bytes_recv_, &select_seconds_, &pages_dropped_;
-  metrics::Counter &prefix_queries_, &prefix_hits_, &v_prefix_queries_, &v_prefix_hits_;
+  metrics::Counter &prefix_queries_, &prefix_hits_, &v_prefix_queries_, &v_prefix_hits_, &retained_reused_;
   metrics::Gauge& pair_degraded_;
   // vLLM's names (model_name label)
   metrics::Gauge &v_running_, &v_waiting_, &v_kv_usage_;

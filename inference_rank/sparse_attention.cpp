@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/page_allocator.h"
 #include "kernels/paged_attention_ref.h"
+#include "pair/sharded_link.h"
 
 namespace spade {
 
@@ -33,6 +34,8 @@ SparseAttention::SparseAttention(const ModelConfig& cfg, KvCache& cache, const S
                                  std::unique_ptr<pair::CacheRankLink> link)
     : cfg_(cfg), cache_(cache), opt_(opt), link_(std::move(link)) {
   pair::validate(static_cast<const pair::SparseConfig&>(opt_));
+  SPADE_CHECK(opt_.max_retained_prefix_tokens >= 0, "--max-retained-prefix-tokens must be >= 0, got {}",
+              opt_.max_retained_prefix_tokens);
   num_packs_ = (cfg.num_layers + opt_.layers_per_pack - 1) / opt_.layers_per_pack;
   expect_reply_.assign(num_packs_, false);
   expect_now_.assign(num_packs_, false);
@@ -59,6 +62,109 @@ void SparseAttention::fail_link(const std::string& why) {
   }
   std::fill(expect_reply_.begin(), expect_reply_.end(), false);
   std::fill(expect_now_.begin(), expect_now_.end(), false);
+  forget_retained();
+}
+
+bool SparseAttention::retention_on() const {
+  return opt_.mode == SelectionMode::Predicted && opt_.max_retained_prefix_tokens > 0 && pages_ != nullptr &&
+         pages_->prefix_caching() && link_error_.empty() && link_ != nullptr &&
+         dynamic_cast<const pair::ShardedLink*>(link_.get()) == nullptr;
+}
+
+int SparseAttention::valid_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const {
+  int run = 0;
+  for (const auto& [page, serial] : pages) {
+    if (pages_->page_serial(page) != serial || !pages_->is_published(page)) break;
+    ++run;
+  }
+  return run;
+}
+
+void SparseAttention::retain_prefix(uint64_t id, const std::vector<std::pair<int32_t, uint64_t>>& pages) {
+  const int page = cache_.page_size();
+  const int run = std::min(valid_run(pages), opt_.max_retained_prefix_tokens / page);
+  if (run == 0) return;
+  // One retained prefix covering another is enough: keep the longer.
+  std::vector<uint64_t> covered;
+  for (auto& [rid, r] : retained_) {
+    size_t common = 0;
+    while (common < r.pages.size() && common < static_cast<size_t>(run) && r.pages[common] == pages[common]) ++common;
+    if (common >= static_cast<size_t>(run)) {  // this one holds it all already
+      r.used = ++use_clock_;
+      return;
+    }
+    if (common == r.pages.size()) covered.push_back(rid);
+  }
+  for (uint64_t rid : covered) {
+    shorten_retained(rid, 0);
+    ++stats_.retained_dropped;
+  }
+  Retained r;
+  r.pages.assign(pages.begin(), pages.begin() + run);
+  r.tokens = run * page;
+  r.used = ++use_clock_;
+  retained_tokens_ += r.tokens;
+  retain_out_.push_back({id, r.tokens});
+  retained_.emplace(id, std::move(r));
+  ++stats_.retained_prefixes;
+  while (retained_tokens_ > opt_.max_retained_prefix_tokens) {  // the bound: least recently used first
+    auto lru = std::min_element(retained_.begin(), retained_.end(),
+                                [](const auto& a, const auto& b) { return a.second.used < b.second.used; });
+    shorten_retained(lru->first, 0);
+    ++stats_.retained_dropped;
+  }
+}
+
+void SparseAttention::shorten_retained(uint64_t id, int pages) {
+  auto it = retained_.find(id);
+  SPADE_CHECK(it != retained_.end(), "retained prefix {}: not held", id);
+  Retained& r = it->second;
+  const int tokens = pages * cache_.page_size();
+  retained_tokens_ -= r.tokens - tokens;
+  // Not sent yet (its release travels with it): change the pending entry instead of adding one.
+  auto pending = std::find_if(retain_out_.begin(), retain_out_.end(), [&](const pair::Retain& e) { return e.seq_id == id; });
+  if (pages == 0) {
+    const bool releasing = std::find(released_.begin(), released_.end(), id) != released_.end();
+    if (pending != retain_out_.end()) retain_out_.erase(pending);
+    if (!releasing) drop_out_.push_back(id);  // else its pending release frees it
+    retained_.erase(it);
+    return;
+  }
+  r.pages.resize(static_cast<size_t>(pages));
+  r.tokens = tokens;
+  if (pending != retain_out_.end())
+    pending->tokens = tokens;
+  else
+    retain_out_.push_back({id, tokens});
+}
+
+void SparseAttention::check_retained() {
+  if (retained_.empty()) return;
+  std::vector<std::pair<uint64_t, int>> changed;
+  for (const auto& [id, r] : retained_) {
+    const int run = valid_run(r.pages);
+    if (run < static_cast<int>(r.pages.size())) changed.emplace_back(id, run);
+  }
+  for (const auto& [id, run] : changed) {
+    shorten_retained(id, run);
+    stats_.retained_dropped += run == 0;
+  }
+}
+
+void SparseAttention::forget_retained() {
+  retained_.clear();
+  retain_out_.clear();
+  drop_out_.clear();
+  retained_tokens_ = 0;
+}
+
+void SparseAttention::take_pair_news(pair::PackUpdate& u) {
+  u.released.swap(released_);
+  u.retained.swap(retain_out_);
+  u.dropped.swap(drop_out_);
+  released_.clear();
+  retain_out_.clear();
+  drop_out_.clear();
 }
 
 void SparseAttention::drop_unread_answers() {
@@ -132,8 +238,11 @@ void SparseAttention::begin_step(const ForwardBatch& batch) {
     }
     phase_[b] = s.phase;
   }
+  // Retained prefixes whose pages this step's admissions and appends evicted are shortened or dropped in the step's
+  // first update, ahead of every INIT that could share from them.
+  if (opt_.mode == SelectionMode::Predicted && link_error_.empty()) check_retained();
   // Sequences that left the batch are released on the cache rank with the next update.
-  if (opt_.mode == SelectionMode::Predicted && link_error_.empty() && !released_.empty()) {
+  if (opt_.mode == SelectionMode::Predicted && link_error_.empty() && has_pair_news()) {
     bool any = false;
     for (Phase p : phase_) any = any || p == Phase::Sparse || p == Phase::Switching;
     if (!any) {  // no update would carry them this step: send a release-only update for pack 0
@@ -142,7 +251,7 @@ void SparseAttention::begin_step(const ForwardBatch& batch) {
       u.pack = 0;
       u.first_layer = 0;
       u.num_layers = 0;
-      u.released.swap(released_);
+      take_pair_news(u);
       try {
         link_->send(std::move(u));
         expect_now_[0] = true;
@@ -173,6 +282,7 @@ void SparseAttention::replace_link(std::unique_ptr<pair::CacheRankLink> link) {
   link_ = std::move(link);
   link_error_.clear();
   released_.clear();
+  forget_retained();
   std::fill(expect_reply_.begin(), expect_reply_.end(), false);
   std::fill(expect_now_.begin(), expect_now_.end(), false);
 }
@@ -180,13 +290,16 @@ void SparseAttention::replace_link(std::unique_ptr<pair::CacheRankLink> link) {
 void SparseAttention::idle_flush() {
   if (opt_.mode != SelectionMode::Predicted || !link_error_.empty()) {
     released_.clear();
+    forget_retained();
     return;
   }
   drop_unread_answers();
   if (!link_error_.empty()) {
     released_.clear();
+    forget_retained();
     return;
   }
+  check_retained();
   try {
     for (size_t pack = 0; pack < expect_now_.size(); ++pack) {  // answers for sequences that have all ended
       if (!expect_now_[pack]) continue;
@@ -194,13 +307,13 @@ void SparseAttention::idle_flush() {
       bool waited = false;
       (void)link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
     }
-    if (released_.empty()) return;
+    if (!has_pair_news()) return;
     pair::PackUpdate u;
     u.step = ++step_;
     u.pack = 0;
     u.first_layer = 0;
     u.num_layers = 0;
-    u.released.swap(released_);
+    take_pair_news(u);
     link_->send(std::move(u));
     bool waited = false;
     (void)link_->receive(transport::Clock::now() + opt_.selection_deadline, &waited);
@@ -270,9 +383,23 @@ void SparseAttention::choose_shared_prefix(uint64_t id, SeqState& s, const int32
       s.shared_from = xid;
     }
   }
+  // Retained prefixes (ended sequences; check_retained ran at this step's start, so their pages are still valid).
+  for (auto& [xid, x] : retained_) {
+    int run = 0;
+    const size_t n = std::min(s.init_pages.size(), x.pages.size());
+    while (static_cast<size_t>(run) < n && s.init_pages[run] == x.pages[run]) ++run;
+    if (run > best || (run == best && run > 0 && xid < s.shared_from)) {
+      best = run;
+      s.shared_from = xid;
+    }
+  }
   // The current token (position len - 1) is this sequence's own: never shared.
   s.shared_tokens = std::min(best * page, (len - 1) / page * page);
   if (s.shared_tokens == 0) s.shared_from = 0;
+  if (auto r = retained_.find(s.shared_from); s.shared_tokens > 0 && r != retained_.end()) {
+    r->second.used = ++use_clock_;
+    stats_.retained_reused_tokens += static_cast<uint64_t>(s.shared_tokens);
+  }
 }
 
 void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* q, const float* k, const float* v,
@@ -294,7 +421,6 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
     pending_.pack = pack;
     pending_.first_layer = first;
     pending_.num_layers = last - first + 1;
-    if (pack == 0) pending_.released.swap(released_);
   }
 
   const int W1 = opt_.prefix_recompute_tokens();  // the predictor's window; the prompt anchors
@@ -447,8 +573,13 @@ void SparseAttention::attend(int layer, const ForwardBatch& batch, const float* 
     }
   }
 
+  // The releases and retained-prefix changes ride the step's first update, taken only now: a forward pass that throws
+  // before this send leaves them for the next update. The cache rank applies them before the update's entries.
+  if (opt_.mode == SelectionMode::Predicted && layer == last && link_error_.empty() && pack == 0)
+    take_pair_news(pending_);
   if (opt_.mode == SelectionMode::Predicted && layer == last && link_error_.empty() &&
-      (!pending_.seqs.empty() || !pending_.released.empty())) {
+      (!pending_.seqs.empty() || !pending_.released.empty() || !pending_.retained.empty() ||
+       !pending_.dropped.empty())) {
     try {
       link_->send(std::move(pending_));
       expect_now_[pack] = true;
@@ -462,9 +593,12 @@ void SparseAttention::on_release(uint64_t seq_id) {
   auto it = seqs_.find(seq_id);
   if (it == seqs_.end()) return;
   const Phase ph = it->second.phase;
+  std::vector<std::pair<int32_t, uint64_t>> init_pages = std::move(it->second.init_pages);
   seqs_.erase(it);
   if (ph == Phase::Sparse || ph == Phase::Switching) {
     if (opt_.mode == SelectionMode::Predicted) released_.push_back(seq_id);
+    // Sparse: every pack's INIT reached the cache rank (a switching one's may not have, if its step failed).
+    if (ph == Phase::Sparse && retention_on() && !init_pages.empty()) retain_prefix(seq_id, init_pages);
     if (synchronous()) oracle_->selector().release(seq_id);
   }
 }

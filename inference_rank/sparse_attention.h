@@ -27,6 +27,15 @@
 // a sequence runs — ships only the tokens past them and names that sequence (pair::SeqUpdate::shared_from); the cache
 // rank shares its pages. The source is one already sparse, or switching earlier in the same update; the longest
 // shared run wins (ties: the lowest id). What the cache rank stores and selects is unchanged, bit for bit.
+// Retained prefixes (predicted mode, with a page allocator that caches prefixes, and one cache rank: not over a
+// pair::ShardedLink): when a sparse sequence ends, the leading run of its INIT's full pages that is still published in
+// the prefix cache with the same page_serial (P tokens, at most max_retained_prefix_tokens) is kept on the cache rank
+// under the sequence's id (pair::PackUpdate::retained, sent with its release). The retained prefix is a share source
+// like a live sequence, so a later request whose prompt hits those cached pages ships only what follows them. This
+// rank alone decides: before each step (and each idle flush) it re-checks every retained prefix's pages, and one whose
+// page was evicted or reused here is shortened to the pages still valid, or dropped (PackUpdate::dropped), in the
+// step's first update, ahead of any INIT that could share from it. A retained prefix that another one covers is not
+// kept; past the token bound the least recently used are dropped. A failed or replaced link forgets them all.
 // Requires every running decode sequence in every step (max_num_batched_tokens >= max_num_seqs).
 #pragma once
 
@@ -54,6 +63,10 @@ const char* selection_mode_name(SelectionMode m);
 struct SparseOptions : pair::SparseConfig {
   SelectionMode mode = SelectionMode::Predicted;
   std::chrono::milliseconds selection_deadline{10000};  // longest wait for a late selection before failing
+  /// --max-retained-prefix-tokens: tokens (over all retained prefixes, header comment) the cache rank may keep of
+  /// ended sequences whose prefix stays in this rank's prefix cache; beyond it the least recently used are dropped.
+  /// 0 = keep none. The CPU cache rank's --kv-pages must hold this rank's KV pool plus these tokens. >= 0.
+  int max_retained_prefix_tokens = 65536;
 
   /// Prompt tokens a sequence computes itself instead of taking them from shared or prefix-cached pages
   /// (EngineOptions::prefix_recompute_tokens): its switch to sparse ships the queries of its last W + 1 tokens and of
@@ -74,6 +87,9 @@ struct SparseStats {
   uint64_t init_tokens = 0;         // context tokens of the INIT ships (each sequence once, not per layer)
   uint64_t init_shared_tokens = 0;  // of those, tokens not shipped: shared from a sequence the cache rank holds
   uint64_t shared_inits = 0;        // INITs that shared tokens
+  uint64_t retained_prefixes = 0;      // ended sequences whose prefix the cache rank was told to keep
+  uint64_t retained_reused_tokens = 0;  // of init_shared_tokens, those shared from a retained prefix (not re-shipped)
+  uint64_t retained_dropped = 0;       // retained prefixes dropped (a page evicted here, the bound, a covering one)
 };
 
 class SparseAttention : public AttentionBackend {
@@ -105,8 +121,11 @@ class SparseAttention : public AttentionBackend {
   /// so the cache rank frees the KV of requests that ended — finished, aborted or cancelled — even when no further
   /// step runs. A failing link is recorded like in a step (link_failed()). No-op in dense / oracle mode.
   void idle_flush();
-  /// Sequences that ended whose release the cache rank has not been sent yet.
-  size_t pending_releases() const { return released_.size(); }
+  /// Sequences that ended whose release the cache rank has not been sent yet (and retained-prefix changes not sent).
+  size_t pending_releases() const { return released_.size() + retain_out_.size() + drop_out_.size(); }
+  /// Retained prefixes the cache rank holds (or is about to, with the next update), and their tokens.
+  size_t num_retained() const { return retained_.size(); }
+  int64_t retained_tokens() const { return retained_tokens_; }
 
   const SparseStats& stats() const { return stats_; }
   const SparseOptions& options() const { return opt_; }
@@ -140,6 +159,22 @@ class SparseAttention : public AttentionBackend {
   /// At the INIT of `id` (context `len`, block table `pages`): records its init_pages and picks the sequence the cache
   /// rank holds that shares the longest run of them (shared_tokens / shared_from; 0 tokens when none).
   void choose_shared_prefix(uint64_t id, SeqState& s, const int32_t* pages, int len);
+  // Retained prefixes (header comment): the cache rank holds the first `tokens` (= pages.size() * page size) tokens
+  // of an ended sequence; `pages` are their (page id, page serial) at its INIT; `used`: LRU clock.
+  struct Retained {
+    std::vector<std::pair<int32_t, uint64_t>> pages;
+    int tokens = 0;
+    uint64_t used = 0;
+  };
+  bool retention_on() const;
+  /// Leading entries of `pages` whose page still holds that KV and is published in the prefix cache.
+  int valid_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const;
+  void retain_prefix(uint64_t id, const std::vector<std::pair<int32_t, uint64_t>>& pages);
+  void shorten_retained(uint64_t id, int pages);  // 0 pages: drop
+  void check_retained();    // shortens or drops those whose pages changed here
+  void forget_retained();   // the cache rank's state is gone (link failed or replaced)
+  bool has_pair_news() const { return !released_.empty() || !retain_out_.empty() || !drop_out_.empty(); }
+  void take_pair_news(pair::PackUpdate& u);  // moves released_, retain_out_, drop_out_ into u
   void begin_step(const ForwardBatch& batch);
   void drop_unread_answers();
   void fail_link(const std::string& why);
@@ -159,6 +194,11 @@ class SparseAttention : public AttentionBackend {
   std::vector<bool> expect_reply_;            // per pack: an update of the previous step awaits its selection
   std::vector<bool> expect_now_;              // per pack: sent during this step
   std::vector<uint64_t> released_;
+  std::unordered_map<uint64_t, Retained> retained_;
+  std::vector<pair::Retain> retain_out_;  // retained-prefix entries for the next update (with released_)
+  std::vector<uint64_t> drop_out_;
+  int64_t retained_tokens_ = 0;
+  uint64_t use_clock_ = 0;
   pair::PackUpdate pending_;                 // update being assembled for the current pack
   std::vector<std::pair<uint64_t, std::string>> failures_;
   SparseStats stats_;

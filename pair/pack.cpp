@@ -9,7 +9,8 @@
 namespace spade::pair {
 namespace {
 
-constexpr uint32_t kUpdateMagic = 0x56504b53;     // "SKPV" (v2: flags word, shared INIT)
+constexpr uint32_t kUpdateMagic = 0x57504b53;     // "SKPW" (v3: retained prefixes)
+constexpr uint32_t kUpdateMagicV2 = 0x56504b53;   // "SKPV" (v2: flags word, shared INIT; refused by name)
 constexpr uint32_t kUpdateMagicV1 = 0x55504b53;   // "SKPU" (v1: refused by name)
 constexpr uint32_t kSeqInit = 1u, kSeqShared = 2u;  // SeqUpdate flags word
 constexpr uint32_t kSelectionMagic = 0x54504b53;  // "SKPT" (v2: flags word, delta layers)
@@ -100,8 +101,14 @@ PackShape pack_shape(const ModelConfig& cfg, const SelectionConfig& sc) {
 std::vector<uint8_t> encode(const PackUpdate& u, const PackShape& s) {
   Writer w;
   w.head(kUpdateMagic, u);
-  w.put(u.first_layer, u.num_layers, static_cast<uint32_t>(u.released.size()), static_cast<uint32_t>(u.seqs.size()));
+  w.put(u.first_layer, u.num_layers, static_cast<uint32_t>(u.released.size()), static_cast<uint32_t>(u.retained.size()),
+        static_cast<uint32_t>(u.dropped.size()), static_cast<uint32_t>(u.seqs.size()));
   w.put_vec(u.released);
+  for (const Retain& r : u.retained) {
+    SPADE_CHECK(r.tokens >= 1, "encode: retained prefix of sequence {} with {} tokens", r.seq_id, r.tokens);
+    w.put(r.seq_id, r.tokens, int32_t{0});
+  }
+  w.put_vec(u.dropped);
   for (const SeqUpdate& e : u.seqs) {
     const size_t tokens = static_cast<size_t>(e.kv_tokens());
     SPADE_CHECK(e.q.size() == static_cast<size_t>(u.num_layers) * e.num_queries * s.q_dim &&
@@ -121,19 +128,32 @@ PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, co
   if (len >= 4) {
     uint32_t magic = 0;
     std::memcpy(&magic, data, 4);
-    if (magic == kUpdateMagicV1)
-      fail("{}: pack update of wire format v1 (\"SKPU\"); this rank speaks v2 (\"SKPV\"): run the same build on both "
-           "ranks",
-           peer);
+    if (magic == kUpdateMagicV1 || magic == kUpdateMagicV2)
+      fail("{}: pack update of wire format {}; this rank speaks v3 (\"SKPW\"): run the same build on both ranks", peer,
+           magic == kUpdateMagicV1 ? "v1 (\"SKPU\")" : "v2 (\"SKPV\")");
   }
   auto u = r.head<PackUpdate>(kUpdateMagic);
   u.first_layer = r.get<int32_t>();
   u.num_layers = r.get<int32_t>();
   check_count(u.num_layers, 4096, peer, "num_layers");
   const uint32_t nrel = r.get<uint32_t>();
+  const uint32_t nret = r.get<uint32_t>();
+  const uint32_t ndrop = r.get<uint32_t>();
   const uint32_t nseq = r.get<uint32_t>();
   check_count(nrel, static_cast<int64_t>(r.remaining() / 8), peer, "released count");
   r.get_vec(u.released, nrel);
+  check_count(nret, static_cast<int64_t>(r.remaining() / 16), peer, "retained count");
+  u.retained.resize(nret);
+  for (Retain& e : u.retained) {
+    e.seq_id = r.get<uint64_t>();
+    e.tokens = r.get<int32_t>();
+    const int32_t pad = r.get<int32_t>();
+    if (e.tokens < 1 || pad != 0)
+      fail("{}: malformed pack update: retained prefix of sequence {} has retained tokens = {} (>= 1 needed)", peer,
+           e.seq_id, e.tokens);
+  }
+  check_count(ndrop, static_cast<int64_t>(r.remaining() / 8), peer, "dropped count");
+  r.get_vec(u.dropped, ndrop);
   check_count(nseq, static_cast<int64_t>(r.remaining() / 24), peer, "sequence count");
   u.seqs.resize(nseq);
   for (SeqUpdate& e : u.seqs) {

@@ -10,12 +10,19 @@
 // Wire format (encode/decode): little-endian, host fp32, a fixed header then the entries. Framing over a transport
 // is two messages with one tag: a 16-byte prefix {magic "SPK1", kind, payload bytes} and the payload. decode()
 // checks every length against the buffer and throws spade::Error naming `peer` on malformed input. A payload's magic
-// names its version (update v2 "SKPV": flags word, shared INIT; v1 "SKPU" is refused by name).
+// names its version (update v3 "SKPW": retained prefixes; v2 "SKPV" and v1 "SKPU" are refused by name).
 //
 // Shared KV (the CPU pair): an INIT may name a sequence the cache rank holds whose first tokens are the same KV
 // (SeqUpdate::shared_from): n samples of one prompt, or requests whose prompts hit the inference rank's prefix cache
 // while a sequence holding that prefix is tracked, ship and store the shared part once; the cache rank shares the
 // pages (reference counts, common/page_allocator.h).
+//
+// Retained prefixes (the CPU pair): when a sparse sequence ends while its leading full pages stay in the inference
+// rank's prefix cache, its release may say "keep my first P tokens" (PackUpdate::retained): the cache rank then holds
+// those P tokens under the sequence's id (no selection state), and a later INIT may share from it like from a live
+// sequence. The inference rank alone decides: it shortens or drops (PackUpdate::dropped) a retained prefix when its
+// prefix cache evicts a page of it or its bound is reached; the cache rank frees a retained prefix only then (or
+// when the pair is reset).
 #pragma once
 
 #include <cstdint>
@@ -46,12 +53,26 @@ struct SeqUpdate {
   int32_t kv_tokens() const { return init ? context_len - shared_tokens : 1; }
 };
 
+/// A retained prefix (PackUpdate::retained): the first `tokens` tokens (>= 1) of sequence `seq_id`.
+struct Retain {
+  uint64_t seq_id = 0;
+  int32_t tokens = 0;
+  bool operator==(const Retain&) const = default;
+};
+
 struct PackUpdate {
   int64_t step = 0;
   int32_t pack = 0;
   int32_t first_layer = 0;
   int32_t num_layers = 0;
   std::vector<uint64_t> released;  // sequences that left the batch since the last update (their KV is freed)
+  // Applied after `released`, before `dropped` and the entries. An id also in `released`: that ended sequence keeps
+  // its first `tokens` tokens on the cache rank as a retained prefix instead of freeing them (its query window and
+  // selection state are freed); `tokens` <= the tokens it holds. Another id: a retained prefix, shortened to `tokens`
+  // (<= what it holds). The cache rank refuses an id it does not hold, a live sequence not released here, and
+  // `tokens` beyond what it holds, naming the sequence.
+  std::vector<Retain> retained;
+  std::vector<uint64_t> dropped;   // retained prefixes to free (an id that is not one is refused)
   std::vector<SeqUpdate> seqs;
 };
 

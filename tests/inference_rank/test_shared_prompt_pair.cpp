@@ -237,7 +237,8 @@ TEST_P(SharedPromptPair, CancelsOfTheSourceAndASharerLeakNothingAndTheOthersDeco
 // A prompt that hits the inference rank's prefix cache while the request that computed it decodes sparsely: its
 // INIT shares that request's pages on the cache rank (not re-shipped) and decodes as a cold engine does.
 TEST_F(SharedPromptPair, APrefixCacheHitSharesTheRunningHoldersPagesOnTheCacheRank) {
-  const SparseOptions so = stories_sparse();
+  SparseOptions so = stories_sparse();
+  so.max_retained_prefix_tokens = 0;  // nothing stays held after the requests (retention: test_retained_prefix.cpp)
   const auto p = prompt(220, 4, model->config().vocab_size);
   Pair cold(*model, options(), so, false);
   Samples ca(*cold.engine, request(p, 60, 0.f, 0), 1);

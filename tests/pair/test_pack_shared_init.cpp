@@ -1,4 +1,4 @@
-// The pack update's shared INIT on the wire (pair/pack.h, v2 "SKPV"): a round trip carries the share and only the
+// The pack update's shared INIT on the wire (pair/pack.h, v3 "SKPW"): a round trip carries the share and only the
 // unshared tokens' K/V; malformed shares, unknown flags and a v1 payload are refused naming the peer and the sequence.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -94,9 +94,10 @@ TEST(PackSharedInit, MalformedSharesAreRefusedNamingPeerAndSequences) {
   };
   const PackUpdate u = shared_update(c);
   const auto good = encode(u, s);
-  // Header: magic 4, step 8, pack 4, first_layer 4, num_layers 4, released count 4, seq count 4, released 8 = 40;
-  // then sequence 5: id 8, context_len 4, flags 4, num_queries 4, token budget 4, shared_tokens 4, pad 4, from 8.
-  const size_t seq0 = 40, flags = seq0 + 12, shared_tokens = seq0 + 24, pad = seq0 + 28, from = seq0 + 32;
+  // Header: magic 4, step 8, pack 4, first_layer 4, num_layers 4, released, retained, dropped and seq counts 16,
+  // released 8 = 48; then sequence 5: id 8, context_len 4, flags 4, num_queries 4, token budget 4, shared_tokens 4,
+  // pad 4, from 8.
+  const size_t seq0 = 48, flags = seq0 + 12, shared_tokens = seq0 + 24, pad = seq0 + 28, from = seq0 + 32;
   auto with = [&](size_t off, auto value) {
     auto b = good;
     std::memcpy(b.data() + off, &value, sizeof(value));
@@ -114,9 +115,11 @@ TEST(PackSharedInit, MalformedSharesAreRefusedNamingPeerAndSequences) {
               HasSubstr("inference rank 2: malformed pack update: sequence 5 has unknown flags 0x5"));
   // The share's shorter K/V: a share removed from the flags leaves the lengths wrong, which the decoder catches.
   EXPECT_THAT(refused(with(flags, uint32_t{1})), HasSubstr("inference rank 2: malformed pack update"));
-  // A v1 payload (magic "SKPU") is refused by name.
+  // A v1 or v2 payload (magic "SKPU", "SKPV") is refused by name.
   EXPECT_THAT(refused(with(0, uint32_t{0x55504b53})),
-              HasSubstr("inference rank 2: pack update of wire format v1 (\"SKPU\"); this rank speaks v2"));
+              HasSubstr("inference rank 2: pack update of wire format v1 (\"SKPU\"); this rank speaks v3"));
+  EXPECT_THAT(refused(with(0, uint32_t{0x56504b53})),
+              HasSubstr("inference rank 2: pack update of wire format v2 (\"SKPV\"); this rank speaks v3"));
   for (size_t cut : {size_t{2}, seq0 + 30, good.size() - 1})
     EXPECT_THAT(refused(std::vector<uint8_t>(good.begin(), good.begin() + static_cast<long>(cut))),
                 HasSubstr("inference rank 2: malformed pack"))
