@@ -100,7 +100,7 @@ class Selector {
   int num_free_pages() const { return alloc_.num_free_pages(); }
   /// Pages held (a page shared by several sequences counts once).
   int num_used_pages() const { return alloc_.num_pages() - alloc_.num_free_pages(); }
-  /// Sequences tracked (holding KV here).
+  /// Sequences tracked (holding KV here): live sequences and retained prefixes (num_retained).
   size_t num_sequences() const { return seqs_.size(); }
   int num_pages() const { return alloc_.num_pages(); }
   /// The page allocator (reference counts and block tables; tests).

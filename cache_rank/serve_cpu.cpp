@@ -130,7 +130,15 @@ int serve_cpu(const Flags& f, const Rank& r) {
   std::unique_ptr<spade::cache::Selector> sel;  // one per session: a replacement starts with a fresh pool
   std::unique_ptr<spade::pair::SelectionMirror> mirror;
   spade::pair::DeltaStats seen;
-  auto& seqs = registry.gauge("spade_cache_sequences", "Sequences whose KV this cache rank holds.").with();
+  auto& seqs = registry
+                   .gauge("spade_cache_sequences",
+                          "Live sequences whose KV this cache rank holds (retained prefixes are counted apart).")
+                   .with();
+  auto& retained = registry
+                       .gauge("spade_cache_retained_prefixes",
+                              "Prompt prefixes of ended sequences this cache rank keeps for later requests to share "
+                              "(their pages count in spade_cache_kv_pages_used).")
+                       .with();
   auto& shard_gauge = registry
                           .gauge("spade_cache_shard_layers",
                                   "Layers whose KV this cache rank holds, labelled with its shard among the num_shards "
@@ -170,7 +178,8 @@ int serve_cpu(const Flags& f, const Rank& r) {
           sent.inc(rows);
         }
     }
-    seqs.set(static_cast<double>(sel->num_sequences()));
+    seqs.set(static_cast<double>(sel->num_sequences() - sel->num_retained()));
+    retained.set(static_cast<double>(sel->num_retained()));
     kv_usage.set(1.0 - static_cast<double>(sel->num_free_pages()) / sel->num_pages());
     kv_pages.set(static_cast<double>(sel->num_used_pages()));
     if (sampler)
@@ -197,6 +206,7 @@ int serve_cpu(const Flags& f, const Rank& r) {
     kv_usage.set(0);
     kv_pages.set(0);
     seqs.set(0);
+    retained.set(0);
     session_stop = stop || watch->down;
     connected = true;
     spade::pair::LinkStats stats;
@@ -227,6 +237,7 @@ int serve_cpu(const Flags& f, const Rank& r) {
     kv_usage.set(0);
     kv_pages.set(0);
     seqs.set(0);
+    retained.set(0);
     spdlog::warn("{}: {} is gone; its KV is dropped; waiting up to {} ms for its replacement", self, peer_name,
                  f.rejoin_timeout_ms);
     std::optional<spade::proto::RankInfo> next;

@@ -270,6 +270,10 @@ TEST_F(OpenAiSamples, ClientDisconnectCancelsEverySampleAndFreesItsKvOnBothRanks
   const auto aborts = [](const std::map<std::string, double>& m) {
     return m.at("spade_request_success_total{finished_reason=\"abort\"}");
   };
+  // The cache rank may keep a retained prefix of the earlier requests' prompt (its pages stay used there, and the
+  // inference rank may drop it at any step): the samples' pages come on top of it and must go again. The samples
+  // have the same prompt, which that retained prefix already covers, so they add none of their own.
+  const auto cache_before = c->metrics(c->cache_metrics_port);
   {
     RawClient rc(c->http_port);
     json req = completion(4, 8, 380);
@@ -284,14 +288,17 @@ TEST_F(OpenAiSamples, ClientDisconnectCancelsEverySampleAndFreesItsKvOnBothRanks
     inf = c->metrics(c->inference_metrics_port);
     cache = c->metrics(c->cache_metrics_port);
     if (aborts(inf) - aborts(before) == 4 && inf.at("spade_kv_cache_usage_perc") == 0 &&
-        cache.at("spade_cache_sequences") == 0 && cache.at("spade_cache_kv_usage_perc") == 0)
+        cache.at("spade_cache_sequences") == 0 &&
+        cache.at("spade_cache_kv_usage_perc") <= cache_before.at("spade_cache_kv_usage_perc"))
       break;
   }
   EXPECT_EQ(aborts(inf) - aborts(before), 4) << "every sample aborted";
   EXPECT_EQ(inf.at("spade_num_requests_running"), 0);
   EXPECT_EQ(inf.at("spade_kv_cache_usage_perc"), 0);
   EXPECT_EQ(cache.at("spade_cache_sequences"), 0);
-  EXPECT_EQ(cache.at("spade_cache_kv_usage_perc"), 0);
+  EXPECT_LE(cache.at("spade_cache_kv_usage_perc"), cache_before.at("spade_cache_kv_usage_perc"))
+      << "the samples' pages stay used on the cache rank";
+  EXPECT_LE(cache.at("spade_cache_retained_prefixes"), cache_before.at("spade_cache_retained_prefixes"));
   EXPECT_LT(inf.at("spade_generation_tokens_total") - before.at("spade_generation_tokens_total"), 4 * 380);
 }
 

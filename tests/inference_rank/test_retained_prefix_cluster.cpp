@@ -1,8 +1,9 @@
 // Retained prefixes end to end, as processes: the real coordinator, inference rank and CPU cache rank executables on
 // stories260K (predicted sparse decoding with a budget above the context, so the output is exact; prefix caching on,
 // the rank's default). A request runs to its end; the same prompt again: the cache rank kept the first request's
-// prompt prefix (spade_cache_sequences 1, its pages counted in spade_cache_kv_pages_used), the repeat's switch shares
-// it (spade_retained_prefix_reused_tokens_total) and ships fewer bytes to the cache rank, and decodes the same tokens.
+// prompt prefix (spade_cache_retained_prefixes 1, spade_cache_sequences 0, its pages counted in
+// spade_cache_kv_pages_used), the repeat's switch shares it (spade_retained_prefix_reused_tokens_total) and ships
+// fewer bytes to the cache rank, and decodes the same tokens.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -61,13 +62,15 @@ TEST(RetainedPrefixCluster, ARepeatedPromptIsNotShippedToTheCacheRankAgain) {
   ASSERT_TRUE(c.wait_ready(c.http_port)) << c.logs();
   ASSERT_TRUE(c.wait_ready(c.inference_metrics_port)) << c.logs();
   auto cc = c.control_client();
-  // Metrics once the inference rank is idle and the cache rank holds `seqs` sequences.
-  auto settled = [&](double seqs) {
+  // Metrics once the inference rank is idle, the cache rank holds no live sequence and `kept` retained prefixes.
+  auto settled = [&](double kept) {
     std::map<std::string, double> inf, cache;
     for (auto until = Clock::now() + 30s; Clock::now() < until; std::this_thread::sleep_for(50ms)) {
       inf = c.metrics(c.inference_metrics_port);
       cache = c.metrics(c.cache_metrics_port);
-      if (inf.at("spade_num_requests_running") == 0 && cache.at("spade_cache_sequences") == seqs) break;
+      if (inf.at("spade_num_requests_running") == 0 && cache.at("spade_cache_sequences") == 0 &&
+          cache.at("spade_cache_retained_prefixes") == kept)
+        break;
     }
     return std::make_pair(inf, cache);
   };
@@ -75,8 +78,10 @@ TEST(RetainedPrefixCluster, ARepeatedPromptIsNotShippedToTheCacheRankAgain) {
   const auto [a, a_err] = collect(*cc, cc->submit(greedy(60)));
   ASSERT_EQ(a_err, "") << c.logs();
   const auto [inf1, cache1] = settled(1);
-  EXPECT_EQ(cache1.at("spade_cache_sequences"), 1) << "the first request's prompt prefix stays on the cache rank\n"
-                                                  << c.logs();
+  EXPECT_EQ(cache1.at("spade_cache_retained_prefixes"), 1)
+      << "the first request's prompt prefix stays on the cache rank\n"
+      << c.logs();
+  EXPECT_EQ(cache1.at("spade_cache_sequences"), 0) << "no live sequence is left";
   EXPECT_GT(cache1.at("spade_cache_kv_pages_used"), 0) << "retained pages count as used";
   const std::string sent = "spade_transfer_bytes_total{direction=\"send\"";
   const double first_bytes = value(inf1, sent) - value(inf0, sent);
@@ -93,7 +98,7 @@ TEST(RetainedPrefixCluster, ARepeatedPromptIsNotShippedToTheCacheRankAgain) {
   EXPECT_LT(repeat_bytes, first_bytes);
   std::cout << "bytes to the cache rank: first request " << first_bytes << ", repeat " << repeat_bytes << " ("
             << reused << " tokens shared from the retained prefix)\n";
-  EXPECT_EQ(cache2.at("spade_cache_sequences"), 1) << "the repeat is covered by the retained prefix";
+  EXPECT_EQ(cache2.at("spade_cache_retained_prefixes"), 1) << "the repeat is covered by the retained prefix";
 }
 
 }  // namespace
