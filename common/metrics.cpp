@@ -139,6 +139,8 @@ std::vector<double> vllm_request_latency_buckets() {
           30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
 }
 
+std::vector<double> vllm_request_n_buckets() { return {1, 2, 5, 10, 20}; }
+
 std::vector<double> exponential_buckets(double start, double factor, int count) {
   SPADE_CHECK(start > 0 && factor > 1 && count > 0, "exponential_buckets needs start > 0, factor > 1, count > 0");
   std::vector<double> b(static_cast<size_t>(count));

@@ -148,6 +148,8 @@ std::vector<double> vllm_inter_token_latency_buckets();
 /// vLLM's request_latency_buckets, for vllm:e2e_request_latency_seconds and vllm:request_queue_time_seconds
 /// (0.3 s .. 7680 s, 21 bounds).
 std::vector<double> vllm_request_latency_buckets();
+/// vLLM's buckets of vllm:request_params_n (the n parameter, samples per request): 1, 2, 5, 10, 20.
+std::vector<double> vllm_request_n_buckets();
 /// `count` buckets start, start*factor, ... (Prometheus' ExponentialBuckets).
 std::vector<double> exponential_buckets(double start, double factor, int count);
 /// `count` buckets start, start+width, ... (LinearBuckets).

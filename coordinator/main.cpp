@@ -14,6 +14,7 @@
 //   away) spade_api_requests_in_flight          gauge    generation requests in flight through the API
 //   spade_api_client_disconnects_total    counter  requests cancelled because their client disconnected
 //   spade_api_e2e_request_latency_seconds histogram  end-to-end latency as the API client sees it
+//   spade_api_request_params_n            histogram  the n parameter (samples) of API requests, at their end
 //   spade_control_unauthenticated_connections  gauge  control connections not yet authenticated
 //   spade_control_rejected_connections_total   counter  control connections closed before authenticating
 //

@@ -263,6 +263,8 @@ struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
   metrics::Histogram& api_e2e;
   metrics::Histogram& vllm_ttft;  // vLLM's names, label model_name (docs/DEPLOY.md, "Metrics")
   metrics::Histogram& vllm_e2e;
+  metrics::Histogram& api_n;   // the n parameter (samples per request), counted when the request ends
+  metrics::Histogram& vllm_n;
   std::optional<boost::asio::thread_pool::executor_type> workers;  // set by OpenAiApi; the pool is OpenAiApi's
 
   Impl(ApiOptions o, CoordinatorServer& s, metrics::Registry& reg)
@@ -288,7 +290,14 @@ struct OpenAiApi::Impl : std::enable_shared_from_this<OpenAiApi::Impl> {
                       .with({served_model_name(opt)})),
         vllm_e2e(reg.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                                metrics::vllm_request_latency_buckets(), {"model_name"})
-                     .with({served_model_name(opt)})) {
+                     .with({served_model_name(opt)})),
+        api_n(reg.histogram("spade_api_request_params_n",
+                            "The n parameter (samples of one prompt) of API generation requests.",
+                            metrics::vllm_request_n_buckets())
+                  .with()),
+        vllm_n(reg.histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                             metrics::vllm_request_n_buckets(), {"model_name"})
+                   .with({served_model_name(opt)})) {
     name = served_model_name(opt);
     max_len = opt.max_model_len > 0 ? opt.max_model_len : config.max_position_embeddings;
     SPADE_CHECK(max_len > 0, "{}: no max_position_embeddings in config.json; pass --max-model-len", opt.model_dir);
@@ -627,6 +636,8 @@ struct OpenAiApi::Impl::Job : std::enable_shared_from_this<OpenAiApi::Impl::Job>
     const double e2e = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     api->api_e2e.observe(e2e);
     api->vllm_e2e.observe(e2e);
+    api->api_n.observe(static_cast<double>(choices.size()));
+    api->vllm_n.observe(static_cast<double>(choices.size()));
     if (stream) {
       if (include_usage) {
         json c = base_chunk();

@@ -183,7 +183,7 @@ TEST(VllmMetrics, EveryNameOnItsProcessWithTheServedModelName) {
                                                  "vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds",
                                                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"};
   const std::vector<std::string> on_coordinator = {"vllm:time_to_first_token_seconds",
-                                                   "vllm:e2e_request_latency_seconds"};
+                                                   "vllm:e2e_request_latency_seconds", "vllm:request_params_n"};
   auto has_type = [](const std::string& text, const std::string& name) {
     return text.find("# TYPE " + name + " ") != std::string::npos;
   };
@@ -211,6 +211,12 @@ TEST(VllmMetrics, EveryNameOnItsProcessWithTheServedModelName) {
             inf.at("spade_inter_token_latency_seconds_count"));
   EXPECT_EQ(coord.at("vllm:time_to_first_token_seconds_count{" + m + "}"), 3);
   EXPECT_EQ(coord.at("vllm:e2e_request_latency_seconds_count{" + m + "}"), 3);
+  // The n parameter: three requests of one sample each, in vLLM's buckets (1, 2, 5, 10, 20), and its spade_ twin.
+  EXPECT_EQ(coord.at("vllm:request_params_n_count{" + m + "}"), 3);
+  EXPECT_EQ(coord.at("vllm:request_params_n_sum{" + m + "}"), 3);
+  EXPECT_EQ(coord.at("vllm:request_params_n_bucket{" + m + R"(,le="1"})"), 3);
+  EXPECT_EQ(coord.at("vllm:request_params_n_bucket{" + m + R"(,le="20"})"), 3);
+  EXPECT_EQ(coord.at("spade_api_request_params_n_count"), 3);
   EXPECT_LE(coord.at("vllm:time_to_first_token_seconds_sum{" + m + "}"),
             coord.at("vllm:e2e_request_latency_seconds_sum{" + m + "}"));
   // vLLM's bucket boundaries (vllm/v1/metrics/loggers.py).

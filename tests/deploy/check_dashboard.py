@@ -63,6 +63,13 @@ METRICS = {
     "spade_kv_pages_dropped_total": ("counter", []),
     "spade_rank_up": ("gauge", ["role", "rank", "role_index"]),
     "spade_http_requests_total": ("counter", ["endpoint", "code"]),
+    "spade_api_request_params_n": ("histogram", []),
+    "spade_prefix_cache_queries_total": ("counter", []),
+    "spade_prefix_cache_hits_total": ("counter", []),
+    "spade_retained_prefix_reused_tokens_total": ("counter", []),
+    "spade_cache_sequences": ("gauge", []),
+    "spade_cache_retained_prefixes": ("gauge", []),
+    "spade_cache_kv_pages_used": ("gauge", []),
     # vLLM's exact names (a vLLM dashboard's or autoscaler's queries), labelled with the served model name.
     "vllm:num_requests_running": ("gauge", ["model_name"]),
     "vllm:num_requests_waiting": ("gauge", ["model_name"]),
@@ -76,6 +83,7 @@ METRICS = {
     "vllm:request_success_total": ("counter", ["model_name", "finished_reason"]),
     "vllm:prefix_cache_queries_total": ("counter", ["model_name"]),
     "vllm:prefix_cache_hits_total": ("counter", ["model_name"]),
+    "vllm:request_params_n": ("histogram", ["model_name"]),
 }
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "component"}
 AGGREGATIONS = {"sum", "avg", "min", "max", "count", "group", "stddev", "stdvar", "topk", "bottomk", "quantile",
