@@ -8,7 +8,6 @@
 #include "common/error.h"
 #include "common/page_allocator.h"
 #include "kernels/paged_attention_ref.h"
-#include "pair/sharded_link.h"
 
 namespace spade {
 
@@ -67,8 +66,7 @@ void SparseAttention::fail_link(const std::string& why) {
 
 bool SparseAttention::retention_on() const {
   return opt_.mode == SelectionMode::Predicted && opt_.max_retained_prefix_tokens > 0 && pages_ != nullptr &&
-         pages_->prefix_caching() && link_error_.empty() && link_ != nullptr &&
-         dynamic_cast<const pair::ShardedLink*>(link_.get()) == nullptr;
+         pages_->prefix_caching() && link_error_.empty() && link_ != nullptr;
 }
 
 int SparseAttention::valid_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const {

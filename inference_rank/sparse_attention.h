@@ -27,14 +27,14 @@
 // a sequence runs — ships only the tokens past them and names that sequence (pair::SeqUpdate::shared_from); the cache
 // rank shares its pages. The source is one already sparse, or switching earlier in the same update; the longest
 // shared run wins (ties: the lowest id). What the cache rank stores and selects is unchanged, bit for bit.
-// Retained prefixes (predicted mode, with a page allocator that caches prefixes, and one cache rank: not over a
-// pair::ShardedLink): when a sparse sequence ends, the leading run of its INIT's full pages that is still published in
-// the prefix cache with the same page_serial (P tokens, at most max_retained_prefix_tokens) is kept on the cache rank
-// under the sequence's id (pair::PackUpdate::retained, sent with its release). The retained prefix is a share source
-// like a live sequence, so a later request whose prompt hits those cached pages ships only what follows them. This
-// rank alone decides: before each step (and each idle flush) it re-checks every retained prefix's pages, and one whose
-// page was evicted or reused here is shortened to the pages still valid, or dropped (PackUpdate::dropped), in the
-// step's first update, ahead of any INIT that could share from it. A retained prefix that another one covers is not
+// Retained prefixes (predicted mode, with a page allocator that caches prefixes; over a pair::ShardedLink every shard
+// keeps its layers of them): when a sparse sequence ends, the leading run of its INIT's full pages that is still
+// published in the prefix cache with the same page_serial (P tokens, at most max_retained_prefix_tokens) is kept on the
+// cache rank under the sequence's id (pair::PackUpdate::retained, sent with its release). The retained prefix is a
+// share source like a live sequence, so a later request whose prompt hits those cached pages ships only what follows
+// them. This rank alone decides: before each step (and each idle flush) it re-checks every retained prefix's pages, and
+// one whose page was evicted or reused here is shortened to the pages still valid, or dropped (PackUpdate::dropped), in
+// the step's first update, ahead of any INIT that could share from it. A retained prefix that another one covers is not
 // kept; past the token bound the least recently used are dropped. A failed or replaced link forgets them all.
 // Requires every running decode sequence in every step (max_num_batched_tokens >= max_num_seqs).
 #pragma once

@@ -100,7 +100,7 @@ void probe_shard(CacheRankLink& link, int shard, int num_shards, const ModelConf
 }
 
 ShardedLink::ShardedLink(std::vector<std::unique_ptr<CacheRankLink>> shards)
-    : shards_(std::move(shards)), pending_released_(shards_.size()) {
+    : shards_(std::move(shards)), pending_(shards_.size()) {
   SPADE_CHECK(!shards_.empty(), "sharded link: no cache rank link");
   for (size_t i = 0; i < shards_.size(); ++i) SPADE_CHECK(shards_[i] != nullptr, "sharded link: shard {} is null", i);
   for (const auto& l : shards_) peers_ += (peers_.empty() ? "" : ",") + l->peer();
@@ -134,49 +134,78 @@ std::unique_ptr<ShardedLink> ShardedLink::replaced(int s, std::unique_ptr<CacheR
       }
     }
   }
+  // The other shards free what they hold: the sequences, and the retained prefixes (the inference rank forgets its
+  // own when it takes the new link).
+  const std::vector<uint64_t> live(live_.begin(), live_.end()), kept(retained_.begin(), retained_.end());
   for (size_t i = 0; i < shards_.size(); ++i) {
     if (static_cast<int>(i) == s) continue;
-    pending_released_[i].insert(pending_released_[i].end(), live_.begin(), live_.end());
+    merge(pending_[i], live, {}, kept);
   }
-  pending_released_[static_cast<size_t>(s)].clear();  // the replacement holds nothing
+  pending_[static_cast<size_t>(s)] = News{};  // the replacement holds nothing
   shards_[static_cast<size_t>(s)] = std::move(link);
   auto next = std::make_unique<ShardedLink>(std::move(shards_));
-  next->pending_released_ = std::move(pending_released_);
+  next->pending_ = std::move(pending_);
   shards_.clear();
-  pending_released_.clear();
+  pending_.clear();
   order_.clear();
   live_.clear();
+  retained_.clear();
   return next;
+}
+
+void ShardedLink::merge(News& q, const std::vector<uint64_t>& released, const std::vector<Retain>& retained,
+                        const std::vector<uint64_t>& dropped) {
+  q.released.insert(q.released.end(), released.begin(), released.end());
+  for (const Retain& r : retained) {
+    auto it = std::find_if(q.retained.begin(), q.retained.end(), [&](const Retain& e) { return e.seq_id == r.seq_id; });
+    if (it != q.retained.end())
+      it->tokens = r.tokens;
+    else
+      q.retained.push_back(r);
+  }
+  for (uint64_t id : dropped) {
+    auto it = std::find_if(q.retained.begin(), q.retained.end(), [&](const Retain& e) { return e.seq_id == id; });
+    if (it != q.retained.end()) {
+      q.retained.erase(it);
+      if (std::find(q.released.begin(), q.released.end(), id) != q.released.end()) continue;  // the release frees it
+    }
+    q.dropped.push_back(id);
+  }
 }
 
 void ShardedLink::send(PackUpdate&& u) {
   SPADE_CHECK(!shards_.empty(), "sharded link ({}): used after a shard was replaced", peers_);
   for (const SeqUpdate& e : u.seqs) live_.insert(e.seq_id);
   for (uint64_t id : u.released) live_.erase(id);
-  if (u.seqs.empty() && u.num_layers == 0) {  // releases only (an idle flush): every shard frees them now
+  for (const Retain& r : u.retained) retained_.insert(r.seq_id);
+  for (uint64_t id : u.dropped) retained_.erase(id);
+  // Shard i's update carries its queued news first, then this update's.
+  auto take = [&](size_t i, PackUpdate& c) {
+    News q = std::move(pending_[i]);
+    pending_[i] = News{};
+    merge(q, u.released, u.retained, u.dropped);
+    c.released = std::move(q.released);
+    c.retained = std::move(q.retained);
+    c.dropped = std::move(q.dropped);
+  };
+  if (u.seqs.empty() && u.num_layers == 0) {  // news only (an idle flush): every shard applies it now
     for (size_t i = 0; i < shards_.size(); ++i) {
       PackUpdate c;
       c.step = u.step;
       c.pack = u.pack;
       c.first_layer = u.first_layer;
       c.num_layers = 0;
-      c.released.swap(pending_released_[i]);
-      c.released.insert(c.released.end(), u.released.begin(), u.released.end());
+      take(i, c);
       shards_[i]->send(std::move(c));
     }
     order_.push_back(kAllShards);
     return;
   }
   const int s = shard_of_pack(u.pack, num_shards());
-  // Releases reach every shard: this update carries them to its shard, the others get them with their next update.
+  // The news reaches every shard: this update carries it to its shard, the others get it with their next update.
   for (size_t i = 0; i < shards_.size(); ++i)
-    if (static_cast<int>(i) != s)
-      pending_released_[i].insert(pending_released_[i].end(), u.released.begin(), u.released.end());
-  auto& mine = pending_released_[static_cast<size_t>(s)];
-  if (!mine.empty()) {
-    u.released.insert(u.released.begin(), mine.begin(), mine.end());
-    mine.clear();
-  }
+    if (static_cast<int>(i) != s) merge(pending_[i], u.released, u.retained, u.dropped);
+  take(static_cast<size_t>(s), u);
   shards_[static_cast<size_t>(s)]->send(std::move(u));
   order_.push_back(s);
 }

@@ -7,10 +7,14 @@
 //
 // Ordering: receive() answers the oldest update not yet received, as CacheRankLink promises: the shard of each
 // update is remembered in send order and the answer is taken from that shard (each shard answers its own updates in
-// order). Released sequences are forwarded to every shard: the released ids of an update are sent with it to its
-// shard and queued for the other shards' next updates (a shard frees them at its next update); an update that
-// carries releases only (no layer, no sequence: the idle flush) goes to every shard at once, and its one answer is
-// taken once every shard has answered.
+// order). Released sequences, retained prefixes and their drops (PackUpdate::released / retained / dropped: each shard
+// holds its layers of every sequence, so each keeps its layers of a retained prefix) are forwarded to every shard:
+// those of an update are sent with it to its shard and queued for the other shards' next updates, ahead of those
+// updates' entries (so an INIT sharing from a retained prefix finds it there). Queued entries are merged as the
+// inference rank merges its own: a later retain of the same id replaces the earlier (a shortened prefix), and a drop
+// of a prefix whose release is still queued cancels its retain (the release frees it). An update that carries such
+// news only (no layer, no sequence: the idle flush) goes to every shard at once, and its one answer is taken once
+// every shard has answered.
 //
 // Errors: a failed shard fails the whole link (spade::Error naming the shard's cache rank): the inference rank then
 // fails or densifies the affected requests as for one cache rank.
@@ -18,7 +22,8 @@
 // Rejoin: a replacement of one shard's cache rank (a new process, holding nothing) is checked with probe_shard() and
 // swapped in with replaced(): the other shards keep their links and their pools; the sequences they still hold (every
 // sequence known before the swap: those the failure ended and those still running, which stay dense to their end)
-// are released on them with their next update.
+// are released on them with their next update, and their retained prefixes dropped (the inference rank forgets its
+// retained prefixes when it takes the new link: SparseAttention::replace_link).
 #pragma once
 
 #include <deque>
@@ -93,6 +98,8 @@ class ShardedLink : public CacheRankLink {
   CacheRankLink& shard(int i);
   /// Sequences sent to the shards (in an update's entries) and not released since.
   size_t live_sequences() const { return live_.size(); }
+  /// Retained prefixes sent or queued to the shards and not dropped since.
+  size_t retained_prefixes() const { return retained_.size(); }
 
   /// Shard `s`'s cache rank was replaced: returns a sharded link over this link's other shards and `link` (to the
   /// replacement, probed, nothing in flight) as shard s. The answers the other shards still owe (updates sent before
@@ -108,8 +115,19 @@ class ShardedLink : public CacheRankLink {
  private:
   std::vector<std::unique_ptr<CacheRankLink>> shards_;  // empty once replaced() took them
   std::string peers_;                                    // peer(), kept for a link replaced() emptied
-  std::unordered_set<uint64_t> live_;                    // sequences sent and not released
-  std::vector<std::vector<uint64_t>> pending_released_;  // per shard: released ids not yet sent to it
+  // Releases, retained prefixes and drops not yet sent to one shard (they ride its next update).
+  struct News {
+    std::vector<uint64_t> released;
+    std::vector<Retain> retained;
+    std::vector<uint64_t> dropped;
+  };
+  // Appends the news of a later update to `q`, merged (a retain replaces an earlier one of its id; a drop cancels a
+  // queued retain, and is left out when the id's release is queued too).
+  static void merge(News& q, const std::vector<uint64_t>& released, const std::vector<Retain>& retained,
+                    const std::vector<uint64_t>& dropped);
+  std::unordered_set<uint64_t> live_;      // sequences sent and not released
+  std::unordered_set<uint64_t> retained_;  // retained prefixes sent or queued, not dropped
+  std::vector<News> pending_;              // per shard: news not yet sent to it
   static constexpr int kAllShards = -1;                  // order_ entry of a releases-only update sent to every shard
   std::deque<int> order_;                                // shard of each update not yet received, oldest first
   mutable LinkStats stats_;

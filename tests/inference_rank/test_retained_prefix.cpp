@@ -12,6 +12,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <tuple>
 
 #include "cache_rank/pack_server.h"
 #include "common/error.h"
@@ -19,6 +20,7 @@
 #include "inference_rank/sparse_attention.h"
 #include "pair/link.h"
 #include "pair/pack.h"
+#include "pair/sharded_link.h"
 #include "tests/inference_rank/loopback_cache_rank.h"
 #include "tests/test_util.h"
 
@@ -125,14 +127,17 @@ SparseOptions stories_sparse(int retained_tokens) {
 
 enum class Mode { Retain, NoRetain, Unshared };
 
-// An engine with prefix caching whose sparse backend talks to a RecordingLink. Retain: retention on; NoRetain:
+// An engine with prefix caching whose sparse backend talks to a RecordingLink, or with `shards` > 1 to that many
+// (layer shards over a pair::ShardedLink; `link` is shard 0's). Retain: retention on; NoRetain:
 // --max-retained-prefix-tokens 0; Unshared: no shared INIT at all (every INIT ships the whole context).
 struct Pair {
   std::unique_ptr<Engine> engine;
   RecordingLink* link = nullptr;
+  std::vector<RecordingLink*> shards;
   SparseAttention* sparse = nullptr;
   SparseOptions so;
-  Pair(const Model& m, Mode mode, int num_pages = 0, bool prefix_caching = true, int retained_tokens = 65536)
+  Pair(const Model& m, Mode mode, int num_pages = 0, bool prefix_caching = true, int retained_tokens = 65536,
+       int num_shards = 1)
       : so(stories_sparse(mode == Mode::Retain ? retained_tokens : 0)) {
     EngineOptions o;
     o.max_num_seqs = 4;
@@ -141,9 +146,15 @@ struct Pair {
     o.enable_prefix_caching = prefix_caching;
     o.prefix_recompute_tokens = so.prefix_recompute_tokens();
     engine = std::make_unique<Engine>(m, o, [&](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
-      auto l = std::make_unique<RecordingLink>(cfg, so.selection, 2048, kv.page_size());
-      link = l.get();
-      return std::make_unique<SparseAttention>(cfg, kv, so, std::move(l));
+      std::vector<std::unique_ptr<pair::CacheRankLink>> links;
+      for (int i = 0; i < num_shards; ++i) {
+        auto l = std::make_unique<RecordingLink>(cfg, so.selection, 2048, kv.page_size());
+        shards.push_back(l.get());
+        links.push_back(std::move(l));
+      }
+      link = shards[0];
+      if (num_shards == 1) return std::make_unique<SparseAttention>(cfg, kv, so, std::move(links[0]));
+      return std::make_unique<SparseAttention>(cfg, kv, so, std::make_unique<pair::ShardedLink>(std::move(links)));
     });
     sparse = dynamic_cast<SparseAttention*>(&engine->attention());
     if (mode == Mode::Unshared) sparse->set_page_allocator(nullptr);
@@ -161,14 +172,16 @@ struct Pair {
   // Both ranks agree on the retained prefixes, and the cache rank holds nothing else (no request runs).
   void expect_consistent(const std::string& where) const {
     SCOPED_TRACE(where);
-    const cache::Selector& sel = link->selector();
     EXPECT_EQ(sparse->pending_releases(), 0u);
-    EXPECT_EQ(sel.num_retained(), sparse->num_retained());
-    EXPECT_EQ(sel.num_sequences(), sel.num_retained()) << "only retained prefixes stay on the cache rank";
-    EXPECT_EQ(sel.retained_tokens(), sparse->retained_tokens());
-    // In these tests no two retained prefixes share a page (one covering another is dropped), and they hold whole
-    // 16-token pages: the cache rank holds exactly their pages.
-    EXPECT_EQ(sel.num_used_pages(), sparse->retained_tokens() / 16);
+    for (RecordingLink* l : shards.size() > 1 ? shards : std::vector<RecordingLink*>{link}) {
+      const cache::Selector& sel = l->selector();
+      EXPECT_EQ(sel.num_retained(), sparse->num_retained());
+      EXPECT_EQ(sel.num_sequences(), sel.num_retained()) << "only retained prefixes stay on the cache rank";
+      EXPECT_EQ(sel.retained_tokens(), sparse->retained_tokens());
+      // In these tests no two retained prefixes share a page (one covering another is dropped), and they hold whole
+      // 16-token pages: the cache rank holds exactly their pages.
+      EXPECT_EQ(sel.num_used_pages(), sparse->retained_tokens() / 16);
+    }
     EXPECT_EQ(engine->pages().num_free_pages(), engine->pages().num_pages()) << "inference rank: no page held";
     for (int32_t p = 0; p < engine->pages().num_pages(); ++p)
       ASSERT_EQ(engine->pages().refcount(p), 0) << "inference rank page " << p;
@@ -380,6 +393,61 @@ TEST_F(RetainedPrefix, CancelsAndACacheRankLossOrReplacementLeakNothing) {
     EXPECT_EQ(on.sparse->num_retained(), 0u);
     EXPECT_EQ(on.sparse->retained_tokens(), 0);
   }
+}
+
+// Two cache ranks (layer shards): each keeps its layers of the retained prefix, so a repeated and an extended prompt
+// share it on both, with the tokens, shares and every selection of one cache rank; an eviction shortens it on both;
+// a replaced shard holds nothing and the other drops what it retained (the inference rank forgets its own).
+TEST_F(RetainedPrefix, LayerShardsEachKeepTheirLayersOfTheRetainedPrefix) {
+  const auto p = prompt(220, 4, vocab());
+  auto q = p;
+  const auto tail = prompt(61, 9, vocab());
+  q.insert(q.end(), tail.begin() + 1, tail.end());
+  Pair one(*model, Mode::Retain), two(*model, Mode::Retain, 0, true, 65536, 2);
+  std::vector<std::vector<int32_t>> t1(3), t2(3);
+  std::vector<uint64_t> i1, i2;
+  for (int r = 0; r < 3; ++r) {
+    i1.push_back(one.run(greedy(r < 2 ? p : q, 40), &t1[static_cast<size_t>(r)]));
+    i2.push_back(two.run(greedy(r < 2 ? p : q, 40), &t2[static_cast<size_t>(r)]));
+    two.expect_consistent("request " + std::to_string(r));
+  }
+  EXPECT_EQ(t1, t2);
+  ASSERT_EQ(i1, i2);
+  // Every selection of the two shards together is one cache rank's (layer keys carry the pack).
+  auto by_key = [](const Rec& a, const Rec& b) {
+    return std::tie(a.seq, a.layer, a.context_len) < std::tie(b.seq, b.layer, b.context_len);
+  };
+  std::vector<Rec> single = one.link->recs, sharded = two.shards[0]->recs;
+  sharded.insert(sharded.end(), two.shards[1]->recs.begin(), two.shards[1]->recs.end());
+  std::sort(single.begin(), single.end(), by_key);
+  std::sort(sharded.begin(), sharded.end(), by_key);
+  EXPECT_TRUE(single == sharded) << single.size() << " selections against " << sharded.size();
+  for (RecordingLink* shard : two.shards) {  // B shares 144 tokens of A, C 208, on each shard
+    ASSERT_NE(shard->init_of(i2[1]), nullptr);
+    EXPECT_EQ(shard->init_of(i2[1])->shared_from, i2[0]);
+    EXPECT_EQ(shard->init_of(i2[1])->shared_tokens, 144);
+    EXPECT_EQ(shard->init_of(i2[2])->shared_tokens, 208);
+    EXPECT_TRUE(shard->selector().is_retained(i2[2]));
+  }
+  EXPECT_EQ(two.sparse->stats().retained_reused_tokens, one.sparse->stats().retained_reused_tokens);
+  // Shard 1 is replaced (a rejoin): shard 0 drops C's retained prefix with its next update; the next request ships
+  // its whole context to both, and both then retain it.
+  ASSERT_EQ(two.sparse->num_retained(), 1u);
+  auto* sharded_link = dynamic_cast<pair::ShardedLink*>(two.sparse->link());
+  ASSERT_NE(sharded_link, nullptr);
+  EXPECT_EQ(sharded_link->retained_prefixes(), 1u);
+  auto fresh = std::make_unique<RecordingLink>(model->config(), two.so.selection, 2048, 16);
+  RecordingLink* repl = fresh.get();
+  two.sparse->replace_link(sharded_link->replaced(1, std::move(fresh), transport::Clock::now() + 1s));
+  two.shards[1] = repl;
+  EXPECT_EQ(two.sparse->num_retained(), 0u);
+  std::vector<int32_t> td;
+  const uint64_t d = two.run(greedy(p, 40), &td);
+  EXPECT_EQ(td, t1[0]);
+  EXPECT_EQ(two.shards[0]->init_of(d)->shared_tokens, 0) << "the retained prefix was forgotten with the old shard";
+  EXPECT_EQ(repl->init_of(d)->shared_tokens, 0);
+  EXPECT_FALSE(two.shards[0]->selector().tracks(i2[2])) << "shard 0 dropped C's retained prefix";
+  two.expect_consistent("after the replacement");
 }
 
 // Prefix caching off (--no-enable-prefix-caching): nothing is retained.

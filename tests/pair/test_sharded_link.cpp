@@ -124,6 +124,40 @@ TEST_F(Sharded, AReleasesOnlyUpdateReachesEveryShardAtOnceAndIsAnsweredOnce) {
   EXPECT_EQ(link->in_flight(), 0u);
 }
 
+// Retained prefixes and their drops reach every shard as releases do, merged as the inference rank merges its own.
+TEST_F(Sharded, RetainedPrefixesAndDropsReachEveryShardMerged) {
+  auto link = make(2);
+  PackUpdate a = update(0, 0, {7});
+  a.retained = {{7, 64}};  // 7 ended, its first 64 tokens kept: shard 0 now, shard 1 queued
+  link->send(std::move(a));
+  PackUpdate b = update(0, 0);
+  b.retained = {{7, 32}};  // shortened before shard 1 heard of it: one entry, the later tokens
+  link->send(std::move(b));
+  link->send(update(0, 1));
+  EXPECT_THAT(rec[0]->got[0].retained, ElementsAre(Retain{7, 64}));
+  EXPECT_THAT(rec[0]->got[1].retained, ElementsAre(Retain{7, 32}));
+  EXPECT_THAT(rec[1]->got[0].released, ElementsAre(7));
+  EXPECT_THAT(rec[1]->got[0].retained, ElementsAre(Retain{7, 32}));
+  EXPECT_EQ(link->retained_prefixes(), 1u);
+  // 8 ends retained and is dropped at once: shard 1, which has both queued, just releases it.
+  PackUpdate c = update(1, 0, {8});
+  c.retained = {{8, 16}};
+  link->send(std::move(c));
+  PackUpdate d = update(1, 0);
+  d.dropped = {8, 7};  // 7: a shortened-then-dropped prefix shard 1 already holds
+  link->send(std::move(d));
+  EXPECT_THAT(rec[0]->got.back().dropped, ElementsAre(8, 7));
+  EXPECT_EQ(link->retained_prefixes(), 0u);
+  PackUpdate flush;  // the idle flush carries shard 1's queue at once
+  flush.step = 2;
+  flush.num_layers = 0;
+  link->send(std::move(flush));
+  const PackUpdate& got1 = rec[1]->got.back();
+  EXPECT_THAT(got1.released, ElementsAre(8));
+  EXPECT_TRUE(got1.retained.empty());
+  EXPECT_THAT(got1.dropped, ElementsAre(7));
+}
+
 TEST_F(Sharded, AFailedShardFailsTheLinkNamingIt) {
   auto link = make(2);
   EXPECT_EQ(link->failure(), "");
