@@ -179,11 +179,13 @@ void ShardedLink::send(PackUpdate&& u) {
   for (uint64_t id : u.released) live_.erase(id);
   for (const Retain& r : u.retained) retained_.insert(r.seq_id);
   for (uint64_t id : u.dropped) retained_.erase(id);
-  // Shard i's update carries its queued news first, then this update's.
+  // The news reaches every shard: queued for each first, then taken by the updates sent. A shard whose send throws
+  // (its cache rank is down; it is replaced by one that holds nothing) leaves the others' queues as they are, so
+  // their next update, or a replacement's release of what they hold, still carries it.
+  for (News& q : pending_) merge(q, u.released, u.retained, u.dropped);
   auto take = [&](size_t i, PackUpdate& c) {
     News q = std::move(pending_[i]);
     pending_[i] = News{};
-    merge(q, u.released, u.retained, u.dropped);
     c.released = std::move(q.released);
     c.retained = std::move(q.retained);
     c.dropped = std::move(q.dropped);
@@ -202,10 +204,7 @@ void ShardedLink::send(PackUpdate&& u) {
     return;
   }
   const int s = shard_of_pack(u.pack, num_shards());
-  // The news reaches every shard: this update carries it to its shard, the others get it with their next update.
-  for (size_t i = 0; i < shards_.size(); ++i)
-    if (static_cast<int>(i) != s) merge(pending_[i], u.released, u.retained, u.dropped);
-  take(static_cast<size_t>(s), u);
+  take(static_cast<size_t>(s), u);  // its queue holds this update's news last
   shards_[static_cast<size_t>(s)]->send(std::move(u));
   order_.push_back(s);
 }

@@ -14,7 +14,8 @@
 // inference rank merges its own: a later retain of the same id replaces the earlier (a shortened prefix), and a drop
 // of a prefix whose release is still queued cancels its retain (the release frees it). An update that carries such
 // news only (no layer, no sequence: the idle flush) goes to every shard at once, and its one answer is taken once
-// every shard has answered.
+// every shard has answered. News is queued for every shard before any is sent, so a shard whose send fails (its cache
+// rank is down) leaves the others' news queued, and a replacement's clean-up stays consistent with what they hold.
 //
 // Errors: a failed shard fails the whole link (spade::Error naming the shard's cache rank): the inference rank then
 // fails or densifies the affected requests as for one cache rank.

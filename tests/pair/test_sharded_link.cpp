@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <deque>
 #include <set>
 
@@ -156,6 +157,34 @@ TEST_F(Sharded, RetainedPrefixesAndDropsReachEveryShardMerged) {
   EXPECT_THAT(got1.released, ElementsAre(8));
   EXPECT_TRUE(got1.retained.empty());
   EXPECT_THAT(got1.dropped, ElementsAre(7));
+}
+
+// An idle flush whose send fails on one shard (its cache rank is down) leaves its news queued for the others: after
+// the replacement, the healthy shard still frees the ended sequence (its retain cancelled by the replacement's drop).
+TEST_F(Sharded, NewsOfAFlushThatFailsOnOneShardStaysQueuedForTheOthers) {
+  auto link = make(2);
+  for (int pack = 0; pack < 2; ++pack) {
+    PackUpdate u = update(0, pack);
+    u.seqs.emplace_back();
+    u.seqs.back().seq_id = 7;
+    link->send(std::move(u));
+  }
+  for (int pack = 0; pack < 2; ++pack) (void)link->receive(transport::Clock::now(), nullptr);
+  rec[0]->fail_ = "cache rank 0 is down";
+  PackUpdate flush;
+  flush.step = 1;
+  flush.num_layers = 0;
+  flush.released = {7};
+  flush.retained = {{7, 16}};
+  EXPECT_THROW(link->send(std::move(flush)), Error);
+  EXPECT_TRUE(rec[1]->got.size() == 1u) << "shard 1 was not reached";
+  auto next = link->replaced(0, std::make_unique<Recorder>("cache rank 0 (incarnation 1)"),
+                             transport::Clock::now() + std::chrono::seconds(1));
+  next->send(update(2, 1));
+  const PackUpdate& got = rec[1]->got.back();
+  EXPECT_THAT(got.released, ElementsAre(7));
+  EXPECT_TRUE(got.retained.empty());
+  EXPECT_TRUE(got.dropped.empty()) << "its release frees it: no drop of a prefix shard 1 never retained";
 }
 
 TEST_F(Sharded, AFailedShardFailsTheLinkNamingIt) {
