@@ -343,6 +343,16 @@ struct GpuCacheServer::State {
     // this one read them
     cuda_check(cudaStreamWaitEvent(score, predicted[b].e, 0), "wait predict");
     cuda_check(cudaStreamWaitEvent(score, selected[b].e, 0), "wait scores");
+    // The paged-cache geometry of this group's S rows, as score_tokens and select_anchors read it.
+    const auto paged_rows = [&](auto& x) {
+      x.block_table = md(m.g_bt[g]);
+      x.batch = S;
+      x.num_q_heads = Hq;
+      x.num_kv_heads = Hkv;
+      x.head_dim = D;
+      x.page_size = o.page_size;
+      x.max_pages_per_seq = o.max_pages_per_seq;
+    };
     for (int j = 0; j < n; ++j) {
       kernels::ScoreTokensParams sp;
       sp.q_hat = qh + static_cast<size_t>(j) * S * Hq * D;
@@ -353,15 +363,9 @@ struct GpuCacheServer::State {
       } else {
         sp.k_cache = pool.k(p * P + j);
       }
-      sp.block_table = md(m.g_bt[g]);
+      paged_rows(sp);
       sp.num_tokens = md(m.g_lens[g]);
       sp.scores = sc + static_cast<size_t>(j) * S * Hkv * stride;
-      sp.batch = S;
-      sp.num_q_heads = Hq;
-      sp.num_kv_heads = Hkv;
-      sp.head_dim = D;
-      sp.page_size = o.page_size;
-      sp.max_pages_per_seq = o.max_pages_per_seq;
       sp.score_stride = stride;
       sp.rule = o.sparse.selection.gqa_rule;
       cuda_check(kernels::score_tokens(sp, score), "GPU cache rank: score");
@@ -375,17 +379,11 @@ struct GpuCacheServer::State {
         ap.num_queries = md(m.g_anq[g]);
         ap.context_len = md(m.g_actx[g]);
         ap.k_cache = pool.k(l);
-        ap.block_table = md(m.g_bt[g]);
+        paged_rows(ap);
         ap.anchor_rows = md(m.g_mrows[g] + static_cast<size_t>(l) * S * Hkv);
         ap.anchors = anchors.as<int32_t>();
-        ap.batch = S;
         ap.num_windows = o.max_slots * L;
         ap.window_capacity = A;
-        ap.num_q_heads = Hq;
-        ap.num_kv_heads = Hkv;
-        ap.head_dim = D;
-        ap.page_size = o.page_size;
-        ap.max_pages_per_seq = o.max_pages_per_seq;
         // The GPU path has no sink tokens: anchors leave out the first `span` positions (Selector: max(sinks, span)).
         ap.begin = o.sparse.selection.anchor_span;
         ap.local_window = o.sparse.selection.local_window;
