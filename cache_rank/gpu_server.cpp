@@ -62,6 +62,7 @@ struct GpuCacheServer::State {
   DeviceBuffer awin;      // [slots][L][Hq][A][D] bf16
   DeviceBuffer awin_len;  // [slots * L] int32
   DeviceBuffer anchors;   // [slots][L][Hkv][kMaxAnchors] int32, -1 padding
+  DeviceBuffer anchor_ws;  // select_anchors' scratch for one layer's launch (batch = slots), reused layer by layer
   std::vector<char> anchor_pending;  // per slot: its anchors are still to be picked (its queries are pushed)
   std::vector<int> host_awlen;       // per slot: anchor-window entries (the same in every layer)
   DeviceBuffer mirror;   // [slots][L][Hkv][k] int32
@@ -343,6 +344,16 @@ struct GpuCacheServer::State {
     // this one read them
     cuda_check(cudaStreamWaitEvent(score, predicted[b].e, 0), "wait predict");
     cuda_check(cudaStreamWaitEvent(score, selected[b].e, 0), "wait scores");
+    // The paged-cache geometry of this group's S rows, as score_tokens and select_anchors read it.
+    const auto paged_rows = [&](auto& x) {
+      x.block_table = md(m.g_bt[g]);
+      x.batch = S;
+      x.num_q_heads = Hq;
+      x.num_kv_heads = Hkv;
+      x.head_dim = D;
+      x.page_size = o.page_size;
+      x.max_pages_per_seq = o.max_pages_per_seq;
+    };
     for (int j = 0; j < n; ++j) {
       kernels::ScoreTokensParams sp;
       sp.q_hat = qh + static_cast<size_t>(j) * S * Hq * D;
@@ -353,15 +364,9 @@ struct GpuCacheServer::State {
       } else {
         sp.k_cache = pool.k(p * P + j);
       }
-      sp.block_table = md(m.g_bt[g]);
+      paged_rows(sp);
       sp.num_tokens = md(m.g_lens[g]);
       sp.scores = sc + static_cast<size_t>(j) * S * Hkv * stride;
-      sp.batch = S;
-      sp.num_q_heads = Hq;
-      sp.num_kv_heads = Hkv;
-      sp.head_dim = D;
-      sp.page_size = o.page_size;
-      sp.max_pages_per_seq = o.max_pages_per_seq;
       sp.score_stride = stride;
       sp.rule = o.sparse.selection.gqa_rule;
       cuda_check(kernels::score_tokens(sp, score), "GPU cache rank: score");
@@ -375,21 +380,17 @@ struct GpuCacheServer::State {
         ap.num_queries = md(m.g_anq[g]);
         ap.context_len = md(m.g_actx[g]);
         ap.k_cache = pool.k(l);
-        ap.block_table = md(m.g_bt[g]);
+        paged_rows(ap);
         ap.anchor_rows = md(m.g_mrows[g] + static_cast<size_t>(l) * S * Hkv);
         ap.anchors = anchors.as<int32_t>();
-        ap.batch = S;
         ap.num_windows = o.max_slots * L;
         ap.window_capacity = A;
-        ap.num_q_heads = Hq;
-        ap.num_kv_heads = Hkv;
-        ap.head_dim = D;
-        ap.page_size = o.page_size;
-        ap.max_pages_per_seq = o.max_pages_per_seq;
         // The GPU path has no sink tokens: anchors leave out the first `span` positions (Selector: max(sinks, span)).
         ap.begin = o.sparse.selection.anchor_span;
         ap.local_window = o.sparse.selection.local_window;
         ap.span = o.sparse.selection.anchor_span;
+        ap.workspace = anchor_ws.get();  // the score stream orders the layers' launches: one workspace serves all
+        ap.workspace_bytes = anchor_ws.bytes();
         cuda_check(kernels::select_anchors(ap, score), "GPU cache rank: prompt anchors");
       }
     }
@@ -507,6 +508,8 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
     cuda_check(cudaMemset(s.awin_len.get(), 0, s.awin_len.bytes()), "anchor window init");
     s.anchors = DeviceBuffer(S * Lz * s.Hkv * kernels::kMaxAnchors * 4, "GPU cache rank: prompt anchors");
     cuda_check(cudaMemset(s.anchors.get(), 0xFF, s.anchors.bytes()), "anchors init");
+    s.anchor_ws = DeviceBuffer(kernels::select_anchors_workspace_bytes(static_cast<int>(S), s.Hq, s.Hkv, s.A),
+                               "GPU cache rank: anchor pick workspace");
     std::fill(s.anchor_pending.begin(), s.anchor_pending.end(), 1);
   }
   s.mirror = DeviceBuffer(S * Lz * s.Hkv * s.k * 4, "GPU cache rank: slot table mirrors");
@@ -561,7 +564,7 @@ void GpuCacheServer::synchronize() {
 size_t GpuCacheServer::device_bytes() const {
   const State& s = *st_;
   size_t b = s.pool.bytes();
-  for (const DeviceBuffer* x : {&s.kq, &s.kscale, &s.windows, &s.awin, &s.awin_len, &s.anchors, &s.mirror,
+  for (const DeviceBuffer* x : {&s.kq, &s.kscale, &s.windows, &s.awin, &s.awin_len, &s.anchors, &s.anchor_ws, &s.mirror,
                                 &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta, &s.win_scratch, &s.q_hat[0], &s.q_hat[1], &s.scores[0], &s.scores[1], &s.indices})
     b += x->bytes();
   for (const auto& g : s.msg)
