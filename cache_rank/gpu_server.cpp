@@ -62,6 +62,7 @@ struct GpuCacheServer::State {
   DeviceBuffer awin;      // [slots][L][Hq][A][D] bf16
   DeviceBuffer awin_len;  // [slots * L] int32
   DeviceBuffer anchors;   // [slots][L][Hkv][kMaxAnchors] int32, -1 padding
+  DeviceBuffer anchor_ws;  // select_anchors' scratch for one layer's launch (batch = slots), reused layer by layer
   std::vector<char> anchor_pending;  // per slot: its anchors are still to be picked (its queries are pushed)
   std::vector<int> host_awlen;       // per slot: anchor-window entries (the same in every layer)
   DeviceBuffer mirror;   // [slots][L][Hkv][k] int32
@@ -388,6 +389,8 @@ struct GpuCacheServer::State {
         ap.begin = o.sparse.selection.anchor_span;
         ap.local_window = o.sparse.selection.local_window;
         ap.span = o.sparse.selection.anchor_span;
+        ap.workspace = anchor_ws.get();  // the score stream orders the layers' launches: one workspace serves all
+        ap.workspace_bytes = anchor_ws.bytes();
         cuda_check(kernels::select_anchors(ap, score), "GPU cache rank: prompt anchors");
       }
     }
@@ -505,6 +508,8 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
     cuda_check(cudaMemset(s.awin_len.get(), 0, s.awin_len.bytes()), "anchor window init");
     s.anchors = DeviceBuffer(S * Lz * s.Hkv * kernels::kMaxAnchors * 4, "GPU cache rank: prompt anchors");
     cuda_check(cudaMemset(s.anchors.get(), 0xFF, s.anchors.bytes()), "anchors init");
+    s.anchor_ws = DeviceBuffer(kernels::select_anchors_workspace_bytes(static_cast<int>(S), s.Hq, s.Hkv, s.A),
+                               "GPU cache rank: anchor pick workspace");
     std::fill(s.anchor_pending.begin(), s.anchor_pending.end(), 1);
   }
   s.mirror = DeviceBuffer(S * Lz * s.Hkv * s.k * 4, "GPU cache rank: slot table mirrors");
@@ -559,7 +564,7 @@ void GpuCacheServer::synchronize() {
 size_t GpuCacheServer::device_bytes() const {
   const State& s = *st_;
   size_t b = s.pool.bytes();
-  for (const DeviceBuffer* x : {&s.kq, &s.kscale, &s.windows, &s.awin, &s.awin_len, &s.anchors, &s.mirror,
+  for (const DeviceBuffer* x : {&s.kq, &s.kscale, &s.windows, &s.awin, &s.awin_len, &s.anchors, &s.anchor_ws, &s.mirror,
                                 &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta, &s.win_scratch, &s.q_hat[0], &s.q_hat[1], &s.scores[0], &s.scores[1], &s.indices})
     b += x->bytes();
   for (const auto& g : s.msg)

@@ -160,9 +160,12 @@ cudaError_t push_query_window(const PushQueryWindowParams& p, cudaStream_t strea
 /// being the query at position context_len[b] - nq + i (its causal context: keys 0..that position); anchors are taken
 /// from [begin, end), end = min(max(begin, context_len[b] - max(local_window, nq)), context_len[b]). Writes kMaxAnchors
 /// int32 (best first, -1 padding) per (b, KV head) to row anchor_rows[b][kvh] of `anchors`; a row with nq == 0 (or a
-/// window index outside [0, num_windows)) is left as it is. One CTA per (sequence, KV head); the softmax in fp32
-/// (the reference's in fp64), so a probability within ~1e-6 of kAnchorMinMass, or two within ~1e-6 of each other, may
-/// decide differently. Cost: each anchor query reads its whole causal context twice (once at a sequence's switch).
+/// window index outside [0, num_windows)) is left as it is. Two kernels on `stream`: one CTA per (anchor query,
+/// KV head, sequence) finds that query's candidates (probability >= kAnchorMinMass) into `workspace`, then one CTA per
+/// (KV head, sequence) makes the greedy picks. The softmax in fp32 (the reference's in fp64), so a probability within
+/// ~1e-6 of kAnchorMinMass, or two within ~1e-6 of each other, may decide differently. Cost: each anchor query reads
+/// its whole causal context twice (once at a sequence's switch). Errors (cudaErrorInvalidValue, detail in
+/// launch_error_detail()): a pointer unset, workspace_bytes < select_anchors_workspace_bytes(...), a size out of range.
 struct SelectAnchorsParams {
   DType dtype = DType::BF16;             // BF16 or F16: k_cache and windows.
   const void* windows = nullptr;         // [num_windows, num_q_heads, window_capacity, head_dim] dtype, oldest first.
@@ -184,12 +187,15 @@ struct SelectAnchorsParams {
   int begin = 0;                         // first position an anchor may take (the CPU cache rank: max(sinks, span))
   int local_window = 0;                  // R
   int span = 1;                          // >= 1: anchors of one KV head are at least `span` apart
+  void* workspace = nullptr;             // device scratch of workspace_bytes, 4-byte aligned; nothing kept in it
+  size_t workspace_bytes = 0;            // >= select_anchors_workspace_bytes(batch, hq, hkv, window_capacity)
 };
 
 cudaError_t select_anchors(const SelectAnchorsParams& p, cudaStream_t stream);
 
-/// Dynamic shared memory select_anchors uses (its kernels' limit is raised to the device's opt-in maximum).
-size_t select_anchors_smem_bytes(int group, int head_dim, int window_capacity);
+/// Device scratch (bytes) select_anchors needs: per (sequence, KV head, anchor query) a count and up to
+/// 10 * (num_q_heads / num_kv_heads) candidates (int32 position + fp32 probability). 0 for sizes out of range.
+size_t select_anchors_workspace_bytes(int batch, int num_q_heads, int num_kv_heads, int window_capacity);
 
 /// apply_anchor_spans_ref on the device: score row r (of rows = batch * rows_per_batch) takes the spans of anchors
 /// row anchor_rows[r], with row_lens[r / rows_per_batch] scored columns.

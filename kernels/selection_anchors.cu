@@ -16,19 +16,23 @@ namespace detail {
 namespace {
 
 // =====================================================================================================================
-// Anchor pick: one CTA per (sequence, KV head). Warp w takes the anchor queries i = w, w + 8, ... in turn;
-// its lanes take the keys of the query's causal context 32 at a time, each lane one key against the G heads
-// of the group (the queries in shared memory as fp32). Pass 1: per-lane online max / sum per head, merged
-// over the warp (the softmax normalisers). Pass 2: each key's probability, the max over the group's heads, is
-// a candidate when >= kAnchorMinMass and inside [begin, end). A query head puts >= 0.1 on at most 10 keys, so
-// a query brings at most 10 G candidates. Then kMaxAnchors greedy rounds over the candidates (best
-// probability first, ties to the earlier position, none within `span` of an anchor already taken), as
-// select_anchors_ref.
+// Anchor pick, in two kernels (select_anchors_ref's rule):
+// 1. Candidates: one CTA per (anchor query i, KV head, sequence), 256 threads. The query's G heads sit in shared
+//    memory as fp32; each thread takes keys t = tid, tid + 256, ... of the query's causal context, one key against
+//    the G heads. Pass 1: per-thread online max / sum per head, merged over the warp and then the CTA (the softmax
+//    normalisers). Pass 2: each key's probability, the max over the group's heads, is a candidate when
+//    >= kAnchorMinMass and inside [begin, end). A query head puts >= 0.1 on at most 10 keys, so query i brings at
+//    most 10 G candidates: they go to its own region of the workspace, with their count.
+// 2. Pick: one CTA per (KV head, sequence) gathers the candidates of its nq queries into shared memory and makes
+//    kMaxAnchors greedy rounds over them (best probability first, ties to the earlier position, none within `span`
+//    of an anchor already taken). The result does not depend on the order in which the candidates were gathered.
 // =====================================================================================================================
 
 constexpr int kAnchorThreads = 256;
 constexpr int kAnchorWarps = kAnchorThreads / 32;
 constexpr int kCandidatesPerHead = 10;  // floor(1 / kAnchorMinMass)
+constexpr int kMaxCandidatesPerQuery = kMaxGqaGroup * kCandidatesPerHead;
+constexpr int kMaxCandidates = kMaxAnchorWindow * kMaxCandidatesPerQuery;  // per (sequence, KV head)
 
 struct AnchorArgs {
   PagedKv kv;
@@ -38,13 +42,33 @@ struct AnchorArgs {
   const int32_t* context_len;
   const int32_t* anchor_rows;
   int32_t* anchors;
+  int32_t* cand_count;  // workspace: [batch][hkv][capacity]
+  int32_t* cand_pos;    // workspace: [batch][hkv][capacity][group * kCandidatesPerHead]
+  float* cand_prob;     // workspace: as cand_pos
   int num_windows, hq, group, capacity, begin, local_window, span;
   float scale;
 };
 
-__host__ __device__ constexpr size_t anchor_smem_bytes(int group, int head_dim, int capacity) {
-  return static_cast<size_t>(kAnchorWarps) * group * head_dim * sizeof(float) +
-         static_cast<size_t>(capacity) * group * kCandidatesPerHead * (sizeof(int32_t) + sizeof(float));
+// The workspace layout (AnchorArgs' cand_*): counts first, then positions, then probabilities.
+__host__ __device__ constexpr size_t anchor_regions(int batch, int num_kv_heads, int capacity) {
+  return static_cast<size_t>(batch) * num_kv_heads * capacity;
+}
+__host__ __device__ constexpr size_t anchor_workspace_bytes(int batch, int num_kv_heads, int group, int capacity) {
+  return anchor_regions(batch, num_kv_heads, capacity) *
+         (sizeof(int32_t) + static_cast<size_t>(group) * kCandidatesPerHead * (sizeof(int32_t) + sizeof(float)));
+}
+
+// Row b's valid anchor queries: nq = min(num_queries[b], capacity, context_len[b]); 0 when the row is skipped
+// (no queries, or a window index outside [0, num_windows)).
+__device__ __forceinline__ int anchor_queries(const AnchorArgs& a, int b) {
+  const int w = __ldg(a.window_idx + b);
+  if (w < 0 || w >= a.num_windows) return 0;
+  return max(0, min(min(__ldg(a.num_queries + b), a.capacity), __ldg(a.context_len + b)));
+}
+
+// Anchors may come from [begin, end): end = min(max(begin, ctx - max(local_window, nq)), ctx).
+__device__ __forceinline__ int anchor_end(const AnchorArgs& a, int ctx, int nq) {
+  return min(max(a.begin, ctx - max(a.local_window, nq)), ctx);
 }
 
 // s[g] = q[g] . krow for the group's heads g < group (<= kMaxGqaGroup; the loops unroll over kMaxGqaGroup so
@@ -72,97 +96,129 @@ __device__ __forceinline__ void dot_group(const T* krow, const float* q, int gro
   }
 }
 
+// (m, z) <- the merge of two online-softmax states (max, sum of exp(x - max)).
+__device__ __forceinline__ void merge_softmax(float& m, float& z, float mo, float zo) {
+  const float mx = fmaxf(m, mo);
+  z = (z > 0.f ? z * expf(m - mx) : 0.f) + (zo > 0.f ? zo * expf(mo - mx) : 0.f);
+  m = mx;
+}
+
 template <typename T, int D>
-__global__ void __launch_bounds__(kAnchorThreads) select_anchors_kernel(const AnchorArgs a) {
-  extern __shared__ float anchor_smem[];
-  const int kvh = blockIdx.x, b = blockIdx.y, G = a.group;
-  const int w = __ldg(a.window_idx + b);
-  const int ctx = __ldg(a.context_len + b);
-  const int nq = min(min(__ldg(a.num_queries + b), a.capacity), ctx);
-  if (nq <= 0 || w < 0 || w >= a.num_windows) return;  // this row's anchors stay as they are
-  int32_t* out =
-      a.anchors +
-      static_cast<size_t>(__ldg(a.anchor_rows + static_cast<size_t>(b) * a.kv.hkv + kvh)) * kMaxAnchors;
-  const int first_pos = ctx - nq;
-  const int end = min(max(a.begin, ctx - max(a.local_window, nq)), ctx);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* q_s = anchor_smem + static_cast<size_t>(warp) * G * D;  // the warp's query, [G][D] fp32
-  const int cap = nq * G * kCandidatesPerHead;
-  int32_t* cand_t = reinterpret_cast<int32_t*>(anchor_smem + static_cast<size_t>(kAnchorWarps) * G * D);
-  float* cand_p = reinterpret_cast<float*>(cand_t + static_cast<size_t>(a.capacity) * G * kCandidatesPerHead);
+__global__ void __launch_bounds__(kAnchorThreads) anchor_candidates_kernel(const AnchorArgs a) {
+  __shared__ float q_s[kMaxGqaGroup * D];  // the query's heads, [G][D] fp32
+  __shared__ float s_m[kAnchorWarps][kMaxGqaGroup], s_z[kAnchorWarps][kMaxGqaGroup];
   __shared__ int s_count;
-  __shared__ float s_best_p[kAnchorWarps];
-  __shared__ int s_best_t[kAnchorWarps];
-  __shared__ int s_taken[kMaxAnchors];
+  const int i = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = a.group;
+  const int nq = anchor_queries(a, b);
+  if (i >= nq) return;  // no region is read for i >= nq
+  const int w = __ldg(a.window_idx + b), ctx = __ldg(a.context_len + b);
+  const size_t region = (static_cast<size_t>(b) * a.kv.hkv + kvh) * a.capacity + i;
+  const int per_query = G * kCandidatesPerHead;
+  const int end = anchor_end(a, ctx, nq);
+  if (end <= a.begin) {  // no position may be an anchor
+    if (threadIdx.x == 0) a.cand_count[region] = 0;
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The window holds its entries oldest first: entry i of the last nq is at position ctx - nq + i.
+  for (int e = threadIdx.x; e < G * D; e += kAnchorThreads) {
+    const int g = e / D, d = e % D;
+    const uint16_t bits = a.windows[((static_cast<size_t>(w) * a.hq + kvh * G + g) * a.capacity + i) * D + d];
+    q_s[e] = ElemTraits<T>::to_float(*reinterpret_cast<const T*>(&bits));
+  }
   if (threadIdx.x == 0) s_count = 0;
   __syncthreads();
   const T* kbase = a.kv.k_head<T, D>(kvh);
   const int32_t* table = a.kv.table_row(b);
-  if (end > a.begin) {
-    for (int i = warp; i < nq; i += kAnchorWarps) {
-      // The window holds its entries oldest first: entry i of the last nq is at position first_pos + i.
-      for (int g = 0; g < G; ++g) {
-        const uint16_t* src =
-            a.windows + ((static_cast<size_t>(w) * a.hq + kvh * G + g) * a.capacity + i) * D;
-        for (int d = lane; d < D; d += 32) {
-          const uint16_t bits = src[d];
-          q_s[g * D + d] = ElemTraits<T>::to_float(*reinterpret_cast<const T*>(&bits));
-        }
-      }
-      __syncwarp();
-      const int n = first_pos + i + 1;  // causal context of query i
-      float m[kMaxGqaGroup], z[kMaxGqaGroup], s[kMaxGqaGroup];
+  const int n = ctx - nq + i + 1;  // causal context of query i
+  float m[kMaxGqaGroup], z[kMaxGqaGroup], s[kMaxGqaGroup];
 #pragma unroll
-      for (int g = 0; g < kMaxGqaGroup; ++g) {
-        m[g] = -FLT_MAX;
-        z[g] = 0.f;
-      }
-      for (int t = lane; t < n; t += 32) {
-        const int page = table[a.kv.page_of(t)];
-        dot_group<T, D>(kbase + a.kv.slot(page, t) * a.kv.row_stride<D>(), q_s, G, s);
+  for (int g = 0; g < kMaxGqaGroup; ++g) {
+    m[g] = -FLT_MAX;
+    z[g] = 0.f;
+  }
+  for (int t = threadIdx.x; t < n; t += kAnchorThreads) {  // pass 1: the softmax normalisers
+    const int page = table[a.kv.page_of(t)];
+    dot_group<T, D>(kbase + a.kv.slot(page, t) * a.kv.row_stride<D>(), q_s, G, s);
 #pragma unroll
-        for (int g = 0; g < kMaxGqaGroup; ++g) {
-          if (g >= G) break;
-          const float x = s[g] * a.scale;
-          if (x > m[g]) {
-            z[g] = z[g] * expf(m[g] - x) + 1.f;
-            m[g] = x;
-          } else {
-            z[g] += expf(x - m[g]);
-          }
-        }
+    for (int g = 0; g < kMaxGqaGroup; ++g) {
+      if (g >= G) break;
+      const float x = s[g] * a.scale;
+      if (x > m[g]) {
+        z[g] = z[g] * expf(m[g] - x) + 1.f;
+        m[g] = x;
+      } else {
+        z[g] += expf(x - m[g]);
       }
+    }
+  }
 #pragma unroll
-      for (int g = 0; g < kMaxGqaGroup; ++g) {  // merge the lanes' (max, sum)
-        if (g >= G) break;
-        for (int off = 16; off > 0; off >>= 1) {
-          const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
-          const float zo = __shfl_xor_sync(0xffffffffu, z[g], off);
-          const float mx = fmaxf(m[g], mo);
-          z[g] = (z[g] > 0.f ? z[g] * expf(m[g] - mx) : 0.f) + (zo > 0.f ? zo * expf(mo - mx) : 0.f);
-          m[g] = mx;
-        }
-      }
-      for (int t = a.begin + lane; t < min(end, n); t += 32) {
-        const int page = table[a.kv.page_of(t)];
-        dot_group<T, D>(kbase + a.kv.slot(page, t) * a.kv.row_stride<D>(), q_s, G, s);
-        float p = 0.f;
-#pragma unroll
-        for (int g = 0; g < kMaxGqaGroup; ++g)
-          if (g < G) p = fmaxf(p, expf(s[g] * a.scale - m[g]) / z[g]);
-        if (p >= kAnchorMinMass) {
-          const int at = atomicAdd(&s_count, 1);
-          if (at < cap) {
-            cand_t[at] = t;
-            cand_p[at] = p;
-          }
-        }
-      }
-      __syncwarp();  // q_s is rewritten for the warp's next query
+  for (int g = 0; g < kMaxGqaGroup; ++g) {  // merge over the warp, then over the CTA
+    if (g >= G) break;
+    for (int off = 16; off > 0; off >>= 1)
+      merge_softmax(m[g], z[g], __shfl_xor_sync(0xffffffffu, m[g], off), __shfl_xor_sync(0xffffffffu, z[g], off));
+    if (lane == 0) {
+      s_m[warp][g] = m[g];
+      s_z[warp][g] = z[g];
     }
   }
   __syncthreads();
-  const int count = min(s_count, cap);
+#pragma unroll
+  for (int g = 0; g < kMaxGqaGroup; ++g) {
+    if (g >= G) break;
+    m[g] = s_m[0][g];
+    z[g] = s_z[0][g];
+    for (int j = 1; j < kAnchorWarps; ++j) merge_softmax(m[g], z[g], s_m[j][g], s_z[j][g]);
+  }
+  int32_t* pos_out = a.cand_pos + region * per_query;
+  float* prob_out = a.cand_prob + region * per_query;
+  for (int t = a.begin + static_cast<int>(threadIdx.x); t < min(end, n); t += kAnchorThreads) {  // pass 2
+    const int page = table[a.kv.page_of(t)];
+    dot_group<T, D>(kbase + a.kv.slot(page, t) * a.kv.row_stride<D>(), q_s, G, s);
+    float p = 0.f;
+#pragma unroll
+    for (int g = 0; g < kMaxGqaGroup; ++g)
+      if (g < G) p = fmaxf(p, expf(s[g] * a.scale - m[g]) / z[g]);
+    if (p >= kAnchorMinMass) {
+      const int at = atomicAdd(&s_count, 1);
+      if (at < per_query) {
+        pos_out[at] = t;
+        prob_out[at] = p;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) a.cand_count[region] = min(s_count, per_query);
+}
+
+__global__ void __launch_bounds__(kAnchorThreads) pick_anchors_kernel(const AnchorArgs a) {
+  __shared__ int32_t cand_t[kMaxCandidates];
+  __shared__ float cand_p[kMaxCandidates];
+  __shared__ int s_count;
+  __shared__ float s_best_p[kAnchorWarps];
+  __shared__ int s_best_t[kAnchorWarps];
+  __shared__ int s_taken[kMaxAnchors];
+  const int kvh = blockIdx.x, b = blockIdx.y;
+  const int nq = anchor_queries(a, b);
+  if (nq <= 0) return;  // this row's anchors stay as they are
+  int32_t* out =
+      a.anchors +
+      static_cast<size_t>(__ldg(a.anchor_rows + static_cast<size_t>(b) * a.kv.hkv + kvh)) * kMaxAnchors;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int per_query = a.group * kCandidatesPerHead;
+  const size_t region0 = (static_cast<size_t>(b) * a.kv.hkv + kvh) * a.capacity;
+  if (threadIdx.x == 0) s_count = 0;
+  __syncthreads();
+  for (int e = threadIdx.x; e < nq * per_query; e += kAnchorThreads) {  // gather the nq queries' candidates
+    const int i = e / per_query, j = e % per_query;
+    if (j < __ldg(a.cand_count + region0 + i)) {
+      const int at = atomicAdd(&s_count, 1);
+      cand_t[at] = __ldg(a.cand_pos + (region0 + i) * per_query + j);
+      cand_p[at] = __ldg(a.cand_prob + (region0 + i) * per_query + j);
+    }
+  }
+  __syncthreads();
+  const int count = s_count;
   // kMaxAnchors greedy rounds: the best candidate not within span of a taken anchor.
   int taken = 0;
   for (int r = 0; r < kMaxAnchors; ++r) {
@@ -235,24 +291,11 @@ __global__ void __launch_bounds__(kSpanThreads) apply_anchor_spans_kernel(const 
 
 }  // namespace
 
-// The kernels' dynamic shared-memory limit: the largest size a launch can ask (GQA group kMaxGqaGroup, a full
-// anchor window); the kernel also has a few static __shared__ words, so the device's whole opt-in cannot be
-// given.
-template <typename T, int D>
-cudaError_t anchor_smem_attribute() {
-  return ensure_smem_attribute<select_anchors_kernel<T, D>>(
-      anchor_smem_bytes(kMaxGqaGroup, D, kMaxAnchorWindow));
-}
-
-cudaError_t prepare_anchor_kernels() {
-  return for_each_type_head_dim<__nv_bfloat16, __half>(
-      [](auto tag, auto dim) { return anchor_smem_attribute<decltype(tag), decltype(dim)::value>(); });
-}
-
 }  // namespace detail
 
-size_t select_anchors_smem_bytes(int group, int head_dim, int window_capacity) {
-  return detail::anchor_smem_bytes(group, head_dim, window_capacity);
+size_t select_anchors_workspace_bytes(int batch, int num_q_heads, int num_kv_heads, int window_capacity) {
+  if (batch < 0 || num_kv_heads < 1 || num_q_heads < num_kv_heads || window_capacity < 0) return 0;
+  return detail::anchor_workspace_bytes(batch, num_kv_heads, num_q_heads / num_kv_heads, window_capacity);
 }
 
 cudaError_t select_anchors(const SelectAnchorsParams& p, cudaStream_t stream) {
@@ -262,11 +305,11 @@ cudaError_t select_anchors(const SelectAnchorsParams& p, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   if (p.k_cache == nullptr || p.block_table == nullptr || p.windows == nullptr || p.window_idx == nullptr ||
       p.num_queries == nullptr || p.context_len == nullptr || p.anchor_rows == nullptr ||
-      p.anchors == nullptr) {
+      p.anchors == nullptr || p.workspace == nullptr) {
     return invalid_argument(
         what,
-        "k_cache, block_table, windows, window_idx, num_queries, context_len, anchor_rows "
-        "and anchors must be set");
+        "k_cache, block_table, windows, window_idx, num_queries, context_len, anchor_rows, anchors "
+        "and workspace must be set");
   }
   if (p.num_windows < 1 || p.window_capacity < 1 || p.window_capacity > kMaxAnchorWindow || p.span < 1 ||
       p.begin < 0 || p.local_window < 0) {
@@ -274,6 +317,17 @@ cudaError_t select_anchors(const SelectAnchorsParams& p, cudaStream_t stream) {
                             " (1..", kMaxAnchorWindow, ") / span ", p.span, " / begin ", p.begin,
                             " / local_window ", p.local_window, " invalid");
   }
+  const size_t need = select_anchors_workspace_bytes(p.batch, p.num_q_heads, p.num_kv_heads, p.window_capacity);
+  if (p.workspace_bytes < need) {
+    return invalid_argument(what, "workspace_bytes ", p.workspace_bytes, " < ", need,
+                            " (select_anchors_workspace_bytes)");
+  }
+  if (p.batch > 65535) return invalid_argument(what, "batch ", p.batch, " > 65535");
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const size_t regions = anchor_regions(p.batch, p.num_kv_heads, p.window_capacity);
+  auto* count = static_cast<int32_t*>(p.workspace);
+  auto* pos = count + regions;
+  auto* prob = reinterpret_cast<float*>(pos + regions * group * kCandidatesPerHead);
   const AnchorArgs a{paged_kv(p, p.k_cache, nullptr),
                      static_cast<const uint16_t*>(p.windows),
                      p.window_idx,
@@ -281,20 +335,23 @@ cudaError_t select_anchors(const SelectAnchorsParams& p, cudaStream_t stream) {
                      p.context_len,
                      p.anchor_rows,
                      p.anchors,
+                     count,
+                     pos,
+                     prob,
                      p.num_windows,
                      p.num_q_heads,
-                     p.num_q_heads / p.num_kv_heads,
+                     group,
                      p.window_capacity,
                      p.begin,
                      p.local_window,
                      p.span,
                      1.f / sqrtf(static_cast<float>(p.head_dim))};
-  const size_t smem = anchor_smem_bytes(a.group, p.head_dim, p.window_capacity);
   return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
-    auto kernel = select_anchors_kernel<decltype(tag), decltype(dim)::value>;
-    cudaError_t err = anchor_smem_attribute<decltype(tag), decltype(dim)::value>();
+    anchor_candidates_kernel<decltype(tag), decltype(dim)::value>
+        <<<dim3(p.window_capacity, p.num_kv_heads, p.batch), kAnchorThreads, 0, stream>>>(a);
+    cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    kernel<<<dim3(p.num_kv_heads, p.batch), kAnchorThreads, smem, stream>>>(a);
+    pick_anchors_kernel<<<dim3(p.num_kv_heads, p.batch), kAnchorThreads, 0, stream>>>(a);
     return cudaGetLastError();
   });
 }

@@ -63,6 +63,5 @@ __device__ __forceinline__ void radix_select_digit(const int* hist_desc, int shi
 // them.
 cudaError_t prepare_predict_kernels();
 cudaError_t prepare_score_kernels();
-cudaError_t prepare_anchor_kernels();  // selection_anchors.cu
 
 }  // namespace spade::kernels::detail

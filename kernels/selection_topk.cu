@@ -184,7 +184,6 @@ cudaError_t prepare_selection_kernels() {
   cudaError_t e = detail::topk_smem_attribute();
   if (e == cudaSuccess) e = detail::prepare_predict_kernels();
   if (e == cudaSuccess) e = detail::prepare_score_kernels();
-  if (e == cudaSuccess) e = detail::prepare_anchor_kernels();
   return e;
 }
 

@@ -174,6 +174,12 @@ TEST_P(SelectAnchorsGpu, MatchesReference) {
   p.begin = span;
   p.local_window = R;
   p.span = span;
+  // The workspace starts as garbage (counts of 0x25252525): select_anchors must not read a region it did not write.
+  p.workspace_bytes = select_anchors_workspace_bytes(B, hq, hkv, A);
+  ASSERT_GT(p.workspace_bytes, 0u);
+  DevBuf<uint8_t> d_ws;
+  d_ws.upload(std::vector<uint8_t>(p.workspace_bytes, 0x25));
+  p.workspace = d_ws.get();
   SPADE_CUDA_OK(select_anchors(p, nullptr));
   SPADE_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<int32_t> got = d_anchors.download();
@@ -211,6 +217,13 @@ TEST_F(SelectAnchorsGpu, RefusesBadArguments) {
   p.window_capacity = 8;
   p.span = 0;
   EXPECT_EQ(select_anchors(p, nullptr), cudaErrorInvalidValue);
+  p.span = 4;
+  EXPECT_EQ(select_anchors(p, nullptr), cudaErrorInvalidValue);  // no workspace
+  EXPECT_NE(std::string(launch_error_detail()).find("workspace"), std::string::npos) << launch_error_detail();
+  p.workspace = dummy;
+  p.workspace_bytes = select_anchors_workspace_bytes(p.batch, p.num_q_heads, p.num_kv_heads, 8) - 1;
+  EXPECT_EQ(select_anchors(p, nullptr), cudaErrorInvalidValue);  // one byte short
+  EXPECT_NE(std::string(launch_error_detail()).find("workspace_bytes"), std::string::npos) << launch_error_detail();
   cudaFree(dummy);
 }
 
