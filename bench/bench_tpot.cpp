@@ -23,6 +23,12 @@
 // scored first: kernels/selection.cuh selection_delta); the inference rank applies them to its slot tables on the
 // receive stream (apply_selection_delta) and attends over the tables. The first selection goes in full.
 //
+// async over N cache ranks (--cache-ranks N, one issue-#22 run per entry): the inference rank on GPU 0, cache rank
+// s on GPU 1 + s, one NCCL link pair each; layer pack p goes to cache rank p mod N (pair::shard_of_pack, the serving
+// map) and each cache rank holds the KV of its packs' layers only, so N cache GPUs hold N times the KV. A cache rank
+// whose KV does not fit its GPU gives a "skipped" row with the bytes it needs; so does a dense / oracle run whose KV
+// outgrows GPU 0.
+//
 // solo: each rank of the async pipeline alone on GPU 0 with a null link (its peer never late, the link free): the
 // inference rank's TPOT and the cache rank's time per step with the GPU to itself, and their max, the projection of
 // the two-GPU TPOT that a one-GPU machine can give (a lower bound: the link's cost is left out).
@@ -36,7 +42,7 @@
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
 //                   [--modes dense,oracle,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
 //                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1] [--score-keys bf16,int8]
-//                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0]
+//                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0] [--cache-ranks 1,2,3]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
 // The selection's local window, query window, predictor, ridge eps and successor expansion default to the pair's
 // (pair::SelectionConfig, one Opts::selection); the oracle mode's top-k expands successors as the async cache rank's
@@ -64,6 +70,7 @@
 
 #include "bench/run_stamp.h"
 #include "pair/gpu_plan.h"
+#include "pair/sharded_link.h"
 #include "cache_rank/selector.h"
 #include "common/config.h"
 #include "common/error.h"
@@ -132,6 +139,11 @@ struct Opts {
   // last at high priority, scratch double-buffered), so the latency-bound stages of one pack run beside the
   // bandwidth-bound scoring of the next; 1 runs every stage of every pack in order on one stream.
   int cache_streams = 3;
+  // Cache ranks of the async pipeline (one inference rank over N cache ranks): N = 1 is the pair; N > 1 puts cache
+  // rank s on GPU 1 + s, layer pack p on cache rank p mod N (pair::shard_of_pack, the serving map) and each cache rank
+  // holds the KV and does the selection of its packs' layers only. One async run per entry.
+  std::vector<int> cache_ranks = {1};
+  bool cache_ranks_set = false;  // --cache-ranks given (refused with the modes it does not apply to)
 };
 
 struct Stats {
@@ -471,17 +483,33 @@ struct AsyncShared {
   int cap = 0;                  // delta transfer: entries per (layer, sequence, KV head) row; 0 = full transfer
   size_t rows_pack = 0;         // P x batch x KV heads
   DeltaLayout delta, init;      // per pack: steady-state delta (cap entries), first selection (budget entries)
-  int cache_device = 1;
+  // Cache rank s runs on cache_devices[s] and serves the packs p with pair::shard_of_pack(p, shards) == s.
+  int shards = 1;
+  std::vector<int> cache_devices = {1};
+  int shard(int pack) const { return pair::shard_of_pack(pack, shards); }
   // Sets of qkv receive buffers the cache rank cycles through, step by step: 1; a solo cache rank (nothing is
   // received) appends 8 different random sets, so its queries, predictions and selections change as in a real run.
   int up_variants = 1;
   std::atomic<bool> failed{false};
-  std::string error;
+  // The first failure of any rank's thread (the others abort their links and end).
+  void fail(const std::string& what) {
+    std::lock_guard lk(error_mu);
+    if (error.empty()) error = what;
+    failed = true;
+  }
+  std::string first_error() const {
+    std::lock_guard lk(error_mu);
+    return error;
+  }
   // Bytes of step t's down message of one pack.
   size_t down_bytes(int t) const {
     if (cap == 0) return static_cast<size_t>(P) * down_bytes_layer;
     return t == 0 ? init.bytes : delta.bytes;
   }
+
+ private:
+  mutable std::mutex error_mu;
+  std::string error;
 };
 
 /// Inference-rank attention: waits for the pack's selected KV, attends over it + the local window, copies the
@@ -490,8 +518,10 @@ struct AsyncShared {
 /// each received delta on the receive stream once the previous step's pack no longer reads the table.
 class AsyncInferenceAttention : public GpuAttention {
  public:
-  AsyncInferenceAttention(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, GpuLink& link, int total_steps)
-      : cfg_(cfg), o_(o), sh_(sh), link_(link),
+  /// links[s]: the link to cache rank s (AsyncShared::shard).
+  AsyncInferenceAttention(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, std::vector<GpuLink*> links,
+                          int total_steps)
+      : cfg_(cfg), o_(o), sh_(sh), links_(std::move(links)),
         up_(static_cast<size_t>(sh.packs) * sh.up_bytes_pack, "qkv send buffers"),
         down_(2 * static_cast<size_t>(sh.packs) * sh.down_bytes(1), "selected KV receive buffers"),
         init_(sh.cap > 0 ? static_cast<size_t>(sh.packs) * sh.init.bytes : 0, "first-selection receive buffers"),
@@ -540,7 +570,7 @@ class AsyncInferenceAttention : public GpuAttention {
   void ship(int t) {
     for (int p = 0; p < sh_.packs; ++p) {
       cuda_check(cudaStreamWaitEvent(up_stream_, pack_end_(row(t), p), 0), "wait");
-      link_.send(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
+      link(p).send(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
       cuda_check(cudaEventRecord(sent_(row(t), p), up_stream_), "record");
     }
   }
@@ -562,7 +592,7 @@ class AsyncInferenceAttention : public GpuAttention {
   void post_recvs(int t) {
     for (int p = 0; p < sh_.packs; ++p) {
       if (t >= 2) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(row(t - 2), p), 0), "wait");  // buffer reuse
-      link_.recv(recv_buf(t, p), sh_.down_bytes(t), down_stream_, "selected K/V of a pack");
+      link(p).recv(recv_buf(t, p), sh_.down_bytes(t), down_stream_, "selected K/V of a pack");
       if (sh_.cap > 0) {
         if (t >= 1) cuda_check(cudaStreamWaitEvent(down_stream_, pack_end_(row(t - 1), p), 0), "wait");
         apply(t, p);
@@ -595,7 +625,7 @@ class AsyncInferenceAttention : public GpuAttention {
       record(pack_end_(row(t), p), stream);
       if (!capturing_) {
         cuda_check(cudaStreamWaitEvent(up_stream_, pack_end_(row(t), p), 0), "wait");
-        link_.send(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
+        link(p).send(up_.as<char>() + p * sh_.up_bytes_pack, sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
         cuda_check(cudaEventRecord(sent_(row(t), p), up_stream_), "record");
       }
     }
@@ -617,6 +647,7 @@ class AsyncInferenceAttention : public GpuAttention {
   }
 
  private:
+  GpuLink& link(int pack) const { return *links_[static_cast<size_t>(sh_.shard(pack))]; }
   int row(int t) const { return graph_mode_ ? t % 2 : t; }
   void record(cudaEvent_t e, cudaStream_t stream) const {
     cuda_check(capturing_ ? cudaEventRecordWithFlags(e, stream, cudaEventRecordExternal) : cudaEventRecord(e, stream),
@@ -647,7 +678,7 @@ class AsyncInferenceAttention : public GpuAttention {
   const ModelConfig& cfg_;
   const Opts& o_;
   AsyncShared& sh_;
-  GpuLink& link_;
+  std::vector<GpuLink*> links_;
   DeviceBuffer up_, down_, init_, held_, lens_, ws_;
   EventGrid arrive_, ready_, pack_end_, recv_done_, sent_;
   cudaStream_t up_stream_ = nullptr, down_stream_ = nullptr;
@@ -656,21 +687,25 @@ class AsyncInferenceAttention : public GpuAttention {
   std::vector<double> times_;  // per (step, pack): stall ms, inference ms
 };
 
-/// The cache rank's side of the benchmark (GPU 1, or GPU 0 with the IPC link): full KV pool, query windows,
-/// selection one step ahead. With delta transfer it keeps the mirror of every slot table ([layer][seq][KV head]
-/// [budget] positions) and sends per pack only the entries selection_delta plans (the first selection: all of them).
+/// One cache rank of the benchmark (GPU 1 + shard, or GPU 0 with the IPC link): the KV pool of its packs' layers
+/// (every layer with one cache rank), query windows, selection one step ahead for its packs. With delta transfer it
+/// keeps the mirror of every slot table ([layer][seq][KV head][budget] positions) and sends per pack only the entries
+/// selection_delta plans (the first selection: all of them).
 class AsyncCacheRank {
  public:
-  AsyncCacheRank(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, GpuLink& link, const Plan& plan)
+  /// shard: this cache rank's index in [0, sh.shards); it serves the packs AsyncShared::shard maps to it.
+  AsyncCacheRank(const ModelConfig& cfg, const Opts& o, AsyncShared& sh, GpuLink& link, const Plan& plan, int shard)
       : cfg_(cfg), o_(o), sh_(sh), link_(link), plan_(plan), L_(cfg.num_layers), B_(o.batch),
-        cap_(o.selection.query_window + 1),
-        pool_(cfg.num_layers, plan.full_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim),
+        cap_(o.selection.query_window + 1), shard_(shard), mine_(shard_packs(sh, shard)),
+        layers_(pair::shard_layers(shard, sh.shards, cfg.num_layers, sh.P)), local_(local_index(layers_, L_)),
+        nl_(static_cast<int>(layers_.size())),
+        pool_(nl_, plan.full_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim),
         int8_keys_(o.selection.score_keys == kernels::ScoreKeys::kInt8),
         kq_(int8_keys_ ? pool_rows() * cfg.head_dim : 0, "int8 scoring keys"),
         kscale_(int8_keys_ ? pool_rows() * 4 : 0, "int8 key scales"),
         up_(static_cast<size_t>(sh.up_variants) * sh.packs * sh.up_bytes_pack, "qkv receive buffers"),
-        send_(2 * static_cast<size_t>(sh.packs) * sh.down_bytes(1), "selected KV send buffers"),
-        init_(sh.cap > 0 ? static_cast<size_t>(sh.packs) * sh.init.bytes : 0, "first-selection send buffers"),
+        send_(2 * mine_.size() * sh.down_bytes(1), "selected KV send buffers"),
+        init_(sh.cap > 0 ? mine_.size() * sh.init.bytes : 0, "first-selection send buffers"),
         mirror_(sh.cap > 0 ? static_cast<size_t>(L_) * B_ * cfg.num_kv_heads * o.budget() * 4 : 0,
                 "slot table mirrors"),
         totals_(sh.cap > 0 ? kernels::kDeltaTotalsFields * 8 : 0, "delta totals"),
@@ -707,11 +742,11 @@ class AsyncCacheRank {
       qk.k_cache = pool_.k(0);
       qk.k_int8 = kq_.as<int8_t>();
       qk.k_scale = kscale_.as<float>();
-      qk.tokens = pool_.num_pages() * L_ * o.page_size;
+      qk.tokens = pool_.num_pages() * nl_ * o.page_size;
       qk.num_kv_heads = cfg.num_kv_heads;
       qk.head_dim = cfg.head_dim;
       qk.page_size = o.page_size;
-      qk.num_pages = pool_.num_pages() * L_;
+      qk.num_pages = pool_.num_pages() * nl_;
       cuda_check(kernels::quantize_keys(qk, stream_), "int8 keys of the pool");
     }
     cuda_check(kernels::random_fill({DType::BF16, window_.get(), window_.bytes() / 2, o.seed + 13, 1.f, 0.f}, stream_),
@@ -722,11 +757,13 @@ class AsyncCacheRank {
     if (sh.cap > 0) cuda_check(cudaMemsetAsync(mirror_.get(), 0xFF, mirror_.bytes(), stream_), "mirror init");
     std::vector<int32_t> wl(static_cast<size_t>(sh.P) * B_, cap_);
     cuda_check(cudaMemcpy(window_len_.get(), wl.data(), wl.size() * 4, cudaMemcpyHostToDevice), "upload");
-    // Layer-batched block table: row (l, b) addresses layer l's pages from the pool base (global page l*P + page).
+    // Layer-batched block table: row (l, b) addresses layer l's pages from the pool base (global page i * pages + page
+    // for the shard's i-th layer); the rows of layers another cache rank holds are -1 (never read here).
     const std::vector<int32_t>& table = table_;
-    std::vector<int32_t> lbt(static_cast<size_t>(L_) * B_ * plan.max_pages);
-    for (int l = 0; l < L_; ++l)
-      for (size_t i = 0; i < table.size(); ++i) lbt[static_cast<size_t>(l) * table.size() + i] = table[i] + l * plan.full_pages();
+    std::vector<int32_t> lbt(static_cast<size_t>(L_) * B_ * plan.max_pages, -1);
+    for (int l : layers_)
+      for (size_t i = 0; i < table.size(); ++i)
+        lbt[static_cast<size_t>(l) * table.size() + i] = table[i] + local_[static_cast<size_t>(l)] * plan.full_pages();
     cuda_check(cudaMemcpy(lbt_.get(), lbt.data(), lbt.size() * 4, cudaMemcpyHostToDevice), "upload");
     // The pack's append rows (layer j, sequence b) = row j * B + b of the layer-batched block table; each step's
     // token position repeated for every layer of the pack.
@@ -751,14 +788,14 @@ class AsyncCacheRank {
   }
 
   void run() {
-    for (int p = 0; p < sh_.packs; ++p) select_and_send(/*for_step=*/0, p);  // as after the prefill
+    for (int p : mine_) select_and_send(/*for_step=*/0, p);  // as after the prefill
     for (int t = 0; t < plan_.total_steps && !sh_.failed.load(); ++t) {
       const GpuBatch b = steps_.upload(plan_.step(t, table_), stream_);
       cuda_check(cudaEventRecord(uploaded_, stream_), "record");
       // Delta statistics count the timed steps' selections only.
       if (sh_.cap > 0 && t + 1 == o_.warmup)
         cuda_check(cudaMemsetAsync(totals_.get(), 0, totals_.bytes(), sel_stream_), "delta totals reset");
-      for (int p = 0; p < sh_.packs; ++p) {
+      for (int p : mine_) {
         // The buffer's previous rows were appended (after_append_ of the selection made after appending them).
         if (t + 1 >= sh_.up_variants) {
           const int prev = t + 1 - sh_.up_variants;
@@ -767,7 +804,7 @@ class AsyncCacheRank {
         link_.recv(up_rows(t, p), sh_.up_bytes_pack, up_stream_, "qkv rows of a pack");
         cuda_check(cudaEventRecord(qkv_ready_(t, p), up_stream_), "record");
       }
-      for (int p = 0; p < sh_.packs; ++p) {
+      for (int p : mine_) {
         cuda_check(cudaStreamWaitEvent(stream_, qkv_ready_(t, p), 0), "wait");
         cuda_check(cudaEventRecord(cm_start_(t + 1, p), stream_), "record");
         append_pack(t, p, b);
@@ -781,6 +818,7 @@ class AsyncCacheRank {
   }
   /// ms of cache management (append + predict + score + top-k + gather) and of the send, for the selection of step t.
   void pack_times(int t, int p, double* cm_ms, double* send_ms, double stage_ms[5]) const {
+    SPADE_CHECK(sh_.shard(p) == shard_, "pack {} is not served by cache rank {}", p, shard_);
     *cm_ms = elapsed_ms(cm_start_(t, p), cm_end_(t, p));
     *send_ms = elapsed_ms(send_start_(t, p), send_end_(t, p));
     stage_ms[0] = elapsed_ms(cm_start_(t, p), after_append_(t, p));  // K/V append + window push
@@ -790,7 +828,11 @@ class AsyncCacheRank {
     stage_ms[4] = elapsed_ms(after_topk_(t, p), cm_end_(t, p));  // gather (with delta transfer: plan + gather)
   }
   /// ms the cache rank spent on step t (t >= 1): between the ends of the last pack's selections for steps t and t + 1.
-  double step_ms(int t) const { return elapsed_ms(cm_end_(t, sh_.packs - 1), cm_end_(t + 1, sh_.packs - 1)); }
+  double step_ms(int t) const { return elapsed_ms(cm_end_(t, mine_.back()), cm_end_(t + 1, mine_.back())); }
+  /// The packs this cache rank serves, ascending.
+  const std::vector<int>& packs() const { return mine_; }
+  /// Bytes of its KV pool (K and V of its layers).
+  size_t pool_bytes() const { return pool_.bytes(); }
   /// Delta transfer: sums over the timed selections of {selected n, entering E, sent m, holes, refused rows}.
   std::vector<unsigned long long> delta_totals() const {
     std::vector<unsigned long long> h(kernels::kDeltaTotalsFields, 0ull);
@@ -799,9 +841,22 @@ class AsyncCacheRank {
   }
 
  private:
+  static std::vector<int> shard_packs(const AsyncShared& sh, int shard) {
+    std::vector<int> v;
+    for (int p = 0; p < sh.packs; ++p)
+      if (sh.shard(p) == shard) v.push_back(p);
+    SPADE_CHECK(!v.empty(), "cache rank {} of {} serves no layer pack ({} packs)", shard, sh.shards, sh.packs);
+    return v;
+  }
+  // [layer] -> index among the shard's layers, -1 for another cache rank's layer.
+  static std::vector<int> local_index(const std::vector<int>& layers, int num_layers) {
+    std::vector<int> v(static_cast<size_t>(num_layers), -1);
+    for (size_t i = 0; i < layers.size(); ++i) v[static_cast<size_t>(layers[i])] = static_cast<int>(i);
+    return v;
+  }
   int pack_layers(int p) const { return std::min(sh_.P, L_ - p * sh_.P); }
   size_t pool_rows() const {  // (token, KV head) rows of the whole pool, every layer
-    return static_cast<size_t>(pool_.num_pages()) * L_ * o_.page_size * cfg_.num_kv_heads;
+    return static_cast<size_t>(pool_.num_pages()) * nl_ * o_.page_size * cfg_.num_kv_heads;
   }
   char* up_rows(int t, int p) const {
     return up_.as<char>() + (static_cast<size_t>(t % sh_.up_variants) * sh_.packs + p) * sh_.up_bytes_pack;
@@ -830,7 +885,7 @@ class AsyncCacheRank {
     r.batch = rows;
     r.max_pages_per_seq = b.max_pages;
     r.page_size = o_.page_size;
-    r.num_pages = pool_.num_pages() * L_;
+    r.num_pages = pool_.num_pages() * nl_;
     r.theta = cfg_.rope_theta;
     cuda_check(kernels::rope_kv_append(r, stream_), "cache rank KV append");
     if (int8_keys_) {  // the appended keys' compact copy, addressed as the append
@@ -867,11 +922,14 @@ class AsyncCacheRank {
   // Scratch set seq % 2 (q_hat, scores, indices) is reused by the selection two after this one: predict waits for
   // that one's score to have read q_hat, score for its end (cm_end) to have read scores and indices.
   void select_and_send(int for_step, int p) {
-    const int n = pack_layers(p), rows = n * B_;
-    const int seq = for_step * sh_.packs + p, buf = seq % 2;
+    const int n = pack_layers(p), rows = n * B_, mine = static_cast<int>(mine_.size());
+    const int idx = static_cast<int>(std::find(mine_.begin(), mine_.end(), p) - mine_.begin());
+    const int seq = for_step * mine + idx, buf = seq % 2;  // this rank's selections in order
     Selector& sel = *sel_[buf];
     float* q_hat = q_hat_[buf].as<float>();
-    auto two_back = [&](const EventGrid& g) { return g((seq - 2) / sh_.packs, (seq - 2) % sh_.packs); };
+    auto two_back = [&](const EventGrid& g) {
+      return g((seq - 2) / mine, mine_[static_cast<size_t>((seq - 2) % mine)]);
+    };
     if (for_step == 0) cuda_check(cudaEventRecord(cm_start_(0, p), stream_), "record");
     cuda_check(cudaEventRecord(after_append_(for_step, p), stream_), "record");
     if (seq >= 2) cuda_check(cudaStreamWaitEvent(stream_, two_back(after_score_), 0), "wait");
@@ -901,8 +959,8 @@ class AsyncCacheRank {
     cuda_check(cudaEventRecord(after_topk_(for_step, p), sel_stream_), "record");
     const int par = for_step % 2;
     const size_t bytes = sh_.down_bytes(for_step);
-    char* out = sh_.cap > 0 && for_step == 0 ? init_.as<char>() + static_cast<size_t>(p) * sh_.init.bytes
-                                             : send_.as<char>() + (static_cast<size_t>(par) * sh_.packs + p) * bytes;
+    char* out = sh_.cap > 0 && for_step == 0 ? init_.as<char>() + static_cast<size_t>(idx) * sh_.init.bytes
+                                             : send_.as<char>() + (static_cast<size_t>(par) * mine + idx) * bytes;
     if (for_step >= 2) cuda_check(cudaStreamWaitEvent(sel_stream_, send_end_(for_step - 2, p), 0), "wait");
     if (sh_.cap == 0) {
       sel.gather(rows, sel.indices.as<int32_t>(), o_.budget(), pool_.k(0), pool_.v(0), bt, plan_.max_pages, out,
@@ -939,7 +997,12 @@ class AsyncCacheRank {
   GpuLink& link_;
   const Plan& plan_;
   int L_, B_, cap_;
-  GpuKvPool pool_;
+  int shard_;
+  std::vector<int> mine_;    // the packs it serves
+  std::vector<int> layers_;  // their layers, ascending
+  std::vector<int> local_;   // [layer] -> index in layers_ (the pool's layer), -1 if another cache rank's
+  int nl_;                   // layers_.size()
+  GpuKvPool pool_;           // [nl_] layers
   bool int8_keys_;
   DeviceBuffer kq_, kscale_;  // the compact scoring keys (int8 only): [L * pages][page][Hkv][D] int8, fp32 scales
   DeviceBuffer up_, send_, init_, mirror_, totals_, window_, window_len_, q_tmp_, append_pos_, append_rows_, lbt_,
@@ -998,6 +1061,8 @@ struct LinkPair {
   bool ipc = false;
   bool null_links = false;  // solo runs: NullLink ends
   int nccl_ctas = 0;
+  int cache_device = 1;     // the cache end's GPU (peer names)
+  int shard = 0;            // the cache rank's index (peer names)
   std::string nccl_address;
   std::unique_ptr<GpuLink> end[2];  // [0] inference, [1] cache
   std::atomic<GpuLink*> live[2] = {nullptr, nullptr};  // for aborting the other thread's end on failure
@@ -1012,8 +1077,9 @@ struct LinkPair {
       live[i] = end[i].get();
       return;
     }
-    const std::string peer = role == PairRole::kInference ? fmt::format("cache rank (GPU {})", ipc ? 0 : 1)
-                                                          : "inference rank (GPU 0)";
+    const std::string peer = role == PairRole::kInference
+                                 ? fmt::format("cache rank {} (GPU {})", shard, cache_device)
+                                 : "inference rank (GPU 0)";
     if (!ipc) {
       NcclLinkOptions lo;
       lo.device = device;
@@ -1050,10 +1116,16 @@ struct LinkPair {
 /// Which rank a solo run measures (--modes solo): each alone on GPU 0 with a NullLink, the other not running.
 enum class Solo { kNone, kInference, kCache };
 
+/// One async run: the inference rank on GPU 0 and `shards` cache ranks on GPUs 1..shards (GPU 0 with ipc or solo,
+/// which take one cache rank only). Returns the result row; a cache rank whose KV does not fit its GPU's free memory
+/// gives a "skipped" row (with the bytes it needs) instead of an allocation failure.
 json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack, int delta_cap, bool ipc,
-               double copy_gbps, Solo solo = Solo::kNone) {
+               double copy_gbps, Solo solo = Solo::kNone, int shards = 1) {
   const Plan plan(o, cfg);
   AsyncShared sh;
+  SPADE_CHECK(shards >= 1 && (shards == 1 || (!ipc && solo == Solo::kNone)),
+              "--cache-ranks {}: more than one cache rank needs the NCCL link and a GPU each (not --link ipc or solo)",
+              shards);
   sh.P = pack;
   sh.packs = (cfg.num_layers + pack - 1) / pack;
   sh.up_bytes_pack = static_cast<size_t>(pack) * o.batch * (cfg.q_dim() + 2 * cfg.kv_dim()) * 2;
@@ -1066,17 +1138,60 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     sh.delta = DeltaLayout(sh.rows_pack, delta_cap, cfg.head_dim);
     sh.init = DeltaLayout(sh.rows_pack, o.budget(), cfg.head_dim);
   }
-  sh.cache_device = ipc || solo != Solo::kNone ? 0 : 1;
+  sh.shards = shards;
+  sh.cache_devices.clear();
+  for (int s = 0; s < shards; ++s) sh.cache_devices.push_back(ipc || solo != Solo::kNone ? 0 : 1 + s);
+  SPADE_CHECK(sh.packs >= shards, "--cache-ranks {} needs at least as many layer packs: {} layers in packs of {} "
+              "make {}", shards, cfg.num_layers, pack, sh.packs);
   if (solo == Solo::kCache) sh.up_variants = 8;
-  LinkPair links;
-  links.ipc = ipc;
-  links.null_links = solo != Solo::kNone;
-  links.nccl_ctas = delta_cap > 0 ? o.nccl_ctas_delta : o.nccl_ctas;
-  if (!ipc && solo == Solo::kNone) links.nccl_address = NcclLink::new_address();
-  std::unique_ptr<AsyncCacheRank> cache;
+  // Each cache rank's KV pool (its packs' layers, every page of every sequence) must fit its GPU: a batch whose KV
+  // outgrows the cache GPUs is reported with the bytes it needs, not run.
+  const double layer_kv = 2.0 * plan.full_pages() * o.page_size * cfg.num_kv_heads * cfg.head_dim * 2.0;
+  std::vector<double> shard_kv;
+  for (int s = 0; s < shards; ++s) {
+    const double layers = static_cast<double>(pair::shard_layers(s, shards, cfg.num_layers, pack).size());
+    int own = 0;
+    for (int p = 0; p < sh.packs; ++p) own += sh.shard(p) == s ? 1 : 0;
+    shard_kv.push_back(layer_kv * layers);
+    if (solo == Solo::kInference) continue;
+    // Its largest buffers: the pool, the int8 scoring keys (D + 4 bytes per key), the send buffers of its packs;
+    // 2 GB for the rest (windows, scores, mirrors).
+    const double int8_keys = o.selection.score_keys == kernels::ScoreKeys::kInt8
+                                 ? layer_kv * layers / 2 * (cfg.head_dim + 4.0) / (2.0 * cfg.head_dim)
+                                 : 0.0;
+    const double need = layer_kv * layers + int8_keys + own * (2.0 * sh.down_bytes(1) + (sh.cap > 0 ? sh.init.bytes : 0));
+    size_t free_b = 0, total_b = 0;
+    cuda_check(cudaSetDevice(sh.cache_devices[static_cast<size_t>(s)]), "cudaSetDevice (cache rank)");
+    cuda_check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+    if (need + 2e9 > static_cast<double>(free_b)) {
+      cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
+      const std::string why = fmt::format("cache rank {} does not fit GPU {}: its KV of {} of {} layers is {:.1f} GB, "
+                                          "{:.1f} GB with its scoring keys and send buffers ({:.1f} GB free of {:.1f})",
+                                          s, sh.cache_devices[static_cast<size_t>(s)], layers, cfg.num_layers,
+                                          layer_kv * layers / 1e9, need / 1e9, free_b / 1e9, total_b / 1e9);
+      std::printf("  async P=%d C=%d cache ranks %d: skipped: %s\n", pack, delta_cap, shards, why.c_str());
+      return {{"label", o.label}, {"mode", delta_cap > 0 ? "async-delta" : "async"}, {"pack", pack},
+              {"delta_capacity", delta_cap}, {"cache_ranks", shards}, {"batch", o.batch}, {"context", o.context},
+              {"score_keys", kernels::score_keys_name(o.selection.score_keys)},
+              {"kv_bytes_per_cache_rank", shard_kv}, {"kv_bytes_all_layers", layer_kv * cfg.num_layers},
+              {"cache_gpu_total_bytes", static_cast<double>(total_b)}, {"skipped", why}};
+    }
+  }
+  cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
+  std::vector<std::unique_ptr<LinkPair>> links;
+  for (int s = 0; s < shards; ++s) {
+    auto l = std::make_unique<LinkPair>();
+    l->ipc = ipc;
+    l->null_links = solo != Solo::kNone;
+    l->nccl_ctas = delta_cap > 0 ? o.nccl_ctas_delta : o.nccl_ctas;
+    l->cache_device = sh.cache_devices[static_cast<size_t>(s)];
+    l->shard = s;
+    if (!ipc && solo == Solo::kNone) l->nccl_address = NcclLink::new_address();
+    links.push_back(std::move(l));
+  }
+  std::vector<std::unique_ptr<AsyncCacheRank>> caches(static_cast<size_t>(shards));
   std::vector<double> cm, sendms;
   std::vector<double> stage[5];
-  const std::string cache_name = fmt::format("cache rank (GPU {})", sh.cache_device);
   // Every kernel's first-use set-up (shared-memory limits, cuBLASLt kernels for these row counts) before the ranks
   // start: a first launch may synchronise the context, i.e. wait for the other rank's pending receive in this
   // process (the serving path's GpuEngineForward::warm_up does the same).
@@ -1088,22 +1203,25 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   // Graph mode: the inference side captures its graphs before the cache rank posts its first operation (a capture
   // may synchronise the context, i.e. wait for a pending receive of the other rank in this process).
   std::atomic<bool> captured{false};
-  std::thread cache_thread([&] {
-    if (solo == Solo::kInference) return;
-    try {
-      cuda_check(cudaSetDevice(sh.cache_device), "cudaSetDevice (cache rank)");
-      cuda_check(kernels::prepare_selection_kernels(), "prepare selection kernels (cache rank)");
-      cuda_check(kernels::prepare_decode_attention_kernels(), "prepare attention kernels (cache rank)");
-      links.make(PairRole::kCache, sh.cache_device);
-      cache = std::make_unique<AsyncCacheRank>(cfg, o, sh, *links.end[1], plan);
-      while (!captured.load() && !sh.failed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      if (sh.failed.load()) return;
-      cache->run();
-    } catch (const std::exception& e) {
-      sh.error = cache_name + ": " + e.what();
-      sh.failed = true;
-    }
-  });
+  std::vector<std::thread> cache_threads;
+  for (int s = 0; s < shards && solo != Solo::kInference; ++s) {
+    cache_threads.emplace_back([&, s] {
+      const int dev = sh.cache_devices[static_cast<size_t>(s)];
+      try {
+        cuda_check(cudaSetDevice(dev), "cudaSetDevice (cache rank)");
+        cuda_check(kernels::prepare_selection_kernels(), "prepare selection kernels (cache rank)");
+        cuda_check(kernels::prepare_decode_attention_kernels(), "prepare attention kernels (cache rank)");
+        LinkPair& lp = *links[static_cast<size_t>(s)];
+        lp.make(PairRole::kCache, dev);
+        caches[static_cast<size_t>(s)] = std::make_unique<AsyncCacheRank>(cfg, o, sh, *lp.end[1], plan, s);
+        while (!captured.load() && !sh.failed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (sh.failed.load()) return;
+        caches[static_cast<size_t>(s)]->run();
+      } catch (const std::exception& e) {
+        sh.fail(fmt::format("cache rank {} (GPU {}): {}", s, dev, e.what()));
+      }
+    });
+  }
   json r;
   std::vector<double> tpot, stalls, infer;
   int stall_count = 0;
@@ -1111,12 +1229,16 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     if (solo == Solo::kCache) captured = true;  // the cache rank alone
     if (solo != Solo::kCache) {
       cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
-      links.make(PairRole::kInference, 0);
+      std::vector<GpuLink*> link_ends;
+      for (auto& l : links) {  // in shard order; each cache rank's thread makes its end concurrently
+        l->make(PairRole::kInference, 0);
+        link_ends.push_back(l->end[0].get());
+      }
       GpuKvPool local(cfg.num_layers, plan.window_pages(), o.page_size, cfg.num_kv_heads, cfg.head_dim);
       cudaStream_t stream;
       cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
       local.fill_random(o.seed + 17, 1.f, stream);
-      AsyncInferenceAttention attn(cfg, o, sh, *links.end[0], plan.total_steps);
+      AsyncInferenceAttention attn(cfg, o, sh, link_ends, plan.total_steps);
       if (solo == Solo::kInference) attn.fill_solo_messages();
       GpuStepBuffers buffers(o.batch, o.batch, plan.max_pages, o.batch, plan.window_pages());
       DeviceBuffer tokens_out(static_cast<size_t>(o.batch) * 4, "sampled tokens");
@@ -1146,7 +1268,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
       }
       attn.post_recvs(0);
       for (int t = 0; t < plan.total_steps; ++t) {
-        SPADE_CHECK(!sh.failed.load(), "{}", sh.error);
+        SPADE_CHECK(!sh.failed.load(), "{}", sh.first_error());
         const GpuBatch b = buffers.upload(plan.step(t, table), stream);
         attn.set_step(t);
         if (o.async_graphs && t >= 1) {
@@ -1174,48 +1296,62 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
       cuda_check(cudaStreamDestroy(stream), "stream");
     }
   } catch (const std::exception& e) {
-    sh.failed = true;
-    sh.error = std::string("inference rank (GPU 0): ") + e.what();
+    sh.fail(std::string("inference rank (GPU 0): ") + e.what());
   }
   if (sh.failed.load()) {
-    // Unblock the peer: fail both ends (the cache rank's watchdog would do it after op_timeout).
-    for (auto& l : links.live)
-      if (GpuLink* p = l.load(); p != nullptr) p->abort(sh.error);
+    // Unblock the peers: fail every end (a cache rank's watchdog would do it after op_timeout).
+    for (auto& lp : links)
+      for (auto& l : lp->live)
+        if (GpuLink* p = l.load(); p != nullptr) p->abort(sh.first_error());
   }
-  cache_thread.join();
-  SPADE_CHECK(!sh.failed.load(), "async run failed: {}", sh.error);
-  cuda_check(cudaSetDevice(sh.cache_device), "cudaSetDevice (cache rank)");
+  for (auto& t : cache_threads) t.join();
+  SPADE_CHECK(!sh.failed.load(), "async run failed: {}", sh.first_error());
   std::vector<double> cache_step;  // solo cache rank: ms per step (between the last packs' ends)
   std::vector<unsigned long long> dt(kernels::kDeltaTotalsFields, 0ull);
-  if (cache != nullptr) {
+  std::vector<double> pool_bytes;  // each cache rank's KV pool
+  if (caches[0] != nullptr) {
     for (int t = o.warmup; t < plan.total_steps; ++t) {
       for (int p = 0; p < sh.packs; ++p) {
         double c = 0, s = 0, st5[5];
-        cache->pack_times(t, p, &c, &s, st5);
+        caches[static_cast<size_t>(sh.shard(p))]->pack_times(t, p, &c, &s, st5);
         cm.push_back(c);
         sendms.push_back(s);
         for (int i = 0; i < 5; ++i) stage[i].push_back(st5[i]);
       }
-      cache_step.push_back(cache->step_ms(t));
+      cache_step.push_back(caches[0]->step_ms(t));
     }
-    dt = cache->delta_totals();
+    for (auto& c : caches) {
+      const std::vector<unsigned long long> d = c->delta_totals();
+      for (size_t i = 0; i < dt.size(); ++i) dt[i] += d[i];
+      pool_bytes.push_back(static_cast<double>(c->pool_bytes()));
+    }
   }
-  cache.reset();
+  for (int s = 0; s < shards; ++s) {
+    cuda_check(cudaSetDevice(sh.cache_devices[static_cast<size_t>(s)]), "cudaSetDevice (cache rank)");
+    caches[static_cast<size_t>(s)].reset();
+  }
   GpuLinkCounters lc;
-  if (links.end[0] != nullptr) {
-    lc = links.end[0]->counters();
-  } else if (links.end[1] != nullptr) {  // the cache rank alone: its sends are the down bytes
-    const GpuLinkCounters c = links.end[1]->counters();
-    lc.bytes_sent = c.bytes_received;
-    lc.bytes_received = c.bytes_sent;
+  for (auto& lp : links) {
+    if (lp->end[0] != nullptr) {
+      const GpuLinkCounters c = lp->end[0]->counters();
+      lc.bytes_sent += c.bytes_sent;
+      lc.bytes_received += c.bytes_received;
+    } else if (lp->end[1] != nullptr) {  // the cache rank alone: its sends are the down bytes
+      const GpuLinkCounters c = lp->end[1]->counters();
+      lc.bytes_sent += c.bytes_received;
+      lc.bytes_received += c.bytes_sent;
+    }
   }
-  // Both ends tear down concurrently (as two processes would).
-  std::thread close_cache([&] {
-    cudaSetDevice(sh.cache_device);
-    links.end[1].reset();
-  });
-  links.end[0].reset();
-  close_cache.join();
+  // Both ends of every link tear down concurrently (as separate processes would).
+  std::vector<std::thread> closers;
+  for (int s = 0; s < shards; ++s)
+    closers.emplace_back([&, s] {
+      cudaSetDevice(sh.cache_devices[static_cast<size_t>(s)]);
+      links[static_cast<size_t>(s)]->end[1].reset();
+    });
+  cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
+  for (auto& lp : links) lp->end[0].reset();
+  for (auto& t : closers) t.join();
   cuda_check(cudaSetDevice(0), "cudaSetDevice(0)");
 
   std::string mode = delta_cap > 0 ? "async-delta" : "async";
@@ -1233,7 +1369,12 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r["link"] = solo != Solo::kNone ? "none (rank alone)"
               : ipc                 ? "cuda_ipc (both ranks on GPU 0: checks the pipeline, not its speed)"
                                     : "nccl";
-  if (!ipc && solo == Solo::kNone) r["nccl_max_ctas"] = links.nccl_ctas;
+  if (!ipc && solo == Solo::kNone) r["nccl_max_ctas"] = links[0]->nccl_ctas;
+  r["cache_ranks"] = shards;
+  r["cache_gpus"] = sh.cache_devices;
+  r["kv_bytes_all_layers"] = layer_kv * cfg.num_layers;  // the KV pool one cache rank would hold
+  r["kv_bytes_per_cache_rank"] = shard_kv;
+  if (!pool_bytes.empty()) r["kv_pool_bytes_per_cache_rank"] = pool_bytes;
   r["packs"] = sh.packs;
   r["link_bytes_up_measured"] = lc.bytes_sent;        // whole run, incl. warm-up
   r["link_bytes_down_measured"] = lc.bytes_received;
@@ -1270,8 +1411,21 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
                              (int8_keys ? (cfg.head_dim + 4.0) / (2.0 * cfg.head_dim) : 1.0);
   r["score_keys"] = kernels::score_keys_name(o.selection.score_keys);
   r["score_bytes_per_step"] = score_bytes;
-  r["cache_floor_bytes"] = score_bytes + down_pack * sh.packs;
-  r["cache_floor_ms"] = r["cache_floor_bytes"].get<double>() / (copy_gbps * 1e6);
+  // Per cache rank: the keys of its layers and the selections of its packs, each at its own GPU's bandwidth; the
+  // slowest cache rank is the cache side's floor.
+  std::vector<double> rank_floor_ms;
+  double cache_floor_bytes = 0;
+  for (int s = 0; s < shards; ++s) {
+    const double lay = static_cast<double>(pair::shard_layers(s, shards, cfg.num_layers, pack).size());
+    int own = 0;
+    for (int p = 0; p < sh.packs; ++p) own += sh.shard(p) == s ? 1 : 0;
+    const double b = score_bytes * lay / cfg.num_layers + down_pack * own;
+    rank_floor_ms.push_back(b / (copy_gbps * 1e6));
+    cache_floor_bytes = std::max(cache_floor_bytes, b);
+  }
+  r["cache_floor_bytes"] = cache_floor_bytes;  // of the cache rank with the most to read
+  r["cache_floor_ms"] = cache_floor_bytes / (copy_gbps * 1e6);
+  r["cache_floor_ms_per_rank"] = rank_floor_ms;
   r["bound_by"] = r["cache_floor_ms"].get<double>() > r["floor_ms"].get<double>() ? "cache rank" : "inference rank";
   if (delta_cap > 0 && solo != Solo::kInference) {
     // Per (layer, sequence, KV head) row over the timed steps: how many tokens entered the selection, how many the
@@ -1303,7 +1457,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   if (solo == Solo::kInference) {  // no cache rank, no link: no cache, send or link-rate figures
     for (const char* k : {"cache_ms_per_pack", "send_ms_per_pack", "cache_stage_ms_per_pack", "required_gbps",
                           "achieved_gbps", "link_bytes_up_measured", "link_bytes_down_measured", "cache_floor_bytes",
-                          "cache_floor_ms", "bound_by"})
+                          "cache_floor_ms", "cache_floor_ms_per_rank", "bound_by"})
       r.erase(k);
     std::printf("  %-20s %-5s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floor %7.3f ms (%.2fx) | per pack: infer %.3f ms"
                 " | down %.1f MB/step\n",
@@ -1323,10 +1477,10 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
                 r["tpot_median_ms"].get<double>() / r["cache_floor_ms"].get<double>(), cms.median,
                 down_pack * sh.packs / 1e6);
   } else {
-    std::printf("  %-11s %-5s P=%-3d TPOT median %8.3f ms  p99 %8.3f ms  floors: inference %7.3f ms (%.2fx), cache "
-                "%7.3f ms, bound by the %s | per pack: infer %.3f ms, cache %.3f ms, send %.3f ms | down %.1f "
+    std::printf("  %-11s %-5s P=%-3d N=%d TPOT median %8.3f ms  p99 %8.3f ms  floors: inference %7.3f ms (%.2fx), "
+                "cache %7.3f ms, bound by the %s | per pack: infer %.3f ms, cache %.3f ms, send %.3f ms | down %.1f "
                 "MB/step, need %.0f GB/s, got %.0f GB/s | stalls %d/%d\n",
-                mode.c_str(), o.async_graphs ? "graph" : "eager", pack, r["tpot_median_ms"].get<double>(),
+                mode.c_str(), o.async_graphs ? "graph" : "eager", pack, shards, r["tpot_median_ms"].get<double>(),
                 r["tpot_p99_ms"].get<double>(), r["floor_ms"].get<double>(), r["tpot_over_floor"].get<double>(),
                 r["cache_floor_ms"].get<double>(), r["bound_by"].get<std::string>().c_str(), inf.median, cms.median,
                 snd.median, down_pack * sh.packs / 1e6, r["required_gbps"].get<double>(),
@@ -1394,11 +1548,20 @@ int main_impl(int argc, char** argv) {
     else if (a == "--predictor") o.selection.predictor = kernels::parse_predictor_kind(next().c_str());
     else if (a == "--ridge-eps") o.selection.ridge_eps = std::stof(next());
     else if (a == "--successor-expand") o.selection.successor_expand = std::stoi(next()) != 0;
+    else if (a == "--cache-ranks") {
+      o.cache_ranks = parse_ints(next());
+      o.cache_ranks_set = true;
+    }
     else fail("unknown argument {} (see the header of bench/bench_tpot.cpp)", a);
   }
   SPADE_CHECK(!o.config.empty(), "--config DIR (a config.json directory) is required");
   SPADE_CHECK(o.warmup >= 1 && o.steps >= 2, "--warmup >= 1 and --steps >= 2");
   SPADE_CHECK(o.cache_streams == 1 || o.cache_streams == 3, "--cache-streams {}: 1 or 3", o.cache_streams);
+  for (int n : o.cache_ranks) SPADE_CHECK(n >= 1, "--cache-ranks {}: each entry must be >= 1", n);
+  // --cache-ranks applies to the async mode only (dense / oracle run on one GPU; solo measures one cache rank).
+  SPADE_CHECK(!o.cache_ranks_set || (o.modes.find("async") != std::string::npos && o.modes.find("solo") == std::string::npos),
+              "--cache-ranks applies to --modes async only (got --modes {})", o.modes);
+  SPADE_CHECK(!o.cache_ranks_set || o.link != "ipc", "--cache-ranks: --link ipc runs one cache rank on GPU 0");
   pair::validate(o.selection);  // names the setting: budget, local window, ridge eps
   SPADE_CHECK(std::isfinite(o.selection.ridge_eps), "--ridge-eps {} must be finite", o.selection.ridge_eps);
   const ModelConfig cfg = load_model_config(o.config);
@@ -1427,8 +1590,11 @@ int main_impl(int argc, char** argv) {
     try {
       for (auto& r : run_single_gpu(o, cfg, *model, m, copy_gbps)) rows.push_back(r);
     } catch (const Error& e) {
-      std::printf("  %s: skipped: %s\n", m, e.what());
-      rows.push_back({{"label", o.label}, {"mode", m}, {"skipped", e.what()}});
+      // E.g. a batch whose KV outgrows one GPU: the row gives what one GPU would need (weights + every layer's KV).
+      const double need = model->weight_bytes() + kv_bytes(cfg, o, o.context + o.warmup + o.steps + 1.0);
+      std::printf("  %s: skipped (one GPU would need %.1f GB: weights + KV): %s\n", m, need / 1e9, e.what());
+      rows.push_back({{"label", o.label}, {"mode", m}, {"skipped", e.what()}, {"one_gpu_bytes_needed", need},
+                      {"gpu_total_bytes", static_cast<double>(prop.totalGlobalMem)}});
     }
   }
   if (has("async")) {
@@ -1441,21 +1607,29 @@ int main_impl(int argc, char** argv) {
       if (ipc)
         std::printf("  async: both ranks on GPU 0 over CudaIpcLink (%d GPU%s): checks the pipeline, not its speed\n",
                     ngpu, ngpu == 1 ? "" : "s");
-      for (int P : o.packs)
-        for (int cap : o.delta_capacities)
-          for (kernels::ScoreKeys keys : o.score_keys) {
-            Opts ok = o;
-            ok.selection.score_keys = keys;
-            try {  // a failed run (e.g. out of memory with both ranks on one GPU) keeps the rows already measured
-              rows.push_back(run_async(ok, cfg, *model, P, cap, ipc, copy_gbps));
-            } catch (const Error& e) {
-              std::printf("  async P=%d C=%d keys %s: failed: %s\n", P, cap, kernels::score_keys_name(keys),
-                          e.what());
-              any_failed = true;
-              rows.push_back({{"label", o.label}, {"mode", "async"}, {"pack", P}, {"delta_capacity", cap},
-                              {"score_keys", kernels::score_keys_name(keys)}, {"failed", e.what()}});
+      for (int N : o.cache_ranks)
+        for (int P : o.packs)
+          for (int cap : o.delta_capacities)
+            for (kernels::ScoreKeys keys : o.score_keys) {
+              if (!ipc && N + 1 > ngpu) {  // loudly: a row that says why, not a silent omission
+                std::printf("  async N=%d: skipped: %d cache ranks need %d GPUs (found %d)\n", N, N, N + 1, ngpu);
+                rows.push_back({{"label", o.label}, {"mode", "async"}, {"cache_ranks", N},
+                                {"skipped", fmt::format("needs {} GPUs, found {}", N + 1, ngpu)}});
+                continue;
+              }
+              Opts ok = o;
+              ok.selection.score_keys = keys;
+              try {  // a failed run (e.g. out of memory with both ranks on one GPU) keeps the rows already measured
+                rows.push_back(run_async(ok, cfg, *model, P, cap, ipc, copy_gbps, Solo::kNone, N));
+              } catch (const Error& e) {
+                std::printf("  async N=%d P=%d C=%d keys %s: failed: %s\n", N, P, cap, kernels::score_keys_name(keys),
+                            e.what());
+                any_failed = true;
+                rows.push_back({{"label", o.label}, {"mode", "async"}, {"cache_ranks", N}, {"pack", P},
+                                {"delta_capacity", cap}, {"score_keys", kernels::score_keys_name(keys)},
+                                {"failed", e.what()}});
+              }
             }
-          }
     }
   }
   if (has("solo")) {

@@ -32,7 +32,9 @@
 #   SPADE_TPOT_NO_INT8    set: leave out the int8-scoring-keys run of 8b-b8 / 8b-b8-solo (--score-keys int8, P 12)
 #   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default with two GPUs "8b-b8 8b-b16 32b-b8"; with one GPU
 #                         "8b-b8-solo 8b-b16-solo 8b-b8-16k-ipc": dense / oracle baselines, each async rank alone
-#                         (the projection of the two-GPU table) and both ranks over CUDA IPC; also "8b-b8-1gpu")
+#                         (the projection of the two-GPU table) and both ranks over CUDA IPC; also "8b-b8-1gpu";
+#                         with four GPUs "8b-b8-shards 8b-b32-shards 8b-b48-shards": one inference rank over
+#                         N = 1, 2, 3 cache ranks (--cache-ranks))
 #   SPADE_MEMCHECK_FILTER gtest filter under compute-sanitizer (default: skip the *Long* cases, which only repeat
 #                         the same code paths at 128k tokens and take minutes under the sanitizer)
 # Dependencies: on a machine without Spade's Debian packages (the lent GPU machines), carry build-device-deps/
@@ -262,6 +264,14 @@ if want bench && bench_wanted tpot; then
       8b-b8-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-solo --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256 --modes dense,oracle,solo)
         int8=(--modes solo --packs 12 --score-keys int8) ;;
       8b-b16-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k-solo --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128 --modes dense,oracle,solo) ;;
+      # One inference rank over N = 1, 2, 3 cache ranks (GPUs 1..N; four GPUs: nvidia-h200-x4): layer packs round
+      # robin over the cache ranks, each holding its packs' layers. P 6 splits the 36 layers evenly over 2 and 3.
+      8b-b8-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-shards --batch 8 --context 32768 --budget 2048 --packs 6,12 --delta-capacity 256 --modes dense,async --cache-ranks 1,2,3 --score-keys bf16,int8) ;;
+      8b-b32-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b32-8k-shards --batch 32 --context 8192 --budget 1024 --packs 6,12 --delta-capacity 128 --modes dense,async --cache-ranks 1,2,3 --score-keys bf16,int8) ;;
+      # A batch whose KV (every layer) outgrows one GPU: dense and N = 1 report the bytes they would need.
+      8b-b48-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b48-32k-shards --batch 48 --context 32768 --budget 2048 --packs 6 --delta-capacity 256 --modes dense,async --cache-ranks 1,2,3 --score-keys int8,bf16) ;;
+      # The same on 80 GB GPUs (nvidia-h100-x4): B24 32k is 117 GB of KV.
+      8b-b24-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b24-32k-shards --batch 24 --context 32768 --budget 2048 --packs 6 --delta-capacity 256 --modes dense,async --cache-ranks 1,2,3 --score-keys int8,bf16) ;;
       *) log "unknown SPADE_TPOT_CONFIGS entry $c"; STATUS=1; continue ;;
     esac
     log "bench_tpot $c"
