@@ -111,7 +111,6 @@ struct Opts {
   pair::SelectionConfig selection = [] {
     pair::SelectionConfig s;
     s.token_budget = 2048;
-    s.anchor_queries = pair::kGpuAnchorQueriesDefault;  // the GPU path's default (pair/selection_config.h)
     return s;
   }();
   int budget() const { return selection.token_budget; }  // k

@@ -221,7 +221,6 @@ int main(int argc, char** argv) {
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
     spade::pair::resolve_sparse_flags(f.sparse_text, f.sparse);
-    if (f.device == "cuda") spade::pair::apply_gpu_defaults(app, f.sparse);
     // Hybrid models (Qwen3.5): only the full-attention layers have KV, so only they are stored and selected here.
     const spade::ModelConfig cfg = spade::load_model_config(f.model_dir).attention_view();
     const auto env = spade::coord::LaunchEnv::resolve(f.lf);

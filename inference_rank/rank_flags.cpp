@@ -151,7 +151,6 @@ void resolve_prefix_caching(const CLI::App& app, Flags& f) {
 void resolve_flags(const CLI::App& app, Flags& f) {
   f.so.selection_deadline = std::chrono::milliseconds(f.deadline_ms);
   spade::pair::resolve_sparse_flags(f.sparse_text, f.so);
-  if (f.device == "cuda") spade::pair::apply_gpu_defaults(app, f.so);
   if (f.kv_gib > 0) f.eo.kv_cache_bytes = static_cast<size_t>(f.kv_gib * (1 << 30));
   if (f.eo.max_context_pages > 0 && (f.device != "cuda" || f.so.mode != spade::SelectionMode::Predicted))
     spade::fail("--max-context-pages sizes the GPU cache rank's pool: it needs --device cuda and --selection "

@@ -305,11 +305,9 @@ cudaError_t select_anchors(const SelectAnchorsParams& p, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   if (p.k_cache == nullptr || p.block_table == nullptr || p.windows == nullptr || p.window_idx == nullptr ||
       p.num_queries == nullptr || p.context_len == nullptr || p.anchor_rows == nullptr ||
-      p.anchors == nullptr || p.workspace == nullptr) {
+      p.anchors == nullptr) {
     return invalid_argument(
-        what,
-        "k_cache, block_table, windows, window_idx, num_queries, context_len, anchor_rows, anchors "
-        "and workspace must be set");
+        what, "k_cache, block_table, windows, window_idx, num_queries, context_len, anchor_rows and anchors must be set");
   }
   if (p.num_windows < 1 || p.window_capacity < 1 || p.window_capacity > kMaxAnchorWindow || p.span < 1 ||
       p.begin < 0 || p.local_window < 0) {
@@ -318,9 +316,9 @@ cudaError_t select_anchors(const SelectAnchorsParams& p, cudaStream_t stream) {
                             " / local_window ", p.local_window, " invalid");
   }
   const size_t need = select_anchors_workspace_bytes(p.batch, p.num_q_heads, p.num_kv_heads, p.window_capacity);
-  if (p.workspace_bytes < need) {
-    return invalid_argument(what, "workspace_bytes ", p.workspace_bytes, " < ", need,
-                            " (select_anchors_workspace_bytes)");
+  if (p.workspace == nullptr || p.workspace_bytes < need) {
+    return invalid_argument(what, "workspace ", p.workspace == nullptr ? "unset" : "set", ", workspace_bytes ",
+                            p.workspace_bytes, " < ", need, " (select_anchors_workspace_bytes)");
   }
   if (p.batch > 65535) return invalid_argument(what, "batch ", p.batch, " > 65535");
   const int group = p.num_q_heads / p.num_kv_heads;

@@ -17,11 +17,6 @@ namespace spade::pair {
 /// Most prompt queries shipped at the switch (pair/pack.cpp checks the same bound on the wire).
 inline constexpr int kMaxAnchorQueries = 64;
 static_assert(kMaxAnchorQueries <= kernels::kMaxAnchorWindow, "the GPU cache rank's anchor windows hold them all");
-/// SelectionConfig::anchor_queries on the GPU path when --anchor-queries is not given: 0, prompt anchors off. They keep
-/// the pass keys there too, but the GPU cache rank's anchor pick (kernels::select_anchors, one CTA per sequence and KV
-/// head) runs long enough at a sequence's switch to stall its pair's other sequences (docs/FIDELITY.md has both
-/// measurements); opt in with --anchor-queries 64.
-inline constexpr int kGpuAnchorQueriesDefault = 0;
 
 struct SelectionConfig {
   int token_budget = 256;  // k: tokens selected per (sequence, layer, KV head)
@@ -42,7 +37,6 @@ struct SelectionConfig {
   // receives) pick per KV head up to kernels::kMaxAnchors tokens they attended most; each predicted selection holds
   // [a, a + anchor_span) of the best ones, within a quarter of its budget. 0 = off (the earlier default); at most
   // kMaxAnchorQueries (the pack's limit on shipped queries, the GPU cache rank's anchor-window capacity).
-  // The GPU path's default is kGpuAnchorQueriesDefault (apply_gpu_defaults, pair/selection_flags.h).
   int anchor_queries = 64;
   int anchor_span = 16;
   // GPU cache rank only: the keys its scoring reads, the cache's bf16 keys or a compact int8 copy with one fp32 scale

@@ -91,11 +91,6 @@ void resolve_sparse_flags(const SparseFlagText& text, SparseConfig& c) {
   validate(c);
 }
 
-void apply_gpu_defaults(const CLI::App& app, SparseConfig& c) {
-  const CLI::Option* o = app.get_option_no_throw("--anchor-queries");
-  if (o == nullptr || o->count() == 0) c.selection.anchor_queries = kGpuAnchorQueriesDefault;
-}
-
 void FlagRefusals::refuse(std::string_view mode, std::initializer_list<std::string_view> flags, std::string_view why) {
   for (std::string_view f : flags) {
     const CLI::Option* o = app_.get_option_no_throw(std::string(f));

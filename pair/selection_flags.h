@@ -45,10 +45,6 @@ void add_sparse_flags(CLI::App& app, SparseConfig& c, SparseFlagText& text, unsi
 /// spade::Error naming the flag for a bad value.
 void resolve_sparse_flags(const SparseFlagText& text, SparseConfig& c);
 
-/// The GPU path's defaults where they differ from SelectionConfig's (the CPU path's): anchor_queries =
-/// kGpuAnchorQueriesDefault unless the user gave --anchor-queries on `app` (parsed). Call for --device cuda only.
-void apply_gpu_defaults(const CLI::App& app, SparseConfig& c);
-
 /// The refusal, by name, of the flags a binary's current mode would ignore. After CLI11 has parsed `app`, record
 /// each rule, then check(): a misconfigured rank stops at once, naming every such flag. Use it before anything needs
 /// a GPU, a model or a peer, so that CPU-only builds run (and test) the refusals of every mode.

@@ -158,23 +158,20 @@ TEST(SparseFlags, PromptAnchorsParseValidateAndCanBeTurnedOff) {
   EXPECT_THROW(validate(sc), Error);
 }
 
-TEST(SparseFlags, TheGpuPathHasPromptAnchorsOffUnlessGiven) {
+TEST(SparseFlags, PromptAnchorsAreOnByDefaultAndTakeTheGivenCount) {
   {
     CLI::App app;
     SparseConfig c;
     SparseFlagText t;
     parse(app, c, t, kSelectionFlags, {"--anchor-span", "8"});
-    EXPECT_EQ(c.selection.anchor_queries, kMaxAnchorQueries);  // the CPU path's default
-    apply_gpu_defaults(app, c);
-    EXPECT_EQ(c.selection.anchor_queries, kGpuAnchorQueriesDefault);
+    EXPECT_EQ(c.selection.anchor_queries, kMaxAnchorQueries);  // both paths' default
     EXPECT_EQ(c.selection.anchor_span, 8);
   }
-  for (const char* given : {"64", "32"}) {  // given: kept, also when it equals the CPU default
+  for (const char* given : {"0", "32"}) {
     CLI::App app;
     SparseConfig c;
     SparseFlagText t;
     parse(app, c, t, kSelectionFlags, {"--anchor-queries", given});
-    apply_gpu_defaults(app, c);
     EXPECT_EQ(c.selection.anchor_queries, std::stoi(given));
   }
 }
