@@ -32,8 +32,8 @@ import time
 
 DEFAULT_VARIANTS = [
     ("dense", "--selection dense"),
-    ("predicted", "--selection predicted"),
-    ("anchors", "--selection predicted --anchor-queries 64"),  # prompt anchors: opt-in on the GPU path
+    ("predicted", "--selection predicted"),  # prompt anchors on (the default)
+    ("no-anchors", "--selection predicted --anchor-queries 0"),
     ("paper", "--selection predicted --predictor paper --ridge-eps 1e-3 --successor-expand false"),
     ("last", "--selection predicted --predictor last --successor-expand false"),
 ]
