@@ -33,7 +33,8 @@
 // Exits 0 when the coordinator shuts the world down, 1 when the coordinator is lost. When its inference rank dies, the
 // CPU cache rank drops that rank's sequences (a fresh Selector per incarnation) and serves its replacement (same index,
 // PeerReplaced from the coordinator), or exits 1 after --rejoin-timeout-ms without one; the GPU cache rank exits 1
-// (its own restart re-pairs with the replacement).
+// (its own restart re-pairs with the replacement), and so does it when a sibling layer shard (another cache rank of its
+// inference rank) is lost: its inference rank re-pairs its N shards together.
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
@@ -91,6 +92,7 @@ int serve_gpu(const Flags& f, const Rank& r) {
   struct Shared {
     std::shared_ptr<spade::transport::GpuLink> link;
     std::atomic<int> exit_code{0};
+    std::atomic<bool> has_hello{false};  // paired: the inference rank's hello arrived
   };
   auto shared = std::make_shared<Shared>();
   const auto kind = peer.transport().kind();
@@ -120,8 +122,22 @@ int serve_gpu(const Flags& f, const Rank& r) {
   const uint32_t peer_rank = peer.rank();
   // The GPU cache rank serves one incarnation of its inference rank: a replacement (PeerReplaced) ends it with exit
   // code 1, and its own restart (a new incarnation) re-pairs with the replacement.
+  // A sibling layer shard lost (the coordinator sends the PeerDown of every cache rank of this rank's inference rank
+  // to the others): the inference rank aborted every shard's link with it and re-pairs the N shards together once each
+  // is replaced, so this incarnation ends (exit 1) and its restart is one of them. A replacement still waiting for its
+  // hello is one of the new N already: it keeps waiting.
   cc.set_event_callback([shared, peer_rank, peer_name, self](const spade::coord::ClientEvent& ev) {
-    if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) return;
+    if (ev.kind == spade::coord::ClientEvent::Kind::kPeerDown && ev.peer_down.rank() != peer_rank) {
+      if (ev.peer_down.role() != spade::proto::CACHE || !shared->has_hello.load()) return;
+      spdlog::warn("{}: cache #{} (another layer shard of {}) is down ({}); {} re-pairs its layer shards together, "
+                   "so this incarnation ends and its restart is one of them",
+                   self, ev.peer_down.role_index(), peer_name, ev.peer_down.reason(), peer_name);
+      shared->exit_code = 1;
+      shared->link->abort(fmt::format("another layer shard (cache #{}) of {} is down", ev.peer_down.role_index(),
+                                      peer_name));
+      g_stop = true;
+      return;
+    }
     if (ev.kind == spade::coord::ClientEvent::Kind::kPeerReplaced && ev.peer_replaced.peer().rank() != peer_rank)
       return;
     spdlog::info("{}: {}", self, ev.message);
@@ -133,6 +149,7 @@ int serve_gpu(const Flags& f, const Rank& r) {
   // The inference rank uploads its weights after the rendezvous, then sends the hello: wait that long.
   const spade::pair::GpuPairHello hello =
       spade::cache::recv_gpu_hello(link, shard_cfg, peer_name, std::chrono::milliseconds(f.hello_timeout_ms));
+  shared->has_hello = true;
   SPADE_CHECK(shard.count == 1 || hello.layers_per_pack == static_cast<int32_t>(peer.layers_per_pack()),
               "{}: {} registered --layers-per-pack {} but its pair hello says {}", self, peer_name,
               peer.layers_per_pack(), hello.layers_per_pack);

@@ -451,10 +451,19 @@ void Membership::declare_dead(uint32_t r, const std::string& why) {
   }
 }
 
-// PeerDown(r) to every live rank paired with `r`.
+// PeerDown(r) to every live rank paired with `r` and, for a cache rank that is one of N > 1 layer shards, to the
+// other shards of its inference rank (a GPU cache rank ends then: its inference rank aborted every shard's link and
+// re-pairs the N shards together; a CPU cache rank ignores it).
 void Membership::send_peer_down(uint32_t r, const std::string& why) {
   const auto& m = members_[r];
-  for (uint32_t q : paired_ranks(r)) {
+  std::vector<uint32_t> to = paired_ranks(r);
+  const uint32_t n = cache_per_inference_;
+  if (m.info.role() == proto::CACHE && n > 1)
+    for (uint32_t q = 0; q < members_.size(); ++q)
+      if (q != r && members_[q].info.role() == proto::CACHE &&
+          members_[q].info.role_index() / n == m.info.role_index() / n)
+        to.push_back(q);
+  for (uint32_t q : to) {
     auto& peer = members_[q];
     if (peer.state != proto::ALIVE || !peer.conn) continue;
     proto::Envelope out;

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <future>
+#include <optional>
 #include <utility>
 
 #include "common/error.h"
@@ -73,31 +74,6 @@ class ShardLinks final : public transport::GpuLink {
   std::string names_;
 };
 
-// A replaced layer shard's new link, which is not used (the pair stays dense until this rank restarts): its hello,
-// then the close plan, so that the replacement's server ends its stream and waits for the shutdown with nothing
-// pending. Each send waits at most the link's op_timeout.
-void end_parked_stream(transport::GpuLink& link, const std::vector<uint8_t>& hello) {
-  cudaStream_t stream = nullptr;
-  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "parked shard: stream");
-  std::string err;
-  try {
-    DeviceBuffer buf(pair::kGpuPlanBytes, "parked shard: message");
-    cuda_check(cudaMemcpyAsync(buf.get(), hello.data(), hello.size(), cudaMemcpyHostToDevice, stream),
-               "parked shard: hello upload");
-    link.send(buf.get(), pair::kGpuHelloBytes, stream, "the pair hello");
-    cuda_check(cudaStreamSynchronize(stream), "parked shard: hello");
-    const std::vector<uint8_t> close = pair::encode_gpu_plan(pair::GpuStepPlan::close_plan());
-    cuda_check(cudaMemcpyAsync(buf.get(), close.data(), close.size(), cudaMemcpyHostToDevice, stream),
-               "parked shard: close plan upload");
-    link.send(buf.get(), pair::kGpuPlanBytes, stream, "the close plan");
-    cuda_check(cudaStreamSynchronize(stream), "parked shard: close plan");
-  } catch (const std::exception& e) {
-    err = e.what();
-  }
-  cudaStreamDestroy(stream);
-  SPADE_CHECK(err.empty(), "{}", err);
-}
-
 class GpuDataPlane final : public DataPlane {
  public:
   GpuDataPlane(DataPlaneSetup setup, coord::ClientOptions& co) : DataPlane(std::move(setup)), lo_(link_options()) {
@@ -144,9 +120,11 @@ class GpuDataPlane final : public DataPlane {
         links_.push_back(offer.connect(name, offer.kind() == transport::LinkKind::kNccl ? left : lo_.connect_timeout));
         shard_ranks_.push_back(peer.rank());
         shard_names_.push_back(name);
+        shard_incarnations_.push_back(peer.incarnation());
         cache_name_ += (cache_name_.empty() ? "" : ", ") + name;
       }
       has_link_ = true;
+      shard_repairs_.resize(links_.size());
       spdlog::info("{}: GPU data plane to {} over {}{}", self_, cache_name_, transport::link_kind_name(lo_.kind),
                    links_.size() > 1 ? fmt::format(" ({} layer shards, pack p to shard p mod {})", links_.size(),
                                                    links_.size())
@@ -207,17 +185,25 @@ class GpuDataPlane final : public DataPlane {
  protected:
   void arm_health() override { health_->arm(std::vector<transport::Endpoint*>{}, health_link()); }
 
-  // Layer shards (N > 1): a replaced cache rank gets a fresh link (so that it leaves its rendezvous), its hello and
-  // at once the close plan, and is not used: the other shards' links were aborted with the lost one, so the pair
-  // stays dense until this rank restarts (its replacement re-pairs with all N cache ranks).
+  // Layer shards (N > 1): one lost shard aborts every shard's link (no cache rank is left in the middle of a step:
+  // ShardLinks), and a GPU cache rank exits when a sibling shard is lost (the coordinator sends it the sibling's
+  // PeerDown), so every shard comes back as a new incarnation of its index. Each replacement is offered a fresh link
+  // (the address list carries it at its shard's entry) and connected on a thread of its own; once all N shards'
+  // replacements are connected, finish_shard_repairs() makes a controller over them and swaps it in.
   bool replace_shard(const proto::PeerReplaced& pr, const std::string& name, coord::CoordinatorClient& cc) override {
     if (shard_ranks_.size() <= 1) return false;
     const proto::RankInfo& peer = pr.peer();
     const int shard = shard_of_rank(peer.rank());
+    const size_t si = static_cast<size_t>(shard);
     const int n = static_cast<int>(shard_ranks_.size());
-    health_->degrade(fmt::format("{} (layer shard {} of {}) was replaced (previous incarnation: {}); a replaced "
-                                 "shard is not re-paired, this rank decodes densely until it restarts",
-                                 name, shard, n, pr.previous_reason()),
+    if (peer.incarnation() <= shard_incarnations_[si]) {
+      spdlog::warn("{}: ignoring a replacement of {} with incarnation {} (layer shard {}'s is {})", self_, name,
+                   peer.incarnation(), shard, shard_incarnations_[si]);
+      return true;
+    }
+    health_->degrade(fmt::format("{} (layer shard {} of {}) was replaced (previous incarnation: {}); the {} layer "
+                                 "shards re-pair together, once each one's replacement is connected",
+                                 name, shard, n, pr.previous_reason(), n),
                      true, true, shard);
     spdlog::warn("{}: {}", self_, health_->degraded());
     if (!gpu_sparse_) return true;
@@ -229,28 +215,87 @@ class GpuDataPlane final : public DataPlane {
     po.set_peer_incarnation(peer.incarnation());
     po.mutable_transport()->set_kind(transport_kind(glo.kind));
     std::vector<std::string> addresses(static_cast<size_t>(n));  // the replacement reads entry `shard` of N
-    addresses[static_cast<size_t>(shard)] = fresh->address();
+    addresses[si] = fresh->address();
     po.mutable_transport()->set_address(pair::join_shard_addresses(addresses));
-    cc.send_pair_offer(po);
-    const EngineOptions en = engine_->options();
-    const std::vector<uint8_t> hello = pair::encode_gpu_hello(pair::shard_gpu_hello(
-        make_gpu_pair_hello(*gpu_attn_cfg_, gpu_sparse_options(sparse_, en, name), en), shard, n));
+    try {
+      cc.send_pair_offer(po);
+    } catch (const std::exception& e) {
+      health_->degrade(fmt::format("re-pairing {} as layer shard {} of {} failed: {}", name, shard, n, e.what()),
+                       false, true);
+      spdlog::error("{}: {}; decoding densely", self_, health_->degraded());
+      return true;
+    }
     const int device = opt_.gpu;
     const auto timeout = opt_.rendezvous_timeout;
-    const std::string self = self_;
-    parked_.push_back(std::async(std::launch::async, [fresh, name, hello, device, timeout, self] {
-      std::unique_ptr<transport::GpuLink> link;
-      try {
-        cuda_check(cudaSetDevice(device), "inference rank: cudaSetDevice (parked shard)");
-        link = fresh->connect(name, timeout);
-        end_parked_stream(*link, hello);
-      } catch (const std::exception& e) {
-        spdlog::warn("{}: the replaced layer shard {} was not connected: {}", self, name, e.what());
-      }
-      return link;
-    }));
+    if (shard_repairs_[si]) parked_.push_back(std::move(shard_repairs_[si]->link));  // superseded
+    shard_repairs_[si] = ShardRepair{peer, name, std::async(std::launch::async, [fresh, name, device, timeout] {
+                                       cuda_check(cudaSetDevice(device), "inference rank: cudaSetDevice (re-pairing)");
+                                       return fresh->connect(name, timeout);
+                                     })};
+    spdlog::info("{}: {} replaced layer shard {} of {} (incarnation {}); offered the data plane, connecting", self_,
+                 name, shard, n, peer.incarnation());
     return true;
   }
+
+  // Once every shard's replacement is connected: a new controller over the N links, its pair hellos, and the swap
+  // (the samples admitted before stay dense to their end, as with one replaced cache rank). A failed connect, or a
+  // replacement declared dead meanwhile, drops the re-pairing (the others' links close; their cache ranks end and come
+  // back as new incarnations) and leaves the pair degraded, saying why.
+  void finish_shard_repairs(const RequestTable& requests) override {
+    if (shard_repairs_.size() <= 1 || !gpu_sparse_) return;
+    for (const std::optional<ShardRepair>& r : shard_repairs_)
+      if (!r || r->link.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
+    const int n = static_cast<int>(shard_repairs_.size());
+    std::vector<ShardRepair> got;
+    for (std::optional<ShardRepair>& r : shard_repairs_) {
+      got.push_back(std::move(*r));
+      r.reset();
+    }
+    std::vector<std::unique_ptr<transport::GpuLink>> fresh;
+    std::vector<std::string> names;
+    std::string names_joined;
+    std::unique_ptr<GpuSparseController> controller;
+    try {
+      for (int s = 0; s < n; ++s) {
+        ShardRepair& r = got[static_cast<size_t>(s)];
+        fresh.push_back(r.link.get());  // the connect's error
+        check_not_declared_dead(r.peer.incarnation(), s);
+        names.push_back(r.name);
+        names_joined += (names_joined.empty() ? "" : ", ") + r.name;
+      }
+      cuda_check(cudaSetDevice(opt_.gpu), "inference rank: cudaSetDevice (re-pairing)");
+      const EngineOptions& en = engine_->options();
+      const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, names_joined);
+      std::vector<transport::GpuLink*> raw;
+      for (const auto& l : fresh) raw.push_back(l.get());
+      controller = std::make_unique<GpuSparseController>(*gpu_attn_cfg_, gso, std::move(raw), en.page_size,
+                                                         gpu_->max_batch());
+      controller->set_shard_names(names);
+      controller->send_hello(make_gpu_pair_hello(*gpu_attn_cfg_, gso, en));
+    } catch (const std::exception& e) {
+      controller.reset();  // before its links
+      health_->degrade(fmt::format("re-pairing the {} layer shards failed: {}", n, e.what()), false, true);
+      spdlog::error("{}: {}; decoding densely", self_, health_->degraded());
+      return;
+    }
+    // The samples admitted before the swap have tokens the new cache ranks never received: dense to their end.
+    requests.for_each_sample([&controller](uint64_t eid, int, int) { controller->detach(eid); });
+    add(retired_stats_, gpu_sparse_->stats());  // the old controller's counters keep counting
+    health_->rearm(nullptr, nullptr);           // the old links go below
+    gpu_->set_sparse(controller.get());
+    engine_->set_attention_hooks(controller.get());
+    gpu_sparse_ = std::move(controller);  // the old controller goes before its links
+    health_links_.reset();
+    links_ = std::move(fresh);
+    for (int s = 0; s < n; ++s) shard_incarnations_[static_cast<size_t>(s)] = got[static_cast<size_t>(s)].peer.incarnation();
+    shard_names_ = names;
+    cache_name_ = names_joined;
+    health_->restore(nullptr, health_link());
+    spdlog::info("{}: the pair is whole again: re-paired its {} layer shards ({}); new requests decode sparsely over "
+                 "all of them",
+                 self_, n, cache_name_);
+  }
+
   bool predicted() const override { return true; }
 
   void start_repair(const proto::RankInfo& /*peer*/, const std::string& name, proto::PairOffer& offer,
@@ -275,7 +320,7 @@ class GpuDataPlane final : public DataPlane {
       g.link = fresh->connect(name, timeout);
       g.controller = std::make_unique<GpuSparseController>(*attn, gso, *g.link, en.page_size, max_batch);
       g.controller->send_hello(make_gpu_pair_hello(*attn, gso, en));
-      return g;  // one cache rank: layer shards are never re-paired (replace_shard)
+      return g;  // one cache rank: layer shards re-pair together (replace_shard, finish_shard_repairs)
     });
   }
 
@@ -338,7 +383,8 @@ class GpuDataPlane final : public DataPlane {
 
   void release() override {
     // The controller before the forward pass, both before the engine; the links last.
-    parked_.clear();  // waits for their connects (each ends at its deadline)
+    shard_repairs_.clear();  // waits for their connects (each ends at its deadline)
+    parked_.clear();
     gpu_sparse_.reset();
     gpu_attn_cfg_.reset();
     gpu_.reset();
@@ -351,6 +397,12 @@ class GpuDataPlane final : public DataPlane {
   struct Repaired {
     std::unique_ptr<transport::GpuLink> link;
     std::unique_ptr<GpuSparseController> controller;
+  };
+  // A replaced layer shard's fresh link, connecting (replace_shard).
+  struct ShardRepair {
+    proto::RankInfo peer;
+    std::string name;
+    std::future<std::unique_ptr<transport::GpuLink>> link;
   };
 
   static proto::TransportKind transport_kind(transport::LinkKind kind) {
@@ -396,7 +448,9 @@ class GpuDataPlane final : public DataPlane {
   std::vector<std::unique_ptr<transport::GpuLink>> links_;        // one per cache rank, shard order
   std::vector<std::string> shard_names_;                          // the cache ranks, shard order
   std::unique_ptr<ShardLinks> health_links_;                      // layer shards: links_ as one, for PairHealth
-  std::vector<std::future<std::unique_ptr<transport::GpuLink>>> parked_;  // replaced shards' links, unused
+  std::vector<uint32_t> shard_incarnations_;                      // the incarnation each link is to, shard order
+  std::vector<std::optional<ShardRepair>> shard_repairs_;         // layer shards: each one's replacement, connecting
+  std::vector<std::future<std::unique_ptr<transport::GpuLink>>> parked_;  // superseded replacements' connects
   std::unique_ptr<GpuEngineForward> gpu_;
   std::unique_ptr<ModelConfig> gpu_attn_cfg_;
   std::unique_ptr<GpuSparseController> gpu_sparse_;

@@ -843,7 +843,8 @@ TEST(CoordinatorServerOptions, CacheRanksMustBeANonZeroMultipleOfTheInferenceRan
 
 // Layer shards: a world of 2 inference and 4 cache ranks (N = 2). Inference #i is paired with cache #(2i) and
 // #(2i+1), in shard order, and learns N; each cache rank learns its shard and its one inference rank (with its
-// --layers-per-pack). A dead shard's PeerDown goes to its own inference rank only; its replacement re-pairs through
+// --layers-per-pack). A dead shard's PeerDown goes to its own inference rank and to the other shards of that inference
+// rank (a GPU cache rank ends then), not to other inference ranks or their shards; its replacement re-pairs through
 // the inference rank's offer, as with one cache rank.
 TEST_F(CoordinatorTest, ShardedWorldPairsEachInferenceRankWithItsNCacheRanksInShardOrder) {
   tweak_ = [](ServerOptions& o) { o.role_map = default_role_map(2, 4); };
@@ -888,6 +889,14 @@ TEST_F(CoordinatorTest, ShardedWorldPairsEachInferenceRankWithItsNCacheRanksInSh
   ASSERT_EQ(down->kind, ClientEvent::Kind::kPeerDown) << down->message;
   EXPECT_EQ(down->peer_down.rank(), 6u);
   EXPECT_FALSE(inf_[0]->next_event(in(300ms)).has_value()) << "inference #0 is not paired with cache #3";
+  auto sibling = cache_[2]->next_event(in(3000ms));  // cache #2: the other shard of inference #1
+  ASSERT_TRUE(sibling.has_value()) << "the sibling shard hears of it";
+  ASSERT_EQ(sibling->kind, ClientEvent::Kind::kPeerDown) << sibling->message;
+  EXPECT_EQ(sibling->peer_down.rank(), 6u);
+  EXPECT_EQ(sibling->peer_down.role(), proto::CACHE);
+  EXPECT_EQ(sibling->peer_down.role_index(), 3u);
+  for (uint32_t c : {0u, 1u})
+    EXPECT_FALSE(cache_[c]->next_event(in(200ms)).has_value()) << "cache #" << c << " is inference #0's shard";
   ClientOptions ro = opts(proto::CACHE, 3);
   ro.transport_address = "cache-addr-3-new";
   auto replacement = std::make_unique<CoordinatorClient>(ro);

@@ -15,6 +15,8 @@
 //   per layer and KV head, so the shards select what one cache rank selects.
 // - One cache rank SIGKILLed mid-request fails that request naming it, within a bounded time; the inference rank
 //   stays up and serves the next request densely, and shuts down cleanly.
+// - Shard rejoin: after one shard is SIGKILLed the other ends by itself (exit 1: the coordinator told it its sibling
+//   was lost); replacements of both re-pair together, and new requests decode sparsely over both again.
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -51,8 +53,24 @@ struct ShardedGpuCluster {
   int port = test::free_port();
   std::unique_ptr<ChildProcess> coord, inf;
   std::vector<std::unique_ptr<ChildProcess>> caches;
+  std::vector<std::unique_ptr<ChildProcess>> replaced;  // earlier incarnations (their logs)
 
   std::map<std::string, std::string> env(int rank) const { return test::gpu_rank_env(port, rank, 2 + n); }
+  // Cache #s's process (a replacement when one ran before: the same rank, the next incarnation).
+  void start_cache(int s) {
+    std::vector<std::string> k = {"--model", checkpoint(), "--rendezvous-timeout-ms", "60000", "--device", "cuda",
+                                  "--gpu", std::to_string(link.cache_gpu), "--query-window", "4"};
+    const std::vector<std::string> w = world();
+    k.insert(k.end(), w.begin(), w.end());
+    auto p = std::make_unique<ChildProcess>(bin("cache_rank/cache_rank"), k, env(2 + s),
+                                            "cache rank " + std::to_string(2 + s));
+    if (static_cast<size_t>(s) < caches.size()) {
+      replaced.push_back(std::move(caches[static_cast<size_t>(s)]));
+      caches[static_cast<size_t>(s)] = std::move(p);
+    } else {
+      caches.push_back(std::move(p));
+    }
+  }
   std::vector<std::string> world() const { return {"--num-inference", "1", "--num-cache", std::to_string(n)}; }
   void start(const std::vector<std::string>& sparse_flags) {
     std::vector<std::string> c = {"--port", std::to_string(port), "--http-port", "0", "--rendezvous-timeout-ms",
@@ -66,18 +84,13 @@ struct ShardedGpuCluster {
     a.insert(a.end(), w.begin(), w.end());
     a.insert(a.end(), sparse_flags.begin(), sparse_flags.end());
     inf = std::make_unique<ChildProcess>(bin("inference_rank/inference_rank"), a, env(1), "inference rank");
-    for (int s = 0; s < n; ++s) {
-      std::vector<std::string> k = {"--model", checkpoint(), "--rendezvous-timeout-ms", "60000", "--device", "cuda",
-                                    "--gpu", std::to_string(link.cache_gpu), "--query-window", "4"};
-      k.insert(k.end(), w.begin(), w.end());
-      caches.push_back(std::make_unique<ChildProcess>(bin("cache_rank/cache_rank"), k, env(2 + s),
-                                                      "cache rank " + std::to_string(2 + s)));
-    }
+    for (int s = 0; s < n; ++s) start_cache(s);
   }
   std::string logs() const {
     std::string s;
     for (auto* p : {coord.get(), inf.get()})
       if (p) s += "---- " + p->name() + " ----\n" + p->log();
+    for (const auto& p : replaced) s += "---- " + p->name() + " (earlier incarnation) ----\n" + p->log();
     for (const auto& p : caches) s += "---- " + p->name() + " ----\n" + p->log();
     return s;
   }
@@ -178,6 +191,42 @@ TEST_P(GpuShardedCluster, KilledShardFailsTheSparseRequestAndServiceContinuesDen
   // The surviving shard's link was aborted with the lost one: it ends at its own deadline or at the shutdown,
   // never hanging (the coordinator's shutdown reaches it too).
   EXPECT_NE(cl.caches[0]->wait_exit(30s), -1) << cl.logs();
+}
+
+TEST_P(GpuShardedCluster, ReplacedShardsRepairTogetherAndDecodeSparselyAgain) {
+  ShardedGpuCluster cl(GetParam(), 2);
+  cl.start({"--selection", "predicted", "--sparse-threshold", "32", "--token-budget", "64", "--layers-per-pack", "1",
+            "--local-window", "16", "--delta-capacity", "16", "--selection-deadline-ms", "3000"});
+  auto c = test::gpu_cluster_client(cl.port);
+  bool killed = false;
+  const Outcome o = test::gpu_generate(*c, "Once upon a time", 400, [&](size_t got) {
+    if (!killed && got >= 60) {
+      cl.caches[1]->signal(SIGKILL);
+      killed = true;
+    }
+  });
+  ASSERT_TRUE(killed) << o.error << cl.logs();
+  EXPECT_EQ(o.reason, proto::FINISH_ERROR) << cl.logs();
+  // The surviving shard hears of its sibling's loss and ends by itself, so that its restart re-pairs with the other.
+  const auto t_kill = Clock::now();
+  EXPECT_EQ(cl.caches[0]->wait_exit(20s), 1) << cl.logs();
+  EXPECT_LT(Clock::now() - t_kill, 20s);
+  EXPECT_THAT(cl.caches[0]->log(), HasSubstr("another layer shard")) << cl.caches[0]->log();
+  for (int s = 0; s < 2; ++s) cl.start_cache(s);
+  const auto until = Clock::now() + 90s;
+  while (Clock::now() < until && cl.inf->log().find("re-paired its 2 layer shards") == std::string::npos)
+    std::this_thread::sleep_for(200ms);
+  ASSERT_THAT(cl.inf->log(), HasSubstr("the pair is whole again: re-paired its 2 layer shards")) << cl.logs();
+  // A new request decodes sparsely over both replacements, to its end.
+  const Outcome after = test::gpu_generate(*c, "Once upon a time", 160);
+  EXPECT_EQ(after.reason, proto::FINISH_LENGTH) << after.error << cl.logs();
+  EXPECT_EQ(after.ids.size(), 160u);
+  cl.shutdown(*c);
+  for (int s = 0; s < 2; ++s) {
+    const std::string& log = cl.caches[static_cast<size_t>(s)]->log();
+    EXPECT_THAT(log, HasSubstr("layer shard " + std::to_string(s) + " of 2")) << log;
+    EXPECT_GT(logged(log, "selections"), 60) << "replacement of shard " << s << " selected\n" << log;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Links, GpuShardedCluster, test::gpu_links(), test::link_name);
