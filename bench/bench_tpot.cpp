@@ -218,12 +218,16 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
     for (int p = 0; p < sh.packs; ++p) own += sh.shard(p) == s ? 1 : 0;
     shard_kv.push_back(layer_kv * layers);
     if (solo == Solo::kInference) continue;
-    // Its largest buffers: the pool, the int8 scoring keys (D + 4 bytes per key), the send buffers of its packs;
-    // 2 GB for the rest (windows, scores, mirrors).
+    // Its largest buffers: the pool, the int8 scoring keys (D + 4 bytes per key), the send buffers of its packs,
+    // the scores and windows; 2 GB for the rest (mirrors, tables).
     const double int8_keys = o.selection.score_keys == kernels::ScoreKeys::kInt8
                                  ? layer_kv * layers / 2 * (cfg.head_dim + 4.0) / (2.0 * cfg.head_dim)
                                  : 0.0;
-    const double need = layer_kv * layers + int8_keys + own * (2.0 * sh.down_bytes(1) + (sh.cap > 0 ? sh.init.bytes : 0));
+    // Its scores (two scratch sets) and query windows are sized for a pack / every layer.
+    const double scratch = 2.0 * pack * o.batch * cfg.num_kv_heads * plan.max_len * 4.0 +
+                           2.0 * cfg.num_layers * o.batch * cfg.q_dim() * (o.selection.query_window + 1) * 2.0;
+    const double need = layer_kv * layers + int8_keys + scratch +
+                        own * (2.0 * sh.down_bytes(1) + (sh.cap > 0 ? sh.init.bytes : 0));
     size_t free_b = 0, total_b = 0;
     cuda_check(cudaSetDevice(sh.cache_devices[static_cast<size_t>(s)]), "cudaSetDevice (cache rank)");
     cuda_check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");

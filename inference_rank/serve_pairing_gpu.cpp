@@ -9,6 +9,7 @@
 #include <future>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "common/error.h"
 #include "inference_rank/gpu_engine.h"
@@ -227,25 +228,58 @@ class GpuDataPlane final : public DataPlane {
     }
     const int device = opt_.gpu;
     const auto timeout = opt_.rendezvous_timeout;
-    if (shard_repairs_[si]) parked_.push_back(std::move(shard_repairs_[si]->link));  // superseded
-    shard_repairs_[si] = ShardRepair{peer, name, std::async(std::launch::async, [fresh, name, device, timeout] {
-                                       cuda_check(cudaSetDevice(device), "inference rank: cudaSetDevice (re-pairing)");
-                                       return fresh->connect(name, timeout);
-                                     })};
+    if (shard_repairs_[si] && !shard_repairs_[si]->connected)
+      parked_.push_back(std::move(shard_repairs_[si]->link));  // superseded while connecting
+    shard_repairs_[si] = ShardRepair{peer, name,
+                                     std::async(std::launch::async,
+                                                [fresh, name, device, timeout] {
+                                                  cuda_check(cudaSetDevice(device),
+                                                             "inference rank: cudaSetDevice (re-pairing)");
+                                                  return fresh->connect(name, timeout);
+                                                }),
+                                     nullptr};
     spdlog::info("{}: {} replaced layer shard {} of {} (incarnation {}); offered the data plane, connecting", self_,
                  name, shard, n, peer.incarnation());
     return true;
   }
 
   // Once every shard's replacement is connected: a new controller over the N links, its pair hellos, and the swap
-  // (the samples admitted before stay dense to their end, as with one replaced cache rank). A failed connect, or a
-  // replacement declared dead meanwhile, drops the re-pairing (the others' links close; their cache ranks end and come
-  // back as new incarnations) and leaves the pair degraded, saying why.
+  // (the samples admitted before stay dense to their end, as with one replaced cache rank). A replacement whose connect
+  // failed, or that was declared dead meanwhile, is dropped alone: the others stay connected, waiting for their hello,
+  // until its own replacement connects. A failure once the hellos are being sent drops them all (a cache rank that has
+  // its hello cannot take another) and leaves the pair degraded, saying why.
   void finish_shard_repairs(const RequestTable& requests) override {
+    std::erase_if(parked_, [](const std::future<std::unique_ptr<transport::GpuLink>>& f) {
+      return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;  // its link goes
+    });
     if (shard_repairs_.size() <= 1 || !gpu_sparse_) return;
-    for (const std::optional<ShardRepair>& r : shard_repairs_)
-      if (!r || r->link.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
     const int n = static_cast<int>(shard_repairs_.size());
+    bool all = true;
+    for (int s = 0; s < n; ++s) {
+      std::optional<ShardRepair>& r = shard_repairs_[static_cast<size_t>(s)];
+      if (!r) {
+        all = false;
+        continue;
+      }
+      try {
+        if (!r->connected) {
+          if (r->link.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+            all = false;
+            continue;
+          }
+          r->connected = r->link.get();  // the connect's error
+        }
+        check_not_declared_dead(r->peer.incarnation(), s);
+      } catch (const std::exception& e) {
+        health_->degrade(fmt::format("re-pairing {} as layer shard {} of {} failed: {}; waiting for its replacement",
+                                     r->name, s, n, e.what()),
+                         false, true);
+        spdlog::error("{}: {}", self_, health_->degraded());
+        r.reset();
+        all = false;
+      }
+    }
+    if (!all) return;
     std::vector<ShardRepair> got;
     for (std::optional<ShardRepair>& r : shard_repairs_) {
       got.push_back(std::move(*r));
@@ -254,15 +288,13 @@ class GpuDataPlane final : public DataPlane {
     std::vector<std::unique_ptr<transport::GpuLink>> fresh;
     std::vector<std::string> names;
     std::string names_joined;
+    for (ShardRepair& r : got) {
+      fresh.push_back(std::move(r.connected));
+      names.push_back(r.name);
+      names_joined += (names_joined.empty() ? "" : ", ") + r.name;
+    }
     std::unique_ptr<GpuSparseController> controller;
     try {
-      for (int s = 0; s < n; ++s) {
-        ShardRepair& r = got[static_cast<size_t>(s)];
-        fresh.push_back(r.link.get());  // the connect's error
-        check_not_declared_dead(r.peer.incarnation(), s);
-        names.push_back(r.name);
-        names_joined += (names_joined.empty() ? "" : ", ") + r.name;
-      }
       cuda_check(cudaSetDevice(opt_.gpu), "inference rank: cudaSetDevice (re-pairing)");
       const EngineOptions& en = engine_->options();
       const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, names_joined);
@@ -287,7 +319,8 @@ class GpuDataPlane final : public DataPlane {
     gpu_sparse_ = std::move(controller);  // the old controller goes before its links
     health_links_.reset();
     links_ = std::move(fresh);
-    for (int s = 0; s < n; ++s) shard_incarnations_[static_cast<size_t>(s)] = got[static_cast<size_t>(s)].peer.incarnation();
+    for (int s = 0; s < n; ++s)
+      shard_incarnations_[static_cast<size_t>(s)] = got[static_cast<size_t>(s)].peer.incarnation();
     shard_names_ = names;
     cache_name_ = names_joined;
     health_->restore(nullptr, health_link());
@@ -398,11 +431,12 @@ class GpuDataPlane final : public DataPlane {
     std::unique_ptr<transport::GpuLink> link;
     std::unique_ptr<GpuSparseController> controller;
   };
-  // A replaced layer shard's fresh link, connecting (replace_shard).
+  // A replaced layer shard's fresh link: connecting (replace_shard), then connected and waiting for the others.
   struct ShardRepair {
     proto::RankInfo peer;
     std::string name;
     std::future<std::unique_ptr<transport::GpuLink>> link;
+    std::unique_ptr<transport::GpuLink> connected;  // link's result, once taken
   };
 
   static proto::TransportKind transport_kind(transport::LinkKind kind) {
