@@ -9,6 +9,7 @@
 #include "cache_rank/selector.h"
 #include "pair/pack.h"
 #include "common/error.h"
+#include "tests/small_config.h"
 
 namespace spade::cache {
 namespace {
@@ -16,15 +17,7 @@ namespace {
 using ::testing::HasSubstr;
 using namespace ::spade::pair;  // the wire types (pair/pack.h) this file encodes, decodes and selects into
 
-ModelConfig small_cfg() {
-  ModelConfig c;
-  c.num_layers = 2;
-  c.num_q_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.hidden_size = 32;
-  return c;
-}
+using test::small_cfg;
 
 std::vector<float> randn(size_t n, std::mt19937& g) {
   std::normal_distribution<float> d;

@@ -10,6 +10,7 @@
 #include "cache_rank/pack_server.h"
 #include "cache_rank/selector.h"
 #include "common/error.h"
+#include "tests/small_config.h"
 
 namespace spade::cache {
 namespace {
@@ -17,15 +18,7 @@ namespace {
 using ::testing::HasSubstr;
 using namespace ::spade::pair;
 
-ModelConfig small_cfg() {
-  ModelConfig c;
-  c.num_layers = 3;
-  c.num_q_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.hidden_size = 32;
-  return c;
-}
+ModelConfig small_cfg() { return test::small_cfg(3); }
 
 SelectionConfig small_sc() {
   SelectionConfig sc;

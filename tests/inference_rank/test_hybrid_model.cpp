@@ -27,6 +27,7 @@
 #include "inference_rank/sparse_attention.h"
 #include "kernels/causal_conv1d_ref.h"
 #include "kernels/gated_rmsnorm_ref.h"
+#include "tests/inference_rank/request_helpers.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -95,14 +96,7 @@ std::vector<float> stepwise_logits(const Model& m, const std::vector<int32_t>& i
   return all;
 }
 
-GenerateRequest greedy(std::vector<int32_t> p, int n) {
-  GenerateRequest r;
-  r.prompt_ids = std::move(p);
-  r.max_tokens = n;
-  r.sampling.temperature = 0;
-  r.ignore_eos = true;
-  return r;
-}
+using test::greedy;
 
 // Runs requests through one engine (request i submitted after stagger * i steps) and returns each one's tokens.
 std::vector<std::vector<int32_t>> run_all(const Model& m, EngineOptions opt, const std::vector<GenerateRequest>& rs,

@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/sparse_attention.h"
+#include "tests/inference_rank/request_helpers.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -20,20 +21,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::vector<int32_t> prompt(int n, int salt) {
-  std::vector<int32_t> p = {1};
-  for (int i = 1; i < n; ++i) p.push_back(static_cast<int32_t>(3 + (i * 37 + salt * 11) % 500));
-  return p;
-}
-
-GenerateRequest greedy(std::vector<int32_t> ids, int n) {
-  GenerateRequest r;
-  r.prompt_ids = std::move(ids);
-  r.max_tokens = n;
-  r.sampling.temperature = 0;
-  r.ignore_eos = true;
-  return r;
-}
+using test::greedy;
+using test::prompt;  // token ids in [3, 503)
 
 // Sparse decoding from 24 tokens on with a budget of 16, its cache rank in process.
 SparseOptions sparse_options() {

@@ -22,6 +22,8 @@
 #include "pair/pack.h"
 #include "pair/sharded_link.h"
 #include "tests/inference_rank/loopback_cache_rank.h"
+#include "tests/inference_rank/request_helpers.h"
+#include "tests/small_config.h"
 #include "tests/test_util.h"
 
 namespace spade {
@@ -30,20 +32,8 @@ namespace {
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
-std::vector<int32_t> prompt(int n, int salt, int vocab) {
-  std::vector<int32_t> p = {1};
-  for (int i = 1; i < n; ++i) p.push_back(static_cast<int32_t>(3 + (i * 37 + salt * 11) % (vocab - 3)));
-  return p;
-}
-
-GenerateRequest greedy(std::vector<int32_t> ids, int n) {
-  GenerateRequest r;
-  r.prompt_ids = std::move(ids);
-  r.max_tokens = n;
-  r.sampling.temperature = 0.f;
-  r.ignore_eos = true;
-  return r;
-}
+using test::greedy;
+using test::prompt;
 
 // One layer's selection as the inference rank received it (the step is left out: runs differ in their idle flushes).
 struct Rec {
@@ -112,15 +102,9 @@ class RecordingLink : public pair::CacheRankLink {
   pair::PackShape shape_;
 };
 
+// The shared stories260K sparse settings, keeping up to `retained_tokens` of retained prefixes (0: none).
 SparseOptions stories_sparse(int retained_tokens) {
-  SparseOptions so;
-  so.mode = SelectionMode::Predicted;
-  so.sparse_threshold = 24;
-  so.layers_per_pack = 2;
-  so.selection.token_budget = 16;
-  so.selection.local_window = 8;
-  so.selection.sink_tokens = 0;
-  so.selection.query_window = 4;
+  SparseOptions so = test::stories_sparse();
   so.max_retained_prefix_tokens = retained_tokens;
   return so;
 }
@@ -461,15 +445,7 @@ TEST_F(RetainedPrefix, PrefixCachingOffRetainsNothing) {
 
 // ---- the wire and the cache rank's checks ----
 
-ModelConfig small_cfg() {
-  ModelConfig c;
-  c.num_layers = 2;
-  c.num_q_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.hidden_size = 32;
-  return c;
-}
+using test::small_cfg;
 
 TEST(RetainedPrefixWire, RoundTripAndMalformedEntriesAreRefusedNamingThePeer) {
   const ModelConfig c = small_cfg();

@@ -17,17 +17,15 @@
 #include "inference_rank/sparse_attention.h"
 #include "pair/link.h"
 #include "tests/inference_rank/loopback_cache_rank.h"
+#include "tests/inference_rank/request_helpers.h"
 #include "tests/test_util.h"
 #include "transport/loopback.h"
 
 namespace spade {
 namespace {
 
-std::vector<int32_t> prompt(int n, int salt, int vocab) {
-  std::vector<int32_t> p = {1};
-  for (int i = 1; i < n; ++i) p.push_back(static_cast<int32_t>(3 + (i * 37 + salt * 11) % (vocab - 3)));
-  return p;
-}
+using test::prompt;
+using test::stories_sparse;
 
 GenerateRequest request(std::vector<int32_t> ids, int n, float temperature, uint64_t seed) {
   GenerateRequest r;
@@ -90,17 +88,6 @@ class RecordingLink : public pair::CacheRankLink {
   pair::PackShape shape_;
 };
 
-SparseOptions stories_sparse() {
-  SparseOptions so;
-  so.mode = SelectionMode::Predicted;
-  so.sparse_threshold = 24;
-  so.layers_per_pack = 2;
-  so.selection.token_budget = 16;
-  so.selection.local_window = 8;
-  so.selection.sink_tokens = 0;
-  so.selection.query_window = 4;
-  return so;
-}
 
 // An engine whose sparse backend talks to a RecordingLink (cache-rank page size `cache_page`); `sharing` false
 // takes the engine's page allocator away from the backend (every INIT ships the whole context, as before).

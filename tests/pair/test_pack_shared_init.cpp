@@ -8,21 +8,14 @@
 
 #include "common/error.h"
 #include "pair/pack.h"
+#include "tests/small_config.h"
 
 namespace spade::pair {
 namespace {
 
 using ::testing::HasSubstr;
 
-ModelConfig small_cfg() {
-  ModelConfig c;
-  c.num_layers = 2;
-  c.num_q_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.hidden_size = 32;
-  return c;
-}
+using test::small_cfg;
 
 // An update of two layers: sequence 5 INIT of 40 tokens sharing the first 32 with sequence 3, and an APPEND of 3.
 PackUpdate shared_update(const ModelConfig& c) {
