@@ -25,17 +25,7 @@ using test::greedy;
 using test::prompt;  // token ids in [3, 503)
 
 // Sparse decoding from 24 tokens on with a budget of 16, its cache rank in process.
-SparseOptions sparse_options() {
-  SparseOptions so;
-  so.mode = SelectionMode::Predicted;
-  so.sparse_threshold = 24;
-  so.layers_per_pack = 2;
-  so.selection.token_budget = 16;
-  so.selection.local_window = 8;
-  so.selection.sink_tokens = 0;
-  so.selection.query_window = 4;
-  return so;
-}
+SparseOptions sparse_options() { return test::stories_sparse(); }
 BackendFactory in_process_sparse(const SparseOptions& so) {
   return [so](const ModelConfig& cfg, KvCache& kv) -> std::unique_ptr<AttentionBackend> {
     return std::make_unique<SparseAttention>(
