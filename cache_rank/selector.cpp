@@ -299,8 +299,7 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
 
 void Selector::select_pages(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out,
                             int budget) {
-  const int Hkv = cfg_.num_kv_heads, Hq = cfg_.num_q_heads, D = cfg_.head_dim, K = sc_.token_budget;
-  const int G = Hq / Hkv, P = alloc_.page_size();
+  const int Hkv = cfg_.num_kv_heads, K = sc_.token_budget;
   check_held(layer);
   SPADE_CHECK(query != nullptr, "sequence {}: page selection needs the true query", seq);
   SPADE_CHECK(budget >= 0 && budget <= K, "sequence {}: token budget {} outside [1, {}] (0 = the rank's)", seq, budget,
@@ -310,53 +309,44 @@ void Selector::select_pages(uint64_t seq, int layer, int context_len, const floa
   const int begin = sc_.sink_tokens;
   const int end = std::min(len, context_len - sc_.local_window);  // candidates [S, end)
   out.positions.assign(static_cast<size_t>(Hkv) * K, -1);
-  out.k.assign(static_cast<size_t>(Hkv) * K * D, 0.f);
-  out.v.assign(static_cast<size_t>(Hkv) * K * D, 0.f);
+  out.k.assign(static_cast<size_t>(Hkv) * K * cfg_.head_dim, 0.f);
+  out.v.assign(static_cast<size_t>(Hkv) * K * cfg_.head_dim, 0.f);
   out.count = 0;
   if (end <= begin) return;
+  // Quest (kernels/selection_ref.h quest_page_scores_ref, quest_pick_ref): the rule the GPU's quest_select runs.
   const auto& bt = alloc_.block_table(seq);
-  const int first_page = begin / P, last_page = (end - 1) / P, npages = last_page - first_page + 1;
-  const float* kc = k_[layer].get();
-  std::vector<float> mn(D), mx(D);
-  std::vector<std::pair<float, int>> page_scores(npages);
-  std::vector<int> counts(Hkv, 0);
-  for (int h = 0; h < Hkv; ++h) {
-    for (int pi = 0; pi < npages; ++pi) {
-      const int pg = first_page + pi;
-      const int t0 = std::max(begin, pg * P), t1 = std::min(end, (pg + 1) * P);
-      std::fill(mn.begin(), mn.end(), std::numeric_limits<float>::infinity());
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-      for (int t = t0; t < t1; ++t) {
-        const float* kr = kc + ((static_cast<size_t>(bt[t / P]) * P + t % P) * Hkv + h) * D;
-        for (int d = 0; d < D; ++d) {
-          mn[d] = std::min(mn[d], kr[d]);
-          mx[d] = std::max(mx[d], kr[d]);
-        }
-      }
-      float combined = sc_.gqa_rule == kernels::GqaScoreRule::kMax ? -std::numeric_limits<float>::infinity() : 0.f;
-      for (int g = 0; g < G; ++g) {
-        const float* q = query + static_cast<size_t>(h * G + g) * D;
-        float sc = 0.f;
-        for (int d = 0; d < D; ++d) sc += std::max(q[d] * mn[d], q[d] * mx[d]);
-        combined = sc_.gqa_rule == kernels::GqaScoreRule::kMax ? std::max(combined, sc) : combined + sc / G;
-      }
-      page_scores[pi] = {combined, pg};
-    }
-    // Best pages first (ties: earlier page), taken whole until the budget is reached (the last one cut).
-    std::sort(page_scores.begin(), page_scores.end(),
-              [](const auto& a, const auto& b) { return a.first != b.first ? a.first > b.first : a.second < b.second; });
-    std::vector<int32_t> pos;
-    for (const auto& [score, pg] : page_scores) {
-      (void)score;
-      for (int t = std::max(begin, pg * P); t < std::min(end, (pg + 1) * P) && static_cast<int>(pos.size()) < Ke; ++t)
-        pos.push_back(t);
-      if (static_cast<int>(pos.size()) >= Ke) break;
-    }
-    std::sort(pos.begin(), pos.end());
-    for (size_t j = 0; j < pos.size(); ++j) out.positions[static_cast<size_t>(h) * K + j] = pos[j];
-    counts[h] = static_cast<int>(pos.size());
-  }
-  out.count = counts[0];
+  const int max_pages = static_cast<int>(bt.size());
+  scores_.assign(static_cast<size_t>(Hkv) * max_pages, 0.f);
+  kernels::QuestPageScoresRefParams sp;
+  sp.q = query;
+  sp.k_cache = k_[layer].get();
+  sp.block_table = bt.data();
+  sp.num_tokens = &end;
+  sp.page_scores = scores_.data();
+  sp.batch = 1;
+  sp.num_q_heads = cfg_.num_q_heads;
+  sp.num_kv_heads = Hkv;
+  sp.head_dim = cfg_.head_dim;
+  sp.page_size = alloc_.page_size();
+  sp.max_pages_per_seq = max_pages;
+  sp.begin = begin;
+  sp.rule = sc_.gqa_rule;
+  kernels::quest_page_scores_ref(sp);
+  idx_.assign(static_cast<size_t>(Hkv) * Ke, -1);
+  kernels::QuestPickRefParams pp;
+  pp.page_scores = scores_.data();
+  pp.num_tokens = &end;
+  pp.indices = idx_.data();
+  pp.batch = 1;
+  pp.num_kv_heads = Hkv;
+  pp.page_size = alloc_.page_size();
+  pp.max_pages_per_seq = max_pages;
+  pp.k = Ke;
+  pp.begin = begin;
+  kernels::quest_pick_ref(pp);
+  for (int h = 0; h < Hkv; ++h)
+    std::copy_n(&idx_[static_cast<size_t>(h) * Ke], Ke, &out.positions[static_cast<size_t>(h) * K]);
+  out.count = std::min(Ke, end - begin);
   gather(seq, layer, out);
 }
 

@@ -67,7 +67,7 @@ GpuEngineForward::~GpuEngineForward() {
   }
 }
 
-void GpuEngineForward::set_sparse(GpuSparseController* sparse) {
+void GpuEngineForward::set_sparse(GpuStepAttention* sparse) {
   if (sparse_ != nullptr && sparse != sparse_) {
     cuda_check(cudaStreamSynchronize(stream_), "GPU engine: stream before replacing the sparse controller");
     graphs_.clear();

@@ -19,7 +19,7 @@
 
 #include "inference_rank/engine.h"
 #include "inference_rank/gpu_model.h"
-#include "inference_rank/gpu_sparse.h"
+#include "inference_rank/gpu_step_attention.h"
 #include "kernels/sampling_ref.h"  // kernels::LogprobEntry
 
 namespace spade {
@@ -59,16 +59,16 @@ class GpuEngineForward {
   /// What `inference_rank --device cuda` runs.
   void sample(const ForwardBatch& batch, const std::vector<RowSampling>& rows, std::vector<int32_t>& tokens,
               std::vector<TokenLogprobs>& logprobs);
-  /// Sparse decoding through a cache rank (gpu_sparse.h), not owned; nullptr = dense. Set before the first step.
-  /// While its link is up, decode-only steps with a plan replay a graph per (bucket, controller variant): the
-  /// controller's waits and pack-end records are external event nodes inside it, and the sends are enqueued after
-  /// the launch (GpuSparseController::ship_graph_step); mixed and prefill steps run eagerly. After a link failure
-  /// the controller attends densely and the dense graphs resume, from the first step without a sequence whose pages
-  /// were dropped (GpuSparseController::graph_safe).
-  /// The sparse controller the forward passes attend with (nullptr: dense). Replacing one controller by another (a
-  /// replaced cache rank re-paired) drops every captured graph: they bake the old controller's buffers and events.
-  /// Waits for this engine's stream first.
-  void set_sparse(GpuSparseController* sparse);
+  /// The step attention the forward passes attend with (gpu_step_attention.h), not owned; nullptr = dense. Set before
+  /// the first step. Sparse decoding through a cache rank (GpuSparseController, gpu_sparse.h): while its link is up,
+  /// decode-only steps with a plan replay a graph per (bucket, controller variant): the controller's waits and
+  /// pack-end records are external event nodes inside it, and the sends are enqueued after the launch
+  /// (ship_graph_step); mixed and prefill steps run eagerly. After a link failure the controller attends densely and
+  /// the dense graphs resume, from the first step without a sequence whose pages were dropped (graph_safe). The
+  /// synchronous references (GpuSyncSelection) run their sparse steps eagerly. Replacing one step attention by another
+  /// (a replaced cache rank re-paired) drops every captured graph: they bake the old one's buffers and events. Waits
+  /// for this engine's stream first.
+  void set_sparse(GpuStepAttention* sparse);
   /// Start-up pass (vLLM's profile run, in spirit): every cuBLASLt kernel a step of 1..max_num_batched_tokens rows
   /// can pick, launched once (GpuModel::warm_up_gemms), one eager step of max_num_batched_tokens prompt tokens, then one
   /// decode step per graph bucket (capturing its graph when graphs are on), all on the scratch page, so that every
@@ -100,7 +100,7 @@ class GpuEngineForward {
   int max_pages_;
   GpuKvPool kv_;
   GpuDenseAttention attention_;
-  GpuSparseController* sparse_ = nullptr;
+  GpuStepAttention* sparse_ = nullptr;
   GpuStepBuffers steps_;
   cudaStream_t stream_ = nullptr;
   std::map<int, std::unique_ptr<GpuGraph>> graphs_;  // by batch bucket

@@ -67,6 +67,7 @@
 #include "pair/gpu_plan.h"
 #include "inference_rank/engine.h"
 #include "inference_rank/gpu_model.h"
+#include "inference_rank/gpu_step_attention.h"
 #include "inference_rank/model.h"
 #include "inference_rank/sparse_planner.h"
 #include "transport/gpu_link.h"
@@ -93,7 +94,7 @@ struct GpuSparseStats {
 pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
                                         const EngineOptions& engine);
 
-class GpuSparseController : public AttentionBackend, public GpuAttention {
+class GpuSparseController : public AttentionBackend, public GpuStepAttention {
  public:
   /// `attn_cfg`: the model's attention view. `opts` (copied): gpu_sparse_options of the pair's settings and the
   /// engine's options. `link`: the inference side of the pair, kept alive by the caller. `page_size`, `max_batch`: the
@@ -143,34 +144,34 @@ class GpuSparseController : public AttentionBackend, public GpuAttention {
   // ---- GPU forward side ----
   /// Before the step's forward (and its upload): phases, the plan (sent on the link's up stream), the per-row arrays
   /// (uploaded on `stream`). `fb` is the engine's step.
-  void begin_step(const ForwardBatch& fb, cudaStream_t stream);
+  void begin_step(const ForwardBatch& fb, cudaStream_t stream) override;
   /// After begin_step: true when this decode-only step has a plan on a healthy link, so the engine may run it as a
   /// CUDA graph (graph_variant() says which) followed by ship_graph_step().
-  bool link_graph_ok(const ForwardBatch& fb) const;
+  bool link_graph_ok(const ForwardBatch& fb) const override;
   /// The graph a link step needs besides its batch bucket: the per-row arrays' parity (their device address) x
   /// sparse (packed kernel) or dense attention; 0..3.
-  int graph_variant() const;
+  int graph_variant() const override;
   /// Rows per layer in the pack send buffers: the step's padded row count when it runs as a graph (default: its
   /// tokens). Call after begin_step, before the forward.
-  void set_layout_rows(int rows);
+  void set_layout_rows(int rows) override;
   /// While the engine captures a link step's graph: the waits for a pack buffer's previous send and for this step's
   /// selections, and the pack-end records, become external event nodes (they act at each replay), and the sends are
   /// left to ship_graph_step().
-  void set_capturing(bool on);
+  void set_capturing(bool on) override;
   /// After a link step's graph launch: per pack, on the up stream, wait for the graph's pack-end event, compact the
   /// pack's rows to the step's tokens (padding rows dropped) and send them; record the pack's send event. A send
   /// that throws fails the link (take_failures), as in an eager step.
-  void ship_graph_step();
+  void ship_graph_step() override;
   void attend(const GpuLayerStep& step, const GpuBatch& batch, cudaStream_t stream) override;
   void* rows_out(int layer, cudaStream_t stream, int* stride) override;
   /// After the step's forward was enqueued: the receives and applies of the next step's selections.
-  void end_step(cudaStream_t stream);
+  void end_step(cudaStream_t stream) override;
   /// True when this step attends sparsely somewhere.
   bool sparse_this_step() const { return sparse_now_; }
   /// Whether the step `fb` may run as (or be captured into) a dense CUDA graph (no link operations): once the link
   /// has failed (no plan, no per-step uploads) and no sequence of `fb` had pages dropped (those rows need this
   /// step's per-row arrays).
-  bool graph_safe(const ForwardBatch& fb) const;
+  bool graph_safe(const ForwardBatch& fb) const override;
 
   /// True once a link (any shard's) failed.
   bool link_failed() const;

@@ -36,6 +36,7 @@
 #include "cache_rank/gpu_local.h"
 #include "inference_rank/gpu_engine.h"
 #include "inference_rank/gpu_sparse.h"
+#include "inference_rank/gpu_sync_selection.h"
 #endif
 
 namespace {
@@ -75,6 +76,7 @@ int run_standalone(Flags& f) {
   std::unique_ptr<spade::ModelConfig> gpu_attn_cfg;
   std::unique_ptr<spade::cache::LocalGpuCacheRank> gpu_cache;
   std::unique_ptr<spade::GpuSparseController> gpu_sparse;
+  std::unique_ptr<spade::GpuSyncSelection> gpu_sync;  // --selection oracle | quest
 #endif
   if (f.device == "cuda") {
 #ifdef SPADE_HAVE_GPU_PATH
@@ -121,6 +123,19 @@ int run_standalone(Flags& f) {
                    "pack; cache rank in this process",
                    f.so.sparse_threshold, f.so.selection.token_budget, f.so.selection.local_window,
                    f.so.effective_delta_capacity(), f.so.layers_per_pack);
+    }
+    if (f.so.mode == spade::SelectionMode::Oracle || f.so.mode == spade::SelectionMode::Quest) {
+      // The synchronous references: selection with the true query inside this rank's forward pass, no cache rank.
+      const spade::EngineOptions& en = engine_ptr->options();
+      gpu_attn_cfg = std::make_unique<spade::ModelConfig>(cfg.attention_view());
+      gpu_sync = std::make_unique<spade::GpuSyncSelection>(
+          *gpu_attn_cfg, spade::gpu_sparse_options(f.so, en, "the synchronous selection"), f.so.mode, en.page_size,
+          gpu->max_batch(), en.max_model_len);
+      gpu->set_sparse(gpu_sync.get());
+      engine_ptr->set_attention_hooks(gpu_sync.get());
+      spdlog::info("GPU {} selection (synchronous, true query): threshold {}, budget {}, local window {}",
+                   spade::selection_mode_name(f.so.mode), f.so.sparse_threshold, f.so.selection.token_budget,
+                   f.so.selection.local_window);
     }
     spdlog::info("GPU model: {:.2f} GB weights, {:.2f} GB KV pool ({} pages) in {:.1f} ms",
                  gpu->model().weight_bytes() / 1e9, gpu->kv_bytes() / 1e9, go.engine.num_pages,
@@ -241,6 +256,12 @@ int run_standalone(Flags& f) {
                  static_cast<unsigned long long>(st.bytes_sent), static_cast<unsigned long long>(st.bytes_received),
                  static_cast<unsigned long long>(engine.stats().dropped_pages),
                  gpu_cache->error().empty() ? "" : " cache_rank_error=", gpu_cache->error().c_str());
+    return failed ? 1 : 0;
+  }
+  if (gpu_sync) {
+    std::fprintf(stderr, "[spade] selection=%s device=cuda sparse_seq_steps=%llu switches=%llu\n",
+                 spade::selection_mode_name(f.so.mode), static_cast<unsigned long long>(gpu_sync->sparse_seq_steps()),
+                 static_cast<unsigned long long>(gpu_sync->switches()));
     return failed ? 1 : 0;
   }
 #endif

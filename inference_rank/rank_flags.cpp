@@ -39,10 +39,17 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
   } else {
     r.refuse("--device cuda", {"--max-retained-prefix-tokens"},
              "the GPU cache rank retains no prefix: it receives each token's rows as they are computed");
-    r.refuse_if(mode == spade::SelectionMode::Oracle || mode == spade::SelectionMode::Quest,
-                fmt::format("--selection {} does not apply to --device cuda (CPU only: synchronous selection with "
-                            "the true query); use dense or predicted",
+    r.refuse_if(serve && (mode == spade::SelectionMode::Oracle || mode == spade::SelectionMode::Quest),
+                fmt::format("--selection {} does not apply to --serve --device cuda (a fidelity reference: "
+                            "synchronous selection with the true query in the one-process path, without --serve); "
+                            "use dense or predicted",
                             spade::selection_mode_name(mode)));
+    if (mode == spade::SelectionMode::Oracle || mode == spade::SelectionMode::Quest)
+      r.refuse(fmt::format("--selection {} --device cuda", spade::selection_mode_name(mode)),
+               {"--query-window", "--ridge-eps", "--predictor", "--anchor-queries", "--anchor-span", "--score-keys",
+                "--delta-capacity", "--max-context-pages", "--selection-deadline-ms"},
+               "it configures the predicted selection or its cache rank; the synchronous references select with "
+               "the true query in this rank's forward pass");
     r.refuse_if(sparse.selection.sink_tokens > 0,
                 fmt::format("--sink-tokens {} does not apply to --device cuda (the GPU path attends no sink tokens "
                             "of its own: they compete in the top-k); use 0",
@@ -64,7 +71,7 @@ void add_flags(CLI::App& app, Flags& f) {
   auto* serve_opt = app.add_flag("--serve", f.serve, "run as an inference rank of a cluster (see docs/ARCHITECTURE.md)");
   prompt_opt->excludes(serve_opt);
   // Sparse decoding (AsyncSpade): the pair's settings (pair/selection_flags.h) and this rank's selection mode.
-  app.add_option("--selection", f.selection, "dense | oracle | quest (CPU: synchronous, true query) | predicted (AsyncSpade)");
+  app.add_option("--selection", f.selection, "dense | oracle | quest (synchronous, true query: fidelity references; not with --serve --device cuda) | predicted (AsyncSpade)");
   spade::pair::add_sparse_flags(app, f.so, f.sparse_text,
                                 spade::pair::kSelectionFlags | spade::pair::kScheduleFlags |
                                     spade::pair::kDeltaCapacityFlag | spade::pair::kScoreKeysFlag);

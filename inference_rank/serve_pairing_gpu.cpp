@@ -134,7 +134,9 @@ class GpuDataPlane final : public DataPlane {
       no_cache_rank();
     }
     SPADE_CHECK(sparse_.mode != SelectionMode::Oracle && sparse_.mode != SelectionMode::Quest,
-                "{}: --selection {} is CPU only", self_, selection_mode_name(sparse_.mode));
+                "{}: --selection {} on the GPU is a one-process fidelity reference (inference_rank --device cuda "
+                "without --serve)",
+                self_, selection_mode_name(sparse_.mode));
   }
 
   Engine& build_engine(std::unique_ptr<Model>& model) override {

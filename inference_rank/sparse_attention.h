@@ -48,13 +48,9 @@
 #include "cache_rank/pack_server.h"
 #include "pair/link.h"
 #include "inference_rank/model.h"
+#include "inference_rank/selection_mode.h"
 
 namespace spade {
-
-enum class SelectionMode { Dense, Oracle, Predicted, Quest };
-/// "dense" | "oracle" | "predicted" | "quest"; throws spade::Error listing them otherwise.
-SelectionMode parse_selection_mode(const std::string& s);
-const char* selection_mode_name(SelectionMode m);
 
 /// The sparse settings of this inference rank: the pair's (pair::SparseConfig: selection, sparse_threshold,
 /// layers_per_pack, ...; declared and defaulted there) plus how this rank uses them. The CPU backend reads the

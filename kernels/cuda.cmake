@@ -18,6 +18,7 @@ add_library(spade_kernels_cuda STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/selection_gather.cu   # selection: K/V gather into the packed send buffer
   ${CMAKE_CURRENT_SOURCE_DIR}/selection_anchors.cu  # selection: prompt anchors (pick, spans)
   ${CMAKE_CURRENT_SOURCE_DIR}/selection_delta.cu    # selection: delta transfer (slot plan) and its apply
+  ${CMAKE_CURRENT_SOURCE_DIR}/selection_quest.cu    # selection: Quest page baseline, decode queries as fp32
   ${CMAKE_CURRENT_SOURCE_DIR}/gdn.cu                # Gated DeltaNet decoding forms (recurrent, buffered, verify)
   ${CMAKE_CURRENT_SOURCE_DIR}/hybrid_ops.cu)        # conv1d + state, GDN gating, gated RMSNorm, output gate, reset
 # The kernels use headers only from common/ (dtype.h); device.cpp (cuda_check, DeviceBuffer, ...) throws spade::Error,

@@ -215,6 +215,46 @@ struct ApplyAnchorSpansParams {
 
 cudaError_t apply_anchor_spans(const ApplyAnchorSpansParams& p, cudaStream_t stream);
 
+/// Quest-style page selection with the TRUE query on the device, the synchronous page-level fidelity baseline:
+/// quest_page_scores_ref then quest_pick_ref (kernels/selection_ref.h states the rule), one CTA per (sequence, KV
+/// head). The page scores are fp32 sums over head_dim in another order than the reference's (a score may differ by
+/// fp32 rounding, so two pages within ~1e-6 of each other may rank differently); the pick given the written scores is
+/// the reference's exactly. A row with num_tokens[b] <= begin gets -1 only. Errors (cudaErrorInvalidValue, detail in
+/// launch_error_detail()): a pointer unset, k < 1, begin < 0, max_pages_per_seq > kMaxQuestPages, sizes out of range.
+struct QuestSelectParams {
+  DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache.
+  const float* q = nullptr;              // [batch, num_q_heads, head_dim] fp32 true queries (gather_query_rows).
+  const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
+  const int32_t* num_tokens = nullptr;   // [batch] int32 end of the candidates (<= max_pages_per_seq * page_size).
+  float* page_scores = nullptr;          // [batch, num_kv_heads, max_pages_per_seq] fp32 out (scratch; the columns
+                                         // with a candidate are written).
+  int32_t* indices = nullptr;            // [batch, num_kv_heads, k] int32 out: ascending positions, -1 padding.
+  int batch = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;             // 1..kMaxQuestPages
+  int k = 0;                             // >= 1 tokens per (sequence, KV head)
+  int begin = 0;                         // first candidate position
+  GqaScoreRule rule = GqaScoreRule::kMax;
+};
+/// Largest block-table row quest_select takes (its pick keeps one int32 per page in shared memory).
+inline constexpr int kMaxQuestPages = 8192;
+cudaError_t quest_select(const QuestSelectParams& p, cudaStream_t stream);
+/// out[b] = fp32(q[q_rows[b]]) per sequence b, one row of row_elems elements (e.g. a step's decode queries
+/// [num_q_heads * head_dim] at their token rows, as the selection kernels' fp32 queries); q_rows[b] < 0 writes zeros.
+/// q_rows == nullptr: row b. batch == 0 launches nothing.
+struct GatherQueryRowsParams {
+  DType dtype = DType::BF16;            // BF16 or F16: element type of q.
+  const void* q = nullptr;              // [rows, row_elems] dtype, rows > every q_rows[b].
+  const int32_t* q_rows = nullptr;      // optional [batch] int32.
+  float* out = nullptr;                 // [batch, row_elems] fp32.
+  int batch = 0;
+  int row_elems = 0;                    // > 0
+};
+cudaError_t gather_query_rows(const GatherQueryRowsParams& p, cudaStream_t stream);
 /// Largest token budget (slots per row) selection_delta supports.
 inline constexpr int kMaxDeltaBudget = 4096;
 /// Fields of selection_delta's `totals`: the sums of row_info's {n, E, m, holes} over the rows, then the number of

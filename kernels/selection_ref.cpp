@@ -402,4 +402,105 @@ void gather_kv_ref(const GatherKvRefParams& p) {
   }
 }
 
+namespace {
+
+// The block-table columns of sequence b's candidates [begin, end): first, count, and column j's token range.
+struct QuestColumns {
+  int first = 0, count = 0;
+  int t0(int j, int begin, int ps) const { return std::max(begin, j * ps); }
+  int t1(int j, int end, int ps) const { return std::min(end, (j + 1) * ps); }
+};
+
+QuestColumns quest_columns(int begin, int end, int ps) {
+  if (end <= begin) return {};
+  return {begin / ps, (end - 1) / ps - begin / ps + 1};
+}
+
+void check_quest_sizes(const char* what, const int32_t* num_tokens, int batch, int hkv, int ps, int max_pages,
+                       int begin) {
+  SPADE_CHECK(num_tokens != nullptr, "{}: num_tokens must be set", what);
+  SPADE_CHECK(batch >= 0 && hkv > 0 && ps > 0 && max_pages > 0 && begin >= 0,
+              "{}: batch {} / num_kv_heads {} / page_size {} / max_pages_per_seq {} / begin {} invalid", what, batch,
+              hkv, ps, max_pages, begin);
+  for (int b = 0; b < batch; ++b)
+    SPADE_CHECK(num_tokens[b] >= 0 && num_tokens[b] <= max_pages * ps,
+                "{}: num_tokens[{}] = {} outside [0, max_pages_per_seq * page_size = {}]", what, b, num_tokens[b],
+                max_pages * ps);
+}
+
+}  // namespace
+
+void quest_page_scores_ref(const QuestPageScoresRefParams& p) {
+  const char* what = "quest_page_scores_ref";
+  SPADE_CHECK(p.q != nullptr && p.k_cache != nullptr && p.block_table != nullptr && p.page_scores != nullptr,
+              "{}: q, k_cache, block_table and page_scores must be set", what);
+  check_quest_sizes(what, p.num_tokens, p.batch, p.num_kv_heads, p.page_size, p.max_pages_per_seq, p.begin);
+  SPADE_CHECK(p.head_dim > 0 && p.num_q_heads > 0 && p.num_q_heads % p.num_kv_heads == 0,
+              "{}: num_q_heads {} is not a positive multiple of num_kv_heads {} (head_dim {})", what, p.num_q_heads,
+              p.num_kv_heads, p.head_dim);
+  const int D = p.head_dim, G = p.num_q_heads / p.num_kv_heads, ps = p.page_size;
+  std::vector<float> mn(static_cast<size_t>(D)), mx(static_cast<size_t>(D));
+  for (int b = 0; b < p.batch; ++b) {
+    const int end = p.num_tokens[b];
+    const QuestColumns cols = quest_columns(p.begin, end, ps);
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      for (int j = cols.first; j < cols.first + cols.count; ++j) {
+        std::fill(mn.begin(), mn.end(), std::numeric_limits<float>::infinity());
+        std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+        for (int t = cols.t0(j, p.begin, ps); t < cols.t1(j, end, ps); ++t) {
+          const float* k = paged_row(p.k_cache, p.block_table, b, t, h, ps, p.max_pages_per_seq, p.num_kv_heads, D,
+                                     what);
+          for (int d = 0; d < D; ++d) {
+            mn[static_cast<size_t>(d)] = std::min(mn[static_cast<size_t>(d)], k[d]);
+            mx[static_cast<size_t>(d)] = std::max(mx[static_cast<size_t>(d)], k[d]);
+          }
+        }
+        float combined = p.rule == GqaScoreRule::kMax ? -std::numeric_limits<float>::infinity() : 0.f;
+        for (int g = 0; g < G; ++g) {
+          const float* q = p.q + (static_cast<size_t>(b) * p.num_q_heads + static_cast<size_t>(h) * G + g) * D;
+          float sc = 0.f;
+          for (int d = 0; d < D; ++d)
+            sc += std::max(q[d] * mn[static_cast<size_t>(d)], q[d] * mx[static_cast<size_t>(d)]);
+          combined = p.rule == GqaScoreRule::kMax ? std::max(combined, sc) : combined + sc / G;
+        }
+        p.page_scores[(static_cast<size_t>(b) * p.num_kv_heads + h) * p.max_pages_per_seq + j] = combined;
+      }
+    }
+  }
+}
+
+void quest_pick_ref(const QuestPickRefParams& p) {
+  const char* what = "quest_pick_ref";
+  SPADE_CHECK(p.page_scores != nullptr && p.indices != nullptr, "{}: page_scores and indices must be set", what);
+  SPADE_CHECK(p.k >= 1, "{}: k {} must be >= 1", what, p.k);
+  check_quest_sizes(what, p.num_tokens, p.batch, p.num_kv_heads, p.page_size, p.max_pages_per_seq, p.begin);
+  const int ps = p.page_size;
+  std::vector<std::pair<uint32_t, int>> order;
+  std::vector<int32_t> pos;
+  for (int b = 0; b < p.batch; ++b) {
+    const int end = p.num_tokens[b];
+    const QuestColumns cols = quest_columns(p.begin, end, ps);
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      const size_t row = static_cast<size_t>(b) * p.num_kv_heads + h;
+      order.clear();
+      for (int j = cols.first; j < cols.first + cols.count; ++j)
+        order.emplace_back(topk_key(p.page_scores[row * p.max_pages_per_seq + j]), j);
+      // Best first; ties: the earlier page.
+      std::sort(order.begin(), order.end(),
+                [](const auto& a, const auto& c) { return a.first != c.first ? a.first > c.first : a.second < c.second; });
+      pos.clear();
+      for (const auto& [key, j] : order) {
+        (void)key;
+        for (int t = cols.t0(j, p.begin, ps); t < cols.t1(j, end, ps) && static_cast<int>(pos.size()) < p.k; ++t)
+          pos.push_back(t);
+        if (static_cast<int>(pos.size()) >= p.k) break;
+      }
+      std::sort(pos.begin(), pos.end());
+      int32_t* out = p.indices + row * p.k;
+      std::fill(out, out + p.k, -1);
+      std::copy(pos.begin(), pos.end(), out);
+    }
+  }
+}
+
 }  // namespace spade::kernels

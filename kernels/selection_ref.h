@@ -78,6 +78,17 @@
 //
 // ---- Gather (gather_kv_ref) ----
 // packed_k[b][kvh][i] = K[b][indices[b][kvh][i]][kvh] (likewise V) for i < k; index -1 gives a zero row.
+//
+// ---- Quest page selection (quest_page_scores_ref, quest_pick_ref) ----
+// The synchronous page-level baseline (Quest: Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context
+// LLM Inference", ICML 2024, Sec. 3.2-3.3): each page keeps the element-wise min and max of its keys, an upper bound
+// of q . k over the page scored with the TRUE current query, and the best pages are attended whole. Per (sequence b,
+// KV head h), over the candidate positions [begin, end_b), end_b = num_tokens[b]: block-table column j covers
+// [max(begin, j P), min(end_b, (j + 1) P)) (P = page_size); a column with a candidate scores
+//   combine_{query heads g of h's GQA group} sum_d max(q_g[d] * min_d, q_g[d] * max_d)
+// (min / max over its candidate keys; combine: the GQA rule, kMax = max, kMean = the running sum of score / group in
+// head order). The pick takes pages best first (score descending, ties: the earlier page), whole, until k tokens are
+// taken (the last page taken is cut to its first tokens), and writes the positions ascending, -1 after the last.
 #pragma once
 
 #include <cstddef>
@@ -237,6 +248,42 @@ struct ApplyAnchorSpansRefParams {
 /// Sets the scores of every anchor_span_positions() of each row to +inf, so the top-k that follows keeps them (the
 /// prompt anchors of a predicted selection; see the header comment).
 void apply_anchor_spans_ref(const ApplyAnchorSpansRefParams& p);
+
+struct QuestPageScoresRefParams {
+  const float* q = nullptr;              // [batch, num_q_heads, head_dim] fp32: the true current queries.
+  const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
+  const int32_t* num_tokens = nullptr;   // [batch] int32 end of the candidates, 0..max_pages_per_seq * page_size.
+  float* page_scores = nullptr;          // [batch, num_kv_heads, max_pages_per_seq] fp32 out: the columns with a
+                                         // candidate are written, the others untouched.
+  int batch = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int begin = 0;                         // first candidate position (the sink tokens are not candidates)
+  GqaScoreRule rule = GqaScoreRule::kMax;
+};
+
+/// Quest's page scores with the true query (see the header comment). Throws spade::Error naming a bad field.
+void quest_page_scores_ref(const QuestPageScoresRefParams& p);
+
+struct QuestPickRefParams {
+  const float* page_scores = nullptr;   // [batch, num_kv_heads, max_pages_per_seq] fp32 (quest_page_scores_ref's).
+  const int32_t* num_tokens = nullptr;  // [batch] int32 end of the candidates (as scored).
+  int32_t* indices = nullptr;           // [batch, num_kv_heads, k] int32 out: ascending positions, -1 padding.
+  int batch = 0;
+  int num_kv_heads = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int k = 0;                            // >= 1 tokens per (sequence, KV head)
+  int begin = 0;                        // as scored
+};
+
+/// Quest's pick: whole pages, best first, up to k tokens (see the header comment). Throws spade::Error naming a bad
+/// field.
+void quest_pick_ref(const QuestPickRefParams& p);
 
 /// Order-preserving map fp32 -> uint32 used by the top-k (larger float -> larger key; NaN -> 0).
 uint32_t topk_key(float x);

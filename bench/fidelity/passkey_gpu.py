@@ -4,10 +4,12 @@ through `inference_rank --device cuda` — the GPU model, the GPU cache rank in 
 graphs — with greedy decoding.
 
 The GPU cache rank's token budget is one per run (the pair hello), so prompts are grouped by size (1000 / 2000 /
-4000 / 7600 bytes) and a fractional budget is resolved against the largest prompt of the group (rounded up). The GPU
-path has dense and predicted selection only (oracle and Quest are the CPU path's, passkey_fidelity).
+4000 / 7600 bytes) and a fractional budget is resolved against the largest prompt of the group (rounded up). Every
+mode of the CPU path runs here too: dense, oracle and quest (synchronous, with the true query, in the inference rank's
+forward pass: inference_rank/gpu_sync_selection.h) and predicted (the GPU cache rank).
 
 Variants: NAME=flags, the flags passed to inference_rank as they are, e.g.
+    oracle="--selection oracle"
     predicted="--selection predicted"
     paper="--selection predicted --predictor paper --ridge-eps 1e-3 --successor-expand false"
     last="--selection predicted --predictor last --successor-expand false"
@@ -32,6 +34,8 @@ import time
 
 DEFAULT_VARIANTS = [
     ("dense", "--selection dense"),
+    ("oracle", "--selection oracle"),  # synchronous exact token top-k with the true query (gpu_sync_selection.h)
+    ("quest", "--selection quest"),  # synchronous Quest-style page top-k with the true query
     ("predicted", "--selection predicted"),  # prompt anchors on (the default)
     ("no-anchors", "--selection predicted --anchor-queries 0"),
     ("paper", "--selection predicted --predictor paper --ridge-eps 1e-3 --successor-expand false"),

@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <chrono>
 #include <filesystem>
 #include <string>
@@ -87,9 +89,19 @@ TEST(InferenceRankFlags, StandaloneCudaRefusesSinkTokensOracleAndClusterFlags) {
     EXPECT_THAT(r.log, HasSubstr("--sink-tokens 4 does not apply to --device cuda")) << r.log;
   }
   for (const char* sel : {"oracle", "quest"}) {
-    const Exit r = run(standalone("cuda"), {"--selection", sel});
+    // The synchronous references run in the one-process path, not in a cluster.
+    const Exit r = run(serve("cuda"), {"--selection", sel});
     EXPECT_NE(r.rc, 0) << r.log;
-    EXPECT_THAT(r.log, HasSubstr(std::string("--selection ") + sel + " does not apply to --device cuda")) << r.log;
+    EXPECT_THAT(r.log, HasSubstr(std::string("--selection ") + sel + " does not apply to --serve --device cuda"))
+        << r.log;
+    // Standalone they select with the true query: the predicted selection's and its cache rank's knobs are refused.
+    for (const Args& extra : {Args{"--query-window", "4"}, Args{"--predictor", "last"}, Args{"--anchor-queries", "0"},
+                              Args{"--score-keys", "bf16"}, Args{"--delta-capacity", "16"},
+                              Args{"--max-context-pages", "100"}, Args{"--selection-deadline-ms", "100"}}) {
+      Args a = {"--selection", sel};
+      a.insert(a.end(), extra.begin(), extra.end());
+      expect_refused(standalone("cuda"), a, {extra[0]}, std::string("--selection ") + sel + " --device cuda");
+    }
   }
   for (const Args& extra : {Args{"--gpu", "1"}, Args{"--gpu-link", "nccl"}, Args{"--metrics-port", "8100"},
                             Args{"--rank", "1"}})
@@ -147,6 +159,15 @@ TEST(InferenceRankFlags, EachModeAcceptsItsOwnFlags) {
   {
     SCOPED_TRACE("standalone --device cpu");
     expect_accepted(standalone("cpu"), cat({{"--selection", "oracle"}, sparse, cpu_selection, generation}));
+  }
+  for (const char* sel : {"oracle", "quest"}) {
+    SCOPED_TRACE(std::string("standalone --device cuda --selection ") + sel);
+    Args sync_sparse = sparse;  // no cache rank: no selection deadline
+    const auto d = std::find(sync_sparse.begin(), sync_sparse.end(), "--selection-deadline-ms");
+    sync_sparse.erase(d, d + 2);
+    expect_accepted(standalone("cuda"), cat({{"--selection", sel, "--gqa-rule", "mean", "--successor-expand", "false",
+                                              "--no-cuda-graphs", "--host-sampling"},
+                                             sync_sparse, generation}));
   }
   {
     SCOPED_TRACE("standalone --device cuda");

@@ -444,6 +444,85 @@ TEST(AnchorsRef, SpansFitAQuarterOfTheBudgetAndAreClippedToTheRow) {
   EXPECT_EQ(infs, 16 + 13);
 }
 
+// Quest by hand: one sequence, one KV head of a GQA group of 2, head_dim 2, pages of 2 tokens laid out in reverse
+// (page placement must not matter), candidates [1, 6): columns 0 {1}, 1 {2, 3}, 2 {4, 5}.
+TEST(QuestRef, PageScoresAndWholePagesBestFirstMatchHandValues) {
+  const int ps = 2, D = 2, hkv = 1, hq = 2, max_pages = 4;
+  // Cache rows (page, slot): page 3 holds tokens 0-1, page 2 tokens 2-3, page 1 tokens 4-5.
+  const std::vector<int32_t> bt = {3, 2, 1, -1};
+  std::vector<float> k(static_cast<size_t>(4) * ps * hkv * D, 99.f);
+  auto put = [&](int pos, float a, float b) {
+    const size_t row = static_cast<size_t>(bt[static_cast<size_t>(pos / ps)]) * ps + pos % ps;
+    k[row * D] = a;
+    k[row * D + 1] = b;
+  };
+  put(0, 50.f, 50.f);  // not a candidate (begin 1): must not enter column 0's min / max
+  put(1, 1.f, -1.f);
+  put(2, 2.f, 0.f);
+  put(3, -1.f, 3.f);
+  put(4, 0.5f, 0.5f);
+  put(5, 0.f, 1.f);
+  const std::vector<float> q = {1.f, 1.f, -1.f, 2.f};  // two query heads
+  const int32_t end = 6;
+  std::vector<float> scores(max_pages, -7.f);
+  QuestPageScoresRefParams sp;
+  sp.q = q.data();
+  sp.k_cache = k.data();
+  sp.block_table = bt.data();
+  sp.num_tokens = &end;
+  sp.page_scores = scores.data();
+  sp.batch = 1;
+  sp.num_q_heads = hq;
+  sp.num_kv_heads = hkv;
+  sp.head_dim = D;
+  sp.page_size = ps;
+  sp.max_pages_per_seq = max_pages;
+  sp.begin = 1;
+  sp.rule = GqaScoreRule::kMax;
+  quest_page_scores_ref(sp);
+  // column 0: min = max = (1, -1): head 0: 1 - 1 = 0, head 1: -1 - 2 = -3 -> max 0
+  // column 1: min (-1, 0), max (2, 3): head 0: 2 + 3 = 5, head 1: max(1, -2) + 6 = 7 -> 7
+  // column 2: min (0, 0.5), max (0.5, 1): head 0: 0.5 + 1 = 1.5, head 1: 0 + 2 = 2 -> 2
+  EXPECT_FLOAT_EQ(scores[0], 0.f);
+  EXPECT_FLOAT_EQ(scores[1], 7.f);
+  EXPECT_FLOAT_EQ(scores[2], 2.f);
+  EXPECT_FLOAT_EQ(scores[3], -7.f);  // no candidate: untouched
+  sp.rule = GqaScoreRule::kMean;
+  quest_page_scores_ref(sp);
+  EXPECT_FLOAT_EQ(scores[1], 6.f);  // (5 + 7) / 2
+
+  std::vector<int32_t> idx(3, 9);  // [batch, num_kv_heads, k]
+  QuestPickRefParams pp;
+  pp.page_scores = scores.data();  // mean rule: column 1 (6) > column 2 (1.75) > column 0 (-1.5)
+  pp.num_tokens = &end;
+  pp.indices = idx.data();
+  pp.batch = 1;
+  pp.num_kv_heads = hkv;
+  pp.page_size = ps;
+  pp.max_pages_per_seq = max_pages;
+  pp.k = 3;
+  pp.begin = 1;
+  quest_pick_ref(pp);
+  // Column 1 whole (2, 3), then column 2 cut to its first token (4).
+  EXPECT_EQ(idx, (std::vector<int32_t>{2, 3, 4}));
+  // Ties go to the earlier page; a budget above the candidates takes them all.
+  scores = {1.f, 1.f, 1.f, 0.f};
+  pp.k = 1;
+  quest_pick_ref(pp);
+  EXPECT_EQ(idx[0], 1);
+  idx.assign(8, 9);
+  pp.indices = idx.data();
+  pp.k = 8;
+  quest_pick_ref(pp);
+  EXPECT_EQ(idx, (std::vector<int32_t>{1, 2, 3, 4, 5, -1, -1, -1}));
+  // Bad input is named.
+  pp.k = 0;
+  EXPECT_THROW(quest_pick_ref(pp), spade::Error);
+  const int32_t too_far = max_pages * ps + 1;
+  sp.num_tokens = &too_far;
+  EXPECT_THROW(quest_page_scores_ref(sp), spade::Error);
+}
+
 TEST(GatherRef, CopiesRowsAndZeroPads) {
   const int hkv = 2, D = 4, ps = 2, k = 3;
   const std::vector<int32_t> bt = {1, 0};  // positions 0,1 in page 1; 2,3 in page 0

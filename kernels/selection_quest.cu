@@ -1,0 +1,176 @@
+// Selection, synchronous baselines with the true query: Quest-style page selection (quest_select) and the gather of
+// a step's decode queries as fp32 (gather_query_rows). The rules: kernels/selection_ref.h (quest_page_scores_ref,
+// quest_pick_ref).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/kernel_common.cuh"
+#include "kernels/launch_util.cuh"
+#include "kernels/paged_kv.cuh"
+#include "kernels/selection.cuh"
+#include "kernels/selection_common.cuh"
+
+namespace spade::kernels {
+namespace detail {
+namespace {
+
+constexpr int kQuestThreads = 256;
+constexpr int kQuestWarps = kQuestThreads / 32;
+
+struct QuestArgs {
+  PagedKv kv;
+  GqaHeads heads;
+  const float* q;
+  const int32_t* num_tokens;
+  float* page_scores;
+  int32_t* indices;
+  int k;
+  int begin;
+  int rule_max;
+};
+
+// One CTA per (KV head, sequence). Stage 1: one warp per page column, lanes over head_dim: the candidate keys'
+// element-wise min / max, then per query head of the group sum_d max(q*min, q*max) (warp sum), combined by the rule in
+// head order. Stage 2: each column's rank among the columns (score key descending, ties: the earlier column) as the
+// candidate tokens of the better columns; a column takes min(its tokens, k - those) from its start; a serial prefix
+// over the columns in position order places them, ascending.
+template <typename T, int D>
+__global__ void __launch_bounds__(kQuestThreads) quest_kernel(const QuestArgs a) {
+  constexpr int kPerLane = D / 32;
+  extern __shared__ int32_t taken[];  // [columns]: tokens taken, then their output offsets
+  __shared__ int32_t total;
+  const int kvh = blockIdx.x, b = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int ps = a.kv.page_size, end = a.num_tokens[b];
+  const size_t row = static_cast<size_t>(b) * a.kv.hkv + kvh;
+  int32_t* out = a.indices + row * a.k;
+  const int first = a.begin / ps, count = end > a.begin ? (end - 1) / ps - first + 1 : 0;
+  float* scores = a.page_scores + row * a.kv.max_pages;
+  const int32_t* table = a.kv.table_row(b);
+  const T* k_head = a.kv.k_head<T, D>(kvh);
+  for (int c = warp; c < count; c += kQuestWarps) {
+    const int j = first + c, t0 = max(a.begin, j * ps), t1 = min(end, (j + 1) * ps);
+    const int32_t page = table[j];
+    float mn[kPerLane], mx[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      mn[i] = __int_as_float(0x7f800000);   // +inf
+      mx[i] = __int_as_float(0xff800000);   // -inf
+    }
+    for (int t = t0; t < t1; ++t) {
+      const T* kr = k_head + a.kv.slot(page, t) * a.kv.row_stride<D>();
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const float x = to_f(kr[lane + 32 * i]);
+        mn[i] = fminf(mn[i], x);
+        mx[i] = fmaxf(mx[i], x);
+      }
+    }
+    float combined = a.rule_max ? __int_as_float(0xff800000) : 0.f;
+    for (int g = 0; g < a.heads.group; ++g) {
+      const float* q = a.q + (static_cast<size_t>(b) * a.heads.hq + static_cast<size_t>(kvh) * a.heads.group + g) * D;
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const float qd = q[lane + 32 * i];
+        s += fmaxf(qd * mn[i], qd * mx[i]);
+      }
+      s = warp_sum_xor(s, 1, 16);
+      combined = a.rule_max ? fmaxf(combined, s) : combined + s / a.heads.group;
+    }
+    if (lane == 0) scores[j] = combined;
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < count; c += kQuestThreads) {
+    const int j = first + c;
+    const uint32_t key = topk_key_dev(scores[j]);
+    int better = 0;  // candidate tokens of the columns ranked before this one
+    for (int c2 = 0; c2 < count; ++c2) {
+      const int j2 = first + c2;
+      const uint32_t key2 = topk_key_dev(scores[j2]);
+      if (key2 > key || (key2 == key && j2 < j)) better += min(end, (j2 + 1) * ps) - max(a.begin, j2 * ps);
+    }
+    const int own = min(end, (j + 1) * ps) - max(a.begin, j * ps);
+    taken[c] = max(0, min(own, a.k - better));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int off = 0;
+    for (int c = 0; c < count; ++c) {
+      const int n = taken[c];
+      taken[c] = off;
+      off += n;
+    }
+    total = off;
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < count; c += kQuestThreads) {
+    const int j = first + c, t0 = max(a.begin, j * ps);
+    const int n = (c + 1 < count ? taken[c + 1] : total) - taken[c];
+    for (int i = 0; i < n; ++i) out[taken[c] + i] = t0 + i;
+  }
+  for (int i = total + threadIdx.x; i < a.k; i += kQuestThreads) out[i] = -1;
+}
+
+template <typename T>
+__global__ void gather_query_rows_kernel(const T* q, const int32_t* q_rows, float* out, int batch, int row_elems) {
+  const int b = blockIdx.y;
+  const int src = q_rows == nullptr ? b : q_rows[b];
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < row_elems; i += gridDim.x * blockDim.x)
+    out[static_cast<size_t>(b) * row_elems + i] = src < 0 ? 0.f : to_f(q[static_cast<size_t>(src) * row_elems + i]);
+}
+
+}  // namespace
+}  // namespace detail
+
+cudaError_t quest_select(const QuestSelectParams& p, cudaStream_t stream) {
+  using namespace detail;
+  const char* what = "quest_select";
+  if (p.q == nullptr || p.k_cache == nullptr || p.block_table == nullptr || p.num_tokens == nullptr ||
+      p.page_scores == nullptr || p.indices == nullptr) {
+    return invalid_argument(what, "q, k_cache, block_table, num_tokens, page_scores and indices must be set");
+  }
+  const cudaError_t e = check_paged_gqa(what, p);
+  if (e != cudaSuccess) return e;
+  if (p.k < 1) return invalid_argument(what, "k ", p.k, " must be >= 1");
+  if (p.begin < 0) return invalid_argument(what, "begin ", p.begin, " must be >= 0");
+  if (p.max_pages_per_seq > kMaxQuestPages) {
+    return invalid_argument(what, "max_pages_per_seq ", p.max_pages_per_seq, " exceeds kMaxQuestPages = ",
+                            kMaxQuestPages);
+  }
+  QuestArgs a{};
+  a.kv = paged_kv(p, p.k_cache, nullptr);
+  a.heads = gqa_heads(p);
+  a.q = p.q;
+  a.num_tokens = p.num_tokens;
+  a.page_scores = p.page_scores;
+  a.indices = p.indices;
+  a.k = p.k;
+  a.begin = p.begin;
+  a.rule_max = p.rule == GqaScoreRule::kMax ? 1 : 0;
+  const size_t smem = static_cast<size_t>(p.max_pages_per_seq) * sizeof(int32_t);
+  return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
+    quest_kernel<decltype(tag), decltype(dim)::value>
+        <<<dim3(p.num_kv_heads, p.batch), kQuestThreads, smem, stream>>>(a);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t gather_query_rows(const GatherQueryRowsParams& p, cudaStream_t stream) {
+  using namespace detail;
+  const char* what = "gather_query_rows";
+  if (p.batch == 0) return cudaSuccess;
+  if (p.q == nullptr || p.out == nullptr) return invalid_argument(what, "q and out must be set");
+  if (p.batch < 0 || p.row_elems <= 0) {
+    return invalid_argument(what, "batch ", p.batch, " / row_elems ", p.row_elems, " out of range");
+  }
+  const dim3 grid(ceil_div(p.row_elems, 256), p.batch);
+  return dispatch_elem(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gather_query_rows_kernel<T><<<grid, 256, 0, stream>>>(static_cast<const T*>(p.q), p.q_rows, p.out, p.batch,
+                                                          p.row_elems);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace spade::kernels

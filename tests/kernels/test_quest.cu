@@ -1,0 +1,222 @@
+// Quest page selection on the GPU (kernels/selection.cuh quest_select) against its CPU references
+// (kernels/selection_ref.h quest_page_scores_ref, quest_pick_ref), and gather_query_rows. Label gpu.
+//
+// The page scores are fp32 sums in another order than the reference's: they are compared within a tolerance, and the
+// pick is compared exactly with the reference's pick over the scores the kernel wrote.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/selection.cuh"
+#include "kernels/selection_ref.h"
+#include "tests/kernels/test_gpu_common.cuh"
+
+namespace spade::kernels {
+namespace {
+
+using spade::test::DevBuf;
+using spade::test::PagedCache;
+
+struct QuestCase {
+  DType dtype;
+  int head_dim, group, page_size, k, begin;
+  std::vector<int> ends;  // candidates [begin, end) per sequence
+  GqaScoreRule rule;
+};
+
+std::string case_name(const QuestCase& c) {
+  return std::string(spade::test::name_dtype(c.dtype)) + "_D" + std::to_string(c.head_dim) + "_G" +
+         std::to_string(c.group) + "_P" + std::to_string(c.page_size) + "_k" + std::to_string(c.k) + "_begin" +
+         std::to_string(c.begin) + "_ends" + spade::test::name_ints(c.ends) +
+         (c.rule == GqaScoreRule::kMax ? "_max" : "_mean");
+}
+
+const QuestCase kQuestCases[] = {
+    // Budget not a multiple of the page (the last page taken is cut); ends not page-aligned; a row with no candidate.
+    {.dtype = DType::BF16, .head_dim = 128, .group = 4, .page_size = 16, .k = 100, .begin = 0,
+     .ends = {1000, 333, 0, 17}, .rule = GqaScoreRule::kMax},
+    // Sink tokens not candidates (begin inside the first page), the mean rule, fp16.
+    {.dtype = DType::F16, .head_dim = 64, .group = 2, .page_size = 32, .k = 64, .begin = 4,
+     .ends = {700, 40, 4}, .rule = GqaScoreRule::kMean},
+    // A budget above the candidates of every row; head_dim 256, group 8.
+    {.dtype = DType::BF16, .head_dim = 256, .group = 8, .page_size = 16, .k = 600, .begin = 0, .ends = {500, 128},
+     .rule = GqaScoreRule::kMax},
+    // Long rows (more columns than threads), budget 1/16.
+    {.dtype = DType::BF16, .head_dim = 128, .group = 4, .page_size = 16, .k = 480, .begin = 0, .ends = {7700, 5000},
+     .rule = GqaScoreRule::kMax},
+};
+
+class QuestSelectGpu : public ::testing::TestWithParam<QuestCase> {};
+
+TEST_P(QuestSelectGpu, MatchesReference) {
+  const QuestCase& c = GetParam();
+  const int B = static_cast<int>(c.ends.size()), hkv = 2, hq = hkv * c.group, D = c.head_dim, ps = c.page_size;
+  std::mt19937_64 rng(9100 + D + c.group);
+  PagedCache cache;
+  std::vector<int> lens;
+  for (int e : c.ends) lens.push_back(std::max(e, 1));
+  cache.build(c.dtype, lens, ps, hkv, D, rng);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> q(static_cast<size_t>(B) * hq * D);
+  for (float& x : q) x = nd(rng);
+  DevBuf<float> dq;
+  dq.upload(q);
+  DevBuf<int32_t> dend;
+  dend.upload(std::vector<int32_t>(c.ends.begin(), c.ends.end()));
+  const size_t score_n = static_cast<size_t>(B) * hkv * cache.max_pages;
+  DevBuf<float> dscores(score_n);
+  DevBuf<int32_t> didx(static_cast<size_t>(B) * hkv * c.k);
+  dscores.poison();
+  didx.poison();
+
+  QuestSelectParams p;
+  p.dtype = c.dtype;
+  p.q = dq.get();
+  p.k_cache = cache.k.get();
+  p.block_table = cache.bt.get();
+  p.num_tokens = dend.get();
+  p.page_scores = dscores.get();
+  p.indices = didx.get();
+  p.batch = B;
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = D;
+  p.page_size = ps;
+  p.max_pages_per_seq = cache.max_pages;
+  p.k = c.k;
+  p.begin = c.begin;
+  p.rule = c.rule;
+  SPADE_CUDA_OK(quest_select(p, nullptr));
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> got_scores = dscores.download();
+  const std::vector<int32_t> got = didx.download();
+
+  std::vector<float> ref_scores(score_n, 0.f);
+  QuestPageScoresRefParams rp;
+  rp.q = q.data();
+  rp.k_cache = cache.k32.data();
+  rp.block_table = cache.block_table.data();
+  const std::vector<int32_t> ends(c.ends.begin(), c.ends.end());
+  rp.num_tokens = ends.data();
+  rp.page_scores = ref_scores.data();
+  rp.batch = B;
+  rp.num_q_heads = hq;
+  rp.num_kv_heads = hkv;
+  rp.head_dim = D;
+  rp.page_size = ps;
+  rp.max_pages_per_seq = cache.max_pages;
+  rp.begin = c.begin;
+  rp.rule = c.rule;
+  quest_page_scores_ref(rp);
+  int compared = 0;
+  for (int b = 0; b < B; ++b) {
+    if (ends[static_cast<size_t>(b)] <= c.begin) continue;
+    for (int h = 0; h < hkv; ++h)
+      for (int j = c.begin / ps; j <= (ends[static_cast<size_t>(b)] - 1) / ps; ++j) {
+        const size_t i = (static_cast<size_t>(b) * hkv + h) * cache.max_pages + j;
+        ASSERT_NEAR(got_scores[i], ref_scores[i], 1e-4f * (4.f + std::fabs(ref_scores[i])))
+            << "b " << b << " h " << h << " column " << j;
+        ++compared;
+      }
+  }
+  EXPECT_GT(compared, 0);
+
+  // The pick, exactly, over the scores the kernel wrote.
+  std::vector<int32_t> want(got.size(), 7);
+  QuestPickRefParams pp;
+  pp.page_scores = got_scores.data();
+  pp.num_tokens = ends.data();
+  pp.indices = want.data();
+  pp.batch = B;
+  pp.num_kv_heads = hkv;
+  pp.page_size = ps;
+  pp.max_pages_per_seq = cache.max_pages;
+  pp.k = c.k;
+  pp.begin = c.begin;
+  quest_pick_ref(pp);
+  EXPECT_EQ(got, want);
+  // And the rule's shape: min(k, candidates) ascending positions inside [begin, end), then -1.
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < hkv; ++h) {
+      const int n = std::min(c.k, std::max(0, ends[static_cast<size_t>(b)] - c.begin));
+      const int32_t* row = &got[(static_cast<size_t>(b) * hkv + h) * c.k];
+      for (int i = 0; i < c.k; ++i) {
+        if (i < n) {
+          EXPECT_GE(row[i], c.begin);
+          EXPECT_LT(row[i], ends[static_cast<size_t>(b)]);
+          if (i > 0) EXPECT_LT(row[i - 1], row[i]);
+        } else {
+          EXPECT_EQ(row[i], -1) << "b " << b << " h " << h << " entry " << i;
+        }
+      }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, QuestSelectGpu, ::testing::ValuesIn(kQuestCases),
+                         [](const ::testing::TestParamInfo<QuestCase>& i) { return case_name(i.param); });
+
+TEST(QuestSelectGpu, RefusesBadArguments) {
+  DevBuf<float> f(16);
+  DevBuf<int32_t> n(16);
+  DevBuf<uint16_t> k(16);
+  QuestSelectParams p;
+  p.q = f.get();
+  p.k_cache = k.get();
+  p.block_table = n.get();
+  p.num_tokens = n.get();
+  p.page_scores = f.get();
+  p.indices = n.get();
+  p.batch = 1;
+  p.num_q_heads = 8;
+  p.num_kv_heads = 2;
+  p.head_dim = 128;
+  p.page_size = 16;
+  p.max_pages_per_seq = 4;
+  p.k = 0;
+  EXPECT_EQ(quest_select(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("k 0"), std::string::npos) << launch_error_detail();
+  p.k = 8;
+  p.max_pages_per_seq = kMaxQuestPages + 1;
+  EXPECT_EQ(quest_select(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("kMaxQuestPages"), std::string::npos) << launch_error_detail();
+  p.max_pages_per_seq = 4;
+  p.indices = nullptr;
+  EXPECT_EQ(quest_select(p, nullptr), cudaErrorInvalidValue);
+}
+
+TEST(GatherQueryRowsGpu, GathersRowsAsFp32AndZeroesSkippedOnes) {
+  const int rows = 5, elems = 8 * 64, B = 3;
+  std::mt19937_64 rng(4);
+  std::vector<float> exact;
+  DevBuf<uint16_t> q;
+  q.upload(spade::test::random_half(DType::BF16, static_cast<size_t>(rows) * elems, 1.f, rng, &exact));
+  const std::vector<int32_t> sel = {4, -1, 0};
+  DevBuf<int32_t> dsel;
+  dsel.upload(sel);
+  DevBuf<float> out(static_cast<size_t>(B) * elems);
+  out.poison();
+  GatherQueryRowsParams p;
+  p.q = q.get();
+  p.q_rows = dsel.get();
+  p.out = out.get();
+  p.batch = B;
+  p.row_elems = elems;
+  SPADE_CUDA_OK(gather_query_rows(p, nullptr));
+  SPADE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = out.download();
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < elems; ++i) {
+      const float want = sel[static_cast<size_t>(b)] < 0 ? 0.f : exact[static_cast<size_t>(sel[b]) * elems + i];
+      ASSERT_EQ(got[static_cast<size_t>(b) * elems + i], want) << "b " << b << " i " << i;
+    }
+  p.row_elems = 0;
+  EXPECT_EQ(gather_query_rows(p, nullptr), cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace spade::kernels
