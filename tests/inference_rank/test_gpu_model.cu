@@ -932,13 +932,27 @@ TEST(GpuEngine, InferenceRankBinaryRunsRandomWeightsOnTheGpu) {
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("generated_tokens=48"), std::string::npos) << out;
   EXPECT_NE(out.find("=== prompt 1 ==="), std::string::npos) << out;
-  // Bad input: a selection mode the GPU path lacks (oracle is CPU only) is refused with a clear error.
+  // The synchronous references run on the GPU too (gpu_sync_selection.h): both prompts decode sparsely.
+  for (const std::string sel : {"oracle", "quest"}) {
+    const std::string ref = run_command(binary_dir() + "/inference_rank/inference_rank --model " + dir +
+                                            " --device cuda --random-weights --tokenizer " + tok +
+                                            " --prompt 'The capital of France is' --prompt 'One two three' "
+                                            "--max-tokens 24 --ignore-eos --selection " + sel +
+                                            " --sparse-threshold 8 --token-budget 8 --local-window 4 2>&1",
+                                        &rc);
+    EXPECT_EQ(rc, 0) << ref;
+    EXPECT_NE(ref.find("generated_tokens=48"), std::string::npos) << ref;
+    EXPECT_NE(ref.find("[spade] selection=" + sel + " device=cuda sparse_seq_steps="), std::string::npos) << ref;
+    EXPECT_EQ(ref.find("sparse_seq_steps=0 "), std::string::npos) << ref;
+  }
+  // Bad input: a knob of the predicted selection given to a reference is refused with a clear error.
   const std::string err = run_command(binary_dir() + "/inference_rank/inference_rank --model " + dir +
                                           " --device cuda --random-weights --tokenizer " + tok +
-                                          " --prompt hi --selection oracle 2>&1",
+                                          " --prompt hi --selection oracle --query-window 4 2>&1",
                                       &rc);
   EXPECT_NE(rc, 0);
-  EXPECT_NE(err.find("--selection oracle does not apply to --device cuda"), std::string::npos) << err;
+  EXPECT_NE(err.find("--query-window does not apply to --selection oracle --device cuda"), std::string::npos)
+      << err;
 }
 
 // AsyncSpade in the binary: `--selection predicted` pairs the GPU forward pass with the in-process GPU cache rank
