@@ -281,13 +281,7 @@ class CoordinatorClient::Impl {
     callback_ = std::move(cb);
   }
 
-  std::optional<ClientEvent> next_event(Deadline deadline) {
-    std::unique_lock lk(mu_);
-    if (!cv_.wait_until(lk, deadline, [&] { return !events_.empty(); })) return std::nullopt;
-    ClientEvent ev = std::move(events_.front());
-    events_.pop_front();
-    return ev;
-  }
+  std::optional<ClientEvent> next_event(Deadline deadline) { return pop_next(events_, deadline); }
 
   proto::StatusReply query_status(Deadline deadline) {
     std::lock_guard serial(status_mu_);
@@ -328,13 +322,7 @@ class CoordinatorClient::Impl {
     return id;
   }
 
-  std::optional<proto::GenerateChunk> next_chunk(Deadline deadline) {
-    std::unique_lock lk(mu_);
-    if (!cv_.wait_until(lk, deadline, [&] { return !chunks_.empty(); })) return std::nullopt;
-    auto c = std::move(chunks_.front());
-    chunks_.pop_front();
-    return c;
-  }
+  std::optional<proto::GenerateChunk> next_chunk(Deadline deadline) { return pop_next(chunks_, deadline); }
 
   void cancel(uint64_t request_id, const std::string& reason, std::optional<uint32_t> sample) {
     proto::Envelope env;
@@ -344,21 +332,9 @@ class CoordinatorClient::Impl {
     send(env);
   }
 
-  std::optional<proto::CancelRequest> next_cancel(Deadline deadline) {
-    std::unique_lock lk(mu_);
-    if (!cv_.wait_until(lk, deadline, [&] { return !cancels_.empty(); })) return std::nullopt;
-    auto r = std::move(cancels_.front());
-    cancels_.pop_front();
-    return r;
-  }
+  std::optional<proto::CancelRequest> next_cancel(Deadline deadline) { return pop_next(cancels_, deadline); }
 
-  std::optional<proto::GenerateRequest> next_request(Deadline deadline) {
-    std::unique_lock lk(mu_);
-    if (!cv_.wait_until(lk, deadline, [&] { return !requests_.empty(); })) return std::nullopt;
-    auto r = std::move(requests_.front());
-    requests_.pop_front();
-    return r;
-  }
+  std::optional<proto::GenerateRequest> next_request(Deadline deadline) { return pop_next(requests_, deadline); }
 
   void send_chunk(const proto::GenerateChunk& chunk) {
     proto::Envelope env;
@@ -387,6 +363,16 @@ class CoordinatorClient::Impl {
   const std::string& self_name() const { return self_name_; }
 
  private:
+  // The oldest entry of one of the inbound queues, waiting for one until the deadline; nullopt if none came.
+  template <typename T>
+  std::optional<T> pop_next(std::deque<T>& queue, Deadline deadline) {
+    std::unique_lock lk(mu_);
+    if (!cv_.wait_until(lk, deadline, [&] { return !queue.empty(); })) return std::nullopt;
+    T item = std::move(queue.front());
+    queue.pop_front();
+    return item;
+  }
+
   void send(const proto::Envelope& env) {
     {
       std::lock_guard lk(mu_);
