@@ -199,37 +199,35 @@ Registry::Entry* Registry::find_or_check(const std::string& name, MetricType typ
   return nullptr;
 }
 
+template <typename M, typename Builder>
+Family<M>& Registry::declare(MetricType type, Builder builder, std::unique_ptr<Family<M>> Entry::*slot,
+                             const std::string& name, const std::string& help, std::vector<std::string> label_names,
+                             std::vector<double> bounds) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const std::vector<double>* checked_bounds = type == MetricType::kHistogram ? &bounds : nullptr;
+  if (auto* e = find_or_check(name, type, help, label_names, checked_bounds)) return *((*e).*slot);
+  auto& backing = builder.Name(name).Help(escape_help(help)).Register(*registry_);
+  auto e = std::make_unique<Entry>(Entry{type, name, help, nullptr, nullptr, nullptr});
+  ((*e).*slot).reset(new Family<M>(name, std::move(label_names), std::move(bounds), backing));
+  entries_.push_back(std::move(e));
+  return *((*entries_.back()).*slot);
+}
+
 Family<Counter>& Registry::counter(const std::string& name, const std::string& help,
                                    std::vector<std::string> label_names) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (auto* e = find_or_check(name, MetricType::kCounter, help, label_names, nullptr)) return *e->counters;
-  auto& backing = prometheus::BuildCounter().Name(name).Help(escape_help(help)).Register(*registry_);
-  auto e = std::make_unique<Entry>(Entry{MetricType::kCounter, name, help, nullptr, nullptr, nullptr});
-  e->counters.reset(new Family<Counter>(name, std::move(label_names), {}, backing));
-  entries_.push_back(std::move(e));
-  return *entries_.back()->counters;
+  return declare(MetricType::kCounter, prometheus::BuildCounter(), &Entry::counters, name, help,
+                 std::move(label_names), {});
 }
 
 Family<Gauge>& Registry::gauge(const std::string& name, const std::string& help,
                                std::vector<std::string> label_names) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (auto* e = find_or_check(name, MetricType::kGauge, help, label_names, nullptr)) return *e->gauges;
-  auto& backing = prometheus::BuildGauge().Name(name).Help(escape_help(help)).Register(*registry_);
-  auto e = std::make_unique<Entry>(Entry{MetricType::kGauge, name, help, nullptr, nullptr, nullptr});
-  e->gauges.reset(new Family<Gauge>(name, std::move(label_names), {}, backing));
-  entries_.push_back(std::move(e));
-  return *entries_.back()->gauges;
+  return declare(MetricType::kGauge, prometheus::BuildGauge(), &Entry::gauges, name, help, std::move(label_names), {});
 }
 
 Family<Histogram>& Registry::histogram(const std::string& name, const std::string& help, std::vector<double> bounds,
                                        std::vector<std::string> label_names) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (auto* e = find_or_check(name, MetricType::kHistogram, help, label_names, &bounds)) return *e->histograms;
-  auto& backing = prometheus::BuildHistogram().Name(name).Help(escape_help(help)).Register(*registry_);
-  auto e = std::make_unique<Entry>(Entry{MetricType::kHistogram, name, help, nullptr, nullptr, nullptr});
-  e->histograms.reset(new Family<Histogram>(name, std::move(label_names), std::move(bounds), backing));
-  entries_.push_back(std::move(e));
-  return *entries_.back()->histograms;
+  return declare(MetricType::kHistogram, prometheus::BuildHistogram(), &Entry::histograms, name, help,
+                 std::move(label_names), std::move(bounds));
 }
 
 std::string Registry::render() const {

@@ -191,6 +191,12 @@ class Registry {
   };
   Entry* find_or_check(const std::string& name, MetricType type, const std::string& help,
                        const std::vector<std::string>& labels, const std::vector<double>* bounds);
+  // counter() / gauge() / histogram(): the family `slot` of the entry named `name`, declared through `builder`
+  // (a prometheus::Build* builder) on first use. bounds: histograms only.
+  template <typename M, typename Builder>
+  Family<M>& declare(MetricType type, Builder builder, std::unique_ptr<Family<M>> Entry::*slot,
+                     const std::string& name, const std::string& help, std::vector<std::string> label_names,
+                     std::vector<double> bounds);
   std::unique_ptr<prometheus::Registry> registry_;
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<Entry>> entries_;
