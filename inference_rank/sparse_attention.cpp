@@ -367,30 +367,25 @@ void SparseAttention::choose_shared_prefix(uint64_t id, SeqState& s, const int32
   // A source must be held by the cache rank when this INIT arrives there: sparse already (its INIT went out in an
   // earlier step), or switching with its INIT earlier in this update.
   int best = 0;
+  // The longest common page run wins; among equal runs the lowest id.
+  auto consider = [&](uint64_t xid, const auto& x_pages) {
+    int run = 0;
+    const size_t n = std::min(s.init_pages.size(), x_pages.size());
+    while (static_cast<size_t>(run) < n && s.init_pages[run] == x_pages[run]) ++run;
+    if (run > best || (run == best && run > 0 && xid < s.shared_from)) {
+      best = run;
+      s.shared_from = xid;
+    }
+  };
   for (const auto& [xid, x] : seqs_) {
     if (xid == id || x.init_pages.empty()) continue;
     bool held = x.phase == Phase::Sparse;
     if (x.phase == Phase::Switching)
       for (const pair::SeqUpdate& e : pending_.seqs) held = held || (e.seq_id == xid && e.init);
-    if (!held) continue;
-    int run = 0;
-    const size_t n = std::min(s.init_pages.size(), x.init_pages.size());
-    while (static_cast<size_t>(run) < n && s.init_pages[run] == x.init_pages[run]) ++run;
-    if (run > best || (run == best && run > 0 && xid < s.shared_from)) {
-      best = run;
-      s.shared_from = xid;
-    }
+    if (held) consider(xid, x.init_pages);
   }
   // Retained prefixes (ended sequences; check_retained ran at this step's start, so their pages are still valid).
-  for (auto& [xid, x] : retained_) {
-    int run = 0;
-    const size_t n = std::min(s.init_pages.size(), x.pages.size());
-    while (static_cast<size_t>(run) < n && s.init_pages[run] == x.pages[run]) ++run;
-    if (run > best || (run == best && run > 0 && xid < s.shared_from)) {
-      best = run;
-      s.shared_from = xid;
-    }
-  }
+  for (const auto& [xid, x] : retained_) consider(xid, x.pages);
   // The current token (position len - 1) is this sequence's own: never shared.
   s.shared_tokens = std::min(best * page, (len - 1) / page * page);
   if (s.shared_tokens == 0) s.shared_from = 0;
