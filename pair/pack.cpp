@@ -92,6 +92,12 @@ void check_count(int64_t v, int64_t max, const std::string& peer, const char* fi
   if (v < 0 || v > max) fail("{}: malformed pack message: {} = {} outside 0..{}", peer, field, v, max);
 }
 
+// A count of entries of entry_bytes each, checked to fit in what is left of the message.
+size_t fitting_count(const Reader& r, uint32_t n, size_t entry_bytes, const std::string& peer, const char* field) {
+  check_count(n, static_cast<int64_t>(r.remaining() / entry_bytes), peer, field);
+  return n;
+}
+
 }  // namespace
 
 PackShape pack_shape(const ModelConfig& cfg, const SelectionConfig& sc) {
@@ -140,10 +146,8 @@ PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, co
   const uint32_t nret = r.get<uint32_t>();
   const uint32_t ndrop = r.get<uint32_t>();
   const uint32_t nseq = r.get<uint32_t>();
-  check_count(nrel, static_cast<int64_t>(r.remaining() / 8), peer, "released count");
-  r.get_vec(u.released, nrel);
-  check_count(nret, static_cast<int64_t>(r.remaining() / 16), peer, "retained count");
-  u.retained.resize(nret);
+  r.get_vec(u.released, fitting_count(r, nrel, 8, peer, "released count"));
+  u.retained.resize(fitting_count(r, nret, 16, peer, "retained count"));
   for (Retain& e : u.retained) {
     e.seq_id = r.get<uint64_t>();
     e.tokens = r.get<int32_t>();
@@ -152,10 +156,8 @@ PackUpdate decode_update(const uint8_t* data, size_t len, const PackShape& s, co
       fail("{}: malformed pack update: retained prefix of sequence {} has retained tokens = {} (>= 1 needed)", peer,
            e.seq_id, e.tokens);
   }
-  check_count(ndrop, static_cast<int64_t>(r.remaining() / 8), peer, "dropped count");
-  r.get_vec(u.dropped, ndrop);
-  check_count(nseq, static_cast<int64_t>(r.remaining() / 24), peer, "sequence count");
-  u.seqs.resize(nseq);
+  r.get_vec(u.dropped, fitting_count(r, ndrop, 8, peer, "dropped count"));
+  u.seqs.resize(fitting_count(r, nseq, 24, peer, "sequence count"));
   for (SeqUpdate& e : u.seqs) {
     e.seq_id = r.get<uint64_t>();
     e.context_len = r.get<int32_t>();
@@ -237,13 +239,11 @@ PackSelection decode_selection(const uint8_t* data, size_t len, const PackShape&
   if ((flags & ~1u) != 0) fail("{}: malformed pack selection: unknown flags {:#x}", peer, flags);
   p.delta = (flags & 1u) != 0;
   const uint32_t elen = r.get<uint32_t>();
-  check_count(elen, static_cast<int64_t>(r.remaining()), peer, "error length");
   std::vector<char> err;
-  r.get_vec(err, elen);
+  r.get_vec(err, fitting_count(r, elen, 1, peer, "error length"));
   p.error.assign(err.begin(), err.end());
   const uint32_t nseq = r.get<uint32_t>();
-  check_count(nseq, static_cast<int64_t>(r.remaining() / 16), peer, "sequence count");
-  p.seqs.resize(nseq);
+  p.seqs.resize(fitting_count(r, nseq, 16, peer, "sequence count"));
   std::vector<int32_t> pos;
   std::vector<float> rows;
   for (SeqSelection& e : p.seqs) {

@@ -9,6 +9,28 @@
 
 namespace spade::pair {
 
+namespace {
+
+// Reads every answer in flight on `link`; an answer carrying the cache rank's error is consumed like the others.
+// on_error(e, consumed) sees each error; consumed false (the transport failed or the deadline passed: the answer is
+// still in flight) ends the drain.
+template <typename OnError>
+void drain_answers(CacheRankLink& link, transport::Deadline deadline, OnError on_error) {
+  while (link.in_flight() > 0) {
+    const size_t before = link.in_flight();
+    bool waited = false;
+    try {
+      (void)link.receive(deadline, &waited);
+    } catch (const Error& e) {
+      const bool consumed = link.in_flight() != before;
+      on_error(e, consumed);
+      if (!consumed) return;
+    }
+  }
+}
+
+}  // namespace
+
 int shard_of_pack(int pack, int num_shards) {
   SPADE_CHECK(num_shards >= 1, "sharded link: {} shards (need at least 1)", num_shards);
   SPADE_CHECK(pack >= 0, "sharded link: negative pack index {}", pack);
@@ -82,16 +104,9 @@ void probe_shard(CacheRankLink& link, int shard, int num_shards, const ModelConf
     link.send(std::move(release));
     // Every answer is read (an error answer is consumed too), so that a failed probe leaves nothing in flight either.
     std::string first_error;
-    while (link.in_flight() > 0) {
-      const size_t before = link.in_flight();
-      bool waited = false;
-      try {
-        (void)link.receive(deadline, &waited);
-      } catch (const Error& e) {
-        if (first_error.empty()) first_error = e.what();
-        if (link.in_flight() == before) break;  // not consumed: the transport failed or the deadline passed
-      }
-    }
+    drain_answers(link, deadline, [&](const Error& e, bool) {
+      if (first_error.empty()) first_error = e.what();
+    });
     if (!first_error.empty()) fail("{}", first_error);
   } catch (const Error& e) {
     fail("{} does not serve layer shard {} of {} (layers {} of {}, --layers-per-pack {}): {}", link.peer(), shard,
@@ -121,18 +136,10 @@ std::unique_ptr<ShardedLink> ShardedLink::replaced(int s, std::unique_ptr<CacheR
     if (static_cast<int>(i) == s) continue;
     CacheRankLink& l = *shards_[i];
     if (!l.failure().empty()) continue;  // down as well: its own replacement swaps it in turn
-    while (l.in_flight() > 0) {
-      const size_t before = l.in_flight();
-      bool waited = false;
-      try {
-        (void)l.receive(deadline, &waited);
-      } catch (const Error& e) {
-        // An answer carrying the cache rank's error is consumed like the others; a failed transport or a late answer
-        // leaves it in flight.
-        if (l.in_flight() == before)
-          fail("sharded link: layer shard {} ({}) failed while shard {} was replaced: {}", i, l.peer(), s, e.what());
-      }
-    }
+    drain_answers(l, deadline, [&](const Error& e, bool consumed) {
+      if (!consumed)
+        fail("sharded link: layer shard {} ({}) failed while shard {} was replaced: {}", i, l.peer(), s, e.what());
+    });
   }
   // The other shards free what they hold: the sequences, and the retained prefixes (the inference rank forgets its
   // own when it takes the new link).
