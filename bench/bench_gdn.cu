@@ -237,26 +237,26 @@ struct Layer {
     t.max_tokens = max_t;
     return t;
   }
-  GdnRecurrentGpuParams recurrent(bool drafts) const {
-    GdnRecurrentGpuParams p;
+  // The fields both GDN step forms share: dtype, dims, the step's tokens, the output and the state pool.
+  template <typename Params>
+  Params step_params() const {
+    Params p;
     p.dtype = DType::BF16;
     p.dims = {kHk, kHv, kD, kD};
     p.tok = tokens(max_tokens);
     p.out = out;
     p.state_pool = states;
     p.num_state_slots = num_state_slots;
+    return p;
+  }
+  GdnRecurrentGpuParams recurrent(bool drafts) const {
+    auto p = step_params<GdnRecurrentGpuParams>();
     p.state_slots = slots;  // sequence b uses state slot b
     p.draft_state_slots = drafts ? draft_slots : nullptr;
     return p;
   }
   GdnBufferedGpuParams buffered() const {
-    GdnBufferedGpuParams p;
-    p.dtype = DType::BF16;
-    p.dims = {kHk, kHv, kD, kD};
-    p.tok = tokens(max_tokens);
-    p.out = out;
-    p.state_pool = states;
-    p.num_state_slots = num_state_slots;
+    auto p = step_params<GdnBufferedGpuParams>();
     p.buf.k = bk;
     p.buf.u = bu;
     p.buf.g = bg;

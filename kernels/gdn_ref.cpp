@@ -179,6 +179,25 @@ void check_table(const GdnSeqTable& s, const char* fn) {
               "{}: every GdnSeqTable array must be non-null", fn);
 }
 
+// Entry checks of the per-sequence table updates (flush flags, verify commit): batch >= 0, the table, and seq_slots,
+// cu_tokens and the output `out` (named out_name) set. Returns false for an empty batch (nothing to do).
+bool check_seq_batch(const GdnSeqTable& seqs, const int32_t* seq_slots, const int32_t* cu_tokens, const void* out,
+                     const char* out_name, int batch, const char* fn) {
+  SPADE_CHECK(batch >= 0, "{}: batch must be >= 0, got {}", fn, batch);
+  if (batch == 0) return false;
+  check_table(seqs, fn);
+  SPADE_CHECK(seq_slots && cu_tokens && out, "{}: seq_slots, cu_tokens and {} must be non-null", fn, out_name);
+  return true;
+}
+
+// seq_slots[b], checked to lie in the table.
+int checked_slot(const GdnSeqTable& seqs, const int32_t* seq_slots, int b, const char* fn) {
+  const int slot = seq_slots[b];
+  SPADE_CHECK(slot >= 0 && slot < seqs.max_seqs, "{}: seq_slots[{}] = {} outside 0..{}", fn, b, slot,
+              seqs.max_seqs - 1);
+  return slot;
+}
+
 // Validates the metadata of sequence slot `slot` (batch row b) and returns its ring. Does not look at blocks.
 Ring ring_of(const GdnSeqTable& s, int b, int slot, int block_size, const char* fn) {
   SPADE_CHECK(slot >= 0 && slot < s.max_seqs, "{}: seq_slots[{}] = {} outside 0..{}", fn, b, slot, s.max_seqs - 1);
@@ -419,14 +438,9 @@ void buffered_step(const GdnBufferedParams& p, Mode mode, const char* fn) {
 
 void flush_flags(const GdnSeqTable& seqs, const int32_t* seq_slots, const int32_t* cu_tokens, int batch,
                  uint8_t* flags, Mode mode, int next_tokens, const char* fn) {
-  SPADE_CHECK(batch >= 0, "{}: batch must be >= 0, got {}", fn, batch);
-  if (batch == 0) return;
-  check_table(seqs, fn);
-  SPADE_CHECK(seq_slots && cu_tokens && flags, "{}: seq_slots, cu_tokens and flags must be non-null", fn);
+  if (!check_seq_batch(seqs, seq_slots, cu_tokens, flags, "flags", batch, fn)) return;
   for (int b = 0; b < batch; ++b) {
-    const int slot = seq_slots[b];
-    SPADE_CHECK(slot >= 0 && slot < seqs.max_seqs, "{}: seq_slots[{}] = {} outside 0..{}", fn, b, slot,
-                seqs.max_seqs - 1);
+    const int slot = checked_slot(seqs, seq_slots, b, fn);
     const int n = cu_tokens[b + 1] - cu_tokens[b];
     SPADE_CHECK(n >= 0, "{}: cu_tokens decreases at sequence {}", fn, b);
     const int h = seqs.ring_len[slot], cap = seqs.ring_capacity[slot];
@@ -546,14 +560,9 @@ void gdn_parallel_verify_ref(const GdnBufferedParams& p) { buffered_step(p, Mode
 void gdn_verify_commit_ref(const GdnSeqTable& seqs, const int32_t* seq_slots, const int32_t* cu_tokens,
                            const int32_t* accepted, int batch) {
   const char* fn = "gdn_verify_commit_ref";
-  SPADE_CHECK(batch >= 0, "{}: batch must be >= 0, got {}", fn, batch);
-  if (batch == 0) return;
-  check_table(seqs, fn);
-  SPADE_CHECK(seq_slots && cu_tokens && accepted, "{}: seq_slots, cu_tokens and accepted must be non-null", fn);
+  if (!check_seq_batch(seqs, seq_slots, cu_tokens, accepted, "accepted", batch, fn)) return;
   for (int b = 0; b < batch; ++b) {
-    const int slot = seq_slots[b];
-    SPADE_CHECK(slot >= 0 && slot < seqs.max_seqs, "{}: seq_slots[{}] = {} outside 0..{}", fn, b, slot,
-                seqs.max_seqs - 1);
+    const int slot = checked_slot(seqs, seq_slots, b, fn);
     const int T = cu_tokens[b + 1] - cu_tokens[b];
     SPADE_CHECK(accepted[b] >= 0 && accepted[b] <= T, "{}: accepted[{}] = {} outside 0..{} (drafts verified)", fn, b,
                 accepted[b], T);
@@ -787,34 +796,32 @@ void GdnCache::assign_states_for_flush(const std::vector<int32_t>& seq_slots, co
   }
 }
 
-std::vector<uint8_t> GdnCache::plan_decode(const std::vector<int32_t>& seq_slots, const std::vector<int32_t>& cu_tokens,
-                                           int next_tokens) {
-  SPADE_CHECK(cu_tokens.size() == seq_slots.size() + 1, "GdnCache::plan_decode: cu_tokens has {} entries, expected {}",
+std::vector<uint8_t> GdnCache::plan(const char* fn, const std::vector<int32_t>& seq_slots,
+                                    const std::vector<int32_t>& cu_tokens, bool decode, int next_tokens) {
+  SPADE_CHECK(cu_tokens.size() == seq_slots.size() + 1, "{}: cu_tokens has {} entries, expected {}", fn,
               cu_tokens.size(), seq_slots.size() + 1);
-  SPADE_CHECK(pending_slots_.empty(), "GdnCache::plan_decode: drafts of the last verification are not committed");
+  SPADE_CHECK(pending_slots_.empty(), "{}: drafts of the last verification are not committed", fn);
   for (int32_t s : seq_slots)
-    SPADE_CHECK(s >= 0 && s < cfg_.max_seqs && slot_used_[s], "GdnCache::plan_decode: sequence slot {} is not admitted",
-                s);
+    SPADE_CHECK(s >= 0 && s < cfg_.max_seqs && slot_used_[s], "{}: sequence slot {} is not admitted", fn, s);
   std::vector<uint8_t> flags(seq_slots.size());
   const GdnSeqTable t = table();
-  gdn_decode_flush_flags_ref(t, seq_slots.data(), cu_tokens.data(), static_cast<int>(seq_slots.size()), flags.data(),
-                             next_tokens);
+  const int batch = static_cast<int>(seq_slots.size());
+  if (decode)
+    gdn_decode_flush_flags_ref(t, seq_slots.data(), cu_tokens.data(), batch, flags.data(), next_tokens);
+  else
+    gdn_verify_flush_flags_ref(t, seq_slots.data(), cu_tokens.data(), batch, flags.data());
   assign_states_for_flush(seq_slots, flags);
   return flags;
 }
 
+std::vector<uint8_t> GdnCache::plan_decode(const std::vector<int32_t>& seq_slots, const std::vector<int32_t>& cu_tokens,
+                                           int next_tokens) {
+  return plan("GdnCache::plan_decode", seq_slots, cu_tokens, true, next_tokens);
+}
+
 std::vector<uint8_t> GdnCache::plan_verify(const std::vector<int32_t>& seq_slots,
                                            const std::vector<int32_t>& cu_tokens) {
-  SPADE_CHECK(cu_tokens.size() == seq_slots.size() + 1, "GdnCache::plan_verify: cu_tokens has {} entries, expected {}",
-              cu_tokens.size(), seq_slots.size() + 1);
-  SPADE_CHECK(pending_slots_.empty(), "GdnCache::plan_verify: drafts of the last verification are not committed");
-  for (int32_t s : seq_slots)
-    SPADE_CHECK(s >= 0 && s < cfg_.max_seqs && slot_used_[s], "GdnCache::plan_verify: sequence slot {} is not admitted",
-                s);
-  std::vector<uint8_t> flags(seq_slots.size());
-  const GdnSeqTable t = table();
-  gdn_verify_flush_flags_ref(t, seq_slots.data(), cu_tokens.data(), static_cast<int>(seq_slots.size()), flags.data());
-  assign_states_for_flush(seq_slots, flags);
+  std::vector<uint8_t> flags = plan("GdnCache::plan_verify", seq_slots, cu_tokens, false, 0);
   pending_slots_ = seq_slots;
   return flags;
 }

@@ -95,19 +95,24 @@ struct GdnTokens {
   int batch = 0;                      // sequences in this step, >= 0
 };
 
-// =====================================================================================================================
-// 1. Recurrent form ([RS] Algorithm 5; with draft snapshots, [RS] Algorithm 7 = the speculative baseline).
-// =====================================================================================================================
-
-struct GdnRecurrentParams {
+/// What every step form below reads: the dims, options and tokens of the step, its output and the state pool.
+struct GdnStepParams {
   GdnDims dims;
   GdnOptions opt;
   GdnTokens tok;
   // out: [total_tokens, num_v_heads, head_v_dim] fp32, written completely.
   float* out = nullptr;
-  // state_pool: [num_state_slots, num_v_heads, head_k_dim, head_v_dim] fp32 states, row-major ([HF] layout).
+  // state_pool: [num_state_slots, num_v_heads, head_k_dim, head_v_dim] fp32 states, row-major ([HF] layout); the
+  // checkpoint states of the buffered forms.
   float* state_pool = nullptr;
   int num_state_slots = 0;
+};
+
+// =====================================================================================================================
+// 1. Recurrent form ([RS] Algorithm 5; with draft snapshots, [RS] Algorithm 7 = the speculative baseline).
+// =====================================================================================================================
+
+struct GdnRecurrentParams : GdnStepParams {
   // state_slots: [batch] int32 slot holding sequence b's state before this step (read). Written back after the last
   // token when draft_state_slots is null (standard decode: load, update, read out, store).
   const int32_t* state_slots = nullptr;
@@ -168,15 +173,7 @@ struct GdnSeqTable {
 /// Flag bits of GdnBufferedParams::flags.
 inline constexpr uint8_t kGdnFlush = 1;  // fold the buffer into the checkpoint at the end of this step
 
-struct GdnBufferedParams {
-  GdnDims dims;
-  GdnOptions opt;
-  GdnTokens tok;
-  // out: [total_tokens, num_v_heads, head_v_dim] fp32, written completely.
-  float* out = nullptr;
-  // state_pool: [num_state_slots, num_v_heads, head_k_dim, head_v_dim] fp32 checkpoint states.
-  float* state_pool = nullptr;
-  int num_state_slots = 0;
+struct GdnBufferedParams : GdnStepParams {
   GdnBufferPool buf;
   GdnSeqTable seqs;
   // seq_slots: [batch] int32 sequence slot of batch row b (distinct within a call).
@@ -310,6 +307,10 @@ class GdnCache {
 
  private:
   void assign_states_for_flush(const std::vector<int32_t>& seq_slots, const std::vector<uint8_t>& flags);
+  // plan_decode (decode; next_tokens as there) / plan_verify (fn names the caller in errors): the batch checked, its
+  // flush flags, and state slots assigned for the flushes.
+  std::vector<uint8_t> plan(const char* fn, const std::vector<int32_t>& seq_slots,
+                            const std::vector<int32_t>& cu_tokens, bool decode, int next_tokens);
   int take_state_slot(uint64_t seq);
   void write_table_row(int seq_slot, uint64_t seq);
 
