@@ -184,37 +184,34 @@ fi
 # Number of tests of binary $1 that gtest filter $2 selects (sanitizers fail on a binary that runs none).
 count_tests() { with_deps "$1" --gtest_list_tests --gtest_filter="$2" 2>/dev/null | grep -c '^  '; }
 
-# ---- compute-sanitizer memcheck on the kernel test binaries ----
-if want memcheck; then
-  FILTER="${SPADE_MEMCHECK_FILTER:--*Long*}"
-  : >"${OUT}/memcheck.log"
+# compute-sanitizer tool $1 on every kernel test binary with a test that gtest filter $2 selects; the options after
+# $2 go to compute-sanitizer. Output in ${OUT}/$1.log; a failing binary sets STATUS=1.
+sanitize() {
+  local tool="$1" filter="$2" t rc
+  shift 2
+  : >"${OUT}/${tool}.log"
+  log "${tool} --gtest_filter=${filter}"
   for t in "${TEST_BINS[@]}"; do
     [ -x "$t" ] || continue
-    [ "$(count_tests "$t" "${FILTER}")" -gt 0 ] || { log "memcheck $(basename "$t"): no test matches, skipped"; continue; }
-    log "memcheck $(basename "$t") --gtest_filter=${FILTER}"
-    with_deps compute-sanitizer --tool memcheck --error-exitcode 97 --leak-check full "$t" \
-      --gtest_filter="${FILTER}" >>"${OUT}/memcheck.log" 2>&1
+    [ "$(count_tests "$t" "${filter}")" -gt 0 ] || { log "${tool} $(basename "$t"): no test matches, skipped"; continue; }
+    log "${tool} $(basename "$t")"
+    with_deps compute-sanitizer --tool "${tool}" --error-exitcode 97 "$@" "$t" --gtest_filter="${filter}" \
+      >>"${OUT}/${tool}.log" 2>&1
     rc=$?
-    echo "== $(basename "$t") memcheck rc=${rc}" | tee -a "${OUT}/memcheck.log"
+    echo "== $(basename "$t") ${tool} rc=${rc}" | tee -a "${OUT}/${tool}.log"
     [ $rc -eq 0 ] || STATUS=1
   done
+}
+
+# ---- compute-sanitizer memcheck on the kernel test binaries ----
+if want memcheck; then
+  sanitize memcheck "${SPADE_MEMCHECK_FILTER:--*Long*}" --leak-check full
   grep -E "ERROR SUMMARY|memcheck rc" "${OUT}/memcheck.log"
 fi
 
 # ---- compute-sanitizer racecheck (shared-memory hazards) on a subset of the kernel tests ----
 if want racecheck; then
-  RFILTER="${SPADE_RACECHECK_FILTER:-PagedDecodeGpu.MatchesReference/*_splits64:PagedDecodeGpu.MatchesReference/fp16_D128_page32_hkv2_group8_*:SparsePackedDecodeGpu.*:PagedPrefillGpu.MatchesReference/bf16_D256_*:PredictGpu.*:TopkGpu.MatchesReference/*_levels16_specials:ScoreGpu.MatchesReference/fp16_D64_*:DeltaGpu.StreamMatchesReference/rows40_k512_cap37_*:DeltaGpu.Refuses*:Gdn*_tilegroups2:GdnParallelVerifyGpu.MatchesReference/bf16_k2_v2_dk64_dv64_drafts2_*:GdnChunkwiseGpu.MatchesReference/*_seqs5_steps40_ragged}"
-  : >"${OUT}/racecheck.log"
-  for t in "${TEST_BINS[@]}"; do
-    [ -x "$t" ] || continue
-    [ "$(count_tests "$t" "${RFILTER}")" -gt 0 ] || { log "racecheck $(basename "$t"): no test matches, skipped"; continue; }
-    log "racecheck $(basename "$t")"
-    with_deps compute-sanitizer --tool racecheck --error-exitcode 97 "$t" --gtest_filter="${RFILTER}" \
-      >>"${OUT}/racecheck.log" 2>&1
-    rc=$?
-    echo "== $(basename "$t") racecheck rc=${rc}" | tee -a "${OUT}/racecheck.log"
-    [ $rc -eq 0 ] || STATUS=1
-  done
+  sanitize racecheck "${SPADE_RACECHECK_FILTER:-PagedDecodeGpu.MatchesReference/*_splits64:PagedDecodeGpu.MatchesReference/fp16_D128_page32_hkv2_group8_*:SparsePackedDecodeGpu.*:PagedPrefillGpu.MatchesReference/bf16_D256_*:PredictGpu.*:TopkGpu.MatchesReference/*_levels16_specials:ScoreGpu.MatchesReference/fp16_D64_*:DeltaGpu.StreamMatchesReference/rows40_k512_cap37_*:DeltaGpu.Refuses*:Gdn*_tilegroups2:GdnParallelVerifyGpu.MatchesReference/bf16_k2_v2_dk64_dv64_drafts2_*:GdnChunkwiseGpu.MatchesReference/*_seqs5_steps40_ragged}"
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|racecheck rc" "${OUT}/racecheck.log"
 fi
 
