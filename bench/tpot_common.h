@@ -213,6 +213,16 @@ struct Selector {
       : cfg(c), o(opts), max_rows(rows), stride(score_stride),
         scores(static_cast<size_t>(rows) * c.num_kv_heads * score_stride * 4, "selection scores"),
         indices(static_cast<size_t>(rows) * c.num_kv_heads * opts.budget() * 4, "selection indices") {}
+  // The paged cache's geometry in a selection kernel's parameters `p`: `rows` rows of the model's KV heads, the page
+  // size and block-table rows of `max_pages`.
+  template <typename Params>
+  void set_geometry(Params& p, int rows, int max_pages) const {
+    p.batch = rows;
+    p.num_kv_heads = cfg.num_kv_heads;
+    p.head_dim = cfg.head_dim;
+    p.page_size = o.page_size;
+    p.max_pages_per_seq = max_pages;
+  }
   // Scores and top-k of `rows` rows into `scores` / `indices` ([rows, Hkv, budget], ascending, -1 padded).
   // after_score: optional event recorded between the stages (stage timing).
   void score_topk(int rows, const float* q_hat, const void* k_cache, const int32_t* block_table, int max_pages,
@@ -236,12 +246,8 @@ struct Selector {
     sp.block_table = block_table;
     sp.num_tokens = sel_lens;
     sp.scores = scores.as<float>();
-    sp.batch = rows;
     sp.num_q_heads = cfg.num_q_heads;
-    sp.num_kv_heads = cfg.num_kv_heads;
-    sp.head_dim = cfg.head_dim;
-    sp.page_size = o.page_size;
-    sp.max_pages_per_seq = max_pages;
+    set_geometry(sp, rows, max_pages);
     sp.score_stride = stride;
     cuda_check(kernels::score_tokens(sp, stream), "score_tokens");
   }
@@ -267,11 +273,7 @@ struct Selector {
     gp.indices = idx;
     gp.packed_k = packed_k;
     gp.packed_v = packed_v;
-    gp.batch = rows;
-    gp.num_kv_heads = cfg.num_kv_heads;
-    gp.head_dim = cfg.head_dim;
-    gp.page_size = o.page_size;
-    gp.max_pages_per_seq = max_pages;
+    set_geometry(gp, rows, max_pages);
     gp.k = k;
     cuda_check(kernels::gather_kv(gp, stream), "gather_kv");
   }

@@ -245,6 +245,19 @@ struct GpuCacheServer::State {
   void append_pack(const GpuStepPlan& plan, int p) {
     const int B = static_cast<int>(plan.rows.size()), T = plan.total_tokens(), n = pack_layers(p);
     cuda_check(cudaStreamWaitEvent(work, rows_ready[static_cast<size_t>(p)]->e, 0), "wait rows");
+    // The step's token rows in the paged pool, as the KV append and the key compaction both address them.
+    auto set_token_rows = [&](auto& x) {
+      x.positions = md(m.tok_pos);
+      x.seq_idx = md(m.tok_row);
+      x.tokens = T;
+      x.batch = B;
+      x.block_table = md(m.bt);
+      x.page_size = o.page_size;
+      x.max_pages_per_seq = o.max_pages_per_seq;
+      x.num_pages = o.num_pages;
+      x.num_kv_heads = Hkv;
+      x.head_dim = D;
+    };
     for (int j = 0; j < n; ++j) {
       const int l = p * P + j;
       kernels::RopeKvAppendParams r;
@@ -252,34 +265,16 @@ struct GpuCacheServer::State {
       r.q_out = q_out.get();
       r.k_cache = pool.k(l);
       r.v_cache = pool.v(l);
-      r.positions = md(m.tok_pos);
-      r.seq_idx = md(m.tok_row);
-      r.block_table = md(m.bt);
-      r.tokens = T;
+      set_token_rows(r);
       r.num_q_heads = Hq;
-      r.num_kv_heads = Hkv;
-      r.head_dim = D;
       r.rot_dim = 0;  // normed and rotated by the inference rank
-      r.batch = B;
-      r.max_pages_per_seq = o.max_pages_per_seq;
-      r.page_size = o.page_size;
-      r.num_pages = o.num_pages;
       cuda_check(kernels::rope_kv_append(r, work), "GPU cache rank: KV append");
       if (int8_keys) {
         kernels::QuantizeKeysParams qk;
         qk.k_cache = pool.k(l);
         qk.k_int8 = layer_kq(l);
         qk.k_scale = layer_kscale(l);
-        qk.positions = md(m.tok_pos);
-        qk.seq_idx = md(m.tok_row);
-        qk.block_table = md(m.bt);
-        qk.batch = B;
-        qk.tokens = T;
-        qk.num_kv_heads = Hkv;
-        qk.head_dim = D;
-        qk.page_size = o.page_size;
-        qk.max_pages_per_seq = o.max_pages_per_seq;
-        qk.num_pages = o.num_pages;
+        set_token_rows(qk);
         cuda_check(kernels::quantize_keys(qk, work), "GPU cache rank: compact keys");
       }
       kernels::PushQueryWindowParams w;
