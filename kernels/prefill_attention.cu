@@ -227,24 +227,19 @@ __global__ void __launch_bounds__(kPfThreads) prefill_kernel(const PrefillArgs a
   la = warp_sum_xor(la, 1, 2);
   lb = warp_sum_xor(lb, 1, 2);
   T* out = static_cast<T*>(a.out);
-  if (pos_a >= 0) {
-    const size_t qh = static_cast<size_t>(q_start + ra / G) * a.heads.hq + kvh * G + ra % G;
-    const float inv = 1.f / la;
+  // Row r of the tile (accumulators o[.][half], o[.][half + 1]; running max m, sum l): its output and lse.
+  auto store_row = [&](int r, int half, float m, float l) {
+    const size_t qh = static_cast<size_t>(q_start + r / G) * a.heads.hq + kvh * G + r % G;
+    const float inv = 1.f / l;
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
-      *reinterpret_cast<uint32_t*>(out + qh * D + nt * 8 + 2 * c4) = Tr::pack2(o[nt][0] * inv, o[nt][1] * inv);
+      *reinterpret_cast<uint32_t*>(out + qh * D + nt * 8 + 2 * c4) =
+          Tr::pack2(o[nt][half] * inv, o[nt][half + 1] * inv);
     }
-    if (a.lse != nullptr && c4 == 0) a.lse[qh] = (ma + log2f(la)) * kLn2;
-  }
-  if (pos_b >= 0) {
-    const size_t qh = static_cast<size_t>(q_start + rb / G) * a.heads.hq + kvh * G + rb % G;
-    const float inv = 1.f / lb;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      *reinterpret_cast<uint32_t*>(out + qh * D + nt * 8 + 2 * c4) = Tr::pack2(o[nt][2] * inv, o[nt][3] * inv);
-    }
-    if (a.lse != nullptr && c4 == 0) a.lse[qh] = (mb + log2f(lb)) * kLn2;
-  }
+    if (a.lse != nullptr && c4 == 0) a.lse[qh] = (m + log2f(l)) * kLn2;
+  };
+  if (pos_a >= 0) store_row(ra, 0, ma, la);
+  if (pos_b >= 0) store_row(rb, 2, mb, lb);
 }
 
 // The dynamic shared-memory limit of prefill_kernel<T, D> on the current device, set once (launch or prepare).
