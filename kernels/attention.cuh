@@ -35,7 +35,9 @@ inline constexpr int kMaxGqaGroup = 8;
 /// Scratch memory of the split-K decode kernels: per-split partial outputs, their log-sum-exp, and one arrival
 /// counter per (sequence, KV head). Allocate decode_workspace_bytes() bytes of device memory (256-byte aligned, e.g.
 /// cudaMalloc) and run decode_workspace_init() once; every decode launch leaves the counters at zero again, so the
-/// workspace is reusable by later launches on the same stream (not by concurrent launches).
+/// workspace is reusable by later launches on the same stream (not by concurrent launches), of any batch up to the one
+/// it was sized for and any decode variant with the same heads and head_dim: every launch lays the workspace out for
+/// its full size, not for its own batch, so the counters never move onto another launch's partials.
 struct DecodeWorkspace {
   void* ptr = nullptr;
   size_t bytes = 0;

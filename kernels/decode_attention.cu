@@ -437,6 +437,25 @@ WorkspaceLayout workspace_layout(int batch, int num_q_heads, int num_kv_heads, i
   return w;
 }
 
+// The layout of a workspace of `bytes` bytes: the one of the largest batch that fits (at least `batch`'s when the
+// workspace is big enough for it). Every launch on a workspace uses this one layout, whatever its own batch: the
+// split-K counters must stay where the last CTAs left them at zero; a layout that moved with the launch's batch would
+// read an earlier launch's partial log-sum-exps as counters (a wrong "last CTA", a merge of unwritten partials).
+WorkspaceLayout workspace_layout_of(size_t bytes, int batch, int num_q_heads, int num_kv_heads, int head_dim) {
+  const auto fits = [&](int n) { return workspace_layout(n, num_q_heads, num_kv_heads, head_dim).total <= bytes; };
+  int lo = std::max(batch, 1);  // fits: the caller checked
+  int hi = lo;
+  while (fits(hi) && hi < (1 << 24)) {
+    lo = hi;
+    hi *= 2;
+  }
+  while (hi - lo > 1) {  // lo fits, hi does not (or is the bound)
+    const int mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return workspace_layout(lo, num_q_heads, num_kv_heads, head_dim);
+}
+
 struct DecodeShape {
   int batch, hq, hkv, head_dim, page_size, max_len, forced_splits, forced_heads_per_cta;
 };
@@ -510,11 +529,12 @@ cudaError_t launch_decode_typed(DecodeArgs args, const DecodeShape& sh, const De
   args.chunk = chunk;
   args.heads_per_cta = hpc;
   if (grid_x > 1) {
-    const WorkspaceLayout w = workspace_layout(sh.batch, sh.hq, sh.hkv, D);
-    if (ws.ptr == nullptr || ws.bytes < w.total) {
-      return invalid_argument("decode attention", "workspace has ", ws.bytes, " bytes, ", w.total,
+    const size_t need = workspace_layout(sh.batch, sh.hq, sh.hkv, D).total;
+    if (ws.ptr == nullptr || ws.bytes < need) {
+      return invalid_argument("decode attention", "workspace has ", ws.bytes, " bytes, ", need,
                               " needed (decode_workspace_bytes)");
     }
+    const WorkspaceLayout w = workspace_layout_of(ws.bytes, sh.batch, sh.hq, sh.hkv, D);
     char* base = static_cast<char*>(ws.ptr);
     args.counters = reinterpret_cast<int*>(base + w.counters);
     args.ws_lse = reinterpret_cast<float*>(base + w.lse);

@@ -207,6 +207,72 @@ TEST_F(PagedDecodeGpu, RejectsBadParameters) {
   EXPECT_NE(std::string(launch_error_detail()).find("GQA group"), std::string::npos) << launch_error_detail();
 }
 
+// One workspace, launches of different batch sizes in turn (a serving engine's steps): a small batch's split-K
+// partials must not land where a larger batch's arrival counters are (they did when the layout followed each
+// launch's batch: rows 32.. of the 64-row launch then merged unwritten partials).
+TEST_F(PagedDecodeGpu, OneWorkspaceServesEveryBatchSizeInTurn) {
+  const int hq = 8, hkv = 2, D = 128, ps = 16, big = 64;
+  std::mt19937_64 rng(77);
+  const std::vector<int> lens(big, 600);
+  PagedCache cache;
+  cache.build(DType::BF16, lens, ps, hkv, D, rng);
+  std::vector<float> q32;
+  DevBuf<uint16_t> q;
+  q.upload(spade::test::random_half(DType::BF16, static_cast<size_t>(big) * hq * D, 1.f, rng, &q32));
+  DevBuf<int32_t> seq_lens;
+  seq_lens.upload(std::vector<int32_t>(lens.begin(), lens.end()));
+  DevBuf<uint16_t> out(static_cast<size_t>(big) * hq * D);
+  Workspace ws(big, hq, hkv, D);
+
+  std::vector<int32_t> cu(big + 1);
+  for (int b = 0; b <= big; ++b) cu[b] = b;
+  std::vector<float> ref(out.size());
+  PagedAttentionParams rp;
+  rp.q = q32.data();
+  rp.k_cache = cache.k32.data();
+  rp.v_cache = cache.v32.data();
+  rp.block_table = cache.block_table.data();
+  rp.cu_q_lens = cu.data();
+  rp.seq_lens = lens.data();
+  rp.out = ref.data();
+  rp.batch = big;
+  rp.num_q_heads = hq;
+  rp.num_kv_heads = hkv;
+  rp.head_dim = D;
+  rp.page_size = ps;
+  rp.max_pages_per_seq = cache.max_pages;
+  rp.scale = 1.f / std::sqrt(static_cast<float>(D));
+  paged_attention_ref(rp);
+
+  PagedDecodeParams p;
+  p.q = q.get();
+  p.k_cache = cache.k.get();
+  p.v_cache = cache.v.get();
+  p.block_table = cache.bt.get();
+  p.seq_lens = seq_lens.get();
+  p.out = out.get();
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = D;
+  p.page_size = ps;
+  p.max_pages_per_seq = cache.max_pages;
+  p.max_seq_len = 600;
+  p.scale = rp.scale;
+  p.num_splits = 4;  // split-K with arrival counters
+  p.workspace = ws.get();
+  for (const int batch : {4, big, 16, big}) {
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    p.batch = batch;
+    out.poison();
+    SPADE_CUDA_OK(paged_decode_attention(p, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> got = spade::test::to_f32(DType::BF16, out.download());
+    got.resize(static_cast<size_t>(batch) * hq * D);
+    const std::vector<float> want(ref.begin(), ref.begin() + static_cast<long>(got.size()));
+    EXPECT_LE(spade::test::max_row_rel_err(got, want, D), spade::test::attention_tolerance(DType::BF16));
+  }
+}
+
 // ---- token-sparse: index list into the paged cache ----
 
 struct SparseIndexedCase {
