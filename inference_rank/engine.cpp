@@ -99,6 +99,17 @@ void Engine::check_request(const GenerateRequest& req) const {
   validate(req.sampling);
   SPADE_CHECK(req.logprobs >= -1 && req.logprobs <= kMaxTopLogprobs,
               "logprobs must be -1 (none) or in [0, {}] top alternatives, got {}", kMaxTopLogprobs, req.logprobs);
+  if (!req.forced_tokens.empty()) {
+    SPADE_CHECK(!forward_sample_,
+                "teacher forcing (forced_tokens) needs the host sampler: this engine samples on its device (the GPU "
+                "path's --host-sampling)");
+    SPADE_CHECK(static_cast<int>(req.forced_tokens.size()) >= req.max_tokens,
+                "{} forced tokens for max_tokens {}: teacher forcing needs one per generated token",
+                req.forced_tokens.size(), req.max_tokens);
+    for (int32_t id : req.forced_tokens)
+      SPADE_CHECK(id >= 0 && id < cfg.vocab_size, "forced token id {} is outside the vocabulary [0, {})", id,
+                  cfg.vocab_size);
+  }
   const int64_t total = static_cast<int64_t>(req.prompt_ids.size()) + req.max_tokens;
   if (total > opt_.max_model_len)
     fail("This model's maximum context length is {} tokens and your request has {} tokens ({} in the prompt, {} to "
@@ -417,7 +428,9 @@ bool Engine::step() {
     if (was_prefill) alloc_.cache_prompt(s.id, s.req.prompt_ids.data(), static_cast<int>(s.req.prompt_ids.size()));
     if (was_prefill) stats_.prompt_tokens += s.req.prompt_ids.size();
     const float* row_logits = forward_sample_ ? nullptr : &logits[r * static_cast<size_t>(vocab)];
-    const int tok = forward_sample_ ? sampled[r] : sample_token(row_logits, vocab, s.req.sampling, s.rng);
+    const int tok = !s.req.forced_tokens.empty() ? s.req.forced_tokens[static_cast<size_t>(s.generated)]
+                    : forward_sample_            ? sampled[r]
+                                                 : sample_token(row_logits, vocab, s.req.sampling, s.rng);
     if (observer_) {
       const auto now = std::chrono::steady_clock::now();
       if (was_prefill) observer_->on_prompt_tokens(static_cast<int>(s.req.prompt_ids.size()));

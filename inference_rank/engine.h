@@ -42,6 +42,11 @@ struct GenerateRequest {
   // logits the token was sampled from, before temperature / top-k / top-p): -1 none; 0..kMaxTopLogprobs the
   // sampled token's logprob and that many most likely alternatives.
   int logprobs = -1;
+  // Teacher forcing (fidelity measurements): generated token i is forced_tokens[i], not a sample (ids < vocab; at
+  // least max_tokens of them); its logprobs, if asked, are the forced token's under the logits of its step, with the
+  // top alternatives (the first is the model's argmax). Only with the host sampler (an Engine over a Model or a
+  // ForwardFn; a ForwardSampleFn engine refuses it: the GPU path's --host-sampling).
+  std::vector<int32_t> forced_tokens;
 };
 
 /// One event per generated token; the last event of a request has finished == true.

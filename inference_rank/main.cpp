@@ -17,6 +17,7 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -182,7 +183,18 @@ int run_standalone(Flags& f) {
     r.sampling.seed = f.sp.seed + i;
     r.stop_token_ids = gen.eos_token_ids;
     r.ignore_eos = f.ignore_eos;
-    outs[i].prompt_tokens = ids.size();
+    if (f.teacher_force > 0) {  // the prompt's last N tokens are forced, one decode step each
+      const int n = f.teacher_force;
+      if (static_cast<int>(ids.size()) <= n)
+        spade::fail("--teacher-force {}: prompt {} has {} tokens; it needs at least one more than the forced ones", n,
+                    i, ids.size());
+      r.prompt_ids.assign(ids.begin(), ids.end() - n);
+      r.forced_tokens.assign(ids.end() - n, ids.end());
+      r.max_tokens = n;
+      r.ignore_eos = true;
+      r.logprobs = 1;  // the forced token's and the argmax's
+    }
+    outs[i].prompt_tokens = r.prompt_ids.size();
     const uint64_t id = engine.submit(r, [&, i](const spade::TokenEvent& ev) {
       Output& o = outs[i];
       o.times.push_back(Clock::now());
@@ -212,6 +224,21 @@ int run_standalone(Flags& f) {
     std::fputc('\n', stdout);
   }
 
+  if (f.teacher_force > 0) {
+    // One JSON line per prompt: each forced token's logprob (nats) and the model's argmax at that step.
+    auto num = [](float x) { return std::isfinite(x) ? fmt::format("{:.7g}", x) : std::string("null"); };
+    for (size_t i = 0; i < outs.size(); ++i) {
+      std::string lp, am;
+      for (const auto& ev : outs[i].events) {
+        if (!ev.logprobs) continue;
+        lp += (lp.empty() ? "" : ",") + num(ev.logprobs->logprob);
+        am += (am.empty() ? "" : ",") +
+              std::to_string(ev.logprobs->top_ids.empty() ? -1 : ev.logprobs->top_ids.front());
+      }
+      std::printf("{\"teacher_forced\": %zu, \"prompt_tokens\": %zu, \"logprob\": [%s], \"argmax\": [%s]}\n", i,
+                  outs[i].prompt_tokens, lp.c_str(), am.c_str());
+    }
+  }
   int failed = 0;
   size_t generated = 0;
   double ttft_sum = 0, tpot_sum = 0;

@@ -19,7 +19,15 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
     r.refuse("--serve", {"--random-weights", "--weights-seed", "--tokenizer"},
              "a cluster rank loads the weights and the tokenizer of --model");
     r.refuse("--serve", {"--host-sampling"}, "a cluster rank on the GPU samples on the GPU");
+    r.refuse("--serve", {"--teacher-force"}, "teacher forcing is a standalone fidelity measurement");
   } else {
+    if (app.count("--teacher-force") > 0) {
+      r.refuse("--teacher-force", {"--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--ignore-eos"},
+               "every generated token is forced (the prompt's last N tokens), none is sampled");
+      r.refuse_if(device == "cuda" && app.count("--host-sampling") == 0,
+                  "--teacher-force on --device cuda needs --host-sampling (the forced token's logprob comes from the "
+                  "host sampler)");
+    }
     r.refuse("a standalone run (--prompt)",
              {"--master-addr", "--master-port", "--rank", "--world-size", "--num-inference", "--num-cache",
               "--role-map", "--cluster-secret-file", "--rendezvous-timeout-ms", "--metrics-port", "--metrics-host"},
@@ -122,6 +130,10 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--gpu", f.gpu_index, "--serve --device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
   app.add_option("--gpu-link", f.gpu_link,
                  "--serve --device cuda: the data plane to the cache rank: nccl (another GPU) | ipc (the same GPU)");
+  app.add_option("--teacher-force", f.teacher_force,
+                 "standalone fidelity measurement: the last N tokens of each --prompt are forced, one decode step each "
+                 "(not sampled); prints a JSON line per prompt with each forced token's logprob and the model's argmax")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--host-sampling", f.host_sampling,
                "--device cuda: copy the logits back and sample on the host (the CPU path's sampler) instead of on the "
                "GPU");

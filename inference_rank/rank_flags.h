@@ -45,6 +45,7 @@ struct Flags {
   int gpu_index = 0;
   std::string gpu_link = "nccl";
   bool host_sampling = false;
+  int teacher_force = 0;  // standalone: the last N tokens of each prompt are forced (GenerateRequest::forced_tokens)
   bool prefix_caching = true;  // --enable-prefix-caching / --no-enable-prefix-caching (EngineOptions)
 };
 

@@ -180,6 +180,64 @@ TEST(EngineLogprobs, OutOfRangeIsRefusedBeforeQueuing) {
   EXPECT_TRUE(e.idle());
 }
 
+// Teacher forcing (GenerateRequest::forced_tokens): the forced tokens are what the request emits, each with its
+// logprob under the logits of its step; forcing the tokens greedy decoding picked reproduces that run (up to float
+// rounding: the second run reuses the first one's cached prompt pages), and other tokens leave the first step's
+// distribution as it was. Bad forced tokens and a device-sampling engine are refused.
+TEST(EngineTeacherForcing, EmitsTheForcedTokensWithTheirLogprobs) {
+  const auto m = Model::load(test::data_path("models/tiny-random-qwen3"));
+  const int V = m->config().vocab_size;
+  EngineOptions opt;
+  opt.max_num_batched_tokens = 16;
+  Engine e(*m, opt);
+  GenerateRequest greedy;
+  greedy.prompt_ids = {1, 403, 407, 261, 378, 432, 383, 286, 261, 376};
+  greedy.max_tokens = 10;
+  greedy.ignore_eos = true;
+  greedy.logprobs = 1;
+  const Got g = run(e, {greedy})[0];
+  ASSERT_EQ(g.tokens.size(), 10u);
+
+  GenerateRequest same = greedy;
+  same.forced_tokens = g.tokens;
+  GenerateRequest other = greedy;
+  for (int i = 0; i < 10; ++i) other.forced_tokens.push_back((g.tokens[static_cast<size_t>(i)] + 7 + i) % V);
+  const std::vector<Got> f = run(e, {same, other});
+  EXPECT_EQ(f[0].tokens, g.tokens);
+  EXPECT_EQ(f[1].tokens, other.forced_tokens);
+  for (size_t t = 0; t < 10; ++t) {
+    ASSERT_TRUE(f[0].logprobs[t] && f[1].logprobs[t] && g.logprobs[t]);
+    EXPECT_NEAR(f[0].logprobs[t]->logprob, g.logprobs[t]->logprob, 1e-4) << t;
+    EXPECT_EQ(f[0].logprobs[t]->top_ids, g.logprobs[t]->top_ids) << t;
+    // The forced token's logprob, at most the argmax's.
+    EXPECT_LE(f[1].logprobs[t]->logprob, f[1].logprobs[t]->top_logprobs[0]) << t;
+  }
+  // Step 0 reads the same context in both runs: the same argmax, and the forced token scored in that distribution.
+  EXPECT_EQ(f[1].logprobs[0]->top_ids, g.logprobs[0]->top_ids);
+  EXPECT_NEAR(f[1].logprobs[0]->top_logprobs[0], g.logprobs[0]->top_logprobs[0], 1e-4);
+  EXPECT_LT(f[1].logprobs[0]->logprob, g.logprobs[0]->logprob);
+
+  auto refused = [&](Engine& eng, const GenerateRequest& r, const std::string& what) {
+    try {
+      eng.submit(r, nullptr);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& err) {
+      EXPECT_THAT(err.what(), HasSubstr(what));
+    }
+  };
+  GenerateRequest shorter = greedy;
+  shorter.forced_tokens = {5, 6};
+  refused(e, shorter, "2 forced tokens for max_tokens 10");
+  GenerateRequest bad = greedy;
+  bad.forced_tokens.assign(10, V);
+  refused(e, bad, "forced token id");
+  Engine device(m->config(), opt,
+                ForwardSampleFn([](const ForwardBatch&, const std::vector<RowSampling>&, std::vector<int32_t>&,
+                                   std::vector<TokenLogprobs>&) {}));
+  refused(device, same, "teacher forcing (forced_tokens) needs the host sampler");
+  EXPECT_TRUE(e.idle());
+}
+
 TEST(TokenLogprobs, EdgeCases) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::nanf("");
   {  // ordinary row with a tie and a NaN: ties by lower id, NaN has probability 0

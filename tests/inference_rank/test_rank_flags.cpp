@@ -130,6 +130,21 @@ TEST(InferenceRankFlags, ServeCudaRefusesTheCacheRanksSelectionKnobs) {
   EXPECT_THAT(r.log, HasSubstr("--sink-tokens 2 does not apply to --device cuda")) << r.log;
 }
 
+TEST(InferenceRankFlags, TeacherForcingRefusesWhatItWouldIgnore) {
+  expect_refused(serve("cpu"), {"--teacher-force", "8"}, {"--teacher-force"}, "--serve");
+  for (const Args& extra : {Args{"--max-tokens", "4"}, Args{"--temperature", "0"}, Args{"--seed", "1"},
+                            Args{"--ignore-eos"}}) {
+    Args a = {"--teacher-force", "8"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    expect_refused(standalone("cpu"), a, {extra[0]}, "--teacher-force");
+  }
+  const Exit r = run(standalone("cuda"), {"--teacher-force", "8"});
+  EXPECT_NE(r.rc, 0) << r.log;
+  EXPECT_THAT(r.log, HasSubstr("--teacher-force on --device cuda needs --host-sampling")) << r.log;
+  expect_accepted(standalone("cpu"), {"--teacher-force", "8", "--selection", "oracle"});
+  expect_accepted(standalone("cuda"), {"--teacher-force", "8", "--host-sampling", "--selection", "quest"});
+}
+
 TEST(InferenceRankFlags, WeightsSeedNeedsRandomWeights) {
   const Exit r = run(standalone("cpu"), {"--weights-seed", "3"});
   EXPECT_NE(r.rc, 0) << r.log;

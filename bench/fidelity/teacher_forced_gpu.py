@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Teacher-forced fidelity of the GPU path (bf16) on held-out code: the metrics passkey_fidelity --heldout-docs
+computes on the CPU path, through `inference_rank --device cuda --host-sampling --teacher-force N`.
+
+Each document of heldout_code_py.txt (separated by <|endoftext|>, at least --context + --forced bytes, cut to that)
+is one prompt: its first --context bytes are prefilled, its last --forced tokens are forced one decode step each
+(GenerateRequest::forced_tokens), so every variant decodes exactly the same tokens. Per variant and budget:
+  bits per token of the forced tokens (= per byte for the byte-level longctx models), and the difference to dense;
+  top-1 agreement: the share of forced steps whose argmax equals dense's at the same step.
+The budget is resolved against the documents' prompt tokens (a fraction rounds up). Dense runs first (the reference).
+The overlap ratio and the selection churn are the CPU harness's (the GPU cache rank does not sample them).
+
+  bench/fidelity/teacher_forced_gpu.py --inference-rank build-gpu/inference_rank/inference_rank \\
+      --model DATA/models/longctx-22m --docs 16 --context 4000 --forced 64 --budgets 1/16,1/32 --json-out X.json --md-out X.md
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from passkey_gpu import DEFAULT_VARIANTS, flag_names, parse_budget  # noqa: E402  (one home for the variants)
+
+
+def read_docs(path, nbytes, count):
+    text = open(path, "rb").read()
+    docs = []
+    for d in text.split(b"<|endoftext|>"):
+        if len(d) >= nbytes:
+            docs.append(d[:nbytes].decode("utf-8", errors="ignore"))
+        if len(docs) == count:
+            break
+    if len(docs) < count:
+        sys.exit(f"teacher_forced_gpu: only {len(docs)} documents of >= {nbytes} bytes in {path} (wanted {count})")
+    return docs
+
+
+def run(args, flags, docs, budget):
+    own = shlex.split(flags) + shlex.split(args.extra_flags)
+    given = flag_names(own)
+    defaults = [("--model", args.model), ("--device", args.device), ("--teacher-force", str(args.forced)),
+                ("--sparse-threshold", str(args.sparse_threshold)), ("--layers-per-pack", str(args.layers_per_pack)),
+                ("--max-num-seqs", str(len(docs))), ("--max-num-batched-tokens", "8192"), ("--kv-cache-gib", "16"),
+                ("--log-level", "warn")]
+    if args.device == "cuda":
+        defaults.append(("--host-sampling", None))
+    if budget:
+        defaults.append(("--token-budget", str(budget)))
+    cmd = [args.inference_rank]
+    for name, value in defaults:
+        if name not in given:
+            cmd += [name] + ([value] if value is not None else [])
+    cmd += own
+    for d in docs:
+        cmd += ["--prompt", d]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if r.returncode != 0:
+        tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"inference_rank failed ({r.returncode}): {flags} budget {budget}: {tail}")
+    rows = {}
+    for line in r.stdout.splitlines():
+        if line.startswith('{"teacher_forced"'):
+            j = json.loads(line)
+            rows[j["teacher_forced"]] = j
+    if len(rows) != len(docs) or any(len(v["logprob"]) != args.forced for v in rows.values()):
+        raise RuntimeError(f"{len(rows)} teacher-forced rows for {len(docs)} documents: {flags}")
+    stats = [l for l in r.stderr.splitlines() if l.startswith("[spade]")]
+    return [rows[i] for i in range(len(docs))], stats, time.time() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--inference-rank", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--heldout", default=os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"),
+                                                      "prompts/heldout_code_py.txt"))
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--context", type=int, default=4000, help="prefilled bytes per document")
+    ap.add_argument("--forced", type=int, default=64, help="forced tokens (decode steps) per document")
+    ap.add_argument("--budgets", default="1/16,1/32")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=inference_rank flags (repeatable)")
+    ap.add_argument("--device", default="cuda", help="cuda (the GPU path); cpu only to try the script itself")
+    ap.add_argument("--sparse-threshold", type=int, default=256)
+    ap.add_argument("--layers-per-pack", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--extra-flags", default="")
+    ap.add_argument("--json-out")
+    ap.add_argument("--md-out")
+    a = ap.parse_args()
+    if not os.path.isdir(a.model):
+        a.model = os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"), "models", a.model)
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        sys.exit(f"teacher_forced_gpu: no checkpoint at {a.model} (set SPADE_DATA_DIR)")
+    if not os.path.isfile(a.heldout):
+        sys.exit(f"teacher_forced_gpu: no held-out code at {a.heldout} (set SPADE_DATA_DIR)")
+    variants = DEFAULT_VARIANTS if not a.variant else [tuple(v.split("=", 1)) for v in a.variant]
+    if not any("--selection dense" in f for _, f in variants):
+        variants = [("dense", "--selection dense")] + variants  # the reference
+    variants = sorted(variants, key=lambda v: "--selection dense" not in v[1])
+    docs = read_docs(a.heldout, a.context + a.forced, a.docs)
+
+    dense_argmax, dense_bits, results = None, None, []
+    for vname, flags in variants:
+        dense = "--selection dense" in flags
+        for bname in (["full"] if dense else [b for b in a.budgets.split(",") if b]):
+            tok, frac = parse_budget(bname) if not dense else (None, None)
+            budget = None if dense else (tok if tok else max(1, math.ceil(frac * a.context)))
+            rows, stats, secs = run(a, flags, docs, budget)
+            nll = -sum(sum(lp for lp in r["logprob"] if lp is not None) for r in rows)
+            n = sum(len(r["logprob"]) for r in rows)
+            bits = nll / n / math.log(2)
+            argmax = [r["argmax"] for r in rows]
+            if dense_argmax is None:
+                dense_argmax, dense_bits = argmax, bits
+            agree = sum(x == y for ra, rd in zip(argmax, dense_argmax) for x, y in zip(ra, rd)) / n
+            results.append({"variant": vname, "budget": bname, "budget_tokens": budget, "bits_per_token": bits,
+                            "delta_bits_vs_dense": bits - dense_bits, "top1_agreement_with_dense": agree,
+                            "tokens": n, "seconds": secs, "stats": stats})
+            print(f"{vname}@{bname} (budget {budget}): {bits:.4f} bits/token ({bits - dense_bits:+.4f}), top-1 "
+                  f"{100 * agree:.1f} % [{secs:.1f} s] {' '.join(stats)}", file=sys.stderr, flush=True)
+
+    try:
+        dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip().splitlines()
+    except OSError:
+        dev = []
+    if a.device != "cuda":
+        dev = [f"{a.device} (not the GPU path: a check of this script)"]
+    md = [f"### Teacher-forced on held-out code, GPU (bf16, {dev[0] if dev else 'GPU'}), {a.model}: {a.docs} documents, "
+          f"{a.context} bytes prefilled + {a.forced} forced tokens each", "",
+          "| variant | budget | bits per token | vs dense | top-1 agreement with dense |", "|---|---|---:|---:|---:|"]
+    for r in results:
+        md.append(f"| {r['variant']} | {r['budget']} | {r['bits_per_token']:.4f} | {r['delta_bits_vs_dense']:+.4f} | "
+                  f"{100 * r['top1_agreement_with_dense']:.1f} % |")
+    text = "\n".join(md) + "\n"
+    print(text)
+    out = {"tool": "teacher_forced_gpu", "path": "gpu-bf16" if a.device == "cuda" else a.device, "device": dev,
+           "model": a.model, "heldout": a.heldout, "docs": a.docs, "context_bytes": a.context, "forced": a.forced,
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "commit": os.environ.get("SPADE_COMMIT", "unknown"), "sparse_threshold": a.sparse_threshold,
+           "variants": [{"name": n, "flags": f} for n, f in variants], "extra_flags": a.extra_flags,
+           "results": results}
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+    if a.md_out:
+        with open(a.md_out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
