@@ -165,6 +165,27 @@ void GpuDenseAttention::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStr
   cuda_check(kernels::paged_prefill_attention(p, stream), "dense paged prefill attention");
 }
 
+void attend_packed_rows(kernels::SparsePackedDecodeParams& a, const ModelConfig& cfg, const GpuLayerStep& s,
+                        const GpuBatch& b, int page_size, int local_window, const int32_t* q_rows,
+                        const int32_t* skip, cudaStream_t stream, const char* what) {
+  fill_attention_params(a, cfg, s, b, page_size);
+  if (b.decode_only()) {
+    a.local_window = std::max(b.max_seq_len, local_window);  // the bound of the per-sequence windows
+  } else {
+    kernels::PagedPrefillParams pf;
+    fill_attention_params(pf, cfg, s, b, page_size);
+    pf.cu_q_lens = b.cu_q_lens;
+    pf.max_q_len = b.max_q_len;
+    pf.skip = skip;
+    const cudaError_t e = kernels::paged_prefill_attention(pf, stream);
+    if (e != cudaSuccess) cuda_check(e, fmt::format("{}: prefill attention of a mixed step", what).c_str());
+    a.q_rows = q_rows;
+    a.local_window = local_window;  // sparse and window-only rows: windows <= R
+  }
+  const cudaError_t e = kernels::sparse_decode_attention_packed(a, stream);
+  if (e != cudaSuccess) cuda_check(e, fmt::format("{}: attention", what).c_str());  // formatted on failure only
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // GpuModel
 // ---------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,10 @@
 
 namespace spade {
 
+namespace kernels {
+struct SparsePackedDecodeParams;
+}  // namespace kernels
+
 /// One ragged step, all pointers device memory. Sequence b owns rows cu_q_lens[b] .. cu_q_lens[b+1]-1 of the token
 /// arrays, at positions seq_lens[b] - q_len_b .. seq_lens[b] - 1, and pages block_table[b * max_pages ..].
 struct GpuBatch {
@@ -143,6 +147,17 @@ void fill_attention_params(Params& p, const ModelConfig& cfg, const GpuLayerStep
   p.max_pages_per_seq = b.max_pages;
   p.scale = 1.f / std::sqrt(static_cast<float>(cfg.head_dim));
 }
+
+/// The attention of a step with sparse rows that read gathered K/V (the caller set `a`'s packed_k / packed_v /
+/// num_packed / local_windows / packed_rows / packed_capacity / workspace; this fills the rest): in a decode-only step
+/// one sparse_decode_attention_packed launch over the whole batch (a dense row has num_packed 0 and its whole context
+/// as window); in a mixed step the causal prefill kernel serves every row but the sparse ones (`skip` [batch] int32,
+/// non-zero: not served) and the packed kernel only those, at their token rows (`q_rows` [batch] int32, -1: not a
+/// sparse row). Which row goes where is data, not launch structure. `local_window`: R. `what` names the caller in a
+/// launch error (spade::Error).
+void attend_packed_rows(kernels::SparsePackedDecodeParams& a, const ModelConfig& cfg, const GpuLayerStep& s,
+                        const GpuBatch& b, int page_size, int local_window, const int32_t* q_rows,
+                        const int32_t* skip, cudaStream_t stream, const char* what);
 
 /// Dense attention over the whole paged context: split-K flash-decoding for decode-only steps, the causal
 /// FlashAttention-2-style kernel otherwise (kernels/attention.cuh).

@@ -471,7 +471,6 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
                  "wait selection");
     const size_t MB = static_cast<size_t>(st.max_batch);
     kernels::SparsePackedDecodeParams a;
-    fill_attention_params(a, st.cfg, s, b, st.page_size);
     const size_t layer_off = static_cast<size_t>(s.layer) * st.Hkv * st.k * st.D * 2;
     a.packed_k = st.held_k() + layer_off;
     a.packed_v = st.held_v() + layer_off;
@@ -480,23 +479,8 @@ void GpuSparseController::attend(const GpuLayerStep& s, const GpuBatch& b, cudaS
     a.packed_rows = st.arr(2 * MB);
     a.packed_capacity = st.k;
     a.workspace = {st.ws.get(), st.ws.bytes()};
-    if (b.decode_only()) {
-      // One launch over the whole batch: sparse rows (held table + window), dense rows (their whole context).
-      a.local_window = std::max(b.max_seq_len, st.R);  // the bound of the per-sequence windows
-    } else {
-      // Mixed step: the prefill kernel serves the prefill chunks and the dense decode rows and skips the sparse
-      // rows (whose pages outside the window may be dropped); the packed kernel serves only those, at their token
-      // rows. Which row goes where is data (q_rows / skip), not launch structure.
-      kernels::PagedPrefillParams pf;
-      fill_attention_params(pf, st.cfg, s, b, st.page_size);
-      pf.cu_q_lens = b.cu_q_lens;
-      pf.max_q_len = b.max_q_len;
-      pf.skip = st.arr(4 * MB);
-      cuda_check(kernels::paged_prefill_attention(pf, stream), "GPU sparse: prefill attention of a mixed step");
-      a.q_rows = st.arr(3 * MB);
-      a.local_window = st.R;  // sparse and window-only rows: windows <= R
-    }
-    cuda_check(kernels::sparse_decode_attention_packed(a, stream), "GPU sparse: attention");
+    // Mixed steps: the sparse rows' pages outside the window may be dropped, so the prefill kernel skips them.
+    attend_packed_rows(a, st.cfg, s, b, st.page_size, st.R, st.arr(3 * MB), st.arr(4 * MB), stream, "GPU sparse");
   } else {
     st.dense.attend(s, b, stream);
   }

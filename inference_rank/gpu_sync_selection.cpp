@@ -127,7 +127,7 @@ void GpuSyncSelection::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStre
     st.dense.attend(s, b, stream);
     return;
   }
-  const char* name = selection_mode_name(st.mode);
+  const char* name = st.mode == SelectionMode::Oracle ? "GPU oracle" : "GPU quest";
   // 1. The sparse rows' true queries (this layer's, after q-norm and RoPE) as fp32; other rows zero.
   kernels::GatherQueryRowsParams g;
   g.q = s.q;
@@ -137,26 +137,29 @@ void GpuSyncSelection::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStre
   g.row_elems = st.Hq * st.D;
   cuda_check(kernels::gather_query_rows(g, stream), "GPU sync selection: queries");
   // 2. The selection over the candidates [0, context - R) of each sparse row (0 candidates elsewhere: -1 only).
-  const int32_t* candidates = st.arr(4);
+  // The fields both selections read: the cache of this layer, the step's block table, the candidates per row.
+  const auto paged = [&](auto& p) {
+    p.k_cache = s.k_cache;
+    p.block_table = b.block_table;
+    p.num_tokens = st.arr(4);
+    p.batch = b.batch;
+    p.num_q_heads = st.Hq;
+    p.num_kv_heads = st.Hkv;
+    p.head_dim = st.D;
+    p.page_size = st.page_size;
+    p.max_pages_per_seq = b.max_pages;
+    p.rule = st.o.sparse.selection.gqa_rule;
+  };
   if (st.mode == SelectionMode::Oracle) {
     kernels::ScoreTokensParams sp;
+    paged(sp);
     sp.q_hat = st.q32.as<float>();
-    sp.k_cache = s.k_cache;
-    sp.block_table = b.block_table;
-    sp.num_tokens = candidates;
     sp.scores = st.scores.as<float>();
-    sp.batch = b.batch;
-    sp.num_q_heads = st.Hq;
-    sp.num_kv_heads = st.Hkv;
-    sp.head_dim = st.D;
-    sp.page_size = st.page_size;
-    sp.max_pages_per_seq = b.max_pages;
     sp.score_stride = st.score_stride;
-    sp.rule = st.o.sparse.selection.gqa_rule;
     cuda_check(kernels::score_tokens(sp, stream), "GPU oracle: token scores");
     kernels::TopkParams tp;
     tp.scores = st.scores.as<float>();
-    tp.row_lens = candidates;
+    tp.row_lens = st.arr(4);
     tp.indices = st.indices.as<int32_t>();
     tp.batch = b.batch;
     tp.rows_per_batch = st.Hkv;
@@ -166,20 +169,11 @@ void GpuSyncSelection::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStre
     cuda_check(kernels::topk_select(tp, stream), "GPU oracle: top-k");
   } else {
     kernels::QuestSelectParams qp;
+    paged(qp);
     qp.q = st.q32.as<float>();
-    qp.k_cache = s.k_cache;
-    qp.block_table = b.block_table;
-    qp.num_tokens = candidates;
     qp.page_scores = st.scores.as<float>();
     qp.indices = st.indices.as<int32_t>();
-    qp.batch = b.batch;
-    qp.num_q_heads = st.Hq;
-    qp.num_kv_heads = st.Hkv;
-    qp.head_dim = st.D;
-    qp.page_size = st.page_size;
-    qp.max_pages_per_seq = b.max_pages;
     qp.k = st.k;
-    qp.rule = st.o.sparse.selection.gqa_rule;
     cuda_check(kernels::quest_select(qp, stream), "GPU quest: page selection");
   }
   // 3. The selected K/V rows, packed as the predicted path's held tables are.
@@ -196,31 +190,16 @@ void GpuSyncSelection::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStre
   gp.page_size = st.page_size;
   gp.max_pages_per_seq = b.max_pages;
   gp.k = st.k;
-  cuda_check(kernels::gather_kv(gp, stream), fmt::format("GPU {}: gather", name).c_str());
+  cuda_check(kernels::gather_kv(gp, stream), name);
   // 4. Attention: the selection + the local window for sparse rows, the whole context for the others.
   kernels::SparsePackedDecodeParams a;
-  fill_attention_params(a, st.cfg, s, b, st.page_size);
   a.packed_k = st.packed_k();
   a.packed_v = st.packed_v();
   a.num_packed = st.arr(0);
   a.local_windows = st.arr(1);
   a.packed_capacity = st.k;
   a.workspace = {st.ws.get(), st.ws.bytes()};
-  if (b.decode_only()) {
-    a.local_window = std::max(b.max_seq_len, st.R);  // the bound of the per-sequence windows
-  } else {
-    // Mixed step: the prefill kernel serves every row but the sparse ones, the packed kernel those (gpu_sparse.h).
-    kernels::PagedPrefillParams pf;
-    fill_attention_params(pf, st.cfg, s, b, st.page_size);
-    pf.cu_q_lens = b.cu_q_lens;
-    pf.max_q_len = b.max_q_len;
-    pf.skip = st.arr(3);
-    cuda_check(kernels::paged_prefill_attention(pf, stream),
-               fmt::format("GPU {}: prefill attention of a mixed step", name).c_str());
-    a.q_rows = st.arr(2);
-    a.local_window = st.R;
-  }
-  cuda_check(kernels::sparse_decode_attention_packed(a, stream), fmt::format("GPU {}: attention", name).c_str());
+  attend_packed_rows(a, st.cfg, s, b, st.page_size, st.R, st.arr(2), st.arr(3), stream, name);
 }
 
 }  // namespace spade

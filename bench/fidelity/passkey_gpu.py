@@ -61,15 +61,17 @@ def flag_names(tokens):
     return {t.split("=", 1)[0] for t in tokens if t.startswith("--")}
 
 
-def run_group(args, flags, prompts, budget):
-    # The script's settings, each left out when the variant or --extra-flags gives it: inference_rank refuses an
-    # option given twice (CLI11's ArgumentMismatch, exit status 114), e.g. a variant's --layers-per-pack 6.
+def inference_rank_command(args, flags, texts, budget, own_defaults):
+    """inference_rank with the settings every fidelity script gives (model, device, sparse threshold, pack size, one
+    batch of every text, the budget) plus `own_defaults` [(flag, value or None)], each left out when the variant or
+    --extra-flags gives it: inference_rank refuses an option given twice (CLI11's ArgumentMismatch, exit status 114),
+    e.g. a variant's --layers-per-pack 6."""
     own = shlex.split(flags) + shlex.split(args.extra_flags)
     given = flag_names(own)
-    defaults = [("--model", args.model), ("--device", args.device), ("--chat", None), ("--temperature", "0"),
-                ("--max-tokens", str(args.max_new_tokens)), ("--sparse-threshold", str(args.sparse_threshold)),
-                ("--layers-per-pack", str(args.layers_per_pack)), ("--max-num-seqs", str(len(prompts))),
-                ("--max-num-batched-tokens", "8192"), ("--kv-cache-gib", "16"), ("--log-level", "warn")]
+    defaults = [("--model", args.model), ("--device", args.device)] + own_defaults + [
+        ("--sparse-threshold", str(args.sparse_threshold)), ("--layers-per-pack", str(args.layers_per_pack)),
+        ("--max-num-seqs", str(len(texts))), ("--max-num-batched-tokens", "8192"), ("--kv-cache-gib", "16"),
+        ("--log-level", "warn")]
     if budget:
         defaults.append(("--token-budget", str(budget)))
     cmd = [args.inference_rank]
@@ -77,8 +79,14 @@ def run_group(args, flags, prompts, budget):
         if name not in given:
             cmd += [name] + ([value] if value is not None else [])
     cmd += own
-    for p in prompts:
-        cmd += ["--prompt", p["prompt"]]
+    for t in texts:
+        cmd += ["--prompt", t]
+    return cmd
+
+
+def run_group(args, flags, prompts, budget):
+    cmd = inference_rank_command(args, flags, [p["prompt"] for p in prompts], budget,
+                                 [("--chat", None), ("--temperature", "0"), ("--max-tokens", str(args.max_new_tokens))])
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     failed = [l for l in r.stderr.splitlines() if re.match(r"request \d+ failed", l)]

@@ -18,13 +18,12 @@ import datetime
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from passkey_gpu import DEFAULT_VARIANTS, flag_names, parse_budget  # noqa: E402  (one home for the variants)
+from passkey_gpu import DEFAULT_VARIANTS, inference_rank_command, parse_budget  # noqa: E402  (one home)
 
 
 def read_docs(path, nbytes, count):
@@ -41,23 +40,8 @@ def read_docs(path, nbytes, count):
 
 
 def run(args, flags, docs, budget):
-    own = shlex.split(flags) + shlex.split(args.extra_flags)
-    given = flag_names(own)
-    defaults = [("--model", args.model), ("--device", args.device), ("--teacher-force", str(args.forced)),
-                ("--sparse-threshold", str(args.sparse_threshold)), ("--layers-per-pack", str(args.layers_per_pack)),
-                ("--max-num-seqs", str(len(docs))), ("--max-num-batched-tokens", "8192"), ("--kv-cache-gib", "16"),
-                ("--log-level", "warn")]
-    if args.device == "cuda":
-        defaults.append(("--host-sampling", None))
-    if budget:
-        defaults.append(("--token-budget", str(budget)))
-    cmd = [args.inference_rank]
-    for name, value in defaults:
-        if name not in given:
-            cmd += [name] + ([value] if value is not None else [])
-    cmd += own
-    for d in docs:
-        cmd += ["--prompt", d]
+    cmd = inference_rank_command(args, flags, docs, budget, [("--teacher-force", str(args.forced))] +
+                                 ([("--host-sampling", None)] if args.device == "cuda" else []))
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if r.returncode != 0:
