@@ -233,6 +233,21 @@ void Selector::predict(uint64_t seq, int layer, float* q_hat) {
   kernels::predict_next_query_ref(p);
 }
 
+template <class P>
+void Selector::set_paged(P& p, uint64_t seq, int layer, const int* end) const {
+  const auto& bt = alloc_.block_table(seq);
+  p.k_cache = k_[layer].get();
+  p.block_table = bt.data();
+  p.num_tokens = end;
+  p.batch = 1;
+  p.num_q_heads = cfg_.num_q_heads;
+  p.num_kv_heads = cfg_.num_kv_heads;
+  p.head_dim = cfg_.head_dim;
+  p.page_size = alloc_.page_size();
+  p.max_pages_per_seq = static_cast<int>(bt.size());
+  p.rule = sc_.gqa_rule;
+}
+
 void Selector::select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out, int budget) {
   check_held(layer);
   const int Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, K = sc_.token_budget;
@@ -253,23 +268,12 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
   out.v.assign(static_cast<size_t>(Hkv) * K * D, 0.f);
   out.count = 0;
   if (end <= sc_.sink_tokens) return;
-  const auto& bt = alloc_.block_table(seq);
-  const int max_pages = static_cast<int>(bt.size());
   scores_.assign(static_cast<size_t>(Hkv) * end, 0.f);
   kernels::ScoreTokensRefParams sp;
+  set_paged(sp, seq, layer, &end);
   sp.q_hat = query;
-  sp.k_cache = k_[layer].get();
-  sp.block_table = bt.data();
-  sp.num_tokens = &end;
   sp.scores = scores_.data();
-  sp.batch = 1;
-  sp.num_q_heads = cfg_.num_q_heads;
-  sp.num_kv_heads = Hkv;
-  sp.head_dim = D;
-  sp.page_size = alloc_.page_size();
-  sp.max_pages_per_seq = max_pages;
   sp.score_stride = end;
-  sp.rule = sc_.gqa_rule;
   kernels::score_tokens_ref(sp);
   // Scores of the candidates [S, end) only: shift the rows so the sinks are not candidates at all.
   const int n = end - sc_.sink_tokens;
@@ -314,23 +318,13 @@ void Selector::select_pages(uint64_t seq, int layer, int context_len, const floa
   out.count = 0;
   if (end <= begin) return;
   // Quest (kernels/selection_ref.h quest_page_scores_ref, quest_pick_ref): the rule the GPU's quest_select runs.
-  const auto& bt = alloc_.block_table(seq);
-  const int max_pages = static_cast<int>(bt.size());
+  const int max_pages = static_cast<int>(alloc_.block_table(seq).size());
   scores_.assign(static_cast<size_t>(Hkv) * max_pages, 0.f);
   kernels::QuestPageScoresRefParams sp;
+  set_paged(sp, seq, layer, &end);
   sp.q = query;
-  sp.k_cache = k_[layer].get();
-  sp.block_table = bt.data();
-  sp.num_tokens = &end;
   sp.page_scores = scores_.data();
-  sp.batch = 1;
-  sp.num_q_heads = cfg_.num_q_heads;
-  sp.num_kv_heads = Hkv;
-  sp.head_dim = cfg_.head_dim;
-  sp.page_size = alloc_.page_size();
-  sp.max_pages_per_seq = max_pages;
   sp.begin = begin;
-  sp.rule = sc_.gqa_rule;
   kernels::quest_page_scores_ref(sp);
   idx_.assign(static_cast<size_t>(Hkv) * Ke, -1);
   kernels::QuestPickRefParams pp;

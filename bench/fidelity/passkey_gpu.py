@@ -84,6 +84,17 @@ def inference_rank_command(args, flags, texts, budget, own_defaults):
     return cmd
 
 
+def device_names(device):
+    """The GPUs' names (nvidia-smi) for --device cuda; for another device, a marker that the run only checks a script."""
+    if device != "cuda":
+        return [f"{device} (not the GPU path: a check of this script)"]
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True).stdout.strip().splitlines()
+    except OSError:
+        return []
+
+
 def run_group(args, flags, prompts, budget):
     cmd = inference_rank_command(args, flags, [p["prompt"] for p in prompts], budget,
                                  [("--chat", None), ("--temperature", "0"), ("--max-tokens", str(args.max_new_tokens))])
@@ -183,13 +194,7 @@ def main():
                       file=sys.stderr, flush=True)
 
     sizes = sorted(groups)
-    try:
-        dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True).stdout.strip().splitlines()
-    except OSError:
-        dev = []
-    if a.device != "cuda":
-        dev = [f"{a.device} (not the GPU path: a check of this script)"]
+    dev = device_names(a.device)
     md = [f"### Pass-key accuracy, GPU (bf16, {dev[0] if dev else 'GPU'}), {a.model} ({len(prompts)} prompts)", "",
           "| variant | budget | " + " | ".join(f"{s} B" for s in sizes) + " | all |",
           "|---|---|" + "---:|" * (len(sizes) + 1)]

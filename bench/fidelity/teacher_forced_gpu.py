@@ -23,7 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from passkey_gpu import DEFAULT_VARIANTS, inference_rank_command, parse_budget  # noqa: E402  (one home)
+from passkey_gpu import DEFAULT_VARIANTS, device_names, inference_rank_command, parse_budget  # noqa: E402
 
 
 def read_docs(path, nbytes, count):
@@ -109,13 +109,7 @@ def main():
             print(f"{vname}@{bname} (budget {budget}): {bits:.4f} bits/token ({bits - dense_bits:+.4f}), top-1 "
                   f"{100 * agree:.1f} % [{secs:.1f} s] {' '.join(stats)}", file=sys.stderr, flush=True)
 
-    try:
-        dev = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True).stdout.strip().splitlines()
-    except OSError:
-        dev = []
-    if a.device != "cuda":
-        dev = [f"{a.device} (not the GPU path: a check of this script)"]
+    dev = device_names(a.device)
     md = [f"### Teacher-forced on held-out code, GPU (bf16, {dev[0] if dev else 'GPU'}), {a.model}: {a.docs} documents, "
           f"{a.context} bytes prefilled + {a.forced} forced tokens each", "",
           "| variant | budget | bits per token | vs dense | top-1 agreement with dense |", "|---|---|---:|---:|---:|"]
