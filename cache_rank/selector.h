@@ -130,12 +130,12 @@ class Selector {
   void check_held(int layer) const;
   void push_query(SeqState& s, int layer, const float* q);
   void write_token(uint64_t seq, int layer, int pos, const float* k, const float* v);
-  /// Fills out.k / out.v from out.positions ([num_kv_heads, token_budget], -1 = zero row).
   /// The fields every scoring reference reads for (seq, layer) over the candidates [.., *end): the held keys, the
   /// sequence's block table, the model's heads, the GQA rule (kernels/selection_ref.h ScoreTokensRefParams,
   /// QuestPageScoresRefParams).
   template <class P>
   void set_paged(P& p, uint64_t seq, int layer, const int* end) const;
+  /// Fills out.k / out.v from out.positions ([num_kv_heads, token_budget], -1 = zero row).
   void gather(uint64_t seq, int layer, LayerSelection& out) const;
 
   ModelConfig cfg_;

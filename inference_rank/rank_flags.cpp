@@ -24,6 +24,8 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
     if (app.count("--teacher-force") > 0) {
       r.refuse("--teacher-force", {"--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--ignore-eos"},
                "every generated token is forced (the prompt's last N tokens), none is sampled");
+      r.refuse("--teacher-force", {"--chat"},
+               "the forced tokens are the prompt text's last N; with the chat template they would be its tail");
       r.refuse_if(device == "cuda" && app.count("--host-sampling") == 0,
                   "--teacher-force on --device cuda needs --host-sampling (the forced token's logprob comes from the "
                   "host sampler)");

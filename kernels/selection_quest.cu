@@ -41,7 +41,9 @@ __global__ void __launch_bounds__(kQuestThreads) quest_kernel(const QuestArgs a)
   extern __shared__ int32_t taken[];  // [columns]: tokens taken, then their output offsets
   __shared__ int32_t total;
   const int kvh = blockIdx.x, b = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int ps = a.kv.page_size, end = a.num_tokens[b];
+  // The candidates end at num_tokens[b], clamped to the block-table row (a documented precondition, enforced here so
+  // that no value read from the device addresses outside the table or the shared `taken`).
+  const int ps = a.kv.page_size, end = min(a.num_tokens[b], a.kv.max_pages * ps);
   const size_t row = static_cast<size_t>(b) * a.kv.hkv + kvh;
   int32_t* out = a.indices + row * a.k;
   const int first = a.begin / ps, count = end > a.begin ? (end - 1) / ps - first + 1 : 0;

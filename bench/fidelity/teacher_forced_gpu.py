@@ -7,7 +7,9 @@ is one prompt: its first --context bytes are prefilled, its last --forced tokens
 (GenerateRequest::forced_tokens), so every variant decodes exactly the same tokens. Per variant and budget:
   bits per token of the forced tokens (= per byte for the byte-level longctx models), and the difference to dense;
   top-1 agreement: the share of forced steps whose argmax equals dense's at the same step.
-The budget is resolved against the documents' prompt tokens (a fraction rounds up). Dense runs first (the reference).
+A fractional budget is resolved against --context (bytes: the prompt tokens of the byte-level longctx models; rounds
+up). The first --skip forced steps are not scored (default 2: the prefill's token and the token of the step that
+switches to sparse decoding are dense in every variant). Dense runs first (the reference).
 The overlap ratio and the selection churn are the CPU harness's (the GPU cache rank does not sample them).
 
   bench/fidelity/teacher_forced_gpu.py --inference-rank build-gpu/inference_rank/inference_rank \\
@@ -52,7 +54,7 @@ def run(args, flags, docs, budget):
         if line.startswith('{"teacher_forced"'):
             j = json.loads(line)
             rows[j["teacher_forced"]] = j
-    if len(rows) != len(docs) or any(len(v["logprob"]) != args.forced for v in rows.values()):
+    if len(rows) != len(docs) or any(len(v["logprob"]) != args.forced for v in rows.values()) or args.skip >= args.forced:
         raise RuntimeError(f"{len(rows)} teacher-forced rows for {len(docs)} documents: {flags}")
     stats = [l for l in r.stderr.splitlines() if l.startswith("[spade]")]
     return [rows[i] for i in range(len(docs))], stats, time.time() - t0
@@ -67,6 +69,8 @@ def main():
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--context", type=int, default=4000, help="prefilled bytes per document")
     ap.add_argument("--forced", type=int, default=64, help="forced tokens (decode steps) per document")
+    ap.add_argument("--skip", type=int, default=2,
+                    help="forced steps not scored: the prefill's and the switch step's tokens, dense in every variant")
     ap.add_argument("--budgets", default="1/16,1/32")
     ap.add_argument("--variant", action="append", default=[], help="NAME=inference_rank flags (repeatable)")
     ap.add_argument("--device", default="cuda", help="cuda (the GPU path); cpu only to try the script itself")
@@ -96,10 +100,15 @@ def main():
             tok, frac = parse_budget(bname) if not dense else (None, None)
             budget = None if dense else (tok if tok else max(1, math.ceil(frac * a.context)))
             rows, stats, secs = run(a, flags, docs, budget)
-            nll = -sum(sum(lp for lp in r["logprob"] if lp is not None) for r in rows)
-            n = sum(len(r["logprob"]) for r in rows)
+            # Scored steps: from --skip on (the first forced token comes from the prefill, the second from the
+            # step that switches to sparse, which decodes densely: both are dense in every variant).
+            lps = [r["logprob"][a.skip:] for r in rows]
+            if any(lp is None for row in lps for lp in row):
+                raise RuntimeError(f"{vname}@{bname}: a forced token's logprob is not finite (NaN or -inf logits)")
+            nll = -sum(sum(row) for row in lps)
+            n = sum(len(row) for row in lps)
             bits = nll / n / math.log(2)
-            argmax = [r["argmax"] for r in rows]
+            argmax = [r["argmax"][a.skip:] for r in rows]
             if dense_argmax is None:
                 dense_argmax, dense_bits = argmax, bits
             agree = sum(x == y for ra, rd in zip(argmax, dense_argmax) for x, y in zip(ra, rd)) / n

@@ -133,7 +133,7 @@ TEST(InferenceRankFlags, ServeCudaRefusesTheCacheRanksSelectionKnobs) {
 TEST(InferenceRankFlags, TeacherForcingRefusesWhatItWouldIgnore) {
   expect_refused(serve("cpu"), {"--teacher-force", "8"}, {"--teacher-force"}, "--serve");
   for (const Args& extra : {Args{"--max-tokens", "4"}, Args{"--temperature", "0"}, Args{"--seed", "1"},
-                            Args{"--ignore-eos"}}) {
+                            Args{"--ignore-eos"}, Args{"--chat"}}) {
     Args a = {"--teacher-force", "8"};
     a.insert(a.end(), extra.begin(), extra.end());
     expect_refused(standalone("cpu"), a, {extra[0]}, "--teacher-force");
