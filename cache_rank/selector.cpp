@@ -233,6 +233,14 @@ void Selector::predict(uint64_t seq, int layer, float* q_hat) {
   kernels::predict_next_query_ref(p);
 }
 
+void Selector::clear_selection(LayerSelection& out) const {
+  const size_t rows = static_cast<size_t>(cfg_.num_kv_heads) * sc_.token_budget;
+  out.positions.assign(rows, -1);
+  out.k.assign(rows * cfg_.head_dim, 0.f);
+  out.v.assign(rows * cfg_.head_dim, 0.f);
+  out.count = 0;
+}
+
 template <class P>
 void Selector::set_paged(P& p, uint64_t seq, int layer, const int* end) const {
   const auto& bt = alloc_.block_table(seq);
@@ -250,7 +258,7 @@ void Selector::set_paged(P& p, uint64_t seq, int layer, const int* end) const {
 
 void Selector::select(uint64_t seq, int layer, int context_len, const float* query, LayerSelection& out, int budget) {
   check_held(layer);
-  const int Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, K = sc_.token_budget;
+  const int Hkv = cfg_.num_kv_heads, K = sc_.token_budget;
   SPADE_CHECK(budget >= 0 && budget <= K, "sequence {}: token budget {} outside [1, {}] (0 = the rank's)", seq, budget,
               K);
   const int Ke = budget > 0 ? budget : K;  // this sequence's budget; rows keep stride K
@@ -263,10 +271,7 @@ void Selector::select(uint64_t seq, int layer, int context_len, const float* que
     query = q_hat.data();
   }
   const int end = std::min(len, context_len - sc_.local_window);  // candidates [S, end)
-  out.positions.assign(static_cast<size_t>(Hkv) * K, -1);
-  out.k.assign(static_cast<size_t>(Hkv) * K * D, 0.f);
-  out.v.assign(static_cast<size_t>(Hkv) * K * D, 0.f);
-  out.count = 0;
+  clear_selection(out);
   if (end <= sc_.sink_tokens) return;
   scores_.assign(static_cast<size_t>(Hkv) * end, 0.f);
   kernels::ScoreTokensRefParams sp;
@@ -312,10 +317,7 @@ void Selector::select_pages(uint64_t seq, int layer, int context_len, const floa
   const int len = alloc_.seq_len(seq);
   const int begin = sc_.sink_tokens;
   const int end = std::min(len, context_len - sc_.local_window);  // candidates [S, end)
-  out.positions.assign(static_cast<size_t>(Hkv) * K, -1);
-  out.k.assign(static_cast<size_t>(Hkv) * K * cfg_.head_dim, 0.f);
-  out.v.assign(static_cast<size_t>(Hkv) * K * cfg_.head_dim, 0.f);
-  out.count = 0;
+  clear_selection(out);
   if (end <= begin) return;
   // Quest (kernels/selection_ref.h quest_page_scores_ref, quest_pick_ref): the rule the GPU's quest_select runs.
   const int max_pages = static_cast<int>(alloc_.block_table(seq).size());

@@ -130,6 +130,8 @@ class Selector {
   void check_held(int layer) const;
   void push_query(SeqState& s, int layer, const float* q);
   void write_token(uint64_t seq, int layer, int pos, const float* k, const float* v);
+  /// An empty selection: [num_kv_heads, token_budget] positions -1, zero K / V rows, count 0.
+  void clear_selection(LayerSelection& out) const;
   /// The fields every scoring reference reads for (seq, layer) over the candidates [.., *end): the held keys, the
   /// sequence's block table, the model's heads, the GQA rule (kernels/selection_ref.h ScoreTokensRefParams,
   /// QuestPageScoresRefParams).
