@@ -93,6 +93,27 @@ struct GpuCacheServer::State {
   bool plan_posted = false;
   bool closed = false;  // the close plan came
 
+  // Sampling (gpu_server.h: Sampling); buffers allocated only when it is on.
+  int sample_every = 0;
+  bool sampling = false;  // this step samples its steady rows
+  DeviceBuffer q_true;    // [L][max_slots][Hq * D] fp32: the steady rows' true queries of this step
+  DeviceBuffer o_idx[2];  // [P * max_slots * Hkv][k] int32: the true query's top-k (per scores buffer, as q_hat)
+  DeviceBuffer o_mirror, o_slots, o_pos;  // [P * max_slots * Hkv][k] int32: held tables' copy, delta outputs
+  DeviceBuffer o_info;                           // [P * max_slots * Hkv][kDeltaInfoFields] int32
+  int32_t* sample_host = nullptr;  // pinned [2][packs][2 (oracle, churn)][P * max_slots * Hkv * kDeltaInfoFields]
+  struct PackSample {
+    bool pending = false;
+    int layers = 0, first_layer = 0, S = 0;
+    std::unique_ptr<Event> done;
+  };
+  std::vector<PackSample> pack_samples;  // [2 (sampled-step parity)][packs]
+  uint64_t sampled_steps = 0;
+  std::vector<double> overlap_ratios;  // per sampled (sequence, layer), until taken
+  size_t sample_words() const { return static_cast<size_t>(P) * o.max_slots * Hkv * kernels::kDeltaInfoFields; }
+  int32_t* sample_buf(int parity, int p, int kind) const {
+    return sample_host + ((static_cast<size_t>(parity) * packs + p) * 2 + kind) * sample_words();
+  }
+
   PageAllocator alloc;
   std::vector<int> host_wlen;  // per slot: window entries (the same in every layer)
   std::vector<char> live;      // per slot: admitted in alloc
@@ -102,6 +123,7 @@ struct GpuCacheServer::State {
     size_t tok_pos = 0, tok_row = 0, bt = 0, cu = 0, win_idx = 0, reset = 0, awin_idx = 0;
     size_t g_bt[2] = {0, 0}, g_lens[2] = {0, 0}, g_wlen[2] = {0, 0}, g_mrows[2] = {0, 0};
     size_t g_aw[2] = {0, 0}, g_anq[2] = {0, 0}, g_actx[2] = {0, 0};  // anchors: windows [L][S], queries, context [S]
+    size_t g_qrow[2] = {0, 0}, g_olens[2] = {0, 0};  // sampling: token row [S], the oracle's candidates [P][S]
   } m;
   std::vector<int> group_rows[2];  // plan row indices of each group
 
@@ -124,6 +146,7 @@ struct GpuCacheServer::State {
       if (s != nullptr) cudaStreamDestroy(s);
     if (plan_host != nullptr) cudaFreeHost(plan_host);
     if (meta_host != nullptr) cudaFreeHost(meta_host);
+    if (sample_host != nullptr) cudaFreeHost(sample_host);
   }
 
   int pack_layers(int p) const { return std::min(P, L - p * P); }
@@ -207,6 +230,8 @@ struct GpuCacheServer::State {
       m.g_aw[g] = take(static_cast<size_t>(L) * S);
       m.g_anq[g] = take(static_cast<size_t>(S));
       m.g_actx[g] = take(static_cast<size_t>(S));
+      m.g_qrow[g] = take(static_cast<size_t>(S));
+      m.g_olens[g] = take(static_cast<size_t>(P) * S);
       for (int s = 0; s < S; ++s) {
         const int b = rows_g[static_cast<size_t>(s)];
         const GpuPlanRow& r = plan.rows[static_cast<size_t>(b)];
@@ -227,6 +252,12 @@ struct GpuCacheServer::State {
         for (int l = 0; l < L; ++l) w[m.g_aw[g] + static_cast<size_t>(l) * S + s] = r.slot * L + l;
         w[m.g_anq[g] + static_cast<size_t>(s)] = picks ? host_awlen[static_cast<size_t>(r.slot)] : 0;
         w[m.g_actx[g] + static_cast<size_t>(s)] = r.ctx_len;
+        // Sampling: the row's (last) token, and the candidates of the selection made for this step one step ago
+        // (that step's selectable range, context - 1 + 1 - R); rows of several tokens are not sampled (0).
+        w[m.g_qrow[g] + static_cast<size_t>(s)] = w[m.cu + static_cast<size_t>(b)] + r.q_len - 1;
+        const int oracle_len =
+            r.q_len == 1 ? std::min(std::max(0, r.ctx_len - o.sparse.selection.local_window), r.ctx_len - 1) : 0;
+        for (int j = 0; j < P; ++j) w[m.g_olens[g] + static_cast<size_t>(j) * S + s] = oracle_len;
       }
     }
     SPADE_CHECK(w.size() <= meta_words, "{}: step arrays of {} words exceed the {} reserved", peer, w.size(),
@@ -241,6 +272,55 @@ struct GpuCacheServer::State {
   }
 
   const int32_t* md(size_t off) const { return meta.as<int32_t>() + off; }
+  float* true_queries(int l) const {
+    return q_true.as<float>() + static_cast<size_t>(l) * o.max_slots * Hq * D;
+  }
+
+  /// Sums the sampled pack `ps` (its copies complete: the caller waited) into `st`.
+  void harvest(PackSample& ps, const int32_t* oracle, const int32_t* churn, GpuCacheStats& st) {
+    constexpr int F = kernels::kDeltaInfoFields;
+    for (int j = 0; j < ps.layers; ++j)
+      for (int sq = 0; sq < ps.S; ++sq) {
+        double ratio_sum = 0;
+        int heads = 0;
+        for (int h = 0; h < Hkv; ++h) {
+          const size_t r = (static_cast<size_t>(j) * ps.S + sq) * Hkv + h;
+          SelectionSampleStats& hs = st.head_samples[static_cast<size_t>(ps.first_layer + j) * Hkv + h];
+          const int32_t* oi = oracle + r * F;
+          if (oi[kernels::kDeltaCount] > 0 && oi[kernels::kDeltaEntering] >= 0) {
+            const double ratio = 1.0 - static_cast<double>(oi[kernels::kDeltaEntering]) / oi[kernels::kDeltaCount];
+            hs.overlap_sum += ratio;
+            ++hs.overlap_n;
+            ratio_sum += ratio;
+            ++heads;
+          }
+          const int32_t* ci = churn + r * F;
+          if (ci[kernels::kDeltaCount] > 0 && ci[kernels::kDeltaEntering] >= 0) {
+            hs.churn_sum += static_cast<double>(ci[kernels::kDeltaEntering]) / ci[kernels::kDeltaCount];
+            ++hs.churn_n;
+          }
+        }
+        if (heads > 0) overlap_ratios.push_back(ratio_sum / heads);
+      }
+    ps.pending = false;
+  }
+  /// Sums pending sample i (pack_samples' index) if its copies are done; `wait`: waits for them.
+  void harvest_one(size_t i, bool wait, GpuCacheStats& st) {
+    PackSample& ps = pack_samples[i];
+    if (!ps.pending) return;
+    if (wait) {
+      cuda_check(cudaEventSynchronize(ps.done->e), "GPU cache rank: sampled selections");
+    } else {
+      const cudaError_t q = cudaEventQuery(ps.done->e);
+      if (q == cudaErrorNotReady) return;
+      cuda_check(q, "GPU cache rank: sampled selections");
+    }
+    const int parity = static_cast<int>(i) / packs, p = static_cast<int>(i) % packs;
+    harvest(ps, sample_buf(parity, p, 0), sample_buf(parity, p, 1), st);
+  }
+  void harvest_all(bool wait, GpuCacheStats& st) {
+    for (size_t i = 0; i < pack_samples.size(); ++i) harvest_one(i, wait, st);
+  }
 
   void append_pack(const GpuStepPlan& plan, int p) {
     const int B = static_cast<int>(plan.rows.size()), T = plan.total_tokens(), n = pack_layers(p);
@@ -290,6 +370,16 @@ struct GpuCacheServer::State {
       w.capacity = cap_w;
       w.head_dim = D;
       cuda_check(kernels::push_query_window(w, work), "GPU cache rank: query windows");
+      if (sampling && !group_rows[kSteady].empty()) {  // the steady rows' true queries of this layer
+        kernels::GatherQueryRowsParams gq;
+        gq.dtype = DType::BF16;
+        gq.q = q_out.get();
+        gq.q_rows = md(m.g_qrow[kSteady]);
+        gq.out = true_queries(l);
+        gq.batch = static_cast<int>(group_rows[kSteady].size());
+        gq.row_elems = Hq * D;
+        cuda_check(kernels::gather_query_rows(gq, work), "GPU cache rank: sampled true queries");
+      }
       if (anchors_on()) {  // the rows whose anchors are still to be picked (window index -1 for the others)
         w.windows = awin.get();
         w.window_len = awin_len.as<int32_t>();
@@ -299,6 +389,16 @@ struct GpuCacheServer::State {
       }
     }
     cuda_check(cudaEventRecord(appended[static_cast<size_t>(p)]->e, work), "appended event");
+  }
+
+  void set_scoring_keys(kernels::ScoreTokensParams& sp, int l) const {
+    sp.keys = o.sparse.selection.score_keys;
+    if (int8_keys) {
+      sp.k_int8 = layer_kq(l);
+      sp.k_scale = layer_kscale(l);
+    } else {
+      sp.k_cache = pool.k(l);
+    }
   }
 
   void select_pack(const GpuStepPlan& plan, int p, int g, const DeltaLayout& lay) {
@@ -349,16 +449,34 @@ struct GpuCacheServer::State {
       x.page_size = o.page_size;
       x.max_pages_per_seq = o.max_pages_per_seq;
     };
+    const bool sample = sampling && g == kSteady;
+    if (sample) {  // 3a. sampling: the true query's exact top-k over this step's candidates (gpu_server.h)
+      for (int j = 0; j < n; ++j) {
+        kernels::ScoreTokensParams sp;
+        sp.q_hat = true_queries(p * P + j);
+        set_scoring_keys(sp, p * P + j);
+        paged_rows(sp);
+        sp.num_tokens = md(m.g_olens[g]);
+        sp.scores = sc + static_cast<size_t>(j) * S * Hkv * stride;
+        sp.score_stride = stride;
+        sp.rule = o.sparse.selection.gqa_rule;
+        cuda_check(kernels::score_tokens(sp, score), "GPU cache rank: sampled oracle scores");
+      }
+      kernels::TopkParams tp;
+      tp.scores = sc;
+      tp.row_lens = md(m.g_olens[g]);
+      tp.indices = o_idx[o.pipeline ? b : 0].as<int32_t>();
+      tp.batch = n * S;
+      tp.rows_per_batch = Hkv;
+      tp.score_stride = stride;
+      tp.k = k;
+      tp.successor = o.sparse.selection.successor_expand;
+      cuda_check(kernels::topk_select(tp, score), "GPU cache rank: sampled oracle top-k");
+    }
     for (int j = 0; j < n; ++j) {
       kernels::ScoreTokensParams sp;
       sp.q_hat = qh + static_cast<size_t>(j) * S * Hq * D;
-      sp.keys = o.sparse.selection.score_keys;
-      if (int8_keys) {
-        sp.k_int8 = layer_kq(p * P + j);
-        sp.k_scale = layer_kscale(p * P + j);
-      } else {
-        sp.k_cache = pool.k(p * P + j);
-      }
+      set_scoring_keys(sp, p * P + j);
       paged_rows(sp);
       sp.num_tokens = md(m.g_lens[g]);
       sp.scores = sc + static_cast<size_t>(j) * S * Hkv * stride;
@@ -420,6 +538,28 @@ struct GpuCacheServer::State {
     // The message buffer of this parity was last sent for pack p - 2 (this step) or by the previous step.
     cuda_check(cudaStreamWaitEvent(sel, sent[g][static_cast<size_t>(p % 2)]->e, 0), "wait send");
     // 5. the slot plan against the per-slot mirrors, into the message
+    if (sample) {  // 4b. sampling: what of the true query's top-k the held tables (this step's selection) miss
+      const size_t row_bytes = static_cast<size_t>(Hkv) * k * 4;
+      for (int j = 0; j < n; ++j)
+        for (int sq = 0; sq < S; ++sq) {
+          const int slot = plan.rows[static_cast<size_t>(group_rows[g][static_cast<size_t>(sq)])].slot;
+          cuda_check(cudaMemcpyAsync(o_mirror.as<char>() + (static_cast<size_t>(j) * S + sq) * row_bytes,
+                                     mirror.as<char>() + (static_cast<size_t>(slot) * L + p * P + j) * row_bytes,
+                                     row_bytes, cudaMemcpyDeviceToDevice, sel),
+                     "GPU cache rank: sampled held tables");
+        }
+      kernels::SelectionDeltaParams op;
+      op.indices = o_idx[o.pipeline ? b : 0].as<int32_t>();
+      op.mirror = o_mirror.as<int32_t>();
+      op.delta_slots = o_slots.as<int32_t>();
+      op.delta_positions = o_pos.as<int32_t>();
+      op.row_info = o_info.as<int32_t>();
+      op.rows = n * S * Hkv;
+      op.k = k;
+      op.capacity = k;  // every entering token counted, none ranked by score
+      op.score_stride = stride;
+      cuda_check(kernels::selection_delta(op, sel), "GPU cache rank: sampled overlap");
+    }
     kernels::SelectionDeltaParams dp;
     dp.indices = indices.as<int32_t>();
     dp.scores = sc;
@@ -434,6 +574,22 @@ struct GpuCacheServer::State {
     dp.score_stride = stride;
     cuda_check(kernels::selection_delta(dp, sel), "GPU cache rank: selection delta");
     cuda_check(cudaEventRecord(selected[b].e, sel), "selected event");
+    if (sample) {  // both row infos to the host (summed by harvest_all once copied)
+      const int parity = static_cast<int>(sampled_steps % 2);
+      const size_t si = static_cast<size_t>(parity) * packs + p;
+      harvest_one(si, true, *stats);  // its last use, two samples back: long done
+      PackSample& ps = pack_samples[si];
+      const size_t bytes = static_cast<size_t>(n) * S * Hkv * kernels::kDeltaInfoFields * 4;
+      cuda_check(cudaMemcpyAsync(sample_buf(parity, p, 0), o_info.get(), bytes, cudaMemcpyDeviceToHost, sel),
+                 "GPU cache rank: sampled overlap download");
+      cuda_check(cudaMemcpyAsync(sample_buf(parity, p, 1), out + lay.info, bytes, cudaMemcpyDeviceToHost, sel),
+                 "GPU cache rank: sampled churn download");
+      cuda_check(cudaEventRecord(ps.done->e, sel), "sample event");
+      ps.pending = true;
+      ps.layers = n;
+      ps.S = S;
+      ps.first_layer = p * P;
+    }
     // 6. the entries' K / V, per layer
     for (int j = 0; j < n; ++j) {
       const size_t first = static_cast<size_t>(j) * S * Hkv * cap;
@@ -459,6 +615,7 @@ struct GpuCacheServer::State {
     stats_bytes_sent += lay.bytes;
   }
   uint64_t stats_bytes_sent = 0;
+  GpuCacheStats* stats = nullptr;  // the server's (harvest_all sums the samples into it)
   bool group_picks_anchors = false;  // this step's FIRST group has a row whose anchors are still to be picked
 };
 
@@ -518,7 +675,7 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
   s.q_out = DeviceBuffer(static_cast<size_t>(opts.max_step_tokens) * s.Hq * s.D * 2, "GPU cache rank: queries");
   const size_t T = opts.max_step_tokens, maxp = opts.max_pages_per_seq;
   s.meta_words = 2 * T + S * maxp + S + 1 + 2 * Lz * S + S +
-                 2 * (S * maxp + 2 * P * S + Lz * S * s.Hkv + Lz * S + 2 * S);
+                 2 * (S * maxp + 3 * P * S + Lz * S * s.Hkv + Lz * S + 3 * S);
   s.meta = DeviceBuffer(s.meta_words * 4, "GPU cache rank: step arrays");
   cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.meta_host), s.meta_words * 4), "GPU cache rank: pinned");
   s.win_scratch = DeviceBuffer(P * S * s.win_elems() * 2, "GPU cache rank: window scratch");
@@ -528,6 +685,20 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
   }
 
   s.indices = DeviceBuffer(P * S * s.Hkv * s.k * 4, "GPU cache rank: top-k");
+  s.stats = &stats_;
+  s.sample_every = opts.sparse.overlap_sample_every;
+  if (s.sample_every > 0) {
+    const size_t rows = P * S * s.Hkv;
+    s.q_true = DeviceBuffer(Lz * S * s.Hq * s.D * 4, "GPU cache rank: sampled true queries");
+    for (DeviceBuffer* x : {&s.o_idx[0], &s.o_idx[1], &s.o_mirror, &s.o_slots, &s.o_pos})
+      *x = DeviceBuffer(rows * s.k * 4, "GPU cache rank: sampled selections");
+    s.o_info = DeviceBuffer(rows * kernels::kDeltaInfoFields * 4, "GPU cache rank: sampled row infos");
+    cuda_check(cudaMallocHost(reinterpret_cast<void**>(&s.sample_host), 2 * s.packs * 2 * s.sample_words() * 4),
+               "GPU cache rank: pinned samples");
+    s.pack_samples.resize(2 * static_cast<size_t>(s.packs));
+    for (auto& ps : s.pack_samples) ps.done = std::make_unique<Event>();
+    stats_.head_samples.assign(Lz * s.Hkv, SelectionSampleStats{});
+  }
   for (int g = 0; g < 2; ++g) {
     const DeltaLayout most(P * S * s.Hkv, g == kSteady ? s.C : s.k, s.D);
     for (auto& b : s.msg[g]) b = DeviceBuffer(most.bytes, "GPU cache rank: selection messages");
@@ -554,13 +725,22 @@ bool GpuCacheServer::closed() const { return st_->closed; }
 void GpuCacheServer::synchronize() {
   for (cudaStream_t x : {st_->work, st_->score, st_->sel, st_->down})
     cuda_check(cudaStreamSynchronize(x), "GPU cache rank: synchronize");
+  st_->harvest_all(true, stats_);
+  stats_.sampled_steps = st_->sampled_steps;
+}
+
+std::vector<double> GpuCacheServer::take_overlap_ratios() {
+  std::vector<double> out;
+  out.swap(st_->overlap_ratios);
+  return out;
 }
 
 size_t GpuCacheServer::device_bytes() const {
   const State& s = *st_;
   size_t b = s.pool.bytes();
   for (const DeviceBuffer* x : {&s.kq, &s.kscale, &s.windows, &s.awin, &s.awin_len, &s.anchors, &s.anchor_ws, &s.mirror,
-                                &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta, &s.win_scratch, &s.q_hat[0], &s.q_hat[1], &s.scores[0], &s.scores[1], &s.indices})
+                                &s.window_len, &s.plan_dev, &s.rows, &s.q_out, &s.meta, &s.win_scratch, &s.q_hat[0], &s.q_hat[1], &s.scores[0], &s.scores[1], &s.indices,
+                                &s.q_true, &s.o_idx[0], &s.o_idx[1], &s.o_mirror, &s.o_slots, &s.o_pos, &s.o_info})
     b += x->bytes();
   for (const auto& g : s.msg)
     for (const auto& m : g) b += m.bytes();
@@ -607,6 +787,8 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
               s.o.max_step_tokens);
 
   // 2. bookkeeping
+  s.harvest_all(false, stats_);  // earlier samples whose copies are done
+  s.sampling = s.sample_every > 0 && plan.step % s.sample_every == 0 && !plan.steady_rows().empty();
   for (int32_t slot : plan.released) s.forget(slot);
   for (const GpuPlanRow& r : plan.rows) {
     const size_t slot = static_cast<size_t>(r.slot);
@@ -664,6 +846,8 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   // 4. the next plan
   s.post_plan_recv();
   ++stats_.steps;
+  if (s.sampling) ++s.sampled_steps;
+  stats_.sampled_steps = s.sampled_steps;
   stats_.tokens_appended += static_cast<uint64_t>(T);
   stats_.selections += s.group_rows[kSteady].size() + s.group_rows[kFirst].size();
   stats_.first_selections += s.group_rows[kFirst].size();

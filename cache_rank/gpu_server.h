@@ -29,7 +29,18 @@
 // compact int8 copy of the keys, written per layer on append and read only by the scoring, the K/V sent staying the
 // pool's bf16: near-ties may rank differently); a steady row with
 // more entering tokens than the delta capacity C sends the C best by their own score (selection_delta's rule, not
-// successor-expanded), the rest on later steps. Errors (spade::Error naming the peer): a malformed plan, a link failure, a CUDA error. The server
+// successor-expanded), the rest on later steps.
+//
+// Sampling (SparseConfig::overlap_sample_every = N > 0): at every step whose number is a multiple of N, per layer
+// pack, the steady rows of one new token are measured: their true query (this step's, gathered from the received
+// rows on the work stream) scores the candidates the prediction for this step had (positions < context - local
+// window) with the same scoring keys and GQA rule, exact top-k with the same successor expansion, no anchors (the
+// CPU OverlapSampler's oracle); selection_delta of that top-k against a copy of the held tables (the selection the
+// inference rank attends this step) counts what the prediction missed: overlap = 1 - entering / count (Eq. 1).
+// The steady rows' own delta gives the churn: entering / count. Both are copied to pinned memory after the pack's
+// delta and summed per (layer, KV head) on the host one or more steps later (GpuCacheStats::head_samples). The
+// scoring pass runs on the score stream before the prediction's, in its scores buffer; the sampled step's only
+// host wait is for the copies of the sampled step two samples back. Errors (spade::Error naming the peer): a malformed plan, a link failure, a CUDA error. The server
 // is then unusable (the inference rank fails its sparse sequences and goes on densely).
 #pragma once
 
@@ -42,6 +53,7 @@
 #include <vector>
 
 #include "pair/gpu_plan.h"
+#include "cache_rank/selection_overlap.h"
 #include "cache_rank/selector.h"
 #include "common/config.h"
 #include "transport/gpu_link.h"
@@ -53,8 +65,8 @@ using pair::GpuPairHello;
 struct GpuCacheOptions {
   int device = 0;
   // The pair's settings (pair/selection_config.h). Read: the selection (budget k and local window R from the hello;
-  // query window W, predictor, ridge eps, GQA rule, successor expansion, score keys the cache rank's own; sink
-  // tokens unused), layers_per_pack P and C = effective_delta_capacity(), entries per steady row of a step (P and C
+  // query window W, predictor, ridge eps, GQA rule, successor expansion, score keys, overlap_sample_every the cache
+  // rank's own; sink tokens unused), layers_per_pack P and C = effective_delta_capacity(), entries per steady row of a step (P and C
   // from the hello).
   pair::SparseConfig sparse;
   int max_slots = 64;            // sequences at once: the inference rank's max_num_seqs (plan slots 0..max_slots-1)
@@ -75,6 +87,9 @@ struct GpuCacheStats {
   uint64_t selections = 0;        // (sequence, step) selections computed
   uint64_t first_selections = 0;  // of them, full ones
   uint64_t bytes_received = 0, bytes_sent = 0;
+  uint64_t sampled_steps = 0;  // steps whose steady rows were sampled (file comment: Sampling)
+  // [layer * num_kv_heads + KV head]: the sampled overlap ratios and churn (empty when sampling is off).
+  std::vector<SelectionSampleStats> head_samples;
 };
 
 class GpuCacheServer {
@@ -97,6 +112,9 @@ class GpuCacheServer {
   bool closed() const;
 
   const GpuCacheStats& stats() const { return stats_; }
+  /// The overlap ratios measured since the last call, one per sampled (sequence, layer): the mean over its KV heads
+  /// (the CPU OverlapSampler::take's; cache_rank's spade_selection_overlap_ratio histogram).
+  std::vector<double> take_overlap_ratios();
   /// Bytes of device memory the server holds.
   size_t device_bytes() const;
 

@@ -6,9 +6,11 @@
 //               --overlap-sample-every N --delta-transfer true|false]
 //              [--metrics-port P] [launch flags | RANK/WORLD_SIZE/MASTER_* | OMPI_*]
 //   cache_rank --model DIR --device cuda [--gpu N --query-window W --ridge-eps E --gqa-rule R --predictor P
-//              --successor-expand B --hello-timeout-ms T --selection-streams 1|3] [launch flags]
+//              --successor-expand B --overlap-sample-every N --hello-timeout-ms T --selection-streams 1|3]
+//              [launch flags]
 //              (the GPU cache rank, cache_rank/gpu_server.h: the budget, local window, pack size, delta capacity and
-//              pool size come from the paired inference rank's hello; metrics: transfer bytes, steps, selections)
+//              pool size come from the paired inference rank's hello; metrics: transfer bytes, steps, selections,
+//              the sampled overlap ratio)
 // A flag that the device would ignore (--token-budget with --device cuda, --gpu with --device cpu, ...) is refused
 // by name at start-up (refuse_unused_flags, cache_rank/rank_flags.h); the selection flags are the pair's
 // (pair/selection_flags.h). The --device cpu loop is serve_cpu (cache_rank/serve_cpu.cpp), the --device cuda loop
@@ -16,7 +18,8 @@
 //
 // Metrics (--metrics-port, GET /metrics; /health = serving loop alive, /ready = paired inference rank connected):
 //   spade_selection_time_seconds          histogram  cache-rank time per layer-pack update (append+predict+score+top-k+gather)
-//   spade_selection_overlap_ratio         histogram  sampled |predicted top-k ∩ oracle top-k| / k (AsyncSpade Eq. 1)
+//   spade_selection_overlap_ratio         histogram  sampled |predicted top-k ∩ oracle top-k| / k (AsyncSpade Eq. 1;
+//                                                    both devices, every --overlap-sample-every steps)
 //   spade_transfer_bytes_total{direction,transport}  counter  data-plane bytes, direction send|recv
 //   spade_cache_pack_updates_total        counter    updates answered
 //   spade_selected_tokens_total           counter    tokens selected (over sequences, layers, KV heads)
@@ -180,9 +183,11 @@ int serve_gpu(const Flags& f, const Rank& r) {
   auto& selections = registry.counter("spade_cache_selections_total",
                                       "(sequence, step) selections computed (GPU cache rank).")
                          .with();
+  auto& overlap = overlap_ratio_histogram(registry);
   connected = true;
   spade::cache::GpuCacheStats seen;
   auto count = [&] {
+    for (double ratio : server.take_overlap_ratios()) overlap.observe(ratio);
     const spade::cache::GpuCacheStats& now = server.stats();
     bytes_in.inc(static_cast<double>(now.bytes_received - seen.bytes_received));
     bytes_out.inc(static_cast<double>(now.bytes_sent - seen.bytes_sent));
@@ -210,9 +215,22 @@ int serve_gpu(const Flags& f, const Rank& r) {
   }
   // Nothing may stay pending when the server frees its memory (cudaFree would wait for the receive forever).
   if (!server.closed()) link.abort(fmt::format("{} is shutting down", self));
+  if (err.empty() && server.closed()) {  // nothing is pending: the last samples' copies can be waited for
+    try {
+      server.synchronize();
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
   const spade::cache::GpuCacheStats& st = server.stats();
   spdlog::info("{}: {} steps, {} selections ({} first), {:.1f} MB in, {:.1f} MB out", self, st.steps,
                st.selections, st.first_selections, st.bytes_received / 1e6, st.bytes_sent / 1e6);
+  if (st.sampled_steps > 0) {
+    spade::cache::SelectionSampleStats all;
+    for (const auto& h : st.head_samples) all += h;
+    spdlog::info("{}: {} sampled steps: overlap ratio {:.3f} (AsyncSpade Eq. 1), selection churn {:.3f} per step",
+                 self, st.sampled_steps, all.overlap(), all.churn());
+  }
   if (!err.empty()) {
     spdlog::error("{}: GPU data plane to {} failed: {}", self, peer_name, err);
     return g_stop ? shared->exit_code.load() : 1;

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cache_rank/selection_overlap.h"
 #include "cache_rank/selector.h"
 #include "pair/delta.h"
 #include "pair/link.h"
@@ -46,10 +47,7 @@ class OverlapSampler {
   /// Running sums per (layer, KV head) since construction: the overlap ratio of each sampled prediction, and the
   /// selection churn — the share of a sampled prediction's positions that were not in the same sequence and layer's
   /// prediction of the step before (which sizes the delta capacity). Churn is measured only with `every` == 1.
-  struct HeadStats {
-    double overlap_sum = 0, churn_sum = 0;
-    int64_t overlap_n = 0, churn_n = 0;
-  };
+  using HeadStats = SelectionSampleStats;  // cache_rank/selection_overlap.h
   /// [layer][KV head]; empty until something was sampled.
   const std::vector<std::vector<HeadStats>>& head_stats() const { return head_stats_; }
 

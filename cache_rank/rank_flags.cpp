@@ -19,7 +19,6 @@ void refuse_unused_flags(const CLI::App& app, const std::string& device) {
              "the GPU pair attends no sink tokens of its own: they compete in the top-k");
     r.refuse("--device cuda", {"--delta-transfer"},
              "the GPU pair always sends deltas, of the inference rank's --delta-capacity");
-    r.refuse("--device cuda", {"--overlap-sample-every"}, "the GPU cache rank does not sample the overlap ratio");
     r.refuse("--device cuda", {"--rejoin-timeout-ms"},
              "the GPU cache rank exits when its inference rank dies (its own restart re-pairs with the replacement)");
   }
@@ -30,7 +29,7 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--model", f.model_dir, "checkpoint directory (config.json is read for the shapes)")->required();
   spade::pair::add_sparse_flags(app, f.sparse, f.sparse_text,
                                 spade::pair::kSelectionFlags | spade::pair::kDeltaTransferFlag |
-                                    spade::pair::kScoreKeysFlag);
+                                    spade::pair::kScoreKeysFlag | spade::pair::kOverlapSampleFlag);
   app.add_option("--kv-pages", f.kv_pages,
                  "KV pool size in pages of every layer; a layer shard (N cache ranks per inference rank) holds "
                  "fewer layers and gets as many more pages in the same memory")
@@ -42,10 +41,6 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--metrics-port", f.metrics_port, "serve /metrics, /health, /ready on this port (0 = off)")
       ->check(CLI::Range(0, 65535));
   app.add_option("--metrics-host", f.metrics_host, "address of the metrics endpoint")->capture_default_str();
-  app.add_option("--overlap-sample-every", f.overlap_every,
-                 "measure the predicted-vs-oracle overlap ratio every N steps (0 = off)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
   app.add_option("--device", f.device,
                  "cpu (the CPU selector over UCX) | cuda (the GPU server over NCCL / CUDA IPC, paired with "
                  "inference_rank --serve --device cuda; its shapes and limits come from the inference rank's hello)");

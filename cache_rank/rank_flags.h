@@ -20,7 +20,7 @@ struct Flags {
   spade::pair::SparseFlagText sparse_text;
   int kv_pages = 16384, page_size = 16, rendezvous_ms = 30000;  // --device cpu: the KV pool
   spade::coord::LaunchFlags lf;
-  int metrics_port = 0, overlap_every = 16;
+  int metrics_port = 0;
   std::string metrics_host = "0.0.0.0";
   std::string device = "cpu";
   int gpu_index = 0;

@@ -8,6 +8,14 @@
 
 namespace spade::cache_rank_cli {
 
+spade::metrics::Histogram& overlap_ratio_histogram(spade::metrics::Registry& registry) {
+  return registry
+      .histogram("spade_selection_overlap_ratio",
+                 "Sampled overlap of the predicted top-k with the true-query top-k (AsyncSpade Eq. 1).",
+                 spade::metrics::linear_buckets(0.1, 0.1, 10))
+      .with();
+}
+
 std::string inference_name(const spade::proto::RankInfo& peer) {
   return fmt::format("inference rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
 }

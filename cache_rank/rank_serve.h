@@ -33,6 +33,9 @@ struct Rank {
   std::atomic<bool>& stop;       // the process's stop (SIGINT / SIGTERM, the world's shutdown); outlives the loops
 };
 
+/// The histogram of sampled overlap ratios (--overlap-sample-every; both devices observe it).
+spade::metrics::Histogram& overlap_ratio_histogram(spade::metrics::Registry& registry);
+
 /// "inference rank R (#i) on HOST": how errors and logs name `peer`.
 std::string inference_name(const spade::proto::RankInfo& peer);
 

@@ -13,6 +13,26 @@
 
 namespace spade::cache {
 
+/// Running sums of one (layer, KV head)'s sampled selections: the overlap ratio (Eq. 1) of each sampled
+/// prediction against the true query's top-k, and the selection churn — the share of a selection's positions that
+/// were not in the same sequence and layer's selection of the step before (it sizes the delta capacity).
+/// overlap() and churn() are the means; NaN when nothing was sampled.
+struct SelectionSampleStats {
+  double overlap_sum = 0, churn_sum = 0;
+  int64_t overlap_n = 0, churn_n = 0;
+  double overlap() const {
+    return overlap_n > 0 ? overlap_sum / overlap_n : std::numeric_limits<double>::quiet_NaN();
+  }
+  double churn() const { return churn_n > 0 ? churn_sum / churn_n : std::numeric_limits<double>::quiet_NaN(); }
+  SelectionSampleStats& operator+=(const SelectionSampleStats& o) {
+    overlap_sum += o.overlap_sum;
+    churn_sum += o.churn_sum;
+    overlap_n += o.overlap_n;
+    churn_n += o.churn_n;
+    return *this;
+  }
+};
+
 /// |a ∩ b| of two ascending position lists a[0, na) and b[0, nb).
 inline int common_positions(const int32_t* a, int na, const int32_t* b, int nb) {
   struct Counter {  // an output iterator that only counts what is written through it

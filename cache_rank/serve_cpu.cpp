@@ -107,11 +107,7 @@ int serve_cpu(const Flags& f, const Rank& r) {
                                      "Cache-rank time per layer-pack update (append, predict, score, top-k, gather).",
                                      spade::metrics::exponential_buckets(0.0001, 2, 18))
                           .with();
-  auto& overlap = registry
-                      .histogram("spade_selection_overlap_ratio",
-                                 "Sampled overlap of the predicted top-k with the true-query top-k (AsyncSpade Eq. 1).",
-                                 spade::metrics::linear_buckets(0.1, 0.1, 10))
-                      .with();
+  auto& overlap = overlap_ratio_histogram(registry);
   auto& bytes = registry.counter("spade_transfer_bytes_total", "Data-plane bytes moved, by direction and transport.",
                                  {"direction", "transport"});
   auto& bytes_in = bytes.with({"recv", net->kind()});
@@ -151,7 +147,8 @@ int serve_cpu(const Flags& f, const Rank& r) {
                               "KV pages this cache rank holds (a page its sequences share counts once).")
                        .with();
   std::unique_ptr<spade::cache::OverlapSampler> sampler;
-  if (f.overlap_every > 0) sampler = std::make_unique<spade::cache::OverlapSampler>(f.overlap_every);
+  if (f.sparse.overlap_sample_every > 0)
+    sampler = std::make_unique<spade::cache::OverlapSampler>(f.sparse.overlap_sample_every);
   spade::cache::ServeHooks hooks;
   hooks.sampler = sampler.get();
   std::atomic<bool> session_stop{false};  // serve_cache_rank's stop: the world's stop, or the peer is down

@@ -22,6 +22,7 @@
 #include <iostream>
 #include <map>
 
+#include "cache_rank/pack_server.h"
 #include "common/chat_template.h"
 #include "common/config.h"
 #include "common/error.h"
@@ -57,6 +58,34 @@ struct Output {
 
 // A standalone run (--prompt): generates for every prompt with the cache rank, if any, in this process; the text
 // streams to stdout (one prompt) or is printed per prompt; TTFT / TPOT / tokens/s go to stderr. Returns the exit code.
+// The cache rank's sampled overlap ratio and churn (--overlap-sample-every), per [layer * num_kv_heads + KV head]:
+// returns the summary line's fields; `json` also prints one JSON line (the fidelity scripts read it) with the means
+// and, per layer, each KV head's {overlap, overlap_n, churn, churn_n} (null where nothing was sampled).
+std::string report_selection_samples(const std::vector<spade::cache::SelectionSampleStats>& heads, int num_kv_heads,
+                                     bool json) {
+  spade::cache::SelectionSampleStats all;
+  for (const auto& h : heads) all += h;
+  auto num = [](double x) { return std::isfinite(x) ? fmt::format("{:.6g}", x) : std::string("null"); };
+  if (json) {
+    std::string layers;
+    for (size_t l = 0; l * num_kv_heads < heads.size(); ++l) {
+      std::string row;
+      for (int h = 0; h < num_kv_heads; ++h) {
+        const auto& x = heads[l * num_kv_heads + static_cast<size_t>(h)];
+        row += fmt::format("{}{{\"overlap\": {}, \"overlap_n\": {}, \"churn\": {}, \"churn_n\": {}}}",
+                           h ? ", " : "", num(x.overlap()), x.overlap_n, num(x.churn()), x.churn_n);
+      }
+      layers += fmt::format("{}[{}]", l ? ", " : "", row);
+    }
+    std::printf("{\"selection_samples\": {\"overlap\": %s, \"overlap_n\": %lld, \"churn\": %s, \"churn_n\": %lld, "
+                "\"layers\": [%s]}}\n",
+                num(all.overlap()).c_str(), static_cast<long long>(all.overlap_n), num(all.churn()).c_str(),
+                static_cast<long long>(all.churn_n), layers.c_str());
+  }
+  return fmt::format(" overlap={} overlap_samples={} churn={} churn_samples={}", num(all.overlap()), all.overlap_n,
+                     num(all.churn()), all.churn_n);
+}
+
 int run_standalone(Flags& f) {
   if (f.prompts.empty()) spade::fail("give --prompt TEXT (standalone) or --serve (cluster)");
   auto t_load = Clock::now();
@@ -67,6 +96,7 @@ int run_standalone(Flags& f) {
   spade::validate(f.sp);
 
   spade::SparseAttention* backend = nullptr;
+  std::unique_ptr<spade::cache::OverlapSampler> sampler;  // --device cpu --selection predicted, sampling on
   std::unique_ptr<spade::Model> model;
   std::unique_ptr<spade::Engine> engine_ptr;
 #ifdef SPADE_HAVE_GPU_PATH
@@ -149,8 +179,15 @@ int run_standalone(Flags& f) {
     spdlog::info("loaded {} ({} params) in {:.1f} ms", f.model_dir, model->num_params(), ms(Clock::now() - t_load));
     engine_ptr = std::make_unique<spade::Engine>(*model, f.eo, [&](const spade::ModelConfig& c, spade::KvCache& kv) {
       std::unique_ptr<spade::pair::CacheRankLink> link;
-      if (f.so.mode == spade::SelectionMode::Predicted)
-        link = std::make_unique<spade::cache::InProcessLink>(c, f.so.selection, kv.num_pages(), kv.page_size());
+      if (f.so.mode == spade::SelectionMode::Predicted) {
+        auto in_process =
+            std::make_unique<spade::cache::InProcessLink>(c, f.so.selection, kv.num_pages(), kv.page_size());
+        if (f.so.overlap_sample_every > 0) {
+          sampler = std::make_unique<spade::cache::OverlapSampler>(f.so.overlap_sample_every);
+          in_process->set_sampler(sampler.get());
+        }
+        link = std::move(in_process);
+      }
       auto b = std::make_unique<spade::SparseAttention>(c, kv, f.so, std::move(link));
       backend = b.get();
       return std::unique_ptr<spade::AttentionBackend>(std::move(b));
@@ -275,13 +312,17 @@ int run_standalone(Flags& f) {
     gpu_sparse->close();
     gpu_cache->stop();
     const auto cs = gpu_cache->stats();
+    const std::string samples = cs.head_samples.empty()
+                                    ? std::string()
+                                    : report_selection_samples(cs.head_samples, gpu_attn_cfg->num_kv_heads,
+                                                               f.teacher_force > 0);
     std::fprintf(stderr,
                  "[spade] selection=predicted device=cuda sparse_seq_steps=%llu switches=%llu failed=%llu "
-                 "cache_selections=%llu bytes_up=%llu bytes_down=%llu dropped_pages=%llu%s%s\n",
+                 "cache_selections=%llu bytes_up=%llu bytes_down=%llu dropped_pages=%llu%s%s%s\n",
                  static_cast<unsigned long long>(st.sparse_seq_steps), static_cast<unsigned long long>(st.switches),
                  static_cast<unsigned long long>(st.failed_seqs), static_cast<unsigned long long>(cs.selections),
                  static_cast<unsigned long long>(st.bytes_sent), static_cast<unsigned long long>(st.bytes_received),
-                 static_cast<unsigned long long>(engine.stats().dropped_pages),
+                 static_cast<unsigned long long>(engine.stats().dropped_pages), samples.c_str(),
                  gpu_cache->error().empty() ? "" : " cache_rank_error=", gpu_cache->error().c_str());
     return failed ? 1 : 0;
   }
@@ -294,11 +335,18 @@ int run_standalone(Flags& f) {
 #endif
   if (f.so.mode != spade::SelectionMode::Dense) {
     const auto& st = backend->stats();
+    std::string samples;
+    if (sampler && !sampler->head_stats().empty()) {
+      std::vector<spade::cache::SelectionSampleStats> heads;
+      for (const auto& layer : sampler->head_stats()) heads.insert(heads.end(), layer.begin(), layer.end());
+      samples = report_selection_samples(heads, static_cast<int>(sampler->head_stats().front().size()),
+                                         f.teacher_force > 0);
+    }
     std::fprintf(stderr,
-                 "[spade] selection=%s sparse_seq_steps=%llu switches=%llu stalls=%llu dense_fallbacks=%llu\n",
+                 "[spade] selection=%s sparse_seq_steps=%llu switches=%llu stalls=%llu dense_fallbacks=%llu%s\n",
                  spade::selection_mode_name(f.so.mode), static_cast<unsigned long long>(st.sparse_seq_steps),
                  static_cast<unsigned long long>(st.switches), static_cast<unsigned long long>(st.stalls),
-                 static_cast<unsigned long long>(st.dense_fallbacks));
+                 static_cast<unsigned long long>(st.dense_fallbacks), samples.c_str());
   }
   return failed ? 1 : 0;
 }

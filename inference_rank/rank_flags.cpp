@@ -20,6 +20,8 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
              "a cluster rank loads the weights and the tokenizer of --model");
     r.refuse("--serve", {"--host-sampling"}, "a cluster rank on the GPU samples on the GPU");
     r.refuse("--serve", {"--teacher-force"}, "teacher forcing is a standalone fidelity measurement");
+    r.refuse("--serve", {"--overlap-sample-every"},
+             "the cluster's cache_rank samples its own selections: give it --overlap-sample-every");
   } else {
     if (app.count("--teacher-force") > 0) {
       r.refuse("--teacher-force", {"--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--ignore-eos"},
@@ -37,6 +39,9 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
     r.refuse("a standalone run (--prompt)", {"--gpu", "--gpu-link"},
              "it runs on GPU 0 (choose it with CUDA_VISIBLE_DEVICES), its cache rank in this process");
   }
+  if (mode != spade::SelectionMode::Predicted)
+    r.refuse(fmt::format("--selection {}", spade::selection_mode_name(mode)), {"--overlap-sample-every"},
+             "it samples the predicted selection of the cache rank in this process (--selection predicted)");
   if (device == "cpu") {
     r.refuse("--device cpu", {"--no-cuda-graphs", "--host-sampling", "--gpu", "--gpu-link"},
              "it configures the GPU path");
@@ -84,7 +89,8 @@ void add_flags(CLI::App& app, Flags& f) {
   app.add_option("--selection", f.selection, "dense | oracle | quest (synchronous, true query: fidelity references; not with --serve --device cuda) | predicted (AsyncSpade)");
   spade::pair::add_sparse_flags(app, f.so, f.sparse_text,
                                 spade::pair::kSelectionFlags | spade::pair::kScheduleFlags |
-                                    spade::pair::kDeltaCapacityFlag | spade::pair::kScoreKeysFlag);
+                                    spade::pair::kDeltaCapacityFlag | spade::pair::kScoreKeysFlag |
+                                    spade::pair::kOverlapSampleFlag);
   app.add_option("--selection-deadline-ms", f.deadline_ms, "longest wait for a late selection")->check(CLI::PositiveNumber);
   // Cluster (--serve).
   spade::coord::add_launch_flags(app, f.lf);

@@ -21,6 +21,8 @@ void validate(const SparseConfig& c) {
   SPADE_CHECK(c.sparse_threshold >= 1, "sparse threshold must be >= 1, got {}", c.sparse_threshold);
   SPADE_CHECK(c.layers_per_pack >= 1, "layers per pack must be >= 1, got {}", c.layers_per_pack);
   SPADE_CHECK(c.delta_capacity >= 0, "delta capacity must be >= 0 (0 = the token budget), got {}", c.delta_capacity);
+  SPADE_CHECK(c.overlap_sample_every >= 0, "overlap sample interval must be >= 0 (0 = off), got {}",
+              c.overlap_sample_every);
   SPADE_CHECK(c.max_first_per_step >= 1, "max first selections per step must be >= 1, got {}", c.max_first_per_step);
 }
 

@@ -66,6 +66,11 @@ struct SparseConfig {
   // CPU cache rank only: send only the tokens that entered each selection, with the slot they replace (pair/delta.h);
   // the inference rank's output is bit-identical to a full transfer. The GPU pair always sends deltas (capacity C).
   bool delta_transfer = true;
+  // The cache rank's: every N-th step it measures its predicted selections against the top-k of the true query
+  // (the overlap ratio, AsyncSpade Eq. 1, per layer and KV head) and the selection churn (0 = off). CPU cache rank:
+  // cache_rank/pack_server.h OverlapSampler (churn only at N = 1); GPU cache rank: GpuCacheServer (both, at every
+  // sampled step; cache_rank/gpu_server.h). One extra scoring pass per sampled step.
+  int overlap_sample_every = 16;
   // GPU inference rank only: sequences that may switch to sparse decoding in one step (>= 1). A switching sequence
   // asks for a first selection, a full-budget message per (layer, KV head) instead of a delta of C entries, so this
   // bounds the extra bytes and cache-rank work of one step. Not a flag. The held tables (GpuSparseOptions::

@@ -61,6 +61,12 @@ void add_sparse_flags(CLI::App& app, SparseConfig& c, SparseFlagText& text, unsi
                    "memory per page at head_dim 128). The K/V sent stays bf16 and exact")
         ->capture_default_str();
   }
+  if ((groups & kOverlapSampleFlag) != 0) {
+    counted("--overlap-sample-every", c.overlap_sample_every,
+            "cache rank: every N steps, measure the predicted selection against the true query's top-k (the overlap "
+            "ratio, AsyncSpade Eq. 1) and the selection churn (0 = off; one extra scoring pass per sampled step)",
+            true);
+  }
   if ((groups & kDeltaTransferFlag) != 0) {
     app.add_option("--delta-transfer", c.delta_transfer,
                    "send only the tokens that entered each selection, with the slot they replace (pair/delta.h)")

@@ -9,6 +9,7 @@
 //   delta capacity   --delta-capacity C                             (the GPU inference rank's)
 //   delta transfer   --delta-transfer true|false                    (the CPU cache rank's)
 //   score keys       --score-keys bf16|int8                         (the GPU cache rank's)
+//   overlap sampling --overlap-sample-every N                       (the cache rank's, either device)
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -29,6 +30,7 @@ enum SparseFlagGroup : unsigned {
   kDeltaCapacityFlag = 4u,   // delta_capacity
   kDeltaTransferFlag = 8u,   // delta_transfer
   kScoreKeysFlag = 16u,      // selection.score_keys
+  kOverlapSampleFlag = 32u,  // overlap_sample_every
 };
 
 /// The flags' text values that need parsing after CLI11 has run (resolve_sparse_flags).

@@ -10,7 +10,10 @@ is one prompt: its first --context bytes are prefilled, its last --forced tokens
 A fractional budget is resolved against --context (bytes: the prompt tokens of the byte-level longctx models; rounds
 up). The first --skip forced steps are not scored (default 2: the prefill's token and the token of the step that
 switches to sparse decoding are dense in every variant). Dense runs first (the reference).
-The overlap ratio and the selection churn are the CPU harness's (the GPU cache rank does not sample them).
+Predicted variants (--selection predicted) also get --overlap-sample-every 1: the in-process cache rank measures, at
+every sparse step, the overlap ratio (AsyncSpade Eq. 1: the held selection against the top-k of that step's true
+query under the same rules, no anchors) and the selection churn (share of the selection that entered this step),
+per layer and KV head (cache_rank/gpu_server.h, "Sampling"); all sparse steps count, not only the scored ones.
 
   bench/fidelity/teacher_forced_gpu.py --inference-rank build-gpu/inference_rank/inference_rank \\
       --model DATA/models/longctx-22m --docs 16 --context 4000 --forced 64 --budgets 1/16,1/32 --json-out X.json --md-out X.md
@@ -41,23 +44,32 @@ def read_docs(path, nbytes, count):
     return docs
 
 
+def is_predicted(flags):
+    return "--selection predicted" in flags
+
+
 def run(args, flags, docs, budget):
     cmd = inference_rank_command(args, flags, docs, budget, [("--teacher-force", str(args.forced))] +
-                                 ([("--host-sampling", None)] if args.device == "cuda" else []))
+                                 ([("--host-sampling", None)] if args.device == "cuda" else []) +
+                                 ([("--overlap-sample-every", "1")] if is_predicted(flags) else []))
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if r.returncode != 0:
         tail = " | ".join(r.stderr.strip().splitlines()[-3:])
         raise RuntimeError(f"inference_rank failed ({r.returncode}): {flags} budget {budget}: {tail}")
-    rows = {}
+    rows, samples = {}, None
     for line in r.stdout.splitlines():
         if line.startswith('{"teacher_forced"'):
             j = json.loads(line)
             rows[j["teacher_forced"]] = j
+        elif line.startswith('{"selection_samples"'):
+            samples = json.loads(line)["selection_samples"]
+    if is_predicted(flags) and (samples is None or not samples["overlap_n"]):
+        raise RuntimeError(f"no sampled overlap from the cache rank: {flags} budget {budget}")
     if len(rows) != len(docs) or any(len(v["logprob"]) != args.forced for v in rows.values()) or args.skip >= args.forced:
         raise RuntimeError(f"{len(rows)} teacher-forced rows for {len(docs)} documents: {flags}")
     stats = [l for l in r.stderr.splitlines() if l.startswith("[spade]")]
-    return [rows[i] for i in range(len(docs))], stats, time.time() - t0
+    return [rows[i] for i in range(len(docs))], stats, samples, time.time() - t0
 
 
 def main():
@@ -99,7 +111,7 @@ def main():
         for bname in (["full"] if dense else [b for b in a.budgets.split(",") if b]):
             tok, frac = parse_budget(bname) if not dense else (None, None)
             budget = None if dense else (tok if tok else max(1, math.ceil(frac * a.context)))
-            rows, stats, secs = run(a, flags, docs, budget)
+            rows, stats, samples, secs = run(a, flags, docs, budget)
             # Scored steps: from --skip on (the first forced token comes from the prefill, the second from the
             # step that switches to sparse, which decodes densely: both are dense in every variant).
             lps = [r["logprob"][a.skip:] for r in rows]
@@ -114,17 +126,31 @@ def main():
             agree = sum(x == y for ra, rd in zip(argmax, dense_argmax) for x, y in zip(ra, rd)) / n
             results.append({"variant": vname, "budget": bname, "budget_tokens": budget, "bits_per_token": bits,
                             "delta_bits_vs_dense": bits - dense_bits, "top1_agreement_with_dense": agree,
-                            "tokens": n, "seconds": secs, "stats": stats})
+                            "tokens": n, "seconds": secs, "stats": stats, "selection_samples": samples})
+            sampled = (f", overlap {samples['overlap']:.3f}, churn {samples['churn']:.3f}" if samples else "")
             print(f"{vname}@{bname} (budget {budget}): {bits:.4f} bits/token ({bits - dense_bits:+.4f}), top-1 "
-                  f"{100 * agree:.1f} % [{secs:.1f} s] {' '.join(stats)}", file=sys.stderr, flush=True)
+                  f"{100 * agree:.1f} %{sampled} [{secs:.1f} s] {' '.join(stats)}", file=sys.stderr, flush=True)
 
     dev = device_names(a.device)
     md = [f"### Teacher-forced on held-out code, GPU (bf16, {dev[0] if dev else 'GPU'}), {a.model}: {a.docs} documents, "
           f"{a.context} bytes prefilled + {a.forced} forced tokens each", "",
-          "| variant | budget | bits per token | vs dense | top-1 agreement with dense |", "|---|---|---:|---:|---:|"]
+          "| variant | budget | bits per token | vs dense | top-1 agreement with dense | overlap ratio (Eq. 1), "
+          "layers | churn per step |", "|---|---|---:|---:|---:|---:|---:|"]
+
+    def layer_range(s, key):
+        per_layer = []
+        for heads in s["layers"]:
+            n = sum(h[key + "_n"] for h in heads)
+            if n:
+                per_layer.append(sum(h[key] * h[key + "_n"] for h in heads if h[key] is not None) / n)
+        return f" ({min(per_layer):.2f}-{max(per_layer):.2f})" if per_layer else ""
+
     for r in results:
+        s = r["selection_samples"]
+        ov = f"{s['overlap']:.3f}{layer_range(s, 'overlap')}" if s else ""
+        ch = f"{s['churn']:.3f}" if s else ""
         md.append(f"| {r['variant']} | {r['budget']} | {r['bits_per_token']:.4f} | {r['delta_bits_vs_dense']:+.4f} | "
-                  f"{100 * r['top1_agreement_with_dense']:.1f} % |")
+                  f"{100 * r['top1_agreement_with_dense']:.1f} % | {ov} | {ch} |")
     text = "\n".join(md) + "\n"
     print(text)
     out = {"tool": "teacher_forced_gpu", "path": "gpu-bf16" if a.device == "cuda" else a.device, "device": dev,

@@ -256,6 +256,11 @@ void run_cpu_vs_gpu(bool anchors) {
 
   SparseConfig own;  // the cache rank's settings: the selection above (budget and window come from the hello)
   own.selection = sc;
+  // Sampling (gpu_server.h): every step in one run, every third in the other.
+  own.overlap_sample_every = anchors ? 3 : 1;
+  std::vector<SelectionSampleStats> want_samples(static_cast<size_t>(kLayers) * kHkv);
+  uint64_t want_sampled_steps = 0;
+  double overlap_gap_bound = 0;  // sum over sampled rows of the tie allowance (below)
   LocalGpuCacheRank local(cfg, own, 0, std::chrono::milliseconds(20000));
   transport::GpuLink& link = local.inference_link();
   cuda_check(cudaSetDevice(0), "cudaSetDevice");
@@ -405,6 +410,8 @@ void run_cpu_vs_gpu(bool anchors) {
     ASSERT_FALSE(link.failed()) << link.failure();
 
     const std::vector<int> groups[2] = {plan.steady_rows(), plan.first_rows()};
+    const bool sampled = step % own.overlap_sample_every == 0 && !groups[0].empty();
+    want_sampled_steps += sampled ? 1 : 0;
     steady_rows += static_cast<int>(groups[0].size());
     first_rows += static_cast<int>(groups[1].size());
     for (int p = 0; p < packs; ++p) {
@@ -440,6 +447,38 @@ void run_cpu_vs_gpu(bool anchors) {
               ASSERT_EQ(ri[kDeltaEntries], ri[kDeltaEntering]) << "capacity = budget: every entering token is sent";
               ASSERT_EQ(ri[kDeltaHoles], 0);
               std::vector<int32_t>& table = held[(static_cast<size_t>(s.slot) * kLayers + layer) * kHkv + h];
+              if (sampled && g == 0) {
+                // What the cache rank measured for this row: the held table (the selection attended at this step)
+                // against the CPU's top-k with this step's true query; then the churn of the new selection.
+                const std::set<int32_t> before(table.begin(), table.end());
+                LayerSelection oracle;
+                cpu.select(s.id, layer, d.len, d.q[static_cast<size_t>(layer)].data() +
+                                                    static_cast<size_t>(d.len - 1) * cfg.q_dim(),
+                           oracle);
+                SelectionSampleStats& ws = want_samples[static_cast<size_t>(layer) * kHkv + h];
+                if (oracle.count > 0) {
+                  int common = 0;
+                  for (int i = 0; i < oracle.count; ++i)
+                    common += before.count(oracle.positions[static_cast<size_t>(h) * budget + i]) ? 1 : 0;
+                  ws.overlap_sum += static_cast<double>(common) / oracle.count;
+                  ++ws.overlap_n;
+                  overlap_gap_bound += 2.0 / oracle.count;  // a near-tie may swap one token of the oracle's set
+                }
+                std::set<int32_t> after = before;
+                for (int e = 0; e < cap; ++e)
+                  if (slots[row * cap + e] >= 0) {
+                    after.erase(table[static_cast<size_t>(slots[row * cap + e])]);
+                    after.insert(positions[row * cap + e]);
+                  }
+                after.erase(-1);
+                const int n_now = ri[kDeltaCount];
+                if (n_now > 0) {
+                  int entering = 0;
+                  for (int32_t x : after) entering += before.count(x) ? 0 : 1;
+                  ws.churn_sum += static_cast<double>(entering) / n_now;
+                  ++ws.churn_n;
+                }
+              }
               for (int e = 0; e < cap; ++e) {
                 const int32_t slot = slots[row * cap + e];
                 if (slot >= 0) table[static_cast<size_t>(slot)] = positions[row * cap + e];
@@ -515,6 +554,31 @@ void run_cpu_vs_gpu(bool anchors) {
   EXPECT_LE(tie_mismatches * 10, compared) << "near-ties should be rare";
   const GpuCacheStats st = local.stats();
   EXPECT_EQ(st.steps, static_cast<uint64_t>(steps));
+  // Sampling: the same rows sampled, the same churn, and the overlap within the near-tie allowance.
+  EXPECT_EQ(st.sampled_steps, want_sampled_steps);
+  ASSERT_EQ(st.head_samples.size(), want_samples.size());
+  SelectionSampleStats got_all, want_all;
+  double overlap_gap = 0;
+  for (size_t i = 0; i < want_samples.size(); ++i) {
+    SCOPED_TRACE("layer " + std::to_string(i / kHkv) + " KV head " + std::to_string(i % kHkv));
+    const SelectionSampleStats& gs = st.head_samples[i];
+    const SelectionSampleStats& ws = want_samples[i];
+    EXPECT_EQ(gs.overlap_n, ws.overlap_n);
+    EXPECT_EQ(gs.churn_n, ws.churn_n);
+    EXPECT_NEAR(gs.churn_sum, ws.churn_sum, 1e-9);
+    overlap_gap += std::fabs(gs.overlap_sum - ws.overlap_sum);
+    got_all += gs;
+    want_all += ws;
+  }
+  EXPECT_LE(overlap_gap, overlap_gap_bound * 0.1) << "near-ties should rarely change the true query's top-k";
+  std::printf("sampled %llu steps: overlap %.4f (CPU oracle %.4f), churn %.4f, %lld / %lld samples\n",
+              static_cast<unsigned long long>(st.sampled_steps), got_all.overlap(), want_all.overlap(),
+              got_all.churn(), static_cast<long long>(got_all.overlap_n), static_cast<long long>(got_all.churn_n));
+  EXPECT_GT(got_all.overlap_n, 0);
+  EXPECT_GT(got_all.churn_n, 0);
+  // The prediction is neither the true query's top-k nor unrelated to it on these random walks.
+  EXPECT_LT(got_all.overlap(), 0.999);
+  EXPECT_GT(got_all.overlap(), 0.2);
   if (anchors) {
     std::printf("%d prompt anchors picked (sequence, layer, KV head, anchor)\n", anchors_taken);
     EXPECT_GE(anchors_taken, 2 * kLayers * kHkv) << "the needles must make anchors, or the run checks nothing";

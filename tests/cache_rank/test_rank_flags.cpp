@@ -43,8 +43,7 @@ TEST(CacheRankFlags, BinaryIsBuilt) {
 TEST(CacheRankFlags, CudaRefusesTheFlagsItTakesFromTheHelloOrDoesNotUse) {
   for (const Args& extra : {Args{"--token-budget", "64"}, Args{"--local-window", "16"}, Args{"--sink-tokens", "0"},
                             Args{"--sink-tokens", "4"}, Args{"--kv-pages", "1024"}, Args{"--page-size", "16"},
-                            Args{"--delta-transfer", "false"}, Args{"--overlap-sample-every", "4"},
-                            Args{"--rejoin-timeout-ms", "5000"}}) {
+                            Args{"--delta-transfer", "false"}, Args{"--rejoin-timeout-ms", "5000"}}) {
     SCOPED_TRACE(extra[0] + " " + extra[1]);
     const Exit r = run("cuda", extra);
     EXPECT_NE(r.rc, 0) << r.log;
@@ -88,7 +87,8 @@ TEST(CacheRankFlags, EachDeviceAcceptsItsOwnFlags) {
                          ? Args{"--token-budget", "64", "--local-window", "16", "--sink-tokens", "4", "--kv-pages",
                                 "1024", "--page-size", "16", "--delta-transfer", "false", "--overlap-sample-every", "4",
                                 "--rejoin-timeout-ms", "5000"}
-                         : Args{"--gpu", "0", "--hello-timeout-ms", "1000", "--selection-streams", "1"};
+                         : Args{"--gpu", "0", "--hello-timeout-ms", "1000", "--selection-streams", "1",
+                                "--overlap-sample-every", "4"};
     extra.insert(extra.end(), own.begin(), own.end());
     const Exit r = run(device, extra);
     EXPECT_NE(r.rc, 0) << r.log;

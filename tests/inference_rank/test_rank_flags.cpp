@@ -145,6 +145,21 @@ TEST(InferenceRankFlags, TeacherForcingRefusesWhatItWouldIgnore) {
   expect_accepted(standalone("cuda"), {"--teacher-force", "8", "--host-sampling", "--selection", "quest"});
 }
 
+// Overlap sampling measures the predicted selection of the cache rank in this process: refused in a cluster (its
+// cache_rank samples) and with any other selection mode.
+TEST(InferenceRankFlags, OverlapSamplingOnlyWithTheInProcessPredictedSelection) {
+  for (const std::string device : {"cpu", "cuda"}) {
+    SCOPED_TRACE(device);
+    expect_refused(serve(device), {"--selection", "predicted", "--overlap-sample-every", "1"},
+                   {"--overlap-sample-every"}, "--serve");
+    for (const char* sel : {"dense", "oracle", "quest"})
+      expect_refused(standalone(device), {"--selection", sel, "--overlap-sample-every", "1"},
+                     {"--overlap-sample-every"}, std::string("--selection ") + sel);
+  }
+  expect_accepted(standalone("cpu"), {"--selection", "predicted", "--overlap-sample-every", "1"});
+  expect_accepted(standalone("cuda"), {"--selection", "predicted", "--overlap-sample-every", "4"});
+}
+
 TEST(InferenceRankFlags, WeightsSeedNeedsRandomWeights) {
   const Exit r = run(standalone("cpu"), {"--weights-seed", "3"});
   EXPECT_NE(r.rc, 0) << r.log;
