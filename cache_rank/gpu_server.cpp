@@ -391,9 +391,10 @@ struct GpuCacheServer::State {
     cuda_check(cudaEventRecord(appended[static_cast<size_t>(p)]->e, work), "appended event");
   }
 
-  void set_scoring_keys(kernels::ScoreTokensParams& sp, int l) const {
-    sp.keys = o.sparse.selection.score_keys;
-    if (int8_keys) {
+  // The keys layer l's scoring reads: the rank's (SelectionConfig::score_keys), or with `exact` the cache's bf16.
+  void set_scoring_keys(kernels::ScoreTokensParams& sp, int l, bool exact) const {
+    sp.keys = exact ? kernels::ScoreKeys::kBf16 : o.sparse.selection.score_keys;
+    if (int8_keys && !exact) {
       sp.k_int8 = layer_kq(l);
       sp.k_scale = layer_kscale(l);
     } else {
@@ -449,41 +450,41 @@ struct GpuCacheServer::State {
       x.page_size = o.page_size;
       x.max_pages_per_seq = o.max_pages_per_seq;
     };
-    const bool sample = sampling && g == kSteady;
-    if (sample) {  // 3a. sampling: the true query's exact top-k over this step's candidates (gpu_server.h)
+    // Scores of the pack's layers for the group's rows (query(j): layer j's fp32 queries; lens: the candidates),
+    // and their top-k per (layer, sequence, KV head).
+    const auto score_pack = [&](auto query, const int32_t* lens, bool exact, const char* what) {
       for (int j = 0; j < n; ++j) {
         kernels::ScoreTokensParams sp;
-        sp.q_hat = true_queries(p * P + j);
-        set_scoring_keys(sp, p * P + j);
+        sp.q_hat = query(j);
+        set_scoring_keys(sp, p * P + j, exact);
         paged_rows(sp);
-        sp.num_tokens = md(m.g_olens[g]);
+        sp.num_tokens = lens;
         sp.scores = sc + static_cast<size_t>(j) * S * Hkv * stride;
         sp.score_stride = stride;
         sp.rule = o.sparse.selection.gqa_rule;
-        cuda_check(kernels::score_tokens(sp, score), "GPU cache rank: sampled oracle scores");
+        cuda_check(kernels::score_tokens(sp, score), what);
       }
+    };
+    const auto topk_pack = [&](const int32_t* lens, int32_t* top, cudaStream_t st, const char* what) {
       kernels::TopkParams tp;
       tp.scores = sc;
-      tp.row_lens = md(m.g_olens[g]);
-      tp.indices = o_idx[o.pipeline ? b : 0].as<int32_t>();
+      tp.row_lens = lens;
+      tp.indices = top;
       tp.batch = n * S;
       tp.rows_per_batch = Hkv;
       tp.score_stride = stride;
       tp.k = k;
       tp.successor = o.sparse.selection.successor_expand;
-      cuda_check(kernels::topk_select(tp, score), "GPU cache rank: sampled oracle top-k");
+      cuda_check(kernels::topk_select(tp, st), what);
+    };
+    const bool sample = sampling && g == kSteady;
+    if (sample) {  // 3a. sampling: the true query's exact top-k over this step's candidates (gpu_server.h)
+      score_pack([&](int j) { return true_queries(p * P + j); }, md(m.g_olens[g]), true,
+                 "GPU cache rank: sampled scores");
+      topk_pack(md(m.g_olens[g]), o_idx[o.pipeline ? b : 0].as<int32_t>(), score, "GPU cache rank: sampled top-k");
     }
-    for (int j = 0; j < n; ++j) {
-      kernels::ScoreTokensParams sp;
-      sp.q_hat = qh + static_cast<size_t>(j) * S * Hq * D;
-      set_scoring_keys(sp, p * P + j);
-      paged_rows(sp);
-      sp.num_tokens = md(m.g_lens[g]);
-      sp.scores = sc + static_cast<size_t>(j) * S * Hkv * stride;
-      sp.score_stride = stride;
-      sp.rule = o.sparse.selection.gqa_rule;
-      cuda_check(kernels::score_tokens(sp, score), "GPU cache rank: score");
-    }
+    score_pack([&](int j) { return qh + static_cast<size_t>(j) * S * Hq * D; }, md(m.g_lens[g]), false,
+               "GPU cache rank: score");
     if (g == kFirst && group_picks_anchors) {  // 3b. the anchors of the rows at their first selection
       for (int j = 0; j < n; ++j) {
         const int l = p * P + j;
@@ -525,16 +526,7 @@ struct GpuCacheServer::State {
       as.successor = o.sparse.selection.successor_expand;
       cuda_check(kernels::apply_anchor_spans(as, sel), "GPU cache rank: anchor spans");
     }
-    kernels::TopkParams tp;
-    tp.scores = sc;
-    tp.row_lens = md(m.g_lens[g]);
-    tp.indices = indices.as<int32_t>();
-    tp.batch = n * S;
-    tp.rows_per_batch = Hkv;
-    tp.score_stride = stride;
-    tp.k = k;
-    tp.successor = o.sparse.selection.successor_expand;
-    cuda_check(kernels::topk_select(tp, sel), "GPU cache rank: top-k");
+    topk_pack(md(m.g_lens[g]), indices.as<int32_t>(), sel, "GPU cache rank: top-k");
     // The message buffer of this parity was last sent for pack p - 2 (this step) or by the previous step.
     cuda_check(cudaStreamWaitEvent(sel, sent[g][static_cast<size_t>(p % 2)]->e, 0), "wait send");
     // 5. the slot plan against the per-slot mirrors, into the message

@@ -34,7 +34,8 @@
 // Sampling (SparseConfig::overlap_sample_every = N > 0): at every step whose number is a multiple of N, per layer
 // pack, the steady rows of one new token are measured: their true query (this step's, gathered from the received
 // rows on the work stream) scores the candidates the prediction for this step had (positions < context - local
-// window) with the same scoring keys and GQA rule, exact top-k with the same successor expansion, no anchors (the
+// window) with the cache's bf16 keys (exact, also when the rank scores with int8 keys: the overlap then counts the
+// quantisation's misses too) and the same GQA rule, exact top-k with the same successor expansion, no anchors (the
 // CPU OverlapSampler's oracle); selection_delta of that top-k against a copy of the held tables (the selection the
 // inference rank attends this step) counts what the prediction missed: overlap = 1 - entering / count (Eq. 1).
 // The steady rows' own delta gives the churn: entering / count. Both are copied to pinned memory after the pack's
