@@ -42,14 +42,15 @@ SHARED_SELECTION_FLAGS = {
 REFUSED_FLAGS = {
     ("cache_rank", "cpu"): ["--gpu", "--hello-timeout-ms", "--selection-streams"],
     ("cache_rank", "cuda"): ["--token-budget", "--local-window", "--kv-pages", "--page-size", "--sink-tokens",
-                             "--delta-transfer", "--overlap-sample-every"],
+                             "--delta-transfer"],
     ("inference_rank", "cpu"): ["--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
                                 "--ignore-eos", "--random-weights", "--weights-seed", "--tokenizer", "--host-sampling",
-                                "--no-cuda-graphs", "--gpu", "--gpu-link", "--delta-capacity", "--max-context-pages"],
+                                "--no-cuda-graphs", "--gpu", "--gpu-link", "--delta-capacity", "--max-context-pages",
+                                "--overlap-sample-every"],
     ("inference_rank", "cuda"): ["--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
                                  "--ignore-eos", "--random-weights", "--weights-seed", "--tokenizer",
                                  "--host-sampling", "--query-window", "--ridge-eps", "--gqa-rule", "--predictor",
-                                 "--successor-expand"],
+                                 "--successor-expand", "--overlap-sample-every"],
 }
 IDENTITY_FLAGS = ["--rank", "--world-size", "--num-inference", "--num-cache"]
 LIBRARY_ENV = {"libucp": "UCX_", "libgomp": "OMP_"}  # a binary linking the library may be given <prefix>* env
