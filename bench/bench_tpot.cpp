@@ -3,7 +3,10 @@
 //   dense   full paged attention on one GPU (our split-K flash-decoding), eager and CUDA graph;
 //   oracle  synchronous token-level selection with the TRUE query on one GPU, inline in every layer (score every
 //           key with q, top-k per KV head, gather, sparse attention over the selection + the local window):
-//           Quest/TOVA-style selection with exact queries, the upper bound of inline selection;
+//           TOVA-style selection with exact queries, the upper bound of inline selection;
+//   quest   Quest (Tang et al., ICML 2024), the paper's synchronous page-level peer on one GPU, inline in every layer:
+//           per-page min / max key summaries kept as pages fill, every page's summary scored with the TRUE query,
+//           the best pages whole up to the same token budget gathered and attended with the local window;
 //   async   AsyncSpade disaggregated over two GPUs (Algorithm 1, Sec. 4): GPU 0 runs the inference rank, GPU 1 the
 //           cache rank, joined by NCCL point-to-point (NcclLink); on a one-GPU machine both ranks run on GPU 0 joined
 //           by CudaIpcLink (checks the pipeline; its timing is not the disaggregated one). After each layer pack
@@ -40,7 +43,7 @@
 // timing); the greedy argmax over the logits is inside the timed step.
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
-//                   [--modes dense,oracle,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
+//                   [--modes dense,oracle,quest,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
 //                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1] [--score-keys bf16,int8]
 //                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0] [--cache-ranks 1,2,3]
 //                   [--label NAME] [--out results.json] (appends a JSON document per run).
@@ -117,7 +120,77 @@ class OracleAttention : public GpuAttention {
   DeviceBuffer qf_, lens_, packed_, ws_;
 };
 
-/// Modes 1 and 2 on the current GPU: eager and CUDA-graph TPOT.
+/// Mode 2b: Quest (Tang et al., ICML 2024, Sec. 3), the paper's synchronous page-level peer, inline in every layer on
+/// the inference GPU: the page that just filled gets its min / max summary (quest_page_summaries, 2 rows per page,
+/// kept for every page from the first step on), the TRUE query scores every candidate page's summary (quest_select
+/// with k_summary; the partial pages at the ends read their keys), the best pages whole up to the budget are
+/// gathered and attended with the local window by the oracle's kernels.
+class QuestAttention : public GpuAttention {
+ public:
+  QuestAttention(const ModelConfig& cfg, const Opts& o, int num_pages, int max_pages)
+      : cfg_(cfg), o_(o), sel_(cfg, o, o.batch, 1),
+        qf_(static_cast<size_t>(o.batch) * cfg.q_dim() * 4, "quest q fp32"),
+        lens_(static_cast<size_t>(o.batch) * 2 * 4, "quest lengths"),
+        packed_(static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget() * cfg.head_dim * 2 * 2,
+                "quest packed KV"),
+        ws_(decode_workspace(cfg, o.batch)),
+        layer_summary_elems_(static_cast<size_t>(num_pages) * 2 * cfg.num_kv_heads * cfg.head_dim),
+        summary_(static_cast<size_t>(cfg.num_layers) * layer_summary_elems_ * 2, "quest page summaries"),
+        page_scores_(static_cast<size_t>(o.batch) * cfg.num_kv_heads * max_pages * 4, "quest page scores"),
+        summarized_(static_cast<size_t>(cfg.num_layers), 0) {}
+  void attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) override {
+    int32_t* sel_lens = lens_.as<int32_t>();
+    int32_t* num_packed = sel_lens + o_.batch;
+    cuda_check(kernels::offset_clamp({b.seq_lens, sel_lens, b.batch, -o_.local_window(), 0, 0x7fffffff}, stream),
+               "selectable lengths");
+    cuda_check(kernels::offset_clamp({b.seq_lens, num_packed, b.batch, -o_.local_window(), 0, o_.budget()}, stream),
+               "packed counts");
+    cuda_check(kernels::cast({DType::BF16, DType::F32, s.q, qf_.get(), static_cast<size_t>(b.batch) * cfg_.q_dim()},
+                             stream),
+               "q to fp32");
+    void* summary = summary_.as<uint16_t>() + static_cast<size_t>(s.layer) * layer_summary_elems_;
+    kernels::QuestPageSummariesParams sp;
+    sp.k_cache = s.k_cache;
+    sp.block_table = b.block_table;
+    sp.num_tokens = b.seq_lens;
+    sp.k_summary = summary;
+    sel_.set_geometry(sp, b.batch, b.max_pages);
+    // The first step summarizes every full page (the prompt's), each later one the page that just filled.
+    sp.pages_back = summarized_[static_cast<size_t>(s.layer)] ? 1 : b.max_pages;
+    summarized_[static_cast<size_t>(s.layer)] = 1;
+    cuda_check(kernels::quest_page_summaries(sp, stream), "quest page summaries");
+    kernels::QuestSelectParams qp;
+    qp.q = qf_.as<float>();
+    qp.k_cache = s.k_cache;
+    qp.k_summary = summary;
+    qp.block_table = b.block_table;
+    qp.num_tokens = sel_lens;
+    qp.page_scores = page_scores_.as<float>();
+    qp.indices = sel_.indices.as<int32_t>();
+    qp.num_q_heads = cfg_.num_q_heads;
+    sel_.set_geometry(qp, b.batch, b.max_pages);
+    qp.k = o_.budget();
+    qp.rule = o_.selection.gqa_rule;
+    cuda_check(kernels::quest_select(qp, stream), "quest_select");
+    const size_t half = static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget() * cfg_.head_dim;
+    void* pk = packed_.get();
+    void* pv = packed_.as<uint16_t>() + half;
+    sel_.gather(b.batch, sel_.indices.as<int32_t>(), o_.budget(), s.k_cache, s.v_cache, b.block_table, b.max_pages,
+                pk, pv, stream);
+    packed_attention(cfg_, o_, s, b, pk, pv, num_packed, ws_, stream);
+  }
+
+ private:
+  const ModelConfig& cfg_;
+  const Opts& o_;
+  Selector sel_;  // its geometry, indices and gather (no scoring)
+  DeviceBuffer qf_, lens_, packed_, ws_;
+  size_t layer_summary_elems_;
+  DeviceBuffer summary_, page_scores_;
+  std::vector<char> summarized_;  // per layer: its prompt pages are summarized (host state; graphs replay pages_back 1)
+};
+
+/// Modes 1, 2 and 2b on the current GPU: eager and CUDA-graph TPOT.
 std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel& model, const std::string& mode,
                                  double copy_gbps) {
   const Plan plan(o, cfg);
@@ -128,6 +201,8 @@ std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel
   std::unique_ptr<GpuAttention> attn;
   if (mode == "dense") {
     attn = std::make_unique<GpuDenseAttention>(cfg, o.page_size, o.batch);
+  } else if (mode == "quest") {
+    attn = std::make_unique<QuestAttention>(cfg, o, plan.full_pages(), plan.max_pages);
   } else {
     attn = std::make_unique<OracleAttention>(cfg, o, plan.max_len);
   }
@@ -158,7 +233,9 @@ std::vector<json> run_single_gpu(const Opts& o, const ModelConfig& cfg, GpuModel
     json r = result_row(o, cfg, mode, tpot);
     r["cuda_graph"] = graph;
     const double attended = mode == "dense" ? o.context + o.warmup + o.steps / 2.0 : o.budget() + o.local_window();
-    const double floor_bytes = model.decode_weight_bytes(o.batch) + kv_bytes(cfg, o, attended);
+    // Quest also reads its page summaries: 2 key rows per page of the context.
+    const double summary_bytes = mode == "quest" ? kv_bytes(cfg, o, o.context) / 2 * 2.0 / o.page_size : 0.0;
+    const double floor_bytes = model.decode_weight_bytes(o.batch) + kv_bytes(cfg, o, attended) + summary_bytes;
     r["weight_bytes"] = model.decode_weight_bytes(o.batch);
     r["floor_bytes"] = floor_bytes;
     r["floor_ms"] = floor_bytes / (copy_gbps * 1e6);
@@ -653,7 +730,7 @@ int main_impl(int argc, char** argv) {
   std::vector<json> rows;
   bool any_failed = false;  // an async run failed: reported in the rows, and the exit status is 1
   auto has = [&](const char* m) { return o.modes.find(m) != std::string::npos; };
-  for (const char* m : {"dense", "oracle"}) {
+  for (const char* m : {"dense", "oracle", "quest"}) {
     if (!has(m)) continue;
     try {
       for (auto& r : run_single_gpu(o, cfg, *model, m, copy_gbps)) rows.push_back(r);
@@ -743,6 +820,34 @@ int main_impl(int argc, char** argv) {
           rows.push_back(j);
         }
       }
+  }
+  {
+    // Each async row against the one-GPU rows timed as it is (CUDA graphs or eager): dense, and Quest, the paper's
+    // peer at the same token budget (> 1 means the peer is slower).
+    auto median_of = [&](const std::string& mode, bool graph) {
+      for (const json& x : rows)
+        if (x.value("mode", "") == mode && x.value("cuda_graph", !graph) == graph && x.contains("tpot_median_ms"))
+          return x["tpot_median_ms"].get<double>();
+      return 0.0;
+    };
+    const char* timing = o.async_graphs ? "graph" : "eager";
+    const double dense = median_of("dense", o.async_graphs), quest = median_of("quest", o.async_graphs);
+    for (json& x : rows) {
+      const std::string mode = x.value("mode", "");
+      if (mode.rfind("async", 0) != 0 || !x.contains("tpot_median_ms")) continue;
+      const double a = x["tpot_median_ms"].get<double>();
+      std::printf("  %-20s P=%-3d N=%d keys %s: %.3f ms", mode.c_str(), x.value("pack", 0), x.value("cache_ranks", 1),
+                  x.value("score_keys", "").c_str(), a);
+      if (dense > 0) {
+        x[std::string("over_dense_") + timing] = a / dense;
+        std::printf(", %.3fx dense %s", a / dense, timing);
+      }
+      if (quest > 0) {
+        x[std::string("quest_over_async_") + timing] = quest / a;
+        std::printf(", Quest %s %.2fx slower", timing, quest / a);
+      }
+      std::printf("\n");
+    }
   }
   json doc;
   doc["benchmark"] = "bench_tpot";

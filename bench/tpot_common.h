@@ -32,7 +32,7 @@ struct Opts {
   std::string config;
   std::string label;
   std::string out;
-  std::string modes = "dense,oracle,async";
+  std::string modes = "dense,oracle,quest,async";
   std::vector<int> packs = {4, 6, 12};
   int batch = 8;
   int context = 32768;

@@ -239,10 +239,37 @@ struct QuestSelectParams {
   int k = 0;                             // >= 1 tokens per (sequence, KV head)
   int begin = 0;                         // first candidate position
   GqaScoreRule rule = GqaScoreRule::kMax;
+  // Optional page summaries (quest_page_summaries, as Quest keeps them): [num_pages, 2, num_kv_heads, head_dim] dtype,
+  // per page its keys' element-wise min then max. When set, a column whose page lies wholly inside the candidates
+  // reads its summary (2 rows instead of page_size) and the partial columns at begin / num_tokens[b] read their keys:
+  // the same min / max, so the same scores and pick as without. Every such page must be summarized after its last
+  // token was written.
+  const void* k_summary = nullptr;
 };
 /// Largest block-table row quest_select takes (its pick keeps one int32 per page in shared memory).
 inline constexpr int kMaxQuestPages = 8192;
 cudaError_t quest_select(const QuestSelectParams& p, cudaStream_t stream);
+
+/// Quest's page summaries (quest_page_summaries_ref): for each sequence b, the full pages j of its block-table row in
+/// [max(0, full - pages_back), full), full = num_tokens[b] / page_size, get k_summary[page] = the element-wise min and
+/// max of the page's page_size keys per KV head. One warp per (page, KV head). A decode step calls it with
+/// pages_back = 1 after appending (the page that just filled; an older one is unchanged), a prefill with the pages it
+/// wrote. Errors (cudaErrorInvalidValue, detail in launch_error_detail()): a pointer unset, pages_back < 1, sizes out
+/// of range. batch == 0 launches nothing.
+struct QuestPageSummariesParams {
+  DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache and k_summary.
+  const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
+  const int32_t* num_tokens = nullptr;   // [batch] int32 tokens written (<= max_pages_per_seq * page_size).
+  void* k_summary = nullptr;             // [num_pages, 2, num_kv_heads, head_dim] dtype out (the pages named only).
+  int batch = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int pages_back = 1;                    // >= 1: the last full pages of each row to summarize
+};
+cudaError_t quest_page_summaries(const QuestPageSummariesParams& p, cudaStream_t stream);
 /// out[b] = fp32(q[q_rows[b]]) per sequence b, one row of row_elems elements (e.g. a step's decode queries
 /// [num_q_heads * head_dim] at their token rows, as the selection kernels' fp32 queries); q_rows[b] < 0 writes zeros.
 /// q_rows == nullptr: row b. batch == 0 launches nothing.

@@ -21,6 +21,7 @@ constexpr int kQuestWarps = kQuestThreads / 32;
 struct QuestArgs {
   PagedKv kv;
   GqaHeads heads;
+  const void* summary;  // optional [num_pages, 2, hkv, D]: min, max per page (QuestSelectParams::k_summary)
   const float* q;
   const int32_t* num_tokens;
   float* page_scores;
@@ -59,13 +60,23 @@ __global__ void __launch_bounds__(kQuestThreads) quest_kernel(const QuestArgs a)
       mn[i] = __int_as_float(0x7f800000);   // +inf
       mx[i] = __int_as_float(0xff800000);   // -inf
     }
-    for (int t = t0; t < t1; ++t) {
-      const T* kr = k_head + a.kv.slot(page, t) * a.kv.row_stride<D>();
+    if (a.summary != nullptr && t0 == j * ps && t1 == (j + 1) * ps) {  // a whole page: its summary
+      const T* sm = static_cast<const T*>(a.summary) + (static_cast<size_t>(page) * 2 * a.kv.hkv + kvh) * D;
+      const T* sx = sm + static_cast<size_t>(a.kv.hkv) * D;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
-        const float x = to_f(kr[lane + 32 * i]);
-        mn[i] = fminf(mn[i], x);
-        mx[i] = fmaxf(mx[i], x);
+        mn[i] = to_f(sm[lane + 32 * i]);
+        mx[i] = to_f(sx[lane + 32 * i]);
+      }
+    } else {
+      for (int t = t0; t < t1; ++t) {
+        const T* kr = k_head + a.kv.slot(page, t) * a.kv.row_stride<D>();
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          const float x = to_f(kr[lane + 32 * i]);
+          mn[i] = fminf(mn[i], x);
+          mx[i] = fmaxf(mx[i], x);
+        }
       }
     }
     float combined = a.rule_max ? __int_as_float(0xff800000) : 0.f;
@@ -114,6 +125,44 @@ __global__ void __launch_bounds__(kQuestThreads) quest_kernel(const QuestArgs a)
   for (int i = total + threadIdx.x; i < a.k; i += kQuestThreads) out[i] = -1;
 }
 
+// One warp per (page column, KV head) of a row: lanes over head_dim, the element-wise min / max of the page's keys,
+// written back in the cache's type (exact: min / max of values of that type).
+template <typename T, int D>
+__global__ void __launch_bounds__(kQuestThreads) quest_summary_kernel(const PagedKv kv, const int32_t* num_tokens,
+                                                                      T* summary, int pages_back) {
+  constexpr int kPerLane = D / 32;
+  const int b = blockIdx.y, lane = threadIdx.x & 31;
+  const int full = min(num_tokens[b], kv.max_pages * kv.page_size) / kv.page_size;
+  const int first = max(0, full - pages_back), count = full - first;
+  const int item = blockIdx.x * kQuestWarps + (threadIdx.x >> 5);  // (column, KV head)
+  if (item >= count * kv.hkv) return;
+  const int j = first + item / kv.hkv, kvh = item % kv.hkv;
+  const int32_t page = kv.table_row(b)[j];
+  const T* k_head = kv.k_head<T, D>(kvh);
+  float mn[kPerLane], mx[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    mn[i] = __int_as_float(0x7f800000);
+    mx[i] = __int_as_float(0xff800000);
+  }
+  for (int t = j * kv.page_size; t < (j + 1) * kv.page_size; ++t) {
+    const T* kr = k_head + kv.slot(page, t) * kv.row_stride<D>();
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float x = to_f(kr[lane + 32 * i]);
+      mn[i] = fminf(mn[i], x);
+      mx[i] = fmaxf(mx[i], x);
+    }
+  }
+  T* sm = summary + (static_cast<size_t>(page) * 2 * kv.hkv + kvh) * D;
+  T* sx = sm + static_cast<size_t>(kv.hkv) * D;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    sm[lane + 32 * i] = from_f<T>(mn[i]);
+    sx[lane + 32 * i] = from_f<T>(mx[i]);
+  }
+}
+
 template <typename T>
 __global__ void gather_query_rows_kernel(const T* q, const int32_t* q_rows, float* out, int batch, int row_elems) {
   const int b = blockIdx.y;
@@ -143,6 +192,7 @@ cudaError_t quest_select(const QuestSelectParams& p, cudaStream_t stream) {
   QuestArgs a{};
   a.kv = paged_kv(p, p.k_cache, nullptr);
   a.heads = gqa_heads(p);
+  a.summary = p.k_summary;
   a.q = p.q;
   a.num_tokens = p.num_tokens;
   a.page_scores = p.page_scores;
@@ -154,6 +204,27 @@ cudaError_t quest_select(const QuestSelectParams& p, cudaStream_t stream) {
   return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
     quest_kernel<decltype(tag), decltype(dim)::value>
         <<<dim3(p.num_kv_heads, p.batch), kQuestThreads, smem, stream>>>(a);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t quest_page_summaries(const QuestPageSummariesParams& p, cudaStream_t stream) {
+  using namespace detail;
+  const char* what = "quest_page_summaries";
+  if (p.batch == 0) return cudaSuccess;
+  if (p.k_cache == nullptr || p.block_table == nullptr || p.num_tokens == nullptr || p.k_summary == nullptr) {
+    return invalid_argument(what, "k_cache, block_table, num_tokens and k_summary must be set");
+  }
+  const cudaError_t e = check_paged_kv(what, p);
+  if (e != cudaSuccess) return e;
+  if (p.pages_back < 1) return invalid_argument(what, "pages_back ", p.pages_back, " must be >= 1");
+  const int columns = p.pages_back < p.max_pages_per_seq ? p.pages_back : p.max_pages_per_seq;
+  const dim3 grid(ceil_div(columns * p.num_kv_heads, kQuestWarps), p.batch);
+  const PagedKv kv = paged_kv(p, p.k_cache, nullptr);
+  return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
+    using T = decltype(tag);
+    quest_summary_kernel<T, decltype(dim)::value>
+        <<<grid, kQuestThreads, 0, stream>>>(kv, p.num_tokens, static_cast<T*>(p.k_summary), p.pages_back);
     return cudaGetLastError();
   });
 }

@@ -469,6 +469,35 @@ void quest_page_scores_ref(const QuestPageScoresRefParams& p) {
   }
 }
 
+void quest_page_summaries_ref(const QuestPageSummariesRefParams& p) {
+  const char* what = "quest_page_summaries_ref";
+  SPADE_CHECK(p.k_cache != nullptr && p.block_table != nullptr && p.num_tokens != nullptr && p.k_summary != nullptr,
+              "{}: k_cache, block_table, num_tokens and k_summary must be set", what);
+  check_quest_sizes(what, p.num_tokens, p.batch, p.num_kv_heads, p.page_size, p.max_pages_per_seq, 0);
+  SPADE_CHECK(p.head_dim > 0 && p.pages_back >= 1, "{}: head_dim {} / pages_back {} must be >= 1", what, p.head_dim,
+              p.pages_back);
+  const int D = p.head_dim, ps = p.page_size, H = p.num_kv_heads;
+  for (int b = 0; b < p.batch; ++b) {
+    const int full = p.num_tokens[b] / ps;
+    for (int j = std::max(0, full - p.pages_back); j < full; ++j) {
+      const int32_t page = p.block_table[static_cast<size_t>(b) * p.max_pages_per_seq + j];
+      for (int h = 0; h < H; ++h) {
+        float* mn = p.k_summary + (static_cast<size_t>(page) * 2 * H + h) * D;
+        float* mx = mn + static_cast<size_t>(H) * D;
+        std::fill(mn, mn + D, std::numeric_limits<float>::infinity());
+        std::fill(mx, mx + D, -std::numeric_limits<float>::infinity());
+        for (int t = j * ps; t < (j + 1) * ps; ++t) {
+          const float* k = paged_row(p.k_cache, p.block_table, b, t, h, ps, p.max_pages_per_seq, H, D, what);
+          for (int d = 0; d < D; ++d) {
+            mn[d] = std::min(mn[d], k[d]);
+            mx[d] = std::max(mx[d], k[d]);
+          }
+        }
+      }
+    }
+  }
+}
+
 void quest_pick_ref(const QuestPickRefParams& p) {
   const char* what = "quest_pick_ref";
   SPADE_CHECK(p.page_scores != nullptr && p.indices != nullptr, "{}: page_scores and indices must be set", what);

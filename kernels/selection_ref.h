@@ -89,6 +89,9 @@
 // (min / max over its candidate keys; combine: the GQA rule, kMax = max, kMean = the running sum of score / group in
 // head order). The pick takes pages best first (score descending, ties: the earlier page), whole, until k tokens are
 // taken (the last page taken is cut to its first tokens), and writes the positions ascending, -1 after the last.
+// The summaries as Quest keeps them (quest_page_summaries_ref): per full page, min then max of its keys per KV head,
+// so that a step reads 2 rows per page instead of page_size; a page wholly inside the candidates scores the same
+// from its summary as from its keys.
 #pragma once
 
 #include <cstddef>
@@ -268,6 +271,24 @@ struct QuestPageScoresRefParams {
 
 /// Quest's page scores with the true query (see the header comment). Throws spade::Error naming a bad field.
 void quest_page_scores_ref(const QuestPageScoresRefParams& p);
+
+struct QuestPageSummariesRefParams {
+  const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
+  const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
+  const int32_t* num_tokens = nullptr;   // [batch] int32 tokens written, 0..max_pages_per_seq * page_size.
+  float* k_summary = nullptr;            // [num_pages, 2, num_kv_heads, head_dim] fp32 out: the pages named only.
+  int batch = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  int max_pages_per_seq = 0;
+  int pages_back = 1;                    // the last full pages of each row, >= 1
+};
+
+/// For each row b, the full pages j in [max(0, full - pages_back), full), full = num_tokens[b] / page_size: the
+/// element-wise min (k_summary[page][0]) and max ([page][1]) of the page's keys per KV head. Throws spade::Error
+/// naming a bad field.
+void quest_page_summaries_ref(const QuestPageSummariesRefParams& p);
 
 struct QuestPickRefParams {
   const float* page_scores = nullptr;   // [batch, num_kv_heads, max_pages_per_seq] fp32 (quest_page_scores_ref's).

@@ -1,5 +1,6 @@
-// Quest page selection on the GPU (kernels/selection.cuh quest_select) against its CPU references
-// (kernels/selection_ref.h quest_page_scores_ref, quest_pick_ref), and gather_query_rows. Label gpu.
+// Quest page selection on the GPU (kernels/selection.cuh quest_select, quest_page_summaries) against its CPU
+// references (kernels/selection_ref.h quest_page_scores_ref, quest_pick_ref, quest_page_summaries_ref), and
+// gather_query_rows. Label gpu.
 //
 // The page scores are fp32 sums in another order than the reference's: they are compared within a tolerance, and the
 // pick is compared exactly with the reference's pick over the scores the kernel wrote.
@@ -126,6 +127,90 @@ TEST_P(QuestSelectGpu, MatchesReference) {
   }
   EXPECT_GT(compared, 0);
 
+  // Quest's page summaries (quest_page_summaries): every full page equals the reference's, and quest_select reading
+  // them scores and picks exactly as it did from the keys.
+  {
+    const size_t sum_n = static_cast<size_t>(cache.num_pages) * 2 * hkv * D;
+    DevBuf<uint16_t> dsum(sum_n);
+    dsum.poison();
+    DevBuf<int32_t> dlens;
+    dlens.upload(std::vector<int32_t>(lens.begin(), lens.end()));
+    QuestPageSummariesParams sp;
+    sp.dtype = c.dtype;
+    sp.k_cache = cache.k.get();
+    sp.block_table = cache.bt.get();
+    sp.num_tokens = dlens.get();
+    sp.k_summary = dsum.get();
+    sp.batch = B;
+    sp.num_kv_heads = hkv;
+    sp.head_dim = D;
+    sp.page_size = ps;
+    sp.max_pages_per_seq = cache.max_pages;
+    sp.pages_back = cache.max_pages;
+    SPADE_CUDA_OK(quest_page_summaries(sp, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> got_sum = dsum.download();
+    std::vector<float> want_sum(sum_n, NAN);
+    QuestPageSummariesRefParams sr;
+    sr.k_cache = cache.k32.data();
+    sr.block_table = cache.block_table.data();
+    const std::vector<int32_t> lens32(lens.begin(), lens.end());
+    sr.num_tokens = lens32.data();
+    sr.k_summary = want_sum.data();
+    sr.batch = B;
+    sr.num_kv_heads = hkv;
+    sr.head_dim = D;
+    sr.page_size = ps;
+    sr.max_pages_per_seq = cache.max_pages;
+    sr.pages_back = cache.max_pages;
+    quest_page_summaries_ref(sr);
+    int pages = 0;
+    for (size_t i = 0; i < sum_n; ++i) {
+      if (std::isnan(want_sum[i])) continue;  // not a full page of any row
+      ASSERT_EQ(spade::test::from_bits(c.dtype, got_sum[i]), want_sum[i]) << "summary element " << i;
+      ++pages;
+    }
+    EXPECT_GT(pages, 0);
+    DevBuf<float> dscores2(score_n);
+    DevBuf<int32_t> didx2(static_cast<size_t>(B) * hkv * c.k);
+    QuestSelectParams p2 = p;
+    p2.k_summary = dsum.get();
+    p2.page_scores = dscores2.get();
+    p2.indices = didx2.get();
+    SPADE_CUDA_OK(quest_select(p2, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> scores2 = dscores2.download();
+    for (int b = 0; b < B; ++b) {
+      if (ends[static_cast<size_t>(b)] <= c.begin) continue;
+      for (int h = 0; h < hkv; ++h)
+        for (int j = c.begin / ps; j <= (ends[static_cast<size_t>(b)] - 1) / ps; ++j) {
+          const size_t i = (static_cast<size_t>(b) * hkv + h) * cache.max_pages + j;
+          ASSERT_EQ(scores2[i], got_scores[i]) << "with summaries: b " << b << " h " << h << " column " << j;
+        }
+    }
+    EXPECT_EQ(didx2.download(), got) << "the pick with summaries";
+    // pages_back = 1 (a decode step): only each row's last full page is written.
+    dsum.poison();
+    sp.pages_back = 1;
+    SPADE_CUDA_OK(quest_page_summaries(sp, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> last = dsum.download();
+    std::vector<char> named(static_cast<size_t>(cache.num_pages), 0);
+    for (int b = 0; b < B; ++b)
+      if (lens[static_cast<size_t>(b)] / ps > 0)
+        named[static_cast<size_t>(
+            cache.block_table[static_cast<size_t>(b) * cache.max_pages + lens[static_cast<size_t>(b)] / ps - 1])] = 1;
+    for (int pg = 0; pg < cache.num_pages; ++pg)
+      for (size_t e = 0; e < static_cast<size_t>(2) * hkv * D; ++e) {
+        const size_t i = static_cast<size_t>(pg) * 2 * hkv * D + e;
+        if (named[static_cast<size_t>(pg)]) {
+          ASSERT_EQ(spade::test::from_bits(c.dtype, last[i]), want_sum[i]) << "page " << pg;
+        } else {
+          ASSERT_EQ(last[i], 0xFFFF) << "page " << pg << " is not its row's last full page";
+        }
+      }
+  }
+
   // The pick, exactly, over the scores the kernel wrote.
   std::vector<int32_t> want(got.size(), 7);
   QuestPickRefParams pp;
@@ -187,6 +272,30 @@ TEST(QuestSelectGpu, RefusesBadArguments) {
   p.max_pages_per_seq = 4;
   p.indices = nullptr;
   EXPECT_EQ(quest_select(p, nullptr), cudaErrorInvalidValue);
+}
+
+TEST(QuestPageSummariesGpu, RefusesBadArguments) {
+  DevBuf<int32_t> n(16);
+  DevBuf<uint16_t> k(16);
+  QuestPageSummariesParams p;
+  p.k_cache = k.get();
+  p.block_table = n.get();
+  p.num_tokens = n.get();
+  p.k_summary = k.get();
+  p.batch = 1;
+  p.num_kv_heads = 2;
+  p.head_dim = 128;
+  p.page_size = 16;
+  p.max_pages_per_seq = 4;
+  p.pages_back = 0;
+  EXPECT_EQ(quest_page_summaries(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(std::string(launch_error_detail()).find("pages_back 0"), std::string::npos) << launch_error_detail();
+  p.pages_back = 1;
+  p.k_summary = nullptr;
+  EXPECT_EQ(quest_page_summaries(p, nullptr), cudaErrorInvalidValue);
+  p.k_summary = k.get();
+  p.page_size = 12;
+  EXPECT_EQ(quest_page_summaries(p, nullptr), cudaErrorInvalidValue);
 }
 
 TEST(GatherQueryRowsGpu, GathersRowsAsFp32AndZeroesSkippedOnes) {

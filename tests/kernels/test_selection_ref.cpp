@@ -523,6 +523,48 @@ TEST(QuestRef, PageScoresAndWholePagesBestFirstMatchHandValues) {
   EXPECT_THROW(quest_page_scores_ref(sp), spade::Error);
 }
 
+// Quest's page summaries by hand, on the same cache: the full pages of 6 written tokens (3 pages), min then max per
+// element; pages_back 1 writes only the last full page; a partial page is never summarized.
+TEST(QuestRef, PageSummariesAreEachFullPagesMinAndMax) {
+  const int ps = 2, D = 2, hkv = 1, max_pages = 4;
+  const std::vector<int32_t> bt = {3, 2, 1, -1};
+  std::vector<float> k(static_cast<size_t>(4) * ps * hkv * D, 99.f);
+  auto put = [&](int pos, float a, float b) {
+    const size_t row = static_cast<size_t>(bt[static_cast<size_t>(pos / ps)]) * ps + pos % ps;
+    k[row * D] = a;
+    k[row * D + 1] = b;
+  };
+  put(0, 50.f, -50.f);
+  put(1, 1.f, -1.f);
+  put(2, 2.f, 0.f);
+  put(3, -1.f, 3.f);
+  put(4, 0.5f, 0.5f);
+  put(5, 0.f, 1.f);
+  const int32_t written = 5;  // page 2 (tokens 4-5) is partial: not summarized
+  std::vector<float> sum(static_cast<size_t>(4) * 2 * hkv * D, -7.f);
+  QuestPageSummariesRefParams p;
+  p.k_cache = k.data();
+  p.block_table = bt.data();
+  p.num_tokens = &written;
+  p.k_summary = sum.data();
+  p.batch = 1;
+  p.num_kv_heads = hkv;
+  p.head_dim = D;
+  p.page_size = ps;
+  p.max_pages_per_seq = max_pages;
+  p.pages_back = 4;
+  quest_page_summaries_ref(p);
+  // [page][min | max][d]: page 3 = tokens 0-1, page 2 = tokens 2-3; pages 0 and 1 untouched.
+  const std::vector<float> want = {-7, -7, -7, -7, -7, -7, -7, -7, -1, 0, 2, 3, 1, -50, 50, -1};
+  EXPECT_EQ(sum, want);
+  std::fill(sum.begin(), sum.end(), -7.f);
+  p.pages_back = 1;
+  quest_page_summaries_ref(p);
+  EXPECT_EQ(sum, (std::vector<float>{-7, -7, -7, -7, -7, -7, -7, -7, -1, 0, 2, 3, -7, -7, -7, -7}));
+  p.pages_back = 0;
+  EXPECT_THROW(quest_page_summaries_ref(p), spade::Error);
+}
+
 TEST(GatherRef, CopiesRowsAndZeroPads) {
   const int hkv = 2, D = 4, ps = 2, k = 3;
   const std::vector<int32_t> bt = {1, 0};  // positions 0,1 in page 1; 2,3 in page 0
