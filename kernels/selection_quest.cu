@@ -17,6 +17,7 @@ namespace {
 
 constexpr int kQuestThreads = 256;
 constexpr int kQuestWarps = kQuestThreads / 32;
+constexpr int kQuestMaxRanked = 1024;  // columns the pick ranks among themselves (stage 2)
 
 struct QuestArgs {
   PagedKv kv;
@@ -33,7 +34,8 @@ struct QuestArgs {
 
 // One CTA per (KV head, sequence). Stage 1: one warp per page column, lanes over head_dim: the candidate keys'
 // element-wise min / max, then per query head of the group sum_d max(q*min, q*max) (warp sum), combined by the rule in
-// head order. Stage 2: each column's rank among the columns (score key descending, ties: the earlier column) as the
+// head order. Stage 2: each column's rank (score key descending, ties: the earlier column; only the best
+// ceil(k / page_size) + 2 columns, found by a radix select, are ranked) as the
 // candidate tokens of the better columns; a column takes min(its tokens, k - those) from its start; a serial prefix
 // over the columns in position order places them, ascending.
 template <typename T, int D>
@@ -94,13 +96,51 @@ __global__ void __launch_bounds__(kQuestThreads) quest_kernel(const QuestArgs a)
     if (lane == 0) scores[j] = combined;
   }
   __syncthreads();
+  // Stage 2 (the pick): only the columns among the M = ceil(k / ps) + 2 best can take tokens (the M best hold at least
+  // M - 2 whole pages, k tokens or more; every column ranked below them takes none). T = the M-th largest key (CTA
+  // radix select); the columns with key >= T (M of them unless keys tie at T) rank among themselves. More than
+  // kQuestMaxRanked such columns (a tie at T over many pages): every column ranks among all.
+  for (int c = threadIdx.x; c < count; c += kQuestThreads) taken[c] = 0;
+  __shared__ int hist[256];
+  __shared__ int s_digit, s_above, s_ranked;
+  __shared__ int ranked_col[kQuestMaxRanked];
+  __shared__ uint32_t ranked_key[kQuestMaxRanked];
+  uint32_t prefix = 0, mask = 0;
+  if (count > 0) {  // the same for the whole CTA
+    int kr = min(count, (a.k + ps - 1) / ps + 2);
+#pragma unroll 1
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int i = threadIdx.x; i < 256; i += kQuestThreads) hist[i] = 0;
+      __syncthreads();
+      for (int c = threadIdx.x; c < count; c += kQuestThreads) {
+        const uint32_t key = topk_key_dev(scores[first + c]);
+        if ((key & mask) == prefix) atomicAdd(&hist[255 - ((key >> shift) & 0xFFu)], 1);
+      }
+      __syncthreads();
+      radix_select_digit(hist, shift, prefix, mask, kr, s_digit, s_above);
+    }
+  }
+  if (threadIdx.x == 0) s_ranked = 0;
+  __syncthreads();
   for (int c = threadIdx.x; c < count; c += kQuestThreads) {
-    const int j = first + c;
-    const uint32_t key = topk_key_dev(scores[j]);
+    const uint32_t key = topk_key_dev(scores[first + c]);
+    if (key < prefix) continue;
+    const int i = atomicAdd(&s_ranked, 1);
+    if (i < kQuestMaxRanked) {
+      ranked_col[i] = c;
+      ranked_key[i] = key;
+    }
+  }
+  __syncthreads();
+  const int ns = s_ranked;
+  const bool all = ns > kQuestMaxRanked;
+  for (int i = threadIdx.x; i < (all ? count : ns); i += kQuestThreads) {
+    const int c = all ? i : ranked_col[i], j = first + c;
+    const uint32_t key = all ? topk_key_dev(scores[j]) : ranked_key[i];
     int better = 0;  // candidate tokens of the columns ranked before this one
-    for (int c2 = 0; c2 < count; ++c2) {
-      const int j2 = first + c2;
-      const uint32_t key2 = topk_key_dev(scores[j2]);
+    for (int i2 = 0; i2 < (all ? count : ns); ++i2) {
+      const int j2 = first + (all ? i2 : ranked_col[i2]);
+      const uint32_t key2 = all ? topk_key_dev(scores[j2]) : ranked_key[i2];
       if (key2 > key || (key2 == key && j2 < j)) better += min(end, (j2 + 1) * ps) - max(a.begin, j2 * ps);
     }
     const int own = min(end, (j + 1) * ps) - max(a.begin, j * ps);

@@ -28,13 +28,14 @@ struct QuestCase {
   int head_dim, group, page_size, k, begin;
   std::vector<int> ends;  // candidates [begin, end) per sequence
   GqaScoreRule rule;
+  bool flat = false;      // zero queries: every page scores 0 and the pick ranks by position alone
 };
 
 std::string case_name(const QuestCase& c) {
   return std::string(spade::test::name_dtype(c.dtype)) + "_D" + std::to_string(c.head_dim) + "_G" +
          std::to_string(c.group) + "_P" + std::to_string(c.page_size) + "_k" + std::to_string(c.k) + "_begin" +
          std::to_string(c.begin) + "_ends" + spade::test::name_ints(c.ends) +
-         (c.rule == GqaScoreRule::kMax ? "_max" : "_mean");
+         (c.rule == GqaScoreRule::kMax ? "_max" : "_mean") + (c.flat ? "_flat" : "");
 }
 
 const QuestCase kQuestCases[] = {
@@ -50,6 +51,10 @@ const QuestCase kQuestCases[] = {
     // Long rows (more columns than threads), budget 1/16.
     {.dtype = DType::BF16, .head_dim = 128, .group = 4, .page_size = 16, .k = 480, .begin = 0, .ends = {7700, 5000},
      .rule = GqaScoreRule::kMax},
+    // Every page ties: the pick's threshold is the common score and more columns than it ranks tie at it (the
+    // ranking over all columns), and a row with fewer.
+    {.dtype = DType::BF16, .head_dim = 128, .group = 4, .page_size = 16, .k = 200, .begin = 0, .ends = {20000, 3000},
+     .rule = GqaScoreRule::kMax, .flat = true},
 };
 
 class QuestSelectGpu : public ::testing::TestWithParam<QuestCase> {};
@@ -64,7 +69,7 @@ TEST_P(QuestSelectGpu, MatchesReference) {
   cache.build(c.dtype, lens, ps, hkv, D, rng);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<float> q(static_cast<size_t>(B) * hq * D);
-  for (float& x : q) x = nd(rng);
+  for (float& x : q) x = c.flat ? 0.f : nd(rng);
   DevBuf<float> dq;
   dq.upload(q);
   DevBuf<int32_t> dend;
