@@ -86,15 +86,17 @@
 namespace spade::tpot {
 namespace {
 
-/// Mode 2: synchronous selection with the true query, inline in every layer, on the inference GPU.
-class OracleAttention : public GpuAttention {
+/// What the synchronous selections with the true query (modes 2 and 2b) share, inline in every layer on the inference
+/// GPU: the step's fp32 queries, the selectable and attended lengths, the packed K/V of the selection and its
+/// attention with the local window.
+class InlineSelectionAttention : public GpuAttention {
  public:
-  OracleAttention(const ModelConfig& cfg, const Opts& o, int score_stride)
+  InlineSelectionAttention(const ModelConfig& cfg, const Opts& o, int score_stride, const char* name)
       : cfg_(cfg), o_(o), sel_(cfg, o, o.batch, score_stride),
-        qf_(static_cast<size_t>(o.batch) * cfg.q_dim() * 4, "oracle q fp32"),
-        lens_(static_cast<size_t>(o.batch) * 2 * 4, "oracle lengths"),
+        qf_(static_cast<size_t>(o.batch) * cfg.q_dim() * 4, (std::string(name) + " q fp32").c_str()),
+        lens_(static_cast<size_t>(o.batch) * 2 * 4, (std::string(name) + " lengths").c_str()),
         packed_(static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget() * cfg.head_dim * 2 * 2,
-                "oracle packed KV"),
+                (std::string(name) + " packed KV").c_str()),
         ws_(decode_workspace(cfg, o.batch)) {}
   void attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) override {
     int32_t* sel_lens = lens_.as<int32_t>();
@@ -109,45 +111,50 @@ class OracleAttention : public GpuAttention {
     const size_t half = static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget() * cfg_.head_dim;
     void* pk = packed_.get();
     void* pv = packed_.as<uint16_t>() + half;
-    sel_.run(b.batch, qf_.as<float>(), s.k_cache, s.v_cache, b.block_table, b.max_pages, sel_lens, pk, pv, stream);
+    select(s, b, sel_lens, pk, pv, stream);
     packed_attention(cfg_, o_, s, b, pk, pv, num_packed, ws_, stream);
   }
 
- private:
+ protected:
+  /// Selects with the true queries qf_ among the positions < sel_lens[b] and gathers the selection into packed_k / v
+  /// ([batch, Hkv, budget, D] bf16).
+  virtual void select(const GpuLayerStep& s, const GpuBatch& b, const int32_t* sel_lens, void* packed_k,
+                      void* packed_v, cudaStream_t stream) = 0;
   const ModelConfig& cfg_;
   const Opts& o_;
   Selector sel_;
   DeviceBuffer qf_, lens_, packed_, ws_;
 };
 
-/// Mode 2b: Quest (Tang et al., ICML 2024, Sec. 3), the paper's synchronous page-level peer, inline in every layer on
-/// the inference GPU: the page that just filled gets its min / max summary (quest_page_summaries, 2 rows per page,
-/// kept for every page from the first step on), the TRUE query scores every candidate page's summary (quest_select
-/// with k_summary; the partial pages at the ends read their keys), the best pages whole up to the budget are
-/// gathered and attended with the local window by the oracle's kernels.
-class QuestAttention : public GpuAttention {
+/// Mode 2: token-level selection with the true query (score every key, top-k per KV head, gather).
+class OracleAttention : public InlineSelectionAttention {
+ public:
+  OracleAttention(const ModelConfig& cfg, const Opts& o, int score_stride)
+      : InlineSelectionAttention(cfg, o, score_stride, "oracle") {}
+
+ private:
+  void select(const GpuLayerStep& s, const GpuBatch& b, const int32_t* sel_lens, void* pk, void* pv,
+              cudaStream_t stream) override {
+    sel_.run(b.batch, qf_.as<float>(), s.k_cache, s.v_cache, b.block_table, b.max_pages, sel_lens, pk, pv, stream);
+  }
+};
+
+/// Mode 2b: Quest (Tang et al., ICML 2024, Sec. 3), the paper's synchronous page-level peer: the page that just filled
+/// gets its min / max summary (quest_page_summaries, 2 rows per page, kept for every page from the first step on),
+/// the TRUE query scores every candidate page's summary (quest_select with k_summary; the partial pages at the ends
+/// read their keys), the best pages whole up to the budget are gathered and attended with the local window.
+class QuestAttention : public InlineSelectionAttention {
  public:
   QuestAttention(const ModelConfig& cfg, const Opts& o, int num_pages, int max_pages)
-      : cfg_(cfg), o_(o), sel_(cfg, o, o.batch, 1),
-        qf_(static_cast<size_t>(o.batch) * cfg.q_dim() * 4, "quest q fp32"),
-        lens_(static_cast<size_t>(o.batch) * 2 * 4, "quest lengths"),
-        packed_(static_cast<size_t>(o.batch) * cfg.num_kv_heads * o.budget() * cfg.head_dim * 2 * 2,
-                "quest packed KV"),
-        ws_(decode_workspace(cfg, o.batch)),
+      : InlineSelectionAttention(cfg, o, 1, "quest"),
         layer_summary_elems_(static_cast<size_t>(num_pages) * 2 * cfg.num_kv_heads * cfg.head_dim),
         summary_(static_cast<size_t>(cfg.num_layers) * layer_summary_elems_ * 2, "quest page summaries"),
         page_scores_(static_cast<size_t>(o.batch) * cfg.num_kv_heads * max_pages * 4, "quest page scores"),
         summarized_(static_cast<size_t>(cfg.num_layers), 0) {}
-  void attend(const GpuLayerStep& s, const GpuBatch& b, cudaStream_t stream) override {
-    int32_t* sel_lens = lens_.as<int32_t>();
-    int32_t* num_packed = sel_lens + o_.batch;
-    cuda_check(kernels::offset_clamp({b.seq_lens, sel_lens, b.batch, -o_.local_window(), 0, 0x7fffffff}, stream),
-               "selectable lengths");
-    cuda_check(kernels::offset_clamp({b.seq_lens, num_packed, b.batch, -o_.local_window(), 0, o_.budget()}, stream),
-               "packed counts");
-    cuda_check(kernels::cast({DType::BF16, DType::F32, s.q, qf_.get(), static_cast<size_t>(b.batch) * cfg_.q_dim()},
-                             stream),
-               "q to fp32");
+
+ private:
+  void select(const GpuLayerStep& s, const GpuBatch& b, const int32_t* sel_lens, void* pk, void* pv,
+              cudaStream_t stream) override {
     void* summary = summary_.as<uint16_t>() + static_cast<size_t>(s.layer) * layer_summary_elems_;
     kernels::QuestPageSummariesParams sp;
     sp.k_cache = s.k_cache;
@@ -172,19 +179,9 @@ class QuestAttention : public GpuAttention {
     qp.k = o_.budget();
     qp.rule = o_.selection.gqa_rule;
     cuda_check(kernels::quest_select(qp, stream), "quest_select");
-    const size_t half = static_cast<size_t>(o_.batch) * cfg_.num_kv_heads * o_.budget() * cfg_.head_dim;
-    void* pk = packed_.get();
-    void* pv = packed_.as<uint16_t>() + half;
     sel_.gather(b.batch, sel_.indices.as<int32_t>(), o_.budget(), s.k_cache, s.v_cache, b.block_table, b.max_pages,
                 pk, pv, stream);
-    packed_attention(cfg_, o_, s, b, pk, pv, num_packed, ws_, stream);
   }
-
- private:
-  const ModelConfig& cfg_;
-  const Opts& o_;
-  Selector sel_;  // its geometry, indices and gather (no scoring)
-  DeviceBuffer qf_, lens_, packed_, ws_;
   size_t layer_summary_elems_;
   DeviceBuffer summary_, page_scores_;
   std::vector<char> summarized_;  // per layer: its prompt pages are summarized (host state; graphs replay pages_back 1)

@@ -444,18 +444,27 @@ TEST(AnchorsRef, SpansFitAQuarterOfTheBudgetAndAreClippedToTheRow) {
   EXPECT_EQ(infs, 16 + 13);
 }
 
-// Quest by hand: one sequence, one KV head of a GQA group of 2, head_dim 2, pages of 2 tokens laid out in reverse
-// (page placement must not matter), candidates [1, 6): columns 0 {1}, 1 {2, 3}, 2 {4, 5}.
-TEST(QuestRef, PageScoresAndWholePagesBestFirstMatchHandValues) {
-  const int ps = 2, D = 2, hkv = 1, hq = 2, max_pages = 4;
-  // Cache rows (page, slot): page 3 holds tokens 0-1, page 2 tokens 2-3, page 1 tokens 4-5.
+// The Quest tests' hand-made cache: one sequence, one KV head, head_dim 2, pages of 2 tokens laid out in reverse
+// (page 3 holds tokens 0-1, page 2 tokens 2-3, page 1 tokens 4-5; page 0 unused, 99 everywhere).
+struct QuestHandCache {
+  static constexpr int ps = 2, D = 2, hkv = 1, max_pages = 4;
   const std::vector<int32_t> bt = {3, 2, 1, -1};
-  std::vector<float> k(static_cast<size_t>(4) * ps * hkv * D, 99.f);
-  auto put = [&](int pos, float a, float b) {
+  std::vector<float> k = std::vector<float>(static_cast<size_t>(4) * ps * hkv * D, 99.f);
+  void put(int pos, float a, float b) {
     const size_t row = static_cast<size_t>(bt[static_cast<size_t>(pos / ps)]) * ps + pos % ps;
     k[row * D] = a;
     k[row * D + 1] = b;
-  };
+  }
+};
+
+// Quest by hand: a GQA group of 2 on the hand cache (page placement must not matter), candidates [1, 6): columns 0
+// {1}, 1 {2, 3}, 2 {4, 5}.
+TEST(QuestRef, PageScoresAndWholePagesBestFirstMatchHandValues) {
+  QuestHandCache c;
+  const int ps = c.ps, D = c.D, hkv = c.hkv, hq = 2, max_pages = c.max_pages;
+  const std::vector<int32_t>& bt = c.bt;
+  const std::vector<float>& k = c.k;
+  auto put = [&](int pos, float a, float b) { c.put(pos, a, b); };
   put(0, 50.f, 50.f);  // not a candidate (begin 1): must not enter column 0's min / max
   put(1, 1.f, -1.f);
   put(2, 2.f, 0.f);
@@ -523,35 +532,27 @@ TEST(QuestRef, PageScoresAndWholePagesBestFirstMatchHandValues) {
   EXPECT_THROW(quest_page_scores_ref(sp), spade::Error);
 }
 
-// Quest's page summaries by hand, on the same cache: the full pages of 6 written tokens (3 pages), min then max per
+// Quest's page summaries by hand, on the same cache: the 2 full pages of 5 written tokens, min then max per
 // element; pages_back 1 writes only the last full page; a partial page is never summarized.
 TEST(QuestRef, PageSummariesAreEachFullPagesMinAndMax) {
-  const int ps = 2, D = 2, hkv = 1, max_pages = 4;
-  const std::vector<int32_t> bt = {3, 2, 1, -1};
-  std::vector<float> k(static_cast<size_t>(4) * ps * hkv * D, 99.f);
-  auto put = [&](int pos, float a, float b) {
-    const size_t row = static_cast<size_t>(bt[static_cast<size_t>(pos / ps)]) * ps + pos % ps;
-    k[row * D] = a;
-    k[row * D + 1] = b;
-  };
-  put(0, 50.f, -50.f);
-  put(1, 1.f, -1.f);
-  put(2, 2.f, 0.f);
-  put(3, -1.f, 3.f);
-  put(4, 0.5f, 0.5f);
-  put(5, 0.f, 1.f);
-  const int32_t written = 5;  // page 2 (tokens 4-5) is partial: not summarized
-  std::vector<float> sum(static_cast<size_t>(4) * 2 * hkv * D, -7.f);
+  QuestHandCache c;
+  c.put(0, 50.f, -50.f);
+  c.put(1, 1.f, -1.f);
+  c.put(2, 2.f, 0.f);
+  c.put(3, -1.f, 3.f);
+  c.put(4, 0.5f, 0.5f);
+  const int32_t written = 5;  // page 1 (tokens 4-5) is partial: not summarized
+  std::vector<float> sum(static_cast<size_t>(4) * 2 * c.hkv * c.D, -7.f);
   QuestPageSummariesRefParams p;
-  p.k_cache = k.data();
-  p.block_table = bt.data();
+  p.k_cache = c.k.data();
+  p.block_table = c.bt.data();
   p.num_tokens = &written;
   p.k_summary = sum.data();
   p.batch = 1;
-  p.num_kv_heads = hkv;
-  p.head_dim = D;
-  p.page_size = ps;
-  p.max_pages_per_seq = max_pages;
+  p.num_kv_heads = c.hkv;
+  p.head_dim = c.D;
+  p.page_size = c.ps;
+  p.max_pages_per_seq = c.max_pages;
   p.pages_back = 4;
   quest_page_summaries_ref(p);
   // [page][min | max][d]: page 3 = tokens 0-1, page 2 = tokens 2-3; pages 0 and 1 untouched.
