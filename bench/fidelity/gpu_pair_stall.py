@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from passkey_gpu import add_inference_rank_args, resolve_inputs  # noqa: E402
+
 
 def stacks(pid, path):
     gdb = shutil.which("gdb") or shutil.which("cuda-gdb")
@@ -37,10 +40,7 @@ def stacks(pid, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--inference-rank", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", default=os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"),
-                                                      "prompts/passkey_public.jsonl"))
+    add_inference_rank_args(ap, "--prompts", "prompts/passkey_public.jsonl")
     ap.add_argument("--bytes", type=int, default=1000)
     ap.add_argument("--budget", type=int, default=40)
     ap.add_argument("--layers-per-pack", type=int, default=2)
@@ -51,6 +51,7 @@ def main():
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the runs (e.g. CUDA_LAUNCH_BLOCKING=1)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    resolve_inputs(a, "gpu_pair_stall", "prompts", "pass-key prompts")
     os.makedirs(a.out, exist_ok=True)
     with open(a.prompts) as f:
         prompts = [p for p in map(json.loads, f) if p["bytes"] == a.bytes]

@@ -43,6 +43,40 @@ DEFAULT_VARIANTS = [
 ]
 
 
+def data_path(rel):
+    """A file of the shared test data: $SPADE_DATA_DIR (default ../shared/data) / rel."""
+    return os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"), rel)
+
+
+def add_inference_rank_args(ap, data_flag, data_rel, data_help=None):
+    """The arguments of every fidelity script that runs inference_rank: the binary, the model (a directory or a model
+    name of the shared data) and the script's data file (`data_flag`, default data_path(data_rel))."""
+    ap.add_argument("--inference-rank", required=True)
+    ap.add_argument("--model", required=True, help="checkpoint directory, or a model name of $SPADE_DATA_DIR/models")
+    ap.add_argument(data_flag, default=data_path(data_rel), help=data_help)
+
+
+def add_run_args(ap, layers_help=None):
+    """inference_rank_command's settings, and the outputs (--json-out, --md-out)."""
+    ap.add_argument("--device", default="cuda", help="cuda (the GPU path); cpu only to try the script itself")
+    ap.add_argument("--sparse-threshold", type=int, default=256)
+    ap.add_argument("--layers-per-pack", type=int, default=2, help=layers_help)
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--extra-flags", default="", help="inference_rank flags added to every run (e.g. --no-cuda-graphs)")
+    ap.add_argument("--json-out")
+    ap.add_argument("--md-out")
+
+
+def resolve_inputs(a, tool, data_attr, data_what):
+    """A bare model name becomes the shared data's model; exits naming what is missing."""
+    if not os.path.isdir(a.model):
+        a.model = data_path(os.path.join("models", a.model))
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        sys.exit(f"{tool}: no checkpoint at {a.model} (set SPADE_DATA_DIR)")
+    if not os.path.isfile(getattr(a, data_attr)):
+        sys.exit(f"{tool}: no {data_what} at {getattr(a, data_attr)} (set SPADE_DATA_DIR)")
+
+
 def chat_tokens(prompt):
     # The byte-level longctx tokenizer with its ChatML template: "<|im_start|>user\n" + prompt + "<|im_end|>\n" +
     # "<|im_start|>assistant\n", one token per byte plus the three special tokens.
@@ -123,33 +157,17 @@ def run_group(args, flags, prompts, budget):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--inference-rank", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", default=os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"),
-                                                      "prompts/passkey_public.jsonl"))
+    add_inference_rank_args(ap, "--prompts", "prompts/passkey_public.jsonl")
     ap.add_argument("--bytes", default="", help="only these prompt sizes, e.g. 1000,2000")
     ap.add_argument("--per-group", type=int, default=1000, help="first N prompts of each (bytes, needles) group")
     ap.add_argument("--budgets", default="64,128,256,512,1024,1/8,1/16,1/32,1/64")
     ap.add_argument("--variant", action="append", default=[], help="NAME=inference_rank flags (repeatable)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--device", default="cuda", help="cuda (the GPU path); cpu only to try the script itself")
-    ap.add_argument("--sparse-threshold", type=int, default=256)
-    ap.add_argument("--layers-per-pack", type=int, default=2,
-                    help="unless a variant or --extra-flags gives --layers-per-pack (then that one applies)")
-    ap.add_argument("--timeout", type=int, default=600)
-    ap.add_argument("--extra-flags", default="", help="inference_rank flags added to every run (e.g. --no-cuda-graphs)")
+    add_run_args(ap, layers_help="unless a variant or --extra-flags gives --layers-per-pack (then that one applies)")
     ap.add_argument("--min-accuracy", action="append", default=[],
                     help="VARIANT@BUDGET=FRACTION: exit 1 when below (e.g. predicted@1/16=0.9)")
-    ap.add_argument("--json-out")
-    ap.add_argument("--md-out")
     a = ap.parse_args()
-
-    if not os.path.isdir(a.model):  # a bare name: a model of the shared data
-        a.model = os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"), "models", a.model)
-    if not os.path.isfile(os.path.join(a.model, "config.json")):
-        sys.exit(f"passkey_gpu: no checkpoint at {a.model} (set SPADE_DATA_DIR)")
-    if not os.path.isfile(a.prompts):
-        sys.exit(f"passkey_gpu: no pass-key prompts at {a.prompts} (set SPADE_DATA_DIR)")
+    resolve_inputs(a, "passkey_gpu", "prompts", "pass-key prompts")
     variants = DEFAULT_VARIANTS if not a.variant else [tuple(v.split("=", 1)) for v in a.variant]
     want = {int(b) for b in a.bytes.split(",") if b}
     prompts, seen = [], {}

@@ -28,7 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from passkey_gpu import DEFAULT_VARIANTS, device_names, inference_rank_command, parse_budget  # noqa: E402
+from passkey_gpu import (DEFAULT_VARIANTS, add_inference_rank_args, add_run_args, device_names,  # noqa: E402
+                         inference_rank_command, parse_budget, resolve_inputs)
 
 
 def read_docs(path, nbytes, count):
@@ -74,10 +75,7 @@ def run(args, flags, docs, budget):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--inference-rank", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--heldout", default=os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"),
-                                                      "prompts/heldout_code_py.txt"))
+    add_inference_rank_args(ap, "--heldout", "prompts/heldout_code_py.txt")
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--context", type=int, default=4000, help="prefilled bytes per document")
     ap.add_argument("--forced", type=int, default=64, help="forced tokens (decode steps) per document")
@@ -85,20 +83,9 @@ def main():
                     help="forced steps not scored: the prefill's and the switch step's tokens, dense in every variant")
     ap.add_argument("--budgets", default="1/16,1/32")
     ap.add_argument("--variant", action="append", default=[], help="NAME=inference_rank flags (repeatable)")
-    ap.add_argument("--device", default="cuda", help="cuda (the GPU path); cpu only to try the script itself")
-    ap.add_argument("--sparse-threshold", type=int, default=256)
-    ap.add_argument("--layers-per-pack", type=int, default=2)
-    ap.add_argument("--timeout", type=int, default=600)
-    ap.add_argument("--extra-flags", default="")
-    ap.add_argument("--json-out")
-    ap.add_argument("--md-out")
+    add_run_args(ap)
     a = ap.parse_args()
-    if not os.path.isdir(a.model):
-        a.model = os.path.join(os.environ.get("SPADE_DATA_DIR", "../shared/data"), "models", a.model)
-    if not os.path.isfile(os.path.join(a.model, "config.json")):
-        sys.exit(f"teacher_forced_gpu: no checkpoint at {a.model} (set SPADE_DATA_DIR)")
-    if not os.path.isfile(a.heldout):
-        sys.exit(f"teacher_forced_gpu: no held-out code at {a.heldout} (set SPADE_DATA_DIR)")
+    resolve_inputs(a, "teacher_forced_gpu", "heldout", "held-out code")
     variants = DEFAULT_VARIANTS if not a.variant else [tuple(v.split("=", 1)) for v in a.variant]
     if not any("--selection dense" in f for _, f in variants):
         variants = [("dense", "--selection dense")] + variants  # the reference
