@@ -774,16 +774,17 @@ int main_impl(int argc, char** argv) {
             }
     }
   }
+  // The median TPOT of a one-GPU row (dense, oracle, quest) timed with or without CUDA graphs; 0 if it did not run.
+  auto median_of = [&](const std::string& mode, bool graph) {
+    for (const json& x : rows)
+      if (x.value("mode", "") == mode && x.value("cuda_graph", !graph) == graph && x.contains("tpot_median_ms"))
+        return x["tpot_median_ms"].get<double>();
+    return 0.0;
+  };
   if (has("solo")) {
     // Each rank alone on GPU 0: what each sustains with the whole GPU to itself, as on two GPUs. The disaggregated
     // TPOT cannot be below the slower of the two; the link's cost (NCCL CTAs on both GPUs, its bandwidth) comes on
     // top, so this is a projection and a lower bound, not a two-GPU measurement.
-    auto median_of = [&](const std::string& mode, bool graph) {
-      for (const json& x : rows)
-        if (x.value("mode", "") == mode && x.value("cuda_graph", !graph) == graph && x.contains("tpot_median_ms"))
-          return x["tpot_median_ms"].get<double>();
-      return 0.0;
-    };
     // Against the baselines timed as the solo inference rank is (graphs or eager: --async-graphs).
     const double dense = median_of("dense", o.async_graphs), oracle = median_of("oracle", o.async_graphs);
     const char* timing = o.async_graphs ? "graph" : "eager";
@@ -821,12 +822,6 @@ int main_impl(int argc, char** argv) {
   {
     // Each async row against the one-GPU rows timed as it is (CUDA graphs or eager): dense, and Quest, the paper's
     // peer at the same token budget (> 1 means the peer is slower).
-    auto median_of = [&](const std::string& mode, bool graph) {
-      for (const json& x : rows)
-        if (x.value("mode", "") == mode && x.value("cuda_graph", !graph) == graph && x.contains("tpot_median_ms"))
-          return x["tpot_median_ms"].get<double>();
-      return 0.0;
-    };
     const char* timing = o.async_graphs ? "graph" : "eager";
     const double dense = median_of("dense", o.async_graphs), quest = median_of("quest", o.async_graphs);
     for (json& x : rows) {
