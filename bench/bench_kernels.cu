@@ -54,6 +54,7 @@
 #include "bench/page_placement.h"
 #include "bench/run_stamp.h"
 #include "kernels/attention.cuh"
+#include "kernels/gemm.cuh"
 #include "kernels/selection.cuh"
 
 namespace {
@@ -72,7 +73,7 @@ struct Options {
   bool quick = false;
   bool sweep = false;
   bool sweep_hpc = false;
-  std::string only;  // comma-separated groups to run: decode, sparse, selection, prefill (empty: all)
+  std::string only;  // comma-separated groups to run: decode, gemm, sparse, selection, prefill (empty: all)
   bool run(const char* group) const {
     return only.empty() || ("," + only + ",").find("," + std::string(group) + ",") != std::string::npos;
   }
@@ -618,6 +619,91 @@ int print_placement_stats() {
   return 0;
 }
 
+// Decode-shape dense layer GEMMs (kernels/gemm.cuh), y[m, n] = x[m, k] · W[n, k]^T bf16: each shape timed with the
+// plan run() makes (cuBLASLt's first heuristic answer) and with the plan warm_up_rows tunes (the fastest of cuBLASLt's
+// heuristic answers and the small-M split-K kernel), graph-timed, weights rotated over sets >= 4x L2 (a decode step
+// never finds a layer's weights in L2). Bytes = W + x + y.
+void bench_gemm(Ctx& c, const char* model, const char* proj, int m, int n, int k, DType out) {
+  const size_t w_bytes = static_cast<size_t>(n) * k * 2;
+  const int sets = rotation_sets(w_bytes, c.prop.l2CacheSize);
+  const size_t out_elem = out == DType::F32 ? 4 : 2;
+  std::vector<void*> ws(sets);
+  for (int i = 0; i < sets; ++i) {
+    ws[i] = dmalloc(w_bytes);
+    fill16(ws[i], w_bytes / 2, 1000 + i, 1.f / std::sqrt(static_cast<float>(k)));
+  }
+  void* x = dmalloc(static_cast<size_t>(m) * k * 2);
+  void* y = dmalloc(static_cast<size_t>(m) * n * out_elem);
+  fill16(x, static_cast<size_t>(m) * k, 77);
+  GemmRunner heuristic, tuned;
+  CK(heuristic.init());
+  CK(tuned.init());
+  GemmParams p{.out_dtype = out, .x = x, .w = ws[0], .y = y, .m = m, .n = n, .k = k};
+  CK(tuned.warm_up_rows(p, m, c.stream));  // tunes every row count up to m, m included
+  auto timed = [&](GemmRunner& r) {
+    return time_graph(c.opt, sets, c.stream, [&](int set, cudaStream_t st) {
+      GemmParams q = p;
+      q.w = ws[set];
+      CK(r.run(q, st));
+    });
+  };
+  const Timing th = timed(heuristic), tt = timed(tuned);
+  const double bytes = static_cast<double>(w_bytes) + static_cast<double>(m) * k * 2 + double(m) * n * out_elem;
+  json r = timing_json(tt.median_us < th.median_us ? tt : th, bytes, c.copy_gbps);  // top level: the runtime's choice
+  r["name"] = std::string("gemm_") + model + "_" + proj + "_m" + std::to_string(m);
+  r["kind"] = "gemm";
+  r["model"] = model;
+  r["proj"] = proj;
+  r["m"] = m;
+  r["n"] = n;
+  r["k"] = k;
+  r["out_dtype"] = out == DType::F32 ? "f32" : "bf16";
+  r["heuristic"] = graph_json(th, bytes, c.copy_gbps, c.opt.graph_calls);
+  r["heuristic"]["plan"] = heuristic.plan_name(p);
+  r["tuned"] = graph_json(tt, bytes, c.copy_gbps, c.opt.graph_calls);
+  r["tuned"]["plan"] = tuned.plan_name(p);
+  r["tuned_speedup"] = th.median_us / tt.median_us;
+  r["note"] = "graph-timed per call; top-level figures: the tuned plan (what the inference rank runs after its "
+              "warm-up); floor = bytes / copy bandwidth";
+  r["median_us"] = tt.median_us;
+  r["gb_per_s"] = bytes / (tt.median_us * 1e3);
+  r["ratio_to_copy"] = r["gb_per_s"].get<double>() / c.copy_gbps;
+  r["floor_us"] = bytes / (c.copy_gbps * 1e3);
+  c.results.push_back(r);
+  std::printf("%-36s heuristic %8.1f us (%5.1f%% of copy) | tuned %8.1f us (%5.1f%% of copy) %.2fx  [%s]\n",
+              r["name"].get<std::string>().c_str(), th.median_us, 100.0 * bytes / (th.median_us * 1e3) / c.copy_gbps,
+              tt.median_us, 100.0 * r["ratio_to_copy"].get<double>(), th.median_us / tt.median_us,
+              tuned.plan_name(p).c_str());
+  std::fflush(stdout);
+  for (void* w : ws) CK(cudaFree(w));
+  CK(cudaFree(x));
+  CK(cudaFree(y));
+}
+
+// The decode GEMMs of Qwen3-8B and Qwen3-32B (fused qkv and gate_up, as the inference rank runs them) at the
+// batches of bench_tpot's configs.
+void bench_gemms(Ctx& c) {
+  struct Shape {
+    const char* model;
+    const char* proj;
+    int n, k;
+    DType out;
+  };
+  const std::vector<Shape> shapes = {
+      {"qwen3-8b", "qkv", 6144, 4096, DType::BF16},      {"qwen3-8b", "o", 4096, 4096, DType::BF16},
+      {"qwen3-8b", "gate_up", 24576, 4096, DType::BF16}, {"qwen3-8b", "down", 4096, 12288, DType::BF16},
+      {"qwen3-8b", "lm_head", 151936, 4096, DType::F32}, {"qwen3-32b", "qkv", 10240, 5120, DType::BF16},
+      {"qwen3-32b", "o", 5120, 8192, DType::BF16},       {"qwen3-32b", "gate_up", 51200, 5120, DType::BF16},
+      {"qwen3-32b", "down", 5120, 25600, DType::BF16},
+  };
+  for (int m : {8, 16, 32}) {
+    for (const Shape& s : shapes) {
+      if (c.opt.quick && (m != 8 || std::string(s.model) != "qwen3-8b")) continue;
+      bench_gemm(c, s.model, s.proj, m, s.n, s.k, s.out);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   Ctx c;
   bool placement_only = false;
@@ -702,6 +788,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (c.opt.run("gemm")) bench_gemms(c);
   if (c.opt.run("sparse")) bench_sparse(c, 8, 32768, 16, 2048, 64);
   if (c.opt.run("selection")) {
     bench_selection(c, 8, 32768, 16, 2048, 33);

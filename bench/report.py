@@ -85,6 +85,20 @@ def main():
         elif r["kind"] == "copy" or r["kind"].startswith("selection_"):
             add_row(name, None)
 
+    gemms = [r for r in kern["results"] if r["kind"] == "gemm"]
+    if gemms:
+        lines += ["", "| decode GEMM (graph) | m | n x k | cuBLASLt heuristic (us, % of copy) | tuned (us, % of copy) |"
+                  " tuned speedup | tuned plan |", "|---|---:|---|---:|---:|---:|---|"]
+        summary["gemm"] = []
+        for r in gemms:
+            h, t = r["heuristic"], r["tuned"]
+            lines.append(f"| {r['model']} {r['proj']} | {r['m']} | {r['n']} x {r['k']} | {h['median_us']:.1f} "
+                         f"({100 * h['ratio_to_copy']:.0f}%) | {t['median_us']:.1f} ({100 * t['ratio_to_copy']:.0f}%) "
+                         f"| {r['tuned_speedup']:.2f}x | {t['plan']} |")
+            summary["gemm"].append({"case": r["name"], "heuristic_us": h["median_us"], "tuned_us": t["median_us"],
+                                    "tuned_ratio_to_copy": t["ratio_to_copy"], "tuned_speedup": r["tuned_speedup"],
+                                    "plan": t["plan"]})
+
     lines += ["", "| paged vs contiguous (same B, T) | placement | paged (us) | contiguous (us) | paged / contiguous |"
               " paged / contiguous, graph |", "|---|---|---:|---:|---:|---:|"]
     for r in kern["results"]:

@@ -6,9 +6,11 @@
 // Y^T[n, m] = W[k, n]^T · X^T[k, m] -- A = W (op T), B = x (op N), D = y with leading dimension n: the "TN" GEMM
 // cuBLASLt's tensor-core kernels prefer; no copy or transpose of any operand.
 //
-// Algorithm choice: cublasLtMatmulAlgoGetHeuristic's first answer for each distinct (m, n, k, dtypes, bias,
-// operand alignments) is cached in the GemmRunner, so steady-state calls only launch. The heuristic is told the
-// actual pointer alignments (up to 256 bytes), so sliced operands are safe.
+// Algorithm choice: one plan per distinct (m, n, k, dtypes, bias, operand alignments), cached in the GemmRunner, so
+// steady-state calls only launch. A plan made by run() takes cublasLtMatmulAlgoGetHeuristic's first answer; a decode
+// shape (m <= kSmallMMaxRows) planned by warm_up_rows is tuned: the fastest of cuBLASLt's heuristic answers and the
+// small-M split-K kernel (small_m_gemm, below), measured on the device. The heuristic is told the actual pointer
+// alignments (up to 256 bytes), so sliced operands are safe.
 //
 // Errors: every call returns cudaSuccess, cudaErrorInvalidValue for inconsistent parameters, cudaErrorNotSupported
 // when cuBLASLt has no algorithm for the shape, or the mapped cuBLASLt / CUDA error; launch_error_detail()
@@ -20,6 +22,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "common/dtype.h"
 #include "kernels/attention.cuh"  // launch_error_detail()
@@ -38,8 +41,35 @@ struct GemmParams {
   int k = 0;  // input features (> 0).
 };
 
-/// Default cuBLASLt workspace: 32 MiB (what cuBLAS recommends for Hopper).
+/// Default cuBLASLt workspace: 32 MiB (what cuBLAS recommends for Hopper). The small-M kernel's split-K partial sums
+/// use the same memory (the two never run at once on a runner's stream).
 inline constexpr size_t kDefaultGemmWorkspaceBytes = size_t{32} << 20;
+
+/// Largest row count (tokens) the small-M kernel takes: decode batches.
+inline constexpr int kSmallMMaxRows = 32;
+
+/// Device scratch of small_m_gemm: split-K partial sums and one arrival counter per 32-row output block.
+struct SmallMGemmWorkspace {
+  float* partials = nullptr;    // [splits, m, n] fp32 (capacity partial_elems); unused when splits == 1.
+  size_t partial_elems = 0;
+  int* counters = nullptr;      // [num_counters] int32, all zero between calls (each call leaves them zero).
+  int num_counters = 0;         // >= ceil(n / 32) when splits > 1.
+};
+
+/// Small-M split-K GEMM for decode, y = x · W^T (+ bias), the GemmParams contract, on the tensor cores
+/// (mma.m16n8k16, fp32 accumulation). W streams from memory once: a CTA of 4 warps owns 32 output features
+/// (2 m16 tiles of W rows) and one of `splits` equal K ranges; each thread loads 16 bytes of a W row and of an x row
+/// per 32-element K block (the mma's K order is permuted the same way on both operands, so no shared-memory staging),
+/// the tokens are the mma's n8 columns (ceil(m / 8) tiles). The 4 warps' sums meet in shared memory; with splits > 1
+/// each CTA writes its fp32 partial and the last of a column's CTAs to arrive (a counter) adds them in split order,
+/// adds the bias and writes y -- the result does not depend on arrival order. Source: the split-K GEMV pattern of
+/// decode kernels (e.g. TensorRT-LLM / Marlin-style small-batch GEMMs), without quantization.
+/// Supported (small_m_gemm_supports): in_dtype BF16 / F16, out_dtype = in_dtype or F32, 1 <= m <= kSmallMMaxRows,
+/// k % 32 == 0, x and w 16-byte aligned, 1 <= splits <= k / 32, and for splits > 1 a workspace of splits * m * n
+/// floats and ceil(n / 32) counters. Errors: cudaErrorInvalidValue (detail in launch_error_detail()) when not
+/// supported, or the launch's error.
+bool small_m_gemm_supports(const GemmParams& p, int splits, const SmallMGemmWorkspace& ws);
+cudaError_t small_m_gemm(const GemmParams& p, int splits, const SmallMGemmWorkspace& ws, cudaStream_t stream);
 
 /// cuBLASLt handle + device workspace + per-shape algorithm cache. One per device and stream: calls are
 /// asynchronous on the given stream and share the workspace, so two streams must not use one runner concurrently
@@ -58,20 +88,29 @@ class GemmRunner {
   /// y = x · w^T (+ bias) on `stream`.
   cudaError_t run(const GemmParams& p, cudaStream_t stream);
 
-  /// Start-up pass over every row count m in [1, max_m] of the GEMM `p` describes (p.m is ignored; x and y must
-  /// hold max_m rows): plans each shape on the host (the heuristic, cached as run() caches it) and launches it once
-  /// on `stream` when its cuBLASLt algorithm (with its dtypes and epilogue) has not run on this runner yet. A
-  /// cuBLASLt kernel's first launch sets its function attributes, which synchronises with the copies pending on the
-  /// device; in a process whose streams wait on another thread's progress (both ranks in one process, CudaIpcLink)
-  /// that first launch must not happen mid-step. `launches` (optional): how many GEMMs ran. Errors as run().
+  /// Start-up pass over every row count m in [1, max_m] of the GEMM `p` describes (p.m is ignored; x, w and y are
+  /// read and written, x and y must hold max_m rows): plans each shape on the host and launches its kernel once on
+  /// `stream` when that kernel (with its dtypes and epilogue) has not run on this runner yet. A kernel's first launch
+  /// sets its function attributes, which synchronises with the copies pending on the device; in a process whose
+  /// streams wait on another thread's progress (both ranks in one process, CudaIpcLink) that first launch must not
+  /// happen mid-step.
+  /// Decode shapes (m <= kSmallMMaxRows) are tuned instead of taken from the heuristic: cuBLASLt's first 8 heuristic
+  /// answers and small_m_gemm at every supported split count of {1, 2, 4, 8, 16, 32} each run 5 times on `stream`
+  /// after an L2 flush (a memset of twice the L2; a decode step's weights are never L2-resident), timed with CUDA
+  /// events, and the plan keeps the lowest median. The host waits for `stream`; not while it is being captured
+  /// (then every shape takes the heuristic). `launches` (optional): how many distinct kernels ran for the first time.
+  /// Errors as run().
   cudaError_t warm_up_rows(const GemmParams& p, int max_m, cudaStream_t stream, int* launches = nullptr);
+  /// The kernel the plan of `p`'s shape runs, e.g. "cublasLt algo 21 tile 20 splitK 1 (heuristic)" or "small-M
+  /// split-K 8 (tuned 9.1 us vs cuBLASLt 12.3 us)"; "" when the shape has no plan yet.
+  std::string plan_name(const GemmParams& p) const;
   /// Number of cached shape plans (tests / diagnostics).
   size_t cached_plans() const;
   /// Number of distinct (dtypes, epilogue, algorithm) combinations launched so far (tests / diagnostics).
   size_t launched_algorithms() const;
 
  private:
-  cudaError_t run_impl(const GemmParams& p, cudaStream_t stream, bool launch_only_if_new, bool* fresh);
+  cudaError_t run_impl(const GemmParams& p, cudaStream_t stream, bool launch_only_if_new, bool tune, int* fresh);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

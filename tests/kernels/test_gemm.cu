@@ -1,7 +1,9 @@
 // GPU tests of the cuBLASLt GEMM wrapper (kernels/gemm.cuh) against kernels/linear_ref on the exact fp32 images of
 // random bf16/fp16 operands: Qwen3-8B layer shapes (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down
 // 4096x12288, LM head 151936x4096) at decode and prefill token counts, odd small shapes, bias, fp32 output,
-// misaligned operands, the plan cache, CUDA-graph capture and invalid parameters.
+// misaligned operands, the plan cache, CUDA-graph capture and invalid parameters; the small-M split-K kernel
+// (small_m_gemm) at every token-tile width and several split counts, its determinism, graph replay (its arrival
+// counters) and the shapes it refuses; the decode-shape tuning of warm_up_rows.
 //
 // Bounds (fp32 accumulation, one rounding of the output): per row ||y - ref|| / ||ref|| <= 4e-3 (bf16 out),
 // 1e-3 (fp16 out), 2e-5 (fp32 out), and every element within 2^-7 |ref| + 0.02 rms(ref row) (one wrong element or
@@ -9,6 +11,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <ostream>
 #include <random>
 #include <string>
@@ -68,7 +72,10 @@ void check_rows(const std::vector<float>& got, const std::vector<float>& ref, in
   EXPECT_EQ(bad, 0);
 }
 
-void run_gemm(GemmRunner& runner, const GemmCase& c, uint64_t seed) {
+// Runs `gemm` on case c (twice: a cached plan, the small-M kernel's counters left at zero) and checks each result;
+// returns the second result's raw output bits (bf16 / fp16 as uint16, fp32 as uint32) for determinism checks.
+std::vector<uint32_t> check_gemm(const GemmCase& c, uint64_t seed,
+                                 const std::function<cudaError_t(const GemmParams&)>& gemm) {
   SCOPED_TRACE(std::string(name(c.in)) + "->" + name(c.out) + " m=" + std::to_string(c.m) + " n=" +
                std::to_string(c.n) + " k=" + std::to_string(c.k) + (c.bias ? " bias" : "") +
                " offset=" + std::to_string(c.x_offset));
@@ -115,20 +122,35 @@ void run_gemm(GemmRunner& runner, const GemmCase& c, uint64_t seed) {
   p.m = c.m;
   p.n = c.n;
   p.k = c.k;
+  std::vector<uint32_t> bits(ref.size());
   for (int rep = 0; rep < 2; ++rep) {  // the second call uses the cached plan
     if (c.out == DType::F32) y32.poison(); else y16.poison();
-    SPADE_CUDA_OK(runner.run(p, nullptr));
-    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    const cudaError_t e = gemm(p);
+    EXPECT_EQ(e, cudaSuccess) << launch_error_detail();
+    const cudaError_t sync = e == cudaSuccess ? cudaDeviceSynchronize() : e;
+    EXPECT_EQ(sync, cudaSuccess) << cudaGetErrorString(sync);
+    if (sync != cudaSuccess) return bits;
     std::vector<float> got(ref.size());
     if (c.out == DType::F32) {
       const std::vector<float> h = y32.download();
-      for (size_t i = 0; i < got.size(); ++i) got[i] = h[i + c.x_offset];
+      for (size_t i = 0; i < got.size(); ++i) {
+        got[i] = h[i + c.x_offset];
+        std::memcpy(&bits[i], &got[i], sizeof(float));
+      }
     } else {
       const std::vector<uint16_t> h = y16.download();
-      for (size_t i = 0; i < got.size(); ++i) got[i] = from_bits(c.out, h[i + c.x_offset]);
+      for (size_t i = 0; i < got.size(); ++i) {
+        got[i] = from_bits(c.out, h[i + c.x_offset]);
+        bits[i] = h[i + c.x_offset];
+      }
     }
     check_rows(got, ref, c.m, c.n, c.out);
   }
+  return bits;
+}
+
+void run_gemm(GemmRunner& runner, const GemmCase& c, uint64_t seed) {
+  check_gemm(c, seed, [&](const GemmParams& p) { return runner.run(p, nullptr); });
 }
 
 class GemmGpu : public ::testing::TestWithParam<GemmCase> {
@@ -177,8 +199,8 @@ TEST_F(GemmGpu, PlanCachePerShape) {
   EXPECT_EQ(runner_.cached_plans(), 3u);
 }
 
-// warm_up_rows plans every row count up to max_m and launches each distinct cuBLASLt kernel once (the launch count
-// equals the distinct kernels recorded, and a second pass launches nothing). Afterwards, calls over the range use
+// warm_up_rows plans every row count up to max_m and launches each distinct kernel once (the decode row counts: every
+// tuning candidate; the launch count equals the distinct kernels recorded, and a second pass launches nothing). Afterwards, calls over the range use
 // the warmed plans (same shapes and 256-byte alignment: what the forward pass does with its buffers), so they add no
 // kernel, which the in-process GPU pair relies on, and their results are still right.
 TEST_F(GemmGpu, WarmUpRowsLaunchesEveryAlgorithmOfTheRangeOnce) {
@@ -252,6 +274,169 @@ TEST_F(GemmGpu, GraphCaptureReplays) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+// small_m_gemm with a forced split count, its own workspace (what GemmRunner passes it).
+class SmallMGemmGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    partials_.alloc(size_t{4} << 20);
+    counters_.alloc(8192);
+    SPADE_CUDA_OK(cudaMemset(counters_.get(), 0, 8192 * sizeof(int)));
+    ws_.partials = partials_.get();
+    ws_.partial_elems = size_t{4} << 20;
+    ws_.counters = counters_.get();
+    ws_.num_counters = 8192;
+  }
+  std::vector<uint32_t> run(const GemmCase& c, int splits, uint64_t seed) {
+    SCOPED_TRACE("splits " + std::to_string(splits));
+    return check_gemm(c, seed, [&](const GemmParams& p) { return small_m_gemm(p, splits, ws_, nullptr); });
+  }
+  DevBuf<float> partials_;
+  DevBuf<int> counters_;
+  SmallMGemmWorkspace ws_;
+};
+
+TEST_F(SmallMGemmGpu, MatchesReferenceAtEveryTileWidthAndSplit) {
+  // clang-format off
+  const std::vector<GemmCase> cases = {
+      {.in = DType::BF16, .out = DType::BF16, .m = 1, .n = 4096, .k = 4096},        // o_proj, one token tile
+      {.in = DType::BF16, .out = DType::BF16, .m = 8, .n = 6144, .k = 4096},        // qkv
+      {.in = DType::BF16, .out = DType::BF16, .m = 13, .n = 4096, .k = 12288},      // down, two tiles, 5 rows idle
+      {.in = DType::BF16, .out = DType::BF16, .m = 32, .n = 1000, .k = 1024, .bias = true},  // four tiles, n % 32 != 0
+      {.in = DType::F16, .out = DType::F16, .m = 5, .n = 100, .k = 96, .bias = true},        // K of 3 blocks
+      {.in = DType::BF16, .out = DType::F32, .m = 3, .n = 20000, .k = 512, .bias = true},    // logits-like, fp32 out
+      {.in = DType::F16, .out = DType::F32, .m = 17, .n = 33, .k = 2048},
+  };
+  // clang-format on
+  uint64_t seed = 200;
+  for (const GemmCase& c : cases) {
+    SCOPED_TRACE(case_name(c));
+    for (int splits : {1, 2, 3, 8, 32}) {
+      if (splits > c.k / 32) continue;
+      run(c, splits, ++seed);
+    }
+  }
+}
+
+// The split partials are summed in split order by whichever CTA arrives last: the same bits every call.
+TEST_F(SmallMGemmGpu, DeterministicAcrossCalls) {
+  const GemmCase c{.in = DType::BF16, .out = DType::BF16, .m = 8, .n = 4096, .k = 12288};
+  const std::vector<uint32_t> a = run(c, 16, 300), b = run(c, 16, 300);
+  EXPECT_EQ(a, b);
+}
+
+// A captured split-K call replays correctly (each call leaves the arrival counters at zero for the next).
+TEST_F(SmallMGemmGpu, GraphCaptureReplays) {
+  const int m = 6, n = 2048, k = 4096, splits = 8;
+  std::mt19937_64 rng(31);
+  std::vector<float> x32, w32, ref(static_cast<size_t>(m) * n);
+  DevBuf<uint16_t> x, w, y(static_cast<size_t>(m) * n);
+  x.upload(random_half(DType::BF16, static_cast<size_t>(m) * k, 1.f, rng, &x32));
+  w.upload(random_half(DType::BF16, static_cast<size_t>(n) * k, 0.02f, rng, &w32));
+  GemmParams p;
+  p.x = x.get();
+  p.w = w.get();
+  p.y = y.get();
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  cudaStream_t stream;
+  SPADE_CUDA_OK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  SPADE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const cudaError_t e = small_m_gemm(p, splits, ws_, stream);
+  SPADE_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_EQ(e, cudaSuccess) << launch_error_detail();
+  SPADE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 3; ++rep) {
+    const std::vector<uint16_t> xb = random_half(DType::BF16, static_cast<size_t>(m) * k, 1.f, rng, &x32);
+    SPADE_CUDA_OK(cudaMemcpy(x.get(), xb.data(), xb.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    y.poison();
+    SPADE_CUDA_OK(cudaGraphLaunch(exec, stream));
+    SPADE_CUDA_OK(cudaStreamSynchronize(stream));
+    linear_ref(x32.data(), w32.data(), nullptr, ref.data(), m, n, k);
+    check_rows(spade::test::to_f32(DType::BF16, y.download()), ref, m, n, DType::BF16);
+  }
+  const std::vector<int> counters = counters_.download();
+  for (size_t i = 0; i < counters.size(); ++i) ASSERT_EQ(counters[i], 0) << "counter " << i;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(SmallMGemmGpu, RefusesWhatItDoesNotTake) {
+  DevBuf<uint16_t> buf(size_t{1} << 20);
+  GemmParams p;
+  p.x = buf.get();
+  p.w = buf.get() + 4096;
+  p.y = buf.get() + 8192;
+  p.m = 4;
+  p.n = 64;
+  p.k = 256;
+  ASSERT_TRUE(small_m_gemm_supports(p, 8, ws_));
+  auto refused = [&](const GemmParams& q, int splits, const SmallMGemmWorkspace& ws, const char* why) {
+    SCOPED_TRACE(why);
+    EXPECT_FALSE(small_m_gemm_supports(q, splits, ws));
+    EXPECT_EQ(small_m_gemm(q, splits, ws, nullptr), cudaErrorInvalidValue);
+    EXPECT_NE(std::string(launch_error_detail()).find("small_m_gemm"), std::string::npos) << launch_error_detail();
+  };
+  GemmParams q = p;
+  q.m = kSmallMMaxRows + 1;
+  refused(q, 1, ws_, "m past kSmallMMaxRows");
+  q = p;
+  q.k = 48;
+  refused(q, 1, ws_, "k % 32 != 0");
+  q = p;
+  q.x = buf.get() + 1;
+  refused(q, 1, ws_, "x not 16-byte aligned");
+  q = p;
+  q.w = buf.get() + 4;
+  refused(q, 1, ws_, "w not 16-byte aligned");
+  refused(p, 9, ws_, "splits > k / 32");
+  refused(p, 0, ws_, "splits 0");
+  q = p;
+  q.in_dtype = DType::F32;
+  refused(q, 1, ws_, "fp32 input");
+  SmallMGemmWorkspace small = ws_;
+  small.partial_elems = static_cast<size_t>(8) * p.m * p.n - 1;
+  refused(p, 8, small, "partials too small");
+  small = ws_;
+  small.num_counters = 1;
+  refused(p, 8, small, "too few counters");
+  EXPECT_TRUE(small_m_gemm_supports(p, 1, SmallMGemmWorkspace{}));  // one split needs no workspace
+}
+
+// warm_up_rows tunes the decode shapes: each row count gets a measured plan whose results are right, named after
+// its kernel; larger row counts keep the heuristic.
+TEST_F(GemmGpu, WarmUpRowsTunesDecodeShapes) {
+  const int max_m = kSmallMMaxRows + 4, n = 4096, k = 4096;
+  DevBuf<uint16_t> x, w, y;
+  std::mt19937_64 rng(23);
+  std::vector<float> unused;
+  x.upload(random_half(DType::BF16, static_cast<size_t>(max_m) * k, 1.f, rng, &unused));
+  w.upload(random_half(DType::BF16, static_cast<size_t>(n) * k, 0.02f, rng, &unused));
+  y.alloc(static_cast<size_t>(max_m) * n);
+  GemmParams p;
+  p.x = x.get();
+  p.w = w.get();
+  p.y = y.get();
+  p.n = n;
+  p.k = k;
+  SPADE_CUDA_OK(runner_.warm_up_rows(p, max_m, nullptr));
+  int small_m = 0;
+  for (int m = 1; m <= max_m; ++m) {
+    p.m = m;
+    const std::string name = runner_.plan_name(p);
+    EXPECT_EQ(name.find("tuned") != std::string::npos, m <= kSmallMMaxRows) << "m " << m << ": " << name;
+    small_m += name.rfind("small-M", 0) == 0 ? 1 : 0;
+    if (m == 1 || m == 8 || m == 9 || m == 32) std::printf("[ gemm     ] m %d n %d k %d: %s\n", m, n, k, name.c_str());
+  }
+  std::printf("[ gemm     ] %d of %d decode row counts picked the small-M kernel\n", small_m, kSmallMMaxRows);
+  for (int m : {1, 7, 8, 16, 31, 32, 33}) {
+    run_gemm(runner_, {DType::BF16, DType::BF16, m, n, k, false}, 400 + static_cast<uint64_t>(m));
+  }
 }
 
 TEST(GemmGpuErrors, RejectsBadParametersNamingTheShape) {
