@@ -31,7 +31,7 @@ target_sources(spade_kernels_cuda PRIVATE
   ${CMAKE_CURRENT_SOURCE_DIR}/layer_ops_norm.cu      # RMSNorm (plain / fused residual / per head)
   ${CMAKE_CURRENT_SOURCE_DIR}/layer_ops_rope_kv.cu   # q/k-norm + RoPE + paged KV append
   ${CMAKE_CURRENT_SOURCE_DIR}/layer_ops_sampling.cu  # greedy argmax, temperature / top-k / top-p sampling
-  ${CMAKE_CURRENT_SOURCE_DIR}/gemm.cu             # cuBLASLt wrapper, plans and decode-shape tuning
+  ${CMAKE_CURRENT_SOURCE_DIR}/gemm.cpp            # cuBLASLt wrapper, plans and decode-shape tuning
   ${CMAKE_CURRENT_SOURCE_DIR}/gemm_small_m.cu     # small-M split-K tensor-core GEMM (decode)
   ${CMAKE_CURRENT_SOURCE_DIR}/tensor_ops.cu      # random init (--random-weights), dtype casts
   ${CMAKE_CURRENT_SOURCE_DIR}/device.cpp)        # cuda_check, CudaEvent, DeviceBuffer, GpuKvPool (device.h)

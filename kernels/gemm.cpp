@@ -362,8 +362,10 @@ cudaError_t GemmRunner::init(size_t workspace_bytes) {
       return e;
     }
   }
-  cudaError_t e = cudaMalloc(&impl->counters, sizeof(int) * kSmallMCounters);
-  if (e == cudaSuccess) e = cudaMemset(impl->counters, 0, sizeof(int) * kSmallMCounters);
+  void* counters = nullptr;
+  cudaError_t e = cudaMalloc(&counters, sizeof(int) * kSmallMCounters);
+  impl->counters = static_cast<int*>(counters);
+  if (e == cudaSuccess) e = cudaMemset(counters, 0, sizeof(int) * kSmallMCounters);
   if (e != cudaSuccess) {
     detail::launch_error_slot() = "gemm: the small-M kernel's counters";
     return e;
