@@ -216,11 +216,13 @@ struct ApplyAnchorSpansParams {
 cudaError_t apply_anchor_spans(const ApplyAnchorSpansParams& p, cudaStream_t stream);
 
 /// Quest-style page selection with the TRUE query on the device, the synchronous page-level fidelity baseline:
-/// quest_page_scores_ref then quest_pick_ref (kernels/selection_ref.h states the rule), one CTA per (sequence, KV
-/// head). The page scores are fp32 sums over head_dim in another order than the reference's (a score may differ by
-/// fp32 rounding, so two pages within ~1e-6 of each other may rank differently); the pick given the written scores is
-/// the reference's exactly. A row with num_tokens[b] <= begin gets -1 only. Errors (cudaErrorInvalidValue, detail in
-/// launch_error_detail()): a pointer unset, k < 1, begin < 0, max_pages_per_seq > kMaxQuestPages, sizes out of range.
+/// quest_page_scores_ref then quest_pick_ref (kernels/selection_ref.h states the rule), as two kernels on `stream`: the
+/// scoring (one warp per page column, a CTA per run of columns of a (sequence, KV head)) writes page_scores, then the
+/// pick (one CTA per (sequence, KV head)) reads them back and writes indices. The page scores are fp32 sums over
+/// head_dim in another order than the reference's (a score may differ by fp32 rounding, so two pages within ~1e-6 of
+/// each other may rank differently); the pick given the written scores is the reference's exactly. A row with
+/// num_tokens[b] <= begin gets -1 only. Errors (cudaErrorInvalidValue, detail in launch_error_detail()): a pointer
+/// unset, k < 1, begin < 0, max_pages_per_seq > kMaxQuestPages, sizes out of range.
 struct QuestSelectParams {
   DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache.
   const float* q = nullptr;              // [batch, num_q_heads, head_dim] fp32 true queries (gather_query_rows).
@@ -228,7 +230,7 @@ struct QuestSelectParams {
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
   const int32_t* num_tokens = nullptr;   // [batch] int32 end of the candidates (<= max_pages_per_seq * page_size).
   float* page_scores = nullptr;          // [batch, num_kv_heads, max_pages_per_seq] fp32 out (scratch; the columns
-                                         // with a candidate are written).
+                                         // with a candidate are written, then read by the pick).
   int32_t* indices = nullptr;            // [batch, num_kv_heads, k] int32 out: ascending positions, -1 padding.
   int batch = 0;
   int num_q_heads = 0;
@@ -246,7 +248,8 @@ struct QuestSelectParams {
   // token was written.
   const void* k_summary = nullptr;
 };
-/// Largest block-table row quest_select takes (its pick keeps one int32 per page in shared memory).
+/// Largest block-table row quest_select takes (its pick keeps one int32 per page in shared memory and one score key
+/// per page in registers).
 inline constexpr int kMaxQuestPages = 8192;
 cudaError_t quest_select(const QuestSelectParams& p, cudaStream_t stream);
 

@@ -3,6 +3,8 @@
 // quest_pick_ref).
 #include <cuda_runtime.h>
 
+#include <cub/block/block_scan.cuh>
+
 #include <cstdint>
 
 #include "kernels/kernel_common.cuh"
@@ -17,7 +19,12 @@ namespace {
 
 constexpr int kQuestThreads = 256;
 constexpr int kQuestWarps = kQuestThreads / 32;
-constexpr int kQuestMaxRanked = 1024;  // columns the pick ranks among themselves (stage 2)
+constexpr int kQuestColsPerWarp = 8;                                 // page columns a scoring warp takes (<= 32)
+constexpr int kQuestScoreCols = kQuestWarps * kQuestColsPerWarp;     // page columns of a scoring CTA
+constexpr int kQuestMaxRanked = 1024;                                // columns the pick ranks among themselves
+constexpr int kQuestKeysPerThread = kMaxQuestPages / kQuestThreads;  // score keys a pick thread holds
+static_assert(kQuestColsPerWarp <= 32, "a scoring warp's lanes read its columns' pages");
+static_assert(kMaxQuestPages % kQuestThreads == 0, "the pick holds every column's key in registers");
 
 struct QuestArgs {
   PagedKv kv;
@@ -32,30 +39,49 @@ struct QuestArgs {
   int rule_max;
 };
 
-// One CTA per (KV head, sequence). Stage 1: one warp per page column, lanes over head_dim: the candidate keys'
-// element-wise min / max, then per query head of the group sum_d max(q*min, q*max) (warp sum), combined by the rule in
-// head order. Stage 2: each column's rank (score key descending, ties: the earlier column; only the best
-// ceil(k / page_size) + 2 columns, found by a radix select, are ranked) as the
-// candidate tokens of the better columns; a column takes min(its tokens, k - those) from its start; a serial prefix
-// over the columns in position order places them, ascending.
+// The candidate columns of row b: block-table columns first .. first + count - 1 cover [begin, end), end =
+// num_tokens[b] clamped to the block-table row (a documented precondition, enforced here so that no value read from
+// the device addresses outside the table or the pick's shared `taken`).
+struct QuestColumnsDev {
+  int end, first, count;
+};
+__device__ __forceinline__ QuestColumnsDev quest_columns_dev(const QuestArgs& a, int b) {
+  const int ps = a.kv.page_size, end = min(a.num_tokens[b], a.kv.max_pages * ps), first = a.begin / ps;
+  return QuestColumnsDev{end, first, end > a.begin ? (end - 1) / ps - first + 1 : 0};
+}
+
+// Page scores. Grid (ceil(max_pages / kQuestScoreCols), KV head, sequence): CTA x takes block-table columns
+// [x * kQuestScoreCols, (x + 1) * kQuestScoreCols) of the candidate ones, warp w of them the columns x *
+// kQuestScoreCols + w + kQuestWarps * i (i < kQuestColsPerWarp). One warp per column, lanes over head_dim (lane l
+// holds dims l + 32 i): the candidate keys' element-wise min / max (a whole page with summaries: its summary), then
+// per query head of the group sum_d max(q*min, q*max) (per-lane sum over i, then the warp sum), combined by the rule
+// in head order; written to page_scores. Columns without a candidate are not written.
 template <typename T, int D>
-__global__ void __launch_bounds__(kQuestThreads) quest_kernel(const QuestArgs a) {
+__global__ void __launch_bounds__(kQuestThreads) quest_score_kernel(const QuestArgs a) {
   constexpr int kPerLane = D / 32;
-  extern __shared__ int32_t taken[];  // [columns]: tokens taken, then their output offsets
-  __shared__ int32_t total;
-  const int kvh = blockIdx.x, b = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // The candidates end at num_tokens[b], clamped to the block-table row (a documented precondition, enforced here so
-  // that no value read from the device addresses outside the table or the shared `taken`).
-  const int ps = a.kv.page_size, end = min(a.num_tokens[b], a.kv.max_pages * ps);
+  __shared__ float sq[kMaxGqaGroup * D];  // the group's queries, head-major
+  const int kvh = blockIdx.y, b = blockIdx.z, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const QuestColumnsDev cols = quest_columns_dev(a, b);
+  const int base = blockIdx.x * kQuestScoreCols;
+  const int lo = max(cols.first, base), hi = min(cols.first + cols.count, base + kQuestScoreCols);
+  if (lo >= hi) return;  // the same for the whole CTA
+  const int ps = a.kv.page_size, group = a.heads.group;
+  const float* qg = a.q + (static_cast<size_t>(b) * a.heads.hq + static_cast<size_t>(kvh) * group) * D;
+  for (int i = threadIdx.x; i < group * D; i += kQuestThreads) sq[i] = qg[i];
   const size_t row = static_cast<size_t>(b) * a.kv.hkv + kvh;
-  int32_t* out = a.indices + row * a.k;
-  const int first = a.begin / ps, count = end > a.begin ? (end - 1) / ps - first + 1 : 0;
   float* scores = a.page_scores + row * a.kv.max_pages;
   const int32_t* table = a.kv.table_row(b);
   const T* k_head = a.kv.k_head<T, D>(kvh);
-  for (int c = warp; c < count; c += kQuestWarps) {
-    const int j = first + c, t0 = max(a.begin, j * ps), t1 = min(end, (j + 1) * ps);
-    const int32_t page = table[j];
+  // Lane i reads the page of the warp's column i.
+  const int jl = base + warp + kQuestWarps * lane;
+  const int32_t page_l = lane < kQuestColsPerWarp && jl >= lo && jl < hi ? table[jl] : 0;
+  __syncthreads();
+#pragma unroll 1
+  for (int ci = 0; ci < kQuestColsPerWarp; ++ci) {
+    const int j = base + warp + kQuestWarps * ci;
+    const int32_t page = __shfl_sync(0xffffffffu, page_l, ci);
+    if (j < lo || j >= hi) continue;  // the same for the whole warp
+    const int t0 = max(a.begin, j * ps), t1 = min(cols.end, (j + 1) * ps);
     float mn[kPerLane], mx[kPerLane];
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
@@ -82,8 +108,8 @@ __global__ void __launch_bounds__(kQuestThreads) quest_kernel(const QuestArgs a)
       }
     }
     float combined = a.rule_max ? __int_as_float(0xff800000) : 0.f;
-    for (int g = 0; g < a.heads.group; ++g) {
-      const float* q = a.q + (static_cast<size_t>(b) * a.heads.hq + static_cast<size_t>(kvh) * a.heads.group + g) * D;
+    for (int g = 0; g < group; ++g) {
+      const float* q = sq + g * D;
       float s = 0.f;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
@@ -91,78 +117,99 @@ __global__ void __launch_bounds__(kQuestThreads) quest_kernel(const QuestArgs a)
         s += fmaxf(qd * mn[i], qd * mx[i]);
       }
       s = warp_sum_xor(s, 1, 16);
-      combined = a.rule_max ? fmaxf(combined, s) : combined + s / a.heads.group;
+      combined = a.rule_max ? fmaxf(combined, s) : combined + s / group;
     }
     if (lane == 0) scores[j] = combined;
   }
-  __syncthreads();
-  // Stage 2 (the pick): only the columns among the M = ceil(k / ps) + 2 best can take tokens (the M best hold at least
-  // M - 2 whole pages, k tokens or more; every column ranked below them takes none). T = the M-th largest key (CTA
-  // radix select); the columns with key >= T (M of them unless keys tie at T) rank among themselves. More than
-  // kQuestMaxRanked such columns (a tie at T over many pages): every column ranks among all.
-  for (int c = threadIdx.x; c < count; c += kQuestThreads) taken[c] = 0;
+}
+
+// The pick, one CTA per (KV head, sequence), over the scores quest_score_kernel wrote. Each column's rank (score key
+// descending, ties: the earlier column) counts the candidate tokens of the better columns; a column takes min(its
+// tokens, k - those) from its start; its output offset is the sum of the tokens taken by the columns before it.
+// Only the columns among the M = ceil(k / ps) + 2 best can take tokens (the M best hold at least M - 2 whole pages,
+// k tokens or more; every column ranked below them takes none). T = the M-th largest key (CTA radix select over the
+// keys, held in registers: column threadIdx.x + kQuestThreads * i); the columns with key >= T (M of them unless keys
+// tie at T) rank among themselves. More than kQuestMaxRanked such columns (a tie at T over many pages): every column
+// ranks among all. The offsets: each thread sums the tokens taken by a contiguous run of ceil(count / kQuestThreads)
+// columns, a block-wide exclusive scan of those sums gives each run's first offset, and the thread writes its run's
+// positions from there, ascending; -1 after the total.
+__global__ void __launch_bounds__(kQuestThreads) quest_pick_kernel(const QuestArgs a) {
+  using Scan = cub::BlockScan<int, kQuestThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  extern __shared__ int32_t taken[];  // [columns]: tokens taken
   __shared__ int hist[256];
   __shared__ int s_digit, s_above, s_ranked;
   __shared__ int ranked_col[kQuestMaxRanked];
   __shared__ uint32_t ranked_key[kQuestMaxRanked];
+  const int kvh = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+  const QuestColumnsDev cols = quest_columns_dev(a, b);
+  const int ps = a.kv.page_size, end = cols.end, first = cols.first, count = cols.count;
+  const size_t row = static_cast<size_t>(b) * a.kv.hkv + kvh;
+  int32_t* out = a.indices + row * a.k;
+  const float* scores = a.page_scores + row * a.kv.max_pages;
+  uint32_t key[kQuestKeysPerThread];
+#pragma unroll
+  for (int i = 0; i < kQuestKeysPerThread; ++i) {
+    const int c = tid + kQuestThreads * i;
+    key[i] = c < count ? topk_key_dev(scores[first + c]) : 0u;
+  }
+  for (int c = tid; c < count; c += kQuestThreads) taken[c] = 0;
   uint32_t prefix = 0, mask = 0;
   if (count > 0) {  // the same for the whole CTA
     int kr = min(count, (a.k + ps - 1) / ps + 2);
 #pragma unroll 1
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = threadIdx.x; i < 256; i += kQuestThreads) hist[i] = 0;
+      for (int i = tid; i < 256; i += kQuestThreads) hist[i] = 0;
       __syncthreads();
-      for (int c = threadIdx.x; c < count; c += kQuestThreads) {
-        const uint32_t key = topk_key_dev(scores[first + c]);
-        if ((key & mask) == prefix) atomicAdd(&hist[255 - ((key >> shift) & 0xFFu)], 1);
+#pragma unroll
+      for (int i = 0; i < kQuestKeysPerThread; ++i) {
+        if (tid + kQuestThreads * i < count && (key[i] & mask) == prefix)
+          atomicAdd(&hist[255 - ((key[i] >> shift) & 0xFFu)], 1);
       }
       __syncthreads();
       radix_select_digit(hist, shift, prefix, mask, kr, s_digit, s_above);
     }
   }
-  if (threadIdx.x == 0) s_ranked = 0;
+  if (tid == 0) s_ranked = 0;
   __syncthreads();
-  for (int c = threadIdx.x; c < count; c += kQuestThreads) {
-    const uint32_t key = topk_key_dev(scores[first + c]);
-    if (key < prefix) continue;
-    const int i = atomicAdd(&s_ranked, 1);
-    if (i < kQuestMaxRanked) {
-      ranked_col[i] = c;
-      ranked_key[i] = key;
+#pragma unroll
+  for (int i = 0; i < kQuestKeysPerThread; ++i) {
+    const int c = tid + kQuestThreads * i;
+    if (c >= count || key[i] < prefix) continue;
+    const int r = atomicAdd(&s_ranked, 1);
+    if (r < kQuestMaxRanked) {
+      ranked_col[r] = c;
+      ranked_key[r] = key[i];
     }
   }
   __syncthreads();
   const int ns = s_ranked;
   const bool all = ns > kQuestMaxRanked;
-  for (int i = threadIdx.x; i < (all ? count : ns); i += kQuestThreads) {
+  for (int i = tid; i < (all ? count : ns); i += kQuestThreads) {
     const int c = all ? i : ranked_col[i], j = first + c;
-    const uint32_t key = all ? topk_key_dev(scores[j]) : ranked_key[i];
+    const uint32_t k1 = all ? topk_key_dev(scores[j]) : ranked_key[i];
     int better = 0;  // candidate tokens of the columns ranked before this one
     for (int i2 = 0; i2 < (all ? count : ns); ++i2) {
       const int j2 = first + (all ? i2 : ranked_col[i2]);
-      const uint32_t key2 = all ? topk_key_dev(scores[j2]) : ranked_key[i2];
-      if (key2 > key || (key2 == key && j2 < j)) better += min(end, (j2 + 1) * ps) - max(a.begin, j2 * ps);
+      const uint32_t k2 = all ? topk_key_dev(scores[j2]) : ranked_key[i2];
+      if (k2 > k1 || (k2 == k1 && j2 < j)) better += min(end, (j2 + 1) * ps) - max(a.begin, j2 * ps);
     }
     const int own = min(end, (j + 1) * ps) - max(a.begin, j * ps);
     taken[c] = max(0, min(own, a.k - better));
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int off = 0;
-    for (int c = 0; c < count; ++c) {
-      const int n = taken[c];
-      taken[c] = off;
-      off += n;
-    }
-    total = off;
+  const int run = (count + kQuestThreads - 1) / kQuestThreads;
+  const int c0 = min(count, tid * run), c1 = min(count, c0 + run);
+  int sum = 0;
+  for (int c = c0; c < c1; ++c) sum += taken[c];
+  int off = 0, total = 0;
+  Scan(scan_tmp).ExclusiveSum(sum, off, total);
+  for (int c = c0; c < c1; ++c) {
+    const int n = taken[c], t0 = max(a.begin, (first + c) * ps);
+    for (int i = 0; i < n; ++i) out[off + i] = t0 + i;
+    off += n;
   }
-  __syncthreads();
-  for (int c = threadIdx.x; c < count; c += kQuestThreads) {
-    const int j = first + c, t0 = max(a.begin, j * ps);
-    const int n = (c + 1 < count ? taken[c + 1] : total) - taken[c];
-    for (int i = 0; i < n; ++i) out[taken[c] + i] = t0 + i;
-  }
-  for (int i = total + threadIdx.x; i < a.k; i += kQuestThreads) out[i] = -1;
+  for (int i = total + tid; i < a.k; i += kQuestThreads) out[i] = -1;
 }
 
 // One warp per (page column, KV head) of a row: lanes over head_dim, the element-wise min / max of the page's keys,
@@ -240,12 +287,15 @@ cudaError_t quest_select(const QuestSelectParams& p, cudaStream_t stream) {
   a.k = p.k;
   a.begin = p.begin;
   a.rule_max = p.rule == GqaScoreRule::kMax ? 1 : 0;
-  const size_t smem = static_cast<size_t>(p.max_pages_per_seq) * sizeof(int32_t);
-  return dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
-    quest_kernel<decltype(tag), decltype(dim)::value>
-        <<<dim3(p.num_kv_heads, p.batch), kQuestThreads, smem, stream>>>(a);
+  const dim3 score_grid(ceil_div(p.max_pages_per_seq, kQuestScoreCols), p.num_kv_heads, p.batch);
+  const cudaError_t se = dispatch_elem_head_dim(what, p.dtype, p.head_dim, [&](auto tag, auto dim) {
+    quest_score_kernel<decltype(tag), decltype(dim)::value><<<score_grid, kQuestThreads, 0, stream>>>(a);
     return cudaGetLastError();
   });
+  if (se != cudaSuccess) return se;
+  const size_t smem = static_cast<size_t>(p.max_pages_per_seq) * sizeof(int32_t);
+  quest_pick_kernel<<<dim3(p.num_kv_heads, p.batch), kQuestThreads, smem, stream>>>(a);
+  return cudaGetLastError();
 }
 
 cudaError_t quest_page_summaries(const QuestPageSummariesParams& p, cudaStream_t stream) {

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,13 +31,15 @@ struct QuestCase {
   std::vector<int> ends;  // candidates [begin, end) per sequence
   GqaScoreRule rule;
   bool flat = false;      // zero queries: every page scores 0 and the pick ranks by position alone
+  int hkv = 2;            // KV heads
 };
 
 std::string case_name(const QuestCase& c) {
   return std::string(spade::test::name_dtype(c.dtype)) + "_D" + std::to_string(c.head_dim) + "_G" +
          std::to_string(c.group) + "_P" + std::to_string(c.page_size) + "_k" + std::to_string(c.k) + "_begin" +
          std::to_string(c.begin) + "_ends" + spade::test::name_ints(c.ends) +
-         (c.rule == GqaScoreRule::kMax ? "_max" : "_mean") + (c.flat ? "_flat" : "");
+         (c.rule == GqaScoreRule::kMax ? "_max" : "_mean") + (c.flat ? "_flat" : "") +
+         (c.hkv != 2 ? "_Hkv" + std::to_string(c.hkv) : std::string());
 }
 
 const QuestCase kQuestCases[] = {
@@ -55,13 +59,20 @@ const QuestCase kQuestCases[] = {
     // ranking over all columns), and a row with fewer.
     {.dtype = DType::BF16, .head_dim = 128, .group = 4, .page_size = 16, .k = 200, .begin = 0, .ends = {20000, 3000},
      .rule = GqaScoreRule::kMax, .flat = true},
+    // Long rows over many scoring CTAs and long runs of columns per thread in the pick's scan: begin inside the first
+    // page, ends on and off a page boundary, a row with no candidate, 4 KV heads.
+    {.dtype = DType::BF16, .head_dim = 128, .group = 4, .page_size = 16, .k = 301, .begin = 3,
+     .ends = {30000, 29993, 12345, 3}, .rule = GqaScoreRule::kMax, .hkv = 4},
+    // Page 4: 7500 columns in a row (runs of 30 columns per pick thread), the mean rule, fp16.
+    {.dtype = DType::F16, .head_dim = 64, .group = 2, .page_size = 4, .k = 301, .begin = 0, .ends = {30000, 27001, 1},
+     .rule = GqaScoreRule::kMean, .hkv = 4},
 };
 
 class QuestSelectGpu : public ::testing::TestWithParam<QuestCase> {};
 
 TEST_P(QuestSelectGpu, MatchesReference) {
   const QuestCase& c = GetParam();
-  const int B = static_cast<int>(c.ends.size()), hkv = 2, hq = hkv * c.group, D = c.head_dim, ps = c.page_size;
+  const int B = static_cast<int>(c.ends.size()), hkv = c.hkv, hq = hkv * c.group, D = c.head_dim, ps = c.page_size;
   std::mt19937_64 rng(9100 + D + c.group);
   PagedCache cache;
   std::vector<int> lens;
@@ -131,6 +142,18 @@ TEST_P(QuestSelectGpu, MatchesReference) {
       }
   }
   EXPECT_GT(compared, 0);
+  // The columns without a candidate (before begin's, after the row's last, every column of a row without one) keep
+  // the poison: the scoring writes inside the candidates only.
+  for (int b = 0; b < B; ++b) {
+    const int e = ends[static_cast<size_t>(b)], lo = c.begin / ps, hi = e > c.begin ? (e - 1) / ps + 1 : lo;
+    for (int h = 0; h < hkv; ++h)
+      for (int j = 0; j < cache.max_pages; ++j) {
+        if (j >= lo && j < hi) continue;
+        uint32_t bits = 0;
+        std::memcpy(&bits, &got_scores[(static_cast<size_t>(b) * hkv + h) * cache.max_pages + j], sizeof(bits));
+        ASSERT_EQ(bits, 0xFFFFFFFFu) << "b " << b << " h " << h << " column " << j << " without a candidate";
+      }
+  }
 
   // Quest's page summaries (quest_page_summaries): every full page equals the reference's, and quest_select reading
   // them scores and picks exactly as it did from the keys.
