@@ -93,8 +93,6 @@ struct DecodeArgs {
 
 template <typename T, int D, KvSource SRC>
 __global__ void __launch_bounds__(DecodeConfig<D, SRC>::kThreads) decode_kernel(const DecodeArgs a) {
-  pdl_wait();  // launched by launch_pdl: nothing global before the previous kernel is done
-  pdl_launch_dependents();
   using Tr = ElemTraits<T>;
   using Cfg = DecodeConfig<D, SRC>;
   constexpr int kTableEntries = Cfg::kTableEntries;
@@ -543,7 +541,8 @@ cudaError_t launch_decode_typed(DecodeArgs args, const DecodeShape& sh, const De
     args.ws_o = reinterpret_cast<float*>(base + w.o);
   }
   const dim3 grid(grid_x, sh.hkv / hpc, sh.batch);
-  return launch_pdl(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, args);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
 }
 
 template <KvSource SRC>

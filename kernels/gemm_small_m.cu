@@ -62,18 +62,6 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int row0 = blockIdx.x * kRowsPerCta, split = blockIdx.y, splits = gridDim.y;
   const int k_begin = split * k_per_split, k_end = min(k, k_begin + k_per_split);
   const int blocks = k_end > k_begin ? (k_end - k_begin) / kKBlock : 0;
-  // Launched by launch_pdl: W does not depend on the previous kernel, so the first 4 KiB of each of the CTA's rows
-  // in its K range are pulled into L2 while that kernel finishes; x, y and the workspace wait for it (pdl_wait).
-  {
-    const int lines = (min(k_end - k_begin, 2048) * static_cast<int>(sizeof(T)) + 127) / 128;
-    for (int i = threadIdx.x; i < kRowsPerCta * lines; i += kThreads) {
-      const int r = min(row0 + i / lines, n - 1);
-      const char* line = reinterpret_cast<const char*>(w + static_cast<size_t>(r) * k + k_begin) + (i % lines) * 128;
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line));
-    }
-  }
-  detail::pdl_wait();
-  detail::pdl_launch_dependents();
   const T* wr[2][2];  // [m16 tile][row g / g + 8], rows past n clamped (loaded, never written)
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
@@ -189,11 +177,17 @@ cudaError_t launch_typed(const GemmParams& p, int splits, const SmallMGemmWorksp
   const auto* w = static_cast<const T*>(p.w);
   const auto* bias = static_cast<const OutT*>(p.bias);
   auto* y = static_cast<OutT*>(p.y);
-  auto* kernel = p.m <= 8    ? small_m_gemm_kernel<T, OutT, 1>
-                 : p.m <= 16 ? small_m_gemm_kernel<T, OutT, 2>
-                             : small_m_gemm_kernel<T, OutT, 4>;
-  return detail::launch_pdl(kernel, grid, dim3(kThreads), 0, stream, x, w, bias, y, ws.partials, ws.counters, p.m,
-                            p.n, p.k, k_per_split);
+  if (p.m <= 8) {
+    small_m_gemm_kernel<T, OutT, 1><<<grid, kThreads, 0, stream>>>(x, w, bias, y, ws.partials, ws.counters, p.m, p.n,
+                                                                    p.k, k_per_split);
+  } else if (p.m <= 16) {
+    small_m_gemm_kernel<T, OutT, 2><<<grid, kThreads, 0, stream>>>(x, w, bias, y, ws.partials, ws.counters, p.m, p.n,
+                                                                    p.k, k_per_split);
+  } else {
+    small_m_gemm_kernel<T, OutT, 4><<<grid, kThreads, 0, stream>>>(x, w, bias, y, ws.partials, ws.counters, p.m, p.n,
+                                                                    p.k, k_per_split);
+  }
+  return cudaGetLastError();
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

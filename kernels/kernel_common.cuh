@@ -51,38 +51,6 @@ SPADE_ELEM_TRAITS(__nv_bfloat16, __nv_bfloat162, DType::BF16, __floats2bfloat162
 SPADE_ELEM_TRAITS(__half, __half2, DType::F16, __floats2half2_rn, __half2float, __float2half_rn, "f16")
 #undef SPADE_ELEM_TRAITS
 
-/// Programmatic dependent launch (PDL, Hopper; CUDA Programming Guide "Programmatic Dependent Launch and
-/// Synchronization"): the kernels of the decode layer chain are launched with launch_pdl, so a kernel's CTAs may be
-/// resident before the previous kernel of the stream has finished. pdl_wait() blocks until every grid this one
-/// depends on has completed and its writes are visible; a kernel launched by launch_pdl must call it before its
-/// first global-memory access that depends on or conflicts with an earlier kernel (reads of their outputs, any
-/// write). Without the launch attribute it returns at once.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-/// Lets the stream's next kernel (if launched by launch_pdl) start its CTAs once every CTA of this grid has called
-/// this or exited; they then wait in pdl_wait. Called right after pdl_wait, so at most two grids overlap.
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
-/// kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-stream-serialization attribute (PDL): the
-/// launch may overlap the tail of the stream's previous kernel; `kernel` must call pdl_wait() first (above). In a
-/// CUDA graph capture the dependency becomes a programmatic edge. Returns the launch error.
-template <typename... KArgs, typename... Args>
-cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -23,8 +23,6 @@ template <typename T, bool kVec>
 __global__ void __launch_bounds__(kEmbedThreads) embedding_kernel(const int32_t* __restrict__ ids,
                                                                    const T* __restrict__ table, T* __restrict__ out,
                                                                    int32_t* error_flag, int vocab, int hidden) {
-  pdl_wait();  // launched by launch_pdl: nothing global before the previous kernel is done
-  pdl_launch_dependents();
   const int t = blockIdx.x;
   const int id = ids[t];
   const bool ok = id >= 0 && id < vocab;
@@ -54,8 +52,6 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kSwigluThreads) swiglu_kernel(const T* __restrict__ gu, T* __restrict__ out,
                                                                  int rows, int inter, int gu_stride, int out_stride) {
-  pdl_wait();  // launched by launch_pdl: nothing global before the previous kernel is done
-  pdl_launch_dependents();
   const int per_row = kVec ? inter / 8 : inter;
   const long long n = static_cast<long long>(rows) * per_row;
   for (long long i = static_cast<long long>(blockIdx.x) * kSwigluThreads + threadIdx.x; i < n;
@@ -100,10 +96,14 @@ cudaError_t embedding_gather(const EmbeddingParams& p, cudaStream_t stream) {
   return detail::dispatch_elem(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     const bool vec = p.hidden % 8 == 0 && detail::aligned16(p.table) && detail::aligned16(p.out);
-    return detail::launch_pdl(vec ? detail::embedding_kernel<T, true> : detail::embedding_kernel<T, false>,
-                              dim3(p.num_tokens), dim3(detail::kEmbedThreads), 0, stream, p.token_ids,
-                              static_cast<const T*>(p.table), static_cast<T*>(p.out), p.error_flag, p.vocab_size,
-                              p.hidden);
+    if (vec) {
+      detail::embedding_kernel<T, true><<<p.num_tokens, detail::kEmbedThreads, 0, stream>>>(
+          p.token_ids, static_cast<const T*>(p.table), static_cast<T*>(p.out), p.error_flag, p.vocab_size, p.hidden);
+    } else {
+      detail::embedding_kernel<T, false><<<p.num_tokens, detail::kEmbedThreads, 0, stream>>>(
+          p.token_ids, static_cast<const T*>(p.table), static_cast<T*>(p.out), p.error_flag, p.vocab_size, p.hidden);
+    }
+    return cudaGetLastError();
   });
 }
 
@@ -123,9 +123,14 @@ cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream) {
                      detail::aligned16(p.out);
     const long long n = static_cast<long long>(p.rows) * (vec ? p.inter / 8 : p.inter);
     const int blocks = detail::grid_cap((n + detail::kSwigluThreads - 1) / detail::kSwigluThreads);
-    return detail::launch_pdl(vec ? detail::swiglu_kernel<T, true> : detail::swiglu_kernel<T, false>, dim3(blocks),
-                              dim3(detail::kSwigluThreads), 0, stream, static_cast<const T*>(p.gate_up),
-                              static_cast<T*>(p.out), p.rows, p.inter, gs, os);
+    if (vec) {
+      detail::swiglu_kernel<T, true><<<blocks, detail::kSwigluThreads, 0, stream>>>(
+          static_cast<const T*>(p.gate_up), static_cast<T*>(p.out), p.rows, p.inter, gs, os);
+    } else {
+      detail::swiglu_kernel<T, false><<<blocks, detail::kSwigluThreads, 0, stream>>>(
+          static_cast<const T*>(p.gate_up), static_cast<T*>(p.out), p.rows, p.inter, gs, os);
+    }
+    return cudaGetLastError();
   });
 }
 

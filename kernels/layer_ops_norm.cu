@@ -30,8 +30,6 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const T* x, const
                                                                 void* residual, int dim, int x_stride,
                                                                 int out_stride, float eps, bool w_f32,
                                                                 bool unit_offset) {
-  pdl_wait();  // launched by launch_pdl: nothing global before the previous kernel is done
-  pdl_launch_dependents();
   using RT = typename std::conditional<kRes == ResMode::kF32, float, T>::type;
   const int r = blockIdx.x;
   const T* xr = x + static_cast<size_t>(r) * x_stride;
@@ -111,8 +109,6 @@ __global__ void __launch_bounds__(kHeadNormThreads) rmsnorm_heads_kernel(const T
                                                                           int head_dim, int token_stride,
                                                                           int out_token_stride, float eps, bool w_f32,
                                                                           bool unit_offset) {
-  pdl_wait();  // launched by launch_pdl: nothing global before the previous kernel is done
-  pdl_launch_dependents();
   const long long row = static_cast<long long>(blockIdx.x) * (kHeadNormThreads / 32) + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
@@ -170,8 +166,9 @@ cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
     const bool vec = p.dim % 8 == 0 && xs % 8 == 0 && os % 8 == 0 && detail::aligned16(p.x) &&
                      detail::aligned16(p.out) && (p.residual == nullptr || detail::aligned16(p.residual));
     auto launch = [&](auto kernel) {
-      return detail::launch_pdl(kernel, dim3(p.rows), dim3(detail::kNormThreads), 0, stream, x, p.weight, out,
-                                p.residual, p.dim, xs, os, p.eps, w_f32, p.unit_offset);
+      kernel<<<p.rows, detail::kNormThreads, 0, stream>>>(x, p.weight, out, p.residual, p.dim, xs, os, p.eps, w_f32,
+                                                          p.unit_offset);
+      return cudaGetLastError();
     };
     using detail::ResMode;
     if (p.residual == nullptr) {
@@ -208,10 +205,10 @@ cudaError_t rmsnorm_heads(const RmsNormHeadsParams& p, cudaStream_t stream) {
   if (blocks > 0x7fffffff) return invalid_argument(w, "tokens * num_heads too large");
   return detail::dispatch_elem(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    return detail::launch_pdl(detail::rmsnorm_heads_kernel<T>, dim3(static_cast<unsigned>(blocks)),
-                              dim3(detail::kHeadNormThreads), 0, stream, static_cast<const T*>(p.x), p.weight,
-                              static_cast<T*>(p.out), rows, p.num_heads, p.head_dim, ts, os, p.eps,
-                              p.weight_dtype == DType::F32, p.unit_offset);
+    detail::rmsnorm_heads_kernel<T><<<static_cast<unsigned>(blocks), detail::kHeadNormThreads, 0, stream>>>(
+        static_cast<const T*>(p.x), p.weight, static_cast<T*>(p.out), rows, p.num_heads, p.head_dim, ts, os, p.eps,
+        p.weight_dtype == DType::F32, p.unit_offset);
+    return cudaGetLastError();
   });
 }
 

@@ -62,8 +62,6 @@ struct RopeArgs {
 // us per layer at batch 8 on an H100).
 template <typename T>
 __global__ void __launch_bounds__(kRopeThreads) rope_kv_append_kernel(const RopeArgs<T> a, const InvFreq freq) {
-  pdl_wait();  // launched by launch_pdl: nothing global before the previous kernel is done
-  pdl_launch_dependents();
   __shared__ float s_cos[kMaxLayerOpsHeadDim / 2];
   __shared__ float s_sin[kMaxLayerOpsHeadDim / 2];
   __shared__ float s_head[kRopeWarps][kMaxLayerOpsHeadDim];
@@ -239,8 +237,8 @@ cudaError_t rope_kv_append(const RopeKvAppendParams& p, cudaStream_t stream) {
     a.norm_f32 = p.norm_weight_dtype == DType::F32;
     a.unit_offset = p.norm_unit_offset;
     const int head_blocks = (p.num_q_heads + p.num_kv_heads + detail::kRopeWarps - 1) / detail::kRopeWarps;
-    return detail::launch_pdl(detail::rope_kv_append_kernel<T>, dim3(p.tokens, head_blocks + 1),
-                              dim3(detail::kRopeThreads), 0, stream, a, freq);
+    detail::rope_kv_append_kernel<T><<<dim3(p.tokens, head_blocks + 1), detail::kRopeThreads, 0, stream>>>(a, freq);
+    return cudaGetLastError();
   });
 }
 
