@@ -619,10 +619,10 @@ int print_placement_stats() {
   return 0;
 }
 
-// Decode-shape dense layer GEMMs (kernels/gemm.cuh), y[m, n] = x[m, k] · W[n, k]^T bf16: each shape timed with the
-// plan run() makes (cuBLASLt's first heuristic answer) and with the plan warm_up_rows tunes (the fastest of cuBLASLt's
-// heuristic answers and the small-M split-K kernel), graph-timed, weights rotated over sets >= 4x L2 (a decode step
-// never finds a layer's weights in L2). Bytes = W + x + y.
+// Decode-shape dense layer GEMMs (kernels/gemm.cuh), y[m, n] = x[m, k] · W[n, k]^T bf16: the runtime's GemmRunner
+// (cuBLASLt's first heuristic answer) beside the small-M split-K kernel (small_m_gemm) at its best split count of
+// {1, 2, 4, 8, 16, 32} (each graph-timed, the fastest kept), weights rotated over sets >= 4x L2 (a decode step never
+// finds a layer's weights in L2). Bytes = W + x + y; floor = bytes / copy bandwidth.
 void bench_gemm(Ctx& c, const char* model, const char* proj, int m, int n, int k, DType out) {
   const size_t w_bytes = static_cast<size_t>(n) * k * 2;
   const int sets = rotation_sets(w_bytes, c.prop.l2CacheSize);
@@ -635,21 +635,36 @@ void bench_gemm(Ctx& c, const char* model, const char* proj, int m, int n, int k
   void* x = dmalloc(static_cast<size_t>(m) * k * 2);
   void* y = dmalloc(static_cast<size_t>(m) * n * out_elem);
   fill16(x, static_cast<size_t>(m) * k, 77);
-  GemmRunner heuristic, tuned;
-  CK(heuristic.init());
-  CK(tuned.init());
-  GemmParams p{.out_dtype = out, .x = x, .w = ws[0], .y = y, .m = m, .n = n, .k = k};
-  CK(tuned.warm_up_rows(p, m, c.stream));  // tunes every row count up to m, m included
-  auto timed = [&](GemmRunner& r) {
-    return time_graph(c.opt, sets, c.stream, [&](int set, cudaStream_t st) {
+  SmallMGemmWorkspace sw;
+  sw.partial_elems = size_t{16} << 20;  // 64 MiB of fp32 partials
+  sw.partials = static_cast<float*>(dmalloc(sw.partial_elems * sizeof(float)));
+  sw.num_counters = 8192;
+  sw.counters = static_cast<int*>(dmalloc(sizeof(int) * sw.num_counters));
+  CK(cudaMemset(sw.counters, 0, sizeof(int) * sw.num_counters));
+  GemmRunner runner;
+  CK(runner.init());
+  const GemmParams p{.out_dtype = out, .x = x, .w = ws[0], .y = y, .m = m, .n = n, .k = k};
+  const Timing tc = time_graph(c.opt, sets, c.stream, [&](int set, cudaStream_t st) {
+    GemmParams q = p;
+    q.w = ws[set];
+    CK(runner.run(q, st));
+  });
+  Timing ts;
+  int best_split = 0;
+  for (int s : {1, 2, 4, 8, 16, 32}) {
+    if (!small_m_gemm_supports(p, s, sw)) continue;
+    const Timing t = time_graph(c.opt, sets, c.stream, [&](int set, cudaStream_t st) {
       GemmParams q = p;
       q.w = ws[set];
-      CK(r.run(q, st));
+      CK(small_m_gemm(q, s, sw, st));
     });
-  };
-  const Timing th = timed(heuristic), tt = timed(tuned);
+    if (best_split == 0 || t.median_us < ts.median_us) {
+      ts = t;
+      best_split = s;
+    }
+  }
   const double bytes = static_cast<double>(w_bytes) + static_cast<double>(m) * k * 2 + double(m) * n * out_elem;
-  json r = timing_json(tt.median_us < th.median_us ? tt : th, bytes, c.copy_gbps);  // top level: the runtime's choice
+  json r = graph_json(tc, bytes, c.copy_gbps, c.opt.graph_calls);  // top level: what the runtime runs
   r["name"] = std::string("gemm_") + model + "_" + proj + "_m" + std::to_string(m);
   r["kind"] = "gemm";
   r["model"] = model;
@@ -658,26 +673,26 @@ void bench_gemm(Ctx& c, const char* model, const char* proj, int m, int n, int k
   r["n"] = n;
   r["k"] = k;
   r["out_dtype"] = out == DType::F32 ? "f32" : "bf16";
-  r["heuristic"] = graph_json(th, bytes, c.copy_gbps, c.opt.graph_calls);
-  r["heuristic"]["plan"] = heuristic.plan_name(p);
-  r["tuned"] = graph_json(tt, bytes, c.copy_gbps, c.opt.graph_calls);
-  r["tuned"]["plan"] = tuned.plan_name(p);
-  r["tuned_speedup"] = th.median_us / tt.median_us;
-  r["note"] = "graph-timed per call; top-level figures: the tuned plan (what the inference rank runs after its "
-              "warm-up); floor = bytes / copy bandwidth";
-  r["median_us"] = tt.median_us;
-  r["gb_per_s"] = bytes / (tt.median_us * 1e3);
-  r["ratio_to_copy"] = r["gb_per_s"].get<double>() / c.copy_gbps;
+  r["plan"] = runner.plan_name(p);
   r["floor_us"] = bytes / (c.copy_gbps * 1e3);
+  if (best_split > 0) {
+    r["small_m"] = graph_json(ts, bytes, c.copy_gbps, c.opt.graph_calls);
+    r["small_m"]["splits"] = best_split;
+    r["cublaslt_over_small_m"] = tc.median_us / ts.median_us;
+  }
+  r["note"] = "graph-timed per call; top level: the runtime's cuBLASLt plan; small_m: small_m_gemm at its best split";
   c.results.push_back(r);
-  std::printf("%-36s heuristic %8.1f us (%5.1f%% of copy) | tuned %8.1f us (%5.1f%% of copy) %.2fx  [%s]\n",
-              r["name"].get<std::string>().c_str(), th.median_us, 100.0 * bytes / (th.median_us * 1e3) / c.copy_gbps,
-              tt.median_us, 100.0 * r["ratio_to_copy"].get<double>(), th.median_us / tt.median_us,
-              tuned.plan_name(p).c_str());
+  std::printf("%-30s cuBLASLt %7.1f us (%5.1f%% of copy) [%s] | small-M %7.1f us (%5.1f%%, %d splits) | floor %.1f us\n",
+              r["name"].get<std::string>().c_str(), tc.median_us, 100.0 * r["ratio_to_copy"].get<double>(),
+              r["plan"].get<std::string>().c_str(), best_split > 0 ? ts.median_us : 0.0,
+              best_split > 0 ? 100.0 * r["small_m"]["ratio_to_copy"].get<double>() : 0.0, best_split,
+              r["floor_us"].get<double>());
   std::fflush(stdout);
   for (void* w : ws) CK(cudaFree(w));
   CK(cudaFree(x));
   CK(cudaFree(y));
+  CK(cudaFree(sw.partials));
+  CK(cudaFree(sw.counters));
 }
 
 // The decode GEMMs of Qwen3-8B and Qwen3-32B (fused qkv and gate_up, as the inference rank runs them) at the

@@ -87,17 +87,18 @@ def main():
 
     gemms = [r for r in kern["results"] if r["kind"] == "gemm"]
     if gemms:
-        lines += ["", "| decode GEMM (graph) | m | n x k | cuBLASLt heuristic (us, % of copy) | tuned (us, % of copy) |"
-                  " tuned speedup | tuned plan |", "|---|---:|---|---:|---:|---:|---|"]
+        lines += ["", "| decode GEMM (graph) | m | n x k | cuBLASLt (us, % of copy) | small-M split-K (us, % of copy, "
+                  "splits) | cuBLASLt / small-M | floor (us) |", "|---|---:|---|---:|---:|---:|---:|"]
         summary["gemm"] = []
         for r in gemms:
-            h, t = r["heuristic"], r["tuned"]
-            lines.append(f"| {r['model']} {r['proj']} | {r['m']} | {r['n']} x {r['k']} | {h['median_us']:.1f} "
-                         f"({100 * h['ratio_to_copy']:.0f}%) | {t['median_us']:.1f} ({100 * t['ratio_to_copy']:.0f}%) "
-                         f"| {r['tuned_speedup']:.2f}x | {t['plan']} |")
-            summary["gemm"].append({"case": r["name"], "heuristic_us": h["median_us"], "tuned_us": t["median_us"],
-                                    "tuned_ratio_to_copy": t["ratio_to_copy"], "tuned_speedup": r["tuned_speedup"],
-                                    "plan": t["plan"]})
+            sm = r.get("small_m")
+            smc = f"{sm['median_us']:.1f} ({100 * sm['ratio_to_copy']:.0f}%, {sm['splits']})" if sm else "-"
+            ratio = f"{r['cublaslt_over_small_m']:.2f}" if sm else "-"
+            lines.append(f"| {r['model']} {r['proj']} | {r['m']} | {r['n']} x {r['k']} | {r['median_us']:.1f} "
+                         f"({100 * r['ratio_to_copy']:.0f}%) | {smc} | {ratio} | {r['floor_us']:.1f} |")
+            summary["gemm"].append({"case": r["name"], "cublaslt_us": r["median_us"],
+                                    "cublaslt_ratio_to_copy": r["ratio_to_copy"],
+                                    "small_m_us": sm["median_us"] if sm else None, "floor_us": r["floor_us"]})
 
     lines += ["", "| paged vs contiguous (same B, T) | placement | paged (us) | contiguous (us) | paged / contiguous |"
               " paged / contiguous, graph |", "|---|---|---:|---:|---:|---:|"]

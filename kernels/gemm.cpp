@@ -1,7 +1,7 @@
-// cuBLASLt wrapper for the dense layers: y = x · W^T (+ bias). API and mapping: kernels/gemm.cuh.
+// cuBLASLt wrapper for the dense layers: y = x · W^T (+ bias). API and mapping: kernels/gemm.cuh. Plain C++ (nvcc's
+// front end is not needed here).
 #include <cublasLt.h>
 
-#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -9,7 +9,6 @@
 #include <sstream>
 #include <string>
 #include <unordered_map>
-#include <vector>
 
 #include "kernels/gemm.cuh"
 #include "kernels/launch_util.cuh"
@@ -91,9 +90,8 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
-  int small_m_splits = 0;  // > 0: small_m_gemm with this split count runs instead of cuBLASLt's `algo`
-  std::string name;        // GemmRunner::plan_name
-  bool counted = false;    // its kernel is in GemmRunner::Impl::launched (checked once per plan, not per call)
+  std::string name;      // GemmRunner::plan_name
+  bool counted = false;  // its kernel is in GemmRunner::Impl::launched (checked once per plan, not per call)
 
   void destroy() {
     if (op != nullptr) cublasLtMatmulDescDestroy(op);
@@ -130,13 +128,6 @@ std::string algo_name(const cublasLtMatmulAlgo_t& algo) {
          std::to_string(split_k);
 }
 
-/// Tuning: repetitions per candidate, cuBLASLt heuristic answers tried, small_m_gemm split counts tried.
-constexpr int kTuneReps = 5;
-constexpr int kTuneHeuristics = 8;
-constexpr int kTuneSplits[] = {1, 2, 4, 8, 16, 32};
-/// small_m_gemm's arrival counters: one per 32 output features, up to n = 262144.
-constexpr int kSmallMCounters = 8192;
-
 }  // namespace
 
 using AlgoKey = std::array<uint64_t, 9>;
@@ -146,126 +137,15 @@ struct GemmRunner::Impl {
   std::set<AlgoKey> launched;  // kernels (dtypes, epilogue, algorithm) that ran at least once
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  int* counters = nullptr;  // small_m_gemm's arrival counters
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
 
   ~Impl() {
     for (auto& kv : plans) kv.second.destroy();
     if (handle != nullptr) cublasLtDestroy(handle);
     if (workspace != nullptr) cudaFree(workspace);
-    if (counters != nullptr) cudaFree(counters);
   }
 
-  SmallMGemmWorkspace small_m_workspace() const {
-    return SmallMGemmWorkspace{static_cast<float*>(workspace), workspace_bytes / sizeof(float), counters,
-                               kSmallMCounters};
-  }
-
-  /// The kernel identity recorded in `launched`: dtypes, epilogue, and cuBLASLt's algorithm or small_m_gemm's
-  /// template (its token tiles; the split count is a launch argument).
-  static AlgoKey kernel_id(const GemmParams& p, const Plan& plan) {
-    AlgoKey id{};
-    id[0] = static_cast<uint64_t>(p.in_dtype) | static_cast<uint64_t>(p.out_dtype) << 8 |
-            static_cast<uint64_t>(p.bias != nullptr) << 16 | static_cast<uint64_t>(plan.small_m_splits > 0) << 24;
-    if (plan.small_m_splits > 0) {
-      id[1] = static_cast<uint64_t>((p.m + 7) / 8);
-    } else {
-      static_assert(sizeof(plan.algo) <= sizeof(uint64_t) * (std::tuple_size_v<AlgoKey> - 1));
-      std::memcpy(id.data() + 1, &plan.algo, sizeof(plan.algo));
-    }
-    return id;
-  }
-
-  /// One launch of `plan` (cuBLASLt or small_m_gemm) on `stream`.
-  cudaError_t launch(const GemmParams& p, Plan& plan, cudaStream_t stream) {
-    if (plan.small_m_splits > 0) return small_m_gemm(p, plan.small_m_splits, small_m_workspace(), stream);
-    if (p.bias != nullptr) {
-      const void* bias = p.bias;
-      const cublasStatus_t s =
-          cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
-      if (s != CUBLAS_STATUS_SUCCESS) return fail(p, "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", s);
-    }
-    const float alpha = 1.0f, beta = 0.0f;
-    const cublasStatus_t s = cublasLtMatmul(handle, plan.op, &alpha, p.w, plan.a, p.x, plan.b, &beta, p.y, plan.d,
-                                            p.y, plan.d, &plan.algo, workspace, workspace_bytes, stream);
-    if (s != CUBLAS_STATUS_SUCCESS) return fail(p, "cublasLtMatmul", s);
-    return cudaSuccess;
-  }
-
-  /// Tunes `plan` (made by make_plan, with up to kTuneHeuristics answers in `algos`) for p's shape on `stream`: every
-  /// candidate runs kTuneReps times after an L2 flush, the lowest median wins. New kernels go into `launched`
-  /// (*fresh counts them). The host waits for `stream`.
-  cudaError_t tune(const GemmParams& p, Plan& plan, const std::vector<cublasLtMatmulAlgo_t>& algos, void* flush,
-                   size_t flush_bytes, cudaStream_t stream, int* fresh) {
-    struct Candidate {
-      cublasLtMatmulAlgo_t algo{};
-      int splits = 0;
-      float median_ms = 0.f;
-    };
-    std::vector<Candidate> cands;
-    for (const auto& a : algos) cands.push_back({a, 0, 0.f});
-    for (int s : kTuneSplits) {
-      if (small_m_gemm_supports(p, s, small_m_workspace())) cands.push_back({plan.algo, s, 0.f});
-    }
-    const size_t n = cands.size();
-    if (n == 0) return cudaSuccess;  // (no heuristic answer succeeded and small_m_gemm does not apply): as planned
-    std::vector<cudaEvent_t> ev(2 * n * kTuneReps, nullptr);
-    cudaError_t err = cudaSuccess;
-    for (auto& e : ev) {
-      if (err == cudaSuccess) err = cudaEventCreate(&e);
-    }
-    Plan trial = plan;  // shares plan's descriptors (not destroyed here)
-    for (size_t i = 0; i < n && err == cudaSuccess; ++i) {  // first launches (attributes), untimed
-      trial.algo = cands[i].algo;
-      trial.small_m_splits = cands[i].splits;
-      err = launch(p, trial, stream);
-      if (err == cudaSuccess) *fresh += launched.insert(kernel_id(p, trial)).second ? 1 : 0;
-    }
-    for (int r = 0; r < kTuneReps && err == cudaSuccess; ++r) {
-      for (size_t i = 0; i < n && err == cudaSuccess; ++i) {
-        trial.algo = cands[i].algo;
-        trial.small_m_splits = cands[i].splits;
-        err = cudaMemsetAsync(flush, r + 1, flush_bytes, stream);
-        if (err == cudaSuccess) err = cudaEventRecord(ev[2 * (i * kTuneReps + r)], stream);
-        if (err == cudaSuccess) err = launch(p, trial, stream);
-        if (err == cudaSuccess) err = cudaEventRecord(ev[2 * (i * kTuneReps + r) + 1], stream);
-      }
-    }
-    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-    for (size_t i = 0; i < n && err == cudaSuccess; ++i) {
-      std::array<float, kTuneReps> ms{};
-      for (int r = 0; r < kTuneReps && err == cudaSuccess; ++r) {
-        err = cudaEventElapsedTime(&ms[r], ev[2 * (i * kTuneReps + r)], ev[2 * (i * kTuneReps + r) + 1]);
-      }
-      std::sort(ms.begin(), ms.end());
-      cands[i].median_ms = ms[kTuneReps / 2];
-    }
-    for (auto& e : ev) {
-      if (e != nullptr) cudaEventDestroy(e);
-    }
-    if (err != cudaSuccess) {
-      detail::launch_error_slot() = "gemm " + describe(p) + ": tuning: " + cudaGetErrorString(err);
-      return err;
-    }
-    size_t best = 0, best_lt = n;
-    for (size_t i = 0; i < n; ++i) {
-      if (cands[i].median_ms < cands[best].median_ms) best = i;
-      if (cands[i].splits == 0 && (best_lt == n || cands[i].median_ms < cands[best_lt].median_ms)) best_lt = i;
-    }
-    plan.algo = cands[best].splits == 0 ? cands[best].algo : plan.algo;
-    plan.small_m_splits = cands[best].splits;
-    std::ostringstream os;
-    os.precision(3);
-    os << (plan.small_m_splits > 0 ? "small-M split-K " + std::to_string(plan.small_m_splits) : algo_name(plan.algo))
-       << " (tuned: " << 1000.0 * cands[best].median_ms << " us";
-    if (best_lt != n && best_lt != best) os << "; best cuBLASLt " << 1000.0 * cands[best_lt].median_ms << " us";
-    os << ")";
-    plan.name = os.str();
-    return cudaSuccess;
-  }
-
-  cudaError_t make_plan(const GemmParams& p, const PlanKey& key, Plan* out,
-                        std::vector<cublasLtMatmulAlgo_t>* more = nullptr) {
+  cudaError_t make_plan(const GemmParams& p, const PlanKey& key, Plan* out) {
     Plan plan;
     const cudaDataType_t in = cuda_type(p.in_dtype), outt = cuda_type(p.out_dtype);
     cublasStatus_t s = cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
@@ -318,10 +198,9 @@ struct GemmRunner::Impl {
       plan.destroy();
       return fail(p, "cublasLtMatmulPreferenceSetAttribute", s);
     }
-    std::array<cublasLtMatmulHeuristicResult_t, kTuneHeuristics> results{};
+    cublasLtMatmulHeuristicResult_t result{};
     int returned = 0;
-    s = cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.d, plan.d, pref,
-                                       more != nullptr ? kTuneHeuristics : 1, results.data(), &returned);
+    s = cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.d, plan.d, pref, 1, &result, &returned);
     cublasLtMatmulPreferenceDestroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS) {
       plan.destroy();
@@ -332,13 +211,8 @@ struct GemmRunner::Impl {
       detail::launch_error_slot() = "gemm " + describe(p) + ": cuBLASLt has no algorithm for this shape";
       return cudaErrorNotSupported;
     }
-    plan.algo = results[0].algo;
-    plan.name = algo_name(plan.algo) + " (heuristic)";
-    if (more != nullptr) {
-      for (int i = 0; i < returned; ++i) {
-        if (results[i].state == CUBLAS_STATUS_SUCCESS) more->push_back(results[i].algo);
-      }
-    }
+    plan.algo = result.algo;
+    plan.name = algo_name(plan.algo);
     *out = plan;
     return cudaSuccess;
   }
@@ -362,43 +236,9 @@ cudaError_t GemmRunner::init(size_t workspace_bytes) {
       return e;
     }
   }
-  void* counters = nullptr;
-  cudaError_t e = cudaMalloc(&counters, sizeof(int) * kSmallMCounters);
-  impl->counters = static_cast<int*>(counters);
-  if (e == cudaSuccess) e = cudaMemset(counters, 0, sizeof(int) * kSmallMCounters);
-  if (e != cudaSuccess) {
-    detail::launch_error_slot() = "gemm: the small-M kernel's counters";
-    return e;
-  }
   impl->workspace_bytes = workspace_bytes;
   impl_ = std::move(impl);
   return cudaSuccess;
-}
-
-size_t GemmRunner::cached_plans() const { return impl_ == nullptr ? 0 : impl_->plans.size(); }
-
-size_t GemmRunner::launched_algorithms() const { return impl_ == nullptr ? 0 : impl_->launched.size(); }
-
-cudaError_t GemmRunner::warm_up_rows(const GemmParams& p, int max_m, cudaStream_t stream, int* launches) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
-  if (e != cudaSuccess) return e;
-  const bool tune = capture == cudaStreamCaptureStatusNone;
-  int n = 0;
-  for (int m = 1; m <= max_m && e == cudaSuccess; ++m) {
-    GemmParams q = p;
-    q.m = m;
-    int fresh = 0;
-    e = run_impl(q, stream, /*launch_only_if_new=*/true, tune && m <= kSmallMMaxRows, &fresh);
-    n += fresh;
-  }
-  if (e != cudaSuccess) return e;
-  if (launches != nullptr) *launches = n;
-  return cudaSuccess;
-}
-
-cudaError_t GemmRunner::run(const GemmParams& p, cudaStream_t stream) {
-  return run_impl(p, stream, /*launch_only_if_new=*/false, /*tune=*/false, nullptr);
 }
 
 std::string GemmRunner::plan_name(const GemmParams& p) const {
@@ -409,8 +249,29 @@ std::string GemmRunner::plan_name(const GemmParams& p) const {
   return it == impl_->plans.end() ? "" : it->second.name;
 }
 
-cudaError_t GemmRunner::run_impl(const GemmParams& p, cudaStream_t stream, bool launch_only_if_new, bool tune,
-                                 int* fresh) {
+size_t GemmRunner::cached_plans() const { return impl_ == nullptr ? 0 : impl_->plans.size(); }
+
+size_t GemmRunner::launched_algorithms() const { return impl_ == nullptr ? 0 : impl_->launched.size(); }
+
+cudaError_t GemmRunner::warm_up_rows(const GemmParams& p, int max_m, cudaStream_t stream, int* launches) {
+  int n = 0;
+  for (int m = 1; m <= max_m; ++m) {
+    GemmParams q = p;
+    q.m = m;
+    bool fresh = false;
+    const cudaError_t e = run_impl(q, stream, /*launch_only_if_new=*/true, &fresh);
+    if (e != cudaSuccess) return e;
+    n += fresh ? 1 : 0;
+  }
+  if (launches != nullptr) *launches = n;
+  return cudaSuccess;
+}
+
+cudaError_t GemmRunner::run(const GemmParams& p, cudaStream_t stream) {
+  return run_impl(p, stream, /*launch_only_if_new=*/false, nullptr);
+}
+
+cudaError_t GemmRunner::run_impl(const GemmParams& p, cudaStream_t stream, bool launch_only_if_new, bool* fresh) {
   const std::string shape = "gemm " + describe(p);
   if (impl_ == nullptr) return detail::invalid_argument(shape.c_str(), "GemmRunner::init was not called");
   if (p.in_dtype != DType::BF16 && p.in_dtype != DType::F16)
@@ -428,46 +289,37 @@ cudaError_t GemmRunner::run_impl(const GemmParams& p, cudaStream_t stream, bool 
   auto it = impl_->plans.find(key);
   if (it == impl_->plans.end()) {
     Plan plan;
-    std::vector<cublasLtMatmulAlgo_t> algos;
-    cudaError_t e = impl_->make_plan(p, key, &plan, tune ? &algos : nullptr);
+    const cudaError_t e = impl_->make_plan(p, key, &plan);
     if (e != cudaSuccess) return e;
-    if (tune) {
-      // An L2 flush buffer for the timings: twice the device's L2, stream-ordered (no device-wide synchronisation).
-      int dev = 0, l2 = 0;
-      void* flush = nullptr;
-      e = cudaGetDevice(&dev);
-      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
-      const size_t flush_bytes = 2 * static_cast<size_t>(std::max(l2, 1 << 20));
-      if (e == cudaSuccess) e = cudaMallocAsync(&flush, flush_bytes, stream);
-      int tuned_fresh = 0;
-      if (e == cudaSuccess) e = impl_->tune(p, plan, algos, flush, flush_bytes, stream, &tuned_fresh);
-      if (flush != nullptr) {
-        const cudaError_t f = cudaFreeAsync(flush, stream);
-        if (e == cudaSuccess) e = f;
-      }
-      if (e != cudaSuccess) {
-        plan.destroy();
-        return e;
-      }
-      if (fresh != nullptr) *fresh += tuned_fresh;
-      plan.counted = true;  // every candidate ran in tune() and is recorded
-      it = impl_->plans.emplace(key, plan).first;
-      return cudaSuccess;
-    }
     it = impl_->plans.emplace(key, plan).first;
   }
   Plan& plan = it->second;
-  // The first use of a plan records its kernel: dtypes, epilogue and the algorithm's opaque configuration (or the
-  // small-M kernel's template). Later calls of the plan only launch (the kernel has run, or runs in the call that
-  // recorded it).
+  // The first use of a plan records its kernel: dtypes, epilogue and the algorithm's opaque configuration. Later
+  // calls of the plan only launch (the kernel has run, or runs in the call that recorded it).
   bool is_new = false;
   if (!plan.counted) {
-    is_new = impl_->launched.insert(Impl::kernel_id(p, plan)).second;
+    AlgoKey id{};
+    id[0] = static_cast<uint64_t>(p.in_dtype) | static_cast<uint64_t>(p.out_dtype) << 8 |
+            static_cast<uint64_t>(p.bias != nullptr) << 16;
+    static_assert(sizeof(plan.algo) <= sizeof(uint64_t) * (std::tuple_size_v<AlgoKey> - 1));
+    std::memcpy(id.data() + 1, &plan.algo, sizeof(plan.algo));
+    is_new = impl_->launched.insert(id).second;
     plan.counted = true;
   }
-  if (fresh != nullptr) *fresh += is_new ? 1 : 0;
+  if (fresh != nullptr) *fresh = is_new;
   if (launch_only_if_new && !is_new) return cudaSuccess;
-  return impl_->launch(p, plan, stream);
+  if (p.bias != nullptr) {
+    const void* bias = p.bias;
+    const cublasStatus_t s =
+        cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
+    if (s != CUBLAS_STATUS_SUCCESS) return fail(p, "cublasLtMatmulDescSetAttribute(BIAS_POINTER)", s);
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  const cublasStatus_t s = cublasLtMatmul(impl_->handle, plan.op, &alpha, p.w, plan.a, p.x, plan.b, &beta, p.y,
+                                          plan.d, p.y, plan.d, &plan.algo, impl_->workspace, impl_->workspace_bytes,
+                                          stream);
+  if (s != CUBLAS_STATUS_SUCCESS) return fail(p, "cublasLtMatmul", s);
+  return cudaSuccess;
 }
 
 }  // namespace spade::kernels

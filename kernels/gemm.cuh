@@ -6,11 +6,11 @@
 // Y^T[n, m] = W[k, n]^T · X^T[k, m] -- A = W (op T), B = x (op N), D = y with leading dimension n: the "TN" GEMM
 // cuBLASLt's tensor-core kernels prefer; no copy or transpose of any operand.
 //
-// Algorithm choice: one plan per distinct (m, n, k, dtypes, bias, operand alignments), cached in the GemmRunner, so
-// steady-state calls only launch. A plan made by run() takes cublasLtMatmulAlgoGetHeuristic's first answer; a decode
-// shape (m <= kSmallMMaxRows) planned by warm_up_rows is tuned: the fastest of cuBLASLt's heuristic answers and the
-// small-M split-K kernel (small_m_gemm, below), measured on the device. The heuristic is told the actual pointer
-// alignments (up to 256 bytes), so sliced operands are safe.
+// Algorithm choice: cublasLtMatmulAlgoGetHeuristic's first answer for each distinct (m, n, k, dtypes, bias,
+// operand alignments) is cached in the GemmRunner, so steady-state calls only launch. The heuristic is told the
+// actual pointer alignments (up to 256 bytes), so sliced operands are safe. It is deterministic: a run's numerics do
+// not depend on timings. At the decode shapes it is within a few percent of the small-M split-K kernel below, whose
+// best split count bench_kernels measures beside it (its "gemm" group), so the runtime keeps cuBLASLt.
 //
 // Errors: every call returns cudaSuccess, cudaErrorInvalidValue for inconsistent parameters, cudaErrorNotSupported
 // when cuBLASLt has no algorithm for the shape, or the mapped cuBLASLt / CUDA error; launch_error_detail()
@@ -41,8 +41,7 @@ struct GemmParams {
   int k = 0;  // input features (> 0).
 };
 
-/// Default cuBLASLt workspace: 32 MiB (what cuBLAS recommends for Hopper). The small-M kernel's split-K partial sums
-/// use the same memory (the two never run at once on a runner's stream).
+/// Default cuBLASLt workspace: 32 MiB (what cuBLAS recommends for Hopper).
 inline constexpr size_t kDefaultGemmWorkspaceBytes = size_t{32} << 20;
 
 /// Largest row count (tokens) the small-M kernel takes: decode batches.
@@ -88,21 +87,15 @@ class GemmRunner {
   /// y = x · w^T (+ bias) on `stream`.
   cudaError_t run(const GemmParams& p, cudaStream_t stream);
 
-  /// Start-up pass over every row count m in [1, max_m] of the GEMM `p` describes (p.m is ignored; x, w and y are
-  /// read and written, x and y must hold max_m rows): plans each shape on the host and launches its kernel once on
-  /// `stream` when that kernel (with its dtypes and epilogue) has not run on this runner yet. A kernel's first launch
-  /// sets its function attributes, which synchronises with the copies pending on the device; in a process whose
-  /// streams wait on another thread's progress (both ranks in one process, CudaIpcLink) that first launch must not
-  /// happen mid-step.
-  /// Decode shapes (m <= kSmallMMaxRows) are tuned instead of taken from the heuristic: cuBLASLt's first 8 heuristic
-  /// answers and small_m_gemm at every supported split count of {1, 2, 4, 8, 16, 32} each run 5 times on `stream`
-  /// after an L2 flush (a memset of twice the L2; a decode step's weights are never L2-resident), timed with CUDA
-  /// events, and the plan keeps the lowest median. The host waits for `stream`; not while it is being captured
-  /// (then every shape takes the heuristic). `launches` (optional): how many distinct kernels ran for the first time.
-  /// Errors as run().
+  /// Start-up pass over every row count m in [1, max_m] of the GEMM `p` describes (p.m is ignored; x and y must
+  /// hold max_m rows): plans each shape on the host (the heuristic, cached as run() caches it) and launches it once
+  /// on `stream` when its cuBLASLt algorithm (with its dtypes and epilogue) has not run on this runner yet. A
+  /// cuBLASLt kernel's first launch sets its function attributes, which synchronises with the copies pending on the
+  /// device; in a process whose streams wait on another thread's progress (both ranks in one process, CudaIpcLink)
+  /// that first launch must not happen mid-step. `launches` (optional): how many GEMMs ran. Errors as run().
   cudaError_t warm_up_rows(const GemmParams& p, int max_m, cudaStream_t stream, int* launches = nullptr);
-  /// The kernel the plan of `p`'s shape runs, e.g. "cublasLt algo 21 tile 20 splitK 1 (heuristic)" or "small-M
-  /// split-K 8 (tuned 9.1 us vs cuBLASLt 12.3 us)"; "" when the shape has no plan yet.
+  /// cuBLASLt's algorithm for the plan of `p`'s shape, e.g. "cublasLt algo 66 tile 10 splitK 1"; "" when the shape
+  /// has no plan yet.
   std::string plan_name(const GemmParams& p) const;
   /// Number of cached shape plans (tests / diagnostics).
   size_t cached_plans() const;
@@ -110,7 +103,7 @@ class GemmRunner {
   size_t launched_algorithms() const;
 
  private:
-  cudaError_t run_impl(const GemmParams& p, cudaStream_t stream, bool launch_only_if_new, bool tune, int* fresh);
+  cudaError_t run_impl(const GemmParams& p, cudaStream_t stream, bool launch_only_if_new, bool* fresh);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

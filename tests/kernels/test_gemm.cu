@@ -3,7 +3,7 @@
 // 4096x12288, LM head 151936x4096) at decode and prefill token counts, odd small shapes, bias, fp32 output,
 // misaligned operands, the plan cache, CUDA-graph capture and invalid parameters; the small-M split-K kernel
 // (small_m_gemm) at every token-tile width and several split counts, its determinism, graph replay (its arrival
-// counters) and the shapes it refuses; the decode-shape tuning of warm_up_rows.
+// counters) and the shapes it refuses.
 //
 // Bounds (fp32 accumulation, one rounding of the output): per row ||y - ref|| / ||ref|| <= 4e-3 (bf16 out),
 // 1e-3 (fp16 out), 2e-5 (fp32 out), and every element within 2^-7 |ref| + 0.02 rms(ref row) (one wrong element or
@@ -199,8 +199,8 @@ TEST_F(GemmGpu, PlanCachePerShape) {
   EXPECT_EQ(runner_.cached_plans(), 3u);
 }
 
-// warm_up_rows plans every row count up to max_m and launches each distinct kernel once (the decode row counts: every
-// tuning candidate; the launch count equals the distinct kernels recorded, and a second pass launches nothing). Afterwards, calls over the range use
+// warm_up_rows plans every row count up to max_m and launches each distinct cuBLASLt kernel once (the launch count
+// equals the distinct kernels recorded, and a second pass launches nothing). Afterwards, calls over the range use
 // the warmed plans (same shapes and 256-byte alignment: what the forward pass does with its buffers), so they add no
 // kernel, which the in-process GPU pair relies on, and their results are still right.
 TEST_F(GemmGpu, WarmUpRowsLaunchesEveryAlgorithmOfTheRangeOnce) {
@@ -406,37 +406,6 @@ TEST_F(SmallMGemmGpu, RefusesWhatItDoesNotTake) {
   small.num_counters = 1;
   refused(p, 8, small, "too few counters");
   EXPECT_TRUE(small_m_gemm_supports(p, 1, SmallMGemmWorkspace{}));  // one split needs no workspace
-}
-
-// warm_up_rows tunes the decode shapes: each row count gets a measured plan whose results are right, named after
-// its kernel; larger row counts keep the heuristic.
-TEST_F(GemmGpu, WarmUpRowsTunesDecodeShapes) {
-  const int max_m = kSmallMMaxRows + 4, n = 4096, k = 4096;
-  DevBuf<uint16_t> x, w, y;
-  std::mt19937_64 rng(23);
-  std::vector<float> unused;
-  x.upload(random_half(DType::BF16, static_cast<size_t>(max_m) * k, 1.f, rng, &unused));
-  w.upload(random_half(DType::BF16, static_cast<size_t>(n) * k, 0.02f, rng, &unused));
-  y.alloc(static_cast<size_t>(max_m) * n);
-  GemmParams p;
-  p.x = x.get();
-  p.w = w.get();
-  p.y = y.get();
-  p.n = n;
-  p.k = k;
-  SPADE_CUDA_OK(runner_.warm_up_rows(p, max_m, nullptr));
-  int small_m = 0;
-  for (int m = 1; m <= max_m; ++m) {
-    p.m = m;
-    const std::string name = runner_.plan_name(p);
-    EXPECT_EQ(name.find("tuned") != std::string::npos, m <= kSmallMMaxRows) << "m " << m << ": " << name;
-    small_m += name.rfind("small-M", 0) == 0 ? 1 : 0;
-    if (m == 1 || m == 8 || m == 9 || m == 32) std::printf("[ gemm     ] m %d n %d k %d: %s\n", m, n, k, name.c_str());
-  }
-  std::printf("[ gemm     ] %d of %d decode row counts picked the small-M kernel\n", small_m, kSmallMMaxRows);
-  for (int m : {1, 7, 8, 16, 31, 32, 33}) {
-    run_gemm(runner_, {DType::BF16, DType::BF16, m, n, k, false}, 400 + static_cast<uint64_t>(m));
-  }
 }
 
 TEST(GemmGpuErrors, RejectsBadParametersNamingTheShape) {
