@@ -235,13 +235,17 @@ TEST_F(GemmGpu, WarmUpRowsLaunchesEveryAlgorithmOfTheRangeOnce) {
   std::printf("[ gemm     ] m 1..%d, n %d, k %d: %d distinct cuBLASLt kernels\n", max_m, n, k, launches);
 }
 
-TEST_F(GemmGpu, GraphCaptureReplays) {
-  const int m = 4, n = 512, k = 256;
-  std::mt19937_64 rng(21);
-  std::vector<float> x32, w32;
+// Captures launch(p, stream) (a bf16 GEMM of m x n x k) in a CUDA graph and replays it `reps` times with new x
+// between replays (the graph reads the buffer at replay time), checking each result. `setup` runs before the capture
+// (e.g. a plan made outside it).
+void check_graph_replays(int m, int n, int k, float w_scale, int reps, uint64_t seed,
+                         const std::function<cudaError_t(const GemmParams&, cudaStream_t)>& launch,
+                         const std::function<void(const GemmParams&, cudaStream_t)>& setup = nullptr) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> x32, w32, ref(static_cast<size_t>(m) * n);
   DevBuf<uint16_t> x, w, y(static_cast<size_t>(m) * n);
   x.upload(random_half(DType::BF16, static_cast<size_t>(m) * k, 1.f, rng, &x32));
-  w.upload(random_half(DType::BF16, static_cast<size_t>(n) * k, 0.1f, rng, &w32));
+  w.upload(random_half(DType::BF16, static_cast<size_t>(n) * k, w_scale, rng, &w32));
   GemmParams p;
   p.x = x.get();
   p.w = w.get();
@@ -251,18 +255,15 @@ TEST_F(GemmGpu, GraphCaptureReplays) {
   p.k = k;
   cudaStream_t stream;
   SPADE_CUDA_OK(cudaStreamCreate(&stream));
-  SPADE_CUDA_OK(runner_.run(p, stream));  // plan created outside the capture
-  SPADE_CUDA_OK(cudaStreamSynchronize(stream));
+  if (setup) setup(p, stream);
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   SPADE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const cudaError_t e = runner_.run(p, stream);
+  const cudaError_t e = launch(p, stream);
   SPADE_CUDA_OK(cudaStreamEndCapture(stream, &graph));
   ASSERT_EQ(e, cudaSuccess) << launch_error_detail();
   SPADE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  // New x between replays: the graph reads the buffer at replay time.
-  std::vector<float> ref(static_cast<size_t>(m) * n);
-  for (int rep = 0; rep < 2; ++rep) {
+  for (int rep = 0; rep < reps; ++rep) {
     const std::vector<uint16_t> xb = random_half(DType::BF16, static_cast<size_t>(m) * k, 1.f, rng, &x32);
     SPADE_CUDA_OK(cudaMemcpy(x.get(), xb.data(), xb.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
     y.poison();
@@ -274,6 +275,15 @@ TEST_F(GemmGpu, GraphCaptureReplays) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+TEST_F(GemmGpu, GraphCaptureReplays) {
+  check_graph_replays(
+      4, 512, 256, 0.1f, 2, 21, [&](const GemmParams& p, cudaStream_t st) { return runner_.run(p, st); },
+      [&](const GemmParams& p, cudaStream_t st) {  // the plan, created outside the capture
+        SPADE_CUDA_OK(runner_.run(p, st));
+        SPADE_CUDA_OK(cudaStreamSynchronize(st));
+      });
 }
 
 // small_m_gemm with a forced split count, its own workspace (what GemmRunner passes it).
@@ -328,42 +338,10 @@ TEST_F(SmallMGemmGpu, DeterministicAcrossCalls) {
 
 // A captured split-K call replays correctly (each call leaves the arrival counters at zero for the next).
 TEST_F(SmallMGemmGpu, GraphCaptureReplays) {
-  const int m = 6, n = 2048, k = 4096, splits = 8;
-  std::mt19937_64 rng(31);
-  std::vector<float> x32, w32, ref(static_cast<size_t>(m) * n);
-  DevBuf<uint16_t> x, w, y(static_cast<size_t>(m) * n);
-  x.upload(random_half(DType::BF16, static_cast<size_t>(m) * k, 1.f, rng, &x32));
-  w.upload(random_half(DType::BF16, static_cast<size_t>(n) * k, 0.02f, rng, &w32));
-  GemmParams p;
-  p.x = x.get();
-  p.w = w.get();
-  p.y = y.get();
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  cudaStream_t stream;
-  SPADE_CUDA_OK(cudaStreamCreate(&stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  SPADE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const cudaError_t e = small_m_gemm(p, splits, ws_, stream);
-  SPADE_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  ASSERT_EQ(e, cudaSuccess) << launch_error_detail();
-  SPADE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int rep = 0; rep < 3; ++rep) {
-    const std::vector<uint16_t> xb = random_half(DType::BF16, static_cast<size_t>(m) * k, 1.f, rng, &x32);
-    SPADE_CUDA_OK(cudaMemcpy(x.get(), xb.data(), xb.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
-    y.poison();
-    SPADE_CUDA_OK(cudaGraphLaunch(exec, stream));
-    SPADE_CUDA_OK(cudaStreamSynchronize(stream));
-    linear_ref(x32.data(), w32.data(), nullptr, ref.data(), m, n, k);
-    check_rows(spade::test::to_f32(DType::BF16, y.download()), ref, m, n, DType::BF16);
-  }
+  check_graph_replays(6, 2048, 4096, 0.02f, 3, 31,
+                      [&](const GemmParams& p, cudaStream_t st) { return small_m_gemm(p, 8, ws_, st); });
   const std::vector<int> counters = counters_.download();
   for (size_t i = 0; i < counters.size(); ++i) ASSERT_EQ(counters[i], 0) << "counter " << i;
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST_F(SmallMGemmGpu, RefusesWhatItDoesNotTake) {
