@@ -129,6 +129,27 @@ def device_names(device):
         return []
 
 
+def run_record(tool, path, dev, a, variants, **fields):
+    """The JSON record of a fidelity run: tool, path, device, date, commit, the variants and their flags, then
+    `fields` (the tool's settings and results)."""
+    out = {"tool": tool, "path": path, "device": dev, "model": a.model,
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "commit": os.environ.get("SPADE_COMMIT", "unknown"), "sparse_threshold": a.sparse_threshold,
+           "variants": [{"name": n, "flags": f} for n, f in variants], "extra_flags": a.extra_flags}
+    out.update(fields)
+    return out
+
+
+def write_outputs(a, text, out):
+    """Writes the JSON record to --json-out and the markdown table to --md-out, where given."""
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+    if a.md_out:
+        with open(a.md_out, "w") as f:
+            f.write(text)
+
+
 def run_group(args, flags, prompts, budget):
     cmd = inference_rank_command(args, flags, [p["prompt"] for p in prompts], budget,
                                  [("--chat", None), ("--temperature", "0"), ("--max-tokens", str(args.max_new_tokens))])
@@ -228,18 +249,10 @@ def main():
                   "(counted as wrong)")
     text = "\n".join(md) + "\n"
     print(text)
-    out = {"tool": "passkey_gpu", "path": "gpu-bf16", "device": dev, "model": a.model, "prompts": a.prompts,
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "commit": os.environ.get("SPADE_COMMIT", "unknown"), "sparse_threshold": a.sparse_threshold,
-           "layers_per_pack": a.layers_per_pack, "max_new_tokens": a.max_new_tokens,
-           "variants": [{"name": n, "flags": f} for n, f in variants], "extra_flags": a.extra_flags,
-           "summary": summary, "failed_runs": errors, "runs": runs}
-    if a.json_out:
-        with open(a.json_out, "w") as f:
-            json.dump(out, f, indent=1)
-    if a.md_out:
-        with open(a.md_out, "w") as f:
-            f.write(text)
+    out = run_record("passkey_gpu", "gpu-bf16", dev, a, variants, prompts=a.prompts,
+                     layers_per_pack=a.layers_per_pack, max_new_tokens=a.max_new_tokens, summary=summary,
+                     failed_runs=errors, runs=runs)
+    write_outputs(a, text, out)
     status = 1 if errors else 0
     for m in a.min_accuracy:
         key, frac = m.split("=")

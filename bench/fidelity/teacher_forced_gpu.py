@@ -19,7 +19,6 @@ per layer and KV head (cache_rank/gpu_server.h, "Sampling"); all sparse steps co
       --model DATA/models/longctx-22m --docs 16 --context 4000 --forced 64 --budgets 1/16,1/32 --json-out X.json --md-out X.md
 """
 import argparse
-import datetime
 import json
 import math
 import os
@@ -29,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from passkey_gpu import (DEFAULT_VARIANTS, add_inference_rank_args, add_run_args, device_names,  # noqa: E402
-                         inference_rank_command, parse_budget, resolve_inputs)
+                         inference_rank_command, parse_budget, resolve_inputs, run_record, write_outputs)
 
 
 def read_docs(path, nbytes, count):
@@ -140,18 +139,9 @@ def main():
                   f"{100 * r['top1_agreement_with_dense']:.1f} % | {ov} | {ch} |")
     text = "\n".join(md) + "\n"
     print(text)
-    out = {"tool": "teacher_forced_gpu", "path": "gpu-bf16" if a.device == "cuda" else a.device, "device": dev,
-           "model": a.model, "heldout": a.heldout, "docs": a.docs, "context_bytes": a.context, "forced": a.forced,
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "commit": os.environ.get("SPADE_COMMIT", "unknown"), "sparse_threshold": a.sparse_threshold,
-           "variants": [{"name": n, "flags": f} for n, f in variants], "extra_flags": a.extra_flags,
-           "results": results}
-    if a.json_out:
-        with open(a.json_out, "w") as f:
-            json.dump(out, f, indent=1)
-    if a.md_out:
-        with open(a.md_out, "w") as f:
-            f.write(text)
+    out = run_record("teacher_forced_gpu", "gpu-bf16" if a.device == "cuda" else a.device, dev, a, variants,
+                     heldout=a.heldout, docs=a.docs, context_bytes=a.context, forced=a.forced, results=results)
+    write_outputs(a, text, out)
     return 0
 
 
