@@ -63,6 +63,11 @@ struct PlanKey {
   DType in, out;
   bool bias;
   int align_x, align_w, align_y;
+  /// The plan key of a call: its shape, dtypes, epilogue and operand alignments.
+  static PlanKey of(const GemmParams& p) {
+    return {p.m, p.n, p.k, p.in_dtype, p.out_dtype, p.bias != nullptr,
+            alignment_of(p.x), alignment_of(p.w), alignment_of(p.y)};
+  }
   bool operator==(const PlanKey& o) const {
     return m == o.m && n == o.n && k == o.k && in == o.in && out == o.out && bias == o.bias &&
            align_x == o.align_x && align_w == o.align_w && align_y == o.align_y;
@@ -243,8 +248,7 @@ cudaError_t GemmRunner::init(size_t workspace_bytes) {
 
 std::string GemmRunner::plan_name(const GemmParams& p) const {
   if (impl_ == nullptr) return "";
-  const PlanKey key{p.m, p.n, p.k, p.in_dtype, p.out_dtype, p.bias != nullptr,
-                    alignment_of(p.x), alignment_of(p.w), alignment_of(p.y)};
+  const PlanKey key = PlanKey::of(p);
   const auto it = impl_->plans.find(key);
   return it == impl_->plans.end() ? "" : it->second.name;
 }
@@ -284,8 +288,7 @@ cudaError_t GemmRunner::run_impl(const GemmParams& p, cudaStream_t stream, bool 
   if (p.m == 0) return cudaSuccess;
   if (p.x == nullptr || p.w == nullptr || p.y == nullptr)
     return detail::invalid_argument(shape.c_str(), "x, w and y must be set");
-  const PlanKey key{p.m, p.n, p.k, p.in_dtype, p.out_dtype, p.bias != nullptr,
-                    alignment_of(p.x), alignment_of(p.w), alignment_of(p.y)};
+  const PlanKey key = PlanKey::of(p);
   auto it = impl_->plans.find(key);
   if (it == impl_->plans.end()) {
     Plan plan;
