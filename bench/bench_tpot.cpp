@@ -46,7 +46,12 @@
 //                   [--modes dense,oracle,quest,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
 //                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1] [--score-keys bf16,int8]
 //                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0] [--cache-ranks 1,2,3]
-//                   [--label NAME] [--out results.json] (appends a JSON document per run).
+//                   [--churn F] [--label NAME] [--out results.json] (appends a JSON document per run).
+// --churn F (async / solo): the selection's churn, the share of each steady selection that entered it that step
+// (tpot_common.h Opts::churn). Without it the random model's queries make the selection churn almost completely
+// (about 0.9 per step), far above a trained model's (docs/FIDELITY.md: about 0.31 on the testbed at 1/16); with
+// it a first lossless delta run finds the query process that gives F (row "churn-calibration") and every async
+// row runs with it, so a delta capacity's unsent share (row "delta") is the one that churn gives.
 // The selection's local window, query window, predictor, ridge eps and successor expansion default to the pair's
 // (pair::SelectionConfig, one Opts::selection); the oracle mode's top-k expands successors as the async cache rank's
 // does.
@@ -468,6 +473,25 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
       pool_bytes.push_back(static_cast<double>(c->pool_bytes()));
     }
   }
+  // --churn: the rho the query windows were driven with, and the calibration run's search.
+  double query_rho = o.query_rho;
+  json churn_phases = json::array();
+  if (caches[0] != nullptr) {
+    query_rho = caches[0]->query_rho();
+    for (const auto& [rho, churn] : caches[0]->churn_phases()) churn_phases.push_back({{"rho", rho}, {"churn", churn}});
+    if (o.calibrate_churn && !caches[0]->entering_per_row().empty()) {
+      // Tokens entering one (layer, sequence, KV head) row per step, as shares of the budget: a delta capacity of
+      // at least the largest sends every entering token the step it enters at this churn.
+      std::vector<double> e;
+      for (int x : caches[0]->entering_per_row()) e.push_back(static_cast<double>(x) / o.budget());
+      std::sort(e.begin(), e.end());
+      auto q = [&](double f) { return e[std::min(e.size() - 1, static_cast<size_t>(f * (e.size() - 1) + 0.5))]; };
+      churn_phases = {{"phases", churn_phases},
+                      {"entering_per_row_over_budget",
+                       {{"rows", e.size()}, {"p50", q(0.5)}, {"p90", q(0.9)}, {"p99", q(0.99)}, {"p999", q(0.999)},
+                        {"max", e.back()}}}};
+    }
+  }
   for (int s = 0; s < shards; ++s) {
     cuda_check(cudaSetDevice(sh.cache_devices[static_cast<size_t>(s)]), "cudaSetDevice (cache rank)");
     caches[static_cast<size_t>(s)].reset();
@@ -514,6 +538,9 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   if (!ipc && solo == Solo::kNone) r["nccl_max_ctas"] = links[0]->nccl_ctas;
   r["cache_ranks"] = shards;
   r["cache_gpus"] = sh.cache_devices;
+  r["churn_target"] = o.churn;  // 0: the random model's own queries
+  r["query_rho"] = query_rho;
+  if (o.calibrate_churn) r["churn_calibration"] = churn_phases;
   r["kv_bytes_all_layers"] = layer_kv * cfg.num_layers;  // the KV pool one cache rank would hold
   r["kv_bytes_per_cache_rank"] = shard_kv;
   if (!pool_bytes.empty()) r["kv_pool_bytes_per_cache_rank"] = pool_bytes;
@@ -690,6 +717,7 @@ int main_impl(int argc, char** argv) {
     else if (a == "--predictor") o.selection.predictor = kernels::parse_predictor_kind(next().c_str());
     else if (a == "--ridge-eps") o.selection.ridge_eps = std::stof(next());
     else if (a == "--successor-expand") o.selection.successor_expand = std::stoi(next()) != 0;
+    else if (a == "--churn") o.churn = std::stod(next());
     else if (a == "--cache-ranks") {
       o.cache_ranks = parse_ints(next());
       o.cache_ranks_set = true;
@@ -704,6 +732,14 @@ int main_impl(int argc, char** argv) {
   SPADE_CHECK(!o.cache_ranks_set || (o.modes.find("async") != std::string::npos && o.modes.find("solo") == std::string::npos),
               "--cache-ranks applies to --modes async only (got --modes {})", o.modes);
   SPADE_CHECK(!o.cache_ranks_set || o.link != "ipc", "--cache-ranks: --link ipc runs one cache rank on GPU 0");
+  SPADE_CHECK(o.churn == 0 || (o.churn > 0 && o.churn < 1), "--churn {}: a share of the selection in (0, 1)",
+              o.churn);
+  // --churn drives the cache rank's query windows: async and solo only; its calibration is a lossless delta run.
+  SPADE_CHECK(o.churn == 0 || o.modes.find("async") != std::string::npos || o.modes.find("solo") != std::string::npos,
+              "--churn applies to --modes async or solo (the cache rank's queries); got --modes {}", o.modes);
+  SPADE_CHECK(o.churn == 0 || o.budget() <= kernels::kMaxDeltaBudget,
+              "--churn is calibrated with delta transfer: --budget {} must be <= {}", o.budget(),
+              kernels::kMaxDeltaBudget);
   pair::validate(o.selection);  // names the setting: budget, local window, ridge eps
   SPADE_CHECK(std::isfinite(o.selection.ridge_eps), "--ridge-eps {} must be finite", o.selection.ridge_eps);
   const ModelConfig cfg = load_model_config(o.config);
@@ -739,9 +775,37 @@ int main_impl(int argc, char** argv) {
                       {"gpu_total_bytes", static_cast<double>(prop.totalGlobalMem)}});
     }
   }
+  const bool ipc = o.link == "ipc" || (o.link == "auto" && ngpu < 2);
+  SPADE_CHECK(o.link == "auto" || o.link == "ipc" || o.link == "nccl", "--link {}: auto, nccl or ipc", o.link);
+  if (o.churn > 0) {
+    // One lossless delta run (capacity = budget: every entering token is sent, so the held tables equal the last
+    // selection and "entering" is the churn) searches rho over its warm-up; every later run uses that rho. The
+    // async pipeline where it runs, else the cache rank alone (the rank whose queries are driven).
+    Opts oc = o;
+    oc.calibrate_churn = true;
+    oc.warmup = churn_calibration_steps(o);
+    oc.steps = 32;
+    const bool pair_run = has("async") && (ipc || ngpu >= 2);
+    json c = run_async(oc, cfg, *model, o.packs.front(), o.budget(), pair_run && ipc, copy_gbps,
+                       pair_run ? Solo::kNone : Solo::kCache, 1);
+    SPADE_CHECK(c.contains("delta"), "churn calibration: the run gave no delta totals ({})", c.dump());
+    o.query_rho = c["query_rho"].get<double>();
+    const double got = c["delta"]["entering_fraction"].get<double>();
+    std::printf("  churn calibration (%s, P=%d, capacity = budget): target %.3f, rho %.5f, measured %.3f over %d "
+                "steps%s\n",
+                pair_run ? "async" : "cache rank alone", o.packs.front(), o.churn, o.query_rho, got, oc.steps,
+                std::abs(got - o.churn) > 0.02 ? " (more than 0.02 off the target: the rho search's range ends)" : "");
+    SPADE_CHECK(c["churn_calibration"].contains("entering_per_row_over_budget"),
+                "churn calibration: no row infos were recorded");
+    const json& er = c["churn_calibration"]["entering_per_row_over_budget"];
+    std::printf("  entering per (layer, sequence, KV head) row and step, share of the budget: p50 %.3f p90 %.3f p99 %.3f "
+                "p99.9 %.3f max %.3f (a delta capacity >= max x budget loses nothing at this churn)\n",
+                er["p50"].get<double>(), er["p90"].get<double>(), er["p99"].get<double>(), er["p999"].get<double>(),
+                er["max"].get<double>());
+    c["mode"] = "churn-calibration";
+    rows.push_back(c);
+  }
   if (has("async")) {
-    const bool ipc = o.link == "ipc" || (o.link == "auto" && ngpu < 2);
-    SPADE_CHECK(o.link == "auto" || o.link == "ipc" || o.link == "nccl", "--link {}: auto, nccl or ipc", o.link);
     if (!ipc && ngpu < 2) {
       std::printf("  async: skipped: --link nccl needs two GPUs (found %d)\n", ngpu);
       rows.push_back({{"label", o.label}, {"mode", "async"}, {"skipped", "needs two GPUs"}});

@@ -3,11 +3,13 @@
 // runs' link (NullLink), the pair's link ends (LinkPair) and the solo selector (Solo).
 #pragma once
 
+#include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -306,6 +308,11 @@ class AsyncCacheRank {
       sel_[i] = std::make_unique<Selector>(cfg, o, sh.P * B_, plan.max_len);
     }
     cuda_check(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming), "event");
+    if (o.calibrate_churn || o.query_rho > 0) {
+      lt_check(cublasLtCreate(&lt_), "cublasLtCreate");
+      lt_check(cublasLtMatrixTransformDescCreate(&blend_, CUDA_R_32F), "cublasLtMatrixTransformDescCreate");
+      set_rho(o.calibrate_churn ? churn_x_ : -std::log10(1.0 - o.query_rho));
+    }
     pool_.fill_random(o.seed + 11, 1.f, stream_);
     if (int8_keys_) {  // the compact copy of the whole pool, as a prefill's appends would have written it
       kernels::QuantizeKeysParams qk;
@@ -355,6 +362,8 @@ class AsyncCacheRank {
     if (score_stream_ != stream_) cudaStreamDestroy(score_stream_);
     if (sel_stream_ != stream_) cudaStreamDestroy(sel_stream_);
     cudaEventDestroy(uploaded_);
+    if (blend_ != nullptr) cublasLtMatrixTransformDescDestroy(blend_);
+    if (lt_ != nullptr) cublasLtDestroy(lt_);
   }
 
   void run() {
@@ -380,6 +389,8 @@ class AsyncCacheRank {
         append_pack(t, p, b);
         select_and_send(t + 1, p);
       }
+      if (o_.calibrate_churn && t < kChurnPhases * churn_phase_steps(o_)) calibrate_churn(t);
+      if (o_.calibrate_churn && t + 1 >= o_.warmup) record_entering(t + 1);
       // The staging buffer of steps_ is reused by the next upload: wait for this step's copy.
       cuda_check(cudaEventSynchronize(uploaded_), "cache step sync");
     }
@@ -403,6 +414,12 @@ class AsyncCacheRank {
   const std::vector<int>& packs() const { return mine_; }
   /// Bytes of its KV pool (K and V of its layers).
   size_t pool_bytes() const { return pool_.bytes(); }
+  /// --churn: the rho its query windows were driven with (0: the model's queries), and with calibrate_churn each
+  /// phase's {rho, measured churn}.
+  double query_rho() const { return rho_; }
+  const std::vector<std::pair<double, double>>& churn_phases() const { return churn_phases_; }
+  /// Calibration run: the tokens that entered each (layer, sequence, KV head) row's selection per timed step.
+  const std::vector<int>& entering_per_row() const { return entering_; }
   /// Delta transfer: sums over the timed selections of {selected n, entering E, sent m, holes, refused rows}.
   std::vector<unsigned long long> delta_totals() const {
     std::vector<unsigned long long> h(kernels::kDeltaTotalsFields, 0ull);
@@ -423,6 +440,63 @@ class AsyncCacheRank {
     std::vector<int> v(static_cast<size_t>(num_layers), -1);
     for (size_t i = 0; i < layers.size(); ++i) v[static_cast<size_t>(layers[i])] = static_cast<int>(i);
     return v;
+  }
+  static void lt_check(cublasStatus_t st, const char* what) {
+    SPADE_CHECK(st == CUBLAS_STATUS_SUCCESS, "cache rank: {} failed: {}", what, cublasLtGetStatusString(st));
+  }
+  void set_rho(double x) {
+    churn_x_ = x;
+    rho_ = x <= 0 ? 0.0 : 1.0 - std::pow(10.0, -x);
+  }
+  // The rho search of a calibration run (Opts::churn), at the end of step t of its warm-up: phase i holds rho for
+  // churn_phase_steps() steps; once the query windows hold only queries pushed at that rho (W steps) the totals are
+  // reset, and the phase's last 4 steps of selections give its churn (entering / selected: the capacity is the
+  // budget, so every entering token is sent and the held tables equal the previous selection). Churn falls as rho
+  // grows: bisection on x in rho = 1 - 10^-x.
+  void calibrate_churn(int t) {
+    const int len = churn_phase_steps(o_), pos = t % len;
+    if (pos != o_.selection.query_window - 1 && pos != len - 1) return;
+    cuda_check(cudaStreamSynchronize(sel_stream_), "churn calibration sync");
+    if (pos == len - 1) {
+      const std::vector<unsigned long long> d = delta_totals();
+      const double churn = d[kernels::kDeltaCount] > 0 ? static_cast<double>(d[kernels::kDeltaEntering]) /
+                                                             static_cast<double>(d[kernels::kDeltaCount])
+                                                       : 0.0;
+      churn_phases_.emplace_back(rho_, churn);
+      (churn > o_.churn ? churn_lo_ : churn_hi_) = churn_x_;
+      set_rho((churn_lo_ + churn_hi_) / 2);
+    } else {
+      cuda_check(cudaMemsetAsync(totals_.get(), 0, totals_.bytes(), sel_stream_), "delta totals reset");
+      cuda_check(cudaStreamSynchronize(sel_stream_), "churn calibration sync");
+    }
+  }
+  // Calibration run: every row's E of the steady selections for step `for_step` (their messages' row infos), for the
+  // capacity a lossless delta needs at this churn (the largest E).
+  void record_entering(int for_step) {
+    cuda_check(cudaStreamSynchronize(sel_stream_), "churn calibration sync");
+    const int mine = static_cast<int>(mine_.size());
+    for (int idx = 0; idx < mine; ++idx) {
+      const size_t rows = static_cast<size_t>(pack_layers(mine_[static_cast<size_t>(idx)])) * B_ * cfg_.num_kv_heads;
+      const char* out = send_.as<char>() + (static_cast<size_t>(for_step % 2) * mine + idx) * sh_.down_bytes(for_step);
+      std::vector<int32_t> info(rows * kernels::kDeltaInfoFields);
+      cuda_check(cudaMemcpy(info.data(), out + sh_.delta.info, info.size() * 4, cudaMemcpyDeviceToHost), "row infos");
+      for (size_t r = 0; r < rows; ++r) entering_.push_back(info[r * kernels::kDeltaInfoFields + 1]);
+    }
+  }
+  // The query window push with --churn: the `wrows` new last slots = rho * the previous last slots + sqrt(1 - rho^2)
+  // * the pushed queries (bf16, fp32 scale; one cuBLASLt matrix transform over [head_dim, wrows] views).
+  void blend_push(char* dst_last, const char* src_last, size_t wrows, cudaStream_t stream) {
+    const uint64_t D = static_cast<uint64_t>(cfg_.head_dim), n = wrows;
+    const int64_t ld_win = static_cast<int64_t>(cap_) * cfg_.head_dim;
+    cublasLtMatrixLayout_t win = nullptr, q = nullptr;
+    lt_check(cublasLtMatrixLayoutCreate(&win, CUDA_R_16BF, D, n, ld_win), "cublasLtMatrixLayoutCreate");
+    lt_check(cublasLtMatrixLayoutCreate(&q, CUDA_R_16BF, D, n, static_cast<int64_t>(D)), "cublasLtMatrixLayoutCreate");
+    const float a = static_cast<float>(rho_), b = static_cast<float>(std::sqrt(1.0 - rho_ * rho_));
+    const cublasStatus_t st =
+        cublasLtMatrixTransform(lt_, blend_, &a, src_last, win, &b, q_tmp_.get(), q, dst_last, win, stream);
+    cublasLtMatrixLayoutDestroy(win);
+    cublasLtMatrixLayoutDestroy(q);
+    lt_check(st, "cublasLtMatrixTransform (query blend)");
   }
   int pack_layers(int p) const { return std::min(sh_.P, L_ - p * sh_.P); }
   size_t pool_rows() const {  // (token, KV head) rows of the whole pool, every layer
@@ -482,9 +556,12 @@ class AsyncCacheRank {
     cuda_check(cudaMemcpy2DAsync(dst, row, src + D * 2, row, (cap_ - 1) * D * 2, wrows, cudaMemcpyDeviceToDevice,
                                  stream_),
                "window shift");
-    cuda_check(cudaMemcpy2DAsync(dst + (cap_ - 1) * D * 2, row, q_tmp_.get(), D * 2, D * 2, wrows,
-                                 cudaMemcpyDeviceToDevice, stream_),
-               "window push");
+    if (rho_ > 0)
+      blend_push(dst + (cap_ - 1) * D * 2, src + (cap_ - 1) * D * 2, wrows, stream_);
+    else
+      cuda_check(cudaMemcpy2DAsync(dst + (cap_ - 1) * D * 2, row, q_tmp_.get(), D * 2, D * 2, wrows,
+                                   cudaMemcpyDeviceToDevice, stream_),
+                 "window push");
   }
   // Predict, score, top-k and gather the selection of step `for_step` for pack p, then send it. Streams (the same
   // one with --cache-streams 1): predict on stream_ after the append; score on score_stream_; top-k, delta and
@@ -586,6 +663,12 @@ class AsyncCacheRank {
   cudaStream_t stream_ = nullptr, up_stream_ = nullptr, down_stream_ = nullptr;
   cudaStream_t score_stream_ = nullptr, sel_stream_ = nullptr;  // = stream_ with --cache-streams 1
   cudaEvent_t uploaded_ = nullptr;
+  // --churn: the query blend (cuBLASLt matrix transform) and the rho search's state.
+  cublasLtHandle_t lt_ = nullptr;
+  cublasLtMatrixTransformDesc_t blend_ = nullptr;
+  double rho_ = 0, churn_x_ = 2, churn_lo_ = 0, churn_hi_ = 4;
+  std::vector<std::pair<double, double>> churn_phases_;
+  std::vector<int> entering_;
 };
 
 /// The link of a rank measured alone (--modes solo): send and receive enqueue nothing and complete at once, so the

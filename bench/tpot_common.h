@@ -76,7 +76,23 @@ struct Opts {
   // holds the KV and does the selection of its packs' layers only. One async run per entry.
   std::vector<int> cache_ranks = {1};
   bool cache_ranks_set = false;  // --cache-ranks given (refused with the modes it does not apply to)
+  // Selection churn (--churn F, 0 < F < 1): the share of each steady selection that was not in the same row's
+  // selection one step before. 0: the random model's own queries, nearly independent step to step (about 0.9 of
+  // the selection enters per step). F > 0: the cache rank pushes q' = rho q'_prev + sqrt(1 - rho^2) q into its query
+  // windows instead of q (an AR(1) process driven by the model's queries; the variance is kept), with rho searched
+  // by one lossless delta run (capacity = budget) before the timed runs so that the measured churn is F
+  // (churn_calibration_steps). The trained testbed's churn is in docs/FIDELITY.md (about 0.31 at budget 1/16).
+  double churn = 0;
+  double query_rho = 0;          // rho the cache ranks apply (the calibration's result; 0 = the model's queries)
+  bool calibrate_churn = false;  // this run searches rho for `churn` over its warm-up steps
 };
+
+/// --churn: bisection phases of the rho search, each query_window + 4 steps (the windows turn over, then 4 steps of
+/// selections are counted); rho = 1 - 10^-x for x in [0, 4].
+constexpr int kChurnPhases = 10;
+inline int churn_phase_steps(const Opts& o) { return o.selection.query_window + 4; }
+/// Warm-up steps of the calibration run: every phase, then one phase at the rho found.
+inline int churn_calibration_steps(const Opts& o) { return (kChurnPhases + 1) * churn_phase_steps(o); }
 
 struct Stats {
   double median = 0, p99 = 0, mean = 0;

@@ -14,6 +14,7 @@ Variants: NAME=flags, the flags passed to inference_rank as they are, e.g.
     paper="--selection predicted --predictor paper --ridge-eps 1e-3 --successor-expand false"
     last="--selection predicted --predictor last --successor-expand false"
     delta32="--selection predicted --delta-capacity 32"   (GPU path only: --device cpu refuses --delta-capacity)
+    delta-k/8="--selection predicted --delta-capacity {budget/8}"   ({budget/N}: ceil(the run's token budget / N))
 
 Writes a JSON (device, date, commit, every reply) and a Markdown table; with --min-accuracy VARIANT=FRACTION it exits 1
 when a variant answers fewer prompts than that (the gpu test's assertion).
@@ -150,7 +151,18 @@ def write_outputs(a, text, out):
             f.write(text)
 
 
+def resolve_budget_refs(flags, budget):
+    """Replaces each {budget/N} in a variant's flags by ceil(budget / N), the run's own token budget (a fraction's
+    budget differs per prompt size group), e.g. a delta capacity of an eighth of the budget."""
+    def one(m):
+        if not budget:
+            raise ValueError(f"{m.group(0)} in '{flags}' needs a token budget (not a dense variant)")
+        return str(max(1, math.ceil(budget / int(m.group(1)))))
+    return re.sub(r"\{budget/(\d+)\}", one, flags)
+
+
 def run_group(args, flags, prompts, budget):
+    flags = resolve_budget_refs(flags, budget)
     cmd = inference_rank_command(args, flags, [p["prompt"] for p in prompts], budget,
                                  [("--chat", None), ("--temperature", "0"), ("--max-tokens", str(args.max_new_tokens))])
     t0 = time.time()
