@@ -30,7 +30,9 @@
 #                         SPADE_FIDELITY_ARGS)
 #   SPADE_TPOT_ARGS       extra bench_tpot arguments for every configuration (e.g. "--steps 64")
 #   SPADE_TPOT_NO_INT8    set: leave out the int8-scoring-keys run of 8b-b8 / 8b-b8-solo (--score-keys int8, P 12)
-#   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default with two GPUs "8b-b8 8b-b16 32b-b8"; with one GPU
+#   SPADE_TPOT_CHURN      the selection churn of the async rows (bench_tpot --churn; default 0.313, the testbed's;
+#                         0: the random model's own)
+#   SPADE_TPOT_CONFIGS    which bench_tpot configurations (default with two GPUs "8b-b8 8b-b16 8b-b32 32b-b8"; one GPU
 #                         "8b-b8-solo 8b-b16-solo 8b-b8-16k-ipc": dense / oracle baselines, each async rank alone
 #                         (the projection of the two-GPU table) and both ranks over CUDA IPC; also "8b-b8-1gpu";
 #                         with four GPUs "8b-b8-shards 8b-b32-shards 8b-b48-shards": one inference rank over
@@ -242,41 +244,48 @@ if want bench && bench_wanted tpot; then
   read -r -a TPOT_EXTRA <<<"${SPADE_TPOT_ARGS:-}"
   # Two GPUs: the issue-#7 table; one GPU: the baselines with each async rank alone (the projection of that table)
   # and the pipeline with both ranks on the GPU over CUDA IPC.
-  if [ "${NGPU:-0}" -ge 2 ]; then TPOT_DEFAULT="8b-b8 8b-b16 32b-b8"; else TPOT_DEFAULT="8b-b8-solo 8b-b16-solo 8b-b8-16k-ipc"; fi
+  if [ "${NGPU:-0}" -ge 2 ]; then TPOT_DEFAULT="8b-b8 8b-b16 8b-b32 32b-b8"; else TPOT_DEFAULT="8b-b8-solo 8b-b16-solo 8b-b8-16k-ipc"; fi
+  # The selection churn every async row runs at (bench_tpot --churn): the trained testbed's, about a third of the
+  # selection entering per step (docs/FIDELITY.md, the GPU teacher-forced table: 0.313 at budget 1/16); the delta
+  # capacity is the serving default at that churn, half the budget (docs/FIDELITY.md, "Delta capacity at the
+  # measured churn"). SPADE_TPOT_CHURN=0 runs at the random model's own churn (about 0.9).
+  CHURN=(--churn "${SPADE_TPOT_CHURN:-0.313}")
+  [ "${SPADE_TPOT_CHURN:-0.313}" = 0 ] && CHURN=()
   for c in ${SPADE_TPOT_CONFIGS:-${TPOT_DEFAULT}}; do
     # int8: a second run of the configuration with the cache rank scoring the compact int8 keys (--score-keys int8),
     # at its best pack size (later flags override the first run's).
     int8=()
     case "$c" in
-      8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256)
+      8b-b8) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,1024)
         int8=(--modes async --packs 12 --score-keys int8) ;;
-      8b-b16) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128) ;;
-      32b-b8) args=(--config "${DATA}/configs/qwen3-32b" --label qwen3-32b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 8 --delta-capacity 0,256) ;;
+      8b-b16) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,512) ;;
+      8b-b32) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b32-8k --batch 32 --context 8192 --budget 1024 --packs 12 --delta-capacity 0,512 --modes dense,async) ;;
+      32b-b8) args=(--config "${DATA}/configs/qwen3-32b" --label qwen3-32b-b8-32k --batch 8 --context 32768 --budget 2048 --packs 8 --delta-capacity 0,1024) ;;
       # One-GPU variants (nvidia-h100-x1): the 32k baselines (dense, oracle) fit beside the weights; the async
       # pipeline holds the KV twice on one GPU (inference rank + cache rank), so it runs at 16k over CUDA IPC.
       8b-b8-1gpu) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-1gpu --batch 8 --context 32768 --budget 2048 --modes dense,oracle) ;;
-      8b-b8-16k-ipc) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-16k-ipc --batch 8 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128 --link ipc) ;;
+      8b-b8-16k-ipc) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-16k-ipc --batch 8 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,512 --link ipc) ;;
       # Each async rank alone on GPU 0 (--modes solo, null link) beside the dense / oracle baselines: the one-GPU
       # projection of the two-GPU table (max of the two ranks' step times; a lower bound, the link's cost left out).
-      8b-b8-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-solo --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,256 --modes dense,oracle,solo)
+      8b-b8-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-solo --batch 8 --context 32768 --budget 2048 --packs 4,6,12 --delta-capacity 0,1024 --modes dense,oracle,solo)
         int8=(--modes solo --packs 12 --score-keys int8) ;;
-      8b-b16-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k-solo --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,128 --modes dense,oracle,solo) ;;
+      8b-b16-solo) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b16-16k-solo --batch 16 --context 16384 --budget 1024 --packs 6 --delta-capacity 0,512 --modes dense,oracle,solo) ;;
       # One inference rank over N = 1, 2, 3 cache ranks (GPUs 1..N; four GPUs: nvidia-h200-x4): layer packs round
       # robin over the cache ranks, each holding its packs' layers. P 6 splits the 36 layers evenly over 2 and 3.
-      8b-b8-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-shards --batch 8 --context 32768 --budget 2048 --packs 6,12 --delta-capacity 256 --modes dense,async --cache-ranks 1,2,3 --score-keys bf16,int8) ;;
-      8b-b32-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b32-8k-shards --batch 32 --context 8192 --budget 1024 --packs 6,12 --delta-capacity 128 --modes dense,async --cache-ranks 1,2,3 --score-keys bf16,int8) ;;
+      8b-b8-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b8-32k-shards --batch 8 --context 32768 --budget 2048 --packs 6,12 --delta-capacity 1024 --modes dense,async --cache-ranks 1,2,3 --score-keys bf16,int8) ;;
+      8b-b32-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b32-8k-shards --batch 32 --context 8192 --budget 1024 --packs 6,12 --delta-capacity 512 --modes dense,async --cache-ranks 1,2,3 --score-keys bf16,int8) ;;
       # A batch whose KV (every layer) outgrows one GPU: dense and N = 1 report the bytes they would need.
-      8b-b48-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b48-32k-shards --batch 48 --context 32768 --budget 2048 --packs 6 --delta-capacity 256 --modes dense,async --cache-ranks 1,2,3 --score-keys int8,bf16) ;;
+      8b-b48-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b48-32k-shards --batch 48 --context 32768 --budget 2048 --packs 6 --delta-capacity 1024 --modes dense,async --cache-ranks 1,2,3 --score-keys int8,bf16) ;;
       # The same on 80 GB GPUs (nvidia-h100-x4): B24 32k is 117 GB of KV.
-      8b-b24-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b24-32k-shards --batch 24 --context 32768 --budget 2048 --packs 6 --delta-capacity 256 --modes dense,async --cache-ranks 1,2,3 --score-keys int8,bf16) ;;
+      8b-b24-shards) args=(--config "${DATA}/configs/qwen3-8b" --label qwen3-8b-b24-32k-shards --batch 24 --context 32768 --budget 2048 --packs 6 --delta-capacity 1024 --modes dense,async --cache-ranks 1,2,3 --score-keys int8,bf16) ;;
       *) log "unknown SPADE_TPOT_CONFIGS entry $c"; STATUS=1; continue ;;
     esac
     log "bench_tpot $c"
-    with_deps "${TPOT_BIN}" "${args[@]}" "${TPOT_EXTRA[@]}" --out "${OUT}/bench_tpot.jsonl" | tee -a "${OUT}/bench_tpot.txt" \
+    with_deps "${TPOT_BIN}" "${args[@]}" "${CHURN[@]}" "${TPOT_EXTRA[@]}" --out "${OUT}/bench_tpot.jsonl" | tee -a "${OUT}/bench_tpot.txt" \
       || STATUS=1
     if [ "${#int8[@]}" -gt 0 ] && [ -z "${SPADE_TPOT_NO_INT8:-}" ]; then
       log "bench_tpot $c (int8 scoring keys)"
-      with_deps "${TPOT_BIN}" "${args[@]}" "${int8[@]}" "${TPOT_EXTRA[@]}" --out "${OUT}/bench_tpot.jsonl" \
+      with_deps "${TPOT_BIN}" "${args[@]}" "${int8[@]}" "${CHURN[@]}" "${TPOT_EXTRA[@]}" --out "${OUT}/bench_tpot.jsonl" \
         | tee -a "${OUT}/bench_tpot.txt" || STATUS=1
     fi
   done

@@ -23,6 +23,7 @@
 #include "kernels/selection.cuh"
 #include "kernels/tensor_ops.cuh"
 #include "pair/selection_config.h"
+#include "transport/link_factory.h"
 
 namespace spade::tpot {
 
@@ -49,13 +50,13 @@ struct Opts {
   int budget() const { return selection.token_budget; }  // k
   int local_window() const { return selection.local_window; }  // R
   uint64_t seed = 1;
-  // CTAs (channels) NCCL may use per communicator: each holds an SM of BOTH GPUs for the whole transfer, so fewer
-  // leave more SMs to scoring on the cache rank (measured: 16 of the default 32 on H200 NVLink gives the best TPOT;
-  // 8 halves the link bandwidth). 0 = NCCL's default.
-  int nccl_ctas = 16;
-  // The same for the selected-KV link with delta transfer (about 8x fewer bytes: fewer channels leave SMs to the
-  // scoring on the cache rank and to the model on the inference rank).
-  int nccl_ctas_delta = 8;
+  // CTAs (channels) NCCL may use for the selected-KV communicator (down; the qkv one, up, takes one): each holds an SM
+  // of BOTH GPUs for the whole transfer. Full transfer (--nccl-ctas) and delta transfer (--nccl-ctas-delta) default
+  // to the serving path's (transport::LinkOptions::nccl_max_ctas_down). At a trained model's churn (--churn 0.31)
+  // the delta message at capacity k/2 is half a full transfer; 8 channels then stalled the inference rank on most packs
+  // at 8B B8 32k and 16 or 32 did not (bench/results/bench_tpot-h100x2-20261128-churn.txt). 0 = NCCL's default.
+  int nccl_ctas = transport::LinkOptions{}.nccl_max_ctas_down;
+  int nccl_ctas_delta = transport::LinkOptions{}.nccl_max_ctas_down;
   // Delta transfer (kernels/selection_delta_ref.h): entries per (layer, sequence, KV head) row of each step's
   // message; 0 = the full selection every step. One async run per (pack size, capacity).
   std::vector<int> delta_capacities = {0};

@@ -7,6 +7,7 @@
 // (pair/gpu_plan.h) and the CPU pack shape (pair/pack.h) carry their own copies of the fields the peer needs.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -58,10 +59,13 @@ struct SparseConfig {
   SelectionConfig selection;
   int sparse_threshold = 256;  // context length (tokens) at which a sequence switches to sparse decoding (>= 1)
   int layers_per_pack = 4;     // P: consecutive layers per pack message (>= 1)
-  // C, GPU pair only: selection entries a steady step may change per (layer, KV head). 0 (the default) or more than
-  // the token budget = the budget, i.e. lossless: a token that enters the selection is sent the step it enters
-  // (effective_delta_capacity). A smaller C sends fewer bytes but leaves tokens out for a step when more enter; its
-  // cost in pass-key answers is in docs/FIDELITY.md.
+  // C, GPU pair only: selection entries a steady step may change per (layer, KV head); a token that enters beyond C
+  // is sent at a later step (the held table lags). 0 (the default) = half the budget, rounded up; C >= the budget =
+  // the budget, lossless by construction (effective_delta_capacity). Half the budget is where the measured churn puts
+  // a lossless delta: about a third of the selection enters per step on the trained testbed, at most 0.48 k per
+  // (layer, sequence, KV head) at that churn, and on longctx-22m at 1/16 C = k/2 kept the bits per token (+0.0007),
+  // the overlap ratio (-0.003) and the pass keys (79/80) of C = k while k/4 lost 0.054 bits per token
+  // (docs/FIDELITY.md, "Delta capacity at the measured churn").
   int delta_capacity = 0;
   // CPU cache rank only: send only the tokens that entered each selection, with the slot they replace (pair/delta.h);
   // the inference rank's output is bit-identical to a full transfer. The GPU pair always sends deltas (capacity C).
@@ -77,10 +81,11 @@ struct SparseConfig {
   // max_sparse_seqs) bound the switches of a step too.
   int max_first_per_step = 4;
 
-  /// The delta capacity the GPU pair runs with: delta_capacity, or the token budget when delta_capacity is 0 or
-  /// above it (1..token_budget for a valid config).
+  /// The delta capacity the GPU pair runs with (1..token_budget for a valid config): delta_capacity, ceil(budget / 2)
+  /// when it is 0, the budget when it is above the budget.
   int effective_delta_capacity() const {
-    return delta_capacity <= 0 || delta_capacity > selection.token_budget ? selection.token_budget : delta_capacity;
+    if (delta_capacity <= 0) return (selection.token_budget + 1) / 2;
+    return std::min(delta_capacity, selection.token_budget);
   }
 };
 

@@ -47,10 +47,10 @@ void add_sparse_flags(CLI::App& app, SparseConfig& c, SparseFlagText& text, unsi
   }
   if ((groups & kDeltaCapacityFlag) != 0) {
     counted("--delta-capacity", c.delta_capacity,
-            "--device cuda: selection entries a steady step may change per (layer, KV head); 0 = the token budget, "
-            "lossless: a token that enters the selection is sent that step. Smaller values send fewer bytes but leave "
-            "tokens out for a step when more enter (bounded staleness; its cost on pass-key accuracy is in "
-            "docs/FIDELITY.md)",
+            "--device cuda: selection entries a steady step may change per (layer, KV head); a token that enters "
+            "beyond it is sent at a later step. 0 = half the token budget (rounded up), where the measured churn puts "
+            "a lossless delta; >= the budget: the budget, lossless by construction. Smaller values send fewer bytes "
+            "and cost answers (docs/FIDELITY.md, \"Delta capacity at the measured churn\")",
             true);
   }
   text.score_keys = kernels::score_keys_name(sc.score_keys);

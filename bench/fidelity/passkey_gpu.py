@@ -100,8 +100,8 @@ def inference_rank_command(args, flags, texts, budget, own_defaults):
     """inference_rank with the settings every fidelity script gives (model, device, sparse threshold, pack size, one
     batch of every text, the budget) plus `own_defaults` [(flag, value or None)], each left out when the variant or
     --extra-flags gives it: inference_rank refuses an option given twice (CLI11's ArgumentMismatch, exit status 114),
-    e.g. a variant's --layers-per-pack 6."""
-    own = shlex.split(flags) + shlex.split(args.extra_flags)
+    e.g. a variant's --layers-per-pack 6. {budget/N} in `flags` becomes ceil(budget / N) (resolve_budget_refs)."""
+    own = shlex.split(resolve_budget_refs(flags, budget)) + shlex.split(args.extra_flags)
     given = flag_names(own)
     defaults = [("--model", args.model), ("--device", args.device)] + own_defaults + [
         ("--sparse-threshold", str(args.sparse_threshold)), ("--layers-per-pack", str(args.layers_per_pack)),
@@ -162,7 +162,6 @@ def resolve_budget_refs(flags, budget):
 
 
 def run_group(args, flags, prompts, budget):
-    flags = resolve_budget_refs(flags, budget)
     cmd = inference_rank_command(args, flags, [p["prompt"] for p in prompts], budget,
                                  [("--chat", None), ("--temperature", "0"), ("--max-tokens", str(args.max_new_tokens))])
     t0 = time.time()

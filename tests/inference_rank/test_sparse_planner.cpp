@@ -261,7 +261,7 @@ TEST(GpuSparseOptions, ThePairsSettingsAndTheEnginesLimits) {
   EXPECT_EQ(o.sparse.layers_per_pack, 3);
   EXPECT_EQ(o.sparse.selection.token_budget, 256);
   EXPECT_EQ(o.sparse.selection.local_window, 64);
-  EXPECT_EQ(o.sparse.effective_delta_capacity(), 256) << "0 = the budget";
+  EXPECT_EQ(o.sparse.effective_delta_capacity(), 128) << "0 = half the budget";
   EXPECT_EQ(o.sparse.max_first_per_step, pair::SparseConfig{}.max_first_per_step);
   EXPECT_EQ(o.max_slots, 2);
   EXPECT_EQ(o.max_sparse_seqs, 2);

@@ -35,11 +35,16 @@ TEST(SparseConfig, DefaultsAreDeclaredOnceAndValid) {
   EXPECT_EQ(c.selection.token_budget, SelectionConfig{}.token_budget);
 }
 
-TEST(SparseConfig, DeltaCapacityZeroOrAboveTheBudgetIsTheBudget) {
+TEST(SparseConfig, DeltaCapacityZeroIsHalfTheBudgetAboveTheBudgetIsTheBudget) {
   SparseConfig c;
   c.selection.token_budget = 128;
   c.delta_capacity = 0;
-  EXPECT_EQ(c.effective_delta_capacity(), 128);
+  EXPECT_EQ(c.effective_delta_capacity(), 64);
+  c.selection.token_budget = 7;  // rounded up: never 0
+  EXPECT_EQ(c.effective_delta_capacity(), 4);
+  c.selection.token_budget = 1;
+  EXPECT_EQ(c.effective_delta_capacity(), 1);
+  c.selection.token_budget = 128;
   c.delta_capacity = 32;
   EXPECT_EQ(c.effective_delta_capacity(), 32);
   c.delta_capacity = 128;
