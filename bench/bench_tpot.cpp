@@ -44,7 +44,7 @@
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
 //                   [--modes dense,oracle,quest,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
-//                   [--link auto|nccl|ipc] [--async-graphs 1|0] [--cache-streams 3|1] [--score-keys bf16,int8]
+//                   [--link auto|nccl|ipc|ipc-peer] [--async-graphs 1|0] [--cache-streams 3|1] [--score-keys bf16,int8]
 //                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0] [--cache-ranks 1,2,3]
 //                   [--churn F] [--label NAME] [--out results.json] (appends a JSON document per run).
 // --churn F (async / solo): the selection's churn, the share of each steady selection that entered it that step
@@ -283,7 +283,11 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   }
   sh.shards = shards;
   sh.cache_devices.clear();
-  for (int s = 0; s < shards; ++s) sh.cache_devices.push_back(ipc || solo != Solo::kNone ? 0 : 1 + s);
+  // --link ipc-peer: the CUDA IPC link between GPU 0 and GPU 1 (its rings on GPU 0, the cache rank's copies over
+  // peer access by the copy engines: no SM of either GPU moves the bytes).
+  const bool ipc_peer = ipc && o.link == "ipc-peer";
+  for (int s = 0; s < shards; ++s)
+    sh.cache_devices.push_back((ipc && !ipc_peer) || solo != Solo::kNone ? 0 : 1 + s);
   SPADE_CHECK(sh.packs >= shards, "--cache-ranks {} needs at least as many layer packs: {} layers in packs of {} "
               "make {}", shards, cfg.num_layers, pack, sh.packs);
   if (solo == Solo::kCache) sh.up_variants = 8;
@@ -533,6 +537,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r["pack"] = pack;
   r["cuda_graph"] = o.async_graphs;
   r["link"] = solo != Solo::kNone ? "none (rank alone)"
+              : ipc_peer            ? "cuda_ipc over peer access (rings on GPU 0, copy engines, cache rank on GPU 1)"
               : ipc                 ? "cuda_ipc (both ranks on GPU 0: checks the pipeline, not its speed)"
                                     : "nccl";
   if (!ipc && solo == Solo::kNone) r["nccl_max_ctas"] = links[0]->nccl_ctas;
@@ -731,7 +736,8 @@ int main_impl(int argc, char** argv) {
   // --cache-ranks applies to the async mode only (dense / oracle run on one GPU; solo measures one cache rank).
   SPADE_CHECK(!o.cache_ranks_set || (o.modes.find("async") != std::string::npos && o.modes.find("solo") == std::string::npos),
               "--cache-ranks applies to --modes async only (got --modes {})", o.modes);
-  SPADE_CHECK(!o.cache_ranks_set || o.link != "ipc", "--cache-ranks: --link ipc runs one cache rank on GPU 0");
+  SPADE_CHECK(!o.cache_ranks_set || (o.link != "ipc" && o.link != "ipc-peer"),
+              "--cache-ranks: --link ipc / ipc-peer run one cache rank");
   SPADE_CHECK(o.churn == 0 || (o.churn > 0 && o.churn < 1), "--churn {}: a share of the selection in (0, 1)",
               o.churn);
   // --churn drives the cache rank's query windows: async and solo only; its calibration is a lossless delta run.
@@ -775,8 +781,10 @@ int main_impl(int argc, char** argv) {
                       {"gpu_total_bytes", static_cast<double>(prop.totalGlobalMem)}});
     }
   }
-  const bool ipc = o.link == "ipc" || (o.link == "auto" && ngpu < 2);
-  SPADE_CHECK(o.link == "auto" || o.link == "ipc" || o.link == "nccl", "--link {}: auto, nccl or ipc", o.link);
+  const bool ipc = o.link == "ipc" || o.link == "ipc-peer" || (o.link == "auto" && ngpu < 2);
+  SPADE_CHECK(o.link == "auto" || o.link == "ipc" || o.link == "nccl" || o.link == "ipc-peer",
+              "--link {}: auto, nccl, ipc or ipc-peer", o.link);
+  SPADE_CHECK(o.link != "ipc-peer" || ngpu >= 2, "--link ipc-peer needs two GPUs (found {})", ngpu);
   if (o.churn > 0) {
     // One lossless delta run (capacity = budget: every entering token is sent, so the held tables equal the last
     // selection and "entering" is the churn) searches rho over its warm-up; every later run uses that rho. The
@@ -810,7 +818,9 @@ int main_impl(int argc, char** argv) {
       std::printf("  async: skipped: --link nccl needs two GPUs (found %d)\n", ngpu);
       rows.push_back({{"label", o.label}, {"mode", "async"}, {"skipped", "needs two GPUs"}});
     } else {
-      if (ipc)
+      if (ipc && o.link == "ipc-peer")
+        std::printf("  async: CudaIpcLink between GPU 0 and GPU 1 (rings on GPU 0, copies by the copy engines)\n");
+      else if (ipc)
         std::printf("  async: both ranks on GPU 0 over CudaIpcLink (%d GPU%s): checks the pipeline, not its speed\n",
                     ngpu, ngpu == 1 ? "" : "s");
       for (int N : o.cache_ranks)

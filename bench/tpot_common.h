@@ -63,7 +63,8 @@ struct Opts {
   // The keys the async cache rank scores with (pair::SelectionConfig::score_keys): one async run per entry, the
   // run's value in selection.score_keys. int8: the compact copy, quantized from the pool at start and on every append.
   std::vector<kernels::ScoreKeys> score_keys = {kernels::ScoreKeys::kBf16};
-  std::string link = "auto";  // auto: NCCL with two GPUs, else CUDA IPC on GPU 0; nccl; ipc
+  // auto: NCCL with two GPUs, else CUDA IPC on GPU 0; nccl; ipc; ipc-peer: CUDA IPC between GPU 0 and GPU 1
+  std::string link = "auto";
   // Async inference rank: steps from the second on replay a CUDA graph per receive-buffer parity (captured before
   // the cache rank starts), with the pack waits / pack ends as external event nodes and the sends enqueued after
   // the launch, as the serving path does (inference_rank/gpu_sparse.h). 0: every step eagerly.

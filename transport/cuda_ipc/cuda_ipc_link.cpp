@@ -457,8 +457,22 @@ std::unique_ptr<CudaIpcLink> CudaIpcLink::open(const std::string& address, std::
     if (it != registry().end()) m = it->second.lock();
   }
   if (m != nullptr) {  // same process: share the creator's mapping
-    SPADE_CHECK(m->device == opts.device, "{}: the creator in this process uses device {}, this end device {}",
-                st.who(), m->device, opts.device);
+    if (m->device != opts.device) {
+      // Another GPU of this process: its copies reach the creator's ring over peer access (NVLink or PCIe, by the
+      // copy engines), as cudaIpcMemLazyEnablePeerAccess does for another process.
+      int can = 0;
+      cudaError_t e = cudaDeviceCanAccessPeer(&can, opts.device, m->device);
+      SPADE_CHECK(e == cudaSuccess && can == 1, "{}: device {} cannot access the creator's device {} (peer access): {}",
+                  st.who(), opts.device, m->device, e == cudaSuccess ? "not supported" : cudaGetErrorString(e));
+      DeviceGuard g(opts.device);
+      e = cudaDeviceEnablePeerAccess(m->device, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();  // clears the error the call recorded
+        e = cudaSuccess;
+      }
+      SPADE_CHECK(e == cudaSuccess, "{}: cudaDeviceEnablePeerAccess({}) on device {}: {}", st.who(), m->device,
+                  opts.device, cudaGetErrorString(e));
+    }
     SPADE_CHECK(load(&m->h->hello) == 0, "{}: the link was already opened", st.who());
     std::lock_guard lk(registry_mu());
     ++m->ends;
