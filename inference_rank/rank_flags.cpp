@@ -137,7 +137,8 @@ void add_flags(CLI::App& app, Flags& f) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--gpu", f.gpu_index, "--serve --device cuda: the CUDA device of this rank")->check(CLI::NonNegativeNumber);
   app.add_option("--gpu-link", f.gpu_link,
-                 "--serve --device cuda: the data plane to the cache rank: nccl (another GPU) | ipc (the same GPU)");
+                 "--serve --device cuda: the data plane to the cache rank: nccl (another GPU) | ipc (the same GPU, or "
+                 "another GPU of this host with peer access: the copy engines move the bytes, no SM)");
   app.add_option("--teacher-force", f.teacher_force,
                  "standalone fidelity measurement: the last N tokens of each --prompt are forced, one decode step each "
                  "(not sampled); prints a JSON line per prompt with each forced token's logprob and the model's argmax")

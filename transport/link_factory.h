@@ -3,7 +3,8 @@
 //
 // Kinds and what they create:
 //   * "nccl"      GpuLink (transport/nccl/nccl_link.h): two GPUs, NCCL point-to-point. GPU builds.
-//   * "cuda-ipc"  GpuLink (transport/cuda_ipc/cuda_ipc_link.h): both ranks on one GPU. GPU builds.
+//   * "cuda-ipc"  GpuLink (transport/cuda_ipc/cuda_ipc_link.h): both ranks on one GPU, or two GPUs of one host
+//                 with peer access (copy engines, no SM). GPU builds.
 //   * "ucx"       Transport + Endpoint (transport/ucx.h): host memory over UCX. Builds with UCX.
 //   * "loopback"  Transport + Endpoint (transport/loopback.h): in-process, for tests. Every build.
 // available_link_kinds() says which this binary has; asking for another throws spade::Error

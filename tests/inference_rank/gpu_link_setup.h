@@ -1,6 +1,6 @@
 // What the multi-process GPU cluster tests (test_gpu_cluster.cu, test_gpu_sharded_cluster.cu) share: the pair's data
-// plane as a test parameter (CudaIpcOneGpu: every rank on GPU 0 over CUDA IPC; Nccl2Gpu: the cache ranks on GPU 1
-// over NCCL, label gpu2), the ranks' environment, and a coordinator client and greedy request sized for a first CUDA
+// plane as a test parameter (CudaIpcOneGpu: every rank on GPU 0 over CUDA IPC; Nccl2Gpu / CudaIpc2Gpu: the cache
+// ranks on GPU 1 over NCCL / over CUDA IPC with peer access, label gpu2), the ranks' environment, and a coordinator client and greedy request sized for a first CUDA
 // start.
 #pragma once
 
@@ -29,9 +29,10 @@ struct LinkSetup {
 };
 inline void PrintTo(const LinkSetup& l, std::ostream* os) { *os << l.name; }
 
-/// Both data planes, for INSTANTIATE_TEST_SUITE_P(Links, Suite, gpu_links(), link_name).
+/// Every data plane, for INSTANTIATE_TEST_SUITE_P(Links, Suite, gpu_links(), link_name).
 inline auto gpu_links() {
-  return ::testing::Values(LinkSetup{"CudaIpcOneGpu", "ipc", 0}, LinkSetup{"Nccl2Gpu", "nccl", 1});
+  return ::testing::Values(LinkSetup{"CudaIpcOneGpu", "ipc", 0}, LinkSetup{"Nccl2Gpu", "nccl", 1},
+                           LinkSetup{"CudaIpc2Gpu", "ipc", 1});
 }
 inline std::string link_name(const ::testing::TestParamInfo<LinkSetup>& i) { return i.param.name; }
 

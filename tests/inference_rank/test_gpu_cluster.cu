@@ -1,9 +1,10 @@
 // Multi-process test of the GPU serving path: a real coordinator, `inference_rank --serve --device cuda` and
 // `cache_rank --device cuda` as separate processes, the link's address going through the coordinator and the cache
-// rank sized by the inference rank's pair hello. Two data planes, the same cases:
+// rank sized by the inference rank's pair hello. Three data planes, the same cases:
 //   CudaIpcOneGpu  both ranks on GPU 0, `--gpu-link ipc` (ctest inference_rank_test_gpu_cluster_gpu, label gpu);
-//   Nccl2Gpu       inference rank on GPU 0, cache rank on GPU 1, `--gpu-link nccl` (ctest
-//                  inference_rank_test_gpu_cluster_2gpu_gpu, labels gpu + gpu2: two GPUs).
+//   Nccl2Gpu       inference rank on GPU 0, cache rank on GPU 1, `--gpu-link nccl`;
+//   CudaIpc2Gpu    the same two GPUs, `--gpu-link ipc` (the cache rank maps the rings on GPU 0 with peer access)
+//                  (both in ctest inference_rank_test_gpu_cluster_2gpu_gpu, labels gpu + gpu2: two GPUs).
 // The model is a make_demo_checkpoint Qwen3 checkpoint with head_dim 64 (the GPU kernels' smallest; stories260K's
 // head_dim 8 runs on the CPU path only).
 //

@@ -1,10 +1,11 @@
 // One GPU inference rank over N = 2 GPU cache ranks (layer shards, pair/gpu_shard.h), as processes: a real
 // coordinator, `inference_rank --serve --device cuda` and two `cache_rank --device cuda`, the N link addresses going
-// through the coordinator as one, each cache rank sized by its shard's pair hello. Two data planes, the same cases:
+// through the coordinator as one, each cache rank sized by its shard's pair hello. Three data planes, the same cases:
 //   CudaIpcOneGpu  all three ranks on GPU 0, `--gpu-link ipc` (ctest inference_rank_test_gpu_sharded_cluster_gpu,
 //                  label gpu);
 //   Nccl2Gpu       inference rank on GPU 0, both cache ranks on GPU 1, `--gpu-link nccl`, one communicator pair per
-//                  link (ctest inference_rank_test_gpu_sharded_cluster_2gpu_gpu, labels gpu + gpu2).
+//                  link; CudaIpc2Gpu: the same GPUs over `--gpu-link ipc` with peer access (both in ctest
+//                  inference_rank_test_gpu_sharded_cluster_2gpu_gpu, labels gpu + gpu2).
 // The model is the 4-layer make_demo_checkpoint Qwen3 checkpoint of the GPU cluster test (head_dim 64).
 //
 // - At a budget above every context, N = 2 with one layer per pack reproduces the standalone dense GPU run's text for

@@ -1,13 +1,14 @@
-// CudaIpcLink: the GPU data plane of an inference rank and its cache rank on ONE GPU, behind the GpuLink
-// contract (transport/gpu_link.h). NCCL refuses two ranks of one communicator on the same device, so a single-GPU
-// machine (tests, development, the single-GPU variant of bench_tpot) joins the pair this way instead.
+// CudaIpcLink: the GPU data plane of an inference rank and its cache rank on one host, behind the GpuLink contract
+// (transport/gpu_link.h). On ONE GPU it is the only link: NCCL refuses two ranks of one communicator on the same
+// device. On two GPUs with peer access (NVLink) the opener's copies to and from the creator's rings cross the link on
+// the copy engines, so no SM of either GPU moves the bytes, where NCCL's channels each hold an SM of both GPUs.
 //
 // Design. The inference rank (the creator) allocates, on its GPU, a ring of `ring_slots` chunks of `chunk_bytes`
 // per direction, and a 4 KiB header of 32-bit counters in POSIX shared host memory (shm_open), registered for device
 // access (cudaHostRegister, mapped). The address it publishes (address(), TRANSPORT_CUDA_IPC at the coordinator)
 // carries the ring's cudaIpcGetMemHandle, the header's shm name and a random link id. The cache rank (the opener)
 // maps both; an opener in the same process (two threads; CUDA refuses to open its own process's handle) shares the
-// creator's mapping, found by the link id. Both processes must share /dev/shm (one host, one IPC namespace).
+// creator's mapping, found by the link id (from another GPU after enabling peer access to the creator's). Both processes must share /dev/shm (one host, one IPC namespace).
 // A message of N bytes travels as ceil(N / chunk_bytes) chunks. For chunk q of a direction:
 //   sender stream:    wait  consumed >= q + 1 - ring_slots   (its ring slot is free again)
 //                     copy  buf[chunk] -> ring[q % ring_slots]
@@ -39,8 +40,8 @@
 // first launch of a kernel may synchronise the context, i.e. wait for the other end's pending receive, whose data
 // this very thread was about to send. Two processes have separate queues and contexts.
 //
-// Cost: every byte is copied twice on the device (into the ring and out of it), a device-to-device copy each; this
-// link exists for correctness on one GPU, where both ranks share the HBM anyway, not for speed.
+// Cost: every byte is copied twice (into the ring and out of it), a copy-engine copy each. On one GPU both ranks
+// share the HBM anyway; on two GPUs one copy crosses NVLink and the other stays on the creator's (inference) GPU.
 #pragma once
 
 #include <cuda_runtime_api.h>
