@@ -136,8 +136,9 @@ int serve_gpu(const Flags& f, const Rank& r) {
                    "so this incarnation ends and its restart is one of them",
                    self, ev.peer_down.role_index(), peer_name, ev.peer_down.reason(), peer_name);
       shared->exit_code = 1;
-      shared->link->abort(fmt::format("another layer shard (cache #{}) of {} is down", ev.peer_down.role_index(),
-                                      peer_name));
+      // The dead shard by name: the inference rank may see this link fail before its own view of that shard.
+      shared->link->abort(fmt::format("another layer shard of {}, cache rank {} (#{}), is down: {}", peer_name,
+                                      ev.peer_down.rank(), ev.peer_down.role_index(), ev.peer_down.reason()));
       g_stop = true;
       return;
     }

@@ -33,6 +33,7 @@ using detail::ms;
 
 // ---- the shared header (host memory, both processes; the counters are also device-mapped) ----
 constexpr size_t kHeaderBytes = 4096;
+constexpr size_t kReasonBytes = 512;
 struct Header {
   uint32_t posted[2][16];    // [direction][0]: chunks the sender posted (written by its stream); 64-byte lines
   uint32_t consumed[2][16];  // [direction][0]: chunks the receiver drained (written by its stream)
@@ -41,6 +42,9 @@ struct Header {
   uint32_t closed;           // 1 once the opener unmapped (the creator may free the ring then)
   uint32_t pad;
   uint64_t heartbeat[2];     // [role]: advanced by that side's watchdog every period
+  // [role]: that side's failure reason, NUL-terminated, written before it sets the abort word, so the peer's failure
+  // names the cause (e.g. which other peer went down), not only "the peer failed the link".
+  char reason[2][kReasonBytes];
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header fits its page");
 constexpr uint32_t kAborted = 1, kClosing = 2;
@@ -58,8 +62,8 @@ void store(T* p, T v) {
 }
 
 // ---- the address ----
-constexpr char kMagic[8] = {'S', 'P', 'D', 'I', 'P', 'C', '0', '2'};
-constexpr uint32_t kVersion = 2;
+constexpr char kMagic[8] = {'S', 'P', 'D', 'I', 'P', 'C', '0', '3'};
+constexpr uint32_t kVersion = 3;
 struct AddressWire {
   char magic[8];
   uint32_t version;
@@ -238,7 +242,11 @@ struct CudaIpcLink::State final : detail::GpuLinkWatch {
     Header* h = m->h;
     const uint32_t a = load(&h->abort);
     if (closed != nullptr) *closed = false;
-    if (a == kAborted) return "the peer failed the link";
+    if (a == kAborted) {  // the acquire load of the word makes the peer's reason, written before it, visible
+      const char* r = h->reason[1 - static_cast<int>(role)];
+      const std::string why(r, strnlen(r, kReasonBytes));
+      return why.empty() ? std::string("the peer failed the link") : "the peer failed the link (" + why + ")";
+    }
     if ((a == kClosing && role == PairRole::kCache) || (role == PairRole::kInference && load(&h->closed) != 0)) {
       if (closed != nullptr) *closed = true;
       return "the peer closed the link";
@@ -302,6 +310,12 @@ struct CudaIpcLink::State final : detail::GpuLinkWatch {
   // them: this end's counts still say what it had enqueued). Not after an orderly close.
   void on_fail_locked() override {
     Header* h = m->h;
+    // This end's reason, for the peer, before release_transfers() sets the abort word.
+    char* mine = h->reason[static_cast<int>(end_role)];
+    const std::string& why = failure_locked();
+    const size_t n = std::min(why.size(), kReasonBytes - 1);
+    std::memcpy(mine, why.data(), n);
+    mine[n] = '\0';
     bool incomplete = false;
     for (int d = 0; d < 2; ++d) {
       const auto q = static_cast<uint32_t>(seq[d].load());
