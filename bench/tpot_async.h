@@ -311,7 +311,7 @@ class AsyncCacheRank {
     if (o.calibrate_churn || o.query_rho > 0) {
       lt_check(cublasLtCreate(&lt_), "cublasLtCreate");
       lt_check(cublasLtMatrixTransformDescCreate(&blend_, CUDA_R_32F), "cublasLtMatrixTransformDescCreate");
-      set_rho(o.calibrate_churn ? churn_x_ : -std::log10(1.0 - o.query_rho));
+      rho_ = o.calibrate_churn ? churn_search_.rho() : o.query_rho;
     }
     pool_.fill_random(o.seed + 11, 1.f, stream_);
     if (int8_keys_) {  // the compact copy of the whole pool, as a prefill's appends would have written it
@@ -444,15 +444,10 @@ class AsyncCacheRank {
   static void lt_check(cublasStatus_t st, const char* what) {
     SPADE_CHECK(st == CUBLAS_STATUS_SUCCESS, "cache rank: {} failed: {}", what, cublasLtGetStatusString(st));
   }
-  void set_rho(double x) {
-    churn_x_ = x;
-    rho_ = x <= 0 ? 0.0 : 1.0 - std::pow(10.0, -x);
-  }
   // The rho search of a calibration run (Opts::churn), at the end of step t of its warm-up: phase i holds rho for
   // churn_phase_steps() steps; once the query windows hold only queries pushed at that rho (W steps) the totals are
   // reset, and the phase's last 4 steps of selections give its churn (entering / selected: the capacity is the
-  // budget, so every entering token is sent and the held tables equal the previous selection). Churn falls as rho
-  // grows: bisection on x in rho = 1 - 10^-x.
+  // budget, so every entering token is sent and the held tables equal the previous selection); ChurnSearch moves rho.
   void calibrate_churn(int t) {
     const int len = churn_phase_steps(o_), pos = t % len;
     if (pos != o_.selection.query_window - 1 && pos != len - 1) return;
@@ -463,8 +458,8 @@ class AsyncCacheRank {
                                                              static_cast<double>(d[kernels::kDeltaCount])
                                                        : 0.0;
       churn_phases_.emplace_back(rho_, churn);
-      (churn > o_.churn ? churn_lo_ : churn_hi_) = churn_x_;
-      set_rho((churn_lo_ + churn_hi_) / 2);
+      churn_search_.observe(churn);
+      rho_ = churn_search_.rho();
     } else {
       cuda_check(cudaMemsetAsync(totals_.get(), 0, totals_.bytes(), sel_stream_), "delta totals reset");
       cuda_check(cudaStreamSynchronize(sel_stream_), "churn calibration sync");
@@ -666,7 +661,8 @@ class AsyncCacheRank {
   // --churn: the query blend (cuBLASLt matrix transform) and the rho search's state.
   cublasLtHandle_t lt_ = nullptr;
   cublasLtMatrixTransformDesc_t blend_ = nullptr;
-  double rho_ = 0, churn_x_ = 2, churn_lo_ = 0, churn_hi_ = 4;
+  double rho_ = 0;
+  ChurnSearch churn_search_{o_.churn};
   std::vector<std::pair<double, double>> churn_phases_;
   std::vector<int> entering_;
 };

@@ -22,6 +22,7 @@
 #include "kernels/device.h"
 #include "kernels/selection.cuh"
 #include "kernels/tensor_ops.cuh"
+#include "bench/churn_search.h"
 #include "pair/selection_config.h"
 #include "transport/link_factory.h"
 
@@ -89,9 +90,8 @@ struct Opts {
   bool calibrate_churn = false;  // this run searches rho for `churn` over its warm-up steps
 };
 
-/// --churn: bisection phases of the rho search, each query_window + 4 steps (the windows turn over, then 4 steps of
-/// selections are counted); rho = 1 - 10^-x for x in [0, 4].
-constexpr int kChurnPhases = 10;
+/// --churn: steps of each phase of the rho search (bench/churn_search.h): the windows turn over, then 4 steps of
+/// selections are counted.
 inline int churn_phase_steps(const Opts& o) { return o.selection.query_window + 4; }
 /// Warm-up steps of the calibration run: every phase, then one phase at the rho found.
 inline int churn_calibration_steps(const Opts& o) { return (kChurnPhases + 1) * churn_phase_steps(o); }
