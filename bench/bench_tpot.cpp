@@ -43,7 +43,7 @@
 // timing); the greedy argmax over the logits is inside the timed step.
 //
 // Usage: bench_tpot --config DIR [--batch 8] [--context 32768] [--budget 2048] [--packs 4,6,12] [--steps 256]
-//                   [--modes dense,oracle,quest,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 8] [--delta-capacity 0,256]
+//                   [--modes dense,oracle,quest,async,solo] [--nccl-ctas 16] [--nccl-ctas-delta 16] [--delta-capacity 0,1024]
 //                   [--link auto|nccl|ipc|ipc-peer] [--async-graphs 1|0] [--cache-streams 3|1] [--score-keys bf16,int8]
 //                   [--predictor ridge|paper|last] [--ridge-eps E] [--successor-expand 1|0] [--cache-ranks 1,2,3]
 //                   [--churn F] [--label NAME] [--out results.json] (appends a JSON document per run).
@@ -285,7 +285,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   sh.cache_devices.clear();
   // --link ipc-peer: the CUDA IPC link between GPU 0 and GPU 1 (its rings on GPU 0, the cache rank's copies over
   // peer access by the copy engines: no SM of either GPU moves the bytes).
-  const bool ipc_peer = ipc && o.link == "ipc-peer";
+  const bool ipc_peer = ipc && o.ipc_peer();
   for (int s = 0; s < shards; ++s)
     sh.cache_devices.push_back((ipc && !ipc_peer) || solo != Solo::kNone ? 0 : 1 + s);
   SPADE_CHECK(sh.packs >= shards, "--cache-ranks {} needs at least as many layer packs: {} layers in packs of {} "
@@ -479,10 +479,12 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   }
   // --churn: the rho the query windows were driven with, and the calibration run's search.
   double query_rho = o.query_rho;
-  json churn_phases = json::array();
+  json churn_calibration;
   if (caches[0] != nullptr) {
     query_rho = caches[0]->query_rho();
-    for (const auto& [rho, churn] : caches[0]->churn_phases()) churn_phases.push_back({{"rho", rho}, {"churn", churn}});
+    json phases = json::array();
+    for (const auto& [rho, churn] : caches[0]->churn_phases()) phases.push_back({{"rho", rho}, {"churn", churn}});
+    churn_calibration["phases"] = phases;
     if (o.calibrate_churn && !caches[0]->entering_per_row().empty()) {
       // Tokens entering one (layer, sequence, KV head) row per step, as shares of the budget: a delta capacity of
       // at least the largest sends every entering token the step it enters at this churn.
@@ -490,10 +492,8 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
       for (int x : caches[0]->entering_per_row()) e.push_back(static_cast<double>(x) / o.budget());
       std::sort(e.begin(), e.end());
       auto q = [&](double f) { return e[std::min(e.size() - 1, static_cast<size_t>(f * (e.size() - 1) + 0.5))]; };
-      churn_phases = {{"phases", churn_phases},
-                      {"entering_per_row_over_budget",
-                       {{"rows", e.size()}, {"p50", q(0.5)}, {"p90", q(0.9)}, {"p99", q(0.99)}, {"p999", q(0.999)},
-                        {"max", e.back()}}}};
+      churn_calibration["entering_per_row_over_budget"] = {{"rows", e.size()}, {"p50", q(0.5)}, {"p90", q(0.9)},
+                                                           {"p99", q(0.99)}, {"p999", q(0.999)}, {"max", e.back()}};
     }
   }
   for (int s = 0; s < shards; ++s) {
@@ -545,7 +545,7 @@ json run_async(const Opts& o, const ModelConfig& cfg, GpuModel& model, int pack,
   r["cache_gpus"] = sh.cache_devices;
   r["churn_target"] = o.churn;  // 0: the random model's own queries
   r["query_rho"] = query_rho;
-  if (o.calibrate_churn) r["churn_calibration"] = churn_phases;
+  if (o.calibrate_churn) r["churn_calibration"] = churn_calibration;
   r["kv_bytes_all_layers"] = layer_kv * cfg.num_layers;  // the KV pool one cache rank would hold
   r["kv_bytes_per_cache_rank"] = shard_kv;
   if (!pool_bytes.empty()) r["kv_pool_bytes_per_cache_rank"] = pool_bytes;
@@ -736,7 +736,7 @@ int main_impl(int argc, char** argv) {
   // --cache-ranks applies to the async mode only (dense / oracle run on one GPU; solo measures one cache rank).
   SPADE_CHECK(!o.cache_ranks_set || (o.modes.find("async") != std::string::npos && o.modes.find("solo") == std::string::npos),
               "--cache-ranks applies to --modes async only (got --modes {})", o.modes);
-  SPADE_CHECK(!o.cache_ranks_set || (o.link != "ipc" && o.link != "ipc-peer"),
+  SPADE_CHECK(!o.cache_ranks_set || (o.link != "ipc" && !o.ipc_peer()),
               "--cache-ranks: --link ipc / ipc-peer run one cache rank");
   SPADE_CHECK(o.churn == 0 || (o.churn > 0 && o.churn < 1), "--churn {}: a share of the selection in (0, 1)",
               o.churn);
@@ -781,10 +781,10 @@ int main_impl(int argc, char** argv) {
                       {"gpu_total_bytes", static_cast<double>(prop.totalGlobalMem)}});
     }
   }
-  const bool ipc = o.link == "ipc" || o.link == "ipc-peer" || (o.link == "auto" && ngpu < 2);
+  const bool ipc = o.link == "ipc" || o.ipc_peer() || (o.link == "auto" && ngpu < 2);
   SPADE_CHECK(o.link == "auto" || o.link == "ipc" || o.link == "nccl" || o.link == "ipc-peer",
               "--link {}: auto, nccl, ipc or ipc-peer", o.link);
-  SPADE_CHECK(o.link != "ipc-peer" || ngpu >= 2, "--link ipc-peer needs two GPUs (found {})", ngpu);
+  SPADE_CHECK(!o.ipc_peer() || ngpu >= 2, "--link ipc-peer needs two GPUs (found {})", ngpu);
   if (o.churn > 0) {
     // One lossless delta run (capacity = budget: every entering token is sent, so the held tables equal the last
     // selection and "entering" is the churn) searches rho over its warm-up; every later run uses that rho. The
@@ -818,7 +818,7 @@ int main_impl(int argc, char** argv) {
       std::printf("  async: skipped: --link nccl needs two GPUs (found %d)\n", ngpu);
       rows.push_back({{"label", o.label}, {"mode", "async"}, {"skipped", "needs two GPUs"}});
     } else {
-      if (ipc && o.link == "ipc-peer")
+      if (o.ipc_peer())
         std::printf("  async: CudaIpcLink between GPU 0 and GPU 1 (rings on GPU 0, copies by the copy engines)\n");
       else if (ipc)
         std::printf("  async: both ranks on GPU 0 over CudaIpcLink (%d GPU%s): checks the pipeline, not its speed\n",

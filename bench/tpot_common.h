@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/churn_search.h"
 #include "common/config.h"
 #include "common/dtype.h"
 #include "common/error.h"
@@ -22,7 +23,6 @@
 #include "kernels/device.h"
 #include "kernels/selection.cuh"
 #include "kernels/tensor_ops.cuh"
-#include "bench/churn_search.h"
 #include "pair/selection_config.h"
 #include "transport/link_factory.h"
 
@@ -66,6 +66,7 @@ struct Opts {
   std::vector<kernels::ScoreKeys> score_keys = {kernels::ScoreKeys::kBf16};
   // auto: NCCL with two GPUs, else CUDA IPC on GPU 0; nccl; ipc; ipc-peer: CUDA IPC between GPU 0 and GPU 1
   std::string link = "auto";
+  bool ipc_peer() const { return link == "ipc-peer"; }
   // Async inference rank: steps from the second on replay a CUDA graph per receive-buffer parity (captured before
   // the cache rank starts), with the pack waits / pack ends as external event nodes and the sends enqueued after
   // the launch, as the serving path does (inference_rank/gpu_sparse.h). 0: every step eagerly.

@@ -61,11 +61,9 @@ struct SparseConfig {
   int layers_per_pack = 4;     // P: consecutive layers per pack message (>= 1)
   // C, GPU pair only: selection entries a steady step may change per (layer, KV head); a token that enters beyond C
   // is sent at a later step (the held table lags). 0 (the default) = half the budget, rounded up; C >= the budget =
-  // the budget, lossless by construction (effective_delta_capacity). Half the budget is where the measured churn puts
-  // a lossless delta: about a third of the selection enters per step on the trained testbed, at most 0.48 k per
-  // (layer, sequence, KV head) at that churn, and on longctx-22m at 1/16 C = k/2 kept the bits per token (+0.0007),
-  // the overlap ratio (-0.003) and the pass keys (79/80) of C = k while k/4 lost 0.054 bits per token
-  // (docs/FIDELITY.md, "Delta capacity at the measured churn").
+  // the budget, lossless by construction (effective_delta_capacity). Half the budget is where a trained model's
+  // churn (about a third of the selection enters per step) puts a lossless delta; smaller C costs bits per token
+  // (measured in docs/FIDELITY.md, "Delta capacity at the measured churn").
   int delta_capacity = 0;
   // CPU cache rank only: send only the tokens that entered each selection, with the slot they replace (pair/delta.h);
   // the inference rank's output is bit-identical to a full transfer. The GPU pair always sends deltas (capacity C).
