@@ -25,6 +25,8 @@
 #                         (on a one-GPU machine both ranks on GPU 0 over CUDA IPC), with and without delta transfer)
 #                         "serve": inference_rank --device cuda dense vs --selection predicted (in-process GPU
 #                         cache rank), TPOT lines in serve_demo.txt
+#                         "samples": bench_samples, n = 8 samples of one 8k prompt against 8 separate requests on
+#                         the GPU pair (one GPU, the cache rank in this process; Qwen3-8B shape, random weights)
 #                         "fidelity": pass-key accuracy of the GPU path on the trained long-context models
 #                         (bench/fidelity/passkey_gpu.py; SPADE_FIDELITY_MODELS, SPADE_FIDELITY_BUDGETS,
 #                         SPADE_FIDELITY_ARGS)
@@ -137,9 +139,9 @@ do_build() {
   # ctest entry that runs another entry's binary with a gtest filter).
   GPU_TESTS=$(cd "${BUILD}" && ctest --show-only=json-v1 -L gpu ${CTEST_R[@]+"${CTEST_R[@]}"} |
     python3 "${ROOT}/bench/gpu_test_targets.py") || { log "cannot list the gpu test targets"; return 1; }
-  log "build: bench_kernels bench_gdn bench_tpot ${GPU_TESTS//$'\n'/ }"
+  log "build: bench_kernels bench_gdn bench_tpot bench_samples ${GPU_TESTS//$'\n'/ }"
   # shellcheck disable=SC2086
-  with_deps cmake --build "${BUILD}" -j "$(nproc)" --target bench_kernels bench_gdn bench_tpot ${GPU_TESTS} >>"${OUT}/build.log" 2>&1 \
+  with_deps cmake --build "${BUILD}" -j "$(nproc)" --target bench_kernels bench_gdn bench_tpot bench_samples ${GPU_TESTS} >>"${OUT}/build.log" 2>&1 \
     || { grep -E "error|FAILED" "${OUT}/build.log" | head -40; return 1; }
   log "build done"
 }
@@ -290,6 +292,16 @@ if want bench && bench_wanted tpot; then
     fi
   done
   [ -f "${OUT}/bench_tpot.jsonl" ] && cp "${OUT}/bench_tpot.jsonl" "${ROOT}/bench/results/bench_tpot-$(date -u +%Y%m%dT%H%M%SZ).jsonl"
+fi
+# "samples": n samples of one prompt against n separate requests on the GPU pair (bench/bench_samples.cpp): TTFT,
+# decode throughput, each rank's peak KV, the tokens shipped to the cache rank.
+if want bench && bench_wanted samples; then
+  SAMPLES_BIN="$(dirname "${BENCH_BIN}")/bench_samples"
+  DATA="${SPADE_DATA_DIR:-${ROOT}/../shared/data}"
+  log "bench_samples"
+  with_deps "${SAMPLES_BIN}" --config "${DATA}/configs/qwen3-8b" --label qwen3-8b-8k-n8 --prompt 8192 --samples 8 \
+    --tokens 128 --token-budget 512 --out "${OUT}/bench_samples.jsonl" | tee -a "${OUT}/bench_samples.txt" || STATUS=1
+  [ -f "${OUT}/bench_samples.jsonl" ] && cp "${OUT}/bench_samples.jsonl" "${ROOT}/bench/results/bench_samples-$(date -u +%Y%m%dT%H%M%SZ).jsonl"
 fi
 # "serve": the inference rank's own GPU path end to end (inference_rank --device cuda, Qwen3-8B shape with random
 # weights, 8 long prompts, 1024 generated tokens each): dense, then AsyncSpade with the GPU cache rank in the same

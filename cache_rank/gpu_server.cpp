@@ -181,6 +181,44 @@ struct GpuCacheServer::State {
                "mirror reset");
   }
 
+  // A plan's fork (pair/gpu_plan.h), host side: the child slot is emptied and shares the parent's pages; its window
+  // counts are the parent's. The windows themselves are copied by copy_fork_windows once the step's arrays are
+  // uploaded (after the previous step's selections, which may still read the child slot's old windows).
+  void fork(const pair::GpuPlanFork& f, int64_t step) {
+    const auto parent = static_cast<size_t>(f.parent), child = static_cast<size_t>(f.child);
+    const int held = live[parent] ? alloc.seq_len(static_cast<uint64_t>(f.parent)) : 0;
+    SPADE_CHECK(live[parent] && held == f.tokens && f.tokens % o.page_size == 0,
+                "{}: step {}: slot {} forks from slot {} at {} tokens, but that slot holds {} (a fork takes whole "
+                "pages: all of the parent's, a multiple of the page size {})",
+                peer, step, f.child, f.parent, f.tokens, held, o.page_size);
+    forget(f.child);
+    alloc.fork_prefix(static_cast<uint64_t>(f.parent), static_cast<uint64_t>(f.child), f.tokens);
+    live[child] = 1;
+    host_wlen[child] = host_wlen[parent];
+    anchor_pending[child] = anchor_pending[parent];
+    host_awlen[child] = host_awlen[parent];
+  }
+
+  // The device side of this step's forks, on the work stream after the step's upload (fill_meta), before any push:
+  // each child's query windows, anchor windows, their counts and its anchors become its parent's.
+  void copy_fork_windows(const GpuStepPlan& plan) {
+    auto copy = [&](const DeviceBuffer& buf, size_t slot_bytes, const pair::GpuPlanFork& f, const char* what) {
+      cuda_check(cudaMemcpyAsync(buf.as<char>() + static_cast<size_t>(f.child) * slot_bytes,
+                                 buf.as<char>() + static_cast<size_t>(f.parent) * slot_bytes, slot_bytes,
+                                 cudaMemcpyDeviceToDevice, work),
+                 what);
+    };
+    for (const pair::GpuPlanFork& f : plan.forks) {
+      copy(windows, static_cast<size_t>(L) * win_elems() * 2, f, "GPU cache rank: fork's query windows");
+      copy(window_len, static_cast<size_t>(L) * 4, f, "GPU cache rank: fork's window lengths");
+      if (anchors_on()) {
+        copy(awin, static_cast<size_t>(L) * Hq * A * D * 2, f, "GPU cache rank: fork's anchor windows");
+        copy(awin_len, static_cast<size_t>(L) * 4, f, "GPU cache rank: fork's anchor window lengths");
+        copy(anchors, static_cast<size_t>(L) * Hkv * kernels::kMaxAnchors * 4, f, "GPU cache rank: fork's anchors");
+      }
+    }
+  }
+
   // Builds and uploads the step's arrays (one pinned staging buffer, one copy on the work stream).
   void fill_meta(const GpuStepPlan& plan) {
     const int B = static_cast<int>(plan.rows.size()), T = plan.total_tokens();
@@ -781,6 +819,7 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   // 2. bookkeeping
   s.harvest_all(false, stats_);  // earlier samples whose copies are done
   s.sampling = s.sample_every > 0 && plan.step % s.sample_every == 0 && !plan.steady_rows().empty();
+  for (const pair::GpuPlanFork& f : plan.forks) s.fork(f, plan.step);
   for (int32_t slot : plan.released) s.forget(slot);
   for (const GpuPlanRow& r : plan.rows) {
     const size_t slot = static_cast<size_t>(r.slot);
@@ -815,6 +854,10 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
     }
   }
   s.fill_meta(plan);
+  s.copy_fork_windows(plan);
+  stats_.forks += plan.forks.size();
+  stats_.pages_held = static_cast<uint64_t>(s.alloc.num_pages() - s.alloc.num_free_pages());
+  stats_.peak_pages_held = std::max(stats_.peak_pages_held, stats_.pages_held);
 
   // 3. the packs' rows, then per pack: append, windows, selections
   for (int p = 0; p < s.packs; ++p) {

@@ -4,9 +4,11 @@
 //
 // Per step (serve_step):
 //   1. the plan arrives (this host waits for it; the inference rank never waits for this host);
-//   2. bookkeeping: released / fresh slots lose their pages, windows and mirrors; every row's new tokens get pages
-//      (a PageAllocator per rank, keyed by slot, over a pool of the inference rank's size, so it never runs out where
-//      the inference rank did not); one upload of the step's arrays;
+//   2. bookkeeping: the plan's forks (n samples) give a child slot the parent slot's pages, shared by reference
+//      count, and its query / anchor windows (copied on the work stream after the upload); released / fresh slots
+//      lose their pages, windows and mirrors; every row's new tokens get pages (a PageAllocator per rank, keyed by
+//      slot, over a pool of the inference rank's size, so it never runs out where the inference rank did not); one
+//      upload of the step's arrays;
 //   3. per layer pack p, once its rows arrived: per layer, the rows are appended to the pool (no rotation: they come
 //      normed and rotated) and their queries pushed into the (slot, layer) windows; for the plan's SELECT rows, in
 //      two groups (steady rows: delta capacity C; first rows: the full budget): their windows gathered, next-query
@@ -88,6 +90,9 @@ struct GpuCacheStats {
   uint64_t selections = 0;        // (sequence, step) selections computed
   uint64_t first_selections = 0;  // of them, full ones
   uint64_t bytes_received = 0, bytes_sent = 0;
+  uint64_t forks = 0;            // plan forks applied (n samples starting from a group's prompt)
+  uint64_t pages_held = 0;       // KV pages (per layer) held after the last step's bookkeeping; shared pages once
+  uint64_t peak_pages_held = 0;  // the most pages_held has been
   uint64_t sampled_steps = 0;  // steps whose steady rows were sampled (file comment: Sampling)
   // [layer * num_kv_heads + KV head]: the sampled overlap ratios and churn (empty when sampling is off).
   std::vector<SelectionSampleStats> head_samples;

@@ -273,6 +273,7 @@ void Engine::fork_group(Seq& g) {
   for (auto& sp : g.samples) {
     Seq& c = *sp;
     alloc_.fork(g.id, c.id);
+    hooks_->on_fork(g.id, c.id);
     c.num_computed = g.prefill_only;
     c.reserved_pages = full;
     c.context_pages = full;

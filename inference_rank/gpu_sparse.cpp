@@ -280,6 +280,8 @@ void GpuSparseController::detach(uint64_t seq_id) { st_->planner.detach(seq_id);
 
 void GpuSparseController::on_release(uint64_t seq_id) { st_->planner.on_release(seq_id); }
 
+void GpuSparseController::on_fork(uint64_t parent, uint64_t child) { st_->planner.on_fork(parent, child); }
+
 std::pair<int, int> GpuSparseController::droppable_range(uint64_t seq_id, int seq_len) {
   const std::pair<int, int> r = st_->planner.droppable_range(seq_id, seq_len);
   stats_.dropped_seqs = st_->planner.dropped_seqs();

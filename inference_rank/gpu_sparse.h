@@ -42,6 +42,10 @@
 // pair as one link does (every sparse sequence has KV on every shard); the other shards' links are aborted with it,
 // so that none is left in the middle of a step.
 //
+// n samples (Engine::submit_samples): the samples hold the group prefill's prompt pages here and fork its slot on the
+// cache rank (sparse_planner.h, Forks), so the prompt is computed, shipped and stored once on both ranks. The engine's
+// prefix cache stays off with a GPU cache rank (rank_flags.h): a cached prefix has no slot on the cache rank.
+//
 // Lifetime on the link: send_hello() first, then one plan per step, then close() (the close plan), after which the
 // cache rank leaves nothing pending.
 //
@@ -119,9 +123,9 @@ class GpuSparseController : public AttentionBackend, public GpuStepAttention {
   /// sparsely from its next step on), else {0, 0}; nothing once the link failed or was closed. The engine frees the
   /// pages entirely inside it; from then on the sequence is never attended densely (gpu_sparse.h, page dropping).
   std::pair<int, int> droppable_range(uint64_t seq_id, int seq_len) override;
-  /// The cache rank receives each token's rows as the forward pass computes them, under the sequence's id: a
-  /// sequence cannot start from pages another one computed (prefix cache, n samples), so every prompt is computed.
-  bool shares_prompt_pages() const override { return false; }
+  /// n samples: the sample starts from the group's prompt on the cache rank too (sparse_planner.h, Forks): the
+  /// next plan forks it there, and its prompt is not shipped again.
+  void on_fork(uint64_t parent, uint64_t child) override;
   /// Per-request overrides, set before the request's first step: `force_dense` keeps it dense; `sparse_threshold`
   /// > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);

@@ -80,6 +80,9 @@ class AttentionBackend {
                       float* out) = 0;
   /// Called when a sequence leaves the batch (finished, aborted or failed), so per-sequence state can be freed.
   virtual void on_release(uint64_t /*seq_id*/) {}
+  /// Called when `child` starts holding every page of `parent` (n samples: once per sample after the group's shared
+  /// prefill, before the group's on_release), so a backend that keeps per-sequence state elsewhere can share it.
+  virtual void on_fork(uint64_t /*parent*/, uint64_t /*child*/) {}
   /// Sequences the backend could not serve in the last forward (e.g. their cache rank died), with the reason. The
   /// engine ends them with FinishReason::Error and discards their logits.
   virtual std::vector<std::pair<uint64_t, std::string>> take_failures() { return {}; }
@@ -89,8 +92,8 @@ class AttentionBackend {
   virtual std::pair<int, int> droppable_range(uint64_t /*seq_id*/, int /*seq_len*/) { return {0, 0}; }
   /// Whether a sequence may start from KV pages another sequence computed (a prefix-cache hit, or n samples sharing
   /// their prompt's pages): true when the backend reads a sequence's context from the engine's pages. A backend that
-  /// must see every token of a sequence computed under that sequence's id (the GPU cache rank receives each token's
-  /// rows as they are computed) returns false, and the engine then computes every sample's prompt itself.
+  /// must see every token of a sequence computed under that sequence's id returns false, and the engine then computes
+  /// every sample's prompt itself.
   virtual bool shares_prompt_pages() const { return true; }
   /// The engine's page allocator (block tables, reference counts, page serials), given by the engine once, before its
   /// first step; not owned, it outlives the backend's steps. A backend that ships KV elsewhere uses it to tell which

@@ -47,12 +47,41 @@ void SparseStepPlanner::detach(uint64_t seq_id) {
 void SparseStepPlanner::on_release(uint64_t seq_id) {
   auto it = seqs_.find(seq_id);
   if (it == seqs_.end()) return;
+  std::erase_if(pending_forks_, [&](const PendingFork& f) { return f.child == seq_id; });
   if (it->second.slot >= 0) {
     pending_release_.push_back(it->second.slot);
     free_slots_.push_back(it->second.slot);
   }
   if (it->second.table >= 0) free_tables_.push_back(it->second.table);
   seqs_.erase(it);
+}
+
+void SparseStepPlanner::on_fork(uint64_t parent, uint64_t child) {
+  if (failed_) return;  // no plan is sent any more: the cache rank need not know
+  const auto pit = seqs_.find(parent);
+  SPADE_CHECK(pit != seqs_.end() && (pit->second.slot >= 0 || pit->second.fork_slot >= 0) && pit->second.len >= 1,
+              "GPU sparse: sequence {} forks from sequence {}, which has no tokens on the cache rank", child, parent);
+  Seq& g = pit->second;
+  SPADE_CHECK(g.phase == Phase::Dense && g.table < 0 && !g.sel_requested,
+              "GPU sparse: sequence {} forks from sequence {}, which has a selection", child, parent);
+  Seq& c = seqs_[child];  // may exist already: set_request_options
+  SPADE_CHECK(c.slot < 0 && c.len == 0, "GPU sparse: sequence {} forks from sequence {} but already has a slot",
+              child, parent);
+  c.len = g.len;
+  c.offset = g.offset;
+  if (g.slot >= 0) {  // the first sample: the group's slot is its own now
+    c.slot = g.slot;
+    g.fork_slot = g.slot;
+    g.slot = -1;
+    return;
+  }
+  SPADE_CHECK(!free_slots_.empty(), "GPU sparse: more than {} sequences at once (the cache rank's plan slots)",
+              o_.max_slots);
+  c.slot = free_slots_.back();
+  free_slots_.pop_back();
+  // A slot released since the last plan: the fork empties it first, so its release must not follow the fork.
+  std::erase(pending_release_, c.slot);
+  pending_forks_.push_back({child, pair::GpuPlanFork{c.slot, g.fork_slot, g.len}});
 }
 
 std::vector<uint64_t> SparseStepPlanner::fail_all() {
@@ -136,6 +165,12 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
   StepDecision d = empty_decision(fb);
   d.plan.step = step;
   d.plan.released.swap(pending_release_);
+  for (const PendingFork& f : pending_forks_) d.plan.forks.push_back(f.fork);
+  pending_forks_.clear();
+  // Rows whose last token is sampled this step (decode rows, and a prompt's last chunk).
+  std::vector<char> sampled(static_cast<size_t>(fb.total_tokens()), 0);
+  for (int32_t t : fb.logit_rows)
+    if (t >= 0 && t < fb.total_tokens()) sampled[static_cast<size_t>(t)] = 1;
   for (int r = 0; r < B; ++r) {
     const uint64_t id = fb.seq_ids[static_cast<size_t>(r)];
     Seq& s = seqs_[id];
@@ -157,6 +192,7 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
       row.flags |= pair::kRowFresh;
     }
     row.ctx_len = ctx - s.offset;
+    s.len = row.ctx_len;
     if (ctx == q_len) {
       row.flags |= pair::kRowFresh;
       // Starting over: the cache rank forgets this slot, so its selection starts over too.
@@ -187,6 +223,7 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
       row.flags |= pair::kRowSelect;
       d.group_tables[0].push_back(s.table);
     } else if (!failed_ && s.phase == Phase::Dense && q_len == 1 && !s.force_dense && ctx >= threshold &&
+               sampled[static_cast<size_t>(fb.cu_q_lens[static_cast<size_t>(r) + 1] - 1)] &&
                d.switches < o_.sparse.max_first_per_step && !free_tables_.empty()) {
       s.table = free_tables_.back();
       free_tables_.pop_back();

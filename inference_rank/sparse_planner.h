@@ -12,7 +12,14 @@
 //             table + the local window (a "sparse row", served by the packed sparse decode kernel);
 //   Failed -> its cache rank failed while it was sparse (it is reported once through fail_all, then decodes nothing
 //             more: the engine ends it).
-// A row that starts over at position 0 (fresh) loses its table and is Dense again.
+// A row that starts over at position 0 (fresh) loses its table and is Dense again. Only a row whose last token is
+// sampled (a logit row of the step) switches: a group prefill's last chunk is not a decode step.
+//
+// Forks (n samples sharing one prompt, Engine::submit_samples): on_fork(parent, child) for each sample of a group
+// prefill, before the group's on_release. The first sample takes over the group's plan slot (the cache rank holds
+// the prompt there already; nothing is copied); every further sample gets a slot of its own and a fork in the next
+// plan (pair/gpu_plan.h GpuPlanFork: the cache rank shares the prompt's pages and copies its windows). A sample
+// released before that plan takes its fork back.
 //
 // Page dropping: once a sequence is Sparse with its first selection requested, droppable_range() gives the engine
 // [0, len + 1 - local_window), the tokens no later step of it reads locally (the selection comes from the cache
@@ -95,8 +102,15 @@ class SparseStepPlanner {
   bool any_dropped(const ForwardBatch& fb) const;
   /// Sequences marked dropped so far (each counted once, at its first droppable range).
   uint64_t dropped_seqs() const { return dropped_seqs_; }
-  /// The sequence left (finished, aborted, failed): its slot is released in the next plan, its table freed.
+  /// The sequence left (finished, aborted, failed): its slot is released in the next plan, its table freed, a fork
+  /// of it not yet planned dropped.
   void on_release(uint64_t seq_id);
+  /// `child` starts from every token `parent` holds on the cache rank (file comment: Forks); call before the
+  /// parent's on_release. Nothing once the cache rank failed. Throws spade::Error for a parent without a slot or
+  /// with a selection, a child that already has one, or no free slot.
+  void on_fork(uint64_t parent, uint64_t child);
+  /// Forks waiting for the next plan.
+  int pending_forks() const { return static_cast<int>(pending_forks_.size()); }
   /// The cache rank is gone: every Sparse sequence turns Failed and is returned (once); tables are freed; no
   /// sequence switches any more.
   std::vector<uint64_t> fail_all();
@@ -116,11 +130,18 @@ class SparseStepPlanner {
     int threshold = 0;
     bool rebase = false;  // detach()ed: its next row starts it over on the cache rank
     int offset = 0;       // tokens the cache rank does not hold (before its rebased row)
+    int len = 0;          // tokens the cache rank holds of it (its last row's ctx_len)
+    int fork_slot = -1;   // a group whose first sample took its slot: the slot further samples fork from
+  };
+  struct PendingFork {
+    uint64_t child = 0;
+    pair::GpuPlanFork fork;
   };
   GpuSparseOptions o_;
   std::unordered_map<uint64_t, Seq> seqs_;
   std::vector<int> free_slots_, free_tables_;
   std::vector<int32_t> pending_release_;
+  std::vector<PendingFork> pending_forks_;
   bool failed_ = false;
   uint64_t dropped_seqs_ = 0;
 };

@@ -12,9 +12,10 @@ namespace spade::pair {
 namespace {
 
 constexpr uint32_t kPlanMagic = 0x4e4c5047;  // "GPLN"
-constexpr uint32_t kPlanVersion = 1;
-constexpr size_t kHeaderBytes = 4 + 4 + 8 + 4 + 4;  // magic, version, step, rows, released
+constexpr uint32_t kPlanVersion = 2;
+constexpr size_t kHeaderBytes = 4 + 4 + 8 + 4 + 4 + 4;  // magic, version, step, rows, released, forks
 constexpr size_t kRowBytes = 16;
+constexpr size_t kForkBytes = 12;
 
 template <typename T>
 void put(std::vector<uint8_t>& b, size_t& off, T v) {
@@ -104,13 +105,14 @@ GpuPairHello decode_gpu_hello(const uint8_t* data, size_t len, const ModelConfig
   return h;
 }
 
-int gpu_plan_max_rows() { return static_cast<int>((kGpuPlanBytes - kHeaderBytes) / (kRowBytes + 4)); }
+int gpu_plan_max_rows() { return static_cast<int>((kGpuPlanBytes - kHeaderBytes) / (kRowBytes + 4 + kForkBytes)); }
 
 std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p) {
   SPADE_CHECK(static_cast<int>(p.rows.size()) <= gpu_plan_max_rows() &&
-                  static_cast<int>(p.released.size()) <= gpu_plan_max_rows(),
-              "GPU plan: {} rows / {} released slots exceed the {} a plan carries", p.rows.size(), p.released.size(),
-              gpu_plan_max_rows());
+                  static_cast<int>(p.released.size()) <= gpu_plan_max_rows() &&
+                  static_cast<int>(p.forks.size()) <= gpu_plan_max_rows(),
+              "GPU plan: {} rows / {} released slots / {} forks exceed the {} a plan carries", p.rows.size(),
+              p.released.size(), p.forks.size(), gpu_plan_max_rows());
   std::vector<uint8_t> b(kGpuPlanBytes, 0);
   size_t off = 0;
   put(b, off, kPlanMagic);
@@ -118,6 +120,7 @@ std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p) {
   put(b, off, p.step);
   put(b, off, static_cast<uint32_t>(p.rows.size()));
   put(b, off, static_cast<uint32_t>(p.released.size()));
+  put(b, off, static_cast<uint32_t>(p.forks.size()));
   for (const GpuPlanRow& r : p.rows) {
     put(b, off, r.slot);
     put(b, off, r.q_len);
@@ -125,6 +128,11 @@ std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p) {
     put(b, off, r.flags);
   }
   for (int32_t s : p.released) put(b, off, s);
+  for (const GpuPlanFork& f : p.forks) {
+    put(b, off, f.child);
+    put(b, off, f.parent);
+    put(b, off, f.tokens);
+  }
   return b;
 }
 
@@ -137,13 +145,15 @@ GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, cons
               magic, version);
   GpuStepPlan p;
   p.step = get<int64_t>(data, off);
-  const uint32_t nrows = get<uint32_t>(data, off), nrel = get<uint32_t>(data, off);
-  SPADE_CHECK(nrows <= static_cast<uint32_t>(gpu_plan_max_rows()) && nrel <= static_cast<uint32_t>(gpu_plan_max_rows()) &&
-                  kHeaderBytes + nrows * kRowBytes + nrel * 4 <= len,
-              "{}: GPU plan of step {} claims {} rows and {} released slots", peer, p.step, nrows, nrel);
-  SPADE_CHECK(p.step >= 0 || (p.step == GpuStepPlan::kCloseStep && nrows == 0 && nrel == 0),
-              "{}: GPU plan with step {} ({} rows, {} released slots): only the close plan (step -1, empty) may have "
-              "a negative step", peer, p.step, nrows, nrel);
+  const uint32_t nrows = get<uint32_t>(data, off), nrel = get<uint32_t>(data, off), nfork = get<uint32_t>(data, off);
+  const auto most = static_cast<uint32_t>(gpu_plan_max_rows());
+  SPADE_CHECK(nrows <= most && nrel <= most && nfork <= most &&
+                  kHeaderBytes + nrows * kRowBytes + nrel * 4 + nfork * kForkBytes <= len,
+              "{}: GPU plan of step {} claims {} rows, {} released slots and {} forks", peer, p.step, nrows, nrel,
+              nfork);
+  SPADE_CHECK(p.step >= 0 || (p.step == GpuStepPlan::kCloseStep && nrows == 0 && nrel == 0 && nfork == 0),
+              "{}: GPU plan with step {} ({} rows, {} released slots, {} forks): only the close plan (step -1, empty) "
+              "may have a negative step", peer, p.step, nrows, nrel, nfork);
   std::vector<char> used(static_cast<size_t>(std::max(max_slots, 0)), 0);
   for (uint32_t i = 0; i < nrows; ++i) {
     GpuPlanRow r;
@@ -171,6 +181,23 @@ GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, cons
                 max_slots - 1);
     p.released.push_back(s);
   }
+  std::vector<char> child(used.size(), 0);
+  for (uint32_t i = 0; i < nfork; ++i) {
+    GpuPlanFork f;
+    f.child = get<int32_t>(data, off);
+    f.parent = get<int32_t>(data, off);
+    f.tokens = get<int32_t>(data, off);
+    SPADE_CHECK(f.child >= 0 && f.child < max_slots && f.parent >= 0 && f.parent < max_slots && f.child != f.parent &&
+                    !child[static_cast<size_t>(f.child)] && f.tokens >= 1,
+                "{}: GPU plan of step {} fork {}: child slot {} from parent slot {} ({} tokens): slots outside 0..{}, "
+                "equal, a child twice, or no tokens",
+                peer, p.step, i, f.child, f.parent, f.tokens, max_slots - 1);
+    child[static_cast<size_t>(f.child)] = 1;
+    p.forks.push_back(f);
+  }
+  for (const GpuPlanRow& r : p.rows)
+    SPADE_CHECK((r.flags & kRowFresh) == 0 || !child[static_cast<size_t>(r.slot)],
+                "{}: GPU plan of step {}: slot {} is a fork's child and a fresh row", peer, p.step, r.slot);
   return p;
 }
 

@@ -3,15 +3,23 @@
 // receive of the same size and no size travels separately.
 //
 // Per decode / prefill step t, in this order on the link:
-//   up    plan(t)                   kGpuPlanBytes: the step's rows (slot, tokens, context, flags) and released slots
+//   up    plan(t)                   kGpuPlanBytes: the step's forks, released slots and rows (slot, tokens, context,
+//                                   flags)
 //   up    rows(t, p) per pack p     [layers of p][tokens of t][q | k | v] bf16: each token's rows after q/k norm and
 //                                   RoPE, as the inference rank appended them (RopeKvAppendParams::row_out)
 //   down  steady(t, p), first(t, p) per pack p, each only if its group is not empty: the selections for step t + 1
 //                                   of the plan's SELECT rows as delta messages (DeltaLayout), capacity C for rows
 //                                   whose table the inference rank already holds ("steady"), the full budget for
 //                                   FIRST rows (a sequence's first selection, or its first after a reset)
-// The cache rank reads the plan on its host (it may wait; the inference rank never does), appends every token of
-// every row to its full KV pool and its query windows, and runs the selection pipeline for the SELECT rows.
+// The cache rank reads the plan on its host (it may wait; the inference rank never does), applies its forks, then its
+// released slots, then appends every token of every row to its full KV pool and its query windows, and runs the
+// selection pipeline for the SELECT rows.
+//
+// Forks (n samples sharing one prompt): a fork gives the sequence of slot `child` the first `tokens` tokens of slot
+// `parent` (all of them, page-aligned) without shipping them again: the cache rank shares those pages (reference
+// counts, common/page_allocator.h fork_prefix) and copies the parent's query and anchor windows, so the child's
+// selections are those it would make had it computed the prompt itself. The child's first row then continues at
+// position `tokens` (not fresh).
 #pragma once
 
 #include <cstddef>
@@ -63,6 +71,14 @@ struct GpuPlanRow {
   uint32_t flags = 0;   // GpuRowFlags
 };
 
+/// One fork of a plan (file comment: Forks). Applied before the plan's released slots and rows, in plan order; the
+/// child slot loses whatever it held first (like a fresh row).
+struct GpuPlanFork {
+  int32_t child = -1;   // the new sequence's slot
+  int32_t parent = -1;  // the slot whose leading tokens it starts from (live on the cache rank)
+  int32_t tokens = 0;   // the parent's whole context, a multiple of the page size (>= 1 page)
+};
+
 struct GpuStepPlan {
   /// The end of the pair's stream (encoded as step -1, no rows): the inference rank sends it when it stops using
   /// the link (GpuSparseController::close); the cache rank then posts no further receive, so nothing stays pending
@@ -76,7 +92,9 @@ struct GpuStepPlan {
   bool is_close() const { return step == kCloseStep; }
   int64_t step = 0;
   std::vector<GpuPlanRow> rows;   // batch order = the order of the step's tokens
-  std::vector<int32_t> released;  // slots whose sequences ended since the previous plan (freed before this step)
+  std::vector<int32_t> released;  // slots whose sequences ended since the previous plan (freed before this step,
+                                  // after the forks)
+  std::vector<GpuPlanFork> forks;  // sequences starting from another slot's tokens (applied first)
   int total_tokens() const;
   std::vector<int> steady_rows() const;  // indices of SELECT rows without FIRST, batch order
   std::vector<int> first_rows() const;   // indices of FIRST rows, batch order
@@ -84,15 +102,15 @@ struct GpuStepPlan {
 
 /// Size of a plan message on the link.
 inline constexpr size_t kGpuPlanBytes = 16384;
-/// Most rows (and, separately, released slots) a plan carries.
+/// Most rows (and, separately, released slots and forks) a plan carries.
 int gpu_plan_max_rows();
 
-/// The plan as exactly kGpuPlanBytes bytes. Throws spade::Error for too many rows or released slots.
+/// The plan as exactly kGpuPlanBytes bytes. Throws spade::Error for too many rows, released slots or forks.
 std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p);
 /// Parses and validates a plan (magic, version, counts, slots in [0, max_slots) and distinct among rows, q_len >= 1,
-/// ctx_len >= q_len, a FRESH row's ctx_len == q_len, known flags, FIRST only with SELECT, a negative step only as
-/// the close plan: step -1 with no rows and no released slots). Throws spade::Error
-/// naming `peer`.
+/// ctx_len >= q_len, a FRESH row's ctx_len == q_len, known flags, FIRST only with SELECT, forks with slots in
+/// [0, max_slots), child != parent, children distinct, tokens >= 1, no fork's child FRESH in a row, a negative step
+/// only as the close plan: step -1 with no rows, released slots or forks). Throws spade::Error naming `peer`.
 GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, const std::string& peer);
 
 /// Byte layout of one delta message (kernels/selection_delta_ref.h): rows = (layer, sequence, KV head) rows, `cap`

@@ -15,6 +15,10 @@
 // - Page dropping: a sparse request's pages outside its local window are freed and a new request's prefill takes
 //   them (mixed steps: its chunks beside the sparse decode row); with a full budget, every step's logits equal those
 //   of the same run without dropping (bigger pool, no page freed), step by step.
+// - n samples of one prompt (Engine::submit_samples) share it on both ranks: the cache rank forks the group's slot
+//   (its pages shared, its query and anchor windows copied), so the prompt is appended once; greedy samples of one
+//   prompt then select, attend and decode alike, step by step, through a small budget's churn; the cache rank's peak
+//   pages are the prompt once plus the tails, against three whole contexts for three separate requests.
 // - Bad options are refused by name.
 #include <gtest/gtest.h>
 
@@ -22,6 +26,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -327,6 +332,145 @@ TEST(GpuSparse, DeadCacheRankFailsOnlyTheSparseRequestsWithCudaGraphs) {
 
 // ---- page dropping ----
 
+struct SampleRun {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<FinishReason> reasons;
+  std::vector<std::string> errors;
+  std::vector<std::vector<float>> steps;  // logits per engine step, [rows][vocab]
+  GpuSparseStats sparse;
+  cache::GpuCacheStats cache;
+  std::string server_error;
+  bool pages_back = false;  // the inference rank's pool is whole again after the run
+};
+
+constexpr int kSamplePrompt = 100, kSampleTokens = 40, kSamples = 3;
+
+// Three greedy continuations of one 100-token prompt, sparse from context 100 with a budget of 32 and a delta
+// capacity of 8 (the selections churn; prompt anchors on): `shared` as n = 3 samples of one request (the group
+// prefills 96 tokens, the samples fork it), else as three separate requests.
+SampleRun run_samples(bool shared) {
+  const ModelConfig cfg = qwen3_like();
+  EngineOptions eo = engine_options();
+  const GpuEngineOptions go = gpu_engine_options(eo, /*cuda_graphs=*/false);
+  GpuEngineForward gpu(GpuModel::random(cfg, 31, GpuEngineForward::model_options(go)), go);
+  gpu.warm_up();  // before the in-process cache rank exists (see run())
+  SampleRun out;
+  Engine engine(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) {
+    gpu(b, l);
+    out.steps.push_back(l);
+  });
+  const ModelConfig attn = cfg.attention_view();
+  const GpuSparseOptions so =
+      test_sparse_options(Sparse{/*budget=*/32, /*window=*/16, /*capacity=*/8, /*threshold=*/100}, eo);
+  auto cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, cache_side(), 0, std::chrono::milliseconds(5000));
+  auto ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size,
+                                                   gpu.max_batch());
+  ctl->send_hello(make_gpu_pair_hello(attn, so, engine.options()));
+  cache_rank->wait_ready(std::chrono::milliseconds(30000));
+  gpu.set_sparse(ctl.get());
+  engine.set_attention_hooks(ctl.get());
+
+  GenerateRequest req;
+  std::mt19937_64 rng(300);
+  req.prompt_ids.resize(kSamplePrompt);
+  for (auto& t : req.prompt_ids) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(cfg.vocab_size));
+  req.max_tokens = kSampleTokens;
+  req.sampling.temperature = 0.f;
+  req.ignore_eos = true;
+  out.tokens.resize(kSamples);
+  out.reasons.assign(kSamples, FinishReason::None);
+  out.errors.resize(kSamples);
+  std::map<uint64_t, int> index;
+  auto cb = [&](const TokenEvent& ev) {
+    const int i = index.at(ev.request_id);
+    if (ev.token >= 0) out.tokens[static_cast<size_t>(i)].push_back(ev.token);
+    if (ev.finished) {
+      out.reasons[static_cast<size_t>(i)] = ev.reason;
+      out.errors[static_cast<size_t>(i)] = ev.error;
+    }
+  };
+  std::vector<uint64_t> ids;
+  if (shared) {
+    ids = engine.submit_samples(req, kSamples, cb);
+  } else {
+    for (int i = 0; i < kSamples; ++i) ids.push_back(engine.submit(req, cb));
+  }
+  for (int i = 0; i < kSamples; ++i) index[ids[static_cast<size_t>(i)]] = i;
+  engine.run_until_idle();
+  ctl->close();
+  cache_rank->stop();
+  out.server_error = cache_rank->error();
+  out.cache = cache_rank->stats();
+  out.sparse = ctl->stats();
+  out.pages_back = engine.pages().num_free_pages() == engine.pages().num_pages();
+  gpu.set_sparse(nullptr);
+  engine.set_attention_hooks(nullptr);
+  return out;
+}
+
+TEST(GpuSparse, SamplesShareThePromptOnTheCacheRank) {
+  const SampleRun got = run_samples(true);
+  const SampleRun alone = run_samples(false);
+  for (const SampleRun* r : {&got, &alone}) {
+    ASSERT_EQ(r->server_error, "");
+    for (int i = 0; i < kSamples; ++i) {
+      ASSERT_EQ(r->reasons[static_cast<size_t>(i)], FinishReason::Length)
+          << "sample " << i << ": " << r->errors[static_cast<size_t>(i)];
+      ASSERT_EQ(r->tokens[static_cast<size_t>(i)].size(), static_cast<size_t>(kSampleTokens));
+    }
+    EXPECT_EQ(r->sparse.switches, static_cast<uint64_t>(kSamples));
+    EXPECT_EQ(r->sparse.failed_seqs, 0u);
+    EXPECT_GE(r->sparse.sparse_seq_steps, static_cast<uint64_t>(kSamples) * 30);
+    EXPECT_TRUE(r->pages_back) << "a page is still held on the inference rank";
+  }
+  // The group computes and ships 96 prompt tokens once (whole pages, prefix_recompute_tokens 1 left); each sample
+  // its last 4 and its own 39 tokens. Three requests ship everything three times.
+  const int shared_tokens = 96;
+  EXPECT_EQ(got.cache.forks, static_cast<uint64_t>(kSamples - 1)) << "the first sample took over the group's slot";
+  EXPECT_EQ(alone.cache.forks, 0u);
+  EXPECT_EQ(got.cache.tokens_appended,
+            static_cast<uint64_t>(shared_tokens + kSamples * (kSamplePrompt - shared_tokens + kSampleTokens - 1)));
+  EXPECT_EQ(alone.cache.tokens_appended, static_cast<uint64_t>(kSamples * (kSamplePrompt + kSampleTokens - 1)));
+  // Pages of 16: a context of 139 tokens holds 9; the prompt's 6 whole pages once, plus 3 per sample.
+  EXPECT_LE(got.cache.peak_pages_held, static_cast<uint64_t>(6 + kSamples * 3));
+  EXPECT_EQ(alone.cache.peak_pages_held, static_cast<uint64_t>(kSamples * 9));
+  // Greedy samples of one prompt: the same tokens, and step by step the same logits in every sample's row. A forked
+  // sample with the wrong pages or windows would predict other queries, select other tokens and attend other KV.
+  for (int i = 1; i < kSamples; ++i) EXPECT_EQ(got.tokens[static_cast<size_t>(i)], got.tokens[0]) << "sample " << i;
+  const size_t V = static_cast<size_t>(qwen3_like().vocab_size);
+  size_t compared = 0;
+  float worst = 0.f;
+  for (size_t s = 0; s < got.steps.size(); ++s) {
+    const auto& l = got.steps[s];
+    if (l.size() != kSamples * V) continue;  // the group's prefill steps have no logits
+    const std::vector<float> row0(l.begin(), l.begin() + static_cast<long>(V));
+    const float scale = std::max(max_abs(row0), 1e-6f);
+    for (size_t r = 1; r < static_cast<size_t>(kSamples); ++r) {
+      float d = 0.f;
+      for (size_t j = 0; j < V; ++j) d = std::max(d, std::fabs(l[r * V + j] - row0[j]));
+      worst = std::max(worst, d / scale);
+      EXPECT_LE(d, 1e-4f * scale) << "step " << s << ", sample " << r;
+    }
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<size_t>(kSampleTokens));
+  size_t agree = 0;
+  for (int i = 0; i < kSamples; ++i) {
+    size_t k = 0;
+    while (k < static_cast<size_t>(kSampleTokens) && got.tokens[static_cast<size_t>(i)][k] == alone.tokens[static_cast<size_t>(i)][k]) ++k;
+    agree += k;
+  }
+  std::printf("[ samples  ] 3 samples of a 100-token prompt, k 32, C 8: %zu steps compared across the samples (worst "
+              "|diff| %.2e of max |logit|); cache rank: %llu tokens appended, peak %llu pages, %llu forks (3 "
+              "requests: %llu tokens, peak %llu pages); %zu of %d tokens agree with the 3 requests before the first "
+              "divergence (another prefill chunking)\n",
+              compared, static_cast<double>(worst), static_cast<unsigned long long>(got.cache.tokens_appended),
+              static_cast<unsigned long long>(got.cache.peak_pages_held),
+              static_cast<unsigned long long>(got.cache.forks),
+              static_cast<unsigned long long>(alone.cache.tokens_appended),
+              static_cast<unsigned long long>(alone.cache.peak_pages_held), agree, kSamples * kSampleTokens);
+}
+
 // The engine's hooks without page dropping: the reference run keeps every page.
 class NoDropHooks : public AttentionBackend {
  public:
@@ -335,6 +479,7 @@ class NoDropHooks : public AttentionBackend {
     c_.attend(layer, b, q, k, v, out);
   }
   void on_release(uint64_t id) override { c_.on_release(id); }
+  void on_fork(uint64_t parent, uint64_t child) override { c_.on_fork(parent, child); }
   std::vector<std::pair<uint64_t, std::string>> take_failures() override { return c_.take_failures(); }
 
  private:

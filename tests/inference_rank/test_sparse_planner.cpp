@@ -1,7 +1,9 @@
 // The host bookkeeping of GPU sparse decoding (inference_rank/sparse_planner.h): phases, switching limits, held
 // tables, plan slots and their release, fresh restarts, per-request options, the cache rank's failure, bad input,
 // sparse rows inside mixed prefill + decode steps, and page dropping (droppable_range: the range, the dropped mark
-// that keeps a sequence off dense attention for good, local_step once the link is gone).
+// that keeps a sequence off dense attention for good, local_step once the link is gone), and the forks of n samples
+// (the first sample takes over the group's slot, the others fork it in the next plan; releases and slot reuse around
+// them).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,7 +26,8 @@ struct Row {
   int ctx;  // after the step
 };
 
-ForwardBatch batch(const std::vector<Row>& rows) {
+// `sampled` false: no logit row (a group prefill's chunk).
+ForwardBatch batch(const std::vector<Row>& rows, bool sampled = true) {
   ForwardBatch b;
   b.cu_q_lens.push_back(0);
   for (const Row& r : rows) {
@@ -35,7 +38,7 @@ ForwardBatch batch(const std::vector<Row>& rows) {
     b.cu_q_lens.push_back(b.cu_q_lens.back() + r.q_len);
     b.seq_lens.push_back(r.ctx);
     b.seq_ids.push_back(r.id);
-    b.logit_rows.push_back(b.cu_q_lens.back() - 1);
+    if (sampled) b.logit_rows.push_back(b.cu_q_lens.back() - 1);
   }
   return b;
 }
@@ -337,6 +340,105 @@ TEST(SparsePlanner, TheCacheRanksFailureFailsTheSparseSequencesOnce) {
   StepDecision d = p.plan_step(batch({{2, 1, 200}}), 2);
   EXPECT_FALSE(d.sparse_now);
   EXPECT_EQ(d.plan.rows[0].flags, 0u);
+}
+
+// n = 3 samples of a 96-token prompt: the group (id 10) prefills it; samples 11, 12, 13 fork it. The first takes over
+// the group's slot; the others get slots of their own and forks in the next plan, before its rows; the group's
+// release frees no slot. Each sample's first row continues at the shared length (not fresh).
+TEST(SparsePlanner, SamplesForkTheGroupsSlot) {
+  SparseStepPlanner p(opts());
+  StepDecision d = p.plan_step(batch({{10, 64, 64}}, false), 0);
+  d = p.plan_step(batch({{10, 32, 96}}, false), 1);
+  const int group_slot = d.plan.rows[0].slot;
+  EXPECT_EQ(d.plan.rows[0].flags, 0u);
+  for (uint64_t c : {11, 12, 13}) p.on_fork(10, c);
+  p.on_release(10);
+  EXPECT_EQ(p.pending_forks(), 2);
+  EXPECT_EQ(p.free_slots(), 8 - 3) << "three samples in three slots, the group's taken over";
+  d = p.plan_step(batch({{11, 4, 100}, {12, 4, 100}, {13, 4, 100}}), 2);
+  EXPECT_TRUE(d.plan.released.empty()) << "the group's slot is the first sample's";
+  ASSERT_EQ(d.plan.forks.size(), 2u);
+  EXPECT_EQ(d.plan.rows[0].slot, group_slot);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(d.plan.forks[i].parent, group_slot);
+    EXPECT_EQ(d.plan.forks[i].child, d.plan.rows[i + 1].slot);
+    EXPECT_EQ(d.plan.forks[i].tokens, 96);
+  }
+  for (const auto& r : d.plan.rows) {
+    EXPECT_EQ(r.flags, 0u) << "a sample continues at the shared length: not fresh";
+    EXPECT_EQ(r.ctx_len, 100);
+  }
+  EXPECT_EQ(p.pending_forks(), 0);
+  d = p.plan_step(batch({{11, 1, 101}, {12, 1, 101}, {13, 1, 101}}), 3);
+  EXPECT_TRUE(d.plan.forks.empty());
+  EXPECT_EQ(d.switches, 2) << "past the threshold, each sample switches on its own (two per step here)";
+}
+
+// A group's last prefill chunk of one token at the threshold is no decode step: it asks for no selection, so its
+// samples fork a slot without one.
+TEST(SparsePlanner, AGroupPrefillNeverSwitches) {
+  SparseStepPlanner p(opts());
+  p.plan_step(batch({{10, 111, 111}}, false), 0);
+  StepDecision d = p.plan_step(batch({{10, 1, 112}}, false), 1);
+  EXPECT_EQ(d.plan.rows[0].flags, 0u);
+  EXPECT_EQ(d.switches, 0);
+  p.on_fork(10, 11);
+  p.on_fork(10, 12);
+  p.on_release(10);
+  d = p.plan_step(batch({{11, 16, 128}, {12, 16, 128}}), 2);
+  ASSERT_EQ(d.plan.forks.size(), 1u);
+  EXPECT_EQ(d.plan.forks[0].tokens, 112);
+}
+
+// Releases around forks: a sample released before the next plan takes its fork back; a fork into a slot released
+// since the last plan empties it itself (the slot is not also in `released`, which the cache rank applies after the
+// forks); the first sample released before its first row leaves the group's slot to be released after the forks
+// that still copy from it.
+TEST(SparsePlanner, ReleasesAroundForks) {
+  GpuSparseOptions o = opts();
+  o.max_slots = 4;
+  SparseStepPlanner p(o);
+  StepDecision d = p.plan_step(batch({{1, 10, 10}, {10, 32, 32}}, false), 0);
+  const int slot1 = d.plan.rows[0].slot, group_slot = d.plan.rows[1].slot;
+  p.on_release(1);  // slot1 is free again, its release pending
+  for (uint64_t c : {11, 12, 13}) p.on_fork(10, c);
+  p.on_release(10);
+  p.on_release(12);  // a sample aborted before its first step: its fork goes
+  p.on_release(11);  // the first sample too: the group's slot is released, after the remaining fork copied it
+  d = p.plan_step(batch({{13, 4, 36}}), 1);
+  ASSERT_EQ(d.plan.forks.size(), 1u);
+  EXPECT_EQ(d.plan.forks[0].parent, group_slot);
+  const int slot13 = d.plan.forks[0].child;
+  EXPECT_EQ(d.plan.rows[0].slot, slot13);
+  EXPECT_NE(slot13, group_slot);
+  std::vector<int32_t> released = d.plan.released;
+  std::sort(released.begin(), released.end());
+  std::vector<int32_t> want = {group_slot};
+  // slot1's release is in the plan unless sample 13's fork reused the slot (then the fork empties it).
+  if (slot13 != slot1) want.push_back(slot1);
+  // Sample 12's slot (never forked on the cache rank) may appear: releasing an empty slot is a no-op there.
+  for (int32_t s : d.plan.released)
+    if (s != group_slot && s != slot1) want.push_back(s);
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(released, want);
+  EXPECT_EQ(std::count(d.plan.released.begin(), d.plan.released.end(), slot13), 0)
+      << "the fork's child slot is not released after the fork";
+}
+
+TEST(SparsePlannerBadInput, ForksFromNothingOrIntoAHeldSlot) {
+  SparseStepPlanner p(opts());
+  EXPECT_THROW(p.on_fork(99, 100), Error) << "an unknown parent";
+  p.plan_step(batch({{1, 10, 10}, {2, 10, 10}}), 0);
+  try {
+    p.on_fork(1, 2);
+    FAIL() << "forked into a sequence that has a slot";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sequence 2 forks from sequence 1 but already has a slot"), std::string::npos)
+        << e.what();
+  }
+  // Once the cache rank failed, forks are nobody's business.
+  p.fail_all();
+  EXPECT_NO_THROW(p.on_fork(99, 100));
 }
 
 TEST(SparsePlannerBadInput, OptionsSlotsAndBatches) {

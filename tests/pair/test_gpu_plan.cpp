@@ -17,6 +17,7 @@ GpuStepPlan sample() {
   p.rows = {{3, 17, 17, kRowFresh}, {0, 1, 5000, kRowSelect}, {7, 1, 300, kRowSelect | kRowFirstSelect},
             {1, 1, 90, 0}, {5, 1, 4096, kRowSelect}};
   p.released = {2, 6};
+  p.forks = {{4, 0, 4096}, {6, 0, 4096}};
   return p;
 }
 
@@ -34,6 +35,12 @@ TEST(GpuPlan, RoundTripsAndGroupsTheSelectionRows) {
     EXPECT_EQ(q.rows[i].flags, p.rows[i].flags);
   }
   EXPECT_EQ(q.released, p.released);
+  ASSERT_EQ(q.forks.size(), p.forks.size());
+  for (size_t i = 0; i < p.forks.size(); ++i) {
+    EXPECT_EQ(q.forks[i].child, p.forks[i].child);
+    EXPECT_EQ(q.forks[i].parent, p.forks[i].parent);
+    EXPECT_EQ(q.forks[i].tokens, p.forks[i].tokens);
+  }
   EXPECT_EQ(q.total_tokens(), 21);
   EXPECT_EQ(q.steady_rows(), (std::vector<int>{1, 4}));
   EXPECT_EQ(q.first_rows(), (std::vector<int>{2}));
@@ -103,6 +110,24 @@ TEST(GpuPlan, MalformedPlansAreRefused) {
   p = sample();
   p.released = {9};
   expect_refused(p, "released slot 9");
+  p = sample();
+  p.forks[0].child = 8;
+  expect_refused(p, "fork 0: child slot 8");
+  p = sample();
+  p.forks[1].parent = -1;
+  expect_refused(p, "fork 1: child slot 6 from parent slot -1");
+  p = sample();
+  p.forks[0].parent = 4;  // its own parent
+  expect_refused(p, "fork 0");
+  p = sample();
+  p.forks[1].child = 4;  // a child twice
+  expect_refused(p, "a child twice");
+  p = sample();
+  p.forks[0].tokens = 0;
+  expect_refused(p, "(0 tokens)");
+  p = sample();
+  p.forks[0].child = 3;  // row 0 (slot 3) is fresh: it cannot also start from a fork
+  expect_refused(p, "slot 3 is a fork's child and a fresh row");
   std::vector<uint8_t> b = encode_gpu_plan(sample());
   b[0] ^= 1;
   EXPECT_THROW(decode_gpu_plan(b.data(), b.size(), 8, "inference rank 4"), Error);
@@ -110,6 +135,21 @@ TEST(GpuPlan, MalformedPlansAreRefused) {
   GpuStepPlan big;
   big.rows.resize(static_cast<size_t>(gpu_plan_max_rows()) + 1, GpuPlanRow{0, 1, 1, 0});
   EXPECT_THROW(encode_gpu_plan(big), Error);
+  GpuStepPlan many_forks;
+  many_forks.forks.resize(static_cast<size_t>(gpu_plan_max_rows()) + 1, GpuPlanFork{1, 0, 16});
+  EXPECT_THROW(encode_gpu_plan(many_forks), Error);
+  // A plan at every limit at once still fits its fixed size.
+  GpuStepPlan full;
+  const int most = gpu_plan_max_rows();
+  for (int i = 0; i < most; ++i) {
+    full.rows.push_back({i, 1, 2, 0});
+    full.released.push_back(i);
+  }
+  for (int i = 0; i + 1 < most; ++i) full.forks.push_back({i + 1, 0, 16});
+  const std::vector<uint8_t> fb = encode_gpu_plan(full);
+  const GpuStepPlan fq = decode_gpu_plan(fb.data(), fb.size(), most, "inference rank 4");
+  EXPECT_EQ(fq.rows.size(), full.rows.size());
+  EXPECT_EQ(fq.forks.size(), full.forks.size());
 }
 
 
