@@ -85,7 +85,8 @@ Run run(const Opts& o, const ModelConfig& cfg, const std::vector<int32_t>& promp
   const int pages_per_seq = (o.prompt + o.tokens + o.page_size - 1) / o.page_size;
   eo.num_pages = requests * n * pages_per_seq + 1;
   eo.prefix_recompute_tokens = o.sparse.prefix_recompute_tokens();
-  const spade::GpuEngineOptions go = spade::gpu_engine_options(eo, /*cuda_graphs=*/true);
+  spade::GpuEngineOptions go = spade::gpu_engine_options(eo, /*cuda_graphs=*/true);
+  go.link_graphs = false;  // the cache rank runs in this process (gpu_engine.h GpuEngineOptions::link_graphs)
   spade::GpuEngineForward gpu(spade::GpuModel::random(cfg, o.seed, spade::GpuEngineForward::model_options(go)), go);
   spade::GpuEngineForward* g = &gpu;
   Engine engine(cfg, eo,
