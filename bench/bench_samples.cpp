@@ -8,8 +8,9 @@
 //   n separate requests  the prompt n times, submitted together
 //   n samples            Engine::submit_samples: the group prefills the prompt's whole pages once, the samples hold
 //                        them on the inference rank and fork them on the cache rank (pair/gpu_plan.h, Forks)
-// Per run: TTFT (submission to each sequence's first token: mean and max), decode throughput (tokens after the
-// first, over the time from the last first token to the end), the peak KV pages and bytes of each rank (the cache
+// Per run: TTFT (submission to each sequence's first token: mean and max), TPOT (each sequence's first to last
+// token over its tokens after the first: mean), output throughput (every generated token over the run's wall time),
+// the peak KV pages and bytes of each rank (the cache
 // rank's counted by its allocator, shared pages once), the tokens the inference rank shipped to the cache rank, the
 // sequences that switched to sparse decoding, the forks. The floor of the KV beside it: the prompt's whole pages once
 // plus each sample's tail pages. Ratios: separate / samples (above 1: the samples hold, ship or wait less).
@@ -67,7 +68,7 @@ struct Opts {
 struct Run {
   std::string name;
   int sequences = 0;
-  double ttft_mean_s = 0, ttft_max_s = 0, decode_tokens_per_s = 0, e2e_s = 0;
+  double ttft_mean_s = 0, ttft_max_s = 0, tpot_mean_ms = 0, output_tokens_per_s = 0, e2e_s = 0;
   int inference_peak_pages = 0;
   uint64_t cache_peak_pages = 0, cache_tokens = 0, forks = 0, switches = 0, sparse_seq_steps = 0, bytes_up = 0;
 };
@@ -113,18 +114,17 @@ Run run(const Opts& o, const ModelConfig& cfg, const std::vector<int32_t>& promp
   req.sampling.top_k = 50;
   req.sampling.seed = o.seed * 1000;
   const int total = requests * n;
-  std::vector<double> ttft(static_cast<size_t>(total), -1.0);
+  std::vector<double> ttft(static_cast<size_t>(total), -1.0), last(static_cast<size_t>(total), -1.0);
   std::vector<int> got(static_cast<size_t>(total), 0);
   std::string error;
   std::map<uint64_t, int> index;
   const Clock::time_point t0 = Clock::now();
-  Clock::time_point last_first = t0;
   auto cb = [&](const spade::TokenEvent& ev) {
     const int i = index.at(ev.request_id);
-    if (ev.token >= 0 && got[static_cast<size_t>(i)]++ == 0) {
-      const Clock::time_point now = Clock::now();
-      ttft[static_cast<size_t>(i)] = seconds(t0, now);
-      last_first = std::max(last_first, now);
+    if (ev.token >= 0) {
+      const double t = seconds(t0, Clock::now());
+      if (got[static_cast<size_t>(i)]++ == 0) ttft[static_cast<size_t>(i)] = t;
+      last[static_cast<size_t>(i)] = t;
     }
     if (ev.finished && ev.reason != spade::FinishReason::Length && error.empty())
       error = "sequence " + std::to_string(ev.request_id) + " ended early: " + ev.error;
@@ -161,15 +161,18 @@ Run run(const Opts& o, const ModelConfig& cfg, const std::vector<int32_t>& promp
   Run out;
   out.name = name;
   out.sequences = total;
-  double sum = 0, mx = 0;
-  for (double t : ttft) {
+  double sum = 0, mx = 0, tpot = 0;
+  for (int i = 0; i < total; ++i) {
+    const double t = ttft[static_cast<size_t>(i)];
     sum += t;
     mx = std::max(mx, t);
+    tpot += (last[static_cast<size_t>(i)] - t) / (o.tokens - 1);
   }
   out.ttft_mean_s = sum / total;
   out.ttft_max_s = mx;
+  out.tpot_mean_ms = tpot / total * 1e3;
   out.e2e_s = seconds(t0, t1);
-  out.decode_tokens_per_s = static_cast<double>(total) * (o.tokens - 1) / std::max(seconds(last_first, t1), 1e-9);
+  out.output_tokens_per_s = static_cast<double>(total) * o.tokens / std::max(out.e2e_s, 1e-9);
   out.inference_peak_pages = engine.pages().num_pages() - low;
   out.cache_peak_pages = cs.peak_pages_held;
   out.cache_tokens = cs.tokens_appended;
@@ -242,14 +245,15 @@ int main(int argc, char** argv) {
                        {"prefix_recompute_tokens", o.sparse.prefix_recompute_tokens()},
                        {"sampling", "temperature 0.8, top-k 50"}};
     json rows = json::array();
-    std::printf("%-20s %5s %10s %10s %12s %10s %12s %12s %12s %6s\n", "run", "seqs", "TTFT mean", "TTFT max",
-                "decode tok/s", "inf MB", "cache MB", "cache toks", "MB up", "forks");
+    std::printf("%-20s %5s %10s %10s %9s %10s %9s %10s %10s %10s %6s\n", "run", "seqs", "TTFT mean", "TTFT max",
+                "TPOT ms", "out tok/s", "e2e s", "inf MB", "cache MB", "cache toks", "forks");
     for (const Run& r : runs) {
       rows.push_back({{"run", r.name},
                       {"sequences", r.sequences},
                       {"ttft_mean_s", r.ttft_mean_s},
                       {"ttft_max_s", r.ttft_max_s},
-                      {"decode_tokens_per_s", r.decode_tokens_per_s},
+                      {"tpot_mean_ms", r.tpot_mean_ms},
+                      {"output_tokens_per_s", r.output_tokens_per_s},
                       {"e2e_s", r.e2e_s},
                       {"inference_peak_pages", r.inference_peak_pages},
                       {"inference_peak_kv_bytes", r.inference_peak_pages * inf_page_bytes},
@@ -260,11 +264,11 @@ int main(int argc, char** argv) {
                       {"forks", r.forks},
                       {"switches", r.switches},
                       {"sparse_seq_steps", r.sparse_seq_steps}});
-      std::printf("%-20s %5d %10.3f %10.3f %12.1f %10.1f %12.1f %12llu %12.1f %6llu\n", r.name.c_str(), r.sequences,
-                  r.ttft_mean_s, r.ttft_max_s, r.decode_tokens_per_s, r.inference_peak_pages * inf_page_bytes / 1e6,
+      std::printf("%-20s %5d %10.3f %10.3f %9.2f %10.1f %9.2f %10.1f %10.1f %10llu %6llu\n", r.name.c_str(),
+                  r.sequences, r.ttft_mean_s, r.ttft_max_s, r.tpot_mean_ms, r.output_tokens_per_s, r.e2e_s,
+                  r.inference_peak_pages * inf_page_bytes / 1e6,
                   static_cast<double>(r.cache_peak_pages) * cache_page_bytes / 1e6,
-                  static_cast<unsigned long long>(r.cache_tokens), static_cast<double>(r.bytes_up) / 1e6,
-                  static_cast<unsigned long long>(r.forks));
+                  static_cast<unsigned long long>(r.cache_tokens), static_cast<unsigned long long>(r.forks));
     }
     doc["runs"] = rows;
     const Run& sep = runs[1];
@@ -279,16 +283,19 @@ int main(int argc, char** argv) {
                     {"inference_peak_kv", static_cast<double>(sep.inference_peak_pages) /
                                               std::max(smp.inference_peak_pages, 1)},
                     {"tokens_shipped", static_cast<double>(sep.cache_tokens) / std::max<uint64_t>(smp.cache_tokens, 1)},
+                    {"bytes_up", static_cast<double>(sep.bytes_up) / std::max<uint64_t>(smp.bytes_up, 1)},
                     {"ttft_max", sep.ttft_max_s / std::max(smp.ttft_max_s, 1e-9)},
-                    {"decode_tokens_per_s", sep.decode_tokens_per_s / std::max(smp.decode_tokens_per_s, 1e-9)}};
+                    {"tpot_mean", sep.tpot_mean_ms / std::max(smp.tpot_mean_ms, 1e-9)},
+                    {"e2e", sep.e2e_s / std::max(smp.e2e_s, 1e-9)}};
     doc["samples_over_floor"] = {
         {"cache_pages", static_cast<double>(smp.cache_peak_pages) / floor_pages},
         {"ttft_max", smp.ttft_max_s / std::max(runs[0].ttft_max_s, 1e-9)}};
     std::printf("separate / samples: cache KV %.2fx, inference KV %.2fx, tokens shipped %.2fx, TTFT max %.2fx, "
-                "decode tok/s %.2fx; samples' cache KV %.2fx its floor (%d pages), TTFT max %.2fx one request's\n",
+                "TPOT %.2fx, e2e %.2fx; samples' cache KV %.2fx its floor (%d pages), TTFT max %.2fx one request's\n",
                 doc["ratio"]["cache_peak_kv"].get<double>(), doc["ratio"]["inference_peak_kv"].get<double>(),
                 doc["ratio"]["tokens_shipped"].get<double>(), doc["ratio"]["ttft_max"].get<double>(),
-                doc["ratio"]["decode_tokens_per_s"].get<double>(), doc["samples_over_floor"]["cache_pages"].get<double>(),
+                doc["ratio"]["tpot_mean"].get<double>(), doc["ratio"]["e2e"].get<double>(),
+                doc["samples_over_floor"]["cache_pages"].get<double>(),
                 floor_pages, doc["samples_over_floor"]["ttft_max"].get<double>());
     if (!o.out.empty()) {
       std::ofstream f(o.out, std::ios::app);
