@@ -115,6 +115,7 @@ struct GpuCacheServer::State {
   }
 
   PageAllocator alloc;
+  int retained_count = 0;      // retained prefixes held
   std::vector<int> host_wlen;  // per slot: window entries (the same in every layer)
   std::vector<char> live;      // per slot: admitted in alloc
 
@@ -185,7 +186,20 @@ struct GpuCacheServer::State {
   // counts are the parent's. The windows themselves are copied by copy_fork_windows once the step's arrays are
   // uploaded (after the previous step's selections, which may still read the child slot's old windows).
   void fork(const pair::GpuPlanFork& f, int64_t step) {
-    const auto parent = static_cast<size_t>(f.parent), child = static_cast<size_t>(f.child);
+    const auto child = static_cast<size_t>(f.child);
+    if ((f.flags & pair::kForkFromRetained) != 0) {  // a prefix-cache hit: pages shared, windows empty
+      const uint64_t key = retained_key(f.parent);
+      const int held = alloc.contains(key) ? alloc.seq_len(key) : -1;
+      SPADE_CHECK(held >= f.tokens && f.tokens % o.page_size == 0,
+                  "{}: step {}: slot {} forks from retained prefix {} at {} tokens, but it {} (whole pages of {})",
+                  peer, step, f.child, f.parent, f.tokens,
+                  held < 0 ? std::string("is not held") : "holds " + std::to_string(held), o.page_size);
+      forget(f.child);
+      alloc.fork_prefix(key, static_cast<uint64_t>(f.child), f.tokens);
+      live[child] = 1;
+      return;  // forget() emptied the host counts; copy_fork_windows empties the device ones
+    }
+    const auto parent = static_cast<size_t>(f.parent);
     const int held = live[parent] ? alloc.seq_len(static_cast<uint64_t>(f.parent)) : 0;
     SPADE_CHECK(live[parent] && held == f.tokens && f.tokens % o.page_size == 0,
                 "{}: step {}: slot {} forks from slot {} at {} tokens, but that slot holds {} (a fork takes whole "
@@ -199,6 +213,27 @@ struct GpuCacheServer::State {
     host_awlen[child] = host_awlen[parent];
   }
 
+  // Retained prefixes (pair/gpu_plan.h) live in the allocator beside the slots, under keys no slot has.
+  static uint64_t retained_key(int32_t id) { return (uint64_t{1} << 32) + static_cast<uint32_t>(id); }
+
+  void retain(const pair::GpuPlanRetain& r, int64_t step) {
+    const auto slot = static_cast<size_t>(r.slot);
+    const int held = live[slot] ? alloc.seq_len(static_cast<uint64_t>(r.slot)) : 0;
+    SPADE_CHECK(held >= r.tokens && r.tokens % o.page_size == 0 && !alloc.contains(retained_key(r.id)),
+                "{}: step {}: retain of slot {} ({} tokens held) as prefix {} at {} tokens (whole pages of {}, an id "
+                "not held already)",
+                peer, step, r.slot, held, r.id, r.tokens, o.page_size);
+    alloc.fork_prefix(static_cast<uint64_t>(r.slot), retained_key(r.id), r.tokens);
+    ++retained_count;
+  }
+
+  void drop(int32_t id, int64_t step) {
+    SPADE_CHECK(alloc.contains(retained_key(id)), "{}: step {}: drop of retained prefix {}, which is not held", peer,
+                step, id);
+    alloc.release(retained_key(id));
+    --retained_count;
+  }
+
   // The device side of this step's forks, on the work stream after the step's upload (fill_meta), before any push:
   // each child's query windows, anchor windows, their counts and its anchors become its parent's.
   void copy_fork_windows(const GpuStepPlan& plan) {
@@ -209,6 +244,16 @@ struct GpuCacheServer::State {
                  what);
     };
     for (const pair::GpuPlanFork& f : plan.forks) {
+      if ((f.flags & pair::kForkFromRetained) != 0) {  // empty windows (the sequence computes their queries itself)
+        cuda_check(cudaMemsetAsync(window_len.as<int32_t>() + static_cast<size_t>(f.child) * L, 0,
+                                   static_cast<size_t>(L) * 4, work),
+                   "GPU cache rank: fork's window lengths");
+        if (anchors_on())
+          cuda_check(cudaMemsetAsync(awin_len.as<int32_t>() + static_cast<size_t>(f.child) * L, 0,
+                                     static_cast<size_t>(L) * 4, work),
+                     "GPU cache rank: fork's anchor window lengths");
+        continue;
+      }
       copy(windows, static_cast<size_t>(L) * win_elems() * 2, f, "GPU cache rank: fork's query windows");
       copy(window_len, static_cast<size_t>(L) * 4, f, "GPU cache rank: fork's window lengths");
       if (anchors_on()) {
@@ -819,7 +864,9 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   // 2. bookkeeping
   s.harvest_all(false, stats_);  // earlier samples whose copies are done
   s.sampling = s.sample_every > 0 && plan.step % s.sample_every == 0 && !plan.steady_rows().empty();
+  for (const pair::GpuPlanRetain& r : plan.retains) s.retain(r, plan.step);
   for (const pair::GpuPlanFork& f : plan.forks) s.fork(f, plan.step);
+  for (int32_t id : plan.drops) s.drop(id, plan.step);
   for (int32_t slot : plan.released) s.forget(slot);
   for (const GpuPlanRow& r : plan.rows) {
     const size_t slot = static_cast<size_t>(r.slot);
@@ -855,7 +902,13 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   }
   s.fill_meta(plan);
   s.copy_fork_windows(plan);
-  stats_.forks += plan.forks.size();
+  for (const pair::GpuPlanFork& f : plan.forks) {
+    const bool retained = (f.flags & pair::kForkFromRetained) != 0;
+    stats_.forks += retained ? 0 : 1;
+    stats_.retained_hits += retained ? 1 : 0;
+    stats_.retained_hit_tokens += retained ? static_cast<uint64_t>(f.tokens) : 0;
+  }
+  stats_.retained_prefixes = static_cast<uint64_t>(s.retained_count);
   stats_.pages_held = static_cast<uint64_t>(s.alloc.num_pages() - s.alloc.num_free_pages());
   stats_.peak_pages_held = std::max(stats_.peak_pages_held, stats_.pages_held);
 

@@ -4,8 +4,10 @@
 //
 // Per step (serve_step):
 //   1. the plan arrives (this host waits for it; the inference rank never waits for this host);
-//   2. bookkeeping: the plan's forks (n samples) give a child slot the parent slot's pages, shared by reference
-//      count, and its query / anchor windows (copied on the work stream after the upload); released / fresh slots
+//   2. bookkeeping: the plan's retains keep a slot's leading pages as a retained prefix (prefix caching); its forks
+//      give a child slot the parent slot's pages (n samples), shared by reference count, and its query / anchor
+//      windows (copied on the work stream after the upload), or a retained prefix's pages with empty windows (a
+//      prefix-cache hit); its drops forget retained prefixes; released / fresh slots
 //      lose their pages, windows and mirrors; every row's new tokens get pages (a PageAllocator per rank, keyed by
 //      slot, over a pool of the inference rank's size, so it never runs out where the inference rank did not); one
 //      upload of the step's arrays;
@@ -91,6 +93,9 @@ struct GpuCacheStats {
   uint64_t first_selections = 0;  // of them, full ones
   uint64_t bytes_received = 0, bytes_sent = 0;
   uint64_t forks = 0;            // plan forks applied (n samples starting from a group's prompt)
+  uint64_t retained_prefixes = 0;    // retained prefixes held after the last step (prefix caching)
+  uint64_t retained_hits = 0;        // sequences forked from a retained prefix
+  uint64_t retained_hit_tokens = 0;  // their tokens not shipped again
   uint64_t pages_held = 0;       // KV pages (per layer) held after the last step's bookkeeping; shared pages once
   uint64_t peak_pages_held = 0;  // the most pages_held has been
   uint64_t sampled_steps = 0;  // steps whose steady rows were sampled (file comment: Sampling)

@@ -300,6 +300,19 @@ int PageAllocator::match_prefix(uint64_t seq, const int32_t* tokens, int n, int 
   return s.len;
 }
 
+std::vector<int32_t> PageAllocator::peek_prefix(const int32_t* tokens, int n, int max_reuse) const {
+  std::vector<int32_t> pages;
+  if (!prefix_caching_ || n <= 1 || tokens == nullptr) return pages;
+  uint64_t prev = 0;
+  for (int i = 0; i < std::min(n - 1, max_reuse) / page_size_; ++i) {
+    const int32_t p = lookup(prev, tokens + static_cast<size_t>(i) * page_size_);
+    if (p < 0) break;
+    pages.push_back(p);
+    prev = cached_.at(p).serial;
+  }
+  return pages;
+}
+
 void PageAllocator::cache_prompt(uint64_t seq, const int32_t* tokens, int n) {
   if (!prefix_caching_) return;
   const Seq& s = get(seq);

@@ -117,6 +117,9 @@ class PageAllocator {
   /// tokens and the reused ones as hits. Returns 0 and counts nothing with prefix caching off. Throws for an unknown or non-empty
   /// sequence.
   int match_prefix(uint64_t seq, const int32_t* tokens, int n, int max_reuse = 1 << 30);
+  /// Prefix cache: the pages match_prefix(seq, tokens, n, max_reuse) would share now, in token order, without sharing
+  /// them or counting anything (a caller that may reuse fewer asks first). Empty with prefix caching off.
+  std::vector<int32_t> peek_prefix(const int32_t* tokens, int n, int max_reuse = 1 << 30) const;
   /// Prefix cache: publishes the full pages of `seq` that hold tokens [0, n) (`tokens` = its first n token ids, n <=
   /// its length, the KV of those tokens already written) so that later prompts may reuse them. Pages already published
   /// are skipped; a page holding the same key as a published one stays private. No-op with prefix caching off.

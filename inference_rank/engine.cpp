@@ -312,8 +312,12 @@ bool Engine::admit_waiting() {
     alloc_.admit(s.id);
     // Prefix cache: reuse the KV of the prompt's longest cached prefix (whole pages; the last
     // prefix_recompute_tokens prompt tokens are always computed; a group prefill at most its shared part).
-    s.num_computed = alloc_.match_prefix(s.id, s.req.prompt_ids.data(), prompt,
-                                         group ? s.prefill_only : prompt - opt_.prefix_recompute_tokens);
+    int max_reuse = group ? s.prefill_only : prompt - opt_.prefix_recompute_tokens;
+    if (alloc_.prefix_caching()) {  // the backend may serve fewer of the cached pages (AttentionBackend)
+      const std::vector<int32_t> cached = alloc_.peek_prefix(s.req.prompt_ids.data(), prompt, max_reuse);
+      if (!cached.empty()) max_reuse = std::min(max_reuse, hooks_->reusable_prefix_tokens(s.id, cached));
+    }
+    s.num_computed = alloc_.match_prefix(s.id, s.req.prompt_ids.data(), prompt, max_reuse);
     s.reserved_pages = need;
     s.context_pages = context;
     reserved_pages_ += need - static_cast<int>(alloc_.block_table(s.id).size());

@@ -186,7 +186,10 @@ class Engine {
   /// The backend the engine asks for on_release / take_failures / droppable_range: by default the one it attends
   /// with. An engine over an external forward pass whose attention has per-sequence state (the GPU path's
   /// GpuSparseController) registers it here; not owned, must outlive the engine's steps. nullptr restores the default.
-  void set_attention_hooks(AttentionBackend* hooks) { hooks_ = hooks != nullptr ? hooks : attention_.get(); }
+  void set_attention_hooks(AttentionBackend* hooks) {
+    hooks_ = hooks != nullptr ? hooks : attention_.get();
+    hooks_->set_page_allocator(&alloc_);
+  }
   AttentionBackend& attention() { return *hooks_; }
   /// The recurrent-state pool of a hybrid model (nullptr for dense models).
   const GdnStatePool* gdn_states() const { return states_.get(); }

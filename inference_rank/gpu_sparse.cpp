@@ -133,6 +133,8 @@ pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSpa
   // The cache rank holds every running context in full, also the dropped parts: its pool is the engine's bound on
   // full contexts (page dropping lets the engine run more of them than num_pages holds).
   h.num_pages = engine.max_context_pages > 0 ? engine.max_context_pages : engine.num_pages;
+  // Plus the retained prefixes (sparse_planner.h), at most max_retained_prefix_tokens in whole pages.
+  h.num_pages += o.max_retained_prefix_tokens / engine.page_size;
   h.page_size = engine.page_size;
   h.max_pages_per_seq = (engine.max_model_len + engine.page_size - 1) / engine.page_size;
   return h;
@@ -281,6 +283,16 @@ void GpuSparseController::detach(uint64_t seq_id) { st_->planner.detach(seq_id);
 void GpuSparseController::on_release(uint64_t seq_id) { st_->planner.on_release(seq_id); }
 
 void GpuSparseController::on_fork(uint64_t parent, uint64_t child) { st_->planner.on_fork(parent, child); }
+
+void GpuSparseController::set_page_allocator(const PageAllocator* pages) { st_->planner.set_page_allocator(pages); }
+
+int GpuSparseController::reusable_prefix_tokens(uint64_t seq_id, const std::vector<int32_t>& pages) {
+  return st_->planner.reusable_prefix_tokens(seq_id, pages);
+}
+
+const SparseStepPlanner::RetentionStats& GpuSparseController::retention_stats() const {
+  return st_->planner.retention_stats();
+}
 
 std::pair<int, int> GpuSparseController::droppable_range(uint64_t seq_id, int seq_len) {
   const std::pair<int, int> r = st_->planner.droppable_range(seq_id, seq_len);

@@ -43,8 +43,10 @@
 // so that none is left in the middle of a step.
 //
 // n samples (Engine::submit_samples): the samples hold the group prefill's prompt pages here and fork its slot on the
-// cache rank (sparse_planner.h, Forks), so the prompt is computed, shipped and stored once on both ranks. The engine's
-// prefix cache stays off with a GPU cache rank (rank_flags.h): a cached prefix has no slot on the cache rank.
+// cache rank (sparse_planner.h, Forks), so the prompt is computed, shipped and stored once on both ranks. Prefix
+// caching (the engine's, with GpuSparseOptions::max_retained_prefix_tokens > 0): the cache rank retains the prefixes
+// of ended sequences and a prompt that hits the prefix cache forks one (sparse_planner.h, Retained prefixes); a
+// cached prefix the cache rank does not hold is computed again.
 //
 // Lifetime on the link: send_hello() first, then one plan per step, then close() (the close plan), after which the
 // cache rank leaves nothing pending.
@@ -126,6 +128,13 @@ class GpuSparseController : public AttentionBackend, public GpuStepAttention {
   /// n samples: the sample starts from the group's prompt on the cache rank too (sparse_planner.h, Forks): the
   /// next plan forks it there, and its prompt is not shipped again.
   void on_fork(uint64_t parent, uint64_t child) override;
+  /// The engine's allocator: the planner records pages for retained prefixes (sparse_planner.h).
+  void set_page_allocator(const PageAllocator* pages) override;
+  /// Prefix caching (sparse_planner.h, Retained prefixes): what a retained prefix on the cache rank still holds of
+  /// `pages`; 0 with retention off; everything once the link failed.
+  int reusable_prefix_tokens(uint64_t seq_id, const std::vector<int32_t>& pages) override;
+  /// Retained prefixes: the planner's counters (sparse_planner.h).
+  const SparseStepPlanner::RetentionStats& retention_stats() const;
   /// Per-request overrides, set before the request's first step: `force_dense` keeps it dense; `sparse_threshold`
   /// > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);

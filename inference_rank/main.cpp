@@ -141,7 +141,8 @@ int run_standalone(Flags& f) {
       // AsyncSpade on one GPU: the cache rank runs in this process on its own thread, over a CudaIpcLink.
       const spade::EngineOptions& en = engine_ptr->options();
       gpu_attn_cfg = std::make_unique<spade::ModelConfig>(cfg.attention_view());
-      const spade::GpuSparseOptions gso = spade::gpu_sparse_options(f.so, en, "the in-process cache rank");
+      const spade::GpuSparseOptions gso = spade::gpu_sparse_options(f.so, en, "the in-process cache rank",
+                                                                    f.so.max_retained_prefix_tokens);
       gpu_cache = std::make_unique<spade::cache::LocalGpuCacheRank>(*gpu_attn_cfg, f.so, 0, f.so.selection_deadline);
       gpu_sparse = std::make_unique<spade::GpuSparseController>(*gpu_attn_cfg, gso, gpu_cache->inference_link(),
                                                                 en.page_size, gpu->max_batch());

@@ -99,6 +99,11 @@ class AttentionBackend {
   /// first step; not owned, it outlives the backend's steps. A backend that ships KV elsewhere uses it to tell which
   /// sequences share pages (the sparse backend's shared INIT). Default: ignored.
   virtual void set_page_allocator(const PageAllocator* /*pages*/) {}
+  /// Prefix cache: of the cached pages `pages` (in token order) that a new sequence `seq_id`'s prompt matches, the
+  /// tokens this backend can serve from the start (whole pages; the engine reuses at most that many and computes the
+  /// rest). A backend whose KV lives elsewhere answers what that place still holds (the GPU pair: a prefix its cache
+  /// rank retained). Default: all of them.
+  virtual int reusable_prefix_tokens(uint64_t /*seq_id*/, const std::vector<int32_t>& /*pages*/) { return 1 << 30; }
 };
 
 /// Dense attention: appends k/v into the paged KvCache, then kernels::paged_attention_ref over the full context.

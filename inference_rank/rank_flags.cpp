@@ -148,23 +148,27 @@ void add_flags(CLI::App& app, Flags& f) {
                "GPU");
 }
 
-// --enable-prefix-caching: on by default where it applies. Hybrid models (a recurrent state is not paged) and GPU
-// sparse decoding (the GPU cache rank receives each token's rows as they are computed, so a reused prefix would never
-// reach it) turn it off, and refuse the flag given explicitly. A sparse CPU backend needs the prompt's last queries
-// (the predictor's window, the prompt anchors): those prompt tokens are always recomputed.
+// --enable-prefix-caching: on by default where it applies. Hybrid models (a recurrent state is not paged) and the GPU
+// synchronous references (--selection oracle|quest on --device cuda) turn it off and refuse the flag given explicitly.
+// With a GPU cache rank (--device cuda --selection predicted) it is on only when given: the cache rank then also
+// holds the retained prefixes (up to --max-retained-prefix-tokens of KV on its GPU beside the running contexts), a
+// memory cost to opt into. A sparse backend needs the prompt's last queries (the predictor's window, the prompt
+// anchors): those prompt tokens are always recomputed.
 namespace {
 
 void resolve_prefix_caching(const CLI::App& app, Flags& f) {
   const bool explicit_on = app.get_option("--enable-prefix-caching")->count() > 0 && f.prefix_caching;
   const bool hybrid = spade::load_model_config(f.model_dir).is_hybrid();
-  const bool gpu_sparse = f.device == "cuda" && f.so.mode != spade::SelectionMode::Dense;
+  const bool gpu_sync = f.device == "cuda" && (f.so.mode == spade::SelectionMode::Oracle ||
+                                               f.so.mode == spade::SelectionMode::Quest);
+  const bool gpu_pair = f.device == "cuda" && f.so.mode == spade::SelectionMode::Predicted;
   if (explicit_on && hybrid)
     spade::fail("--enable-prefix-caching: not supported for hybrid (linear-attention) models such as {} (their "
                 "recurrent state is not paged)", f.model_dir);
-  if (explicit_on && gpu_sparse)
-    spade::fail("--enable-prefix-caching: not supported with --device cuda and --selection {} (the GPU cache rank "
-                "receives each token's rows as they are computed; a reused prefix would never reach it)", f.selection);
-  f.eo.enable_prefix_caching = f.prefix_caching && !hybrid && !gpu_sparse;
+  if (explicit_on && gpu_sync)
+    spade::fail("--enable-prefix-caching: not supported with --device cuda and --selection {} (the GPU synchronous "
+                "references)", f.selection);
+  f.eo.enable_prefix_caching = f.prefix_caching && !hybrid && !gpu_sync && (!gpu_pair || explicit_on);
   // Retained prefixes: the CPU pair's cache rank keeps prefixes the prefix cache still holds (sparse_attention.h).
   if (app.get_option("--max-retained-prefix-tokens")->count() > 0 &&
       (!f.eo.enable_prefix_caching || f.so.mode != spade::SelectionMode::Predicted))

@@ -160,7 +160,7 @@ class GpuDataPlane final : public DataPlane {
     if (!links_.empty()) {
       const EngineOptions& en = engine_->options();
       gpu_attn_cfg_ = std::make_unique<ModelConfig>(model_cfg_.attention_view());
-      const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, cache_name_);
+      const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, cache_name_, sparse_.max_retained_prefix_tokens);
       std::vector<transport::GpuLink*> raw;
       for (const auto& l : links_) raw.push_back(l.get());
       gpu_sparse_ = std::make_unique<GpuSparseController>(*gpu_attn_cfg_, gso, std::move(raw), en.page_size,
@@ -299,7 +299,7 @@ class GpuDataPlane final : public DataPlane {
     try {
       cuda_check(cudaSetDevice(opt_.gpu), "inference rank: cudaSetDevice (re-pairing)");
       const EngineOptions& en = engine_->options();
-      const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, names_joined);
+      const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, names_joined, sparse_.max_retained_prefix_tokens);
       std::vector<transport::GpuLink*> raw;
       for (const auto& l : fresh) raw.push_back(l.get());
       controller = std::make_unique<GpuSparseController>(*gpu_attn_cfg_, gso, std::move(raw), en.page_size,
@@ -344,7 +344,7 @@ class GpuDataPlane final : public DataPlane {
     offer.mutable_transport()->set_address(fresh->address());
     cc.send_pair_offer(offer);
     const EngineOptions en = engine_->options();
-    const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, name);
+    const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, name, sparse_.max_retained_prefix_tokens);
     const ModelConfig* attn = gpu_attn_cfg_.get();
     const int max_batch = gpu_->max_batch();
     const int device = opt_.gpu;

@@ -4,17 +4,19 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "common/page_allocator.h"
 
 namespace spade {
 
 GpuSparseOptions gpu_sparse_options(const pair::SparseConfig& sparse, const EngineOptions& engine,
-                                    std::string cache_name) {
+                                    std::string cache_name, int max_retained_prefix_tokens) {
   GpuSparseOptions o;
   o.sparse = sparse;
   o.max_slots = engine.max_num_seqs;
   o.max_sparse_seqs = engine.max_num_seqs;
   o.max_step_tokens = engine.max_num_batched_tokens;
   o.cache_name = std::move(cache_name);
+  o.max_retained_prefix_tokens = engine.enable_prefix_caching ? max_retained_prefix_tokens : 0;
   return o;
 }
 
@@ -27,6 +29,8 @@ SparseStepPlanner::SparseStepPlanner(const GpuSparseOptions& o) : o_(o) {
   SPADE_CHECK(o.max_sparse_seqs >= 1, "sparse planner: max_sparse_seqs {} must be >= 1", o.max_sparse_seqs);
   SPADE_CHECK(o.max_slots >= 1 && o.max_slots <= pair::gpu_plan_max_rows(),
               "sparse planner: max_slots {} must be in [1, {}]", o.max_slots, pair::gpu_plan_max_rows());
+  SPADE_CHECK(o.max_retained_prefix_tokens >= 0, "sparse planner: max_retained_prefix_tokens {} must be >= 0",
+              o.max_retained_prefix_tokens);
   for (int i = o.max_slots - 1; i >= 0; --i) free_slots_.push_back(i);
   for (int i = o.max_sparse_seqs - 1; i >= 0; --i) free_tables_.push_back(i);
 }
@@ -48,6 +52,8 @@ void SparseStepPlanner::on_release(uint64_t seq_id) {
   auto it = seqs_.find(seq_id);
   if (it == seqs_.end()) return;
   std::erase_if(pending_forks_, [&](const PendingFork& f) { return f.child == seq_id; });
+  unpin_hit(seq_id);
+  if (retention_on() && it->second.slot >= 0 && it->second.rows_sent && it->second.offset == 0) retain(it->second);
   if (it->second.slot >= 0) {
     pending_release_.push_back(it->second.slot);
     free_slots_.push_back(it->second.slot);
@@ -69,6 +75,8 @@ void SparseStepPlanner::on_fork(uint64_t parent, uint64_t child) {
               child, parent);
   c.len = g.len;
   c.offset = g.offset;
+  c.pages = g.pages;
+  c.recording = g.recording;
   if (g.slot >= 0) {  // the first sample: the group's slot is its own now
     c.slot = g.slot;
     g.fork_slot = g.slot;
@@ -84,9 +92,106 @@ void SparseStepPlanner::on_fork(uint64_t parent, uint64_t child) {
   pending_forks_.push_back({child, pair::GpuPlanFork{c.slot, g.fork_slot, g.len}});
 }
 
+bool SparseStepPlanner::retention_on() const {
+  return !failed_ && o_.max_retained_prefix_tokens > 0 && pages_ != nullptr && pages_->prefix_caching();
+}
+
+int SparseStepPlanner::valid_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const {
+  int run = 0;
+  for (const auto& [page, serial] : pages) {
+    if (pages_->page_serial(page) != serial || !pages_->is_published(page)) break;
+    ++run;
+  }
+  return run;
+}
+
+void SparseStepPlanner::retain(const Seq& s) {
+  const int page = pages_->page_size();
+  const int run = std::min({valid_run(s.pages), s.len / page, o_.max_retained_prefix_tokens / page});
+  if (run == 0 || static_cast<int>(pending_retains_.size()) >= pair::gpu_plan_max_rows()) return;
+  std::vector<int32_t> covered;
+  for (auto& [id, r] : retained_) {
+    size_t common = 0;
+    while (common < r.pages.size() && common < static_cast<size_t>(run) && r.pages[common] == s.pages[common]) ++common;
+    if (common >= static_cast<size_t>(run)) {  // one retained already holds it all
+      r.used = ++use_clock_;
+      return;
+    }
+    if (common == r.pages.size() && r.pins == 0) covered.push_back(id);
+  }
+  for (int32_t id : covered) drop_retained(id);
+  const int32_t id = next_retained_id_++;
+  if (next_retained_id_ < 0) next_retained_id_ = 0;  // ids wrap (int32 on the wire); an old one is long gone
+  Retained r;
+  r.pages.assign(s.pages.begin(), s.pages.begin() + run);
+  r.used = ++use_clock_;
+  retained_tokens_ += static_cast<int64_t>(run) * page;
+  retained_.emplace(id, std::move(r));
+  pending_retains_.push_back({s.slot, id, run * page});
+  ++retention_stats_.retained;
+  while (retained_tokens_ > o_.max_retained_prefix_tokens) {  // the bound: least recently used first, never a pinned one
+    int32_t lru = -1;
+    for (const auto& [rid, x] : retained_)
+      if (x.pins == 0 && (lru < 0 || x.used < retained_.at(lru).used)) lru = rid;
+    if (lru < 0) break;
+    drop_retained(lru);
+  }
+}
+
+void SparseStepPlanner::drop_retained(int32_t id) {
+  auto it = retained_.find(id);
+  if (it == retained_.end()) return;
+  retained_tokens_ -= static_cast<int64_t>(it->second.pages.size()) * pages_->page_size();
+  retained_.erase(it);
+  ++retention_stats_.dropped;
+  // Retained since the last plan: it never reaches the cache rank.
+  const auto before = pending_retains_.size();
+  std::erase_if(pending_retains_, [&](const pair::GpuPlanRetain& r) { return r.id == id; });
+  if (pending_retains_.size() == before) pending_drops_.push_back(id);
+}
+
+void SparseStepPlanner::unpin_hit(uint64_t seq_id) {
+  const auto h = pending_hits_.find(seq_id);
+  if (h == pending_hits_.end()) return;
+  if (auto r = retained_.find(h->second.first); r != retained_.end()) --r->second.pins;
+  pending_hits_.erase(h);
+}
+
+int SparseStepPlanner::reusable_prefix_tokens(uint64_t seq_id, const std::vector<int32_t>& pages) {
+  if (failed_) return 1 << 30;  // every sequence decodes densely from now on: the local pages are all it reads
+  unpin_hit(seq_id);
+  if (!retention_on()) return 0;
+  int best = 0;
+  int32_t best_id = -1;
+  for (const auto& [id, r] : retained_) {
+    int run = 0;
+    const size_t n = std::min(pages.size(), r.pages.size());
+    while (static_cast<size_t>(run) < n && r.pages[static_cast<size_t>(run)].first == pages[static_cast<size_t>(run)] &&
+           pages_->page_serial(pages[static_cast<size_t>(run)]) == r.pages[static_cast<size_t>(run)].second)
+      ++run;
+    if (run > best) {
+      best = run;
+      best_id = id;
+    }
+  }
+  if (best == 0) return 0;
+  Retained& r = retained_.at(best_id);
+  ++r.pins;
+  r.used = ++use_clock_;
+  const int tokens = best * pages_->page_size();
+  pending_hits_[seq_id] = {best_id, tokens};
+  return tokens;
+}
+
 std::vector<uint64_t> SparseStepPlanner::fail_all() {
   std::vector<uint64_t> out;
   failed_ = true;
+  // The cache rank's state is gone: nothing is retained, reused or dropped there any more.
+  retained_.clear();
+  pending_retains_.clear();
+  pending_drops_.clear();
+  pending_hits_.clear();
+  retained_tokens_ = 0;
   for (auto& [id, s] : seqs_) {
     if (s.phase == Phase::Sparse) {
       out.push_back(id);
@@ -165,8 +270,14 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
   StepDecision d = empty_decision(fb);
   d.plan.step = step;
   d.plan.released.swap(pending_release_);
+  d.plan.retains.swap(pending_retains_);
   for (const PendingFork& f : pending_forks_) d.plan.forks.push_back(f.fork);
   pending_forks_.clear();
+  const size_t ndrop = std::min(pending_drops_.size(), static_cast<size_t>(pair::gpu_plan_max_rows()));
+  d.plan.drops.assign(pending_drops_.begin(), pending_drops_.begin() + static_cast<long>(ndrop));
+  pending_drops_.erase(pending_drops_.begin(), pending_drops_.begin() + static_cast<long>(ndrop));  // the rest next
+  const bool record = retention_on() && fb.max_pages > 0 &&
+                      fb.block_table.size() >= static_cast<size_t>(B) * static_cast<size_t>(fb.max_pages);
   // Rows whose last token is sampled this step (decode rows, and a prompt's last chunk).
   std::vector<char> sampled(static_cast<size_t>(fb.total_tokens()), 0);
   for (int32_t t : fb.logit_rows)
@@ -174,7 +285,8 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
   for (int r = 0; r < B; ++r) {
     const uint64_t id = fb.seq_ids[static_cast<size_t>(r)];
     Seq& s = seqs_[id];
-    if (s.slot < 0) {
+    const bool new_slot = s.slot < 0;
+    if (new_slot) {
       SPADE_CHECK(!free_slots_.empty(), "GPU sparse: more than {} sequences at once (the cache rank's plan slots)",
                   o_.max_slots);
       s.slot = free_slots_.back();
@@ -183,6 +295,18 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
     const int q_len = fb.cu_q_lens[static_cast<size_t>(r) + 1] - fb.cu_q_lens[static_cast<size_t>(r)];
     const int ctx = fb.seq_lens[static_cast<size_t>(r)];
     pair::GpuPlanRow row{s.slot, q_len, ctx, 0u};
+    if (new_slot && ctx != q_len && !s.rebase) {
+      // A prefix-cache hit: its first tokens come from a retained prefix (reusable_prefix_tokens chose it).
+      const auto h = pending_hits_.find(id);
+      SPADE_CHECK(h != pending_hits_.end() && h->second.second >= ctx - q_len,
+                  "GPU sparse: sequence {} starts at position {}, but its cache rank holds no prefix of it", id,
+                  ctx - q_len);
+      d.plan.forks.push_back({s.slot, h->second.first, ctx - q_len, pair::kForkFromRetained});
+      std::erase(d.plan.released, s.slot);  // a slot released since the last plan: the fork empties it first
+      ++retention_stats_.reused;
+      retention_stats_.reused_tokens += static_cast<uint64_t>(ctx - q_len);
+      unpin_hit(id);
+    }
     if (ctx == q_len) {
       s.rebase = false;
       s.offset = 0;
@@ -193,6 +317,18 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
     }
     row.ctx_len = ctx - s.offset;
     s.len = row.ctx_len;
+    s.rows_sent = true;
+    if (record && s.recording && s.offset == 0) {  // its full pages as (page, serial), for retention
+      const int page = pages_->page_size();
+      const int32_t* bt = fb.block_table.data() + static_cast<size_t>(r) * static_cast<size_t>(fb.max_pages);
+      for (int i = static_cast<int>(s.pages.size()); i < std::min(ctx / page, fb.max_pages); ++i) {
+        if (bt[i] < 0) {  // dropped: nothing past it can be retained
+          s.recording = false;
+          break;
+        }
+        s.pages.emplace_back(bt[i], pages_->page_serial(bt[i]));
+      }
+    }
     if (ctx == q_len) {
       row.flags |= pair::kRowFresh;
       // Starting over: the cache rank forgets this slot, so its selection starts over too.

@@ -21,6 +21,17 @@
 // plan (pair/gpu_plan.h GpuPlanFork: the cache rank shares the prompt's pages and copies its windows). A sample
 // released before that plan takes its fork back.
 //
+// Retained prefixes (prefix caching on the pair; GpuSparseOptions::max_retained_prefix_tokens > 0 and an engine page
+// allocator with prefix caching, set_page_allocator): the planner records each sequence's full pages as (page, page
+// serial) while it holds them. When a sequence ends, the leading run of them still published in the prefix cache
+// (at most the bound) is retained on the cache rank under a new id (a retain in the next plan, before the slot's
+// release); a prefix another retained one covers is not retained twice, and one it covers is dropped. Beyond the
+// bound (tokens over all retained prefixes) the least recently used are dropped. The engine asks
+// reusable_prefix_tokens() before it reuses cached pages: the longest retained prefix that still holds them (same
+// page and serial, page by page) bounds the reuse, and the sequence's first row then forks from it
+// (kForkFromRetained); until then the prefix is pinned (never dropped). Once the cache rank failed, every cached page
+// may be reused (the sequences decode densely).
+//
 // Page dropping: once a sequence is Sparse with its first selection requested, droppable_range() gives the engine
 // [0, len + 1 - local_window), the tokens no later step of it reads locally (the selection comes from the cache
 // rank), and marks it `dropped`. A dropped sequence is never routed to dense attention again: while Sparse it is a
@@ -30,6 +41,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -52,6 +64,10 @@ struct GpuSparseOptions {
   int max_sparse_seqs = 16;    // sequences sparse at once (held tables)
   int max_slots = 64;          // plan slots, sequences at once: the engine's max_num_seqs (the cache rank's max_slots)
   int max_step_tokens = 2048;  // tokens per step: the engine's max_num_batched_tokens
+  // Retained prefixes (sparse_planner.h): tokens over all of them the cache rank keeps of ended sequences, for the
+  // engine's prefix cache to reuse; 0: none (then no cached prefix is reused while the cache rank is up). The
+  // inference rank's --max-retained-prefix-tokens (SparseOptions), when its prefix caching is on.
+  int max_retained_prefix_tokens = 0;
   std::string cache_name = "its cache rank";  // names the cache rank in the errors of the requests it fails
 };
 
@@ -59,8 +75,9 @@ struct GpuSparseOptions {
 /// settings `sparse`, whose cache rank is called `cache_name` in errors: every running sequence may hold a table
 /// (max_sparse_seqs = max_slots = engine.max_num_seqs) and a step has at most engine.max_num_batched_tokens tokens.
 /// `sparse` is copied as is (sparse.max_first_per_step switches per step; the held tables bound them too).
+/// `max_retained_prefix_tokens`: the rank's bound (SparseOptions), kept only when engine.enable_prefix_caching.
 GpuSparseOptions gpu_sparse_options(const pair::SparseConfig& sparse, const EngineOptions& engine,
-                                    std::string cache_name);
+                                    std::string cache_name, int max_retained_prefix_tokens = 0);
 
 /// What one engine step does, per batch row and per selection group.
 struct StepDecision {
@@ -111,6 +128,24 @@ class SparseStepPlanner {
   void on_fork(uint64_t parent, uint64_t child);
   /// Forks waiting for the next plan.
   int pending_forks() const { return static_cast<int>(pending_forks_.size()); }
+  /// The engine's page allocator (AttentionBackend::set_page_allocator); not owned. Retention needs one with prefix
+  /// caching on.
+  void set_page_allocator(const PageAllocator* pages) { pages_ = pages; }
+  /// AttentionBackend::reusable_prefix_tokens (file comment: Retained prefixes): the tokens of the cached `pages` that
+  /// a retained prefix still holds, 0 with none (or retention off); everything once the cache rank failed. Records
+  /// the choice for `seq_id`'s first row and pins that prefix until then (or until its release).
+  int reusable_prefix_tokens(uint64_t seq_id, const std::vector<int32_t>& pages);
+  /// Retained prefixes are kept (options, allocator and a healthy cache rank).
+  bool retention_on() const;
+  int num_retained() const { return static_cast<int>(retained_.size()); }
+  int64_t retained_tokens() const { return retained_tokens_; }
+  struct RetentionStats {
+    uint64_t retained = 0;       // prefixes retained
+    uint64_t dropped = 0;        // retained prefixes dropped (bound, covered)
+    uint64_t reused = 0;         // sequences that started from a retained prefix
+    uint64_t reused_tokens = 0;  // tokens they did not ship
+  };
+  const RetentionStats& retention_stats() const { return retention_stats_; }
   /// The cache rank is gone: every Sparse sequence turns Failed and is returned (once); tables are freed; no
   /// sequence switches any more.
   std::vector<uint64_t> fail_all();
@@ -132,7 +167,19 @@ class SparseStepPlanner {
     int offset = 0;       // tokens the cache rank does not hold (before its rebased row)
     int len = 0;          // tokens the cache rank holds of it (its last row's ctx_len)
     int fork_slot = -1;   // a group whose first sample took its slot: the slot further samples fork from
+    bool rows_sent = false;  // a plan row of it went out (its slot is live on the cache rank)
+    bool recording = true;   // its full pages are still recorded (stops at a dropped page)
+    std::vector<std::pair<int32_t, uint64_t>> pages;  // its full pages (page, serial), while retention is on
   };
+  struct Retained {
+    std::vector<std::pair<int32_t, uint64_t>> pages;  // (page, serial) of its whole pages
+    uint64_t used = 0;                                // LRU clock
+    int pins = 0;                                     // sequences about to fork from it
+  };
+  void retain(const Seq& s);
+  void drop_retained(int32_t id);
+  int valid_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const;
+  void unpin_hit(uint64_t seq_id);
   struct PendingFork {
     uint64_t child = 0;
     pair::GpuPlanFork fork;
@@ -142,6 +189,15 @@ class SparseStepPlanner {
   std::vector<int> free_slots_, free_tables_;
   std::vector<int32_t> pending_release_;
   std::vector<PendingFork> pending_forks_;
+  const PageAllocator* pages_ = nullptr;
+  std::map<int32_t, Retained> retained_;
+  std::vector<pair::GpuPlanRetain> pending_retains_;
+  std::vector<int32_t> pending_drops_;
+  std::unordered_map<uint64_t, std::pair<int32_t, int>> pending_hits_;  // sequence -> (retained id, tokens)
+  int32_t next_retained_id_ = 0;
+  int64_t retained_tokens_ = 0;
+  uint64_t use_clock_ = 0;
+  RetentionStats retention_stats_;
   bool failed_ = false;
   uint64_t dropped_seqs_ = 0;
 };

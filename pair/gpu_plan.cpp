@@ -13,9 +13,11 @@ namespace {
 
 constexpr uint32_t kPlanMagic = 0x4e4c5047;  // "GPLN"
 constexpr uint32_t kPlanVersion = 2;
-constexpr size_t kHeaderBytes = 4 + 4 + 8 + 4 + 4 + 4;  // magic, version, step, rows, released, forks
+// magic, version, step, rows, released, forks, retains, drops
+constexpr size_t kHeaderBytes = 4 + 4 + 8 + 4 + 4 + 4 + 4 + 4;
 constexpr size_t kRowBytes = 16;
-constexpr size_t kForkBytes = 12;
+constexpr size_t kForkBytes = 16;
+constexpr size_t kRetainBytes = 12;
 
 template <typename T>
 void put(std::vector<uint8_t>& b, size_t& off, T v) {
@@ -105,14 +107,18 @@ GpuPairHello decode_gpu_hello(const uint8_t* data, size_t len, const ModelConfig
   return h;
 }
 
-int gpu_plan_max_rows() { return static_cast<int>((kGpuPlanBytes - kHeaderBytes) / (kRowBytes + 4 + kForkBytes)); }
+int gpu_plan_max_rows() {
+  return static_cast<int>((kGpuPlanBytes - kHeaderBytes) / (kRowBytes + 4 + kForkBytes + kRetainBytes + 4));
+}
 
 std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p) {
   SPADE_CHECK(static_cast<int>(p.rows.size()) <= gpu_plan_max_rows() &&
                   static_cast<int>(p.released.size()) <= gpu_plan_max_rows() &&
-                  static_cast<int>(p.forks.size()) <= gpu_plan_max_rows(),
-              "GPU plan: {} rows / {} released slots / {} forks exceed the {} a plan carries", p.rows.size(),
-              p.released.size(), p.forks.size(), gpu_plan_max_rows());
+                  static_cast<int>(p.forks.size()) <= gpu_plan_max_rows() &&
+                  static_cast<int>(p.retains.size()) <= gpu_plan_max_rows() &&
+                  static_cast<int>(p.drops.size()) <= gpu_plan_max_rows(),
+              "GPU plan: {} rows / {} released slots / {} forks / {} retains / {} drops exceed the {} a plan carries",
+              p.rows.size(), p.released.size(), p.forks.size(), p.retains.size(), p.drops.size(), gpu_plan_max_rows());
   std::vector<uint8_t> b(kGpuPlanBytes, 0);
   size_t off = 0;
   put(b, off, kPlanMagic);
@@ -121,6 +127,8 @@ std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p) {
   put(b, off, static_cast<uint32_t>(p.rows.size()));
   put(b, off, static_cast<uint32_t>(p.released.size()));
   put(b, off, static_cast<uint32_t>(p.forks.size()));
+  put(b, off, static_cast<uint32_t>(p.retains.size()));
+  put(b, off, static_cast<uint32_t>(p.drops.size()));
   for (const GpuPlanRow& r : p.rows) {
     put(b, off, r.slot);
     put(b, off, r.q_len);
@@ -132,7 +140,14 @@ std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p) {
     put(b, off, f.child);
     put(b, off, f.parent);
     put(b, off, f.tokens);
+    put(b, off, f.flags);
   }
+  for (const GpuPlanRetain& r : p.retains) {
+    put(b, off, r.slot);
+    put(b, off, r.id);
+    put(b, off, r.tokens);
+  }
+  for (int32_t d : p.drops) put(b, off, d);
   return b;
 }
 
@@ -146,14 +161,18 @@ GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, cons
   GpuStepPlan p;
   p.step = get<int64_t>(data, off);
   const uint32_t nrows = get<uint32_t>(data, off), nrel = get<uint32_t>(data, off), nfork = get<uint32_t>(data, off);
+  const uint32_t nret = get<uint32_t>(data, off), ndrop = get<uint32_t>(data, off);
   const auto most = static_cast<uint32_t>(gpu_plan_max_rows());
-  SPADE_CHECK(nrows <= most && nrel <= most && nfork <= most &&
-                  kHeaderBytes + nrows * kRowBytes + nrel * 4 + nfork * kForkBytes <= len,
-              "{}: GPU plan of step {} claims {} rows, {} released slots and {} forks", peer, p.step, nrows, nrel,
-              nfork);
-  SPADE_CHECK(p.step >= 0 || (p.step == GpuStepPlan::kCloseStep && nrows == 0 && nrel == 0 && nfork == 0),
-              "{}: GPU plan with step {} ({} rows, {} released slots, {} forks): only the close plan (step -1, empty) "
-              "may have a negative step", peer, p.step, nrows, nrel, nfork);
+  SPADE_CHECK(nrows <= most && nrel <= most && nfork <= most && nret <= most && ndrop <= most &&
+                  kHeaderBytes + nrows * kRowBytes + nrel * 4 + nfork * kForkBytes + nret * kRetainBytes + ndrop * 4 <=
+                      len,
+              "{}: GPU plan of step {} claims {} rows, {} released slots, {} forks, {} retains and {} drops", peer,
+              p.step, nrows, nrel, nfork, nret, ndrop);
+  SPADE_CHECK(p.step >= 0 ||
+                  (p.step == GpuStepPlan::kCloseStep && nrows == 0 && nrel == 0 && nfork == 0 && nret == 0 && ndrop == 0),
+              "{}: GPU plan with step {} ({} rows, {} released slots, {} forks, {} retains, {} drops): only the close "
+              "plan (step -1, empty) may have a negative step",
+              peer, p.step, nrows, nrel, nfork, nret, ndrop);
   std::vector<char> used(static_cast<size_t>(std::max(max_slots, 0)), 0);
   for (uint32_t i = 0; i < nrows; ++i) {
     GpuPlanRow r;
@@ -187,13 +206,33 @@ GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, cons
     f.child = get<int32_t>(data, off);
     f.parent = get<int32_t>(data, off);
     f.tokens = get<int32_t>(data, off);
-    SPADE_CHECK(f.child >= 0 && f.child < max_slots && f.parent >= 0 && f.parent < max_slots && f.child != f.parent &&
-                    !child[static_cast<size_t>(f.child)] && f.tokens >= 1,
-                "{}: GPU plan of step {} fork {}: child slot {} from parent slot {} ({} tokens): slots outside 0..{}, "
-                "equal, a child twice, or no tokens",
-                peer, p.step, i, f.child, f.parent, f.tokens, max_slots - 1);
+    f.flags = get<uint32_t>(data, off);
+    const bool retained = (f.flags & kForkFromRetained) != 0;
+    SPADE_CHECK(f.child >= 0 && f.child < max_slots && f.parent >= 0 && (retained || f.parent < max_slots) &&
+                    (retained || f.child != f.parent) && !child[static_cast<size_t>(f.child)] && f.tokens >= 1 &&
+                    (f.flags & ~kForkFromRetained) == 0,
+                "{}: GPU plan of step {} fork {}: child slot {} from parent {} {} ({} tokens, flags {:#x}): slots "
+                "outside 0..{}, equal, a child twice, no tokens or bad flags",
+                peer, p.step, i, f.child, retained ? "retained prefix" : "slot", f.parent, f.tokens, f.flags,
+                max_slots - 1);
     child[static_cast<size_t>(f.child)] = 1;
     p.forks.push_back(f);
+  }
+  for (uint32_t i = 0; i < nret; ++i) {
+    GpuPlanRetain r;
+    r.slot = get<int32_t>(data, off);
+    r.id = get<int32_t>(data, off);
+    r.tokens = get<int32_t>(data, off);
+    SPADE_CHECK(r.slot >= 0 && r.slot < max_slots && r.id >= 0 && r.tokens >= 1,
+                "{}: GPU plan of step {} retain {}: slot {} as retained prefix {} ({} tokens): slot outside 0..{}, a "
+                "negative id or no tokens",
+                peer, p.step, i, r.slot, r.id, r.tokens, max_slots - 1);
+    p.retains.push_back(r);
+  }
+  for (uint32_t i = 0; i < ndrop; ++i) {
+    const int32_t d = get<int32_t>(data, off);
+    SPADE_CHECK(d >= 0, "{}: GPU plan of step {}: dropped retained prefix {}", peer, p.step, d);
+    p.drops.push_back(d);
   }
   for (const GpuPlanRow& r : p.rows)
     SPADE_CHECK((r.flags & kRowFresh) == 0 || !child[static_cast<size_t>(r.slot)],

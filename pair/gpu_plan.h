@@ -3,16 +3,16 @@
 // receive of the same size and no size travels separately.
 //
 // Per decode / prefill step t, in this order on the link:
-//   up    plan(t)                   kGpuPlanBytes: the step's forks, released slots and rows (slot, tokens, context,
-//                                   flags)
+//   up    plan(t)                   kGpuPlanBytes: the step's retained prefixes, forks, dropped prefixes, released
+//                                   slots and rows (slot, tokens, context, flags)
 //   up    rows(t, p) per pack p     [layers of p][tokens of t][q | k | v] bf16: each token's rows after q/k norm and
 //                                   RoPE, as the inference rank appended them (RopeKvAppendParams::row_out)
 //   down  steady(t, p), first(t, p) per pack p, each only if its group is not empty: the selections for step t + 1
 //                                   of the plan's SELECT rows as delta messages (DeltaLayout), capacity C for rows
 //                                   whose table the inference rank already holds ("steady"), the full budget for
 //                                   FIRST rows (a sequence's first selection, or its first after a reset)
-// The cache rank reads the plan on its host (it may wait; the inference rank never does), applies its forks, then its
-// released slots, then appends every token of every row to its full KV pool and its query windows, and runs the
+// The cache rank reads the plan on its host (it may wait; the inference rank never does), applies its retains, forks,
+// drops and released slots in that order, then appends every token of every row to its full KV pool and its query windows, and runs the
 // selection pipeline for the SELECT rows.
 //
 // Forks (n samples sharing one prompt): a fork gives the sequence of slot `child` the first `tokens` tokens of slot
@@ -20,6 +20,13 @@
 // counts, common/page_allocator.h fork_prefix) and copies the parent's query and anchor windows, so the child's
 // selections are those it would make had it computed the prompt itself. The child's first row then continues at
 // position `tokens` (not fresh).
+//
+// Retained prefixes (prefix caching on the pair): a retain keeps the first `tokens` tokens of a slot (whole pages)
+// under a retained-prefix id before that slot is released; a fork with kForkFromRetained starts a new sequence from
+// the first `tokens` of a retained prefix (its pages shared; its query and anchor windows empty: the sequence computes
+// at least the prompt's last prefix_recompute_tokens tokens itself, which fill them as a full prefill would); a drop
+// forgets a retained prefix. The inference rank alone decides what is retained, reused and dropped (its prefix cache
+// holds the same pages), and sizes the cache rank's pool for it (the hello's num_pages).
 #pragma once
 
 #include <cstddef>
@@ -73,10 +80,23 @@ struct GpuPlanRow {
 
 /// One fork of a plan (file comment: Forks). Applied before the plan's released slots and rows, in plan order; the
 /// child slot loses whatever it held first (like a fresh row).
+enum GpuForkFlags : uint32_t {
+  kForkFromRetained = 1u,  // `parent` is a retained-prefix id, not a slot
+};
+
 struct GpuPlanFork {
   int32_t child = -1;   // the new sequence's slot
-  int32_t parent = -1;  // the slot whose leading tokens it starts from (live on the cache rank)
-  int32_t tokens = 0;   // the parent's whole context, a multiple of the page size (>= 1 page)
+  int32_t parent = -1;  // the slot whose leading tokens it starts from (live on the cache rank), or a retained prefix
+  int32_t tokens = 0;   // a multiple of the page size (>= 1 page): from a slot its whole context, from a retained
+                        // prefix at most its tokens
+  uint32_t flags = 0;   // GpuForkFlags
+};
+
+/// Keeps the first `tokens` tokens (whole pages, at most the slot's context) of `slot` as retained prefix `id`.
+struct GpuPlanRetain {
+  int32_t slot = -1;
+  int32_t id = -1;  // >= 0, not held already
+  int32_t tokens = 0;
 };
 
 struct GpuStepPlan {
@@ -94,7 +114,9 @@ struct GpuStepPlan {
   std::vector<GpuPlanRow> rows;   // batch order = the order of the step's tokens
   std::vector<int32_t> released;  // slots whose sequences ended since the previous plan (freed before this step,
                                   // after the forks)
-  std::vector<GpuPlanFork> forks;  // sequences starting from another slot's tokens (applied first)
+  std::vector<GpuPlanRetain> retains;  // slots' prefixes to keep (applied first)
+  std::vector<GpuPlanFork> forks;      // sequences starting from another slot's or a retained prefix's tokens
+  std::vector<int32_t> drops;          // retained prefixes to forget (after the forks)
   int total_tokens() const;
   std::vector<int> steady_rows() const;  // indices of SELECT rows without FIRST, batch order
   std::vector<int> first_rows() const;   // indices of FIRST rows, batch order
@@ -102,15 +124,17 @@ struct GpuStepPlan {
 
 /// Size of a plan message on the link.
 inline constexpr size_t kGpuPlanBytes = 16384;
-/// Most rows (and, separately, released slots and forks) a plan carries.
+/// Most rows (and, separately, released slots, forks, retains and drops) a plan carries.
 int gpu_plan_max_rows();
 
-/// The plan as exactly kGpuPlanBytes bytes. Throws spade::Error for too many rows, released slots or forks.
+/// The plan as exactly kGpuPlanBytes bytes. Throws spade::Error for too many rows, released slots, forks, retains or
+/// drops.
 std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p);
 /// Parses and validates a plan (magic, version, counts, slots in [0, max_slots) and distinct among rows, q_len >= 1,
-/// ctx_len >= q_len, a FRESH row's ctx_len == q_len, known flags, FIRST only with SELECT, forks with slots in
-/// [0, max_slots), child != parent, children distinct, tokens >= 1, no fork's child FRESH in a row, a negative step
-/// only as the close plan: step -1 with no rows, released slots or forks). Throws spade::Error naming `peer`.
+/// ctx_len >= q_len, a FRESH row's ctx_len == q_len, known flags, FIRST only with SELECT, forks with a child slot in
+/// [0, max_slots), a parent slot in range and != child (or a retained id >= 0), children distinct, tokens >= 1, known
+/// fork flags, no fork's child FRESH in a row, retains with a slot in range, an id >= 0 and tokens >= 1, drops >= 0,
+/// a negative step only as the close plan: step -1 and nothing else). Throws spade::Error naming `peer`.
 GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, const std::string& peer);
 
 /// Byte layout of one delta message (kernels/selection_delta_ref.h): rows = (layer, sequence, KV head) rows, `cap`

@@ -19,6 +19,9 @@
 //   (its pages shared, its query and anchor windows copied), so the prompt is appended once; greedy samples of one
 //   prompt then select, attend and decode alike, step by step, through a small budget's churn; the cache rank's peak
 //   pages are the prompt once plus the tails, against three whole contexts for three separate requests.
+// - Prefix caching on the pair: a prompt repeated after its first request ended forks the prefix the cache rank
+//   retained (pages shared, not shipped again), and decodes as the first request did (full budget: sparse == dense up
+//   to summation order, so a wrong page would show in the logits).
 // - Bad options are refused by name.
 #include <gtest/gtest.h>
 
@@ -26,6 +29,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -101,14 +105,14 @@ std::vector<int32_t> prompt(int i, int vocab) {
 
 // The controller options of these tests: packs of 2 layers, every running sequence may be sparse.
 // The binaries' fill (gpu_sparse_options) of these settings.
-GpuSparseOptions test_sparse_options(const Sparse& sp, const EngineOptions& eo) {
+GpuSparseOptions test_sparse_options(const Sparse& sp, const EngineOptions& eo, int max_retained_prefix_tokens = 0) {
   pair::SparseConfig sc;
   sc.sparse_threshold = sp.threshold;
   sc.layers_per_pack = 2;
   sc.selection.token_budget = sp.budget;
   sc.selection.local_window = sp.window;
   sc.delta_capacity = sp.capacity;
-  return gpu_sparse_options(sc, eo, "cache rank (test thread)");
+  return gpu_sparse_options(sc, eo, "cache rank (test thread)", max_retained_prefix_tokens);
 }
 
 // The cache rank's own settings in these tests: a query window of 4.
@@ -469,6 +473,106 @@ TEST(GpuSparse, SamplesShareThePromptOnTheCacheRank) {
               static_cast<unsigned long long>(got.cache.forks),
               static_cast<unsigned long long>(alone.cache.tokens_appended),
               static_cast<unsigned long long>(alone.cache.peak_pages_held), agree, kSamples * kSampleTokens);
+}
+
+// A 200-token prompt twice, one request after the other (greedy, 40 tokens each), prefix caching on and the cache
+// rank retaining up to 4096 tokens; the serving rule for the recomputed prompt tokens (max(W + 1, anchor queries) =
+// 64), so the repeat may reuse 136 tokens: 8 whole pages.
+TEST(GpuSparse, ARepeatedPromptForksTheRetainedPrefix) {
+  const ModelConfig cfg = qwen3_like();
+  EngineOptions eo = engine_options();
+  eo.enable_prefix_caching = true;
+  eo.prefix_recompute_tokens = 64;
+  const GpuEngineOptions go = gpu_engine_options(eo, /*cuda_graphs=*/false);
+  GpuEngineForward gpu(GpuModel::random(cfg, 31, GpuEngineForward::model_options(go)), go);
+  gpu.warm_up();
+  std::vector<std::vector<float>> steps;
+  Engine engine(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) {
+    gpu(b, l);
+    steps.push_back(l);
+  });
+  const ModelConfig attn = cfg.attention_view();
+  const GpuSparseOptions so = test_sparse_options(Sparse{/*budget=*/512, /*window=*/16, /*capacity=*/64,
+                                                         /*threshold=*/200},
+                                                  eo, /*max_retained_prefix_tokens=*/4096);
+  auto cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, cache_side(), 0, std::chrono::milliseconds(5000));
+  auto ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size,
+                                                   gpu.max_batch());
+  const pair::GpuPairHello hello = make_gpu_pair_hello(attn, so, engine.options());
+  EXPECT_EQ(hello.num_pages, engine.options().max_context_pages + 4096 / eo.page_size)
+      << "the cache rank's pool holds the retained prefixes too";
+  ctl->send_hello(hello);
+  cache_rank->wait_ready(std::chrono::milliseconds(30000));
+  gpu.set_sparse(ctl.get());
+  engine.set_attention_hooks(ctl.get());
+  std::mt19937_64 rng(400);
+  GenerateRequest req;
+  req.prompt_ids.resize(200);
+  for (auto& t : req.prompt_ids) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(cfg.vocab_size));
+  req.max_tokens = 40;
+  req.sampling.temperature = 0.f;
+  req.ignore_eos = true;
+  std::vector<std::vector<int32_t>> tokens(2);
+  std::vector<size_t> first_step(2);  // index into `steps` of each request's first logits
+  for (int i = 0; i < 2; ++i) {
+    FinishReason reason = FinishReason::None;
+    std::string error;
+    first_step[static_cast<size_t>(i)] = std::numeric_limits<size_t>::max();
+    engine.submit(req, [&, i](const TokenEvent& ev) {
+      if (ev.token >= 0) {
+        if (tokens[static_cast<size_t>(i)].empty()) first_step[static_cast<size_t>(i)] = steps.size() - 1;
+        tokens[static_cast<size_t>(i)].push_back(ev.token);
+      }
+      if (ev.finished) {
+        reason = ev.reason;
+        error = ev.error;
+      }
+    });
+    engine.run_until_idle();
+    ASSERT_EQ(reason, FinishReason::Length) << "request " << i << ": " << error;
+    ASSERT_EQ(tokens[static_cast<size_t>(i)].size(), 40u);
+  }
+  const EngineStats est = engine.stats();
+  ctl->close();
+  cache_rank->stop();
+  ASSERT_EQ(cache_rank->error(), "");
+  const cache::GpuCacheStats cs = cache_rank->stats();
+  const GpuSparseStats ss = ctl->stats();
+  const SparseStepPlanner::RetentionStats rs = ctl->retention_stats();
+  gpu.set_sparse(nullptr);
+  engine.set_attention_hooks(nullptr);
+  EXPECT_EQ(ss.switches, 2u);
+  EXPECT_EQ(ss.failed_seqs, 0u);
+  EXPECT_EQ(est.prefix_hit_tokens, 128u) << "8 whole pages of the repeat from the prefix cache";
+  EXPECT_EQ(rs.retained, 1u) << "the first request's prefix; the repeat's own is covered by it";
+  EXPECT_EQ(rs.reused, 1u);
+  EXPECT_EQ(cs.retained_hits, 1u);
+  EXPECT_EQ(cs.retained_hit_tokens, 128u);
+  EXPECT_EQ(cs.retained_prefixes, 1u);
+  EXPECT_EQ(cs.tokens_appended, static_cast<uint64_t>((200 + 39) + (200 - 128 + 39))) << "the reused prefix not shipped";
+  // Token by token, the repeat's logits are the first request's (the prefix's KV came from the retained pages on the
+  // cache rank and the prefix cache here), until the first greedy token that differs.
+  const size_t V = static_cast<size_t>(cfg.vocab_size);
+  size_t compared = 0;
+  float worst = 0.f;
+  for (size_t k = 0; k < 40; ++k) {
+    const auto& a = steps[first_step[0] + k];
+    const auto& b = steps[first_step[1] + k];
+    ASSERT_EQ(a.size(), V);
+    ASSERT_EQ(b.size(), V);
+    float d = 0.f;
+    for (size_t j = 0; j < V; ++j) d = std::max(d, std::fabs(a[j] - b[j]));
+    const float scale = std::max(max_abs(a), 1e-6f);
+    worst = std::max(worst, d / scale);
+    EXPECT_LE(d, 0.02f * scale) << "token " << k;
+    ++compared;
+    if (tokens[0][k] != tokens[1][k]) break;
+  }
+  std::printf("[ prefix   ] repeat of a 200-token prompt: %llu tokens from the retained prefix; cache rank appended %llu "
+              "tokens; %zu tokens compared with the first request (worst |diff| %.2e of max |logit|)\n",
+              static_cast<unsigned long long>(cs.retained_hit_tokens),
+              static_cast<unsigned long long>(cs.tokens_appended), compared, static_cast<double>(worst));
+  EXPECT_GE(compared, 10u);
 }
 
 // The engine's hooks without page dropping: the reference run keeps every page.

@@ -1,7 +1,8 @@
 // Shared prompt pages in the engine (common/page_allocator.h) on the real stories260K model:
 //  - automatic prefix caching (EngineOptions::enable_prefix_caching): a repeated prompt reuses its full pages and
 //    decodes exactly what a cold engine decodes, dense and with sparse decoding (whose prompt queries are recomputed);
-//    cancels leave no page held; hybrid models refuse it;
+//    cancels leave no page held; hybrid models refuse it; a backend that can serve fewer cached tokens
+//    (AttentionBackend::reusable_prefix_tokens) bounds the reuse;
 //  - n samples of one prompt (Engine::submit_samples): the prompt's pages are computed once and held by every sample,
 //    and each sample decodes exactly what an independent request with its seed decodes.
 #include <gmock/gmock.h>
@@ -117,6 +118,40 @@ TEST_F(PrefixCache, CancelsOfRequestsSharingCachedPagesLeakNothing) {
   EXPECT_EQ(e.pages().num_free_pages(), e.pages().num_pages());
   for (int32_t p = 0; p < e.pages().num_pages(); ++p) EXPECT_EQ(e.pages().refcount(p), 0) << "page " << p;
   EXPECT_EQ(e.stats().prefix_hit_tokens, 4u * 80u) << "each of the 4 requests that ran reused 5 pages";
+}
+
+// Dense attention whose reuse of cached pages is bounded (as a GPU pair's is by what its cache rank retained): asked
+// with the cached pages it would share, it allows `limit` tokens and records what it was asked.
+class BoundedReuse : public AttentionBackend {
+ public:
+  BoundedReuse(AttentionBackend& inner, int limit) : inner_(inner), limit_(limit) {}
+  void attend(int layer, const ForwardBatch& b, const float* q, const float* k, const float* v, float* out) override {
+    inner_.attend(layer, b, q, k, v, out);
+  }
+  int reusable_prefix_tokens(uint64_t /*seq*/, const std::vector<int32_t>& pages) override {
+    asked.push_back(static_cast<int>(pages.size()));
+    return limit_;
+  }
+  std::vector<int> asked;  // cached pages offered, per admitted sequence with some
+
+ private:
+  AttentionBackend& inner_;
+  int limit_;
+};
+
+TEST_F(PrefixCache, TheBackendBoundsTheReuseAndTheTokensStayTheSame) {
+  const auto a = prompt(100, 1);
+  Engine cold(*model, options(false));
+  const auto expected = run_in_turn(cold, {a}, 24);
+  Engine e(*model, options(true));
+  BoundedReuse bounded(e.attention(), 32);
+  e.set_attention_hooks(&bounded);
+  const auto got = run_in_turn(e, {a, a}, 24);
+  EXPECT_EQ(got[0], expected[0]);
+  EXPECT_EQ(got[1], expected[0]) << "the repeat computed what the backend could not serve";
+  EXPECT_EQ(bounded.asked, std::vector<int>{6}) << "asked once, with the 6 cached whole pages";
+  EXPECT_EQ(e.stats().prefix_hit_tokens, 32u) << "hits count what was reused, not what was cached";
+  e.set_attention_hooks(nullptr);
 }
 
 TEST(PrefixCacheHybrid, HybridModelsRefuseIt) {

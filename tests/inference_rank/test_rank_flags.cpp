@@ -238,10 +238,22 @@ TEST(InferenceRankFlags, PrefixCachingIsRefusedWhereItDoesNotApply) {
     EXPECT_THAT(r.log, Not(HasSubstr("prefix"))) << r.log;
   }
   const std::string dense = test::data_path("models/stories260K");
-  r = run({"--model", dense, "--device", "cuda", "--selection", "predicted", "--prompt", "hi"},
+  r = run({"--model", dense, "--device", "cuda", "--selection", "quest", "--prompt", "hi"},
           {"--enable-prefix-caching"});
   EXPECT_NE(r.rc, 0) << r.log;
-  EXPECT_THAT(r.log, HasSubstr("--enable-prefix-caching: not supported with --device cuda")) << r.log;
+  EXPECT_THAT(r.log, HasSubstr("--enable-prefix-caching: not supported with --device cuda and --selection quest"))
+      << r.log;
+  // With a GPU cache rank it is opt-in: given, it is accepted (the run gets past the flags); not given, it is off, so
+  // a retention bound is refused by name.
+  r = run({"--model", dense, "--device", "cuda", "--selection", "predicted", "--prompt", "hi"},
+          {"--enable-prefix-caching", "--max-retained-prefix-tokens", "4096"});
+  EXPECT_THAT(r.log, Not(HasSubstr("--enable-prefix-caching"))) << r.log;
+  EXPECT_THAT(r.log, Not(HasSubstr("--max-retained-prefix-tokens"))) << r.log;
+  r = run({"--model", dense, "--device", "cuda", "--selection", "predicted", "--prompt", "hi"},
+          {"--max-retained-prefix-tokens", "4096"});
+  EXPECT_NE(r.rc, 0) << r.log;
+  EXPECT_THAT(r.log, HasSubstr("--max-retained-prefix-tokens: needs --selection predicted with prefix caching on"))
+      << r.log;
 }
 
 }  // namespace

@@ -3,7 +3,8 @@
 // sparse rows inside mixed prefill + decode steps, and page dropping (droppable_range: the range, the dropped mark
 // that keeps a sequence off dense attention for good, local_step once the link is gone), and the forks of n samples
 // (the first sample takes over the group's slot, the others fork it in the next plan; releases and slot reuse around
-// them).
+// them), and retained prefixes (retain at release, reuse bounded by what is retained, covered and least recently
+// used prefixes dropped, pins, page serials).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/page_allocator.h"
 #include "inference_rank/sparse_planner.h"
 
 namespace spade {
@@ -439,6 +441,145 @@ TEST(SparsePlannerBadInput, ForksFromNothingOrIntoAHeldSlot) {
   // Once the cache rank failed, forks are nobody's business.
   p.fail_all();
   EXPECT_NO_THROW(p.on_fork(99, 100));
+}
+
+
+// Retained prefixes: an engine-like allocator with prefix caching, block tables in the batches.
+struct RetentionRig {
+  static constexpr int kPage = 16;
+  PageAllocator pages{64, kPage, /*prefix_caching=*/true};
+  SparseStepPlanner planner;
+  std::vector<int32_t> prompt_a, prompt_b;
+  explicit RetentionRig(int bound) : planner(retention_opts(bound)) {
+    planner.set_page_allocator(&pages);
+    for (int i = 0; i < 100; ++i) {
+      prompt_a.push_back(1000 + i);
+      prompt_b.push_back(5000 + i);
+    }
+  }
+  static GpuSparseOptions retention_opts(int bound) {
+    GpuSparseOptions o = opts();
+    o.max_retained_prefix_tokens = bound;
+    return o;
+  }
+  // Admits `id` for `prompt` with at most `reuse` cached tokens, as the engine does (peek, ask, match).
+  int admit(uint64_t id, const std::vector<int32_t>& prompt, int reuse) {
+    pages.admit(id);
+    const std::vector<int32_t> cached = pages.peek_prefix(prompt.data(), static_cast<int>(prompt.size()), reuse);
+    if (!cached.empty()) reuse = std::min(reuse, planner.reusable_prefix_tokens(id, cached));
+    return pages.match_prefix(id, prompt.data(), static_cast<int>(prompt.size()), reuse);
+  }
+  // One step of `id`: `n` new tokens (appended here), its block table in the batch.
+  StepDecision step(uint64_t id, int n, int64_t t) {
+    if (!pages.contains(id)) pages.admit(id);  // a bystander sequence that carries the plan's news
+    EXPECT_TRUE(pages.append(id, n));
+    ForwardBatch b = batch({{id, n, pages.seq_len(id)}});
+    b.block_table = pages.block_table(id);
+    b.max_pages = static_cast<int>(b.block_table.size());
+    return planner.plan_step(b, t);
+  }
+  void finish(uint64_t id) {
+    pages.release(id);
+    planner.on_release(id);
+  }
+};
+
+TEST(SparsePlanner, AnEndedSequencesPublishedPrefixIsRetainedAndReused) {
+  RetentionRig g(1024);
+  ASSERT_TRUE(g.planner.retention_on());
+  EXPECT_EQ(g.admit(1, g.prompt_a, 36), 0) << "nothing cached yet";
+  StepDecision d = g.step(1, 100, 0);
+  const int slot_a = d.plan.rows[0].slot;
+  g.pages.cache_prompt(1, g.prompt_a.data(), 100);  // the engine publishes the prompt's 6 whole pages
+  g.step(1, 1, 1);
+  g.finish(1);
+  d = g.step(2, 10, 2);  // another sequence's step carries the retain, before the releases
+  ASSERT_EQ(d.plan.retains.size(), 1u);
+  EXPECT_EQ(d.plan.retains[0].slot, slot_a);
+  EXPECT_EQ(d.plan.retains[0].tokens, 96) << "the published whole pages, not the generated token";
+  EXPECT_EQ(d.plan.released, std::vector<int32_t>{slot_a});
+  const int32_t id = d.plan.retains[0].id;
+  EXPECT_EQ(g.planner.retained_tokens(), 96);
+  // The same prompt again: at most 36 tokens may be reused (the rest recomputed) -> 2 whole pages, from the retained
+  // prefix; its first row forks it.
+  EXPECT_EQ(g.admit(3, g.prompt_a, 36), 32);
+  d = g.step(3, 68, 3);
+  ASSERT_EQ(d.plan.forks.size(), 1u);
+  EXPECT_EQ(d.plan.forks[0].parent, id);
+  EXPECT_EQ(d.plan.forks[0].tokens, 32);
+  EXPECT_EQ(d.plan.forks[0].flags, pair::kForkFromRetained);
+  EXPECT_EQ(d.plan.forks[0].child, d.plan.rows[0].slot);
+  EXPECT_EQ(d.plan.rows[0].flags, 0u) << "continues at position 32: not fresh";
+  EXPECT_EQ(d.plan.rows[0].ctx_len, 100);
+  EXPECT_EQ(g.planner.retention_stats().reused, 1u);
+  EXPECT_EQ(g.planner.retention_stats().reused_tokens, 32u);
+  // Another prompt: nothing retained holds it, nothing is reused.
+  g.pages.admit(4);
+  EXPECT_EQ(g.planner.reusable_prefix_tokens(4, {60, 61}), 0);
+}
+
+// The bound drops the least recently used prefix; a pinned one (a hit whose first row has not run) stays; one already
+// covered is not retained twice.
+TEST(SparsePlanner, RetainedPrefixesAreBoundedCoveredAndPinned) {
+  RetentionRig g(96);  // one 6-page prefix
+  g.admit(1, g.prompt_a, 99);
+  g.step(1, 100, 0);
+  g.pages.cache_prompt(1, g.prompt_a.data(), 100);
+  g.finish(1);
+  StepDecision d = g.step(9, 1, 1);
+  ASSERT_EQ(d.plan.retains.size(), 1u);
+  const int32_t a = d.plan.retains[0].id;
+  // A second sequence of the same prompt (a prefix-cache hit) ends: its prefix is the retained one, not retained again.
+  EXPECT_EQ(g.admit(2, g.prompt_a, 99), 96);
+  d = g.step(2, 4, 2);
+  ASSERT_EQ(d.plan.forks.size(), 1u);
+  g.finish(2);
+  d = g.step(9, 1, 3);
+  EXPECT_TRUE(d.plan.retains.empty()) << "already retained";
+  EXPECT_TRUE(d.plan.drops.empty());
+  // Prompt B pins? No: B's own prefix goes over the bound, so A (least recently used, unpinned) is dropped.
+  g.admit(3, g.prompt_b, 99);
+  g.step(3, 100, 4);
+  g.pages.cache_prompt(3, g.prompt_b.data(), 100);
+  g.finish(3);
+  d = g.step(9, 1, 5);
+  ASSERT_EQ(d.plan.retains.size(), 1u);
+  EXPECT_EQ(d.plan.drops, std::vector<int32_t>{a});
+  EXPECT_EQ(g.planner.num_retained(), 1);
+  const int32_t b = d.plan.retains[0].id;
+  // A hit on B pins it: prompt A's new prefix cannot push it out (A is not retained, the bound holds).
+  EXPECT_EQ(g.admit(4, g.prompt_b, 99), 96);
+  g.admit(5, g.prompt_a, 99);
+  g.step(5, 100, 6);
+  g.pages.cache_prompt(5, g.prompt_a.data(), 100);
+  g.finish(5);
+  d = g.step(4, 4, 7);  // 4's first row: its fork from B; A's retain was dropped again at once (over the bound)
+  ASSERT_EQ(d.plan.forks.size(), 1u);
+  EXPECT_EQ(d.plan.forks[0].parent, b);
+  EXPECT_TRUE(d.plan.retains.empty()) << "A retained and dropped before any plan carried it";
+  EXPECT_TRUE(d.plan.drops.empty());
+  EXPECT_EQ(g.planner.num_retained(), 1);
+}
+
+TEST(SparsePlanner, AHitWithoutARetainedPrefixIsRefused) {
+  RetentionRig g(1024);
+  g.pages.admit(1);
+  ASSERT_TRUE(g.pages.append(1, 40));
+  ForwardBatch b = batch({{1, 8, 40}});  // starts at position 32, but no reusable_prefix_tokens chose a prefix
+  b.block_table = g.pages.block_table(1);
+  b.max_pages = static_cast<int>(b.block_table.size());
+  try {
+    g.planner.plan_step(b, 0);
+    FAIL() << "a sequence starting past position 0 with nothing retained was planned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sequence 1 starts at position 32, but its cache rank holds no prefix of it"),
+              std::string::npos)
+        << e.what();
+  }
+  // Once the cache rank failed, every cached page may be reused: the sequences decode densely.
+  g.planner.fail_all();
+  EXPECT_FALSE(g.planner.retention_on());
+  EXPECT_GE(g.planner.reusable_prefix_tokens(2, {0, 1}), 32);
 }
 
 TEST(SparsePlannerBadInput, OptionsSlotsAndBatches) {

@@ -17,7 +17,9 @@ GpuStepPlan sample() {
   p.rows = {{3, 17, 17, kRowFresh}, {0, 1, 5000, kRowSelect}, {7, 1, 300, kRowSelect | kRowFirstSelect},
             {1, 1, 90, 0}, {5, 1, 4096, kRowSelect}};
   p.released = {2, 6};
-  p.forks = {{4, 0, 4096}, {6, 0, 4096}};
+  p.forks = {{4, 0, 4096, 0}, {6, 0, 4096, 0}, {5, 12, 96, kForkFromRetained}};
+  p.retains = {{1, 12, 64}};
+  p.drops = {3, 40};
   return p;
 }
 
@@ -40,7 +42,13 @@ TEST(GpuPlan, RoundTripsAndGroupsTheSelectionRows) {
     EXPECT_EQ(q.forks[i].child, p.forks[i].child);
     EXPECT_EQ(q.forks[i].parent, p.forks[i].parent);
     EXPECT_EQ(q.forks[i].tokens, p.forks[i].tokens);
+    EXPECT_EQ(q.forks[i].flags, p.forks[i].flags);
   }
+  ASSERT_EQ(q.retains.size(), 1u);
+  EXPECT_EQ(q.retains[0].slot, 1);
+  EXPECT_EQ(q.retains[0].id, 12);
+  EXPECT_EQ(q.retains[0].tokens, 64);
+  EXPECT_EQ(q.drops, p.drops);
   EXPECT_EQ(q.total_tokens(), 21);
   EXPECT_EQ(q.steady_rows(), (std::vector<int>{1, 4}));
   EXPECT_EQ(q.first_rows(), (std::vector<int>{2}));
@@ -124,7 +132,27 @@ TEST(GpuPlan, MalformedPlansAreRefused) {
   expect_refused(p, "a child twice");
   p = sample();
   p.forks[0].tokens = 0;
+  expect_refused(p, "(0 tokens, flags 0x0)");
+  p = sample();
+  p.forks[0].flags = 2;
+  expect_refused(p, "bad flags");
+  p = sample();
+  p.forks[2].parent = 8;  // a retained prefix's id is not a slot: any id >= 0
+  EXPECT_NO_THROW(decode_gpu_plan(encode_gpu_plan(p).data(), kGpuPlanBytes, 8, "x"));
+  p.forks[2].parent = -2;
+  expect_refused(p, "fork 2: child slot 5 from parent retained prefix -2");
+  p = sample();
+  p.retains[0].slot = 9;
+  expect_refused(p, "retain 0: slot 9");
+  p = sample();
+  p.retains[0].id = -1;
+  expect_refused(p, "retain 0");
+  p = sample();
+  p.retains[0].tokens = 0;
   expect_refused(p, "(0 tokens)");
+  p = sample();
+  p.drops[1] = -5;
+  expect_refused(p, "dropped retained prefix -5");
   p = sample();
   p.forks[0].child = 3;  // row 0 (slot 3) is fresh: it cannot also start from a fork
   expect_refused(p, "slot 3 is a fork's child and a fresh row");
@@ -136,8 +164,11 @@ TEST(GpuPlan, MalformedPlansAreRefused) {
   big.rows.resize(static_cast<size_t>(gpu_plan_max_rows()) + 1, GpuPlanRow{0, 1, 1, 0});
   EXPECT_THROW(encode_gpu_plan(big), Error);
   GpuStepPlan many_forks;
-  many_forks.forks.resize(static_cast<size_t>(gpu_plan_max_rows()) + 1, GpuPlanFork{1, 0, 16});
+  many_forks.forks.resize(static_cast<size_t>(gpu_plan_max_rows()) + 1, GpuPlanFork{1, 0, 16, 0});
   EXPECT_THROW(encode_gpu_plan(many_forks), Error);
+  GpuStepPlan many_drops;
+  many_drops.drops.resize(static_cast<size_t>(gpu_plan_max_rows()) + 1, 0);
+  EXPECT_THROW(encode_gpu_plan(many_drops), Error);
   // A plan at every limit at once still fits its fixed size.
   GpuStepPlan full;
   const int most = gpu_plan_max_rows();
@@ -145,11 +176,17 @@ TEST(GpuPlan, MalformedPlansAreRefused) {
     full.rows.push_back({i, 1, 2, 0});
     full.released.push_back(i);
   }
-  for (int i = 0; i + 1 < most; ++i) full.forks.push_back({i + 1, 0, 16});
+  for (int i = 0; i + 1 < most; ++i) full.forks.push_back({i + 1, 0, 16, 0});
+  for (int i = 0; i < most; ++i) {
+    full.retains.push_back({i, i, 16});
+    full.drops.push_back(i);
+  }
   const std::vector<uint8_t> fb = encode_gpu_plan(full);
   const GpuStepPlan fq = decode_gpu_plan(fb.data(), fb.size(), most, "inference rank 4");
   EXPECT_EQ(fq.rows.size(), full.rows.size());
   EXPECT_EQ(fq.forks.size(), full.forks.size());
+  EXPECT_EQ(fq.retains.size(), full.retains.size());
+  EXPECT_EQ(fq.drops.size(), full.drops.size());
 }
 
 
