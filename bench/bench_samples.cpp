@@ -8,6 +8,9 @@
 //   n separate requests  the prompt n times, submitted together
 //   n samples            Engine::submit_samples: the group prefills the prompt's whole pages once, the samples hold
 //                        them on the inference rank and fork them on the cache rank (pair/gpu_plan.h, Forks)
+//   prefix cache         one request of the prompt, then the same prompt again once it ended, prefix caching on: the
+//                        repeat reuses the cached prefix here and forks the prefix the cache rank retained (all but
+//                        the last prefix_recompute_tokens prompt tokens: neither computed nor shipped again)
 // Per run: TTFT (submission to each sequence's first token: mean and max), TPOT (each sequence's first to last
 // token over its tokens after the first: mean), output throughput (every generated token over the run's wall time),
 // the peak KV pages and bytes of each rank (the cache
@@ -35,6 +38,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench/run_stamp.h"
@@ -68,6 +72,7 @@ struct Opts {
 struct Run {
   std::string name;
   int sequences = 0;
+  uint64_t prefix_hit_tokens = 0;  // prompt tokens the engine reused from its prefix cache
   double ttft_mean_s = 0, ttft_max_s = 0, tpot_mean_ms = 0, output_tokens_per_s = 0, e2e_s = 0;
   int inference_peak_pages = 0;
   uint64_t cache_peak_pages = 0, cache_tokens = 0, forks = 0, switches = 0, sparse_seq_steps = 0, bytes_up = 0;
@@ -75,9 +80,13 @@ struct Run {
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-// One run: `requests` requests of `n` samples each (n > 1: submit_samples).
-Run run(const Opts& o, const ModelConfig& cfg, const std::vector<int32_t>& prompt, const std::string& name,
-        int requests, int n) {
+// One run: `requests` requests of `n` samples each (n > 1: submit_samples); with `names` of two or more entries that
+// many rounds, one after the other on the same engine and cache rank with prefix caching on (a Run per round, its
+// counters the round's own).
+std::vector<Run> run(const Opts& o, const ModelConfig& cfg, const std::vector<int32_t>& prompt,
+                     const std::vector<std::string>& names, int requests, int n) {
+  const std::string& name = names.front();
+  const bool caching = names.size() > 1;
   EngineOptions eo;
   eo.page_size = o.page_size;
   eo.max_num_seqs = requests * n;
@@ -86,6 +95,7 @@ Run run(const Opts& o, const ModelConfig& cfg, const std::vector<int32_t>& promp
   const int pages_per_seq = (o.prompt + o.tokens + o.page_size - 1) / o.page_size;
   eo.num_pages = requests * n * pages_per_seq + 1;
   eo.prefix_recompute_tokens = o.sparse.prefix_recompute_tokens();
+  eo.enable_prefix_caching = caching;
   spade::GpuEngineOptions go = spade::gpu_engine_options(eo, /*cuda_graphs=*/true);
   go.link_graphs = false;  // the cache rank runs in this process (gpu_engine.h GpuEngineOptions::link_graphs)
   spade::GpuEngineForward gpu(spade::GpuModel::random(cfg, o.seed, spade::GpuEngineForward::model_options(go)), go);
@@ -97,7 +107,9 @@ Run run(const Opts& o, const ModelConfig& cfg, const std::vector<int32_t>& promp
                 }));
   gpu.warm_up();  // before the in-process cache rank exists (gpu_engine.h)
   const ModelConfig attn = cfg.attention_view();
-  const spade::GpuSparseOptions so = spade::gpu_sparse_options(o.sparse, engine.options(), "the in-process cache rank");
+  // Prefix caching: the cache rank retains up to one prompt (pages) of ended sequences.
+  const spade::GpuSparseOptions so = spade::gpu_sparse_options(o.sparse, engine.options(), "the in-process cache rank",
+                                                               caching ? o.prompt + o.page_size : 0);
   auto cache_rank = std::make_unique<spade::cache::LocalGpuCacheRank>(attn, o.sparse, 0);
   auto ctl = std::make_unique<spade::GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size,
                                                           gpu.max_batch());
@@ -114,73 +126,97 @@ Run run(const Opts& o, const ModelConfig& cfg, const std::vector<int32_t>& promp
   req.sampling.top_k = 50;
   req.sampling.seed = o.seed * 1000;
   const int total = requests * n;
-  std::vector<double> ttft(static_cast<size_t>(total), -1.0), last(static_cast<size_t>(total), -1.0);
-  std::vector<int> got(static_cast<size_t>(total), 0);
-  std::string error;
-  std::map<uint64_t, int> index;
-  const Clock::time_point t0 = Clock::now();
-  auto cb = [&](const spade::TokenEvent& ev) {
-    const int i = index.at(ev.request_id);
-    if (ev.token >= 0) {
-      const double t = seconds(t0, Clock::now());
-      if (got[static_cast<size_t>(i)]++ == 0) ttft[static_cast<size_t>(i)] = t;
-      last[static_cast<size_t>(i)] = t;
+  std::vector<Run> rounds;
+  for (const std::string& round_name : names) {
+    std::vector<double> ttft(static_cast<size_t>(total), -1.0), last(static_cast<size_t>(total), -1.0);
+    std::vector<int> got(static_cast<size_t>(total), 0);
+    std::string error;
+    std::map<uint64_t, int> index;
+    const spade::GpuSparseStats ss0 = ctl->stats();
+    const uint64_t hits0 = engine.stats().prefix_hit_tokens;
+    const Clock::time_point t0 = Clock::now();
+    auto cb = [&](const spade::TokenEvent& ev) {
+      const int i = index.at(ev.request_id);
+      if (ev.token >= 0) {
+        const double t = seconds(t0, Clock::now());
+        if (got[static_cast<size_t>(i)]++ == 0) ttft[static_cast<size_t>(i)] = t;
+        last[static_cast<size_t>(i)] = t;
+      }
+      if (ev.finished && ev.reason != spade::FinishReason::Length && error.empty())
+        error = "sequence " + std::to_string(ev.request_id) + " ended early: " + ev.error;
+    };
+    std::vector<uint64_t> ids;
+    for (int r = 0; r < requests; ++r) {
+      spade::GenerateRequest q = req;
+      q.sampling.seed = req.sampling.seed + static_cast<uint64_t>(r);
+      if (n > 1) {
+        for (uint64_t id : engine.submit_samples(q, n, cb)) ids.push_back(id);
+      } else {
+        ids.push_back(engine.submit(q, cb));
+      }
     }
-    if (ev.finished && ev.reason != spade::FinishReason::Length && error.empty())
-      error = "sequence " + std::to_string(ev.request_id) + " ended early: " + ev.error;
-  };
-  std::vector<uint64_t> ids;
-  for (int r = 0; r < requests; ++r) {
-    spade::GenerateRequest q = req;
-    q.sampling.seed = req.sampling.seed + static_cast<uint64_t>(r);
-    if (n > 1) {
-      for (uint64_t id : engine.submit_samples(q, n, cb)) ids.push_back(id);
-    } else {
-      ids.push_back(engine.submit(q, cb));
+    for (size_t i = 0; i < ids.size(); ++i) index[ids[i]] = static_cast<int>(i);
+    int low = engine.pages().num_free_pages();
+    while (engine.step()) low = std::min(low, engine.pages().num_free_pages());
+    const Clock::time_point t1 = Clock::now();
+    SPADE_CHECK(error.empty(), "bench_samples ({}): {}", round_name, error);
+    const spade::GpuSparseStats ss = ctl->stats();
+    SPADE_CHECK(ss.switches - ss0.switches == static_cast<uint64_t>(total) && ss.failed_seqs == 0,
+                "bench_samples ({}): {} of {} sequences switched to sparse decoding ({} failed); lower "
+                "--sparse-threshold below the prompt plus the tokens",
+                round_name, ss.switches - ss0.switches, total, ss.failed_seqs);
+    Run out;
+    out.name = round_name;
+    out.sequences = total;
+    double sum = 0, mx = 0, tpot = 0;
+    for (int i = 0; i < total; ++i) {
+      const double t = ttft[static_cast<size_t>(i)];
+      sum += t;
+      mx = std::max(mx, t);
+      tpot += (last[static_cast<size_t>(i)] - t) / (o.tokens - 1);
     }
+    out.ttft_mean_s = sum / total;
+    out.ttft_max_s = mx;
+    out.tpot_mean_ms = tpot / total * 1e3;
+    out.e2e_s = seconds(t0, t1);
+    out.output_tokens_per_s = static_cast<double>(total) * o.tokens / std::max(out.e2e_s, 1e-9);
+    out.inference_peak_pages = engine.pages().num_pages() - low;
+    out.switches = ss.switches - ss0.switches;
+    out.sparse_seq_steps = ss.sparse_seq_steps - ss0.sparse_seq_steps;
+    out.bytes_up = ss.bytes_sent - ss0.bytes_sent;
+    out.prefix_hit_tokens = engine.stats().prefix_hit_tokens - hits0;
+    rounds.push_back(out);
   }
-  for (size_t i = 0; i < ids.size(); ++i) index[ids[i]] = static_cast<int>(i);
-  int low = engine.pages().num_free_pages();
-  while (engine.step()) low = std::min(low, engine.pages().num_free_pages());
-  const Clock::time_point t1 = Clock::now();
   ctl->close();
   cache_rank->stop();
   const std::string server_error = cache_rank->error();
   const spade::cache::GpuCacheStats cs = cache_rank->stats();
-  const spade::GpuSparseStats ss = ctl->stats();
   gpu.set_sparse(nullptr);
   engine.set_attention_hooks(nullptr);
   SPADE_CHECK(server_error.empty(), "bench_samples ({}): the cache rank failed: {}", name, server_error);
-  SPADE_CHECK(error.empty(), "bench_samples ({}): {}", name, error);
-  SPADE_CHECK(ss.switches == static_cast<uint64_t>(total) && ss.failed_seqs == 0,
-              "bench_samples ({}): {} of {} sequences switched to sparse decoding ({} failed); lower "
-              "--sparse-threshold below the prompt plus the tokens",
-              name, ss.switches, total, ss.failed_seqs);
   SPADE_CHECK(n == 1 || cs.forks == static_cast<uint64_t>(requests * (n - 1)),
               "bench_samples ({}): the cache rank forked {} samples, expected {}", name, cs.forks, requests * (n - 1));
-  Run out;
-  out.name = name;
-  out.sequences = total;
-  double sum = 0, mx = 0, tpot = 0;
-  for (int i = 0; i < total; ++i) {
-    const double t = ttft[static_cast<size_t>(i)];
-    sum += t;
-    mx = std::max(mx, t);
-    tpot += (last[static_cast<size_t>(i)] - t) / (o.tokens - 1);
+  SPADE_CHECK(!caching || cs.retained_hits == names.size() - 1,
+              "bench_samples ({}): {} rounds forked a retained prefix, expected {}", name, cs.retained_hits,
+              names.size() - 1);
+  // The cache rank's counters cover the whole run: with one round they are the round's; with several (one request
+  // each) a round shipped every token it computed, its prompt less the reused prefix and its tokens but the last.
+  if (rounds.size() == 1) {
+    rounds.front().cache_peak_pages = cs.peak_pages_held;
+    rounds.front().cache_tokens = cs.tokens_appended;
+    rounds.front().forks = cs.forks;
+  } else {
+    uint64_t sum = 0;
+    for (Run& r : rounds) {
+      r.cache_tokens = static_cast<uint64_t>(total) * (o.prompt + o.tokens - 1) - r.prefix_hit_tokens;
+      r.cache_peak_pages = cs.peak_pages_held;
+      sum += r.cache_tokens;
+    }
+    SPADE_CHECK(n == 1 && sum == cs.tokens_appended,
+                "bench_samples ({}): the cache rank appended {} tokens, the rounds computed {}", name,
+                cs.tokens_appended, sum);
   }
-  out.ttft_mean_s = sum / total;
-  out.ttft_max_s = mx;
-  out.tpot_mean_ms = tpot / total * 1e3;
-  out.e2e_s = seconds(t0, t1);
-  out.output_tokens_per_s = static_cast<double>(total) * o.tokens / std::max(out.e2e_s, 1e-9);
-  out.inference_peak_pages = engine.pages().num_pages() - low;
-  out.cache_peak_pages = cs.peak_pages_held;
-  out.cache_tokens = cs.tokens_appended;
-  out.forks = cs.forks;
-  out.switches = ss.switches;
-  out.sparse_seq_steps = ss.sparse_seq_steps;
-  out.bytes_up = ss.bytes_sent;
-  return out;
+  return rounds;
 }
 
 }  // namespace
@@ -215,9 +251,14 @@ int main(int argc, char** argv) {
     std::vector<int32_t> prompt(static_cast<size_t>(o.prompt));
     for (auto& t : prompt) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(cfg.vocab_size));
     const int n = o.samples;
-    const std::vector<Run> runs = {run(o, cfg, prompt, "1 request", 1, 1),
-                                   run(o, cfg, prompt, "n separate requests", n, 1),
-                                   run(o, cfg, prompt, "n samples", 1, n)};
+    std::vector<Run> runs;
+    for (const auto& [names, requests, per] :
+         std::vector<std::tuple<std::vector<std::string>, int, int>>{
+             {{"1 request"}, 1, 1},
+             {{"n separate requests"}, n, 1},
+             {{"n samples"}, 1, n},
+             {{"prefix cache: first", "prefix cache: repeat"}, 1, 1}})
+      for (const Run& r : run(o, cfg, prompt, names, requests, per)) runs.push_back(r);
     const ModelConfig attn = cfg.attention_view();
     const double inf_page_bytes =
         2.0 * attn.num_layers * attn.num_kv_heads * attn.head_dim * 2.0 * o.page_size;  // bf16 K and V
@@ -262,6 +303,7 @@ int main(int argc, char** argv) {
                       {"cache_tokens_appended", r.cache_tokens},
                       {"bytes_up", r.bytes_up},
                       {"forks", r.forks},
+                      {"prefix_hit_tokens", r.prefix_hit_tokens},
                       {"switches", r.switches},
                       {"sparse_seq_steps", r.sparse_seq_steps}});
       std::printf("%-20s %5d %10.3f %10.3f %9.2f %10.1f %9.2f %10.1f %10.1f %10llu %6llu\n", r.name.c_str(),
@@ -287,6 +329,19 @@ int main(int argc, char** argv) {
                     {"ttft_max", sep.ttft_max_s / std::max(smp.ttft_max_s, 1e-9)},
                     {"tpot_mean", sep.tpot_mean_ms / std::max(smp.tpot_mean_ms, 1e-9)},
                     {"e2e", sep.e2e_s / std::max(smp.e2e_s, 1e-9)}};
+    const Run& first = runs[3];
+    const Run& repeat = runs[4];
+    doc["prefix_cache_ratio"] = {{"what", "first request / its repeat from the prefix cache (retained on the cache rank)"},
+                                 {"ttft", first.ttft_max_s / std::max(repeat.ttft_max_s, 1e-9)},
+                                 {"tokens_shipped", static_cast<double>(first.cache_tokens) /
+                                                        std::max<uint64_t>(repeat.cache_tokens, 1)},
+                                 {"repeat_prefix_hit_tokens", repeat.prefix_hit_tokens}};
+    std::printf("prefix cache: the repeat's TTFT %.3f s against %.3f s (%.1fx), %llu prompt tokens reused, %llu tokens "
+                "shipped against %llu\n",
+                repeat.ttft_max_s, first.ttft_max_s, doc["prefix_cache_ratio"]["ttft"].get<double>(),
+                static_cast<unsigned long long>(repeat.prefix_hit_tokens),
+                static_cast<unsigned long long>(repeat.cache_tokens),
+                static_cast<unsigned long long>(first.cache_tokens));
     doc["samples_over_floor"] = {
         {"cache_pages", static_cast<double>(smp.cache_peak_pages) / floor_pages},
         {"ttft_max", smp.ttft_max_s / std::max(runs[0].ttft_max_s, 1e-9)}};
