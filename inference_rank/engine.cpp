@@ -150,7 +150,7 @@ std::vector<uint64_t> Engine::submit_samples(GenerateRequest req, int n, TokenCa
   const int prompt = static_cast<int>(req.prompt_ids.size()), page = opt_.page_size;
   const int shared = std::max(0, prompt - opt_.prefix_recompute_tokens) / page * page;
   std::vector<uint64_t> ids;
-  if (n == 1 || shared < page || cfg_.is_hybrid() || !hooks_->shares_prompt_pages()) {
+  if (n == 1 || shared < page || cfg_.is_hybrid()) {
     for (int i = 0; i < n; ++i) {
       auto s = make_seq(req, cb, req.sampling.seed + static_cast<uint64_t>(i));
       ids.push_back(s->id);

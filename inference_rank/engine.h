@@ -164,9 +164,9 @@ class Engine {
   /// events all go to `cb` (TokenEvent::request_id tells them apart). Sample i samples with seed sampling.seed + i.
   /// The prompt's KV is computed once and shared: a group prefill computes the prompt's whole pages up to
   /// prefix_recompute_tokens before its end, then every sample holds those pages (reference counts,
-  /// common/page_allocator.h) and computes only the rest itself. Without shareable pages (hybrid models, a backend
-  /// whose shares_prompt_pages() is false, or a prompt shorter than a page plus prefix_recompute_tokens) the samples
-  /// are n independent requests. Each sample counts against max_num_seqs. abort() of one sample ends it alone.
+  /// common/page_allocator.h) and computes only the rest itself. Without shareable pages (hybrid models, or a prompt
+  /// shorter than a page plus prefix_recompute_tokens) the samples are n independent requests; a backend that keeps
+  /// per-sequence state elsewhere learns of each sample (AttentionBackend::on_fork). Each sample counts against max_num_seqs. abort() of one sample ends it alone.
   /// Throws as submit(), and for n < 1 or n > max_num_seqs.
   std::vector<uint64_t> submit_samples(GenerateRequest req, int n, TokenCallback cb);
   /// Ends a queued or running request with FinishReason::Abort and frees its pages. Unknown ids are ignored.

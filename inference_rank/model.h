@@ -90,11 +90,6 @@ class AttentionBackend {
   /// reached `seq_len` (sparse sequences: everything between the sink tokens and the next step's local window).
   /// The engine frees the pages inside it. Default: nothing.
   virtual std::pair<int, int> droppable_range(uint64_t /*seq_id*/, int /*seq_len*/) { return {0, 0}; }
-  /// Whether a sequence may start from KV pages another sequence computed (a prefix-cache hit, or n samples sharing
-  /// their prompt's pages): true when the backend reads a sequence's context from the engine's pages. A backend that
-  /// must see every token of a sequence computed under that sequence's id returns false, and the engine then computes
-  /// every sample's prompt itself.
-  virtual bool shares_prompt_pages() const { return true; }
   /// The engine's page allocator (block tables, reference counts, page serials), given by the engine once, before its
   /// first step; not owned, it outlives the backend's steps. A backend that ships KV elsewhere uses it to tell which
   /// sequences share pages (the sparse backend's shared INIT). Default: ignored.
