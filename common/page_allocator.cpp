@@ -300,6 +300,15 @@ int PageAllocator::match_prefix(uint64_t seq, const int32_t* tokens, int n, int 
   return s.len;
 }
 
+int PageAllocator::published_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const {
+  int run = 0;
+  for (const auto& [page, serial] : pages) {
+    if (page_serial(page) != serial || !is_published(page)) break;
+    ++run;
+  }
+  return run;
+}
+
 std::vector<int32_t> PageAllocator::peek_prefix(const int32_t* tokens, int n, int max_reuse) const {
   std::vector<int32_t> pages;
   if (!prefix_caching_ || n <= 1 || tokens == nullptr) return pages;

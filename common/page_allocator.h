@@ -40,6 +40,7 @@
 #include <map>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace spade {
@@ -110,6 +111,9 @@ class PageAllocator {
   uint64_t page_serial(int32_t page) const;
   /// Whether `page` is a published prefix-cache page (held or not; a later prompt may still match it).
   bool is_published(int32_t page) const { return cached_.count(page) != 0; }
+  /// Of `pages` ((page, page_serial) recorded earlier, in token order), the leading run whose pages still hold that KV
+  /// (same serial) and are published: what a later prompt can still match of them (a cache rank's retained prefix).
+  int published_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const;
 
   /// Prefix cache: `seq` was just admitted (no tokens yet) for a prompt of `n` tokens `tokens`. Shares the cached
   /// pages of the longest cached prefix of the prompt (whole pages, at most min(n - 1, max_reuse) tokens) with `seq`,

@@ -362,6 +362,7 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, cudaStream_t stream
     for (int32_t t : d.tables) stats_.sparse_seq_steps += t >= 0 ? 1 : 0;
     stats_.switches += static_cast<uint64_t>(d.switches);
     if (d.sparse_now) ++stats_.sparse_steps;
+    stats_.retained_reused_tokens = st.planner.retention_stats().reused_tokens;
     // The plan, on the up stream (before this step's packs).
     const std::vector<uint8_t> bytes = pair::encode_gpu_plan(d.plan);
     if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");

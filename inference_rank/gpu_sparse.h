@@ -89,6 +89,7 @@ struct GpuSparseStats {
   uint64_t dropped_seqs = 0;          // sequences whose KV outside the local window was handed to the engine to free
                                       // (the pages it freed: EngineStats::dropped_pages)
   uint64_t bytes_sent = 0, bytes_received = 0;
+  uint64_t retained_reused_tokens = 0;  // prompt tokens started from a retained prefix (not shipped again)
 };
 
 /// The pair hello (pair/gpu_plan.h) for a controller with options `o` (sparse_planner.h; gpu_sparse_options)

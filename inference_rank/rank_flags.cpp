@@ -52,8 +52,6 @@ void refuse_unused_flags(const CLI::App& app, bool serve, const std::string& dev
     r.refuse("--device cpu", {"--max-context-pages"},
              "--max-context-pages sizes the GPU cache rank's pool; the CPU cache rank's pool is the local one");
   } else {
-    r.refuse("--device cuda", {"--max-retained-prefix-tokens"},
-             "the GPU cache rank retains no prefix: it receives each token's rows as they are computed");
     r.refuse_if(serve && (mode == spade::SelectionMode::Oracle || mode == spade::SelectionMode::Quest),
                 fmt::format("--selection {} does not apply to --serve --device cuda (a fidelity reference: "
                             "synchronous selection with the true query in the one-process path, without --serve); "

@@ -20,7 +20,7 @@
 //   spade_kv_pages_dropped_total                   counter  local KV pages freed early (page dropping of sparse sequences)
 //   spade_prefix_cache_queries_total               counter  prompt tokens looked up in the prefix cache
 //   spade_prefix_cache_hits_total                  counter  of those, tokens whose KV was reused (not recomputed)
-//   spade_retained_prefix_reused_tokens_total      counter  INIT tokens not shipped: the cache rank retained that prefix
+//   spade_retained_prefix_reused_tokens_total      counter  prefix tokens not shipped: the cache rank retained them
 //   spade_transfer_bytes_total{direction,transport} counter  data-plane bytes, direction send|recv
 //   spade_cache_select_seconds_total               counter  cache-rank selection time reported with the selections
 //   spade_sparse_config_info{...}                  gauge    1, labels = the rank's sparse settings

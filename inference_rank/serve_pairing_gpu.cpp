@@ -160,7 +160,8 @@ class GpuDataPlane final : public DataPlane {
     if (!links_.empty()) {
       const EngineOptions& en = engine_->options();
       gpu_attn_cfg_ = std::make_unique<ModelConfig>(model_cfg_.attention_view());
-      const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, cache_name_, sparse_.max_retained_prefix_tokens);
+      const GpuSparseOptions gso =
+          gpu_sparse_options(sparse_, en, cache_name_, sparse_.max_retained_prefix_tokens);
       std::vector<transport::GpuLink*> raw;
       for (const auto& l : links_) raw.push_back(l.get());
       gpu_sparse_ = std::make_unique<GpuSparseController>(*gpu_attn_cfg_, gso, std::move(raw), en.page_size,
@@ -299,7 +300,8 @@ class GpuDataPlane final : public DataPlane {
     try {
       cuda_check(cudaSetDevice(opt_.gpu), "inference rank: cudaSetDevice (re-pairing)");
       const EngineOptions& en = engine_->options();
-      const GpuSparseOptions gso = gpu_sparse_options(sparse_, en, names_joined, sparse_.max_retained_prefix_tokens);
+      const GpuSparseOptions gso =
+          gpu_sparse_options(sparse_, en, names_joined, sparse_.max_retained_prefix_tokens);
       std::vector<transport::GpuLink*> raw;
       for (const auto& l : fresh) raw.push_back(l.get());
       controller = std::make_unique<GpuSparseController>(*gpu_attn_cfg_, gso, std::move(raw), en.page_size,
@@ -451,6 +453,7 @@ class GpuDataPlane final : public DataPlane {
     into.failed_seqs += s.failed_seqs;
     into.bytes_sent += s.bytes_sent;
     into.bytes_received += s.bytes_received;
+    into.retained_reused_tokens += s.retained_reused_tokens;
   }
   // The counters in the CPU path's shapes (metrics and coordinator stats), over every controller a re-pairing
   // replaced too; false without a controller.
@@ -462,6 +465,7 @@ class GpuDataPlane final : public DataPlane {
     s.sparse_seq_steps = g.sparse_seq_steps + r.sparse_seq_steps;
     s.switches = g.switches + r.switches;
     s.failed_seqs = g.failed_seqs + r.failed_seqs;
+    s.retained_reused_tokens = g.retained_reused_tokens + r.retained_reused_tokens;
     l.bytes_sent = g.bytes_sent + r.bytes_sent;
     l.bytes_received = g.bytes_received + r.bytes_received;
     l.updates = s.steps;

@@ -69,18 +69,9 @@ bool SparseAttention::retention_on() const {
          pages_->prefix_caching() && link_error_.empty() && link_ != nullptr;
 }
 
-int SparseAttention::valid_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const {
-  int run = 0;
-  for (const auto& [page, serial] : pages) {
-    if (pages_->page_serial(page) != serial || !pages_->is_published(page)) break;
-    ++run;
-  }
-  return run;
-}
-
 void SparseAttention::retain_prefix(uint64_t id, const std::vector<std::pair<int32_t, uint64_t>>& pages) {
   const int page = cache_.page_size();
-  const int run = std::min(valid_run(pages), opt_.max_retained_prefix_tokens / page);
+  const int run = std::min(pages_->published_run(pages), opt_.max_retained_prefix_tokens / page);
   if (run == 0) return;
   // One retained prefix covering another is enough: keep the longer.
   std::vector<uint64_t> covered;
@@ -140,7 +131,7 @@ void SparseAttention::check_retained() {
   if (retained_.empty()) return;
   std::vector<std::pair<uint64_t, int>> changed;
   for (const auto& [id, r] : retained_) {
-    const int run = valid_run(r.pages);
+    const int run = pages_->published_run(r.pages);
     if (run < static_cast<int>(r.pages.size())) changed.emplace_back(id, run);
   }
   for (const auto& [id, run] : changed) {

@@ -163,8 +163,6 @@ class SparseAttention : public AttentionBackend {
     uint64_t used = 0;
   };
   bool retention_on() const;
-  /// Leading entries of `pages` whose page still holds that KV and is published in the prefix cache.
-  int valid_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const;
   void retain_prefix(uint64_t id, const std::vector<std::pair<int32_t, uint64_t>>& pages);
   void shorten_retained(uint64_t id, int pages);  // 0 pages: drop
   void check_retained();    // shortens or drops those whose pages changed here

@@ -96,18 +96,9 @@ bool SparseStepPlanner::retention_on() const {
   return !failed_ && o_.max_retained_prefix_tokens > 0 && pages_ != nullptr && pages_->prefix_caching();
 }
 
-int SparseStepPlanner::valid_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const {
-  int run = 0;
-  for (const auto& [page, serial] : pages) {
-    if (pages_->page_serial(page) != serial || !pages_->is_published(page)) break;
-    ++run;
-  }
-  return run;
-}
-
 void SparseStepPlanner::retain(const Seq& s) {
   const int page = pages_->page_size();
-  const int run = std::min({valid_run(s.pages), s.len / page, o_.max_retained_prefix_tokens / page});
+  const int run = std::min({pages_->published_run(s.pages), s.len / page, o_.max_retained_prefix_tokens / page});
   if (run == 0 || static_cast<int>(pending_retains_.size()) >= pair::gpu_plan_max_rows()) return;
   std::vector<int32_t> covered;
   for (auto& [id, r] : retained_) {

@@ -178,7 +178,6 @@ class SparseStepPlanner {
   };
   void retain(const Seq& s);
   void drop_retained(int32_t id);
-  int valid_run(const std::vector<std::pair<int32_t, uint64_t>>& pages) const;
   void unpin_hit(uint64_t seq_id);
   struct PendingFork {
     uint64_t child = 0;

@@ -1,7 +1,11 @@
 // PageAllocator::fork_prefix (a sequence holding another's leading pages: the cache rank's shared INIT) and
-// page_serial (which tells the inference rank that two sequences hold the same KV in a page).
+// page_serial (which tells the inference rank that two sequences hold the same KV in a page); peek_prefix and
+// published_run (what a later prompt can still match of recorded pages).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <utility>
+#include <vector>
 
 #include "common/error.h"
 #include "common/page_allocator.h"
@@ -97,6 +101,30 @@ TEST(PageAllocatorSerials, ASerialChangesExactlyWhenAPageGetsNewContent) {
   ASSERT_EQ(a.block_table(6)[0], q) << "the lowest free page, as before";
   EXPECT_NE(a.page_serial(q), before);
   EXPECT_THAT([&] { a.page_serial(4); }, ::testing::ThrowsMessage<Error>(HasSubstr("page 4 outside [0, 4)")));
+}
+
+TEST(PageAllocatorPrefix, PeekSharesNothingAndPublishedRunsEndAtAReusedPage) {
+  PageAllocator a(4, 4, /*prefix_caching=*/true);
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  a.admit(1);
+  ASSERT_TRUE(a.append(1, 10));
+  a.cache_prompt(1, prompt.data(), 10);  // pages 0 and 1 (whole) published
+  std::vector<std::pair<int32_t, uint64_t>> rec;
+  for (int i = 0; i < 3; ++i) rec.emplace_back(a.block_table(1)[i], a.page_serial(a.block_table(1)[i]));
+  EXPECT_EQ(a.published_run(rec), 2) << "the third page is not published";
+  const std::vector<int32_t> peek = a.peek_prefix(prompt.data(), 10, 8);
+  EXPECT_EQ(peek, (std::vector<int32_t>{a.block_table(1)[0], a.block_table(1)[1]}));
+  EXPECT_EQ(a.prefix_stats().queried_tokens, 0u) << "a peek counts nothing";
+  EXPECT_EQ(a.refcount(peek[0]), 1) << "and shares nothing";
+  EXPECT_EQ(a.peek_prefix(prompt.data(), 10, 7).size(), 1u) << "at most max_reuse tokens, whole pages";
+  a.release(1);  // the published pages stay cached, unreferenced
+  EXPECT_EQ(a.published_run(rec), 2);
+  a.admit(2);
+  ASSERT_TRUE(a.append(2, 16));  // takes every page: the cached ones are evicted and reused
+  EXPECT_EQ(a.published_run(rec), 0) << "a reused page holds other KV: its serial changed";
+  EXPECT_TRUE(a.peek_prefix(prompt.data(), 10).empty());
+  PageAllocator off(4, 4);
+  EXPECT_TRUE(off.peek_prefix(prompt.data(), 10).empty()) << "prefix caching off";
 }
 
 }  // namespace
