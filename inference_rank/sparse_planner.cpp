@@ -100,7 +100,13 @@ void SparseStepPlanner::retain(const Seq& s) {
   const int page = pages_->page_size();
   const int run = std::min({pages_->published_run(s.pages), s.len / page, o_.max_retained_prefix_tokens / page});
   if (run == 0 || static_cast<int>(pending_retains_.size()) >= pair::gpu_plan_max_rows()) return;
-  std::vector<int32_t> covered;
+  // What it replaces: the retained prefixes it covers, then the least recently used until the bound holds (pinned
+  // ones never). Decided before anything changes: if the bound cannot hold, or the next plan could not carry every
+  // drop, it is not retained (the cache rank's pool has room for the bound only, and a drop late by a step would
+  // let it overflow).
+  std::vector<int32_t> drops;
+  int64_t tokens = retained_tokens_ + static_cast<int64_t>(run) * page;
+  std::vector<std::pair<uint64_t, int32_t>> lru;  // (used, id) of the unpinned ones it does not cover
   for (auto& [id, r] : retained_) {
     size_t common = 0;
     while (common < r.pages.size() && common < static_cast<size_t>(run) && r.pages[common] == s.pages[common]) ++common;
@@ -108,9 +114,23 @@ void SparseStepPlanner::retain(const Seq& s) {
       r.used = ++use_clock_;
       return;
     }
-    if (common == r.pages.size() && r.pins == 0) covered.push_back(id);
+    if (r.pins > 0) continue;
+    if (common == r.pages.size()) {
+      drops.push_back(id);
+      tokens -= static_cast<int64_t>(r.pages.size()) * page;
+    } else {
+      lru.emplace_back(r.used, id);
+    }
   }
-  for (int32_t id : covered) drop_retained(id);
+  std::sort(lru.begin(), lru.end());
+  for (size_t i = 0; i < lru.size() && tokens > o_.max_retained_prefix_tokens; ++i) {
+    drops.push_back(lru[i].second);
+    tokens -= static_cast<int64_t>(retained_.at(lru[i].second).pages.size()) * page;
+  }
+  if (tokens > o_.max_retained_prefix_tokens ||
+      pending_drops_.size() + drops.size() > static_cast<size_t>(pair::gpu_plan_max_rows()))
+    return;
+  for (int32_t id : drops) drop_retained(id);
   const int32_t id = next_retained_id_++;
   if (next_retained_id_ < 0) next_retained_id_ = 0;  // ids wrap (int32 on the wire); an old one is long gone
   Retained r;
@@ -120,13 +140,6 @@ void SparseStepPlanner::retain(const Seq& s) {
   retained_.emplace(id, std::move(r));
   pending_retains_.push_back({s.slot, id, run * page});
   ++retention_stats_.retained;
-  while (retained_tokens_ > o_.max_retained_prefix_tokens) {  // the bound: least recently used first, never a pinned one
-    int32_t lru = -1;
-    for (const auto& [rid, x] : retained_)
-      if (x.pins == 0 && (lru < 0 || x.used < retained_.at(lru).used)) lru = rid;
-    if (lru < 0) break;
-    drop_retained(lru);
-  }
 }
 
 void SparseStepPlanner::drop_retained(int32_t id) {
@@ -264,9 +277,7 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
   d.plan.retains.swap(pending_retains_);
   for (const PendingFork& f : pending_forks_) d.plan.forks.push_back(f.fork);
   pending_forks_.clear();
-  const size_t ndrop = std::min(pending_drops_.size(), static_cast<size_t>(pair::gpu_plan_max_rows()));
-  d.plan.drops.assign(pending_drops_.begin(), pending_drops_.begin() + static_cast<long>(ndrop));
-  pending_drops_.erase(pending_drops_.begin(), pending_drops_.begin() + static_cast<long>(ndrop));  // the rest next
+  d.plan.drops.swap(pending_drops_);  // retain() keeps them within what one plan carries
   const bool record = retention_on() && fb.max_pages > 0 &&
                       fb.block_table.size() >= static_cast<size_t>(B) * static_cast<size_t>(fb.max_pages);
   // Rows whose last token is sampled this step (decode rows, and a prompt's last chunk).

@@ -26,7 +26,8 @@
 // serial) while it holds them. When a sequence ends, the leading run of them still published in the prefix cache
 // (at most the bound) is retained on the cache rank under a new id (a retain in the next plan, before the slot's
 // release); a prefix another retained one covers is not retained twice, and one it covers is dropped. Beyond the
-// bound (tokens over all retained prefixes) the least recently used are dropped. The engine asks
+// bound (tokens over all retained prefixes) the least recently used are dropped; a prefix that would need pinned
+// ones dropped, or more drops than the next plan carries, is not retained (the cache rank's pool holds the bound). The engine asks
 // reusable_prefix_tokens() before it reuses cached pages: the longest retained prefix that still holds them (same
 // page and serial, page by page) bounds the reuse, and the sequence's first row then forks from it
 // (kForkFromRetained); until then the prefix is pinned (never dropped). Once the cache rank failed, every cached page

@@ -537,7 +537,7 @@ TEST(SparsePlanner, RetainedPrefixesAreBoundedCoveredAndPinned) {
   d = g.step(9, 1, 3);
   EXPECT_TRUE(d.plan.retains.empty()) << "already retained";
   EXPECT_TRUE(d.plan.drops.empty());
-  // Prompt B pins? No: B's own prefix goes over the bound, so A (least recently used, unpinned) is dropped.
+  // Prompt B's prefix goes over the bound, so A (least recently used, unpinned) is dropped.
   g.admit(3, g.prompt_b, 99);
   g.step(3, 100, 4);
   g.pages.cache_prompt(3, g.prompt_b.data(), 100);
@@ -553,10 +553,10 @@ TEST(SparsePlanner, RetainedPrefixesAreBoundedCoveredAndPinned) {
   g.step(5, 100, 6);
   g.pages.cache_prompt(5, g.prompt_a.data(), 100);
   g.finish(5);
-  d = g.step(4, 4, 7);  // 4's first row: its fork from B; A's retain was dropped again at once (over the bound)
+  d = g.step(4, 4, 7);  // 4's first row: its fork from B; A is not retained (B is pinned and the bound holds one)
   ASSERT_EQ(d.plan.forks.size(), 1u);
   EXPECT_EQ(d.plan.forks[0].parent, b);
-  EXPECT_TRUE(d.plan.retains.empty()) << "A retained and dropped before any plan carried it";
+  EXPECT_TRUE(d.plan.retains.empty()) << "the bound would need the pinned prefix dropped";
   EXPECT_TRUE(d.plan.drops.empty());
   EXPECT_EQ(g.planner.num_retained(), 1);
 }
