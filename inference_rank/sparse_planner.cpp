@@ -49,10 +49,11 @@ void SparseStepPlanner::detach(uint64_t seq_id) {
 }
 
 void SparseStepPlanner::on_release(uint64_t seq_id) {
-  auto it = seqs_.find(seq_id);
-  if (it == seqs_.end()) return;
+  // Also for a sequence that never had a row (no entry yet): its pin and a fork of it not yet planned go.
   std::erase_if(pending_forks_, [&](const PendingFork& f) { return f.child == seq_id; });
   unpin_hit(seq_id);
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
   if (retention_on() && it->second.slot >= 0 && it->second.rows_sent && it->second.offset == 0) retain(it->second);
   if (it->second.slot >= 0) {
     pending_release_.push_back(it->second.slot);
@@ -62,17 +63,44 @@ void SparseStepPlanner::on_release(uint64_t seq_id) {
   seqs_.erase(it);
 }
 
+int SparseStepPlanner::take_slot() {
+  SPADE_CHECK(!free_slots_.empty(), "GPU sparse: more than {} sequences at once (the cache rank's plan slots)",
+              o_.max_slots);
+  const int slot = free_slots_.back();
+  free_slots_.pop_back();
+  // A slot released since the last plan: the fork empties it first, so its release must not follow the fork.
+  std::erase(pending_release_, slot);
+  return slot;
+}
+
 void SparseStepPlanner::on_fork(uint64_t parent, uint64_t child) {
   if (failed_) return;  // no plan is sent any more: the cache rank need not know
-  const auto pit = seqs_.find(parent);
-  SPADE_CHECK(pit != seqs_.end() && (pit->second.slot >= 0 || pit->second.fork_slot >= 0) && pit->second.len >= 1,
-              "GPU sparse: sequence {} forks from sequence {}, which has no tokens on the cache rank", child, parent);
-  Seq& g = pit->second;
-  SPADE_CHECK(g.phase == Phase::Dense && g.table < 0 && !g.sel_requested,
-              "GPU sparse: sequence {} forks from sequence {}, which has a selection", child, parent);
-  Seq& c = seqs_[child];  // may exist already: set_request_options
+  Seq& c = seqs_[child];  // may exist already: set_request_options, detach
   SPADE_CHECK(c.slot < 0 && c.len == 0, "GPU sparse: sequence {} forks from sequence {} but already has a slot",
               child, parent);
+  c.rebase = false;  // the fork gives the cache rank its prefix (a sample detached while it waited)
+  const auto pit = seqs_.find(parent);
+  const bool planned = pit != seqs_.end() && (pit->second.slot >= 0 || pit->second.fork_slot >= 0);
+  if (!planned) {
+    // The group's whole shared part came from the prefix cache (no row of it was ever planned): each sample forks
+    // the retained prefix that reusable_prefix_tokens chose for the group.
+    const auto hit = pending_hits_.find(parent);
+    SPADE_CHECK(hit != pending_hits_.end(),
+                "GPU sparse: sequence {} forks from sequence {}, which has no tokens on the cache rank", child, parent);
+    c.slot = take_slot();
+    c.len = hit->second.second;
+    pending_forks_.push_back(
+        {child, pair::GpuPlanFork{c.slot, hit->second.first, hit->second.second, pair::kForkFromRetained}});
+    ++retention_stats_.reused;
+    retention_stats_.reused_tokens += static_cast<uint64_t>(hit->second.second);
+    return;
+  }
+  Seq& g = pit->second;
+  SPADE_CHECK(g.len >= 1 && g.phase == Phase::Dense && g.table < 0 && !g.sel_requested,
+              "GPU sparse: sequence {} forks from sequence {}, which has no tokens on the cache rank or a selection",
+              child, parent);
+  // A group that started over on this cache rank (offset > 0) has no full context there: its samples stay dense.
+  c.force_dense = c.force_dense || g.offset > 0;
   c.len = g.len;
   c.offset = g.offset;
   c.pages = g.pages;
@@ -83,12 +111,7 @@ void SparseStepPlanner::on_fork(uint64_t parent, uint64_t child) {
     g.slot = -1;
     return;
   }
-  SPADE_CHECK(!free_slots_.empty(), "GPU sparse: more than {} sequences at once (the cache rank's plan slots)",
-              o_.max_slots);
-  c.slot = free_slots_.back();
-  free_slots_.pop_back();
-  // A slot released since the last plan: the fork empties it first, so its release must not follow the fork.
-  std::erase(pending_release_, c.slot);
+  c.slot = take_slot();
   pending_forks_.push_back({child, pair::GpuPlanFork{c.slot, g.fork_slot, g.len}});
 }
 
@@ -131,8 +154,9 @@ void SparseStepPlanner::retain(const Seq& s) {
       pending_drops_.size() + drops.size() > static_cast<size_t>(pair::gpu_plan_max_rows()))
     return;
   for (int32_t id : drops) drop_retained(id);
-  const int32_t id = next_retained_id_++;
-  if (next_retained_id_ < 0) next_retained_id_ = 0;  // ids wrap (int32 on the wire); an old one is long gone
+  const int32_t id = next_retained_id_;
+  // Ids wrap within int32 (the wire's): an old one is long gone.
+  next_retained_id_ = static_cast<int32_t>((static_cast<uint32_t>(next_retained_id_) + 1u) & 0x7fffffffu);
   Retained r;
   r.pages.assign(s.pages.begin(), s.pages.begin() + run);
   r.used = ++use_clock_;
@@ -298,15 +322,19 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
     const int ctx = fb.seq_lens[static_cast<size_t>(r)];
     pair::GpuPlanRow row{s.slot, q_len, ctx, 0u};
     if (new_slot && ctx != q_len && !s.rebase) {
-      // A prefix-cache hit: its first tokens come from a retained prefix (reusable_prefix_tokens chose it).
       const auto h = pending_hits_.find(id);
-      SPADE_CHECK(h != pending_hits_.end() && h->second.second >= ctx - q_len,
-                  "GPU sparse: sequence {} starts at position {}, but its cache rank holds no prefix of it", id,
-                  ctx - q_len);
-      d.plan.forks.push_back({s.slot, h->second.first, ctx - q_len, pair::kForkFromRetained});
-      std::erase(d.plan.released, s.slot);  // a slot released since the last plan: the fork empties it first
-      ++retention_stats_.reused;
-      retention_stats_.reused_tokens += static_cast<uint64_t>(ctx - q_len);
+      if (h != pending_hits_.end() && h->second.second >= ctx - q_len) {
+        // A prefix-cache hit: its first tokens come from a retained prefix (reusable_prefix_tokens chose it).
+        d.plan.forks.push_back({s.slot, h->second.first, ctx - q_len, pair::kForkFromRetained});
+        std::erase(d.plan.released, s.slot);  // a slot released since the last plan: the fork empties it first
+        ++retention_stats_.reused;
+        retention_stats_.reused_tokens += static_cast<uint64_t>(ctx - q_len);
+      } else {
+        // A sequence this cache rank never saw start (a group prefill running when the cache rank was replaced):
+        // it starts over there with this step's tokens and stays dense, as a detached one (detach).
+        s.rebase = true;
+        s.force_dense = true;
+      }
       unpin_hit(id);
     }
     if (ctx == q_len) {

@@ -30,8 +30,11 @@
 // ones dropped, or more drops than the next plan carries, is not retained (the cache rank's pool holds the bound). The engine asks
 // reusable_prefix_tokens() before it reuses cached pages: the longest retained prefix that still holds them (same
 // page and serial, page by page) bounds the reuse, and the sequence's first row then forks from it
-// (kForkFromRetained); until then the prefix is pinned (never dropped). Once the cache rank failed, every cached page
-// may be reused (the sequences decode densely).
+// (kForkFromRetained); until then the prefix is pinned (never dropped). A group whose whole shared part was such a hit
+// never has a row: each of its samples forks the retained prefix instead. A sequence that starts past position 0
+// without a hit (a group prefill running when its cache rank was replaced) starts over on the cache rank and stays
+// dense, as a detached one. Once the cache rank failed, every cached page may be reused (the sequences decode
+// densely).
 //
 // Page dropping: once a sequence is Sparse with its first selection requested, droppable_range() gives the engine
 // [0, len + 1 - local_window), the tokens no later step of it reads locally (the selection comes from the cache
@@ -123,9 +126,10 @@ class SparseStepPlanner {
   /// The sequence left (finished, aborted, failed): its slot is released in the next plan, its table freed, a fork
   /// of it not yet planned dropped.
   void on_release(uint64_t seq_id);
-  /// `child` starts from every token `parent` holds on the cache rank (file comment: Forks); call before the
-  /// parent's on_release. Nothing once the cache rank failed. Throws spade::Error for a parent without a slot or
-  /// with a selection, a child that already has one, or no free slot.
+  /// `child` starts from every token `parent` holds on the cache rank (file comment: Forks), or from the retained
+  /// prefix chosen for a parent that never had a row; call before the parent's on_release. Nothing once the cache
+  /// rank failed. Throws spade::Error for a parent with neither, or with a selection, a child that already has a
+  /// slot, or no free slot.
   void on_fork(uint64_t parent, uint64_t child);
   /// Forks waiting for the next plan.
   int pending_forks() const { return static_cast<int>(pending_forks_.size()); }
@@ -180,6 +184,7 @@ class SparseStepPlanner {
   void retain(const Seq& s);
   void drop_retained(int32_t id);
   void unpin_hit(uint64_t seq_id);
+  int take_slot();  // a free plan slot, no longer released in the next plan (a fork empties it itself)
   struct PendingFork {
     uint64_t child = 0;
     pair::GpuPlanFork fork;

@@ -561,25 +561,79 @@ TEST(SparsePlanner, RetainedPrefixesAreBoundedCoveredAndPinned) {
   EXPECT_EQ(g.planner.num_retained(), 1);
 }
 
-TEST(SparsePlanner, AHitWithoutARetainedPrefixIsRefused) {
+// A sequence that starts past position 0 without a hit (a group prefill running when its cache rank was replaced)
+// starts over on the cache rank with that step's tokens and stays dense; its samples stay dense too.
+TEST(SparsePlanner, ASequenceStartingMidwayWithoutAHitStartsOverDense) {
   RetentionRig g(1024);
-  g.pages.admit(1);
-  ASSERT_TRUE(g.pages.append(1, 40));
-  ForwardBatch b = batch({{1, 8, 40}});  // starts at position 32, but no reusable_prefix_tokens chose a prefix
-  b.block_table = g.pages.block_table(1);
+  StepDecision d = g.step(1, 8, 0);  // admitted here: 8 tokens at position 0
+  d = g.step(7, 1, 0);
+  g.pages.admit(2);
+  ASSERT_TRUE(g.pages.append(2, 120));
+  ForwardBatch b = batch({{2, 8, 120}}, false);  // positions 112..119, no reusable_prefix_tokens chose a prefix
+  b.block_table = g.pages.block_table(2);
   b.max_pages = static_cast<int>(b.block_table.size());
-  try {
-    g.planner.plan_step(b, 0);
-    FAIL() << "a sequence starting past position 0 with nothing retained was planned";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("sequence 1 starts at position 32, but its cache rank holds no prefix of it"),
-              std::string::npos)
-        << e.what();
-  }
+  d = g.planner.plan_step(b, 1);
+  EXPECT_TRUE(d.plan.forks.empty());
+  EXPECT_EQ(d.plan.rows[0].flags, static_cast<uint32_t>(kRowFresh));
+  EXPECT_EQ(d.plan.rows[0].ctx_len, 8) << "the cache rank's slot holds this step's tokens alone";
+  g.planner.on_fork(2, 20);
+  g.planner.on_release(2);
+  ASSERT_TRUE(g.pages.append(2, 0));
+  g.pages.admit(20);
+  ASSERT_TRUE(g.pages.append(20, 121));
+  ForwardBatch c = batch({{20, 1, 121}});
+  c.block_table = g.pages.block_table(20);
+  c.max_pages = static_cast<int>(c.block_table.size());
+  d = g.planner.plan_step(c, 2);
+  EXPECT_EQ(d.plan.rows[0].ctx_len, 9) << "the sample continues the group's started-over slot";
+  EXPECT_EQ(d.plan.rows[0].flags, 0u) << "past the threshold, but its cache rank lacks the prefix: dense";
   // Once the cache rank failed, every cached page may be reused: the sequences decode densely.
   g.planner.fail_all();
   EXPECT_FALSE(g.planner.retention_on());
-  EXPECT_GE(g.planner.reusable_prefix_tokens(2, {0, 1}), 32);
+  EXPECT_GE(g.planner.reusable_prefix_tokens(3, {0, 1}), 32);
+}
+
+// n samples of a prompt whose whole shared part is retained: the group never has a row (the engine forks it at
+// admission), so each sample forks the retained prefix; a sample detached while it waited (a re-pairing) forks too,
+// not as a fresh row; the group's pin goes with its release.
+TEST(SparsePlanner, SamplesOfAWhollyCachedGroupForkTheRetainedPrefix) {
+  RetentionRig g(1024);
+  g.admit(1, g.prompt_a, 99);
+  g.step(1, 100, 0);
+  g.pages.cache_prompt(1, g.prompt_a.data(), 100);
+  g.finish(1);
+  StepDecision d = g.step(9, 1, 1);
+  ASSERT_EQ(d.plan.retains.size(), 1u);
+  const int32_t a = d.plan.retains[0].id;
+  g.planner.detach(12);  // waiting when its cache rank was replaced
+  EXPECT_EQ(g.admit(10, g.prompt_a, 96), 96) << "the group's shared part, all cached";
+  for (uint64_t c : {11, 12}) g.planner.on_fork(10, c);
+  g.planner.on_release(10);
+  for (uint64_t c : {11, 12}) {
+    g.pages.fork(10, c);
+  }
+  g.pages.release(10);
+  ForwardBatch b = batch({{11, 4, 100}, {12, 4, 100}});
+  for (uint64_t c : {11, 12}) ASSERT_TRUE(g.pages.append(c, 4));
+  b.max_pages = 7;
+  b.block_table.assign(14, -1);
+  for (int r = 0; r < 2; ++r) {
+    const auto& bt = g.pages.block_table(r == 0 ? 11 : 12);
+    std::copy(bt.begin(), bt.end(), b.block_table.begin() + r * 7);
+  }
+  d = g.planner.plan_step(b, 2);
+  ASSERT_EQ(d.plan.forks.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(d.plan.forks[i].parent, a);
+    EXPECT_EQ(d.plan.forks[i].flags, pair::kForkFromRetained);
+    EXPECT_EQ(d.plan.forks[i].tokens, 96);
+    EXPECT_EQ(d.plan.forks[i].child, d.plan.rows[i].slot);
+    EXPECT_EQ(d.plan.rows[i].flags, 0u) << "not fresh: the detached sample forks too";
+    EXPECT_EQ(d.plan.rows[i].ctx_len, 100);
+  }
+  EXPECT_NO_THROW(pair::decode_gpu_plan(pair::encode_gpu_plan(d.plan).data(), pair::kGpuPlanBytes, 8, "x"));
+  EXPECT_EQ(g.planner.retention_stats().reused, 2u);
+  EXPECT_EQ(g.planner.retention_stats().reused_tokens, 192u);
 }
 
 TEST(SparsePlannerBadInput, OptionsSlotsAndBatches) {
