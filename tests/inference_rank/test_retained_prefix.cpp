@@ -604,9 +604,12 @@ TEST(RetainedPrefixFlag, RefusedByNameWhereItDoesNotApply) {
     args.insert(args.end(), extra.begin(), extra.end());
     return test::run_to_exit(exe(), args, "inference rank", 60s);
   };
+  // With a GPU cache rank prefix caching is opt-in: without --enable-prefix-caching the bound has nothing to keep.
   auto gpu = run({"--device", "cuda", "--selection", "predicted", "--max-retained-prefix-tokens", "64"});
   EXPECT_NE(gpu.rc, 0);
-  EXPECT_THAT(gpu.log, HasSubstr("--max-retained-prefix-tokens does not apply to --device cuda")) << gpu.log;
+  EXPECT_THAT(gpu.log, HasSubstr("--max-retained-prefix-tokens: needs --selection predicted with prefix caching on "
+                                 "(got --selection predicted, prefix caching off)"))
+      << gpu.log;
   for (const auto& extra : {std::vector<std::string>{"--selection", "dense"},
                             std::vector<std::string>{"--selection", "predicted", "--no-enable-prefix-caching"}}) {
     auto args = extra;
