@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "common/error.h"
-#include "common/page_allocator.h"
+#include "cache_rank/gpu_slot_book.h"
 #include "kernels/device.h"
 #include "kernels/layer_ops.cuh"
 #include "kernels/selection.cuh"
@@ -63,8 +63,6 @@ struct GpuCacheServer::State {
   DeviceBuffer awin_len;  // [slots * L] int32
   DeviceBuffer anchors;   // [slots][L][Hkv][kMaxAnchors] int32, -1 padding
   DeviceBuffer anchor_ws;  // select_anchors' scratch for one layer's launch (batch = slots), reused layer by layer
-  std::vector<char> anchor_pending;  // per slot: its anchors are still to be picked (its queries are pushed)
-  std::vector<int> host_awlen;       // per slot: anchor-window entries (the same in every layer)
   DeviceBuffer mirror;   // [slots][L][Hkv][k] int32
   DeviceBuffer window_len;  // [slots * L] int32 (the kernel's counts; the host keeps its own copy)
   DeviceBuffer plan_dev;
@@ -114,10 +112,8 @@ struct GpuCacheServer::State {
     return sample_host + ((static_cast<size_t>(parity) * packs + p) * 2 + kind) * sample_words();
   }
 
-  PageAllocator alloc;
-  int retained_count = 0;      // retained prefixes held
-  std::vector<int> host_wlen;  // per slot: window entries (the same in every layer)
-  std::vector<char> live;      // per slot: admitted in alloc
+  // The host bookkeeping of the plans: slots' pages in the pool, window counts, retained prefixes, pending anchors.
+  GpuSlotBook book;
 
   // Offsets (words) of this step's arrays in meta.
   struct Meta {
@@ -137,9 +133,8 @@ struct GpuCacheServer::State {
         stride(opts.max_pages_per_seq * opts.page_size),
         row_elems(static_cast<size_t>(c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim),
         pool(c.num_layers, opts.num_pages, opts.page_size, c.num_kv_heads, c.head_dim),
-        A(opts.sparse.selection.anchor_queries), anchor_pending(static_cast<size_t>(opts.max_slots), 0),
-        host_awlen(static_cast<size_t>(opts.max_slots), 0), alloc(opts.num_pages, opts.page_size),
-        host_wlen(static_cast<size_t>(opts.max_slots), 0), live(static_cast<size_t>(opts.max_slots), 0) {}
+        A(opts.sparse.selection.anchor_queries),
+        book(opts.num_pages, opts.page_size, opts.max_slots, cap_w, A, peer) {}
   ~State() {
     for (cudaStream_t s : {score, sel})
       if (s != nullptr && s != work) cudaStreamDestroy(s);
@@ -167,71 +162,12 @@ struct GpuCacheServer::State {
     plan_posted = true;
   }
 
-  // Frees a slot's pages and forgets its window and mirror (the mirror reset on the sel stream, which uses it).
-  void forget(int slot) {
-    if (live[static_cast<size_t>(slot)]) alloc.release(static_cast<uint64_t>(slot));
-    live[static_cast<size_t>(slot)] = 0;
-    host_wlen[static_cast<size_t>(slot)] = 0;
-    // A new sequence in this slot picks its own anchors at its first selection (which overwrites the slot's rows of
-    // `anchors` before any selection of it reads them); until then its queries go to the anchor windows.
-    anchor_pending[static_cast<size_t>(slot)] = anchors_on() ? 1 : 0;
-    host_awlen[static_cast<size_t>(slot)] = 0;
+  // Forgets a slot's held-table mirror (on the sel stream, which uses it): its next selection is a first one.
+  void reset_mirror(int slot) {
     const size_t mirror_slot = static_cast<size_t>(L) * Hkv * k;
     cuda_check(cudaMemsetAsync(mirror.as<int32_t>() + static_cast<size_t>(slot) * mirror_slot, 0xFF, mirror_slot * 4,
                                sel),
                "mirror reset");
-  }
-
-  // A plan's fork (pair/gpu_plan.h), host side: the child slot is emptied and shares the parent's pages; its window
-  // counts are the parent's. The windows themselves are copied by copy_fork_windows once the step's arrays are
-  // uploaded (after the previous step's selections, which may still read the child slot's old windows).
-  void fork(const pair::GpuPlanFork& f, int64_t step) {
-    const auto child = static_cast<size_t>(f.child);
-    if ((f.flags & pair::kForkFromRetained) != 0) {  // a prefix-cache hit: pages shared, windows empty
-      const uint64_t key = retained_key(f.parent);
-      const int held = alloc.contains(key) ? alloc.seq_len(key) : -1;
-      SPADE_CHECK(held >= f.tokens && f.tokens % o.page_size == 0,
-                  "{}: step {}: slot {} forks from retained prefix {} at {} tokens, but it {} (whole pages of {})",
-                  peer, step, f.child, f.parent, f.tokens,
-                  held < 0 ? std::string("is not held") : "holds " + std::to_string(held), o.page_size);
-      forget(f.child);
-      alloc.fork_prefix(key, static_cast<uint64_t>(f.child), f.tokens);
-      live[child] = 1;
-      return;  // forget() emptied the host counts; copy_fork_windows empties the device ones
-    }
-    const auto parent = static_cast<size_t>(f.parent);
-    const int held = live[parent] ? alloc.seq_len(static_cast<uint64_t>(f.parent)) : 0;
-    SPADE_CHECK(live[parent] && held == f.tokens && f.tokens % o.page_size == 0,
-                "{}: step {}: slot {} forks from slot {} at {} tokens, but that slot holds {} (a fork takes whole "
-                "pages: all of the parent's, a multiple of the page size {})",
-                peer, step, f.child, f.parent, f.tokens, held, o.page_size);
-    forget(f.child);
-    alloc.fork_prefix(static_cast<uint64_t>(f.parent), static_cast<uint64_t>(f.child), f.tokens);
-    live[child] = 1;
-    host_wlen[child] = host_wlen[parent];
-    anchor_pending[child] = anchor_pending[parent];
-    host_awlen[child] = host_awlen[parent];
-  }
-
-  // Retained prefixes (pair/gpu_plan.h) live in the allocator beside the slots, under keys no slot has.
-  static uint64_t retained_key(int32_t id) { return (uint64_t{1} << 32) + static_cast<uint32_t>(id); }
-
-  void retain(const pair::GpuPlanRetain& r, int64_t step) {
-    const auto slot = static_cast<size_t>(r.slot);
-    const int held = live[slot] ? alloc.seq_len(static_cast<uint64_t>(r.slot)) : 0;
-    SPADE_CHECK(held >= r.tokens && r.tokens % o.page_size == 0 && !alloc.contains(retained_key(r.id)),
-                "{}: step {}: retain of slot {} ({} tokens held) as prefix {} at {} tokens (whole pages of {}, an id "
-                "not held already)",
-                peer, step, r.slot, held, r.id, r.tokens, o.page_size);
-    alloc.fork_prefix(static_cast<uint64_t>(r.slot), retained_key(r.id), r.tokens);
-    ++retained_count;
-  }
-
-  void drop(int32_t id, int64_t step) {
-    SPADE_CHECK(alloc.contains(retained_key(id)), "{}: step {}: drop of retained prefix {}, which is not held", peer,
-                step, id);
-    alloc.release(retained_key(id));
-    --retained_count;
   }
 
   // The device side of this step's forks, on the work stream after the step's upload (fill_meta), before any push:
@@ -284,7 +220,7 @@ struct GpuCacheServer::State {
     int t = 0;
     for (int b = 0; b < B; ++b) {
       const GpuPlanRow& r = plan.rows[static_cast<size_t>(b)];
-      const std::vector<int32_t>& pages = alloc.block_table(static_cast<uint64_t>(r.slot));
+      const std::vector<int32_t>& pages = book.block_table(r.slot);
       SPADE_CHECK(static_cast<int>(pages.size()) <= maxp, "{}: slot {} holds {} pages, the table has {}", peer, r.slot,
                   pages.size(), maxp);
       std::fill(w.begin() + static_cast<long>(m.bt + static_cast<size_t>(b) * maxp),
@@ -295,7 +231,7 @@ struct GpuCacheServer::State {
         w[m.tok_pos + static_cast<size_t>(t)] = r.ctx_len - r.q_len + i;
         w[m.tok_row + static_cast<size_t>(t)] = b;
       }
-      const bool pending = anchor_pending[static_cast<size_t>(r.slot)] != 0;
+      const bool pending = book.anchor_pending(r.slot);
       for (int l = 0; l < L; ++l) {
         w[m.win_idx + static_cast<size_t>(l) * B + b] = r.slot * L + l;
         w[m.awin_idx + static_cast<size_t>(l) * B + b] = pending ? r.slot * L + l : -1;
@@ -324,16 +260,16 @@ struct GpuCacheServer::State {
         const int selectable = std::max(0, r.ctx_len + 1 - o.sparse.selection.local_window);
         for (int j = 0; j < P; ++j) {
           w[m.g_lens[g] + static_cast<size_t>(j) * S + s] = std::min(selectable, r.ctx_len);
-          w[m.g_wlen[g] + static_cast<size_t>(j) * S + s] = host_wlen[static_cast<size_t>(r.slot)];
+          w[m.g_wlen[g] + static_cast<size_t>(j) * S + s] = book.window_len(r.slot);
         }
         for (int l = 0; l < L; ++l)
           for (int h = 0; h < Hkv; ++h)
             w[m.g_mrows[g] + (static_cast<size_t>(l) * S + s) * Hkv + h] = (r.slot * L + l) * Hkv + h;
         // Anchors are picked at a sequence's first selection, from the anchor window pushed until then (a later
         // FIRST row, a table restart, keeps the anchors it has).
-        const bool picks = g == kFirst && anchor_pending[static_cast<size_t>(r.slot)] != 0;
+        const bool picks = g == kFirst && book.anchor_pending(r.slot);
         for (int l = 0; l < L; ++l) w[m.g_aw[g] + static_cast<size_t>(l) * S + s] = r.slot * L + l;
-        w[m.g_anq[g] + static_cast<size_t>(s)] = picks ? host_awlen[static_cast<size_t>(r.slot)] : 0;
+        w[m.g_anq[g] + static_cast<size_t>(s)] = picks ? book.anchor_window_len(r.slot) : 0;
         w[m.g_actx[g] + static_cast<size_t>(s)] = r.ctx_len;
         // Sampling: the row's (last) token, and the candidates of the selection made for this step one step ago
         // (that step's selectable range, context - 1 + 1 - R); rows of several tokens are not sampled (0).
@@ -737,7 +673,6 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
     cuda_check(cudaMemset(s.anchors.get(), 0xFF, s.anchors.bytes()), "anchors init");
     s.anchor_ws = DeviceBuffer(kernels::select_anchors_workspace_bytes(static_cast<int>(S), s.Hq, s.Hkv, s.A),
                                "GPU cache rank: anchor pick workspace");
-    std::fill(s.anchor_pending.begin(), s.anchor_pending.end(), 1);
   }
   s.mirror = DeviceBuffer(S * Lz * s.Hkv * s.k * 4, "GPU cache rank: slot table mirrors");
   cuda_check(cudaMemset(s.mirror.get(), 0xFF, s.mirror.bytes()), "mirror init");
@@ -864,42 +799,14 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   // 2. bookkeeping
   s.harvest_all(false, stats_);  // earlier samples whose copies are done
   s.sampling = s.sample_every > 0 && plan.step % s.sample_every == 0 && !plan.steady_rows().empty();
-  for (const pair::GpuPlanRetain& r : plan.retains) s.retain(r, plan.step);
-  for (const pair::GpuPlanFork& f : plan.forks) s.fork(f, plan.step);
-  for (int32_t id : plan.drops) s.drop(id, plan.step);
-  for (int32_t slot : plan.released) s.forget(slot);
-  for (const GpuPlanRow& r : plan.rows) {
-    const size_t slot = static_cast<size_t>(r.slot);
-    if ((r.flags & kRowFresh) != 0) s.forget(r.slot);
-    if (!s.live[slot]) {
-      s.alloc.admit(static_cast<uint64_t>(r.slot));
-      s.live[slot] = 1;
-    }
-    SPADE_CHECK(s.alloc.seq_len(static_cast<uint64_t>(r.slot)) == r.ctx_len - r.q_len,
-                "{}: step {}: slot {} continues at position {} but this rank holds {} of its tokens", s.peer,
-                plan.step, r.slot, r.ctx_len - r.q_len, s.alloc.seq_len(static_cast<uint64_t>(r.slot)));
-    SPADE_CHECK(s.alloc.append(static_cast<uint64_t>(r.slot), r.q_len),
-                "{}: step {}: the KV pool ({} pages) cannot hold slot {}'s {} new tokens", s.peer, plan.step,
-                s.o.num_pages, r.slot, r.q_len);
-    if ((r.flags & kRowFirstSelect) != 0) {
-      const size_t mirror_slot = static_cast<size_t>(s.L) * s.Hkv * s.k;
-      cuda_check(cudaMemsetAsync(s.mirror.as<int32_t>() + slot * mirror_slot, 0xFF, mirror_slot * 4, s.sel),
-                 "mirror reset");
-    }
-  }
+  s.book.apply(plan, [&s](int slot) { s.reset_mirror(slot); });
+  for (const GpuPlanRow& r : plan.rows)
+    if ((r.flags & kRowFirstSelect) != 0) s.reset_mirror(r.slot);
   s.group_rows[kSteady] = plan.steady_rows();
   s.group_rows[kFirst] = plan.first_rows();
-  // The windows hold, after this step's push, min(W + 1, len + q_len) queries: the predictor reads that.
   s.group_picks_anchors = false;
-  for (const GpuPlanRow& r : plan.rows) {
-    int& wl = s.host_wlen[static_cast<size_t>(r.slot)];
-    wl = std::min(s.cap_w, ((r.flags & kRowFresh) != 0 ? 0 : wl) + r.q_len);
-    if (s.anchor_pending[static_cast<size_t>(r.slot)]) {  // the anchor window, pushed until the first selection
-      int& al = s.host_awlen[static_cast<size_t>(r.slot)];
-      al = std::min(s.A, ((r.flags & kRowFresh) != 0 ? 0 : al) + r.q_len);
-      s.group_picks_anchors = s.group_picks_anchors || (r.flags & kRowFirstSelect) != 0;
-    }
-  }
+  for (const GpuPlanRow& r : plan.rows)  // a FIRST row whose anchor window is still pushed picks its anchors
+    if ((r.flags & kRowFirstSelect) != 0 && s.book.anchor_pending(r.slot)) s.group_picks_anchors = true;
   s.fill_meta(plan);
   s.copy_fork_windows(plan);
   for (const pair::GpuPlanFork& f : plan.forks) {
@@ -908,8 +815,8 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
     stats_.retained_hits += retained ? 1 : 0;
     stats_.retained_hit_tokens += retained ? static_cast<uint64_t>(f.tokens) : 0;
   }
-  stats_.retained_prefixes = static_cast<uint64_t>(s.retained_count);
-  stats_.pages_held = static_cast<uint64_t>(s.alloc.num_pages() - s.alloc.num_free_pages());
+  stats_.retained_prefixes = static_cast<uint64_t>(s.book.retained());
+  stats_.pages_held = static_cast<uint64_t>(s.book.pages_held());
   stats_.peak_pages_held = std::max(stats_.peak_pages_held, stats_.pages_held);
 
   // 3. the packs' rows, then per pack: append, windows, selections
@@ -930,7 +837,7 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   cuda_check(cudaEventRecord(s.sel_step_end.e, s.sel), "step end event");
   s.sel_step_pending = true;
   // The first selections of this step picked their anchors: those slots' queries no longer go to anchor windows.
-  for (int b : s.group_rows[kFirst]) s.anchor_pending[static_cast<size_t>(plan.rows[static_cast<size_t>(b)].slot)] = 0;
+  for (int b : s.group_rows[kFirst]) s.book.anchors_picked(plan.rows[static_cast<size_t>(b)].slot);
   // 4. the next plan
   s.post_plan_recv();
   ++stats_.steps;

@@ -7,10 +7,10 @@
 //   2. bookkeeping: the plan's retains keep a slot's leading pages as a retained prefix (prefix caching); its forks
 //      give a child slot the parent slot's pages (n samples), shared by reference count, and its query / anchor
 //      windows (copied on the work stream after the upload), or a retained prefix's pages with empty windows (a
-//      prefix-cache hit); its drops forget retained prefixes; released / fresh slots
-//      lose their pages, windows and mirrors; every row's new tokens get pages (a PageAllocator per rank, keyed by
-//      slot, over a pool of the inference rank's size, so it never runs out where the inference rank did not); one
-//      upload of the step's arrays;
+//      prefix-cache hit); its drops forget retained prefixes; released / fresh slots lose their pages, windows and
+//      mirrors; every row's new tokens get pages (GpuSlotBook, gpu_slot_book.h: a PageAllocator keyed by slot, over a
+//      pool of the inference rank's size, so it never runs out where the inference rank did not); one upload of the
+//      step's arrays;
 //   3. per layer pack p, once its rows arrived: per layer, the rows are appended to the pool (no rotation: they come
 //      normed and rotated) and their queries pushed into the (slot, layer) windows; for the plan's SELECT rows, in
 //      two groups (steady rows: delta capacity C; first rows: the full budget): their windows gathered, next-query

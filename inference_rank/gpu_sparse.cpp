@@ -117,29 +117,6 @@ struct GpuSparseController::State {
   cudaEvent_t next_applied_ev(int p) const { return applied[static_cast<size_t>((1 - parity) * packs + p)]->e; }
 };
 
-pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
-                                        const EngineOptions& engine) {
-  pair::GpuPairHello h;
-  h.num_layers = attn_cfg.num_layers;
-  h.num_q_heads = attn_cfg.num_q_heads;
-  h.num_kv_heads = attn_cfg.num_kv_heads;
-  h.head_dim = attn_cfg.head_dim;
-  h.layers_per_pack = o.sparse.layers_per_pack;
-  h.token_budget = o.sparse.selection.token_budget;
-  h.local_window = o.sparse.selection.local_window;
-  h.delta_capacity = o.sparse.effective_delta_capacity();
-  h.max_slots = o.max_slots;
-  h.max_step_tokens = o.max_step_tokens;
-  // The cache rank holds every running context in full, also the dropped parts: its pool is the engine's bound on
-  // full contexts (page dropping lets the engine run more of them than num_pages holds).
-  h.num_pages = engine.max_context_pages > 0 ? engine.max_context_pages : engine.num_pages;
-  // Plus the retained prefixes (sparse_planner.h), at most max_retained_prefix_tokens in whole pages.
-  h.num_pages += o.max_retained_prefix_tokens / engine.page_size;
-  h.page_size = engine.page_size;
-  h.max_pages_per_seq = (engine.max_model_len + engine.page_size - 1) / engine.page_size;
-  return h;
-}
-
 GpuSparseController::GpuSparseController(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
                                          transport::GpuLink& link, int page_size, int max_batch)
     : GpuSparseController(attn_cfg, o, std::vector<transport::GpuLink*>{&link}, page_size, max_batch) {}
@@ -293,6 +270,8 @@ int GpuSparseController::reusable_prefix_tokens(uint64_t seq_id, const std::vect
 const SparseStepPlanner::RetentionStats& GpuSparseController::retention_stats() const {
   return st_->planner.retention_stats();
 }
+
+int64_t GpuSparseController::retained_tokens() const { return st_->planner.retained_tokens(); }
 
 std::pair<int, int> GpuSparseController::droppable_range(uint64_t seq_id, int seq_len) {
   const std::pair<int, int> r = st_->planner.droppable_range(seq_id, seq_len);

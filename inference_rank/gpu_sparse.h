@@ -1,4 +1,4 @@
-// Sparse decoding on the GPU inference rank (issue #7; AsyncSpade Sec. 4.1): the inference rank's half of the GPU data
+// Sparse decoding on the GPU inference rank (AsyncSpade Sec. 4.1): the inference rank's half of the GPU data
 // plane of pair/gpu_plan.h, paired with a GpuCacheServer over a GpuLink.
 //
 // GpuSparseController plugs into the GPU engine in two roles:
@@ -92,15 +92,6 @@ struct GpuSparseStats {
   uint64_t retained_reused_tokens = 0;  // prompt tokens started from a retained prefix (not shipped again)
 };
 
-/// The pair hello (pair/gpu_plan.h) for a controller with options `o` (sparse_planner.h; gpu_sparse_options)
-/// behind an engine with the normalised options `engine` (Engine::options()): send it on the link (pair/gpu_plan.h
-/// encode_gpu_hello) before the controller's first step. It carries P, k, R and C = o.sparse.effective_delta_capacity()
-/// of the pair's settings, and the limits. The cache rank's KV pool (the hello's num_pages) is
-/// engine.max_context_pages (the engine's bound on the running sequences' full contexts, which page dropping lets
-/// exceed num_pages), or engine.num_pages for options that were not normalised.
-pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
-                                        const EngineOptions& engine);
-
 class GpuSparseController : public AttentionBackend, public GpuStepAttention {
  public:
   /// `attn_cfg`: the model's attention view. `opts` (copied): gpu_sparse_options of the pair's settings and the
@@ -136,6 +127,8 @@ class GpuSparseController : public AttentionBackend, public GpuStepAttention {
   int reusable_prefix_tokens(uint64_t seq_id, const std::vector<int32_t>& pages) override;
   /// Retained prefixes: the planner's counters (sparse_planner.h).
   const SparseStepPlanner::RetentionStats& retention_stats() const;
+  /// Retained prefixes: tokens over all of those the cache rank holds once the planned retains and drops are applied.
+  int64_t retained_tokens() const;
   /// Per-request overrides, set before the request's first step: `force_dense` keeps it dense; `sparse_threshold`
   /// > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);

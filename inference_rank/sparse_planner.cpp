@@ -20,6 +20,29 @@ GpuSparseOptions gpu_sparse_options(const pair::SparseConfig& sparse, const Engi
   return o;
 }
 
+pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
+                                        const EngineOptions& engine) {
+  pair::GpuPairHello h;
+  h.num_layers = attn_cfg.num_layers;
+  h.num_q_heads = attn_cfg.num_q_heads;
+  h.num_kv_heads = attn_cfg.num_kv_heads;
+  h.head_dim = attn_cfg.head_dim;
+  h.layers_per_pack = o.sparse.layers_per_pack;
+  h.token_budget = o.sparse.selection.token_budget;
+  h.local_window = o.sparse.selection.local_window;
+  h.delta_capacity = o.sparse.effective_delta_capacity();
+  h.max_slots = o.max_slots;
+  h.max_step_tokens = o.max_step_tokens;
+  // The cache rank holds every running context in full, also the dropped parts: its pool is the engine's bound on
+  // full contexts (page dropping lets the engine run more of them than num_pages holds).
+  h.num_pages = engine.max_context_pages > 0 ? engine.max_context_pages : engine.num_pages;
+  // Plus the retained prefixes (sparse_planner.h), at most max_retained_prefix_tokens in whole pages.
+  h.num_pages += o.max_retained_prefix_tokens / engine.page_size;
+  h.page_size = engine.page_size;
+  h.max_pages_per_seq = (engine.max_model_len + engine.page_size - 1) / engine.page_size;
+  return h;
+}
+
 SparseStepPlanner::SparseStepPlanner(const GpuSparseOptions& o) : o_(o) {
   const pair::SparseConfig& c = o.sparse;
   SPADE_CHECK(c.sparse_threshold >= 1, "sparse planner: sparse_threshold {} must be >= 1", c.sparse_threshold);
@@ -123,10 +146,11 @@ void SparseStepPlanner::retain(const Seq& s) {
   const int page = pages_->page_size();
   const int run = std::min({pages_->published_run(s.pages), s.len / page, o_.max_retained_prefix_tokens / page});
   if (run == 0 || static_cast<int>(pending_retains_.size()) >= pair::gpu_plan_max_rows()) return;
-  // What it replaces: the retained prefixes it covers, then the least recently used until the bound holds (pinned
-  // ones never). Decided before anything changes: if the bound cannot hold, or the next plan could not carry every
-  // drop, it is not retained (the cache rank's pool has room for the bound only, and a drop late by a step would
-  // let it overflow).
+  // What it replaces: the retained prefixes it covers and the stale ones (their first page was reused here since:
+  // no prefix-cache hit can reach them any more), then the least recently used until the bound holds (pinned ones
+  // never). Decided before anything changes: if the bound cannot hold, or the next plan could not carry every drop,
+  // it is not retained (the cache rank's pool has room for the bound only, and a drop late by a step would let it
+  // overflow).
   std::vector<int32_t> drops;
   int64_t tokens = retained_tokens_ + static_cast<int64_t>(run) * page;
   std::vector<std::pair<uint64_t, int32_t>> lru;  // (used, id) of the unpinned ones it does not cover
@@ -138,7 +162,8 @@ void SparseStepPlanner::retain(const Seq& s) {
       return;
     }
     if (r.pins > 0) continue;
-    if (common == r.pages.size()) {
+    const bool stale = pages_->page_serial(r.pages.front().first) != r.pages.front().second;
+    if (common == r.pages.size() || stale) {
       drops.push_back(id);
       tokens -= static_cast<int64_t>(r.pages.size()) * page;
     } else {

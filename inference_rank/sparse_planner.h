@@ -1,4 +1,4 @@
-// The host-side bookkeeping of GPU sparse decoding (issue #7; AsyncSpade Sec. 4.1): which sequences are dense, which
+// The host-side bookkeeping of GPU sparse decoding (AsyncSpade Sec. 4.1): which sequences are dense, which
 // switch to sparse this step, which decode sparsely, their plan slots and held-table slots, and the step's plan for
 // the cache rank (pair/gpu_plan.h); and the options of GPU sparse decoding (GpuSparseOptions, filled in one place:
 // gpu_sparse_options). Pure host code, unit-tested on the CPU; GpuSparseController (gpu_sparse.h) turns each
@@ -25,9 +25,10 @@
 // allocator with prefix caching, set_page_allocator): the planner records each sequence's full pages as (page, page
 // serial) while it holds them. When a sequence ends, the leading run of them still published in the prefix cache
 // (at most the bound) is retained on the cache rank under a new id (a retain in the next plan, before the slot's
-// release); a prefix another retained one covers is not retained twice, and one it covers is dropped. Beyond the
-// bound (tokens over all retained prefixes) the least recently used are dropped; a prefix that would need pinned
-// ones dropped, or more drops than the next plan carries, is not retained (the cache rank's pool holds the bound). The engine asks
+// release); a prefix another retained one covers is not retained twice, and one it covers is dropped, as is a stale
+// one (its first page reused by the engine since: no hit can reach it). Beyond the bound (tokens over all retained
+// prefixes) the least recently used are dropped; a prefix that would need pinned ones dropped, or more drops than the
+// next plan carries, is not retained (the cache rank's pool holds the bound). The engine asks
 // reusable_prefix_tokens() before it reuses cached pages: the longest retained prefix that still holds them (same
 // page and serial, page by page) bounds the reuse, and the sequence's first row then forks from it
 // (kForkFromRetained); until then the prefix is pinned (never dropped). A group whose whole shared part was such a hit
@@ -82,6 +83,16 @@ struct GpuSparseOptions {
 /// `max_retained_prefix_tokens`: the rank's bound (SparseOptions), kept only when engine.enable_prefix_caching.
 GpuSparseOptions gpu_sparse_options(const pair::SparseConfig& sparse, const EngineOptions& engine,
                                     std::string cache_name, int max_retained_prefix_tokens = 0);
+
+/// The pair hello (pair/gpu_plan.h) for a controller (GpuSparseController, gpu_sparse.h) with options `o`
+/// (gpu_sparse_options) behind an engine with the normalised options `engine` (Engine::options()): send it on the
+/// link (pair/gpu_plan.h encode_gpu_hello) before the controller's first step. It carries P, k, R and
+/// C = o.sparse.effective_delta_capacity() of the pair's settings, and the limits. The cache rank's KV pool (the
+/// hello's num_pages) is engine.max_context_pages (the engine's bound on the running sequences' full contexts, which
+/// page dropping lets exceed num_pages), or engine.num_pages for options that were not normalised, plus the retained
+/// prefixes' bound (o.max_retained_prefix_tokens) in whole pages.
+pair::GpuPairHello make_gpu_pair_hello(const ModelConfig& attn_cfg, const GpuSparseOptions& o,
+                                        const EngineOptions& engine);
 
 /// What one engine step does, per batch row and per selection group.
 struct StepDecision {
@@ -146,7 +157,7 @@ class SparseStepPlanner {
   int64_t retained_tokens() const { return retained_tokens_; }
   struct RetentionStats {
     uint64_t retained = 0;       // prefixes retained
-    uint64_t dropped = 0;        // retained prefixes dropped (bound, covered)
+    uint64_t dropped = 0;        // retained prefixes dropped (bound, covered, stale)
     uint64_t reused = 0;         // sequences that started from a retained prefix
     uint64_t reused_tokens = 0;  // tokens they did not ship
   };

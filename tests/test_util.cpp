@@ -9,6 +9,7 @@
 #include <fstream>
 #include <mutex>
 #include <random>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -150,29 +151,45 @@ ProcessExit run_to_exit(const std::string& exe, const std::vector<std::string>& 
   return r;
 }
 
-int free_port() {
+namespace {
+bool bindable(int port) {
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (s < 0) throw std::runtime_error("free_port: cannot create a socket");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(s);
+  return ok;
+}
+}  // namespace
+
+int free_port_run(int n) {
   // Below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default): a port from bind(0)
   // lies in that range, where any outgoing connection of a parallel test (a cluster opens thousands) may take it as
   // its source port before the process meant to listen on it has started. Here only another explicit bind can, and
-  // a random start per process (pid, time) spreads parallel tests apart. Each candidate is checked bindable.
+  // a random start per process (pid, time) spreads parallel tests apart. Each port is checked bindable, and none is
+  // handed out twice by one process (a test asking for several ports gets distinct ones).
+  if (n < 1 || n > 64) throw std::invalid_argument("free_port_run: n must be in [1, 64], got " + std::to_string(n));
   static std::mt19937 rng(static_cast<uint32_t>(::getpid()) * 2654435761u ^
                           static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
   static std::mutex mu;
+  static std::set<int> handed_out;
   std::lock_guard<std::mutex> lk(mu);
   for (int attempt = 0; attempt < 2000; ++attempt) {
-    const int port = 20000 + static_cast<int>(rng() % 12000);
-    const int s = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (s < 0) throw std::runtime_error("free_port: cannot create a socket");
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    const bool ok = ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-    ::close(s);
-    if (ok) return port;
+    const int base = 20000 + static_cast<int>(rng() % static_cast<uint32_t>(12000 - n + 1));
+    bool ok = true;
+    for (int p = base; ok && p < base + n; ++p) ok = !handed_out.count(p) && bindable(p);
+    if (!ok) continue;
+    for (int p = base; p < base + n; ++p) handed_out.insert(p);
+    return base;
   }
-  throw std::runtime_error("free_port: no bindable port in 20000-31999 after 2000 tries");
+  throw std::runtime_error("free_port: no run of " + std::to_string(n) +
+                           " bindable ports in 20000-31999 after 2000 tries");
 }
+
+int free_port() { return free_port_run(1); }
 
 }  // namespace spade::test
 

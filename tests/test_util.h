@@ -71,6 +71,9 @@ ProcessExit run_to_exit(const std::string& exe, const std::vector<std::string>& 
 /// A free TCP port on 127.0.0.1 in 20000-31999, below the ephemeral range (bound and released: another explicit
 /// bind may still take it before its user does, but no outgoing connection will).
 int free_port();
+/// The first of `n` consecutive such ports (1 <= n <= 64), for a launcher that gives rank r port base + r. No port is
+/// handed out twice by one process, by either function. Throws std::runtime_error when none is found.
+int free_port_run(int n);
 
 }  // namespace spade::test
 

@@ -31,17 +31,35 @@ std::map<std::string, std::string> base_env(int master_port) {
   return {{"MASTER_PORT", std::to_string(master_port)}, {"SPADE_BUILD_DIR", binary_dir()}, {"UCX_LOG_LEVEL", "error"}};
 }
 
-/// POSTs a greedy completion from BOS to the coordinator at `http_port` once it is ready.
-std::string greedy_from_bos(int http_port, int max_tokens, const std::string& logs_hint) {
+/// POSTs a greedy completion from BOS to the coordinator at `http_port` once it is ready. Fails fast, with the
+/// launch's output, when a process of the launch exits before the API is ready or the 90 s deadline passes.
+std::string greedy_from_bos(int http_port, int max_tokens, const std::vector<ChildProcess*>& launch) {
   ApiCluster probe;  // only for its helpers; starts nothing
   probe.http_port = http_port;
-  EXPECT_TRUE(probe.wait_ready(http_port, 90s)) << logs_hint;
+  auto logs = [&] {
+    std::string s;
+    for (auto* p : launch) s += "---- " + p->name() + " ----\n" + p->log();
+    return s;
+  };
+  bool ready = false;
+  for (auto until = std::chrono::steady_clock::now() + 90s; !ready && std::chrono::steady_clock::now() < until;) {
+    for (auto* p : launch)
+      if (!p->running()) {
+        ADD_FAILURE() << p->name() << " exited before the API on port " << http_port << " was ready:\n" << logs();
+        return "";
+      }
+    ready = probe.wait_ready(http_port, 1s);
+  }
+  if (!ready) {
+    ADD_FAILURE() << "the API on port " << http_port << " was not ready within 90 s:\n" << logs();
+    return "";
+  }
   auto r = probe.post("/v1/completions", json{{"model", "stories260K"},
                                               {"prompt", json::array({1})},
                                               {"max_tokens", max_tokens},
                                               {"temperature", 0}}
                                              .dump());
-  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.status, 200) << r.body << "\n" << logs();
   if (r.status != 200) return "";
   return json::parse(r.body)["choices"][0]["text"];
 }
@@ -83,7 +101,8 @@ TEST(Launchers, MpirunWithTwoCacheRanksPerInferenceRank) {
 }
 
 TEST(Launchers, MpirunServesTheApiWithAnExplicitRoleMap) {
-  const int port = free_port(), http = free_port(), metrics = free_port() + 100;
+  // Ranks r = 0..2 serve /metrics on metrics + r: three consecutive ports, distinct from the other two.
+  const int port = free_port(), http = free_port(), metrics = free_port_run(3);
   std::vector<std::string> a = mpirun_args(3);
   // Rank 1 is the cache rank, rank 2 the inference rank.
   for (std::string s : {script(), std::string("--model"), model(), std::string("--role-map"), std::string("c,k,i"),
@@ -93,7 +112,8 @@ TEST(Launchers, MpirunServesTheApiWithAnExplicitRoleMap) {
                         std::string("512")})
     a.push_back(s);
   ChildProcess mpi("/usr/bin/mpirun", a, base_env(port), "mpirun");
-  const std::string text = greedy_from_bos(http, 40, "");
+  const std::string text = greedy_from_bos(http, 40, {&mpi});
+  ASSERT_FALSE(HasFailure());
   EXPECT_EQ(text, reference().substr(0, text.size()));
   EXPECT_GT(text.size(), 100u);
   ApiCluster probe;
@@ -122,8 +142,10 @@ TEST(Launchers, TorchrunStyleEnvironment) {
                                  "--sparse-threshold", "16", "--token-budget", "512"},
         env, "rank " + std::to_string(r)));
   }
-  std::string logs;
-  const std::string text = greedy_from_bos(http, 40, "");
+  std::vector<ChildProcess*> launch;
+  for (auto& r : ranks) launch.push_back(r.get());
+  const std::string text = greedy_from_bos(http, 40, launch);
+  ASSERT_FALSE(HasFailure());
   EXPECT_EQ(text, reference().substr(0, text.size()));
   EXPECT_GT(text.size(), 100u);
   // One host and no secret given: rank 0 drew one for this launch into a private file, which every rank read.

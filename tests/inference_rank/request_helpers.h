@@ -1,5 +1,5 @@
-// Requests and sparse settings the in-process inference-rank tests share: a synthetic prompt, a greedy request and
-// the stories260K sparse configuration of the in-process pair tests.
+// Requests and sparse settings the in-process inference-rank tests share: a synthetic prompt, a greedy request
+// (greedy_request.h) and the stories260K sparse configuration of the in-process pair tests.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +8,7 @@
 
 #include "inference_rank/engine.h"
 #include "inference_rank/sparse_attention.h"
+#include "tests/inference_rank/greedy_request.h"
 
 namespace spade::test {
 
@@ -16,16 +17,6 @@ inline std::vector<int32_t> prompt(int n, int salt, int vocab = 503) {
   std::vector<int32_t> p = {1};
   for (int i = 1; i < n; ++i) p.push_back(static_cast<int32_t>(3 + (i * 37 + salt * 11) % (vocab - 3)));
   return p;
-}
-
-/// A greedy request for `n` tokens that ignores EOS.
-inline GenerateRequest greedy(std::vector<int32_t> ids, int n) {
-  GenerateRequest r;
-  r.prompt_ids = std::move(ids);
-  r.max_tokens = n;
-  r.sampling.temperature = 0.f;
-  r.ignore_eos = true;
-  return r;
 }
 
 /// Predicted selection from 24 tokens on, packs of 2 layers, budget 16, local window 8, no sinks, query window 4.

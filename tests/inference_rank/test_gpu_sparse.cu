@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <map>
 #include <random>
@@ -42,6 +43,7 @@
 #include "inference_rank/gpu_engine.h"
 #include "inference_rank/gpu_sparse.h"
 #include "tests/inference_rank/gpu_test_models.h"
+#include "tests/inference_rank/greedy_request.h"
 #include "transport/cuda_ipc/cuda_ipc_link.h"
 
 namespace spade {
@@ -475,36 +477,65 @@ TEST(GpuSparse, SamplesShareThePromptOnTheCacheRank) {
               static_cast<unsigned long long>(alone.cache.peak_pages_held), agree, kSamples * kSampleTokens);
 }
 
+// The prefix-caching tests' pair: the GPU engine with prefix caching (the serving rule for the recomputed prompt
+// tokens, max(W + 1, anchor queries) = 64) and an in-process cache rank retaining up to 4096 tokens, paired through
+// the hello. `steps` records every step's logits. finish() closes the pair; then cache_rank's stats are final.
+struct PrefixCachingPair {
+  static EngineOptions options() {
+    EngineOptions eo = engine_options();
+    eo.enable_prefix_caching = true;
+    eo.prefix_recompute_tokens = 64;
+    return eo;
+  }
+  ModelConfig cfg = qwen3_like();
+  EngineOptions eo = options();
+  GpuEngineOptions go = gpu_engine_options(eo, /*cuda_graphs=*/false);
+  GpuEngineForward gpu{GpuModel::random(cfg, 31, GpuEngineForward::model_options(go)), go};
+  std::vector<std::vector<float>> steps;
+  Engine engine{cfg, eo, [this](const ForwardBatch& b, std::vector<float>& l) {
+                  gpu(b, l);
+                  steps.push_back(l);
+                }};
+  ModelConfig attn = cfg.attention_view();
+  GpuSparseOptions so;
+  pair::GpuPairHello hello;
+  std::unique_ptr<cache::LocalGpuCacheRank> cache_rank;
+  std::unique_ptr<GpuSparseController> ctl;
+
+  explicit PrefixCachingPair(const Sparse& sp) {
+    gpu.warm_up();  // before the in-process cache rank exists (see run())
+    so = test_sparse_options(sp, eo, /*max_retained_prefix_tokens=*/4096);
+    cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, cache_side(), 0, std::chrono::milliseconds(5000));
+    ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size, gpu.max_batch());
+    hello = make_gpu_pair_hello(attn, so, engine.options());
+    ctl->send_hello(hello);
+    cache_rank->wait_ready(std::chrono::milliseconds(30000));
+    gpu.set_sparse(ctl.get());
+    engine.set_attention_hooks(ctl.get());
+  }
+  ~PrefixCachingPair() { finish(); }
+  void finish() {
+    if (!ctl) return;
+    ctl->close();
+    cache_rank->stop();
+    gpu.set_sparse(nullptr);
+    engine.set_attention_hooks(nullptr);
+    ctl_closed = std::move(ctl);
+  }
+  std::unique_ptr<GpuSparseController> ctl_closed;  // after finish(): its stats stay readable
+  const GpuSparseController& controller() const { return ctl ? *ctl : *ctl_closed; }
+};
+
 // A 200-token prompt twice, one request after the other (greedy, 40 tokens each), prefix caching on and the cache
 // rank retaining up to 4096 tokens; the serving rule for the recomputed prompt tokens (max(W + 1, anchor queries) =
 // 64), so the repeat may reuse 136 tokens: 8 whole pages.
 TEST(GpuSparse, ARepeatedPromptForksTheRetainedPrefix) {
-  const ModelConfig cfg = qwen3_like();
-  EngineOptions eo = engine_options();
-  eo.enable_prefix_caching = true;
-  eo.prefix_recompute_tokens = 64;
-  const GpuEngineOptions go = gpu_engine_options(eo, /*cuda_graphs=*/false);
-  GpuEngineForward gpu(GpuModel::random(cfg, 31, GpuEngineForward::model_options(go)), go);
-  gpu.warm_up();
-  std::vector<std::vector<float>> steps;
-  Engine engine(cfg, eo, [&](const ForwardBatch& b, std::vector<float>& l) {
-    gpu(b, l);
-    steps.push_back(l);
-  });
-  const ModelConfig attn = cfg.attention_view();
-  const GpuSparseOptions so = test_sparse_options(Sparse{/*budget=*/512, /*window=*/16, /*capacity=*/64,
-                                                         /*threshold=*/200},
-                                                  eo, /*max_retained_prefix_tokens=*/4096);
-  auto cache_rank = std::make_unique<cache::LocalGpuCacheRank>(attn, cache_side(), 0, std::chrono::milliseconds(5000));
-  auto ctl = std::make_unique<GpuSparseController>(attn, so, cache_rank->inference_link(), eo.page_size,
-                                                   gpu.max_batch());
-  const pair::GpuPairHello hello = make_gpu_pair_hello(attn, so, engine.options());
-  EXPECT_EQ(hello.num_pages, engine.options().max_context_pages + 4096 / eo.page_size)
+  PrefixCachingPair pp(Sparse{/*budget=*/512, /*window=*/16, /*capacity=*/64, /*threshold=*/200});
+  const ModelConfig& cfg = pp.cfg;
+  Engine& engine = pp.engine;
+  std::vector<std::vector<float>>& steps = pp.steps;
+  EXPECT_EQ(pp.hello.num_pages, engine.options().max_context_pages + 4096 / pp.eo.page_size)
       << "the cache rank's pool holds the retained prefixes too";
-  ctl->send_hello(hello);
-  cache_rank->wait_ready(std::chrono::milliseconds(30000));
-  gpu.set_sparse(ctl.get());
-  engine.set_attention_hooks(ctl.get());
   std::mt19937_64 rng(400);
   GenerateRequest req;
   req.prompt_ids.resize(200);
@@ -533,14 +564,11 @@ TEST(GpuSparse, ARepeatedPromptForksTheRetainedPrefix) {
     ASSERT_EQ(tokens[static_cast<size_t>(i)].size(), 40u);
   }
   const EngineStats est = engine.stats();
-  ctl->close();
-  cache_rank->stop();
-  ASSERT_EQ(cache_rank->error(), "");
-  const cache::GpuCacheStats cs = cache_rank->stats();
-  const GpuSparseStats ss = ctl->stats();
-  const SparseStepPlanner::RetentionStats rs = ctl->retention_stats();
-  gpu.set_sparse(nullptr);
-  engine.set_attention_hooks(nullptr);
+  pp.finish();
+  ASSERT_EQ(pp.cache_rank->error(), "");
+  const cache::GpuCacheStats cs = pp.cache_rank->stats();
+  const GpuSparseStats ss = pp.controller().stats();
+  const SparseStepPlanner::RetentionStats rs = pp.controller().retention_stats();
   EXPECT_EQ(ss.switches, 2u);
   EXPECT_EQ(ss.failed_seqs, 0u);
   EXPECT_EQ(est.prefix_hit_tokens, 128u) << "8 whole pages of the repeat from the prefix cache";
@@ -573,6 +601,117 @@ TEST(GpuSparse, ARepeatedPromptForksTheRetainedPrefix) {
               static_cast<unsigned long long>(cs.retained_hit_tokens),
               static_cast<unsigned long long>(cs.tokens_appended), compared, static_cast<double>(worst));
   EXPECT_GE(compared, 10u);
+}
+
+// Aborts around forks and retained prefixes, prefix caching on (retaining up to 4096 tokens), budget 32 so the
+// samples drop pages, n = 3 samples each time:
+//   A (prompt P): sample 2 aborted before any step, sample 1 after 5 sparse tokens; sample 0 runs to its end and its
+//     prefix is retained;
+//   B (P again): the whole shared part comes from A's retained prefix (no group prefill row); sample 0 aborted before
+//     its first row (its pin goes with it), sample 1 after its first token (its fork was applied); sample 2 runs on;
+//   C (prompt Q): samples 0 (which took over the group's slot) and 1 aborted after the group prefill, before the plan
+//     that forks them (sample 2's fork from the slot comes with the slot's release in one plan); sample 2 runs on;
+//   D (prompt R): every sample aborted midway through the group prefill.
+// The surviving samples end normally; once a one-token request's plan has carried every release, the cache rank
+// holds the retained prefixes' pages and that request's one page, nothing else (no slot, fork or pin leaks), and the
+// inference rank's pool is whole again.
+TEST(GpuSparse, AbortsAroundForksLeaveOnlyTheRetainedPrefixesOnTheCacheRank) {
+  PrefixCachingPair pp(Sparse{/*budget=*/32, /*window=*/16, /*capacity=*/8, /*threshold=*/100});
+  const ModelConfig& cfg = pp.cfg;
+  Engine& engine = pp.engine;
+  std::mt19937_64 rng(500);
+  auto random_prompt = [&](int n) {
+    std::vector<int32_t> p(static_cast<size_t>(n));
+    for (auto& t : p) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(cfg.vocab_size));
+    return p;
+  };
+  const std::vector<int32_t> P = random_prompt(200), Q = random_prompt(300), R = random_prompt(300);
+  std::map<uint64_t, std::vector<int32_t>> tokens;
+  std::map<uint64_t, FinishReason> reasons;
+  std::map<uint64_t, std::string> errors;
+  auto cb = [&](const TokenEvent& ev) {
+    if (ev.token >= 0) tokens[ev.request_id].push_back(ev.token);
+    if (ev.finished) {
+      reasons[ev.request_id] = ev.reason;
+      errors[ev.request_id] = ev.error;
+    }
+  };
+  auto step_until = [&](const std::function<bool()>& done) {  // at most 64 steps
+    for (int i = 0; i < 64 && !done(); ++i)
+      if (!engine.step()) break;
+    return done();
+  };
+  std::vector<uint64_t> survivors, aborted;
+
+  const std::vector<uint64_t> a = engine.submit_samples(test::greedy(P, 40), 3, cb);
+  engine.abort(a[2]);
+  ASSERT_TRUE(step_until([&] { return tokens[a[1]].size() >= 5; })) << "A: sample 1's fifth token";
+  engine.abort(a[1]);
+  engine.run_until_idle();
+  survivors.push_back(a[0]);
+  aborted.insert(aborted.end(), {a[1], a[2]});
+
+  const std::vector<uint64_t> b = engine.submit_samples(test::greedy(P, 24), 3, cb);
+  engine.abort(b[0]);
+  ASSERT_TRUE(step_until([&] { return !tokens[b[1]].empty(); })) << "B: sample 1's first token";
+  engine.abort(b[1]);
+  engine.run_until_idle();
+  survivors.push_back(b[2]);
+  aborted.insert(aborted.end(), {b[0], b[1]});
+
+  const std::vector<uint64_t> c = engine.submit_samples(test::greedy(Q, 24), 3, cb);
+  ASSERT_TRUE(step_until([&] { return engine.stats().num_running == 3; })) << "C: the group prefill's end";
+  ASSERT_TRUE(tokens[c[0]].empty() && tokens[c[1]].empty() && tokens[c[2]].empty())
+      << "C: the samples decoded before their forks were planned";
+  engine.abort(c[0]);
+  engine.abort(c[1]);
+  engine.run_until_idle();
+  survivors.push_back(c[2]);
+  aborted.insert(aborted.end(), {c[0], c[1]});
+
+  const std::vector<uint64_t> d = engine.submit_samples(test::greedy(R, 24), 3, cb);
+  ASSERT_TRUE(engine.step());
+  ASSERT_EQ(engine.stats().num_running, 1) << "D: the group prefill is one step in";
+  for (uint64_t id : d) engine.abort(id);
+  engine.run_until_idle();
+  aborted.insert(aborted.end(), d.begin(), d.end());
+
+  // One token of a one-token prompt: its step's plan carries the last releases (and its own slot holds one page).
+  const uint64_t flush = engine.submit(test::greedy({7}, 1), cb);
+  engine.run_until_idle();
+  ASSERT_EQ(reasons[flush], FinishReason::Length) << errors[flush];
+
+  const bool pages_back = engine.pages().num_free_pages() == engine.pages().num_pages();
+  const int64_t retained_tokens = pp.ctl->retained_tokens();
+  const SparseStepPlanner::RetentionStats rs = pp.ctl->retention_stats();
+  const GpuSparseStats ss = pp.ctl->stats();
+  pp.finish();
+  ASSERT_EQ(pp.cache_rank->error(), "");
+  const cache::GpuCacheStats cs = pp.cache_rank->stats();
+
+  for (uint64_t id : survivors) {
+    EXPECT_EQ(reasons[id], FinishReason::Length) << "request " << id << ": " << errors[id];
+    EXPECT_EQ(tokens[id].size(), id == a[0] ? 40u : 24u) << "request " << id;
+  }
+  for (uint64_t id : aborted) EXPECT_EQ(reasons[id], FinishReason::Abort) << "request " << id << ": " << errors[id];
+  EXPECT_EQ(ss.failed_seqs, 0u);
+  EXPECT_GE(ss.switches, 3u) << "A's sample 0 and 1, B's and C's sample 2 went sparse";
+  EXPECT_TRUE(pages_back) << "a page is still held on the inference rank";
+  EXPECT_GE(rs.retained, 1u);
+  EXPECT_GE(rs.reused, 1u) << "B started from A's retained prefix";
+  // As in the CPU replay of this script (test_plan_replay.cpp): A's sample 1 and C's sample 2 forked from a slot, B's
+  // samples 1 and 2 from A's retained prefix.
+  EXPECT_EQ(cs.forks, 2u);
+  EXPECT_EQ(cs.retained_hits, 2u);
+  EXPECT_EQ(cs.retained_prefixes, rs.retained - rs.dropped);
+  ASSERT_EQ(retained_tokens % pp.eo.page_size, 0);
+  EXPECT_EQ(cs.pages_held, static_cast<uint64_t>(retained_tokens / pp.eo.page_size + 1))
+      << "the cache rank holds pages of no live sequence and no retained prefix";
+  std::printf("[ aborts   ] 4 groups of 3 samples, 9 aborted around their forks: %llu forks, %llu retained-prefix "
+              "hits, %llu prefixes retained (%lld tokens), cache rank holds %llu pages at the end\n",
+              static_cast<unsigned long long>(cs.forks), static_cast<unsigned long long>(cs.retained_hits),
+              static_cast<unsigned long long>(cs.retained_prefixes), static_cast<long long>(retained_tokens),
+              static_cast<unsigned long long>(cs.pages_held));
 }
 
 // The engine's hooks without page dropping: the reference run keeps every page.

@@ -482,6 +482,14 @@ struct RetentionRig {
     pages.release(id);
     planner.on_release(id);
   }
+  // `id` runs the 100 tokens of `prompt` (reusing what the cache allows of its first 99) at step `t`, and the engine
+  // publishes its 6 whole pages.
+  StepDecision prefill(uint64_t id, const std::vector<int32_t>& prompt, int64_t t) {
+    admit(id, prompt, 99);
+    StepDecision d = step(id, 100 - pages.seq_len(id), t);
+    pages.cache_prompt(id, prompt.data(), 100);
+    return d;
+  }
 };
 
 TEST(SparsePlanner, AnEndedSequencesPublishedPrefixIsRetainedAndReused) {
@@ -522,9 +530,7 @@ TEST(SparsePlanner, AnEndedSequencesPublishedPrefixIsRetainedAndReused) {
 // covered is not retained twice.
 TEST(SparsePlanner, RetainedPrefixesAreBoundedCoveredAndPinned) {
   RetentionRig g(96);  // one 6-page prefix
-  g.admit(1, g.prompt_a, 99);
-  g.step(1, 100, 0);
-  g.pages.cache_prompt(1, g.prompt_a.data(), 100);
+  g.prefill(1, g.prompt_a, 0);
   g.finish(1);
   StepDecision d = g.step(9, 1, 1);
   ASSERT_EQ(d.plan.retains.size(), 1u);
@@ -538,9 +544,7 @@ TEST(SparsePlanner, RetainedPrefixesAreBoundedCoveredAndPinned) {
   EXPECT_TRUE(d.plan.retains.empty()) << "already retained";
   EXPECT_TRUE(d.plan.drops.empty());
   // Prompt B's prefix goes over the bound, so A (least recently used, unpinned) is dropped.
-  g.admit(3, g.prompt_b, 99);
-  g.step(3, 100, 4);
-  g.pages.cache_prompt(3, g.prompt_b.data(), 100);
+  g.prefill(3, g.prompt_b, 4);
   g.finish(3);
   d = g.step(9, 1, 5);
   ASSERT_EQ(d.plan.retains.size(), 1u);
@@ -549,9 +553,7 @@ TEST(SparsePlanner, RetainedPrefixesAreBoundedCoveredAndPinned) {
   const int32_t b = d.plan.retains[0].id;
   // A hit on B pins it: prompt A's new prefix cannot push it out (A is not retained, the bound holds).
   EXPECT_EQ(g.admit(4, g.prompt_b, 99), 96);
-  g.admit(5, g.prompt_a, 99);
-  g.step(5, 100, 6);
-  g.pages.cache_prompt(5, g.prompt_a.data(), 100);
+  g.prefill(5, g.prompt_a, 6);
   g.finish(5);
   d = g.step(4, 4, 7);  // 4's first row: its fork from B; A is not retained (B is pinned and the bound holds one)
   ASSERT_EQ(d.plan.forks.size(), 1u);
@@ -559,6 +561,42 @@ TEST(SparsePlanner, RetainedPrefixesAreBoundedCoveredAndPinned) {
   EXPECT_TRUE(d.plan.retains.empty()) << "the bound would need the pinned prefix dropped";
   EXPECT_TRUE(d.plan.drops.empty());
   EXPECT_EQ(g.planner.num_retained(), 1);
+}
+
+// A retained prefix whose first page the engine has reused since can never be hit again: the next retain drops it,
+// though the bound would hold both.
+TEST(SparsePlanner, AStaleRetainedPrefixIsDroppedAtTheNextRetain) {
+  RetentionRig g(1024);
+  g.admit(1, g.prompt_a, 99);
+  g.step(1, 100, 0);
+  const std::vector<int32_t> a_pages(g.pages.block_table(1).begin(), g.pages.block_table(1).begin() + 6);
+  g.pages.cache_prompt(1, g.prompt_a.data(), 100);
+  g.finish(1);
+  StepDecision d = g.step(9, 1, 1);
+  ASSERT_EQ(d.plan.retains.size(), 1u);
+  const int32_t a = d.plan.retains[0].id;
+  g.finish(9);
+  g.pages.admit(4);
+  EXPECT_EQ(g.planner.reusable_prefix_tokens(4, a_pages), 96) << "A's pages, still the same";
+  g.planner.on_release(4);  // unpins
+  g.pages.release(4);
+  // Another sequence takes every page: the evictable cached ones of prompt A are reused (new serials).
+  g.pages.admit(50);
+  ASSERT_TRUE(g.pages.append(50, 64 * RetentionRig::kPage));
+  g.pages.release(50);
+  g.pages.admit(5);
+  EXPECT_EQ(g.planner.reusable_prefix_tokens(5, a_pages), 0) << "nothing of A can be hit";
+  g.planner.on_release(5);
+  g.pages.release(5);
+  // Prompt B ends: its prefix is retained and the stale A dropped in the same plan.
+  g.prefill(3, g.prompt_b, 2);
+  g.finish(3);
+  d = g.step(8, 1, 3);
+  ASSERT_EQ(d.plan.retains.size(), 1u);
+  EXPECT_EQ(d.plan.drops, std::vector<int32_t>{a});
+  EXPECT_EQ(g.planner.num_retained(), 1);
+  EXPECT_EQ(g.planner.retained_tokens(), 96);
+  EXPECT_EQ(g.planner.retention_stats().dropped, 1u);
 }
 
 // A sequence that starts past position 0 without a hit (a group prefill running when its cache rank was replaced)
@@ -598,9 +636,7 @@ TEST(SparsePlanner, ASequenceStartingMidwayWithoutAHitStartsOverDense) {
 // not as a fresh row; the group's pin goes with its release.
 TEST(SparsePlanner, SamplesOfAWhollyCachedGroupForkTheRetainedPrefix) {
   RetentionRig g(1024);
-  g.admit(1, g.prompt_a, 99);
-  g.step(1, 100, 0);
-  g.pages.cache_prompt(1, g.prompt_a.data(), 100);
+  g.prefill(1, g.prompt_a, 0);
   g.finish(1);
   StepDecision d = g.step(9, 1, 1);
   ASSERT_EQ(d.plan.retains.size(), 1u);
