@@ -648,6 +648,7 @@ GpuCacheServer::GpuCacheServer(const ModelConfig& attn_cfg, GpuCacheOptions opts
   // The selection kernels' shared-memory limits now, before the first receive is posted (kernels/selection.cuh).
   cuda_check(kernels::prepare_selection_kernels(), "GPU cache rank: selection kernels set-up");
   st_ = std::make_unique<State>(attn_cfg, opts, link, std::move(peer));
+  stats_.pool_pages = static_cast<uint64_t>(opts.num_pages);
   State& s = *st_;
   for (cudaStream_t* x : {&s.up, &s.work, &s.down})
     cuda_check(cudaStreamCreateWithFlags(x, cudaStreamNonBlocking), "GPU cache rank: stream");
@@ -816,6 +817,7 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
     stats_.retained_hit_tokens += retained ? static_cast<uint64_t>(f.tokens) : 0;
   }
   stats_.retained_prefixes = static_cast<uint64_t>(s.book.retained());
+  stats_.sequences = static_cast<uint64_t>(s.book.live_slots());
   stats_.pages_held = static_cast<uint64_t>(s.book.pages_held());
   stats_.peak_pages_held = std::max(stats_.peak_pages_held, stats_.pages_held);
 

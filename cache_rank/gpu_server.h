@@ -96,8 +96,11 @@ struct GpuCacheStats {
   uint64_t retained_prefixes = 0;    // retained prefixes held after the last step (prefix caching)
   uint64_t retained_hits = 0;        // sequences forked from a retained prefix
   uint64_t retained_hit_tokens = 0;  // their tokens not shipped again
-  uint64_t pages_held = 0;       // KV pages (per layer) held after the last step's bookkeeping; shared pages once
+  // After the last step's bookkeeping (a sequence that ended is released by the next step's plan):
+  uint64_t sequences = 0;        // live sequences (plan slots) held; retained prefixes apart
+  uint64_t pages_held = 0;       // KV pages (per layer) held, by sequences and retained prefixes; shared pages once
   uint64_t peak_pages_held = 0;  // the most pages_held has been
+  uint64_t pool_pages = 0;       // the KV pool's pages (per layer): the hello's num_pages
   uint64_t sampled_steps = 0;  // steps whose steady rows were sampled (file comment: Sampling)
   // [layer * num_kv_heads + KV head]: the sampled overlap ratios and churn (empty when sampling is off).
   std::vector<SelectionSampleStats> head_samples;

@@ -10,7 +10,7 @@
 //              [launch flags]
 //              (the GPU cache rank, cache_rank/gpu_server.h: the budget, local window, pack size, delta capacity and
 //              pool size come from the paired inference rank's hello; metrics: transfer bytes, steps, selections,
-//              the sampled overlap ratio)
+//              the sampled overlap ratio and the KV-pool gauges)
 // A flag that the device would ignore (--token-budget with --device cuda, --gpu with --device cpu, ...) is refused
 // by name at start-up (refuse_unused_flags, cache_rank/rank_flags.h); the selection flags are the pair's
 // (pair/selection_flags.h). The --device cpu loop is serve_cpu (cache_rank/serve_cpu.cpp), the --device cuda loop
@@ -26,7 +26,9 @@
 //   spade_sent_tokens_total               counter    selected tokens whose K/V were sent: all of them with
 //                                                    --delta-transfer off, only those that entered the selection with on
 //   spade_cache_selection_errors_total    counter    updates answered with an error (e.g. pool exhausted)
-//   spade_cache_sequences                 gauge      sequences whose KV this rank holds
+//   spade_cache_sequences                 gauge      live sequences whose KV this rank holds (both devices; on the GPU
+//                                                    cache rank an ended sequence counts until the next step's plan)
+//   spade_cache_retained_prefixes         gauge      prompt prefixes of ended sequences kept (prefix caching)
 //   spade_cache_kv_usage_perc             gauge      0..1, used fraction of the KV pool
 //   spade_cache_kv_pages_used             gauge      KV pages held (a page that sequences share counts once)
 //   spade_cache_shard_layers{shard,num_shards}  gauge  layers held: all of them, or its shard's when the inference
@@ -185,6 +187,8 @@ int serve_gpu(const Flags& f, const Rank& r) {
                                       "(sequence, step) selections computed (GPU cache rank).")
                          .with();
   auto& overlap = overlap_ratio_histogram(registry);
+  CachePoolGauges pool = cache_pool_gauges(registry);
+  pool.set(0, 0, 0, static_cast<double>(server.stats().pool_pages));
   connected = true;
   spade::cache::GpuCacheStats seen;
   auto count = [&] {
@@ -194,6 +198,8 @@ int serve_gpu(const Flags& f, const Rank& r) {
     bytes_out.inc(static_cast<double>(now.bytes_sent - seen.bytes_sent));
     steps.inc(static_cast<double>(now.steps - seen.steps));
     selections.inc(static_cast<double>(now.selections - seen.selections));
+    pool.set(static_cast<double>(now.sequences), static_cast<double>(now.retained_prefixes),
+             static_cast<double>(now.pages_held), static_cast<double>(now.pool_pages));
     seen = now;
   };
   std::string err;

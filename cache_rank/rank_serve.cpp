@@ -16,6 +16,29 @@ spade::metrics::Histogram& overlap_ratio_histogram(spade::metrics::Registry& reg
       .with();
 }
 
+CachePoolGauges cache_pool_gauges(spade::metrics::Registry& registry) {
+  return CachePoolGauges{
+      registry
+          .gauge("spade_cache_sequences",
+                 "Live sequences whose KV this cache rank holds (retained prefixes are counted apart).")
+          .with(),
+      registry
+          .gauge("spade_cache_retained_prefixes",
+                 "Prompt prefixes of ended sequences this cache rank keeps for later requests to share (their pages "
+                 "count in spade_cache_kv_pages_used).")
+          .with(),
+      registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with(),
+      registry.gauge("spade_cache_kv_pages_used", "KV pages this cache rank holds (a page its sequences share counts once).")
+          .with()};
+}
+
+void CachePoolGauges::set(double live_sequences, double retained_prefixes, double pages_used, double pages_total) {
+  sequences.set(live_sequences);
+  retained.set(retained_prefixes);
+  kv_usage.set(pages_total > 0 ? pages_used / pages_total : 0.0);
+  kv_pages.set(pages_used);
+}
+
 std::string inference_name(const spade::proto::RankInfo& peer) {
   return fmt::format("inference rank {} (#{}) on {}", peer.rank(), peer.role_index(), peer.host());
 }

@@ -36,6 +36,21 @@ struct Rank {
 /// The histogram of sampled overlap ratios (--overlap-sample-every; both devices observe it).
 spade::metrics::Histogram& overlap_ratio_histogram(spade::metrics::Registry& registry);
 
+/// The KV-pool gauges of a cache rank, both devices: spade_cache_sequences (live sequences whose KV it holds),
+/// spade_cache_retained_prefixes (prompt prefixes of ended sequences kept for later requests),
+/// spade_cache_kv_usage_perc (used fraction of the pool, 0..1) and spade_cache_kv_pages_used (pages held, a shared
+/// page once).
+struct CachePoolGauges {
+  spade::metrics::Gauge& sequences;
+  spade::metrics::Gauge& retained;
+  spade::metrics::Gauge& kv_usage;
+  spade::metrics::Gauge& kv_pages;
+  /// `pages_used` of a pool of `pages_total` pages (> 0).
+  void set(double live_sequences, double retained_prefixes, double pages_used, double pages_total);
+  void clear() { set(0, 0, 0, 1); }  // no pool (no paired inference rank)
+};
+CachePoolGauges cache_pool_gauges(spade::metrics::Registry& registry);
+
 /// "inference rank R (#i) on HOST": how errors and logs name `peer`.
 std::string inference_name(const spade::proto::RankInfo& peer);
 

@@ -126,26 +126,13 @@ int serve_cpu(const Flags& f, const Rank& r) {
   std::unique_ptr<spade::cache::Selector> sel;  // one per session: a replacement starts with a fresh pool
   std::unique_ptr<spade::pair::SelectionMirror> mirror;
   spade::pair::DeltaStats seen;
-  auto& seqs = registry
-                   .gauge("spade_cache_sequences",
-                          "Live sequences whose KV this cache rank holds (retained prefixes are counted apart).")
-                   .with();
-  auto& retained = registry
-                       .gauge("spade_cache_retained_prefixes",
-                              "Prompt prefixes of ended sequences this cache rank keeps for later requests to share "
-                              "(their pages count in spade_cache_kv_pages_used).")
-                       .with();
+  CachePoolGauges pool = cache_pool_gauges(registry);
   auto& shard_gauge = registry
                           .gauge("spade_cache_shard_layers",
                                   "Layers whose KV this cache rank holds, labelled with its shard among the num_shards "
                                   "cache ranks of its inference rank.",
                                   {"shard", "num_shards"})
                            .with({std::to_string(shard.index), std::to_string(shard.count)});
-  auto& kv_usage = registry.gauge("spade_cache_kv_usage_perc", "Used fraction of the cache rank's KV pool (0..1).").with();
-  auto& kv_pages = registry
-                       .gauge("spade_cache_kv_pages_used",
-                              "KV pages this cache rank holds (a page its sequences share counts once).")
-                       .with();
   std::unique_ptr<spade::cache::OverlapSampler> sampler;
   if (f.sparse.overlap_sample_every > 0)
     sampler = std::make_unique<spade::cache::OverlapSampler>(f.sparse.overlap_sample_every);
@@ -175,10 +162,8 @@ int serve_cpu(const Flags& f, const Rank& r) {
           sent.inc(rows);
         }
     }
-    seqs.set(static_cast<double>(sel->num_sequences() - sel->num_retained()));
-    retained.set(static_cast<double>(sel->num_retained()));
-    kv_usage.set(1.0 - static_cast<double>(sel->num_free_pages()) / sel->num_pages());
-    kv_pages.set(static_cast<double>(sel->num_used_pages()));
+    pool.set(static_cast<double>(sel->num_sequences() - sel->num_retained()), static_cast<double>(sel->num_retained()),
+             static_cast<double>(sel->num_used_pages()), static_cast<double>(sel->num_pages()));
     if (sampler)
       for (double ratio : sampler->take()) overlap.observe(ratio);
   };
@@ -200,10 +185,7 @@ int serve_cpu(const Flags& f, const Rank& r) {
                  shard.count == 1 ? std::string()
                                   : fmt::format(", shard {} of {}: {} of {} layers", shard.index, shard.count,
                                                 shard.layers.size(), cfg.num_layers));
-    kv_usage.set(0);
-    kv_pages.set(0);
-    seqs.set(0);
-    retained.set(0);
+    pool.clear();
     session_stop = stop || watch->down;
     connected = true;
     spade::pair::LinkStats stats;
@@ -231,10 +213,7 @@ int serve_cpu(const Flags& f, const Rank& r) {
     ep->abort(fmt::format("{} is gone", peer_name));
     ep.reset();
     sel.reset();
-    kv_usage.set(0);
-    kv_pages.set(0);
-    seqs.set(0);
-    retained.set(0);
+    pool.clear();
     spdlog::warn("{}: {} is gone; its KV is dropped; waiting up to {} ms for its replacement", self, peer_name,
                  f.rejoin_timeout_ms);
     std::optional<spade::proto::RankInfo> next;

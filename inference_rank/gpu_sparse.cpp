@@ -271,7 +271,7 @@ const SparseStepPlanner::RetentionStats& GpuSparseController::retention_stats() 
   return st_->planner.retention_stats();
 }
 
-int64_t GpuSparseController::retained_tokens() const { return st_->planner.retained_tokens(); }
+int GpuSparseController::retained_pages() const { return st_->planner.retained_pages(); }
 
 std::pair<int, int> GpuSparseController::droppable_range(uint64_t seq_id, int seq_len) {
   const std::pair<int, int> r = st_->planner.droppable_range(seq_id, seq_len);

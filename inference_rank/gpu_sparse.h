@@ -127,8 +127,9 @@ class GpuSparseController : public AttentionBackend, public GpuStepAttention {
   int reusable_prefix_tokens(uint64_t seq_id, const std::vector<int32_t>& pages) override;
   /// Retained prefixes: the planner's counters (sparse_planner.h).
   const SparseStepPlanner::RetentionStats& retention_stats() const;
-  /// Retained prefixes: tokens over all of those the cache rank holds once the planned retains and drops are applied.
-  int64_t retained_tokens() const;
+  /// Retained prefixes: the distinct pages the cache rank holds for them once the planned retains and drops are
+  /// applied (SparseStepPlanner::retained_pages).
+  int retained_pages() const;
   /// Per-request overrides, set before the request's first step: `force_dense` keeps it dense; `sparse_threshold`
   /// > 0 replaces the rank's.
   void set_request_options(uint64_t seq_id, bool force_dense, int sparse_threshold);

@@ -2,6 +2,7 @@
 #include "inference_rank/sparse_planner.h"
 
 #include <algorithm>
+#include <set>
 
 #include "common/error.h"
 #include "common/page_allocator.h"
@@ -189,6 +190,12 @@ void SparseStepPlanner::retain(const Seq& s) {
   retained_.emplace(id, std::move(r));
   pending_retains_.push_back({s.slot, id, run * page});
   ++retention_stats_.retained;
+}
+
+int SparseStepPlanner::retained_pages() const {
+  std::set<std::pair<int32_t, uint64_t>> pages;  // (page, serial): a page reused since is another page there too
+  for (const auto& [id, r] : retained_) pages.insert(r.pages.begin(), r.pages.end());
+  return static_cast<int>(pages.size());
 }
 
 void SparseStepPlanner::drop_retained(int32_t id) {

@@ -155,6 +155,9 @@ class SparseStepPlanner {
   bool retention_on() const;
   int num_retained() const { return static_cast<int>(retained_.size()); }
   int64_t retained_tokens() const { return retained_tokens_; }
+  /// Distinct pages (page, serial) over the retained prefixes: what the cache rank holds for them (a prefix that
+  /// started from another one's pages shares them there as it does here).
+  int retained_pages() const;
   struct RetentionStats {
     uint64_t retained = 0;       // prefixes retained
     uint64_t dropped = 0;        // retained prefixes dropped (bound, covered, stale)

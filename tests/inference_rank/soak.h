@@ -50,7 +50,7 @@ struct SoakSetup {
   std::chrono::seconds stream_deadline{20};  // every request ends within this of its submission
   int short_max_tokens = 16;                 // "short" requests: prompt + this stays below the sparse threshold
   bool dense_batch_invariant = true;         // dense greedy output equals the reference whatever the batch
-  bool cache_sequence_gauge = true;          // the cache rank exports spade_cache_sequences
+  bool cache_sequence_gauge = true;          // the cache rank's spade_cache_sequences is 0 once the load is over
 };
 
 constexpr int kControlThreads = 4;      // clients of the control port

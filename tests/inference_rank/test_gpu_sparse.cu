@@ -682,7 +682,7 @@ TEST(GpuSparse, AbortsAroundForksLeaveOnlyTheRetainedPrefixesOnTheCacheRank) {
   ASSERT_EQ(reasons[flush], FinishReason::Length) << errors[flush];
 
   const bool pages_back = engine.pages().num_free_pages() == engine.pages().num_pages();
-  const int64_t retained_tokens = pp.ctl->retained_tokens();
+  const int retained_pages = pp.ctl->retained_pages();
   const SparseStepPlanner::RetentionStats rs = pp.ctl->retention_stats();
   const GpuSparseStats ss = pp.ctl->stats();
   pp.finish();
@@ -704,13 +704,14 @@ TEST(GpuSparse, AbortsAroundForksLeaveOnlyTheRetainedPrefixesOnTheCacheRank) {
   EXPECT_EQ(cs.forks, 2u);
   EXPECT_EQ(cs.retained_hits, 2u);
   EXPECT_EQ(cs.retained_prefixes, rs.retained - rs.dropped);
-  ASSERT_EQ(retained_tokens % pp.eo.page_size, 0);
-  EXPECT_EQ(cs.pages_held, static_cast<uint64_t>(retained_tokens / pp.eo.page_size + 1))
+  EXPECT_EQ(cs.sequences, 1u) << "only the one-token request's slot";
+  EXPECT_EQ(cs.pool_pages, static_cast<uint64_t>(pp.hello.num_pages));
+  EXPECT_EQ(cs.pages_held, static_cast<uint64_t>(retained_pages + 1))
       << "the cache rank holds pages of no live sequence and no retained prefix";
   std::printf("[ aborts   ] 4 groups of 3 samples, 9 aborted around their forks: %llu forks, %llu retained-prefix "
-              "hits, %llu prefixes retained (%lld tokens), cache rank holds %llu pages at the end\n",
+              "hits, %llu prefixes retained (%d pages), cache rank holds %llu pages at the end\n",
               static_cast<unsigned long long>(cs.forks), static_cast<unsigned long long>(cs.retained_hits),
-              static_cast<unsigned long long>(cs.retained_prefixes), static_cast<long long>(retained_tokens),
+              static_cast<unsigned long long>(cs.retained_prefixes), retained_pages,
               static_cast<unsigned long long>(cs.pages_held));
 }
 

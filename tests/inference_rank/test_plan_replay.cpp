@@ -13,6 +13,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cache_rank/gpu_slot_book.h"
@@ -136,8 +137,7 @@ struct Replay {
     EXPECT_EQ(engine->pages().num_free_pages(), engine->pages().num_pages()) << "a page is held on the inference rank";
     EXPECT_EQ(book->live_slots(), 1) << "only the flush request's slot";
     EXPECT_EQ(book->retained(), planner->num_retained());
-    ASSERT_EQ(planner->retained_tokens() % eo.page_size, 0);
-    EXPECT_EQ(book->pages_held(), planner->retained_tokens() / eo.page_size + 1)
+    EXPECT_EQ(book->pages_held(), planner->retained_pages() + 1)
         << "the cache rank holds pages of no live sequence and no retained prefix";
     EXPECT_LE(planner->retained_tokens(), so.max_retained_prefix_tokens);
     EXPECT_EQ(planner->free_slots(), so.max_slots) << "the flush request's slot is free here, its release planned";
@@ -212,54 +212,72 @@ TEST(PlanReplay, AbortsAroundForksLeaveOnlyTheRetainedPrefixes) {
 }
 
 // Random traffic: single requests and groups of 2-3 samples over a few prompts (two of them sharing a 96-token
-// prefix, so hits are partial too), lengths from 1 to 40 tokens, aborts at random moments, a retained-prefix bound
-// of 192 tokens (drops, covered prefixes, pins). Every plan must fit the book; at the end nothing leaks.
-TEST(PlanReplay, RandomTrafficWithAbortsNeverLeaksOrMisplans) {
-  for (const uint64_t seed : {1u, 2u, 3u, 4u, 5u, 6u}) {
-    SCOPED_TRACE("seed " + std::to_string(seed));
-    Replay r(/*recompute=*/17, /*bound=*/192);
-    Engine& e = *r.engine;
-    std::mt19937_64 rng(seed);
-    std::vector<std::vector<int32_t>> prompts = {random_prompt(rng, 40), random_prompt(rng, 130),
-                                                 random_prompt(rng, 180), random_prompt(rng, 150)};
-    std::vector<int32_t> shared = prompts[2];
-    shared.resize(96);
-    const std::vector<int32_t> tail = random_prompt(rng, 70);
-    shared.insert(shared.end(), tail.begin(), tail.end());
-    prompts.push_back(shared);
-    std::vector<uint64_t> live;  // submitted, not ended
-    uint64_t submitted = 0;
-    for (int it = 0; it < 1000; ++it) {
-      std::erase_if(live, [&](uint64_t id) { return r.reasons.count(id) != 0; });
-      const uint64_t roll = rng() % 100;
-      if (roll < 15 && e.stats().num_waiting < 2) {
-        const auto& p = prompts[rng() % prompts.size()];
-        const int max_tokens = 1 + static_cast<int>(rng() % 40);
-        const int n = 1 + static_cast<int>(rng() % 3);
-        for (uint64_t id : e.submit_samples(test::greedy(p, max_tokens), n, r.callback())) live.push_back(id);
-        submitted += static_cast<uint64_t>(n);
-      } else if (roll < 30 && !live.empty()) {
-        e.abort(live[rng() % live.size()]);
-      }
-      ASSERT_NO_THROW(e.step()) << "iteration " << it;
+// prefix, so hits are partial too), lengths from 1 to 40 tokens, aborts at random moments, and retained prefixes up
+// to `bound` tokens. Every plan must fit the book; at the end nothing leaks. Returns the distinct pages and the tokens
+// retained at the end, and the prefixes dropped on the way.
+std::tuple<int, int64_t, uint64_t> random_traffic(int bound, uint64_t seed) {
+  Replay r(/*recompute=*/17, bound);
+  Engine& e = *r.engine;
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int32_t>> prompts = {random_prompt(rng, 40), random_prompt(rng, 130), random_prompt(rng, 180),
+                                               random_prompt(rng, 150)};
+  std::vector<int32_t> shared = prompts[2];
+  shared.resize(96);
+  const std::vector<int32_t> tail = random_prompt(rng, 70);
+  shared.insert(shared.end(), tail.begin(), tail.end());
+  prompts.push_back(shared);
+  std::vector<uint64_t> live;  // submitted, not ended
+  uint64_t submitted = 0;
+  for (int it = 0; it < 1000; ++it) {
+    std::erase_if(live, [&](uint64_t id) { return r.reasons.count(id) != 0; });
+    const uint64_t roll = rng() % 100;
+    if (roll < 15 && e.stats().num_waiting < 2) {
+      const auto& p = prompts[rng() % prompts.size()];
+      const int max_tokens = 1 + static_cast<int>(rng() % 40);
+      const int n = 1 + static_cast<int>(rng() % 3);
+      for (uint64_t id : e.submit_samples(test::greedy(p, max_tokens), n, r.callback())) live.push_back(id);
+      submitted += static_cast<uint64_t>(n);
+    } else if (roll < 30 && !live.empty()) {
+      e.abort(live[rng() % live.size()]);
     }
-    e.run_until_idle();
-    r.expect_nothing_leaks();
-    for (const auto& [id, reason] : r.reasons)
-      EXPECT_TRUE(reason == FinishReason::Length || reason == FinishReason::Abort)
-          << "request " << id << ": " << finish_reason_name(reason) << " " << r.errors[id];
-    EXPECT_EQ(r.reasons.size(), submitted + 1) << "every request ended, the flush too";
-    const SparseStepPlanner::RetentionStats& rs = r.planner->retention_stats();
-    std::printf("[ replay   ] seed %llu: %llu requests, %lld steps; %llu prefixes retained, %llu dropped, %llu reused "
-                "(%llu tokens); %llu prefix-cache hit tokens\n",
-                static_cast<unsigned long long>(seed), static_cast<unsigned long long>(submitted),
-                static_cast<long long>(r.step), static_cast<unsigned long long>(rs.retained),
-                static_cast<unsigned long long>(rs.dropped), static_cast<unsigned long long>(rs.reused),
-                static_cast<unsigned long long>(rs.reused_tokens),
-                static_cast<unsigned long long>(e.stats().prefix_hit_tokens));
-    EXPECT_GT(r.planner->retention_stats().reused, 0u);
-    EXPECT_GT(r.planner->retention_stats().dropped, 0u) << "the bound of 192 tokens dropped prefixes";
+    EXPECT_NO_THROW(e.step()) << "iteration " << it;
   }
+  e.run_until_idle();
+  r.expect_nothing_leaks();
+  for (const auto& [id, reason] : r.reasons)
+    EXPECT_TRUE(reason == FinishReason::Length || reason == FinishReason::Abort)
+        << "request " << id << ": " << finish_reason_name(reason) << " " << r.errors[id];
+  EXPECT_EQ(r.reasons.size(), submitted + 1) << "every request ended, the flush too";
+  const SparseStepPlanner::RetentionStats& rs = r.planner->retention_stats();
+  std::printf("[ replay   ] bound %d, seed %llu: %llu requests, %lld steps; %llu prefixes retained, %llu dropped, "
+              "%llu reused (%llu tokens); %llu prefix-cache hit tokens; at the end %d prefixes, %d pages, %lld "
+              "tokens\n",
+              bound, static_cast<unsigned long long>(seed), static_cast<unsigned long long>(submitted),
+              static_cast<long long>(r.step), static_cast<unsigned long long>(rs.retained),
+              static_cast<unsigned long long>(rs.dropped), static_cast<unsigned long long>(rs.reused),
+              static_cast<unsigned long long>(rs.reused_tokens),
+              static_cast<unsigned long long>(e.stats().prefix_hit_tokens), r.planner->num_retained(),
+              r.planner->retained_pages(), static_cast<long long>(r.planner->retained_tokens()));
+  EXPECT_GT(rs.reused, 0u);
+  return {r.planner->retained_pages(), r.planner->retained_tokens(), rs.dropped};
+}
+
+TEST(PlanReplay, RandomTrafficWithAbortsNeverLeaksOrMisplans) {
+  // A bound of 192 tokens: drops (least recently used, covered, stale) and pins at work.
+  for (const uint64_t seed : {1u, 2u, 3u, 4u, 5u, 6u}) {
+    SCOPED_TRACE("bound 192, seed " + std::to_string(seed));
+    const auto [pages, tokens, dropped] = random_traffic(192, seed);
+    EXPECT_LE(tokens, 192);
+    EXPECT_GT(dropped, 0u);
+  }
+  // A bound of 4096: every prompt's prefix stays, the two that share 96 tokens share their pages on both ranks.
+  int sharing = 0;
+  for (const uint64_t seed : {1u, 2u, 3u, 4u, 5u, 6u}) {
+    SCOPED_TRACE("bound 4096, seed " + std::to_string(seed));
+    const auto [pages, tokens, dropped] = random_traffic(4096, seed);
+    sharing += pages * 16 < tokens ? 1 : 0;
+  }
+  EXPECT_GT(sharing, 0) << "no run held two retained prefixes sharing pages";
 }
 
 }  // namespace
