@@ -35,7 +35,7 @@ CachePoolGauges cache_pool_gauges(spade::metrics::Registry& registry) {
 void CachePoolGauges::set(double live_sequences, double retained_prefixes, double pages_used, double pages_total) {
   sequences.set(live_sequences);
   retained.set(retained_prefixes);
-  kv_usage.set(pages_total > 0 ? pages_used / pages_total : 0.0);
+  kv_usage.set(pages_total > 0 ? 1.0 - (pages_total - pages_used) / pages_total : 0.0);  // as the engine's usage()
   kv_pages.set(pages_used);
 }
 

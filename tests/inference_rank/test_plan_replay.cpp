@@ -27,6 +27,7 @@ namespace spade {
 namespace {
 
 constexpr int kVocab = 97;
+constexpr int kPage = 16;  // tokens per KV page (EngineOptions::page_size of these tests)
 
 // The engine's hooks of GpuSparseController, without its link: straight to the planner.
 class PlannerHooks : public AttentionBackend {
@@ -67,7 +68,7 @@ struct Replay {
     cfg = test::small_cfg(2);
     cfg.vocab_size = kVocab;
     cfg.max_position_embeddings = 1024;
-    eo.page_size = 16;
+    eo.page_size = kPage;
     eo.num_pages = 96;
     eo.max_num_seqs = 3;
     eo.max_num_batched_tokens = 64;
@@ -275,7 +276,7 @@ TEST(PlanReplay, RandomTrafficWithAbortsNeverLeaksOrMisplans) {
   for (const uint64_t seed : {1u, 2u, 3u, 4u, 5u, 6u}) {
     SCOPED_TRACE("bound 4096, seed " + std::to_string(seed));
     const auto [pages, tokens, dropped] = random_traffic(4096, seed);
-    sharing += pages * 16 < tokens ? 1 : 0;
+    sharing += pages * kPage < tokens ? 1 : 0;
   }
   EXPECT_GT(sharing, 0) << "no run held two retained prefixes sharing pages";
 }
