@@ -801,13 +801,15 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
   s.harvest_all(false, stats_);  // earlier samples whose copies are done
   s.sampling = s.sample_every > 0 && plan.step % s.sample_every == 0 && !plan.steady_rows().empty();
   s.book.apply(plan, [&s](int slot) { s.reset_mirror(slot); });
-  for (const GpuPlanRow& r : plan.rows)
-    if ((r.flags & kRowFirstSelect) != 0) s.reset_mirror(r.slot);
+  s.group_picks_anchors = false;
+  for (const GpuPlanRow& r : plan.rows) {
+    if ((r.flags & kRowFirstSelect) == 0) continue;
+    s.reset_mirror(r.slot);
+    // A FIRST row whose anchor window is still pushed picks its anchors.
+    s.group_picks_anchors = s.group_picks_anchors || s.book.anchor_pending(r.slot);
+  }
   s.group_rows[kSteady] = plan.steady_rows();
   s.group_rows[kFirst] = plan.first_rows();
-  s.group_picks_anchors = false;
-  for (const GpuPlanRow& r : plan.rows)  // a FIRST row whose anchor window is still pushed picks its anchors
-    if ((r.flags & kRowFirstSelect) != 0 && s.book.anchor_pending(r.slot)) s.group_picks_anchors = true;
   s.fill_meta(plan);
   s.copy_fork_windows(plan);
   for (const pair::GpuPlanFork& f : plan.forks) {

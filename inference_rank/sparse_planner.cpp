@@ -163,7 +163,7 @@ void SparseStepPlanner::retain(const Seq& s) {
       return;
     }
     if (r.pins > 0) continue;
-    const bool stale = pages_->page_serial(r.pages.front().first) != r.pages.front().second;
+    const bool stale = pages_->published_run(r.pages) == 0;  // its first page holds other KV now
     if (common == r.pages.size() || stale) {
       drops.push_back(id);
       tokens -= static_cast<int64_t>(r.pages.size()) * page;
