@@ -244,6 +244,12 @@ TEST_F(CoordinatorTest, ConnectionDropDeclaresDeadAndNotifiesPeer) {
   EXPECT_EQ(ev->peer_down.role(), proto::INFERENCE);
   EXPECT_NE(ev->peer_down.reason().find("connection"), std::string::npos) << ev->peer_down.reason();
   EXPECT_NE(ev->message.find("inference rank 1"), std::string::npos) << ev->message;
+  // The callback may run just after the queued event was taken: wait for it (with a deadline).
+  for (auto until = std::chrono::steady_clock::now() + 3s; std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(1ms)) {
+    std::lock_guard lk(mu);
+    if (!via_callback.empty()) break;
+  }
   cache_[0]->set_event_callback(nullptr);  // the callback captures locals of this test
   std::lock_guard lk(mu);
   ASSERT_EQ(via_callback.size(), 1u);
