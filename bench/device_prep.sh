@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares build-device-deps/ on the development machine for a call on a lent GPU machine (carry
 # ["build-device-deps"]; bench/run_gpu.sh reads it there):
-#   deps.tar.gz          Spade's Debian build dependencies (bench/pack_device_deps.sh; made once)
+#   deps.tar.xz          Spade's Debian build dependencies (bench/pack_device_deps.sh; made once)
 #   shared-data.tar.xz   the parts of ../shared/data the gpu tests and benches read (configs, the models named by
 #                        SPADE_DEVICE_MODELS, the Qwen2 tokenizer, the AIME24 and pass-key prompts): ../shared does not
 #                        travel with the tree, and a device call carries at most 64 MiB, so only what a run needs
@@ -11,15 +11,15 @@
 # Usage (repo root): bench/device_prep.sh        Environment: SPADE_DATA_DIR (default ../shared/data),
 #   SPADE_DEVICE_MODELS (default "stories260K tiny-random-qwen3 tiny-random-qwen3_5": the gpu tests' models; longctx-7m,
 #   the demo model, is in the repo under models/), SPADE_DEVICE_BIG_MODELS (default "longctx-22m"): packed apart, one
-#   .tar.xz each in build-device-models/ (43 MB of bf16 weights, 31 MB packed: with the dependencies they exceed a
-#   call's 64 MiB, so a second call on the still-warm machine carries ["build-device-models"]; run_gpu.sh unpacks
+#   .tar.xz each in build-device-models/ (43 MB of bf16 weights, 31 MB packed: with the dependencies and the tree
+#   they exceed a call's 64 MiB, so a second call on the still-warm machine carries ["build-device-models"]; run_gpu.sh unpacks
 #   whatever is there into the data folder).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${ROOT}/build-device-deps"
 DATA="${SPADE_DATA_DIR:-${ROOT}/../shared/data}"
 mkdir -p "${OUT_DIR}"
-[ -f "${OUT_DIR}/deps.tar.gz" ] || "${ROOT}/bench/pack_device_deps.sh"
+[ -f "${OUT_DIR}/deps.tar.xz" ] || "${ROOT}/bench/pack_device_deps.sh"
 [ -d "${DATA}/configs" ] || { echo "device_prep: no test data at ${DATA} (set SPADE_DATA_DIR)" >&2; exit 1; }
 DATA="$(cd "${DATA}" && pwd)"
 MODELS=()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs Spade's Debian-packaged build dependencies (headers, libraries, CMake/pkg-config files) from THIS machine into
-# build-device-deps/deps.tar.gz, so that bench/run_gpu.sh can configure the whole project on the GPU machine, which
+# build-device-deps/deps.tar.xz (xz: a third smaller than gzip; a device call carries at most 64 MiB), so that bench/run_gpu.sh can configure the whole project on the GPU machine, which
 # has CUDA, CMake and ninja but none of these packages and no network.
 #
 # Usage (on the development machine, repo root):   bench/pack_device_deps.sh
@@ -47,5 +47,6 @@ for p in "${PKGS[@]}"; do
   done >>"${LIST}"
 done
 sort -u -o "${LIST}" "${LIST}"
-tar -C / -czf "${OUT_DIR}/deps.tar.gz" -T "${LIST}"
-echo "pack_device_deps: $(wc -l <"${LIST}") files -> ${OUT_DIR}/deps.tar.gz ($(du -h "${OUT_DIR}/deps.tar.gz" | cut -f1))"
+tar -C / -cf - -T "${LIST}" | xz -T0 -9 >"${OUT_DIR}/deps.tar.xz"
+rm -f "${OUT_DIR}/deps.tar.gz"
+echo "pack_device_deps: $(wc -l <"${LIST}") files -> ${OUT_DIR}/deps.tar.xz ($(du -h "${OUT_DIR}/deps.tar.xz" | cut -f1))"

@@ -91,7 +91,7 @@ if [ -z "${SPADE_DATA_DIR:-}" ] && [ ! -d "${ROOT}/../shared/data" ] && [ -f "${
   export SPADE_DATA_DIR=/tmp/spade-data/data
   echo "[run_gpu] test data from build-device-deps/shared-data.tar.xz (SPADE_DATA_DIR=${SPADE_DATA_DIR})"
 fi
-# Models packed apart by device_prep.sh (build-device-models/NAME.tar, too large to travel with the dependencies):
+# Models packed apart by device_prep.sh (build-device-models/NAME.tar.xz, carried beside build-device-deps):
 # unpacked into the data folder when it does not have them.
 for t in "${ROOT}"/build-device-models/*.tar "${ROOT}"/build-device-models/*.tar.xz; do
   [ -f "$t" ] || continue
@@ -116,10 +116,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
 
 # ---- private dependency prefix (lent GPU machines lack Spade's -dev packages) ----
 DEPLIB=""
-if [ -f "${ROOT}/build-device-deps/deps.tar.gz" ] && ! pkg-config --exists libpcre2-8 2>/dev/null; then
+if [ -f "${ROOT}/build-device-deps/deps.tar.xz" ] && ! pkg-config --exists libpcre2-8 2>/dev/null; then
   DEPS=/tmp/spade-deps
   if [ ! -d "${DEPS}/usr" ]; then
-    mkdir -p "${DEPS}" && tar -xzf "${ROOT}/build-device-deps/deps.tar.gz" -C "${DEPS}"
+    mkdir -p "${DEPS}" && tar -xJf "${ROOT}/build-device-deps/deps.tar.xz" -C "${DEPS}"
     sed -i "s|^prefix=/usr|prefix=${DEPS}/usr|" "${DEPS}"/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc 2>/dev/null || true
   fi
   export CMAKE_PREFIX_PATH="${DEPS}/usr${CMAKE_PREFIX_PATH:+:${CMAKE_PREFIX_PATH}}"
