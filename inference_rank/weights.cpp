@@ -267,11 +267,13 @@ std::string describe_tensor(const TensorView& t) {
   return fmt::format("tensor '{}' (in {}) is {}", t.name, t.file, format_shape(t.shape));
 }
 
-// The checkpoint's tensor `name`, or an error naming it and what in the config asks for it.
-const TensorView& need(const Checkpoint& ckpt, const std::string& name, const std::string& cfg_src,
+// The checkpoint's tensor `name` (never null: it lives as long as `ckpt`), or an error naming it and what in the
+// config asks for it. A pointer, not a reference: callers pass temporary names, which GCC 13's -Wdangling-reference
+// would take for the referent.
+const TensorView* need(const Checkpoint& ckpt, const std::string& name, const std::string& cfg_src,
                        const std::string& why) {
   if (!ckpt.has(name)) fail("{}: tensor '{}' not found; {} needs it ({})", ckpt.dir(), name, cfg_src, why);
-  return ckpt.get(name);
+  return &ckpt.get(name);
 }
 
 // Dimension `dim` of `t` must be `want`, which the config fields `fields` give; the error names the fields.
@@ -286,7 +288,7 @@ void check_checkpoint(const ModelConfig& c, const Checkpoint& ckpt, const std::s
   check_layer_types(c);
   const std::string& pre = c.weight_prefix;
   // The embedding fixes vocab_size and hidden_size.
-  const TensorView& emb = need(ckpt, pre + "embed_tokens.weight", cfg_src, "the token embedding");
+  const TensorView& emb = *need(ckpt, pre + "embed_tokens.weight", cfg_src, "the token embedding");
   if (emb.shape.size() != 2)
     fail("{}: {}, expected [vocab_size, hidden_size] = [{}, {}]", ckpt.dir(), describe_tensor(emb), c.vocab_size,
          c.hidden_size);
@@ -312,35 +314,35 @@ void check_checkpoint(const ModelConfig& c, const Checkpoint& ckpt, const std::s
     if (c.layer_type(i) == LayerType::FullAttention && !seen_attn) {
       seen_attn = true;
       const std::string why = fmt::format("layer {} is a full-attention layer", i);
-      const TensorView& q = need(ckpt, p + "self_attn.q_proj.weight", cfg_src, why);
+      const TensorView& q = *need(ckpt, p + "self_attn.q_proj.weight", cfg_src, why);
       check_dim(q, 0, (c.attn_output_gate ? 2 : 1) * int64_t{c.q_dim()}, cfg_src,
                 fmt::format("{}num_attention_heads {} x head_dim {}", c.attn_output_gate ? "2 (output gate) x " : "",
                             c.num_q_heads, c.head_dim));
-      const TensorView& k = need(ckpt, p + "self_attn.k_proj.weight", cfg_src, why);
+      const TensorView& k = *need(ckpt, p + "self_attn.k_proj.weight", cfg_src, why);
       check_dim(k, 0, c.kv_dim(), cfg_src,
                 fmt::format("num_key_value_heads {} x head_dim {}", c.num_kv_heads, c.head_dim));
       if (c.qk_norm)
-        check_dim(need(ckpt, p + "self_attn.q_norm.weight", cfg_src, "qk-norm of model_type " + c.model_type), 0,
+        check_dim(*need(ckpt, p + "self_attn.q_norm.weight", cfg_src, "qk-norm of model_type " + c.model_type), 0,
                   c.head_dim, cfg_src, "head_dim");
     }
     if (c.layer_type(i) == LayerType::LinearAttention && !seen_linear) {
       seen_linear = true;
       const std::string why = fmt::format("layer {} is a linear-attention layer", i), a = p + "linear_attn.";
-      check_dim(need(ckpt, a + "in_proj_qkv.weight", cfg_src, why), 0, c.linear_conv_dim(), cfg_src,
+      check_dim(*need(ckpt, a + "in_proj_qkv.weight", cfg_src, why), 0, c.linear_conv_dim(), cfg_src,
                 fmt::format("2 x linear_num_key_heads {} x linear_key_head_dim {} + linear_num_value_heads {} x "
                             "linear_value_head_dim {}",
                             c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
                             c.linear_value_head_dim));
-      check_dim(need(ckpt, a + "A_log", cfg_src, why), 0, c.linear_num_value_heads, cfg_src,
+      check_dim(*need(ckpt, a + "A_log", cfg_src, why), 0, c.linear_num_value_heads, cfg_src,
                 "linear_num_value_heads");
-      check_dim(need(ckpt, a + "norm.weight", cfg_src, why), 0, c.linear_value_head_dim, cfg_src,
+      check_dim(*need(ckpt, a + "norm.weight", cfg_src, why), 0, c.linear_value_head_dim, cfg_src,
                 "linear_value_head_dim");
-      check_dim(need(ckpt, a + "conv1d.weight", cfg_src, why), 2, c.linear_conv_kernel_dim, cfg_src,
+      check_dim(*need(ckpt, a + "conv1d.weight", cfg_src, why), 2, c.linear_conv_kernel_dim, cfg_src,
                 "linear_conv_kernel_dim");
     }
   }
   if (c.num_layers > 0)
-    check_dim(need(ckpt, layer_prefix(c, 0) + "mlp.gate_proj.weight", cfg_src, "the MLP of layer 0"), 0,
+    check_dim(*need(ckpt, layer_prefix(c, 0) + "mlp.gate_proj.weight", cfg_src, "the MLP of layer 0"), 0,
               c.intermediate_size, cfg_src, "intermediate_size");
 
   // Then every tensor, name and shape (the layer count is bounded by the checkpoint now).
@@ -348,7 +350,7 @@ void check_checkpoint(const ModelConfig& c, const Checkpoint& ckpt, const std::s
     const std::string why = name == "lm_head.weight"    ? "tie_word_embeddings is false"
                             : name.ends_with(".bias")   ? "attention_bias / mlp_bias of model_type " + c.model_type
                                                         : "model_type " + c.model_type;
-    const TensorView& t = need(ckpt, name, cfg_src, why);
+    const TensorView& t = *need(ckpt, name, cfg_src, why);
     if (t.shape != shape)
       fail("{}: {}, but {} gives {}", ckpt.dir(), describe_tensor(t), cfg_src, format_shape(shape));
   }
