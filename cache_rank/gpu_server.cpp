@@ -793,6 +793,20 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
     return false;
   }
   stats_.bytes_received += kGpuPlanBytes;  // as the inference rank counts it
+  // The bookkeeping's gauges, after a plan's retains, forks, drops and releases.
+  const auto book_gauges = [&] {
+    stats_.retained_prefixes = static_cast<uint64_t>(s.book.retained());
+    stats_.sequences = static_cast<uint64_t>(s.book.live_slots());
+    stats_.pages_held = static_cast<uint64_t>(s.book.pages_held());
+    stats_.peak_pages_held = std::max(stats_.peak_pages_held, stats_.pages_held);
+  };
+  if (plan.is_flush()) {  // between steps: the released slots, retains and drops only; no packs follow
+    s.book.apply(plan, [&s](int slot) { s.reset_mirror(slot); });
+    book_gauges();
+    ++stats_.idle_flushes;
+    s.post_plan_recv();
+    return true;
+  }
   const int B = static_cast<int>(plan.rows.size()), T = plan.total_tokens();
   SPADE_CHECK(T <= s.o.max_step_tokens, "{}: step {} has {} tokens, this rank holds {}", s.peer, plan.step, T,
               s.o.max_step_tokens);
@@ -818,10 +832,7 @@ bool GpuCacheServer::serve_step(std::chrono::milliseconds wait) {
     stats_.retained_hits += retained ? 1 : 0;
     stats_.retained_hit_tokens += retained ? static_cast<uint64_t>(f.tokens) : 0;
   }
-  stats_.retained_prefixes = static_cast<uint64_t>(s.book.retained());
-  stats_.sequences = static_cast<uint64_t>(s.book.live_slots());
-  stats_.pages_held = static_cast<uint64_t>(s.book.pages_held());
-  stats_.peak_pages_held = std::max(stats_.peak_pages_held, stats_.pages_held);
+  book_gauges();
 
   // 3. the packs' rows, then per pack: append, windows, selections
   for (int p = 0; p < s.packs; ++p) {

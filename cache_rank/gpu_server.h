@@ -18,6 +18,8 @@
 //      the slot plan against the per-slot mirrors (selection_delta), the gather of the entries, one message per
 //      non-empty group;
 //   4. the next plan's receive is posted (not after the close plan, which ends the stream).
+// A flush plan (between the inference rank's steps, pair/gpu_plan.h) has only step 2's retains, drops and released
+// slots; no pack follows it, and step 4 comes right after.
 // Everything of a step is enqueued without waiting on the GPU (one host wait: the plan). Streams: `up` (receives),
 // `work` (append, windows, prediction), `score` (scoring, low priority), `sel` (top-k, delta, gather, mirror resets;
 // high priority), `down` (sends); events order them (GpuCacheOptions::pipeline; without it score = sel = work).
@@ -96,11 +98,13 @@ struct GpuCacheStats {
   uint64_t retained_prefixes = 0;    // retained prefixes held after the last step (prefix caching)
   uint64_t retained_hits = 0;        // sequences forked from a retained prefix
   uint64_t retained_hit_tokens = 0;  // their tokens not shipped again
-  // After the last step's bookkeeping (a sequence that ended is released by the next step's plan):
+  // After the last plan's bookkeeping (a sequence that ended is released by the next step's plan, or by the idle
+  // flush when the inference rank has no step to run):
   uint64_t sequences = 0;        // live sequences (plan slots) held; retained prefixes apart
   uint64_t pages_held = 0;       // KV pages (per layer) held, by sequences and retained prefixes; shared pages once
   uint64_t peak_pages_held = 0;  // the most pages_held has been
   uint64_t pool_pages = 0;       // the KV pool's pages (per layer): the hello's num_pages
+  uint64_t idle_flushes = 0;   // flush plans served (pair/gpu_plan.h): bookkeeping between steps
   uint64_t sampled_steps = 0;  // steps whose steady rows were sampled (file comment: Sampling)
   // [layer * num_kv_heads + KV head]: the sampled overlap ratios and churn (empty when sampling is off).
   std::vector<SelectionSampleStats> head_samples;
@@ -117,7 +121,8 @@ class GpuCacheServer {
   GpuCacheServer& operator=(const GpuCacheServer&) = delete;
 
   /// Waits up to `wait` for the next plan; false if none came or it was the close plan (nothing enqueued; see
-  /// closed()). Otherwise enqueues the whole step and returns true without waiting for the GPU. Throws spade::Error (see the file comment).
+  /// closed()). Otherwise enqueues the whole step (a flush plan: its bookkeeping only) and returns true without
+  /// waiting for the GPU. Throws spade::Error (see the file comment).
   bool serve_step(std::chrono::milliseconds wait);
   /// Waits until everything enqueued has run (tests, shutdown).
   void synchronize();

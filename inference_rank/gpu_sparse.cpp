@@ -219,18 +219,47 @@ void GpuSparseController::close() {
   fail_link("the link to it was closed");
   try {
     cuda_check(cudaSetDevice(st.device()), "GPU sparse: cudaSetDevice");
-    if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
-    st.plan_pending = false;
-    const std::vector<uint8_t> bytes = pair::encode_gpu_plan(pair::GpuStepPlan::close_plan());
-    std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
-    cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
-               "GPU sparse: close plan upload");
+    upload_plan(pair::GpuStepPlan::close_plan());
     // Every shard is at a message boundary here (a step either completed on every link or failed them all).
     for (transport::GpuLink* l : st.links) l->send(st.plan_dev.get(), pair::kGpuPlanBytes, st.up, "the close plan");
     for (cudaStream_t x : {st.up, st.down}) cuda_check(cudaStreamSynchronize(x), "GPU sparse: close");
   } catch (const std::exception& e) {
     for (transport::GpuLink* l : st.links) l->abort(std::string("closing the link: ") + e.what());
     fail_link(std::string("closing the link: ") + e.what());
+  }
+}
+
+void GpuSparseController::upload_plan(const pair::GpuStepPlan& plan) {
+  State& st = *st_;
+  const std::vector<uint8_t> bytes = pair::encode_gpu_plan(plan);
+  // The pinned buffer is free once the previous plan's copy ran.
+  if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
+  std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
+  cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
+             "GPU sparse: plan upload");
+  cuda_check(cudaEventRecord(st.plan_copied.e, st.up), "GPU sparse: plan event");
+  st.plan_pending = true;
+}
+
+void GpuSparseController::idle_flush() {
+  State& st = *st_;
+  if (st.closed || !st.hello_sent || st.failed_handled || !st.planner.has_news() || st.planner.pending_forks() > 0)
+    return;
+  if (st.any_failed()) {
+    link_failure_seen(st.failure());
+    return;
+  }
+  cuda_check(cudaSetDevice(st.device()), "GPU sparse: cudaSetDevice");
+  upload_plan(st.planner.flush_plan());
+  ++stats_.idle_flushes;
+  try {
+    // Every shard gets every plan; the previous step's messages are all ahead of it on the up stream.
+    for (transport::GpuLink* l : st.links) {
+      l->send(st.plan_dev.get(), pair::kGpuPlanBytes, st.up, "an idle flush plan");
+      stats_.bytes_sent += pair::kGpuPlanBytes;
+    }
+  } catch (const Error& e) {
+    link_failure_seen(e.what());
   }
 }
 
@@ -343,13 +372,7 @@ void GpuSparseController::begin_step(const ForwardBatch& fb, cudaStream_t stream
     if (d.sparse_now) ++stats_.sparse_steps;
     stats_.retained_reused_tokens = st.planner.retention_stats().reused_tokens;
     // The plan, on the up stream (before this step's packs).
-    const std::vector<uint8_t> bytes = pair::encode_gpu_plan(d.plan);
-    if (st.plan_pending) cuda_check(cudaEventSynchronize(st.plan_copied.e), "GPU sparse: previous plan copy");
-    std::memcpy(st.plan_pinned, bytes.data(), bytes.size());
-    cuda_check(cudaMemcpyAsync(st.plan_dev.get(), st.plan_pinned, bytes.size(), cudaMemcpyHostToDevice, st.up),
-               "GPU sparse: plan upload");
-    cuda_check(cudaEventRecord(st.plan_copied.e, st.up), "GPU sparse: plan event");
-    st.plan_pending = true;
+    upload_plan(d.plan);
     try {
       // The same plan to every shard (each derives its packs' message sizes from it).
       for (transport::GpuLink* l : st.links) {

@@ -48,8 +48,8 @@
 // of ended sequences and a prompt that hits the prefix cache forks one (sparse_planner.h, Retained prefixes); a
 // cached prefix the cache rank does not hold is computed again.
 //
-// Lifetime on the link: send_hello() first, then one plan per step, then close() (the close plan), after which the
-// cache rank leaves nothing pending.
+// Lifetime on the link: send_hello() first, then one plan per step (and, between steps with the engine idle, the
+// flush plans of idle_flush()), then close() (the close plan), after which the cache rank leaves nothing pending.
 //
 // CUDA graphs: a decode-only step with a plan on a healthy link runs as a graph per (batch bucket, per-row arrays'
 // parity, sparse or dense attention). Inside it, the waits for a pack buffer's previous send and for this step's
@@ -90,6 +90,7 @@ struct GpuSparseStats {
                                       // (the pages it freed: EngineStats::dropped_pages)
   uint64_t bytes_sent = 0, bytes_received = 0;
   uint64_t retained_reused_tokens = 0;  // prompt tokens started from a retained prefix (not shipped again)
+  uint64_t idle_flushes = 0;            // flush plans sent between steps (idle_flush)
 };
 
 class GpuSparseController : public AttentionBackend, public GpuStepAttention {
@@ -148,6 +149,11 @@ class GpuSparseController : public AttentionBackend, public GpuStepAttention {
   /// fail (take_failures: "... failed: the link to it was closed"), as their dropped pages are gone; later steps
   /// decode densely.
   void close();
+  /// Between steps, with the engine idle: sends the flush plan (pair/gpu_plan.h) when releases, retains or drops wait
+  /// for the next plan, so the cache rank frees ended sequences' pages now rather than at the next request's first
+  /// step. Does not wait for the send. A no-op with nothing waiting, a fork waiting (its child has a row to come), no
+  /// hello yet, or a failed or closed link; a send that fails fails the link as a step's would (take_failures).
+  void idle_flush();
 
   // ---- GPU forward side ----
   /// Before the step's forward (and its upload): phases, the plan (sent on the link's up stream), the per-row arrays
@@ -198,6 +204,9 @@ class GpuSparseController : public AttentionBackend, public GpuStepAttention {
   void fail_link(const std::string& why);
   /// A link failed (or refused an operation): with layer shards, aborts every other link; then fail_link(why).
   void link_failure_seen(const std::string& why);
+  /// Encodes `plan` into the pinned buffer (after the previous plan's copy) and copies it to the device plan buffer
+  /// on the up stream, ready for the links' sends.
+  void upload_plan(const pair::GpuStepPlan& plan);
   /// On the up stream: wait for pack p's end, compact its rows (graph steps), send it, record its send event. A send
   /// that throws fails the link and deactivates the step.
   void ship_pack(int p);

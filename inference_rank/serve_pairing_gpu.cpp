@@ -388,7 +388,11 @@ class GpuDataPlane final : public DataPlane {
     limits.cpu_backend = false;
   }
 
-  void idle_flush() override {}
+  // Between steps: the releases, retains and drops the finished requests left go to the cache rank now (a flush plan),
+  // so its pool and KV gauges do not wait for the next request.
+  void idle_flush() override {
+    if (gpu_sparse_ && engine_ && engine_->idle()) gpu_sparse_->idle_flush();
+  }
 
   std::optional<std::string> link_failure() override {
     if (!gpu_sparse_ || !gpu_sparse_->link_failed()) return std::nullopt;
@@ -454,6 +458,7 @@ class GpuDataPlane final : public DataPlane {
     into.bytes_sent += s.bytes_sent;
     into.bytes_received += s.bytes_received;
     into.retained_reused_tokens += s.retained_reused_tokens;
+    into.idle_flushes += s.idle_flushes;
   }
   // The counters in the CPU path's shapes (metrics and coordinator stats), over every controller a re-pairing
   // replaced too; false without a controller.

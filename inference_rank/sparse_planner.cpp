@@ -325,6 +325,15 @@ std::pair<int, int> SparseStepPlanner::droppable_range(uint64_t seq_id, int seq_
   return {0, std::max(0, seq_len + 1 - o_.sparse.selection.local_window)};
 }
 
+pair::GpuStepPlan SparseStepPlanner::flush_plan() {
+  pair::GpuStepPlan p;
+  p.step = pair::GpuStepPlan::kFlushStep;
+  p.released.swap(pending_release_);
+  p.retains.swap(pending_retains_);
+  p.drops.swap(pending_drops_);
+  return p;
+}
+
 StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) {
   const int B = fb.batch();
   StepDecision d = empty_decision(fb);

@@ -122,6 +122,12 @@ class SparseStepPlanner {
   /// The step `fb` (the engine's batch; seq_ids required). `step` numbers the plan. Throws spade::Error when more
   /// than max_slots sequences are live at once.
   StepDecision plan_step(const ForwardBatch& fb, int64_t step);
+  /// Released slots, retains or drops wait for the next plan.
+  bool has_news() const { return !pending_release_.empty() || !pending_retains_.empty() || !pending_drops_.empty(); }
+  /// The idle flush (pair/gpu_plan.h, step -2): a plan with no rows that carries the waiting released slots, retains
+  /// and drops, as the next plan_step would; forks keep waiting for the rows of their children. Send it only between
+  /// steps (the engine idle). Takes no step number.
+  pair::GpuStepPlan flush_plan();
   /// The step `fb` when there is no plan (the link failed or was closed): no plan rows, no state change; rows of
   /// dropped sequences attend their local window only (packed kernel, nothing held), every other row densely.
   /// Throws spade::Error if a dropped sequence has more than one token in the step.

@@ -15,6 +15,11 @@
 // drops and released slots in that order, then appends every token of every row to its full KV pool and its query windows, and runs the
 // selection pipeline for the SELECT rows.
 //
+// Between steps, when the inference rank's engine has nothing to run, a flush plan (step -2: no rows, no forks, no
+// packs after it, no step number taken) carries the retains, drops and released slots that would otherwise wait for
+// the next request's first step, so the cache rank frees an ended sequence's pages (and its KV gauges reach the idle
+// state) while the pair is idle.
+//
 // Forks (n samples sharing one prompt): a fork gives the sequence of slot `child` the first `tokens` tokens of slot
 // `parent` (all of them, page-aligned) without shipping them again: the cache rank shares those pages (reference
 // counts, common/page_allocator.h fork_prefix) and copies the parent's query and anchor windows, so the child's
@@ -110,6 +115,9 @@ struct GpuStepPlan {
     return p;
   }
   bool is_close() const { return step == kCloseStep; }
+  /// The idle flush (file comment): step -2, no rows and no forks; released slots, retains and drops as any plan.
+  static constexpr int64_t kFlushStep = -2;
+  bool is_flush() const { return step == kFlushStep; }
   int64_t step = 0;
   std::vector<GpuPlanRow> rows;   // batch order = the order of the step's tokens
   std::vector<int32_t> released;  // slots whose sequences ended since the previous plan (freed before this step,
@@ -134,7 +142,8 @@ std::vector<uint8_t> encode_gpu_plan(const GpuStepPlan& p);
 /// ctx_len >= q_len, a FRESH row's ctx_len == q_len, known flags, FIRST only with SELECT, forks with a child slot in
 /// [0, max_slots), a parent slot in range and != child (or a retained id >= 0), children distinct, tokens >= 1, known
 /// fork flags, no fork's child FRESH in a row, retains with a slot in range, an id >= 0 and tokens >= 1, drops >= 0,
-/// a negative step only as the close plan: step -1 and nothing else). Throws spade::Error naming `peer`.
+/// a negative step only as the close plan (step -1 and nothing else) or a flush (step -2, no rows and no forks)).
+/// Throws spade::Error naming `peer`.
 GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, const std::string& peer);
 
 /// Byte layout of one delta message (kernels/selection_delta_ref.h): rows = (layer, sequence, KV head) rows, `cap`

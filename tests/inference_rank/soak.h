@@ -50,7 +50,6 @@ struct SoakSetup {
   std::chrono::seconds stream_deadline{20};  // every request ends within this of its submission
   int short_max_tokens = 16;                 // "short" requests: prompt + this stays below the sparse threshold
   bool dense_batch_invariant = true;         // dense greedy output equals the reference whatever the batch
-  bool cache_sequence_gauge = true;          // the cache rank's spade_cache_sequences is 0 once the load is over
 };
 
 constexpr int kControlThreads = 4;      // clients of the control port
@@ -531,8 +530,9 @@ inline void run_soak(const SoakSetup& setup) {
   EXPECT_EQ(inf_metric("spade_pair_degraded"), 0) << "the pair is whole again after the rejoin";
   EXPECT_GT(inf_metric("spade_sparse_sequence_steps_total"), sparse_at_rejoin)
       << "no request decoded sparsely after the rejoin";
-  // The replacement cache rank holds no sequence once the load is over (every release reached it).
-  if (setup.cache_sequence_gauge) {
+  // The replacement cache rank holds no sequence once the load is over (every release reached it: on the GPU pair
+  // by the idle flush).
+  {
     double cache_seqs = -1;
     for (auto until = Clock::now() + 10s; Clock::now() < until; std::this_thread::sleep_for(100ms)) {
       const auto m = s.cl.metrics(s.cl.cache_metrics_port);

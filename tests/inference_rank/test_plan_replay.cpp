@@ -2,8 +2,9 @@
 // aborts at any time) drives the SparseStepPlanner as the GPU path's controller does, and every plan goes over the
 // wire format (pair/gpu_plan.h) into the GPU cache rank's host bookkeeping (cache_rank/gpu_slot_book.h), sized from
 // the pair hello. The book refuses any plan that does not match what it holds (a fork or retain of tokens a slot
-// does not hold, a row at another position, a full pool), and once every release has reached it, it holds the
-// retained prefixes and nothing else: no slot, fork or pin leaks on either rank. The forward pass is a stand-in
+// does not hold, a row at another position, a full pool), and once the engine is idle and the idle flush (a plan
+// without rows, as the serve loop sends it) has carried the last releases, it holds the retained prefixes and
+// nothing else: no slot, fork or pin leaks on either rank. The forward pass is a stand-in
 // (deterministic greedy tokens, no attention): only the bookkeeping is under test here; the GPU tests
 // (test_gpu_sparse.cu) run the same scripts with the real kernels.
 #include <gtest/gtest.h>
@@ -58,6 +59,7 @@ struct Replay {
   std::unique_ptr<Engine> engine;
   int64_t step = 0;
   uint64_t slot_forks = 0, retained_forks = 0;  // in the plans sent
+  uint64_t flushes = 0;                         // idle flush plans sent
   std::map<uint64_t, std::vector<int32_t>> tokens;
   std::map<uint64_t, FinishReason> reasons;
   std::map<uint64_t, std::string> errors;
@@ -93,20 +95,30 @@ struct Replay {
     if (engine) engine->set_attention_hooks(nullptr);
   }
 
-  // The planner's step, its plan through the wire into the book, and greedy logits that depend on the row's last
-  // token and position only (repeated prompts continue alike).
-  void forward(const ForwardBatch& fb, std::vector<float>& logits) {
-    const StepDecision d = planner->plan_step(fb, step++);
-    const std::vector<uint8_t> bytes = pair::encode_gpu_plan(d.plan);
-    for (const pair::GpuPlanFork& f : d.plan.forks)
+  // A plan through the wire into the book.
+  void send(const pair::GpuStepPlan& plan) {
+    const std::vector<uint8_t> bytes = pair::encode_gpu_plan(plan);
+    for (const pair::GpuPlanFork& f : plan.forks)
       ++((f.flags & pair::kForkFromRetained) != 0 ? retained_forks : slot_forks);
     try {
       book->apply(pair::decode_gpu_plan(bytes.data(), bytes.size(), so.max_slots, "inference rank (replay)"),
                   [](int) {});
     } catch (const std::exception& ex) {  // the engine would fail the batch's requests and go on: fail loudly here
-      ADD_FAILURE() << "the cache rank's book refused plan " << d.plan.step << ": " << ex.what();
+      ADD_FAILURE() << "the cache rank's book refused plan " << plan.step << ": " << ex.what();
       throw;
     }
+  }
+  // GpuSparseController::idle_flush, which the serve loop calls after every iteration: with the engine idle, the
+  // waiting releases, retains and drops go out in a flush plan.
+  void idle_flush() {
+    if (!engine->idle() || !planner->has_news() || planner->pending_forks() > 0) return;
+    send(planner->flush_plan());
+    ++flushes;
+  }
+  // The planner's step, its plan through the wire into the book, and greedy logits that depend on the row's last
+  // token and position only (repeated prompts continue alike).
+  void forward(const ForwardBatch& fb, std::vector<float>& logits) {
+    send(planner->plan_step(fb, step++).plan);
     logits.assign(fb.logit_rows.size() * kVocab, 0.f);
     for (size_t i = 0; i < fb.logit_rows.size(); ++i) {
       const auto t = static_cast<size_t>(fb.logit_rows[i]);
@@ -123,25 +135,34 @@ struct Replay {
       }
     };
   }
+  // One iteration of the serve loop: an engine step, then the idle flush.
+  bool iterate() {
+    const bool ran = engine->step();
+    idle_flush();
+    return ran;
+  }
   bool step_until(const std::function<bool()>& done) {  // at most 64 steps
     for (int i = 0; i < 64 && !done(); ++i)
-      if (!engine->step()) break;
+      if (!iterate()) break;
     return done();
   }
-
-  // One one-token request: its step's plan carries every pending release and retain. Then the book must hold the
-  // retained prefixes and that request's one page, nothing else, and the engine's pool must be whole.
-  void expect_nothing_leaks() {
-    const uint64_t flush = engine->submit(test::greedy({5}, 1), callback());
+  void run_until_idle() {
     engine->run_until_idle();
-    ASSERT_EQ(reasons[flush], FinishReason::Length) << errors[flush];
+    idle_flush();
+  }
+
+  // Idle, after the idle flush: the book must hold the retained prefixes and nothing else (no slot), and the
+  // engine's pool must be whole.
+  void expect_nothing_leaks() {
+    run_until_idle();
+    EXPECT_FALSE(planner->has_news()) << "the idle flush left news behind";
     EXPECT_EQ(engine->pages().num_free_pages(), engine->pages().num_pages()) << "a page is held on the inference rank";
-    EXPECT_EQ(book->live_slots(), 1) << "only the flush request's slot";
+    EXPECT_EQ(book->live_slots(), 0) << "a slot is still held on the cache rank";
     EXPECT_EQ(book->retained(), planner->num_retained());
-    EXPECT_EQ(book->pages_held(), planner->retained_pages() + 1)
+    EXPECT_EQ(book->pages_held(), planner->retained_pages())
         << "the cache rank holds pages of no live sequence and no retained prefix";
     EXPECT_LE(planner->retained_tokens(), so.max_retained_prefix_tokens);
-    EXPECT_EQ(planner->free_slots(), so.max_slots) << "the flush request's slot is free here, its release planned";
+    EXPECT_EQ(planner->free_slots(), so.max_slots);
     EXPECT_EQ(planner->free_tables(), so.max_sparse_seqs);
   }
 };
@@ -165,7 +186,7 @@ TEST(PlanReplay, AbortsAroundForksLeaveOnlyTheRetainedPrefixes) {
   e.abort(a[2]);
   ASSERT_TRUE(r.step_until([&] { return r.tokens[a[1]].size() >= 5; }));
   e.abort(a[1]);
-  e.run_until_idle();
+  r.run_until_idle();
   survivors.push_back(a[0]);
   aborted.insert(aborted.end(), {a[1], a[2]});
   EXPECT_GE(r.planner->retention_stats().retained, 1u) << "A's prefix";
@@ -175,7 +196,7 @@ TEST(PlanReplay, AbortsAroundForksLeaveOnlyTheRetainedPrefixes) {
   e.abort(b[0]);
   ASSERT_TRUE(r.step_until([&] { return !r.tokens[b[1]].empty(); }));
   e.abort(b[1]);
-  e.run_until_idle();
+  r.run_until_idle();
   survivors.push_back(b[2]);
   aborted.insert(aborted.end(), {b[0], b[1]});
   EXPECT_GE(r.planner->retention_stats().reused, 1u) << "B started from A's retained prefix";
@@ -186,19 +207,20 @@ TEST(PlanReplay, AbortsAroundForksLeaveOnlyTheRetainedPrefixes) {
   ASSERT_TRUE(r.tokens[c[0]].empty() && r.tokens[c[1]].empty() && r.tokens[c[2]].empty());
   e.abort(c[0]);
   e.abort(c[1]);
-  e.run_until_idle();
+  r.run_until_idle();
   survivors.push_back(c[2]);
   aborted.insert(aborted.end(), {c[0], c[1]});
 
   // D: every sample aborted midway through the group prefill.
   const std::vector<uint64_t> d = e.submit_samples(test::greedy(R, 24), 3, r.callback());
-  ASSERT_TRUE(e.step());
+  ASSERT_TRUE(r.iterate());
   ASSERT_EQ(e.stats().num_running, 1) << "the group prefill is one step in";
   for (uint64_t id : d) e.abort(id);
-  e.run_until_idle();
+  r.run_until_idle();
   aborted.insert(aborted.end(), d.begin(), d.end());
 
   r.expect_nothing_leaks();
+  EXPECT_EQ(r.flushes, 4u) << "each of A, B, C and D ended with the engine idle and its releases waiting";
   // Forks that reached the cache rank: A's sample 1 and C's sample 2 from a slot (A's sample 2 and C's sample 1 ended
   // before theirs were planned, C's sample 0 took over the group's slot); B's samples 1 and 2 from A's prefix.
   EXPECT_EQ(r.slot_forks, 2u);
@@ -241,14 +263,15 @@ std::tuple<int, int64_t, uint64_t> random_traffic(int bound, uint64_t seed) {
     } else if (roll < 30 && !live.empty()) {
       e.abort(live[rng() % live.size()]);
     }
-    EXPECT_NO_THROW(e.step()) << "iteration " << it;
+    EXPECT_NO_THROW(r.iterate()) << "iteration " << it;
   }
-  e.run_until_idle();
+  r.run_until_idle();
   r.expect_nothing_leaks();
   for (const auto& [id, reason] : r.reasons)
     EXPECT_TRUE(reason == FinishReason::Length || reason == FinishReason::Abort)
         << "request " << id << ": " << finish_reason_name(reason) << " " << r.errors[id];
-  EXPECT_EQ(r.reasons.size(), submitted + 1) << "every request ended, the flush too";
+  EXPECT_EQ(r.reasons.size(), submitted) << "every request ended";
+  EXPECT_GT(r.flushes, 0u) << "the traffic was never idle with news waiting";
   const SparseStepPlanner::RetentionStats& rs = r.planner->retention_stats();
   std::printf("[ replay   ] bound %d, seed %llu: %llu requests, %lld steps; %llu prefixes retained, %llu dropped, "
               "%llu reused (%llu tokens); %llu prefix-cache hit tokens; at the end %d prefixes, %d pages, %lld "

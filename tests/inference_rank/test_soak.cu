@@ -37,9 +37,6 @@ void run_gpu_soak(const char* gpu_link, int cache_gpu) {
   setup.stream_deadline = std::chrono::seconds(30);
   setup.short_max_tokens = 32;  // byte-level prompts of at most 16 tokens + 32 < the threshold 64
   setup.dense_batch_invariant = false;
-  // The GPU cache rank learns of a sequence's end from the next step's plan: at idle its spade_cache_sequences may
-  // still count the last ones (cache_rank/main.cpp, metrics).
-  setup.cache_sequence_gauge = false;
   run_soak(setup);
 }
 

@@ -248,6 +248,39 @@ TEST(SparsePlanner, SwitchesPerStepAndHeldTablesAreBounded) {
   EXPECT_TRUE(d.plan.released.empty()) << "released once";
 }
 
+// The idle flush: the releases a step would carry go out without one, once; forks wait for their rows.
+TEST(SparsePlanner, TheIdleFlushCarriesTheWaitingReleasesOnce) {
+  SparseStepPlanner p(opts());
+  EXPECT_FALSE(p.has_news());
+  StepDecision d = p.plan_step(batch({{1, 8, 8}, {2, 8, 8}}), 0);
+  const int32_t slot1 = d.plan.rows[0].slot, slot2 = d.plan.rows[1].slot;
+  p.on_release(1);
+  p.on_release(2);
+  ASSERT_TRUE(p.has_news());
+  const pair::GpuStepPlan f = p.flush_plan();
+  EXPECT_TRUE(f.is_flush());
+  EXPECT_TRUE(f.rows.empty());
+  EXPECT_TRUE(f.forks.empty());
+  std::vector<int32_t> released = f.released;
+  std::sort(released.begin(), released.end());
+  EXPECT_EQ(released, (std::vector<int32_t>{std::min(slot1, slot2), std::max(slot1, slot2)}));
+  EXPECT_FALSE(p.has_news());
+  EXPECT_TRUE(p.flush_plan().released.empty()) << "released once";
+  d = p.plan_step(batch({{3, 4, 4}}), 1);
+  EXPECT_TRUE(d.plan.released.empty()) << "the next step does not release them again";
+  EXPECT_EQ(d.plan.step, 1) << "the flush took no step number";
+  // A group's samples waiting for their forks: the flush leaves the forks to the plan of their rows.
+  d = p.plan_step(batch({{10, 32, 32}}, false), 2);
+  for (uint64_t c : {11, 12}) p.on_fork(10, c);
+  p.on_release(10);
+  p.on_release(3);
+  ASSERT_EQ(p.pending_forks(), 1);
+  EXPECT_EQ(p.flush_plan().forks.size(), 0u);
+  EXPECT_EQ(p.pending_forks(), 1);
+  d = p.plan_step(batch({{11, 1, 33}, {12, 1, 33}}), 3);
+  EXPECT_EQ(d.plan.forks.size(), 1u);
+}
+
 // The one place the GPU path's options are filled (inference_rank/main.cpp and serve.cpp both call it): the pair's
 // settings as parsed, the limits from the engine. max_first_per_step is not clamped to max_num_seqs: the held tables
 // (max_num_seqs of them) bound the switches of a step anyway.

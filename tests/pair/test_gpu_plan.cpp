@@ -307,5 +307,31 @@ TEST(GpuPlan, TheClosePlanEndsTheStreamAndNoOtherPlanHasANegativeStep) {
   }
 }
 
+TEST(GpuPlan, AFlushCarriesReleasesRetainsAndDropsButNoRowsOrForks) {
+  GpuStepPlan f;
+  f.step = GpuStepPlan::kFlushStep;
+  f.released = {3, 5};
+  f.retains = {{3, 9, 32}};
+  f.drops = {4};
+  const std::vector<uint8_t> b = encode_gpu_plan(f);
+  const GpuStepPlan p = decode_gpu_plan(b.data(), b.size(), 8, "inference rank 1");
+  EXPECT_TRUE(p.is_flush());
+  EXPECT_FALSE(p.is_close());
+  EXPECT_TRUE(p.rows.empty());
+  EXPECT_EQ(p.released, (std::vector<int32_t>{3, 5}));
+  ASSERT_EQ(p.retains.size(), 1u);
+  EXPECT_EQ(p.retains[0].slot, 3);
+  EXPECT_EQ(p.retains[0].id, 9);
+  EXPECT_EQ(p.retains[0].tokens, 32);
+  EXPECT_EQ(p.drops, (std::vector<int32_t>{4}));
+  EXPECT_FALSE(sample().is_flush());
+  GpuStepPlan with_row = f;
+  with_row.rows = {{0, 1, 1, kRowFresh}};
+  expect_refused(with_row, "only the close plan (step -1, empty) and a flush (step -2, no rows, no forks)");
+  GpuStepPlan with_fork = f;
+  with_fork.forks = {{1, 2, 16, 0}};
+  expect_refused(with_fork, "step -2 (0 rows, 2 released slots, 1 forks");
+}
+
 }  // namespace
 }  // namespace spade::pair
