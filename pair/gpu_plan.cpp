@@ -168,9 +168,10 @@ GpuStepPlan decode_gpu_plan(const uint8_t* data, size_t len, int max_slots, cons
                       len,
               "{}: GPU plan of step {} claims {} rows, {} released slots, {} forks, {} retains and {} drops", peer,
               p.step, nrows, nrel, nfork, nret, ndrop);
-  SPADE_CHECK(p.step >= 0 ||
-                  (p.step == GpuStepPlan::kCloseStep && nrows == 0 && nrel == 0 && nfork == 0 && nret == 0 && ndrop == 0) ||
-                  (p.step == GpuStepPlan::kFlushStep && nrows == 0 && nfork == 0),
+  const bool close = p.step == GpuStepPlan::kCloseStep && nrows == 0 && nrel == 0 && nfork == 0 && nret == 0 &&
+                     ndrop == 0;
+  const bool flush = p.step == GpuStepPlan::kFlushStep && nrows == 0 && nfork == 0;
+  SPADE_CHECK(p.step >= 0 || close || flush,
               "{}: GPU plan with step {} ({} rows, {} released slots, {} forks, {} retains, {} drops): only the close "
               "plan (step -1, empty) and a flush (step -2, no rows, no forks) may have a negative step",
               peer, p.step, nrows, nrel, nfork, nret, ndrop);
