@@ -27,7 +27,8 @@
 //                                                    --delta-transfer off, only those that entered the selection with on
 //   spade_cache_selection_errors_total    counter    updates answered with an error (e.g. pool exhausted)
 //   spade_cache_sequences                 gauge      live sequences whose KV this rank holds (both devices; on the GPU
-//                                                    cache rank an ended sequence counts until the next step's plan)
+//                                                    cache rank an ended sequence counts until the next plan: a
+//                                                    step's, or the idle flush)
 //   spade_cache_retained_prefixes         gauge      prompt prefixes of ended sequences kept (prefix caching)
 //   spade_cache_kv_usage_perc             gauge      0..1, used fraction of the KV pool
 //   spade_cache_kv_pages_used             gauge      KV pages held (a page that sequences share counts once)

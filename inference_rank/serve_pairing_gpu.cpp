@@ -458,7 +458,6 @@ class GpuDataPlane final : public DataPlane {
     into.bytes_sent += s.bytes_sent;
     into.bytes_received += s.bytes_received;
     into.retained_reused_tokens += s.retained_reused_tokens;
-    into.idle_flushes += s.idle_flushes;
   }
   // The counters in the CPU path's shapes (metrics and coordinator stats), over every controller a re-pairing
   // replaced too; false without a controller.

@@ -325,12 +325,16 @@ std::pair<int, int> SparseStepPlanner::droppable_range(uint64_t seq_id, int seq_
   return {0, std::max(0, seq_len + 1 - o_.sparse.selection.local_window)};
 }
 
+void SparseStepPlanner::take_news(pair::GpuStepPlan& p) {
+  p.released.swap(pending_release_);
+  p.retains.swap(pending_retains_);
+  p.drops.swap(pending_drops_);  // retain() keeps them within what one plan carries
+}
+
 pair::GpuStepPlan SparseStepPlanner::flush_plan() {
   pair::GpuStepPlan p;
   p.step = pair::GpuStepPlan::kFlushStep;
-  p.released.swap(pending_release_);
-  p.retains.swap(pending_retains_);
-  p.drops.swap(pending_drops_);
+  take_news(p);
   return p;
 }
 
@@ -338,11 +342,9 @@ StepDecision SparseStepPlanner::plan_step(const ForwardBatch& fb, int64_t step) 
   const int B = fb.batch();
   StepDecision d = empty_decision(fb);
   d.plan.step = step;
-  d.plan.released.swap(pending_release_);
-  d.plan.retains.swap(pending_retains_);
+  take_news(d.plan);
   for (const PendingFork& f : pending_forks_) d.plan.forks.push_back(f.fork);
   pending_forks_.clear();
-  d.plan.drops.swap(pending_drops_);  // retain() keeps them within what one plan carries
   const bool record = retention_on() && fb.max_pages > 0 &&
                       fb.block_table.size() >= static_cast<size_t>(B) * static_cast<size_t>(fb.max_pages);
   // Rows whose last token is sampled this step (decode rows, and a prompt's last chunk).

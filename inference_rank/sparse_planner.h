@@ -205,6 +205,7 @@ class SparseStepPlanner {
   void drop_retained(int32_t id);
   void unpin_hit(uint64_t seq_id);
   int take_slot();  // a free plan slot, no longer released in the next plan (a fork empties it itself)
+  void take_news(pair::GpuStepPlan& p);  // the waiting released slots, retains and drops into `p`
   struct PendingFork {
     uint64_t child = 0;
     pair::GpuPlanFork fork;
