@@ -155,6 +155,18 @@ struct GpuCacheServer::State {
   size_t win_elems() const { return static_cast<size_t>(Hq) * cap_w * D; }
   bool anchors_on() const { return A > 0; }
 
+  // The pool's paged geometry as a launch over `batch` block-table rows (each max_pages_per_seq wide) sees it.
+  kernels::PagedAttentionShape pool_shape(int batch) const {
+    kernels::PagedAttentionShape s;
+    s.batch = batch;
+    s.num_q_heads = Hq;
+    s.num_kv_heads = Hkv;
+    s.head_dim = D;
+    s.page_size = o.page_size;
+    s.max_pages_per_seq = o.max_pages_per_seq;
+    return s;
+  }
+
   void post_plan_recv() {
     link.recv(plan_dev.get(), kGpuPlanBytes, up, "the next step's plan", transport::GpuLink::kNoTimeout);
     cuda_check(cudaMemcpyAsync(plan_host, plan_dev.get(), kGpuPlanBytes, cudaMemcpyDeviceToHost, up), "plan copy");
@@ -349,13 +361,9 @@ struct GpuCacheServer::State {
       x.positions = md(m.tok_pos);
       x.seq_idx = md(m.tok_row);
       x.tokens = T;
-      x.batch = B;
       x.block_table = md(m.bt);
-      x.page_size = o.page_size;
-      x.max_pages_per_seq = o.max_pages_per_seq;
+      x.kv_shape() = pool_shape(B);
       x.num_pages = o.num_pages;
-      x.num_kv_heads = Hkv;
-      x.head_dim = D;
     };
     for (int j = 0; j < n; ++j) {
       const int l = p * P + j;
@@ -365,7 +373,7 @@ struct GpuCacheServer::State {
       r.k_cache = pool.k(l);
       r.v_cache = pool.v(l);
       set_token_rows(r);
-      r.num_q_heads = Hq;
+      r.attention_shape() = pool_shape(B);
       r.rot_dim = 0;  // normed and rotated by the inference rank
       cuda_check(kernels::rope_kv_append(r, work), "GPU cache rank: KV append");
       if (int8_keys) {
@@ -462,12 +470,7 @@ struct GpuCacheServer::State {
     // The paged-cache geometry of this group's S rows, as score_tokens and select_anchors read it.
     const auto paged_rows = [&](auto& x) {
       x.block_table = md(m.g_bt[g]);
-      x.batch = S;
-      x.num_q_heads = Hq;
-      x.num_kv_heads = Hkv;
-      x.head_dim = D;
-      x.page_size = o.page_size;
-      x.max_pages_per_seq = o.max_pages_per_seq;
+      x.attention_shape() = pool_shape(S);
     };
     // Scores of the pack's layers for the group's rows (query(j): layer j's fp32 queries; lens: the candidates),
     // and their top-k per (layer, sequence, KV head).
@@ -611,11 +614,7 @@ struct GpuCacheServer::State {
       gp.indices = reinterpret_cast<const int32_t*>(out + lay.positions) + first;
       gp.packed_k = out + lay.k + first * D * 2;
       gp.packed_v = out + lay.v + first * D * 2;
-      gp.batch = S;
-      gp.num_kv_heads = Hkv;
-      gp.head_dim = D;
-      gp.page_size = o.page_size;
-      gp.max_pages_per_seq = o.max_pages_per_seq;
+      gp.kv_shape() = pool_shape(S);
       gp.k = cap;
       cuda_check(kernels::gather_kv(gp, sel), "GPU cache rank: gather");
     }

@@ -241,18 +241,23 @@ void Selector::clear_selection(LayerSelection& out) const {
   out.count = 0;
 }
 
+kernels::PagedAttentionShape Selector::seq_shape(uint64_t seq) const {
+  kernels::PagedAttentionShape shape;
+  shape.batch = 1;
+  shape.num_q_heads = cfg_.num_q_heads;
+  shape.num_kv_heads = cfg_.num_kv_heads;
+  shape.head_dim = cfg_.head_dim;
+  shape.page_size = alloc_.page_size();
+  shape.max_pages_per_seq = static_cast<int>(alloc_.block_table(seq).size());
+  return shape;
+}
+
 template <class P>
 void Selector::set_paged(P& p, uint64_t seq, int layer, const int* end) const {
-  const auto& bt = alloc_.block_table(seq);
   p.k_cache = k_[layer].get();
-  p.block_table = bt.data();
+  p.block_table = alloc_.block_table(seq).data();
   p.num_tokens = end;
-  p.batch = 1;
-  p.num_q_heads = cfg_.num_q_heads;
-  p.num_kv_heads = cfg_.num_kv_heads;
-  p.head_dim = cfg_.head_dim;
-  p.page_size = alloc_.page_size();
-  p.max_pages_per_seq = static_cast<int>(bt.size());
+  p.attention_shape() = seq_shape(seq);
   p.rule = sc_.gqa_rule;
 }
 
@@ -347,19 +352,14 @@ void Selector::select_pages(uint64_t seq, int layer, int context_len, const floa
 }
 
 void Selector::gather(uint64_t seq, int layer, LayerSelection& out) const {
-  const auto& bt = alloc_.block_table(seq);
   kernels::GatherKvRefParams gp;
   gp.k_cache = k_[layer].get();
   gp.v_cache = v_[layer].get();
-  gp.block_table = bt.data();
+  gp.block_table = alloc_.block_table(seq).data();
   gp.indices = out.positions.data();
   gp.packed_k = out.k.data();
   gp.packed_v = out.v.data();
-  gp.batch = 1;
-  gp.num_kv_heads = cfg_.num_kv_heads;
-  gp.head_dim = cfg_.head_dim;
-  gp.page_size = alloc_.page_size();
-  gp.max_pages_per_seq = static_cast<int>(bt.size());
+  gp.kv_shape() = seq_shape(seq);
   gp.k = sc_.token_budget;
   kernels::gather_kv_ref(gp);
 }

@@ -139,6 +139,8 @@ class Selector {
   void set_paged(P& p, uint64_t seq, int layer, const int* end) const;
   /// Fills out.k / out.v from out.positions ([num_kv_heads, token_budget], -1 = zero row).
   void gather(uint64_t seq, int layer, LayerSelection& out) const;
+  /// Sequence `seq`'s pages as a one-sequence launch of the references sees them (its block table's width).
+  kernels::PagedAttentionShape seq_shape(uint64_t seq) const;
 
   ModelConfig cfg_;
   SelectionConfig sc_;

@@ -685,7 +685,7 @@ void GpuModel::forward(const GpuBatch& b, GpuKvPool& kv, GpuAttention& attention
 
 void GpuModel::kv_layer(const Layer& L, const GpuBatch& b, GpuKvPool& kv, GpuAttention& attention, int qkv_cols,
                         cudaStream_t stream) {
-  const int T = b.num_tokens, Hq = cfg_.num_q_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim;
+  const int T = b.num_tokens;
   const int a = L.index;  // among the full-attention layers: the KV pool's and the attention hook's layer
   kernels::RopeKvAppendParams r;
   r.qkv = qkv_.get();
@@ -700,14 +700,9 @@ void GpuModel::kv_layer(const Layer& L, const GpuBatch& b, GpuKvPool& kv, GpuAtt
   r.norm_weight_dtype = DType::F32;
   r.error_flag = b.error_flag;
   r.tokens = T;
-  r.num_q_heads = Hq;
-  r.num_kv_heads = Hkv;
-  r.head_dim = D;
+  r.attention_shape() = attention_shape(cfg_, b, kv.page_size());
   r.rot_dim = cfg_.rope_dim();
   r.qkv_stride = qkv_cols;
-  r.batch = b.batch;
-  r.max_pages_per_seq = b.max_pages;
-  r.page_size = kv.page_size();
   r.num_pages = kv.num_pages();
   r.theta = cfg_.rope_theta;
   r.norm_eps = cfg_.rms_norm_eps;

@@ -32,6 +32,7 @@
 #include "common/config.h"
 #include "common/dtype.h"
 #include "kernels/device.h"
+#include "kernels/paged_shape.h"
 #include "inference_rank/weights.h"
 
 namespace spade {
@@ -127,9 +128,22 @@ class GpuAttention {
   }
 };
 
+/// The paged-KV geometry of a step's attention-layer launches: the step's sequences and block-table width, the
+/// model's heads, the KV pool's page size (tokens).
+inline kernels::PagedAttentionShape attention_shape(const ModelConfig& cfg, const GpuBatch& b, int page_size) {
+  kernels::PagedAttentionShape shape;
+  shape.batch = b.batch;
+  shape.num_q_heads = cfg.num_q_heads;
+  shape.num_kv_heads = cfg.num_kv_heads;
+  shape.head_dim = cfg.head_dim;
+  shape.page_size = page_size;
+  shape.max_pages_per_seq = b.max_pages;
+  return shape;
+}
+
 /// Fills the fields the paged attention launchers share (kernels/attention.cuh PagedDecodeParams,
-/// PagedPrefillParams, SparsePackedDecodeParams) from a layer step: q, caches, block table, seq_lens, out, head
-/// geometry, page size and the 1/sqrt(head_dim) softmax scale.
+/// PagedPrefillParams, SparsePackedDecodeParams) from a layer step: q, caches, block table, seq_lens, out, the
+/// step's attention_shape and the 1/sqrt(head_dim) softmax scale.
 template <typename Params>
 void fill_attention_params(Params& p, const ModelConfig& cfg, const GpuLayerStep& s, const GpuBatch& b,
                            int page_size) {
@@ -139,12 +153,7 @@ void fill_attention_params(Params& p, const ModelConfig& cfg, const GpuLayerStep
   p.block_table = b.block_table;
   p.seq_lens = b.seq_lens;
   p.out = s.out;
-  p.batch = b.batch;
-  p.num_q_heads = cfg.num_q_heads;
-  p.num_kv_heads = cfg.num_kv_heads;
-  p.head_dim = cfg.head_dim;
-  p.page_size = page_size;
-  p.max_pages_per_seq = b.max_pages;
+  p.attention_shape() = attention_shape(cfg, b, page_size);
   p.scale = 1.f / std::sqrt(static_cast<float>(cfg.head_dim));
 }
 

@@ -138,16 +138,12 @@ void GpuSyncSelection::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStre
   cuda_check(kernels::gather_query_rows(g, stream), "GPU sync selection: queries");
   // 2. The selection over the candidates [0, context - R) of each sparse row (0 candidates elsewhere: -1 only).
   // The fields both selections read: the cache of this layer, the step's block table, the candidates per row.
+  const kernels::PagedAttentionShape shape = attention_shape(st.cfg, b, st.page_size);
   const auto paged = [&](auto& p) {
     p.k_cache = s.k_cache;
     p.block_table = b.block_table;
     p.num_tokens = st.arr(4);
-    p.batch = b.batch;
-    p.num_q_heads = st.Hq;
-    p.num_kv_heads = st.Hkv;
-    p.head_dim = st.D;
-    p.page_size = st.page_size;
-    p.max_pages_per_seq = b.max_pages;
+    p.attention_shape() = shape;
     p.rule = st.o.sparse.selection.gqa_rule;
   };
   if (st.mode == SelectionMode::Oracle) {
@@ -184,11 +180,7 @@ void GpuSyncSelection::attend(const GpuLayerStep& s, const GpuBatch& b, cudaStre
   gp.indices = st.indices.as<int32_t>();
   gp.packed_k = st.packed_k();
   gp.packed_v = st.packed_v();
-  gp.batch = b.batch;
-  gp.num_kv_heads = st.Hkv;
-  gp.head_dim = st.D;
-  gp.page_size = st.page_size;
-  gp.max_pages_per_seq = b.max_pages;
+  gp.kv_shape() = shape;
   gp.k = st.k;
   cuda_check(kernels::gather_kv(gp, stream), name);
   // 4. Attention: the selection + the local window for sparse rows, the whole context for the others.

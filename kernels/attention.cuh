@@ -24,6 +24,7 @@
 
 #include "common/dtype.h"
 #include "kernels/head_dims.cuh"
+#include "kernels/paged_shape.h"
 
 namespace spade::kernels {
 
@@ -50,7 +51,7 @@ size_t decode_workspace_bytes(int batch, int num_q_heads, int num_kv_heads, int 
 cudaError_t decode_workspace_init(DecodeWorkspace ws, cudaStream_t stream);
 
 /// Dense paged decode: one query token per sequence attends to all seq_lens[b] tokens of its paged context.
-struct PagedDecodeParams {
+struct PagedDecodeParams : PagedAttentionShape {
   DType dtype = DType::BF16;            // BF16 or F16: element type of q, k_cache, v_cache, out.
   const void* q = nullptr;              // [batch, num_q_heads, head_dim] dtype (RoPE applied).
   const void* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
@@ -59,12 +60,6 @@ struct PagedDecodeParams {
   const int32_t* seq_lens = nullptr;    // [batch] int32 context length (>= 1, including this step's token).
   void* out = nullptr;                  // [batch, num_q_heads, head_dim] dtype, written completely.
   float* lse = nullptr;                 // optional [batch, num_q_heads] fp32 natural-log LSE of scale * q.k.
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int max_seq_len = 0;  // host-side upper bound of seq_lens (sizes the split-K grid); >= 1.
   float scale = 0.f;    // softmax scale, normally 1/sqrt(head_dim).
   int num_splits = 0;   // 0: chosen from SM count, occupancy and max_seq_len; else forced (1..kMaxDecodeSplits).
@@ -79,7 +74,7 @@ cudaError_t paged_decode_attention(const PagedDecodeParams& p, cudaStream_t stre
 
 /// Token-sparse decode over an explicit per-(sequence, KV head) list of token positions into the paged cache.
 /// Equivalent to dense attention restricted to the listed tokens (kernels/sparse_attention_ref.h).
-struct SparseIndexDecodeParams {
+struct SparseIndexDecodeParams : PagedAttentionShape {
   DType dtype = DType::BF16;
   const void* q = nullptr;              // [batch, num_q_heads, head_dim] dtype.
   const void* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
@@ -89,12 +84,6 @@ struct SparseIndexDecodeParams {
   const int32_t* num_indices = nullptr; // [batch] int32 valid entries per (sequence, KV head), 0..index_stride.
   void* out = nullptr;                  // [batch, num_q_heads, head_dim] dtype (zeros where num_indices is 0).
   float* lse = nullptr;                 // optional [batch, num_q_heads] fp32 (-inf where num_indices is 0).
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int index_stride = 0;  // capacity of each index row; also the host-side bound of num_indices.
   float scale = 0.f;
   int num_splits = 0;
@@ -106,7 +95,7 @@ cudaError_t sparse_decode_attention_indexed(const SparseIndexDecodeParams& p, cu
 /// Token-sparse decode over a packed buffer of gathered K/V (what the cache rank sends, selection.cuh gather_kv)
 /// followed by the local window: the last min(local_window, seq_lens[b]) tokens of the paged cache. The packed
 /// tokens must not overlap the window (select among positions < seq_len - local_window).
-struct SparsePackedDecodeParams {
+struct SparsePackedDecodeParams : PagedAttentionShape {
   DType dtype = DType::BF16;
   const void* q = nullptr;              // [batch, num_q_heads, head_dim] dtype.
   const void* packed_k = nullptr;       // [batch, num_kv_heads, packed_capacity, head_dim] dtype.
@@ -118,12 +107,6 @@ struct SparsePackedDecodeParams {
   const int32_t* seq_lens = nullptr;    // [batch] int32 context length.
   void* out = nullptr;                  // [batch, num_q_heads, head_dim] dtype.
   float* lse = nullptr;                 // optional [batch, num_q_heads] fp32.
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int packed_capacity = 0;  // row capacity of packed_k / packed_v; host-side bound of num_packed.
   int local_window = 0;     // >= 0 tokens; with local_windows: the host-side bound of every local_windows[b].
   float scale = 0.f;
@@ -151,7 +134,7 @@ cudaError_t sparse_decode_attention_packed(const SparsePackedDecodeParams& p, cu
 /// another kernel (the sparse decode rows of a mixed step: sparse_decode_attention_packed with q_rows): the prefill
 /// kernel reads none of its block-table entries or K/V (its dropped pages are never dereferenced) and leaves its
 /// out / lse rows untouched.
-struct PagedPrefillParams {
+struct PagedPrefillParams : PagedAttentionShape {
   DType dtype = DType::BF16;
   const void* q = nullptr;              // [total_q_tokens, num_q_heads, head_dim] dtype.
   const void* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] dtype.
@@ -161,12 +144,6 @@ struct PagedPrefillParams {
   const int32_t* seq_lens = nullptr;    // [batch] int32 context length after this chunk (>= its q_len).
   void* out = nullptr;                  // [total_q_tokens, num_q_heads, head_dim] dtype.
   float* lse = nullptr;                 // optional [total_q_tokens, num_q_heads] fp32.
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int max_q_len = 0;  // host-side upper bound of the per-sequence query lengths (sizes the grid).
   float scale = 0.f;
   const int32_t* skip = nullptr;  // optional [batch] int32 (4-byte aligned): nonzero = sequence b is skipped (its

@@ -7,9 +7,11 @@
 
 #include <cstdint>
 
+#include "kernels/paged_shape.h"
+
 namespace spade::kernels {
 
-struct KvAppendRefParams {
+struct KvAppendRefParams : PagedKvShape {
   const float* k = nullptr;              // [tokens, num_kv_heads, head_dim] fp32 (RoPE applied).
   const float* v = nullptr;              // [tokens, num_kv_heads, head_dim] fp32.
   const int32_t* positions = nullptr;    // [tokens] int32 absolute positions.
@@ -18,11 +20,6 @@ struct KvAppendRefParams {
   float* k_cache = nullptr;              // [num_pages, page_size, num_kv_heads, head_dim] fp32, updated.
   float* v_cache = nullptr;              // [num_pages, page_size, num_kv_heads, head_dim] fp32, updated.
   int tokens = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int batch = 0;
-  int max_pages_per_seq = 0;
-  int page_size = 0;
   int num_pages = 0;
 };
 

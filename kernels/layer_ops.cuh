@@ -23,6 +23,7 @@
 
 #include "common/dtype.h"
 #include "kernels/attention.cuh"  // launch_error_detail()
+#include "kernels/paged_shape.h"
 
 namespace spade::kernels {
 
@@ -122,7 +123,7 @@ cudaError_t rmsnorm_heads(const RmsNormHeadsParams& p, cudaStream_t stream);
 /// [0, batch), or whose page id is outside [0, num_pages) writes no KV (no out-of-bounds access) and sets
 /// *error_flag = 1 when error_flag is set. A page id of exactly -1 (padding token) is skipped WITHOUT the flag.
 /// q_out is always written (a negative position is rotated as its fp32 value).
-struct RopeKvAppendParams {
+struct RopeKvAppendParams : PagedAttentionShape {
   DType dtype = DType::BF16;             // BF16 or F16: qkv, norm weights (unless F32), q_out, caches.
   const void* qkv = nullptr;             // [tokens, qkv_stride] dtype: q at column 0, k at Hq*D, v at (Hq+Hkv)*D.
   void* q_out = nullptr;                 // [tokens, num_q_heads, head_dim] dtype (contiguous; attention's q).
@@ -136,15 +137,13 @@ struct RopeKvAppendParams {
   int32_t* error_flag = nullptr;         // optional [1] int32, see above.
   DType norm_weight_dtype = DType::BF16; // F32, or the same as dtype.
   int tokens = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;   // divides num_q_heads.
-  int head_dim = 0;       // even, 2..kMaxLayerOpsHeadDim.
+  // num_kv_heads (a PagedKvShape field): divides num_q_heads.
+  // head_dim (a PagedKvShape field): even, 2..kMaxLayerOpsHeadDim.
   int rot_dim = 0;        // even, 0..head_dim (partial RoPE rotates the leading rot_dim dims; the rest pass through;
                           // 0: no rotation, a plain append of rows that are already rotated, e.g. on the cache rank).
   int qkv_stride = 0;     // elements between rows of qkv; 0 = (num_q_heads + 2 * num_kv_heads) * head_dim.
-  int batch = 0;          // rows of block_table.
-  int max_pages_per_seq = 0;
-  int page_size = 0;      // >= 1.
+  // batch (a PagedKvShape field): rows of block_table.
+  // page_size (a PagedKvShape field): >= 1.
   int num_pages = 0;      // pages in k_cache / v_cache.
   double theta = 10000.0; // rope_theta (> 0).
   float norm_eps = 1e-6f;

@@ -14,9 +14,11 @@
 
 #include <cstdint>
 
+#include "kernels/paged_shape.h"
+
 namespace spade::kernels {
 
-struct PagedAttentionParams {
+struct PagedAttentionParams : PagedAttentionShape {
   // q: [total_q_tokens, num_q_heads, head_dim] fp32. Queries of all sequences, concatenated; RoPE already applied.
   const float* q = nullptr;
   // k_cache: [num_pages, page_size, num_kv_heads, head_dim] fp32 (keys, RoPE applied), including this step's tokens.
@@ -33,12 +35,6 @@ struct PagedAttentionParams {
   float* out = nullptr;
   // lse: optional [total_q_tokens, num_q_heads] fp32 natural log-sum-exp of the scaled scores (nullptr: not written).
   float* lse = nullptr;
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   // scale: softmax scale applied to q·k, normally 1/sqrt(head_dim).
   float scale = 0.f;
   // skip: optional [batch] int32; nonzero = sequence b is skipped: its seq_lens / block_table / K / V are not read

@@ -17,6 +17,7 @@
 
 #include "common/dtype.h"
 #include "kernels/attention.cuh"
+#include "kernels/paged_shape.h"
 #include "kernels/query_window_ref.h"
 #include "kernels/selection_delta_ref.h"
 #include "kernels/selection_ref.h"
@@ -54,7 +55,7 @@ cudaError_t predict_next_query(const PredictQueryParams& p, cudaStream_t stream)
 /// against the dequantised keys (selection_ref.h); each head's q_hat is carried as two int8 parts, hi + lo / 254 in
 /// steps of a = max_d |q_hat[d]| / 127, so |score - score on the dequantised keys| <= k_scale[t] * sum_d |k_int8[d]| *
 /// a / 508 per query head, plus fp32 rounding (integer dot products on tensor cores, exact).
-struct ScoreTokensParams {
+struct ScoreTokensParams : PagedAttentionShape {
   DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache (kBf16 only).
   ScoreKeys keys = ScoreKeys::kBf16;     // which keys are read: k_cache, or k_int8 + k_scale.
   const float* q_hat = nullptr;          // [batch, num_q_heads, head_dim] fp32.
@@ -64,12 +65,6 @@ struct ScoreTokensParams {
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
   const int32_t* num_tokens = nullptr;   // [batch] int32 positions scored: 0..num_tokens-1.
   float* scores = nullptr;  // [batch, num_kv_heads, score_stride] fp32; entries >= num_tokens[b] not written.
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int score_stride = 0;  // row stride of scores; host-side bound of num_tokens.
   GqaScoreRule rule = GqaScoreRule::kMax;
 };
@@ -80,7 +75,7 @@ cudaError_t score_tokens(const ScoreTokensParams& p, cudaStream_t stream);
 /// the rows an append (rope_kv_append) just wrote, addressed as it addresses them (positions, seq_idx, block_table;
 /// a token whose row, position or page is outside the table or the pool is skipped), or, with positions ==
 /// nullptr, cache rows 0..tokens-1 (a whole pool). One warp per (token, KV head). tokens == 0 launches nothing.
-struct QuantizeKeysParams {
+struct QuantizeKeysParams : PagedKvShape {
   DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache.
   const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
   int8_t* k_int8 = nullptr;              // [num_pages, page_size, num_kv_heads, head_dim] int8 out.
@@ -88,12 +83,11 @@ struct QuantizeKeysParams {
   const int32_t* positions = nullptr;    // [tokens] int32 positions in their sequences, or nullptr (cache rows).
   const int32_t* seq_idx = nullptr;      // [tokens] int32 block-table row of each token (with positions).
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32 (with positions).
-  int batch = 0;                         // with positions: block-table rows (a token's seq_idx outside: skipped).
+  // batch (a PagedKvShape field): with positions: block-table rows (a token's seq_idx outside: skipped).
   int tokens = 0;                        // >= 0: tokens, or cache rows (<= num_pages * page_size)
-  int num_kv_heads = 0;
-  int head_dim = 0;                      // any of kSupportedHeadDims.
-  int page_size = 0;                     // a power of two.
-  int max_pages_per_seq = 0;             // with positions: block-table row length (> 0).
+  // head_dim (a PagedKvShape field): any of kSupportedHeadDims.
+  // page_size (a PagedKvShape field): a power of two.
+  // max_pages_per_seq (a PagedKvShape field): with positions: block-table row length (> 0).
   int num_pages = 0;                     // pages of the pool (> 0).
 };
 
@@ -117,7 +111,7 @@ struct TopkParams {
 cudaError_t topk_select(const TopkParams& p, cudaStream_t stream);
 
 /// Gather of selected K/V rows from the paged cache into the packed send buffer (gather_kv_ref's layout).
-struct GatherKvParams {
+struct GatherKvParams : PagedKvShape {
   DType dtype = DType::BF16;             // BF16 or F16.
   const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
   const void* v_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
@@ -125,11 +119,6 @@ struct GatherKvParams {
   const int32_t* indices = nullptr;      // [batch, num_kv_heads, k] int32 positions; -1 = padding (zero row).
   void* packed_k = nullptr;              // [batch, num_kv_heads, k, head_dim] dtype.
   void* packed_v = nullptr;              // [batch, num_kv_heads, k, head_dim] dtype.
-  int batch = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int k = 0;
 };
 
@@ -166,7 +155,7 @@ cudaError_t push_query_window(const PushQueryWindowParams& p, cudaStream_t strea
 /// ~1e-6 of kAnchorMinMass, or two within ~1e-6 of each other, may decide differently. Cost: each anchor query reads
 /// its whole causal context twice (once at a sequence's switch). Errors (cudaErrorInvalidValue, detail in
 /// launch_error_detail()): a pointer unset, workspace_bytes < select_anchors_workspace_bytes(...), a size out of range.
-struct SelectAnchorsParams {
+struct SelectAnchorsParams : PagedAttentionShape {
   DType dtype = DType::BF16;             // BF16 or F16: k_cache and windows.
   const void* windows = nullptr;         // [num_windows, num_q_heads, window_capacity, head_dim] dtype, oldest first.
   const int32_t* window_idx = nullptr;   // [batch] int32 window of each sequence.
@@ -176,14 +165,8 @@ struct SelectAnchorsParams {
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
   const int32_t* anchor_rows = nullptr;  // [batch, num_kv_heads] int32 row of `anchors` each (b, KV head) writes.
   int32_t* anchors = nullptr;            // [*, kMaxAnchors] int32 out.
-  int batch = 0;
   int num_windows = 0;
   int window_capacity = 0;               // 1..kMaxAnchorWindow
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int begin = 0;                         // first position an anchor may take (the CPU cache rank: max(sinks, span))
   int local_window = 0;                  // R
   int span = 1;                          // >= 1: anchors of one KV head are at least `span` apart
@@ -223,7 +206,7 @@ cudaError_t apply_anchor_spans(const ApplyAnchorSpansParams& p, cudaStream_t str
 /// each other may rank differently); the pick given the written scores is the reference's exactly. A row with
 /// num_tokens[b] <= begin gets -1 only. Errors (cudaErrorInvalidValue, detail in launch_error_detail()): a pointer
 /// unset, k < 1, begin < 0, max_pages_per_seq > kMaxQuestPages, sizes out of range.
-struct QuestSelectParams {
+struct QuestSelectParams : PagedAttentionShape {
   DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache.
   const float* q = nullptr;              // [batch, num_q_heads, head_dim] fp32 true queries (gather_query_rows).
   const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
@@ -232,12 +215,7 @@ struct QuestSelectParams {
   float* page_scores = nullptr;          // [batch, num_kv_heads, max_pages_per_seq] fp32 out (scratch; the columns
                                          // with a candidate are written, then read by the pick).
   int32_t* indices = nullptr;            // [batch, num_kv_heads, k] int32 out: ascending positions, -1 padding.
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;             // 1..kMaxQuestPages
+  // max_pages_per_seq (a PagedKvShape field): 1..kMaxQuestPages
   int k = 0;                             // >= 1 tokens per (sequence, KV head)
   int begin = 0;                         // first candidate position
   GqaScoreRule rule = GqaScoreRule::kMax;
@@ -259,17 +237,12 @@ cudaError_t quest_select(const QuestSelectParams& p, cudaStream_t stream);
 /// pages_back = 1 after appending (the page that just filled; an older one is unchanged), a prefill with the pages it
 /// wrote. Errors (cudaErrorInvalidValue, detail in launch_error_detail()): a pointer unset, pages_back < 1, sizes out
 /// of range. batch == 0 launches nothing.
-struct QuestPageSummariesParams {
+struct QuestPageSummariesParams : PagedKvShape {
   DType dtype = DType::BF16;             // BF16 or F16: element type of k_cache and k_summary.
   const void* k_cache = nullptr;         // [num_pages, page_size, num_kv_heads, head_dim] dtype.
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
   const int32_t* num_tokens = nullptr;   // [batch] int32 tokens written (<= max_pages_per_seq * page_size).
   void* k_summary = nullptr;             // [num_pages, 2, num_kv_heads, head_dim] dtype out (the pages named only).
-  int batch = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int pages_back = 1;                    // >= 1: the last full pages of each row to summarize
 };
 cudaError_t quest_page_summaries(const QuestPageSummariesParams& p, cudaStream_t stream);

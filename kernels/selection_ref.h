@@ -98,6 +98,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/paged_shape.h"
+
 namespace spade::kernels {
 
 /// Most regressors (window sizes) of the predictor; the window buffer holds up to kMaxPredictorWindow + 1 queries.
@@ -135,18 +137,12 @@ struct PredictQueryRefParams {
 /// AsyncSpade next-query prediction (see the header comment for the exact math).
 void predict_next_query_ref(const PredictQueryRefParams& p);
 
-struct ScoreTokensRefParams {
+struct ScoreTokensRefParams : PagedAttentionShape {
   const float* q_hat = nullptr;          // [batch, num_q_heads, head_dim] fp32.
   const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
   const int32_t* num_tokens = nullptr;   // [batch] positions scored, 0..score_stride.
   float* scores = nullptr;               // [batch, num_kv_heads, score_stride] fp32; entries >= num_tokens untouched.
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int score_stride = 0;
   GqaScoreRule rule = GqaScoreRule::kMax;
 };
@@ -169,18 +165,13 @@ struct TopkRefParams {
 /// Exact top-k per row with the documented tie rule.
 void topk_ref(const TopkRefParams& p);
 
-struct GatherKvRefParams {
+struct GatherKvRefParams : PagedKvShape {
   const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
   const float* v_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
   const int32_t* indices = nullptr;      // [batch, num_kv_heads, k] int32 positions, -1 = padding.
   float* packed_k = nullptr;             // [batch, num_kv_heads, k, head_dim] fp32 output.
   float* packed_v = nullptr;             // [batch, num_kv_heads, k, head_dim] fp32 output.
-  int batch = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int k = 0;
 };
 
@@ -252,19 +243,13 @@ struct ApplyAnchorSpansRefParams {
 /// prompt anchors of a predicted selection; see the header comment).
 void apply_anchor_spans_ref(const ApplyAnchorSpansRefParams& p);
 
-struct QuestPageScoresRefParams {
+struct QuestPageScoresRefParams : PagedAttentionShape {
   const float* q = nullptr;              // [batch, num_q_heads, head_dim] fp32: the true current queries.
   const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
   const int32_t* num_tokens = nullptr;   // [batch] int32 end of the candidates, 0..max_pages_per_seq * page_size.
   float* page_scores = nullptr;          // [batch, num_kv_heads, max_pages_per_seq] fp32 out: the columns with a
                                          // candidate are written, the others untouched.
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int begin = 0;                         // first candidate position (the sink tokens are not candidates)
   GqaScoreRule rule = GqaScoreRule::kMax;
 };
@@ -272,16 +257,11 @@ struct QuestPageScoresRefParams {
 /// Quest's page scores with the true query (see the header comment). Throws spade::Error naming a bad field.
 void quest_page_scores_ref(const QuestPageScoresRefParams& p);
 
-struct QuestPageSummariesRefParams {
+struct QuestPageSummariesRefParams : PagedKvShape {
   const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
   const int32_t* block_table = nullptr;  // [batch, max_pages_per_seq] int32.
   const int32_t* num_tokens = nullptr;   // [batch] int32 tokens written, 0..max_pages_per_seq * page_size.
   float* k_summary = nullptr;            // [num_pages, 2, num_kv_heads, head_dim] fp32 out: the pages named only.
-  int batch = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int pages_back = 1;                    // the last full pages of each row, >= 1
 };
 

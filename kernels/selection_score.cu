@@ -116,6 +116,25 @@ struct ScoreWarp {
 
   // First token of this warp's j-th tile (the split's 16-token tiles go round the warps).
   __device__ __forceinline__ int tile_begin(int j) const { return ch.begin + (warp + kScoreWarps * j) * 16; }
+
+  // The group rule over the tile starting at token t0 (< end), once store_score_fragments has put its dot products in
+  // the scratch: lane l < 16 folds token t0 + l's G query-head scores head_score(h, hi, lo) -- hi, lo: the dot products
+  // with head h's high and low query parts (columns h and G + h, or h of the second mma) -- by max (rule_max) or
+  // mean, multiplies by row_scale(l) and writes the token's score.
+  template <typename HeadScore, typename RowScale>
+  __device__ __forceinline__ void fold_group(int t0, int end, bool rule_max, HeadScore head_score,
+                                             RowScale row_scale) const {
+    if (lane >= 16 || t0 + lane >= end) return;
+    const float* r0 = scratch + lane * 9;
+    float best = -INFINITY;
+    float sum = 0.f;
+    for (int h = 0; h < G; ++h) {
+      const float v = head_score(h, r0[h], lh.two ? r0[144 + h] : r0[G + h]);
+      best = fmaxf(best, v);
+      sum += v;
+    }
+    out[t0 + lane] = (rule_max ? best : sum / static_cast<float>(G)) * row_scale(lane);
+  }
 };
 
 // Fills `w` (above) for ScoreArgs / ScoreI8Args `a`. False when the block's split starts past its sequence's tokens
@@ -221,19 +240,8 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const ScoreArgs a)
     }
     store_score_fragments(w.scratch, lane, s0, s1, two);
     __syncwarp();
-    const int t0 = w.tile_begin(j);
-    if (lane < 16 && t0 + lane < end) {
-      const float* r0 = w.scratch + lane * 9;
-      const int G = w.G;
-      float best = -INFINITY;
-      float sum = 0.f;
-      for (int h = 0; h < G; ++h) {
-        const float v = two ? r0[h] + r0[144 + h] : r0[h] + r0[G + h];
-        best = fmaxf(best, v);
-        sum += v;
-      }
-      w.out[t0 + lane] = a.rule_max ? best : sum / static_cast<float>(G);
-    }
+    w.fold_group(
+        w.tile_begin(j), end, a.rule_max, [](int, float hi, float lo) { return hi + lo; }, [](int) { return 1.f; });
     __syncwarp();
   });
 }
@@ -393,21 +401,11 @@ __global__ void __launch_bounds__(kScoreThreads) score_i8_kernel(const ScoreI8Ar
     }
     store_score_fragments(w.scratch, lane, s0, s1, two);
     __syncwarp();
-    const int t0 = w.tile_begin(j);
-    if (lane < 16 && t0 + lane < end) {
-      const float* r0 = w.scratch + lane * 9;
-      const int G = w.G;
-      const float row_scale = reinterpret_cast<const float*>(st + Cfg::kKeyBytes)[lane];
-      float best = -INFINITY;
-      float sum = 0.f;
-      for (int h = 0; h < G; ++h) {
-        const float lo = two ? r0[144 + h] : r0[G + h];
-        const float v = (r0[h] + lo * (1.f / 254.f)) * head_step[h];
-        best = fmaxf(best, v);
-        sum += v;
-      }
-      w.out[t0 + lane] = (a.rule_max ? best : sum / static_cast<float>(G)) * row_scale;
-    }
+    // hi, lo: int8 dot products of the key with the query's steps; lo's step is 1/254 of hi's.
+    w.fold_group(
+        w.tile_begin(j), end, a.rule_max,
+        [&](int h, float hi, float lo) { return (hi + lo * (1.f / 254.f)) * head_step[h]; },
+        [&](int l) { return reinterpret_cast<const float*>(st + Cfg::kKeyBytes)[l]; });
     __syncwarp();
   });
 }

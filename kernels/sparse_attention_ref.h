@@ -10,9 +10,11 @@
 
 #include <cstdint>
 
+#include "kernels/paged_shape.h"
+
 namespace spade::kernels {
 
-struct SparseIndexAttentionRefParams {
+struct SparseIndexAttentionRefParams : PagedAttentionShape {
   const float* q = nullptr;              // [batch, num_q_heads, head_dim] fp32.
   const float* k_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
   const float* v_cache = nullptr;        // [num_pages, page_size, num_kv_heads, head_dim] fp32.
@@ -21,12 +23,6 @@ struct SparseIndexAttentionRefParams {
   const int32_t* num_indices = nullptr;  // [batch] valid entries per (sequence, KV head).
   float* out = nullptr;                  // [batch, num_q_heads, head_dim] fp32.
   float* lse = nullptr;                  // optional [batch, num_q_heads] fp32.
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int index_stride = 0;
   float scale = 0.f;
 };
@@ -35,7 +31,7 @@ struct SparseIndexAttentionRefParams {
 /// Throws spade::Error on a negative position, a position past max_pages_per_seq * page_size or a page id < 0.
 void sparse_index_attention_ref(const SparseIndexAttentionRefParams& p);
 
-struct SparsePackedAttentionRefParams {
+struct SparsePackedAttentionRefParams : PagedAttentionShape {
   const float* q = nullptr;              // [batch, num_q_heads, head_dim] fp32.
   const float* packed_k = nullptr;       // [batch, num_kv_heads, packed_capacity, head_dim] fp32.
   const float* packed_v = nullptr;       // [batch, num_kv_heads, packed_capacity, head_dim] fp32.
@@ -46,12 +42,6 @@ struct SparsePackedAttentionRefParams {
   const int32_t* seq_lens = nullptr;     // [batch] context length.
   float* out = nullptr;                  // [batch, num_q_heads, head_dim] fp32.
   float* lse = nullptr;                  // optional [batch, num_q_heads] fp32.
-  int batch = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int page_size = 0;
-  int max_pages_per_seq = 0;
   int packed_capacity = 0;
   int local_window = 0;  // the last min(local_window, seq_len) positions come from the paged cache.
   float scale = 0.f;

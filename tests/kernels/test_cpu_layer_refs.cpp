@@ -112,8 +112,9 @@ TEST(CpuRefs, PagedAttentionMatchesContiguousCausal) {
     }
     auto q = randn(size_t(cu.back()) * Hq * D, g);
     std::vector<float> out(q.size(), NAN), lse(size_t(cu.back()) * Hq, NAN);
-    PagedAttentionParams p{q.data(), kc.data(), vc.data(), bt.data(), cu.data(), sl.data(), out.data(), lse.data(),
-                           B, Hq, Hkv, D, page_size, max_pages, 0.25f};
+    // {{paged KV shape: batch, KV heads, head_dim, page size, block-table width}, query heads}, then the pointers.
+    PagedAttentionParams p{{{B, Hkv, D, page_size, max_pages}, Hq}, q.data(), kc.data(), vc.data(), bt.data(),
+                           cu.data(), sl.data(), out.data(), lse.data(), 0.25f};
     paged_attention_ref(p);
     for (int b = 0; b < B; ++b)
       for (int i = 0; i < q_lens[b]; ++i) {
