@@ -548,19 +548,36 @@ void bench_selection(Ctx& c, int batch, int len, int ps, int k, int window_cap) 
 }
 
 // The predictor is latency-bound (one fp64 solve per (sequence, head) on one warp): a layer pack of `layers` layers
-// in ONE launch (rows = layers x batch x heads) costs about as much as one layer.
-void bench_predict_pack(Ctx& c, int batch, int layers, int window_cap) {
+// in ONE launch (rows = layers x batch x heads) costs about as much as one layer. `max_reg` W (0: window_cap - 1);
+// with window_cap = W + 1 (the cache rank's windows) and W <= 8 the launcher runs its small-W kernel, and the same
+// problems with max_regressors W + 1 (the same m = W regressors, the same numbers) run on the general kernel: that
+// run is recorded beside it as its peer ("<name>_general_kernel", and "speedup_vs_general_kernel").
+void bench_predict_pack(Ctx& c, int batch, int layers, int window_cap, int max_reg = 0) {
   const int rows_batch = layers * batch;
   std::vector<void*> owned;
-  const PredictQueryParams pp = make_predict(rows_batch, window_cap, 9, owned);
-  const Timing t = time_it(c.opt, 1, [&](int) { CK(predict_next_query(pp, nullptr)); });
+  PredictQueryParams pp = make_predict(rows_batch, window_cap, 9, owned);
+  if (max_reg > 0) pp.max_regressors = max_reg;
   const double bytes = 4.0 * rows_batch * kHq * window_cap * kD + 4.0 * rows_batch * kHq * kD;
-  json r = timing_json(t, bytes, c.copy_gbps);
-  r["name"] = "selection_predict_pack" + std::to_string(layers) + "_B" + std::to_string(batch);
-  r["kind"] = "selection_predict_pack";
-  r["shape"] = {{"batch", batch}, {"layers", layers}, {"num_heads", kHq}, {"head_dim", kD}, {"window", window_cap}};
-  r["per_layer_us"] = t.median_us / layers;
-  r["floor_us_at_copy_bw"] = bytes / (c.copy_gbps * 1e3);
+  std::string name = "selection_predict_pack" + std::to_string(layers) + "_B" + std::to_string(batch);
+  if (max_reg > 0) name += "_W" + std::to_string(max_reg);
+  const auto row = [&](const std::string& n, int reg) {
+    pp.max_regressors = reg;
+    const Timing t = time_it(c.opt, 1, [&](int) { CK(predict_next_query(pp, nullptr)); });
+    json r = timing_json(t, bytes, c.copy_gbps);
+    r["name"] = n;
+    r["kind"] = "selection_predict_pack";
+    r["shape"] = {{"batch", batch},   {"layers", layers},        {"num_heads", kHq},
+                  {"head_dim", kD},   {"window", window_cap},    {"max_regressors", reg}};
+    r["per_layer_us"] = t.median_us / layers;
+    r["floor_us_at_copy_bw"] = bytes / (c.copy_gbps * 1e3);
+    return r;
+  };
+  json r = row(name, pp.max_regressors);
+  if (max_reg > 0 && max_reg < kMaxPredictorWindow && window_cap == max_reg + 1) {
+    json peer = row(name + "_general_kernel", max_reg + 1);
+    r["speedup_vs_general_kernel"] = peer["median_us"].get<double>() / r["median_us"].get<double>();
+    record(c, peer);
+  }
   record(c, r);
   for (void* p : owned) CK(cudaFree(p));
 }
@@ -808,6 +825,8 @@ int main(int argc, char** argv) {
   if (c.opt.run("selection")) {
     bench_selection(c, 8, 32768, 16, 2048, 33);
     bench_predict_pack(c, 8, 6, 33);
+    // The cache rank's predictor (W 8, windows of W + 1) over 12-layer packs at the TPOT table's batches.
+    for (int b : {8, 16, 32}) bench_predict_pack(c, b, 12, 9, 8);
   }
   if (c.opt.run("prefill")) {
     bench_prefill(c, 2048, 16);

@@ -15,11 +15,12 @@ namespace detail {
 namespace {
 
 // =====================================================================================================================
-// Predictor: one CTA per (sequence, head). Gram matrix of the regressors ordered newest first (Q_{t-1}, Q_{t-2}, ...)
-// in fp64; then the k x k Gram of window size k is the leading k x k block, so ONE Cholesky factor L of the
-// W x W matrix serves every window size: y = L^{-1} H q_t and X = L^{-1} are prefix-consistent, and the weights of
-// window size k, w^(k) = L_k^{-T} y[:k], are prefix sums over t of X[t][i] y_t. Warp 0 does all of it in registers
-// (lane i owns row i; shuffles only), so the solve has no shared-memory round trips on its critical path.
+// Predictor: one problem per (sequence, head), 1..kPredMaxPerCta problems per CTA. Gram matrix of the regressors
+// ordered newest first (Q_{t-1}, Q_{t-2}, ...) in fp64; then the k x k Gram of window size k is the leading k x k
+// block, so ONE Cholesky factor L of the W x W matrix serves every window size: y = L^{-1} H q_t and X = L^{-1} are
+// prefix-consistent, and the weights of window size k, w^(k) = L_k^{-T} y[:k], are prefix sums over t of
+// X[t][i] y_t. One warp does all of it in registers (lane i owns row i; shuffles only), so the solve has no
+// shared-memory round trips on its critical path.
 // The Gram matrix is built without eps; the solving warp adds eps to the diagonal when it loads the rows: eps itself
 // (kPaper), or eps times the mean of the raw diagonal, i.e. of the m regressors' squared norms (kRidge), one value
 // for every window size so the leading blocks stay nested. kPaper softmaxes each window size's weights before the
@@ -27,7 +28,10 @@ namespace {
 // =====================================================================================================================
 
 constexpr int kPredThreads = 128;
-constexpr int kLd = kMaxPredictorWindow + 1;  // padded row length of the fp64 matrices
+// Compile-time bound W of the regressors (max_regressors <= W): the launcher picks kPredSmallW when max_regressors
+// allows, so the slots in shared memory and the solving warp's register rows are sized for it (more problems per SM
+// for the latency-bound solve), else kMaxPredictorWindow. Both compute the same numbers for max_regressors <= 8.
+constexpr int kPredSmallW = 8;
 
 struct PredictArgs {
   const void* window;
@@ -51,14 +55,16 @@ __device__ __forceinline__ float load_f32(const TW* p) {
   }
 }
 
-// Per problem slot in shared memory: the Gram / Cholesky factor, H q_t, the pooled weights, two ints (n, meff), and
-// the window rows stored with a stride of D + 1 floats (the Gram threads read the same d of different rows, which
-// would otherwise all hit one shared-memory bank).
-template <int D>
+// Per problem slot in shared memory: the Gram / Cholesky factor ([W][kLd] fp64), H q_t, the pooled weights, two ints
+// (n, meff), and the m + 1 window rows the problem reads (Q_{t-m} .. Q_t, m = min(n - 1, max_regressors) <= W) stored
+// with a stride of D + 1 floats (the Gram threads read the same d of different rows, which would otherwise all hit
+// one shared-memory bank).
+template <int D, int W>
 struct PredictSlot {
+  static constexpr int kLd = W + 1;  // padded row length of the fp64 matrices
   static constexpr int kWS = D + 1;
-  static constexpr size_t kDoubles = size_t{kMaxPredictorWindow} * kLd + 2 * kMaxPredictorWindow + 2;
-  static constexpr size_t kBytes = kDoubles * 8 + ((size_t{kMaxPredictorWindow + 1} * kWS * 4 + 15) & ~size_t{15});
+  static constexpr size_t kDoubles = size_t{W} * kLd + 2 * W + 2;
+  static constexpr size_t kBytes = kDoubles * 8 + ((size_t{W + 1} * kWS * 4 + 15) & ~size_t{15});
 };
 
 // Problems per CTA: 1 while the rows fit in about two CTAs per SM (lowest latency: all 128 threads build the one
@@ -66,10 +72,11 @@ struct PredictSlot {
 // so more solves run concurrently per SM (the solve is a latency-bound fp64 chain on one warp).
 constexpr int kPredMaxPerCta = 4;
 
-template <typename TW, int D>
+template <typename TW, int D, int W>
 __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs a) {
-  using Slot = PredictSlot<D>;
+  using Slot = PredictSlot<D, W>;
   constexpr int WS = Slot::kWS;
+  constexpr int kLd = Slot::kLd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -84,19 +91,20 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
   // Phase 1 (all threads, problem after problem): window rows -> shared memory, Gram matrix and H q_t in fp64.
   for (int pb = 0; pb < np; ++pb) {
     const int row = row0 + pb;
-    double* A = slot_A(pb);                      // [32][kLd] Gram -> Cholesky factor (lower)
-    double* yv = A + kMaxPredictorWindow * kLd;  // [32] H q_t
-    int* ints = reinterpret_cast<int*>(yv + 2 * kMaxPredictorWindow);  // n, meff
-    float* win = slot_win(pb);
+    double* A = slot_A(pb);      // [W][kLd] Gram -> Cholesky factor (lower)
+    double* yv = A + W * kLd;    // [W] H q_t
+    int* ints = reinterpret_cast<int*>(yv + 2 * W);  // n, meff
+    float* win = slot_win(pb);  // staged row r: window slot n-1-m+r (Q_t at row m)
     const int n = min(a.window_len[row / a.num_heads], a.capacity);
     if (tid == 0) ints[0] = n;
     if (n <= 1 || a.kind == PredictorKind::kLastQuery) continue;  // uniform across the CTA
-    const TW* src = static_cast<const TW*>(a.window) + static_cast<size_t>(row) * a.capacity * D;
-    for (int i = tid; i < n * D; i += kPredThreads) win[(i / D) * WS + i % D] = load_f32(src + i);
     const int m = min(n - 1, a.max_reg);
+    const TW* src = static_cast<const TW*>(a.window) + (static_cast<size_t>(row) * a.capacity + (n - 1 - m)) * D;
+    for (int i = tid; i < (m + 1) * D; i += kPredThreads) win[(i / D) * WS + i % D] = load_f32(src + i);
     __syncthreads();
 
-    // Gram entries A[i][j] = r_i . r_j (j <= i < m) and yv[i] = r_i . q_t, r_i = slot n-2-i.
+    // Gram entries A[i][j] = r_i . r_j (j <= i < m) and yv[i] = r_i . q_t, r_i = window slot n-2-i = staged row
+    // m-1-i.
     const int npairs = m * (m + 1) / 2;
     for (int p = tid; p < npairs + m; p += kPredThreads) {
       int i;
@@ -108,13 +116,13 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
         while ((i + 1) * (i + 2) / 2 <= p) ++i;
         while (i * (i + 1) / 2 > p) --i;
         j = p - i * (i + 1) / 2;
-        x = win + (n - 2 - i) * WS;
-        y = win + (n - 2 - j) * WS;
+        x = win + (m - 1 - i) * WS;
+        y = win + (m - 1 - j) * WS;
       } else {
         i = p - npairs;
         j = -1;
-        x = win + (n - 2 - i) * WS;
-        y = win + (n - 1) * WS;
+        x = win + (m - 1 - i) * WS;
+        y = win + m * WS;
       }
       double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
 #pragma unroll 4
@@ -137,9 +145,9 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
   // Phase 2: warp p solves problem p.
   if (warp < np) {
     double* A = slot_A(warp);
-    double* yv = A + kMaxPredictorWindow * kLd;
-    double* coef = yv + kMaxPredictorWindow;
-    int* ints = reinterpret_cast<int*>(yv + 2 * kMaxPredictorWindow);
+    double* yv = A + W * kLd;
+    double* coef = yv + W;
+    int* ints = reinterpret_cast<int*>(yv + 2 * W);
     const int n = ints[0];
     const int m = (n <= 1 || a.kind == PredictorKind::kLastQuery) ? 0 : min(n - 1, a.max_reg);
     if (m == 0) {
@@ -147,9 +155,9 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
     } else {
       // Everything below lives in registers of this warp; lane i owns row i (fully unrolled, compile-time indices).
       constexpr unsigned kFull = 0xffffffffu;
-      double lrow[kMaxPredictorWindow];  // row `lane` of the regularised Gram, then of its Cholesky factor L
+      double lrow[W];  // row `lane` of the regularised Gram, then of its Cholesky factor L
 #pragma unroll
-      for (int j = 0; j < kMaxPredictorWindow; ++j) lrow[j] = (lane < m && j <= lane) ? A[lane * kLd + j] : 0.0;
+      for (int j = 0; j < W; ++j) lrow[j] = (lane < m && j <= lane) ? A[lane * kLd + j] : 0.0;
       // eps on the diagonal: absolute (kPaper), or relative to the regressors' mean squared norm (kRidge: the mean of
       // the raw Gram diagonal over the m regressors, the same eps for every window size).
       double eps = a.eps;
@@ -160,7 +168,7 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
         eps = a.eps * (sq / m);
       }
 #pragma unroll
-      for (int j = 0; j < kMaxPredictorWindow; ++j) {
+      for (int j = 0; j < W; ++j) {
         if (lane < m && j == lane) lrow[j] += eps;
       }
       double diag_inv = 1.0;  // 1 / L[lane][lane]
@@ -168,7 +176,7 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
       // Right-looking Cholesky. A non-positive pivot at step k drops window sizes > k (their Gram contains it).
       // rsqrt instead of sqrt + divide: one fp64 sequence on the critical path per step.
 #pragma unroll
-      for (int k = 0; k < kMaxPredictorWindow; ++k) {
+      for (int k = 0; k < W; ++k) {
         if (k < meff) {
           const double dkk = __shfl_sync(kFull, lrow[k], k);
           if (!(dkk > 0.0) || !isfinite(dkk)) {
@@ -182,7 +190,7 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
               lrow[k] *= inv;
             }
 #pragma unroll
-            for (int j = k + 1; j < kMaxPredictorWindow; ++j) {
+            for (int j = k + 1; j < W; ++j) {
               const double ljk = __shfl_sync(kFull, lrow[k], j);
               if (j <= lane) lrow[j] -= lrow[k] * ljk;
             }
@@ -192,7 +200,7 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
       // y = L^{-1} (H q_t); lane i holds y_i.
       double y = lane < meff ? yv[lane] : 0.0;
 #pragma unroll
-      for (int k = 0; k < kMaxPredictorWindow; ++k) {
+      for (int k = 0; k < W; ++k) {
         if (k < meff) {
           const double yk = __shfl_sync(kFull, y, k) * __shfl_sync(kFull, diag_inv, k);
           if (lane == k) {
@@ -203,11 +211,11 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
         }
       }
       // X = L^{-1} (lower triangular, leading blocks are the inverses of the leading blocks of L); lane i: row i.
-      double x[kMaxPredictorWindow];
+      double x[W];
 #pragma unroll
-      for (int j = 0; j < kMaxPredictorWindow; ++j) x[j] = (j == lane) ? 1.0 : 0.0;
+      for (int j = 0; j < W; ++j) x[j] = (j == lane) ? 1.0 : 0.0;
 #pragma unroll
-      for (int k = 0; k < kMaxPredictorWindow; ++k) {
+      for (int k = 0; k < W; ++k) {
         if (k < meff) {
           if (lane == k) {
 #pragma unroll
@@ -223,10 +231,10 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
       // Window size k solves L_k^T w = y[:k]: w^(k)_i = sum_{t=i}^{k-1} X[t][i] y_t, an inclusive prefix sum over
       // lanes t of c_t[i] = X[t][i] y_t. After the scan lane l holds w^(l+1) (entries i <= l).
 #pragma unroll
-      for (int i = 0; i < kMaxPredictorWindow; ++i) {
+      for (int i = 0; i < W; ++i) {
         double v = lane < meff ? x[i] * y : 0.0;
 #pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
+        for (int off = 1; off < W; off <<= 1) {
           const double nb = __shfl_up_sync(kFull, v, off);
           if (lane >= off) v += nb;
         }
@@ -237,33 +245,33 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
         // are in [0, 1]; the fp64 part above is where cancellation can happen).
         double mx = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < kMaxPredictorWindow; ++i) {
+        for (int i = 0; i < W; ++i) {
           if (i <= lane) mx = fmax(mx, x[i]);
         }
-        float e[kMaxPredictorWindow];
+        float e[W];
         float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < kMaxPredictorWindow; ++i) {
+        for (int i = 0; i < W; ++i) {
           e[i] = (i <= lane) ? __expf(static_cast<float>(x[i] - mx)) : 0.f;
           sum += e[i];
         }
         const float scale = lane < meff ? 1.f / (sum * static_cast<float>(meff)) : 0.f;
         // Average pooling: the shifted slot n-1-i gets (1/meff) sum_{k > i} w^(k)_i = sum over lanes l >= i.
 #pragma unroll
-        for (int i = 0; i < kMaxPredictorWindow; ++i) {
+        for (int i = 0; i < W; ++i) {
           float v = e[i] * scale;
 #pragma unroll
-          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
+          for (int off = W / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
           if (lane == 0) coef[i] = v;
         }
       } else {
         // kRidge: the raw weights, pooled in fp64 (they can be large and of both signs): the shifted slot n-1-i gets
         // (1/meff) sum_{k > i} w^(k)_i = the sum over lanes l >= i (lane l holds w^(l+1), entries i <= l).
 #pragma unroll
-        for (int i = 0; i < kMaxPredictorWindow; ++i) {
+        for (int i = 0; i < W; ++i) {
           double v = (i <= lane && lane < meff) ? x[i] : 0.0;
 #pragma unroll
-          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
+          for (int off = W / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
           if (lane == 0) coef[i] = meff > 0 ? v / static_cast<double>(meff) : 0.0;
         }
       }
@@ -274,10 +282,11 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
 
   // Phase 3: q_hat = sum_i coef_i * Q_{t+1-i}  (n == 0: zeros; no regression possible or kLastQuery: Q_t).
   for (int p = 0; p < np; ++p) {
-    const double* coef = slot_A(p) + kMaxPredictorWindow * kLd + kMaxPredictorWindow;
-    const int* ints = reinterpret_cast<const int*>(coef + kMaxPredictorWindow);
+    const double* coef = slot_A(p) + W * kLd + W;
+    const int* ints = reinterpret_cast<const int*>(coef + W);
     const int n = ints[0];
     const int meff = ints[1];
+    const int top = min(n - 1, a.max_reg);  // staged row of Q_t (when the window was staged)
     const float* win = slot_win(p);
     float* out = a.q_hat + static_cast<size_t>(row0 + p) * D;
     for (int d = tid; d < D; d += kPredThreads) {
@@ -288,27 +297,27 @@ __global__ void __launch_bounds__(kPredThreads) predict_kernel(const PredictArgs
         out[d] = (n == 1 || a.kind == PredictorKind::kLastQuery)
                      ? load_f32(static_cast<const TW*>(a.window) +
                                 (static_cast<size_t>(row0 + p) * a.capacity + (n - 1)) * D + d)
-                     : win[(n - 1) * WS + d];
+                     : win[top * WS + d];
       } else {
         double acc = 0.0;
-        for (int i = 0; i < meff; ++i) acc += coef[i] * static_cast<double>(win[(n - 1 - i) * WS + d]);
+        for (int i = 0; i < meff; ++i) acc += coef[i] * static_cast<double>(win[(top - i) * WS + d]);
         out[d] = static_cast<float>(acc);
       }
     }
   }
 }
 
-// The dynamic shared-memory limit of predict_kernel<TW, D> on the current device, set once (launch or prepare).
-template <typename TW, int D>
+// The dynamic shared-memory limit of predict_kernel<TW, D, W> on the current device, set once (launch or prepare).
+template <typename TW, int D, int W>
 cudaError_t predict_smem_attribute() {
-  return ensure_smem_attribute<predict_kernel<TW, D>>(kPredMaxPerCta * PredictSlot<D>::kBytes);
+  return ensure_smem_attribute<predict_kernel<TW, D, W>>(kPredMaxPerCta * PredictSlot<D, W>::kBytes);
 }
 
-template <typename TW, int D>
+template <typename TW, int D, int W>
 cudaError_t launch_predict_typed(PredictArgs a, int rows, cudaStream_t stream) {
-  using Slot = PredictSlot<D>;
-  auto kernel = predict_kernel<TW, D>;
-  cudaError_t e = predict_smem_attribute<TW, D>();
+  using Slot = PredictSlot<D, W>;
+  auto kernel = predict_kernel<TW, D, W>;
+  cudaError_t e = predict_smem_attribute<TW, D, W>();
   if (e != cudaSuccess) return e;
   const int two_per_sm = 2 * std::max(1, current_sm_count());
   a.rows = rows;
@@ -321,7 +330,8 @@ cudaError_t launch_predict_typed(PredictArgs a, int rows, cudaStream_t stream) {
 
 cudaError_t prepare_predict_kernels() {
   return for_each_type_head_dim<float, __nv_bfloat16, __half>([](auto tw, auto dim) {
-    return predict_smem_attribute<decltype(tw), decltype(dim)::value>();
+    const cudaError_t e = predict_smem_attribute<decltype(tw), decltype(dim)::value, kPredSmallW>();
+    return e != cudaSuccess ? e : predict_smem_attribute<decltype(tw), decltype(dim)::value, kMaxPredictorWindow>();
   });
 }
 
@@ -401,7 +411,10 @@ cudaError_t predict_next_query(const PredictQueryParams& p, cudaStream_t stream)
   const int rows = p.batch * p.num_heads;
   return dispatch_float_types(p.window_dtype, [&](auto tw) {
     return dispatch_head_dim(what, p.head_dim, [&](auto dim) {
-      return launch_predict_typed<decltype(tw), decltype(dim)::value>(a, rows, stream);
+      using TW = decltype(tw);
+      constexpr int D = decltype(dim)::value;
+      return p.max_regressors <= kPredSmallW ? launch_predict_typed<TW, D, kPredSmallW>(a, rows, stream)
+                                             : launch_predict_typed<TW, D, kMaxPredictorWindow>(a, rows, stream);
     });
   });
 }

@@ -170,6 +170,18 @@ const std::vector<PredictRunCase> kPredictCases = {
     {.kind = PredictorKind::kPaper, .window_dtype = DType::BF16, .head_dim = 128, .heads = 32,
      .lens = cycle_lens({33, 0, 1, 2, 17, 33, 5, 32}, 24), .capacity = 33, .max_regressors = 32, .eps = 1e-3f,
      .seed = 55},
+    // the runtime's predictor (kRidge, W 8, window capacity W + 1; the launcher's small-W kernel), one problem per CTA
+    // and, with 24 x 32 rows, several per CTA; then kRidge on the large-W kernel (W 12) and W 8 over a window longer
+    // than W + 1 (only its last W + 1 queries are read)
+    {.kind = PredictorKind::kRidge, .window_dtype = DType::BF16, .head_dim = 128, .heads = 8,
+     .lens = {9, 0, 1, 2, 5, 9}, .capacity = 9, .max_regressors = 8, .eps = 1e-3f, .seed = 56},
+    {.kind = PredictorKind::kRidge, .window_dtype = DType::BF16, .head_dim = 128, .heads = 32,
+     .lens = cycle_lens({9, 0, 1, 2, 7, 9, 5, 8}, 24), .capacity = 9, .max_regressors = 8, .eps = 1e-3f,
+     .seed = 57},
+    {.kind = PredictorKind::kRidge, .window_dtype = DType::F32, .head_dim = 64, .heads = 4, .lens = {13, 6, 20},
+     .capacity = 20, .max_regressors = 12, .eps = 1e-3f, .seed = 58},
+    {.kind = PredictorKind::kRidge, .window_dtype = DType::F16, .head_dim = 256, .heads = 3, .lens = {33, 4, 12},
+     .capacity = 33, .max_regressors = 8, .eps = 1e-3f, .seed = 59},
 };
 // clang-format on
 
