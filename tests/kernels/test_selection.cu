@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <ostream>
@@ -119,6 +120,21 @@ void run_predict(PredictorKind kind, DType wdtype, int D, int heads, const std::
       for (int d = 0; d < D; ++d)
         ASSERT_EQ(got[r * D + d], win[(r * cap + n - 1) * D + d]) << "row " << r << " d " << d;
     }
+  }
+  // Windows no longer than max_regressors + 1 give every problem the same m regressors under any larger bound, so
+  // the general kernel (max_regressors kMaxPredictorWindow) must give the same bits as the launcher's choice for
+  // max_reg (the small-W kernel for max_reg <= 8): the kernel choice never changes a prediction.
+  if (max_reg < kMaxPredictorWindow && cap - 1 <= max_reg) {
+    DevBuf<float> general(ref.size());
+    general.poison();
+    p.q_hat = general.get();
+    p.max_regressors = kMaxPredictorWindow;
+    SPADE_CUDA_OK(predict_next_query(p, nullptr));
+    SPADE_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> g = general.download();
+    for (size_t i = 0; i < g.size(); ++i)
+      ASSERT_EQ(std::memcmp(&g[i], &got[i], sizeof(float)), 0)
+          << "element " << i << ": W " << max_reg << " gave " << got[i] << ", the general kernel " << g[i];
   }
 }
 
