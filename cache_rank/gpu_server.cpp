@@ -373,7 +373,7 @@ struct GpuCacheServer::State {
       r.k_cache = pool.k(l);
       r.v_cache = pool.v(l);
       set_token_rows(r);
-      r.attention_shape() = pool_shape(B);
+      r.num_q_heads = Hq;  // the rest of the shape: set_token_rows
       r.rot_dim = 0;  // normed and rotated by the inference rank
       cuda_check(kernels::rope_kv_append(r, work), "GPU cache rank: KV append");
       if (int8_keys) {
